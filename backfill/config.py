@@ -1,0 +1,107 @@
+"""Settings, read once from the environment (prefix ``BACKFILL_``).
+
+Defaults point at the local services every developer and CI machine runs. A malformed or
+unsafe value refuses to start with a message that names the variable and what is wrong,
+rather than failing later in a worker with a stack trace.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PG_SCHEMES = {
+    "postgres": "postgresql+psycopg",
+    "postgresql": "postgresql+psycopg",
+    "postgresql+psycopg": "postgresql+psycopg",
+}
+
+
+def normalise_database_url(url: str) -> str:
+    """Return a SQLAlchemy URL for psycopg 3 from any usual spelling of a Postgres DSN."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"not a URL (expected postgresql://user@host:port/db): {url!r}")
+    target = _PG_SCHEMES.get(scheme.lower())
+    if target is None:
+        raise ValueError(
+            f"unsupported database scheme {scheme!r}: Backfill needs PostgreSQL (postgresql://...)"
+        )
+    return f"{target}://{rest}"
+
+
+def libpq_url(url: str) -> str:
+    """The same DSN as plain libpq understands it (for psycopg without SQLAlchemy)."""
+    _, _, rest = url.partition("://")
+    return f"postgresql://{rest}"
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Settings(BaseSettings):
+    """Everything a Backfill process can be told from outside."""
+
+    model_config = SettingsConfigDict(env_prefix="BACKFILL_", extra="ignore")
+
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Key prefix of every ledger key in Redis: lets several deployments (or tests) share one
+    # Redis without seeing each other's pools.
+    redis_namespace: str = "bf"
+
+    # Leases: a holder must heartbeat well inside the TTL or its reservation is reaped.
+    lease_ttl_s: PositiveFloat = 30.0
+    heartbeat_interval_s: PositiveFloat = 5.0
+    reaper_interval_s: PositiveFloat = 5.0
+
+    # Claims from Postgres.
+    claim_batch_size: PositiveInt = 64
+
+    # Limits at the API edge.
+    max_file_bytes: PositiveInt = 200 * 1024 * 1024
+    max_line_bytes: PositiveInt = 1024 * 1024
+    max_lines_per_batch: PositiveInt = 100_000
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        return normalise_database_url(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        scheme = value.partition("://")[0].lower()
+        if scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError(
+                f"BACKFILL_REDIS_URL must be redis://, rediss:// or unix://: {value!r}"
+            )
+        return value
+
+    @field_validator("redis_namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "-_." for c in value):
+            raise ValueError("BACKFILL_REDIS_NAMESPACE must be non-empty letters, digits, - _ .")
+        return value
+
+    @model_validator(mode="after")
+    def _lease_timing(self) -> Settings:
+        # Two missed heartbeats must not lose a live lease; otherwise healthy workers would see
+        # their reservations reaped under ordinary scheduling jitter.
+        if self.heartbeat_interval_s * 2 >= self.lease_ttl_s:
+            raise ValueError(
+                "BACKFILL_HEARTBEAT_INTERVAL_S must be less than half of BACKFILL_LEASE_TTL_S "
+                f"(got {self.heartbeat_interval_s} and {self.lease_ttl_s})"
+            )
+        return self
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (read once)."""
+    return Settings()

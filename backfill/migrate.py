@@ -1,0 +1,28 @@
+"""Run Alembic migrations from code (``backfill migrate``, tests, the dev command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+import migrations
+
+
+def alembic_config(database_url: str | None = None) -> Config:
+    """An Alembic config for the packaged ``migrations/`` folder, optionally for one URL."""
+    here = Path(migrations.__file__).parent
+    cfg = Config(str(here / "alembic.ini"))
+    cfg.set_main_option("script_location", str(here))
+    if database_url:
+        cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(database_url: str | None = None, revision: str = "head") -> None:
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str | None = None, revision: str = "base") -> None:
+    command.downgrade(alembic_config(database_url), revision)

@@ -1,0 +1,282 @@
+"""The domain model in Postgres: the source of truth for jobs, items and attempts.
+
+Redis holds the live token ledger, but everything needed to rebuild it (active attempts with
+their lease ids, tokens and fencing tokens, and each node's measured pool) lives here.
+States are stored as text with a CHECK constraint built from the enums, so a value outside
+the state machine cannot be written even by hand.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def _in_list(values: frozenset[ItemState] | type[ItemState] | type[JobState]) -> str:
+    return ", ".join(f"'{v.value}'" for v in sorted(values, key=lambda s: s.value))
+
+
+CLAIMABLE_SQL = _in_list(ITEM_CLAIMABLE)
+ACTIVE_SQL = _in_list(ITEM_ACTIVE)
+
+TZ = DateTime(timezone=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    """Who submits work; quotas are per tenant."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    enqueued_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ApiKey(Base):
+    """An API key, stored only as its SHA-256 digest."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(TZ)
+
+    __table_args__ = (Index(None, "tenant_id"),)
+
+
+class File(Base):
+    """An uploaded input file, or an output/error file a job produced."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
+    # Input files keep their bytes; output and error files are rendered from the items of
+    # ``job_id`` when read, so results are never stored twice.
+    content: Mapped[bytes | None] = mapped_column(LargeBinary)
+    job_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index(None, "tenant_id", "created_at"),)
+
+
+class Node(Base):
+    """A GPU node's engine and its measured KV pool (what the ledger is rebuilt from)."""
+
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    engine_url: Mapped[str] = mapped_column(String(1000))
+    model: Mapped[str | None] = mapped_column(String(500))
+    num_blocks: Mapped[int] = mapped_column(Integer)
+    block_size: Mapped[int] = mapped_column(Integer)
+    interactive_reserve_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    registered_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Job(Base):
+    """A batch: one input file's requests, with one deadline."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(500))
+    completion_window: Mapped[str] = mapped_column(String(32))
+    state: Mapped[str] = mapped_column(String(16), server_default=JobState.VALIDATING.value)
+    deadline: Mapped[datetime] = mapped_column(TZ)
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    in_progress_at: Mapped[datetime | None] = mapped_column(TZ)
+    finalizing_at: Mapped[datetime | None] = mapped_column(TZ)
+    completed_at: Mapped[datetime | None] = mapped_column(TZ)
+    failed_at: Mapped[datetime | None] = mapped_column(TZ)
+    expired_at: Mapped[datetime | None] = mapped_column(TZ)
+    cancelling_at: Mapped[datetime | None] = mapped_column(TZ)
+    cancelled_at: Mapped[datetime | None] = mapped_column(TZ)
+
+    __table_args__ = (
+        CheckConstraint(f"state IN ({_in_list(JobState)})", name="state"),
+        Index(None, "tenant_id", "created_at"),
+        Index(
+            "uq_jobs_tenant_idempotency",
+            "tenant_id",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
+        Index(
+            "ix_jobs_open_deadline",
+            "deadline",
+            postgresql_where=text("state IN ('validating', 'in_progress', 'cancelling')"),
+        ),
+    )
+
+
+class JobCounters(Base):
+    """Items per state and token totals of one job, kept in step with every transition.
+
+    Status reads come from here (one row), never from COUNT(*) over a job's items.
+    """
+
+    __tablename__ = "job_counters"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    total: Mapped[int] = mapped_column(Integer, server_default="0")
+    queued: Mapped[int] = mapped_column(Integer, server_default="0")
+    deferred: Mapped[int] = mapped_column(Integer, server_default="0")
+    reserved: Mapped[int] = mapped_column(Integer, server_default="0")
+    running: Mapped[int] = mapped_column(Integer, server_default="0")
+    preempted: Mapped[int] = mapped_column(Integer, server_default="0")
+    succeeded: Mapped[int] = mapped_column(Integer, server_default="0")
+    failed: Mapped[int] = mapped_column(Integer, server_default="0")
+    expired: Mapped[int] = mapped_column(Integer, server_default="0")
+    cancelled: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Token totals for progress and ETA: the declared worst case, and what was produced.
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    max_output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class Item(Base):
+    """One request line of a batch."""
+
+    __tablename__ = "items"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    line_no: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    # The request body as the user sent it (JSON text; lz4-compressed column, see migration).
+    body: Mapped[str] = mapped_column(Text)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_output_tokens: Mapped[int] = mapped_column(Integer)
+    reservation_tokens: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), server_default=ItemState.QUEUED.value)
+    deadline: Mapped[datetime] = mapped_column(TZ)
+    # The attempt number doubles as the Postgres-side fencing token: every guarded write of
+    # an attempt names it, so a write from an older attempt matches no row.
+    attempt: Mapped[int] = mapped_column(Integer, server_default="0")
+    fencing_token: Mapped[int | None] = mapped_column(BigInteger)
+    node: Mapped[str | None] = mapped_column(String(200))
+    lease_id: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    not_before: Mapped[datetime | None] = mapped_column(TZ)
+    preemptions: Mapped[int] = mapped_column(Integer, server_default="0")
+    partial_output: Mapped[str | None] = mapped_column(Text)
+    partial_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+    output_tokens: Mapped[int | None] = mapped_column(Integer)
+    result: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(TZ)
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint(f"state IN ({_in_list(ItemState)})", name="state"),
+        CheckConstraint("max_output_tokens > 0", name="max_output_positive"),
+        UniqueConstraint("job_id", "custom_id"),
+        Index(None, "job_id", "state"),
+        Index(None, "job_id", "line_no"),
+        # Earliest-deadline-first claim walks this index only.
+        Index(
+            "ix_items_claim_edf",
+            "deadline",
+            "id",
+            postgresql_where=text(f"state IN ({CLAIMABLE_SQL})"),
+        ),
+        # The reaper finds attempts whose worker stopped heartbeating.
+        Index(
+            "ix_items_active_lease",
+            "lease_expires_at",
+            postgresql_where=text(f"state IN ({ACTIVE_SQL})"),
+        ),
+    )
+
+
+class Attempt(Base):
+    """One worker's try at an item: the audit trail and what the ledger is rebuilt from."""
+
+    __tablename__ = "attempts"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    item_id: Mapped[int] = mapped_column(ForeignKey("items.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(String(200))
+    lease_id: Mapped[str | None] = mapped_column(String(64))
+    fencing_token: Mapped[int | None] = mapped_column(BigInteger)
+    reserved_tokens: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    ended_at: Mapped[datetime | None] = mapped_column(TZ)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    output_tokens: Mapped[int | None] = mapped_column(Integer)
+    detail: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        UniqueConstraint("item_id", "attempt"),
+        Index("ix_attempts_open", "node", postgresql_where=text("ended_at IS NULL")),
+    )
+
+
+class JobEvent(Base):
+    """The audit trail of a job's state changes."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index(None, "job_id", "at"),)

@@ -1,0 +1,1 @@
+"""Alembic migrations for Backfill's Postgres schema (run with ``backfill migrate``)."""

@@ -1,0 +1,103 @@
+"""Fixtures shared by every test layer.
+
+Postgres isolation: one template database is migrated once per test session; each test that
+asks for ``database_url`` gets a fresh database cloned from it (``CREATE DATABASE ... TEMPLATE``),
+so tests may commit, run concurrent claimers, and leave whatever they like behind.
+Redis isolation: each test gets its own ledger namespace (key prefix) and its keys are
+deleted afterwards, so tests can run beside a live deployment or each other.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+
+from backfill.config import Settings, libpq_url, normalise_database_url
+from backfill.migrate import upgrade
+
+ADMIN_URL = normalise_database_url(
+    os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
+)
+REDIS_URL = os.environ.get("BACKFILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _url_for(dbname: str) -> str:
+    base, _, _ = ADMIN_URL.rpartition("/")
+    return f"{base}/{dbname}"
+
+
+def _admin() -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(libpq_url(ADMIN_URL), autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_database() -> Iterator[str]:
+    """A database at migration head, used only as a template to clone."""
+
+    name = f"bf_tpl_{os.getpid()}_{secrets.token_hex(3)}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        upgrade(_url_for(name))
+        yield name
+    finally:
+        with _admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(template_database: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own (SQLAlchemy URL)."""
+    name = f"bf_t_{os.getpid()}_{secrets.token_hex(4)}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    try:
+        yield _url_for(name)
+    finally:
+        with _admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def empty_database_url() -> Iterator[str]:
+    """A fresh database with no schema at all (for migration tests)."""
+    name = f"bf_e_{os.getpid()}_{secrets.token_hex(4)}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _url_for(name)
+    finally:
+        with _admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def redis_namespace() -> Iterator[str]:
+    """A ledger key prefix of this test's own; its keys are removed afterwards."""
+    namespace = f"bft{secrets.token_hex(4)}"
+    yield namespace
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(database_url: str, redis_namespace: str) -> Settings:
+    """Settings pointing at this test's own database and Redis namespace."""
+    return Settings(database_url=database_url, redis_url=REDIS_URL, redis_namespace=redis_namespace)
