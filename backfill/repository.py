@@ -1,0 +1,1230 @@
+"""The one gateway for SQL: every statement Backfill sends to Postgres is in this module.
+
+Rules it keeps:
+- Every state change is a guarded ``UPDATE ... WHERE state = ANY(sources)`` checked against
+  ``backfill.states``; writes of a worker attempt also name the attempt number (and, once the
+  item runs, the ledger's fencing token), so a stale attempt's late write matches no row.
+  A single-item write that matches no row raises ``StaleWrite``; batch writes return the ids
+  that applied.
+- Per-job counters change in the same transaction as the items they count, and counter rows
+  are always locked last and in job-id order, so concurrent writers cannot deadlock on them.
+- Hot paths move rows in batches: COPY for ingest, ``FOR UPDATE SKIP LOCKED`` claims of many
+  items at once, array-parameter updates for results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from backfill import ids
+from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite, StoreUnavailable
+from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
+from backfill.states import (
+    ITEM_ACTIVE,
+    ITEM_CLAIMABLE,
+    ITEM_TERMINAL,
+    ITEM_TRANSITIONS,
+    JOB_TRANSITIONS,
+    AttemptOutcome,
+    ItemState,
+    JobState,
+)
+
+COUNTED_STATES: tuple[ItemState, ...] = tuple(ItemState)
+
+# ---------------------------------------------------------------------------------------------
+# Records returned to callers (plain values; no ORM session escapes this module)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    id: str
+    name: str
+    enqueued_token_quota: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    id: str
+    tenant_id: str
+    purpose: str
+    filename: str
+    size_bytes: int
+    job_id: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class JobCounts:
+    """Items per state and token totals of one job (the ``job_counters`` row)."""
+
+    total: int = 0
+    by_state: dict[ItemState, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    max_output_tokens: int = 0
+    output_tokens: int = 0
+
+    def count(self, state: ItemState) -> int:
+        return self.by_state.get(state, 0)
+
+    @property
+    def finished(self) -> int:
+        return sum(self.count(s) for s in ITEM_TERMINAL)
+
+    @property
+    def unfinished(self) -> int:
+        return self.total - self.finished
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    id: str
+    tenant_id: str
+    input_file_id: str
+    endpoint: str
+    model: str | None
+    completion_window: str
+    state: JobState
+    deadline: datetime
+    metadata: dict[str, Any] | None
+    errors: list[dict[str, Any]] | None
+    idempotency_key: str | None
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: datetime
+    timestamps: dict[str, datetime | None]
+    counts: JobCounts
+
+
+@dataclass(frozen=True, slots=True)
+class NewItem:
+    """One request line to store, as validated by the API."""
+
+    line_no: int
+    custom_id: str
+    body: str
+    max_output_tokens: int
+    prompt_tokens: int | None = None
+    reservation_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedItem:
+    """An item handed to one worker attempt (state ``reserved``)."""
+
+    id: int
+    job_id: str
+    attempt: int
+    custom_id: str
+    body: str
+    deadline: datetime
+    prompt_tokens: int | None
+    max_output_tokens: int
+    reservation_tokens: int | None
+    preemptions: int
+    partial_output: str | None
+    partial_tokens: int
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The end of a running attempt: success with a result, or failure with an error."""
+
+    item_id: int
+    attempt: int
+    fencing_token: int
+    state: ItemState  # SUCCEEDED or FAILED
+    result: str | None = None
+    error: str | None = None
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveLeaseRow:
+    """An item held by a live attempt, as the ledger needs it for a rebuild."""
+
+    item_id: int
+    node: str
+    attempt: int
+    lease_id: str | None
+    fencing_token: int | None
+    reservation_tokens: int | None
+    lease_expires_at: datetime | None
+    deadline: datetime
+    preemptions: int
+    partial_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRecord:
+    id: int
+    job_id: str
+    line_no: int
+    custom_id: str
+    state: ItemState
+    attempt: int
+    result: str | None
+    error: str | None
+    output_tokens: int | None
+    preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    name: str
+    engine_url: str
+    model: str | None
+    num_blocks: int
+    block_size: int
+    interactive_reserve_tokens: int
+    last_seen_at: datetime
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def key_digest(key: str) -> str:
+    """The stored form of an API key: its SHA-256 (keys are random, so no salt is needed)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _check_moves(sources: Iterable[ItemState], target: ItemState) -> list[str]:
+    out = []
+    for s in sources:
+        if target not in ITEM_TRANSITIONS[s]:
+            raise IllegalTransition(f"item {s} -> {target} is not in the state machine")
+        out.append(s.value)
+    return out
+
+
+_JOB_TIMESTAMP = {
+    JobState.IN_PROGRESS: "in_progress_at",
+    JobState.FINALIZING: "finalizing_at",
+    JobState.COMPLETED: "completed_at",
+    JobState.FAILED: "failed_at",
+    JobState.EXPIRED: "expired_at",
+    JobState.CANCELLING: "cancelling_at",
+    JobState.CANCELLED: "cancelled_at",
+}
+
+_JOB_COLUMNS = (
+    "j.id, j.tenant_id, j.input_file_id, j.endpoint, j.model, j.completion_window, j.state, "
+    "j.deadline, j.metadata, j.errors, j.idempotency_key, j.output_file_id, j.error_file_id, "
+    "j.created_at, j.in_progress_at, j.finalizing_at, j.completed_at, j.failed_at, "
+    "j.expired_at, j.cancelling_at, j.cancelled_at, c.total, "
+    + ", ".join(f"c.{s.value}" for s in COUNTED_STATES)
+    + ", c.prompt_tokens, c.max_output_tokens, c.output_tokens"
+)
+
+
+def _job_from_row(row: Sequence[Any]) -> JobRecord:
+    stamps = dict(zip(_JOB_TIMESTAMP.values(), row[14:21], strict=True))
+    n = len(COUNTED_STATES)
+    counts = JobCounts(
+        total=row[21] or 0,
+        by_state={s: (row[22 + i] or 0) for i, s in enumerate(COUNTED_STATES)},
+        prompt_tokens=row[22 + n] or 0,
+        max_output_tokens=row[23 + n] or 0,
+        output_tokens=row[24 + n] or 0,
+    )
+    return JobRecord(
+        id=row[0],
+        tenant_id=row[1],
+        input_file_id=row[2],
+        endpoint=row[3],
+        model=row[4],
+        completion_window=row[5],
+        state=JobState(row[6]),
+        deadline=row[7],
+        metadata=row[8],
+        errors=row[9],
+        idempotency_key=row[10],
+        output_file_id=row[11],
+        error_file_id=row[12],
+        created_at=row[13],
+        timestamps=stamps,
+        counts=counts,
+    )
+
+
+class Repository:
+    """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def connect(cls, database_url: str, *, pool_size: int = 5) -> Repository:
+        engine = create_engine(
+            database_url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+        )
+        return cls(engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """One transaction; driver errors leave as Backfill's own types."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except IntegrityError as exc:
+            raise Conflict(str(exc.orig)) from exc
+        except OperationalError as exc:
+            raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
+            raise
+
+    def ping(self) -> None:
+        with self._tx() as conn:
+            conn.execute(text("SELECT 1"))
+
+    # -----------------------------------------------------------------------------------------
+    # Tenants and API keys
+    # -----------------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, enqueued_token_quota: int | None = None) -> TenantRecord:
+        tenant_id = ids.new_tenant_id()
+        with self._tx() as conn:
+            conn.execute(
+                text("INSERT INTO tenants (id, name, enqueued_token_quota) VALUES (:i, :n, :q)"),
+                {"i": tenant_id, "n": name, "q": enqueued_token_quota},
+            )
+        return TenantRecord(tenant_id, name, enqueued_token_quota)
+
+    def tenant_by_name(self, name: str) -> TenantRecord:
+        with self._tx() as conn:
+            row = conn.execute(
+                text("SELECT id, name, enqueued_token_quota FROM tenants WHERE name = :n"),
+                {"n": name},
+            ).first()
+        if row is None:
+            raise NotFound(f"no tenant named {name!r}")
+        return TenantRecord(row[0], row[1], row[2])
+
+    def create_api_key(self, tenant_id: str) -> str:
+        """Make a new key for the tenant; returns it in clear (the only time it exists so)."""
+        key = f"bf-{secrets.token_urlsafe(32)}"
+        with self._tx() as conn:
+            conn.execute(
+                text("INSERT INTO api_keys (tenant_id, digest, prefix) VALUES (:t, :d, :p)"),
+                {"t": tenant_id, "d": key_digest(key), "p": key[:11]},
+            )
+        return key
+
+    def tenant_for_key(self, key: str) -> TenantRecord | None:
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT t.id, t.name, t.enqueued_token_quota FROM api_keys k "
+                    "JOIN tenants t ON t.id = k.tenant_id "
+                    "WHERE k.digest = :d AND k.revoked_at IS NULL"
+                ),
+                {"d": key_digest(key)},
+            ).first()
+        return None if row is None else TenantRecord(row[0], row[1], row[2])
+
+    def revoke_api_key(self, key: str) -> None:
+        with self._tx() as conn:
+            res = conn.execute(
+                text(
+                    "UPDATE api_keys SET revoked_at = now() "
+                    "WHERE digest = :d AND revoked_at IS NULL"
+                ),
+                {"d": key_digest(key)},
+            )
+        if res.rowcount == 0:
+            raise NotFound("no live API key matches")
+
+    # -----------------------------------------------------------------------------------------
+    # Files
+    # -----------------------------------------------------------------------------------------
+
+    def create_file(
+        self,
+        tenant_id: str,
+        purpose: str,
+        filename: str,
+        content: bytes | None,
+        *,
+        size_bytes: int | None = None,
+        job_id: str | None = None,
+    ) -> FileRecord:
+        file_id = ids.new_file_id()
+        size = len(content) if content is not None else (size_bytes or 0)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content, job_id) "
+                    "VALUES (:i, :t, :p, :f, :b, :c, :j) RETURNING created_at"
+                ),
+                {
+                    "i": file_id,
+                    "t": tenant_id,
+                    "p": purpose,
+                    "f": filename,
+                    "b": size,
+                    "c": content,
+                    "j": job_id,
+                },
+            ).one()
+        return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0])
+
+    def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at "
+                    "FROM files WHERE id = :i AND tenant_id = :t"
+                ),
+                {"i": file_id, "t": tenant_id},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such File object: {file_id}")
+        return FileRecord(*row)
+
+    def list_files(
+        self, tenant_id: str, *, purpose: str | None = None, limit: int = 100
+    ) -> list[FileRecord]:
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at "
+                    "FROM files WHERE tenant_id = :t "
+                    "AND (CAST(:p AS text) IS NULL OR purpose = :p) "
+                    "ORDER BY created_at DESC, id DESC LIMIT :l"
+                ),
+                {"t": tenant_id, "p": purpose, "l": limit},
+            ).all()
+        return [FileRecord(*r) for r in rows]
+
+    def file_content(self, tenant_id: str, file_id: str) -> bytes | None:
+        """Stored bytes of the file, or None for a file rendered from a job's items."""
+        with self._tx() as conn:
+            row = conn.execute(
+                text("SELECT content FROM files WHERE id = :i AND tenant_id = :t"),
+                {"i": file_id, "t": tenant_id},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such File object: {file_id}")
+        return None if row[0] is None else bytes(row[0])
+
+    def delete_file(self, tenant_id: str, file_id: str) -> None:
+        with self._tx() as conn:
+            res = conn.execute(
+                text("DELETE FROM files WHERE id = :i AND tenant_id = :t"),
+                {"i": file_id, "t": tenant_id},
+            )
+        if res.rowcount == 0:
+            raise NotFound(f"No such File object: {file_id}")
+
+    # -----------------------------------------------------------------------------------------
+    # Nodes
+    # -----------------------------------------------------------------------------------------
+
+    def upsert_node(
+        self,
+        name: str,
+        engine_url: str,
+        model: str | None,
+        num_blocks: int,
+        block_size: int,
+        interactive_reserve_tokens: int,
+    ) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO nodes (name, engine_url, model, num_blocks, block_size, "
+                    "interactive_reserve_tokens) VALUES (:n, :u, :m, :b, :s, :r) "
+                    "ON CONFLICT (name) DO UPDATE SET engine_url = EXCLUDED.engine_url, "
+                    "model = EXCLUDED.model, num_blocks = EXCLUDED.num_blocks, "
+                    "block_size = EXCLUDED.block_size, "
+                    "interactive_reserve_tokens = EXCLUDED.interactive_reserve_tokens, "
+                    "last_seen_at = now()"
+                ),
+                {
+                    "n": name,
+                    "u": engine_url,
+                    "m": model,
+                    "b": num_blocks,
+                    "s": block_size,
+                    "r": interactive_reserve_tokens,
+                },
+            )
+
+    def touch_node(self, name: str) -> None:
+        with self._tx() as conn:
+            conn.execute(text("UPDATE nodes SET last_seen_at = now() WHERE name = :n"), {"n": name})
+
+    def nodes(self) -> list[NodeRecord]:
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT name, engine_url, model, num_blocks, block_size, "
+                    "interactive_reserve_tokens, last_seen_at FROM nodes ORDER BY name"
+                )
+            ).all()
+        return [NodeRecord(*r) for r in rows]
+
+    # -----------------------------------------------------------------------------------------
+    # Jobs
+    # -----------------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        tenant_id: str,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        deadline: datetime,
+        *,
+        metadata: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        model: str | None = None,
+        state: JobState = JobState.VALIDATING,
+    ) -> JobRecord:
+        """A new job with its counters row. Reusing an idempotency key returns the first job."""
+        job_id = ids.new_job_id()
+        with self._tx() as conn:
+            inserted = conn.execute(
+                text(
+                    "INSERT INTO jobs (id, tenant_id, input_file_id, endpoint, model, "
+                    "completion_window, state, deadline, metadata, idempotency_key) "
+                    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k) "
+                    "ON CONFLICT (tenant_id, idempotency_key) "
+                    "WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING id"
+                ),
+                {
+                    "i": job_id,
+                    "t": tenant_id,
+                    "f": input_file_id,
+                    "e": endpoint,
+                    "m": model,
+                    "w": completion_window,
+                    "s": state.value,
+                    "d": deadline,
+                    "md": Jsonb(metadata) if metadata is not None else None,
+                    "k": idempotency_key,
+                },
+            ).first()
+            if inserted is None:
+                existing = conn.execute(
+                    text("SELECT id FROM jobs WHERE tenant_id = :t AND idempotency_key = :k"),
+                    {"t": tenant_id, "k": idempotency_key},
+                ).scalar_one()
+                job_id = existing
+            else:
+                conn.execute(text("INSERT INTO job_counters (job_id) VALUES (:i)"), {"i": job_id})
+                conn.execute(
+                    text("INSERT INTO job_events (job_id, to_state) VALUES (:i, :s)"),
+                    {"i": job_id, "s": state.value},
+                )
+        return self.get_job(tenant_id, job_id)
+
+    def get_job(self, tenant_id: str | None, job_id: str) -> JobRecord:
+        """The job with its counters; ``tenant_id=None`` only for internal callers."""
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    f"SELECT {_JOB_COLUMNS} FROM jobs j JOIN job_counters c ON c.job_id = j.id "
+                    "WHERE j.id = :i AND (CAST(:t AS text) IS NULL OR j.tenant_id = :t)"
+                ),
+                {"i": job_id, "t": tenant_id},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such Batch object: {job_id}")
+        return _job_from_row(row)
+
+    def list_jobs(
+        self, tenant_id: str, *, after: str | None = None, limit: int = 20
+    ) -> list[JobRecord]:
+        """Newest first; ``after`` is the id of the last job of the previous page."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_JOB_COLUMNS} FROM jobs j JOIN job_counters c ON c.job_id = j.id "
+                    "WHERE j.tenant_id = :t AND (CAST(:a AS text) IS NULL OR "
+                    "(j.created_at, j.id) < (SELECT created_at, id FROM jobs "
+                    "WHERE id = :a AND tenant_id = :t)) "
+                    "ORDER BY j.created_at DESC, j.id DESC LIMIT :l"
+                ),
+                {"t": tenant_id, "a": after, "l": limit},
+            ).all()
+        return [_job_from_row(r) for r in rows]
+
+    def count_active_jobs(self, tenant_id: str) -> int:
+        with self._tx() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT count(*) FROM jobs WHERE tenant_id = :t AND state IN "
+                        "('validating', 'in_progress', 'finalizing', 'cancelling')"
+                    ),
+                    {"t": tenant_id},
+                ).scalar_one()
+            )
+
+    def enqueued_tokens(self, tenant_id: str) -> int:
+        """Worst-case tokens (prompt + max output) of the tenant's unfinished items."""
+        with self._tx() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT coalesce(sum((c.prompt_tokens + c.max_output_tokens) "
+                        "* (c.total - c.succeeded - c.failed - c.expired - c.cancelled) "
+                        "/ greatest(c.total, 1)), 0) FROM jobs j "
+                        "JOIN job_counters c ON c.job_id = j.id WHERE j.tenant_id = :t "
+                        "AND j.state IN ('validating', 'in_progress', 'cancelling')"
+                    ),
+                    {"t": tenant_id},
+                ).scalar_one()
+            )
+
+    def move_job(
+        self,
+        job_id: str,
+        target: JobState,
+        *,
+        reason: str | None = None,
+        errors: list[dict[str, Any]] | None = None,
+        output_file_id: str | None = None,
+        error_file_id: str | None = None,
+    ) -> JobState:
+        """Guarded job transition; returns the state it left. ``StaleWrite`` if not allowed now."""
+        sources = [s.value for s, nexts in JOB_TRANSITIONS.items() if target in nexts]
+        stamp = _JOB_TIMESTAMP.get(target)
+        sets = ["state = :to"]
+        if stamp:
+            sets.append(f"{stamp} = now()")
+        params: dict[str, Any] = {"i": job_id, "to": target.value, "src": sources}
+        if errors is not None:
+            sets.append("errors = :errors")
+            params["errors"] = Jsonb(errors)
+        if output_file_id is not None:
+            sets.append("output_file_id = :of")
+            params["of"] = output_file_id
+        if error_file_id is not None:
+            sets.append("error_file_id = :ef")
+            params["ef"] = error_file_id
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "WITH old AS (SELECT id, state FROM jobs WHERE id = :i FOR UPDATE) "
+                    f"UPDATE jobs j SET {', '.join(sets)} FROM old "
+                    "WHERE j.id = old.id AND old.state = ANY(:src) RETURNING old.state"
+                ),
+                params,
+            ).first()
+            if row is None:
+                current = conn.execute(
+                    text("SELECT state FROM jobs WHERE id = :i"), {"i": job_id}
+                ).scalar()
+                if current is None:
+                    raise NotFound(f"No such Batch object: {job_id}")
+                raise StaleWrite(f"job {job_id} is {current}; cannot move to {target}")
+            conn.execute(
+                text(
+                    "INSERT INTO job_events (job_id, from_state, to_state, reason) "
+                    "VALUES (:i, :f, :t, :r)"
+                ),
+                {"i": job_id, "f": row[0], "t": target.value, "r": reason},
+            )
+        return JobState(row[0])
+
+    def job_events(self, job_id: str) -> list[tuple[str | None, str, str | None]]:
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT from_state, to_state, reason FROM job_events WHERE job_id = :i "
+                    "ORDER BY id"
+                ),
+                {"i": job_id},
+            ).all()
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def jobs_in_state(self, state: JobState, limit: int = 100) -> list[str]:
+        with self._tx() as conn:
+            return list(
+                conn.execute(
+                    text("SELECT id FROM jobs WHERE state = :s ORDER BY deadline LIMIT :l"),
+                    {"s": state.value, "l": limit},
+                ).scalars()
+            )
+
+    def jobs_past_deadline(self, limit: int = 100) -> list[str]:
+        with self._tx() as conn:
+            return list(
+                conn.execute(
+                    text(
+                        "SELECT id FROM jobs WHERE state IN ('validating', 'in_progress') "
+                        "AND deadline <= now() ORDER BY deadline LIMIT :l"
+                    ),
+                    {"l": limit},
+                ).scalars()
+            )
+
+    # -----------------------------------------------------------------------------------------
+    # Items: ingest
+    # -----------------------------------------------------------------------------------------
+
+    def insert_items(self, job_id: str, items: Iterable[NewItem]) -> int:
+        """Store a job's items with binary COPY; counters move in the same transaction."""
+        with self._tx() as conn:
+            deadline = conn.execute(
+                text("SELECT deadline FROM jobs WHERE id = :i"), {"i": job_id}
+            ).scalar()
+            if deadline is None:
+                raise NotFound(f"No such Batch object: {job_id}")
+            raw = conn.connection.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            n = prompt_sum = max_out_sum = 0
+            with (
+                raw.cursor() as cur,
+                cur.copy(
+                    "COPY items (job_id, line_no, custom_id, body, max_output_tokens, "
+                    "prompt_tokens, reservation_tokens, deadline) FROM STDIN (FORMAT BINARY)"
+                ) as copy,
+            ):
+                copy.set_types(
+                    ["text", "int4", "text", "text", "int4", "int4", "int4", "timestamptz"]
+                )
+                for it in items:
+                    copy.write_row(
+                        (
+                            job_id,
+                            it.line_no,
+                            it.custom_id,
+                            it.body,
+                            it.max_output_tokens,
+                            it.prompt_tokens,
+                            it.reservation_tokens,
+                            deadline,
+                        )
+                    )
+                    n += 1
+                    prompt_sum += it.prompt_tokens or 0
+                    max_out_sum += it.max_output_tokens
+            conn.execute(
+                text(
+                    "UPDATE job_counters SET total = total + :n, queued = queued + :n, "
+                    "prompt_tokens = prompt_tokens + :p, "
+                    "max_output_tokens = max_output_tokens + :m WHERE job_id = :i"
+                ),
+                {"n": n, "p": prompt_sum, "m": max_out_sum, "i": job_id},
+            )
+        return n
+
+    def set_prompt_tokens(self, counts: Sequence[tuple[int, int, int]]) -> None:
+        """Record exact (item_id, prompt_tokens, reservation_tokens) after tokenization."""
+        if not counts:
+            return
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+                    "CAST(:p AS int[]), CAST(:r AS int[])) AS v(id, p, r)), "
+                    "old AS (SELECT i.id, i.job_id, coalesce(i.prompt_tokens, 0) AS old_p "
+                    "FROM items i JOIN v ON v.id = i.id FOR UPDATE OF i) "
+                    "UPDATE items i SET prompt_tokens = v.p, reservation_tokens = v.r "
+                    "FROM v, old WHERE i.id = v.id AND old.id = v.id "
+                    "RETURNING i.job_id, v.p - old.old_p"
+                ),
+                {
+                    "ids": [c[0] for c in counts],
+                    "p": [c[1] for c in counts],
+                    "r": [c[2] for c in counts],
+                },
+            ).all()
+            deltas: dict[str, int] = defaultdict(int)
+            for job_id, delta in rows:
+                deltas[job_id] += delta
+            for job_id in sorted(deltas):
+                conn.execute(
+                    text(
+                        "UPDATE job_counters SET prompt_tokens = prompt_tokens + :d "
+                        "WHERE job_id = :i"
+                    ),
+                    {"d": deltas[job_id], "i": job_id},
+                )
+
+    # -----------------------------------------------------------------------------------------
+    # Items: the worker's path
+    # -----------------------------------------------------------------------------------------
+
+    def claim(self, node: str, limit: int, lease_ttl_s: float) -> list[ClaimedItem]:
+        """Hand up to ``limit`` claimable items, earliest deadline first, to one attempt each.
+
+        ``FOR UPDATE SKIP LOCKED`` lets many claimers run at once without ever handing one
+        item to two of them; each claimed item's attempt number goes up by one, which fences
+        out any older attempt's writes.
+        """
+        sources = _check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH picked AS ("
+                    "  SELECT id, state FROM items"
+                    f"  WHERE state IN ({CLAIMABLE_SQL}) AND deadline > now()"
+                    "    AND (not_before IS NULL OR not_before <= now())"
+                    "  ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED), "
+                    "moved AS ("
+                    "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
+                    "    node = :node, lease_id = NULL, fencing_token = NULL, not_before = NULL, "
+                    "    lease_expires_at = now() + make_interval(secs => :ttl), "
+                    "    updated_at = now() "
+                    "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
+                    "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
+                    "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
+                    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state"
+                    "), att AS ("
+                    "  INSERT INTO attempts (item_id, attempt, node) "
+                    "  SELECT id, attempt, :node FROM moved) "
+                    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
+                    "ORDER BY m.deadline, m.id"
+                ),
+                {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources},
+            ).all()
+            _bump_counters(
+                conn, [(r.job_id, ItemState(r.from_state), ItemState.RESERVED) for r in rows]
+            )
+        return [
+            ClaimedItem(
+                id=r.id,
+                job_id=r.job_id,
+                attempt=r.attempt,
+                custom_id=r.custom_id,
+                body=r.body,
+                deadline=r.deadline,
+                prompt_tokens=r.prompt_tokens,
+                max_output_tokens=r.max_output_tokens,
+                reservation_tokens=r.reservation_tokens,
+                preemptions=r.preemptions,
+                partial_output=r.partial_output,
+                partial_tokens=r.partial_tokens,
+                endpoint=r.endpoint,
+            )
+            for r in rows
+        ]
+
+    def start(
+        self,
+        item_id: int,
+        attempt: int,
+        *,
+        lease_id: str,
+        fencing_token: int,
+        reservation_tokens: int,
+        prompt_tokens: int,
+        lease_ttl_s: float,
+    ) -> None:
+        """reserved -> running, once the attempt holds a ledger lease that fits."""
+        _check_moves([ItemState.RESERVED], ItemState.RUNNING)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = 'running', lease_id = :l, fencing_token = :f, "
+                    "reservation_tokens = :r, prompt_tokens = :p, "
+                    "lease_expires_at = now() + make_interval(secs => :ttl), "
+                    "started_at = coalesce(started_at, now()), updated_at = now() "
+                    "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
+                ),
+                {
+                    "i": item_id,
+                    "a": attempt,
+                    "l": lease_id,
+                    "f": fencing_token,
+                    "r": reservation_tokens,
+                    "p": prompt_tokens,
+                    "ttl": lease_ttl_s,
+                },
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+            conn.execute(
+                text(
+                    "UPDATE attempts SET lease_id = :l, fencing_token = :f, "
+                    "reserved_tokens = :r, prompt_tokens = :p "
+                    "WHERE item_id = :i AND attempt = :a"
+                ),
+                {
+                    "i": item_id,
+                    "a": attempt,
+                    "l": lease_id,
+                    "f": fencing_token,
+                    "r": reservation_tokens,
+                    "p": prompt_tokens,
+                },
+            )
+            _bump_counters(conn, [(row[0], ItemState.RESERVED, ItemState.RUNNING)])
+
+    def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
+        """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
+        if not held:
+            return []
+        with self._tx() as conn:
+            return list(
+                conn.execute(
+                    text(
+                        "UPDATE items i SET lease_expires_at = now() + make_interval(secs => :t) "
+                        "FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[])) AS v(id, a) "
+                        f"WHERE i.id = v.id AND i.attempt = v.a AND i.state IN ({ACTIVE_SQL}) "
+                        "RETURNING i.id"
+                    ),
+                    {"t": lease_ttl_s, "ids": [h[0] for h in held], "att": [h[1] for h in held]},
+                ).scalars()
+            )
+
+    def finish(self, finishes: Sequence[Finish]) -> list[int]:
+        """running -> succeeded/failed for many items at once; returns the ids that applied.
+
+        A finish whose attempt or fencing token no longer matches (the item was reaped,
+        preempted or cancelled meanwhile) is dropped: the result is never written twice.
+        """
+        for f in finishes:
+            if f.state not in (ItemState.SUCCEEDED, ItemState.FAILED):
+                raise IllegalTransition(f"finish() writes succeeded or failed, not {f.state}")
+        if not finishes:
+            return []
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+                    "CAST(:att AS int[]), CAST(:fen AS bigint[]), CAST(:st AS text[]), "
+                    "CAST(:res AS text[]), CAST(:err AS text[]), CAST(:out AS int[]), "
+                    "CAST(:pt AS int[])) AS v(id, a, f, s, res, err, out, pt)), "
+                    "moved AS (UPDATE items i SET state = v.s, result = v.res, error = v.err, "
+                    "  output_tokens = v.out, prompt_tokens = coalesce(v.pt, i.prompt_tokens), "
+                    "  lease_id = NULL, lease_expires_at = NULL, finished_at = now(), "
+                    "  updated_at = now() FROM v WHERE i.id = v.id AND i.attempt = v.a "
+                    "  AND i.fencing_token = v.f AND i.state = 'running' "
+                    "  RETURNING i.id, i.job_id, i.attempt, v.s, v.out), "
+                    "att AS (UPDATE attempts t SET ended_at = now(), outcome = m.s, "
+                    "  output_tokens = m.out FROM moved m "
+                    "  WHERE t.item_id = m.id AND t.attempt = m.attempt) "
+                    "SELECT id, job_id, s, out FROM moved"
+                ),
+                {
+                    "ids": [f.item_id for f in finishes],
+                    "att": [f.attempt for f in finishes],
+                    "fen": [f.fencing_token for f in finishes],
+                    "st": [f.state.value for f in finishes],
+                    "res": [f.result for f in finishes],
+                    "err": [f.error for f in finishes],
+                    "out": [f.output_tokens for f in finishes],
+                    "pt": [f.prompt_tokens for f in finishes],
+                },
+            ).all()
+            out_tokens: dict[str, int] = defaultdict(int)
+            for r in rows:
+                out_tokens[r.job_id] += r.out or 0
+            _bump_counters(
+                conn,
+                [(r.job_id, ItemState.RUNNING, ItemState(r.s)) for r in rows],
+                output_tokens=out_tokens,
+            )
+        return [r.id for r in rows]
+
+    def preempt(
+        self,
+        item_id: int,
+        attempt: int,
+        fencing_token: int,
+        *,
+        partial_output: str | None,
+        partial_tokens: int,
+    ) -> None:
+        """running -> preempted: the engine request was aborted; keep its progress."""
+        _check_moves([ItemState.RUNNING], ItemState.PREEMPTED)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = 'preempted', preemptions = preemptions + 1, "
+                    "partial_output = :o, partial_tokens = :t, lease_id = NULL, "
+                    "lease_expires_at = NULL, updated_at = now() "
+                    "WHERE id = :i AND attempt = :a AND fencing_token = :f AND state = 'running' "
+                    "RETURNING job_id"
+                ),
+                {
+                    "i": item_id,
+                    "a": attempt,
+                    "f": fencing_token,
+                    "o": partial_output,
+                    "t": partial_tokens,
+                },
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} is not running under it")
+            _end_attempt(conn, item_id, attempt, AttemptOutcome.PREEMPTED, partial_tokens)
+            _bump_counters(conn, [(row[0], ItemState.RUNNING, ItemState.PREEMPTED)])
+
+    def give_back(
+        self,
+        item_id: int,
+        attempt: int,
+        target: ItemState,
+        *,
+        not_before: datetime | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """reserved -> deferred (no slack; retry at ``not_before``) or queued (unstarted)."""
+        if target not in (ItemState.DEFERRED, ItemState.QUEUED):
+            raise IllegalTransition(f"give_back() moves to deferred or queued, not {target}")
+        _check_moves([ItemState.RESERVED], target)
+        outcome = (
+            AttemptOutcome.DEFERRED if target is ItemState.DEFERRED else AttemptOutcome.RELEASED
+        )
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = :s, not_before = :nb, lease_id = NULL, "
+                    "fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
+                    "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
+                ),
+                {"i": item_id, "a": attempt, "s": target.value, "nb": not_before},
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+            _end_attempt(conn, item_id, attempt, outcome, None, detail)
+            _bump_counters(conn, [(row[0], ItemState.RESERVED, target)])
+
+    def fail(
+        self, item_id: int, attempt: int, error: str, *, fencing_token: int | None = None
+    ) -> None:
+        """An attempt's item fails for good (bad request, retry cap reached)."""
+        sources = [ItemState.RESERVED] if fencing_token is None else [ItemState.RUNNING]
+        _check_moves(sources, ItemState.FAILED)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = 'failed', error = :e, lease_id = NULL, "
+                    "lease_expires_at = NULL, finished_at = now(), updated_at = now() "
+                    "WHERE id = :i AND attempt = :a AND state = :src "
+                    "AND fencing_token IS NOT DISTINCT FROM :f RETURNING job_id"
+                ),
+                {
+                    "i": item_id,
+                    "a": attempt,
+                    "e": error,
+                    "src": sources[0].value,
+                    "f": fencing_token,
+                },
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+            _end_attempt(conn, item_id, attempt, AttemptOutcome.FAILED, None, error)
+            _bump_counters(conn, [(row[0], sources[0], ItemState.FAILED)])
+
+    def reap_lost(self, limit: int = 1000) -> list[ActiveLeaseRow]:
+        """Requeue items whose attempt stopped heartbeating; returns them (to release leases)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH lost AS (SELECT id, state, node, attempt, lease_id, fencing_token, "
+                    "  reservation_tokens, lease_expires_at FROM items "
+                    f"  WHERE state IN ({ACTIVE_SQL}) AND lease_expires_at < now() "
+                    "  ORDER BY lease_expires_at LIMIT :l FOR UPDATE SKIP LOCKED), "
+                    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
+                    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
+                    "  FROM lost WHERE i.id = lost.id "
+                    "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
+                    "  lost.state AS from_state, lost.node, lost.attempt, lost.lease_id, "
+                    "  lost.fencing_token, lost.reservation_tokens, lost.lease_expires_at), "
+                    "att AS (UPDATE attempts t SET ended_at = now(), outcome = 'lost' "
+                    "  FROM moved m WHERE t.item_id = m.id AND t.attempt = m.attempt) "
+                    "SELECT * FROM moved"
+                ),
+                {"l": limit},
+            ).all()
+            _bump_counters(
+                conn, [(r.job_id, ItemState(r.from_state), ItemState.QUEUED) for r in rows]
+            )
+        return [
+            ActiveLeaseRow(
+                item_id=r.id,
+                node=r.node,
+                attempt=r.attempt,
+                lease_id=r.lease_id,
+                fencing_token=r.fencing_token,
+                reservation_tokens=r.reservation_tokens,
+                lease_expires_at=r.lease_expires_at,
+                deadline=r.deadline,
+                preemptions=r.preemptions,
+                partial_tokens=r.partial_tokens,
+            )
+            for r in rows
+        ]
+
+    def active_leases(self) -> list[ActiveLeaseRow]:
+        """Every item a live attempt holds: what the ledger is rebuilt from."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, node, attempt, lease_id, fencing_token, reservation_tokens, "
+                    "lease_expires_at, deadline, preemptions, partial_tokens FROM items "
+                    f"WHERE state IN ({ACTIVE_SQL}) ORDER BY id"
+                )
+            ).all()
+        return [ActiveLeaseRow(*r) for r in rows]
+
+    def end_items(
+        self, job_id: str, target: ItemState, *, only_unstarted: bool = False
+    ) -> list[ActiveLeaseRow]:
+        """Expire or cancel a job's unfinished items; returns the active ones it ended, so the
+        caller can release their leases and abort their engine requests."""
+        if target not in (ItemState.EXPIRED, ItemState.CANCELLED):
+            raise IllegalTransition(f"end_items() moves to expired or cancelled, not {target}")
+        states = set(ITEM_CLAIMABLE) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
+        sources = _check_moves(sorted(states), target)
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH old AS (SELECT id, state, node, attempt, lease_id, fencing_token, "
+                    "  reservation_tokens, lease_expires_at FROM items "
+                    "  WHERE job_id = :j AND state = ANY(:src) FOR UPDATE), "
+                    "moved AS (UPDATE items i SET state = :to, lease_id = NULL, "
+                    "  lease_expires_at = NULL, finished_at = now(), updated_at = now() "
+                    "  FROM old WHERE i.id = old.id "
+                    "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
+                    "  old.state AS from_state, old.node, old.attempt, old.lease_id, "
+                    "  old.fencing_token, old.reservation_tokens, old.lease_expires_at), "
+                    "att AS (UPDATE attempts t SET ended_at = now(), outcome = :to "
+                    "  FROM moved m WHERE t.item_id = m.id AND t.attempt = m.attempt "
+                    "  AND t.ended_at IS NULL) "
+                    "SELECT * FROM moved"
+                ),
+                {"j": job_id, "src": sources, "to": target.value},
+            ).all()
+            _bump_counters(conn, [(r.job_id, ItemState(r.from_state), target) for r in rows])
+        return [
+            ActiveLeaseRow(
+                item_id=r.id,
+                node=r.node,
+                attempt=r.attempt,
+                lease_id=r.lease_id,
+                fencing_token=r.fencing_token,
+                reservation_tokens=r.reservation_tokens,
+                lease_expires_at=r.lease_expires_at,
+                deadline=r.deadline,
+                preemptions=r.preemptions,
+                partial_tokens=r.partial_tokens,
+            )
+            for r in rows
+            if ItemState(r.from_state) in ITEM_ACTIVE
+        ]
+
+    # -----------------------------------------------------------------------------------------
+    # Items: reads
+    # -----------------------------------------------------------------------------------------
+
+    def items(
+        self,
+        job_id: str,
+        *,
+        states: Iterable[ItemState] | None = None,
+        after_line: int = -1,
+        limit: int = 1000,
+    ) -> list[ItemRecord]:
+        """A page of a job's items in line order (results streaming, output files)."""
+        state_list = [s.value for s in states] if states is not None else None
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, job_id, line_no, custom_id, state, attempt, result, error, "
+                    "output_tokens, preemptions FROM items WHERE job_id = :j AND line_no > :a "
+                    "AND (CAST(:s AS text[]) IS NULL OR state = ANY(:s)) "
+                    "ORDER BY line_no LIMIT :l"
+                ),
+                {"j": job_id, "a": after_line, "s": state_list, "l": limit},
+            ).all()
+        return [
+            ItemRecord(r[0], r[1], r[2], r[3], ItemState(r[4]), r[5], r[6], r[7], r[8], r[9])
+            for r in rows
+        ]
+
+    def counted_states(self, job_id: str) -> dict[ItemState, int]:
+        """COUNT(*) by state: the slow truth the counters are checked against."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text("SELECT state, count(*) FROM items WHERE job_id = :j GROUP BY state"),
+                {"j": job_id},
+            ).all()
+        return {ItemState(r[0]): int(r[1]) for r in rows}
+
+    def backlog_tokens(self) -> int:
+        """Worst-case tokens (prompt + max output) of every item not yet finished."""
+        with self._tx() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT coalesce(sum(coalesce(prompt_tokens, 0) + max_output_tokens "
+                        "- partial_tokens), 0) FROM items "
+                        f"WHERE state IN ({CLAIMABLE_SQL}, {ACTIVE_SQL})"
+                    )
+                ).scalar_one()
+            )
+
+
+def _end_attempt(
+    conn: Connection,
+    item_id: int,
+    attempt: int,
+    outcome: AttemptOutcome,
+    output_tokens: int | None,
+    detail: str | None = None,
+) -> None:
+    conn.execute(
+        text(
+            "UPDATE attempts SET ended_at = now(), outcome = :o, output_tokens = :t, "
+            "detail = :d WHERE item_id = :i AND attempt = :a"
+        ),
+        {"i": item_id, "a": attempt, "o": outcome.value, "t": output_tokens, "d": detail},
+    )
+
+
+def _bump_counters(
+    conn: Connection,
+    moves: Sequence[tuple[str, ItemState, ItemState]],
+    *,
+    output_tokens: dict[str, int] | None = None,
+) -> None:
+    """Apply (job_id, from, to) moves to the per-job counters, one row per job, in job-id
+    order (the lock order that keeps concurrent writers deadlock-free)."""
+    per_job: dict[str, Counter[ItemState]] = defaultdict(Counter)
+    for job_id, source, target in moves:
+        per_job[job_id][source] -= 1
+        per_job[job_id][target] += 1
+    for job_id in sorted(set(per_job) | set(output_tokens or {})):
+        deltas = {s: d for s, d in per_job[job_id].items() if d}
+        sets = [f"{s.value} = {s.value} + :{s.value}" for s in deltas]
+        params: dict[str, Any] = {s.value: d for s, d in deltas.items()}
+        if output_tokens and output_tokens.get(job_id):
+            sets.append("output_tokens = output_tokens + :out")
+            params["out"] = output_tokens[job_id]
+        if not sets:
+            continue
+        params["job"] = job_id
+        conn.execute(text(f"UPDATE job_counters SET {', '.join(sets)} WHERE job_id = :job"), params)
+
+
+def utc_now_plus(seconds: float) -> datetime:
+    """A timestamp ``seconds`` from now, in UTC (for ``not_before`` hints)."""
+    return datetime.now(UTC) + timedelta(seconds=seconds)
