@@ -78,7 +78,7 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(TZ)
 
-    __table_args__ = (Index(None, "tenant_id"),)
+    __table_args__ = (Index("ix_api_keys_tenant", "tenant_id"),)
 
 
 class File(Base):
@@ -97,7 +97,7 @@ class File(Base):
     job_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
-    __table_args__ = (Index(None, "tenant_id", "created_at"),)
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
 
 
 class Node(Base):
@@ -144,7 +144,7 @@ class Job(Base):
 
     __table_args__ = (
         CheckConstraint(f"state IN ({_in_list(JobState)})", name="state"),
-        Index(None, "tenant_id", "created_at"),
+        Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index(
             "uq_jobs_tenant_idempotency",
             "tenant_id",
@@ -224,8 +224,8 @@ class Item(Base):
         CheckConstraint(f"state IN ({_in_list(ItemState)})", name="state"),
         CheckConstraint("max_output_tokens > 0", name="max_output_positive"),
         UniqueConstraint("job_id", "custom_id"),
-        Index(None, "job_id", "state"),
-        Index(None, "job_id", "line_no"),
+        Index("ix_items_job_state", "job_id", "state"),
+        Index("ix_items_job_line", "job_id", "line_no"),
         # Earliest-deadline-first claim walks this index only.
         Index(
             "ix_items_claim_edf",
@@ -279,4 +279,4 @@ class JobEvent(Base):
     to_state: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (Index(None, "job_id", "at"),)
+    __table_args__ = (Index("ix_job_events_job_at", "job_id", "at"),)

@@ -81,7 +81,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_api_keys")),
         sa.UniqueConstraint("digest", name=op.f("uq_api_keys_digest")),
     )
-    op.create_index(op.f("ix_api_keys_tenant_id"), "api_keys", ["tenant_id"], unique=False)
+    op.create_index("ix_api_keys_tenant", "api_keys", ["tenant_id"], unique=False)
     op.create_table(
         "files",
         sa.Column("id", sa.String(length=40), nullable=False),
@@ -105,7 +105,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_files")),
     )
-    op.create_index(op.f("ix_files_tenant_id"), "files", ["tenant_id", "created_at"], unique=False)
+    op.create_index("ix_files_tenant_created", "files", ["tenant_id", "created_at"], unique=False)
     op.create_table(
         "jobs",
         sa.Column("id", sa.String(length=40), nullable=False),
@@ -153,7 +153,7 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("state IN ('validating', 'in_progress', 'cancelling')"),
     )
-    op.create_index(op.f("ix_jobs_tenant_id"), "jobs", ["tenant_id", "created_at"], unique=False)
+    op.create_index("ix_jobs_tenant_created", "jobs", ["tenant_id", "created_at"], unique=False)
     op.create_index(
         "uq_jobs_tenant_idempotency",
         "jobs",
@@ -229,7 +229,8 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("state IN ('deferred', 'preempted', 'queued')"),
     )
-    op.create_index(op.f("ix_items_job_id"), "items", ["job_id", "line_no"], unique=False)
+    op.create_index("ix_items_job_line", "items", ["job_id", "line_no"], unique=False)
+    op.create_index("ix_items_job_state", "items", ["job_id", "state"], unique=False)
     op.create_table(
         "job_counters",
         sa.Column("job_id", sa.String(length=40), nullable=False),
@@ -266,7 +267,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_job_events")),
     )
-    op.create_index(op.f("ix_job_events_job_id"), "job_events", ["job_id", "at"], unique=False)
+    op.create_index("ix_job_events_job_at", "job_events", ["job_id", "at"], unique=False)
     op.create_table(
         "attempts",
         sa.Column("id", sa.BigInteger(), sa.Identity(always=False), nullable=False),
@@ -309,10 +310,11 @@ def downgrade() -> None:
         "ix_attempts_open", table_name="attempts", postgresql_where=sa.text("ended_at IS NULL")
     )
     op.drop_table("attempts")
-    op.drop_index(op.f("ix_job_events_job_id"), table_name="job_events")
+    op.drop_index("ix_job_events_job_at", table_name="job_events")
     op.drop_table("job_events")
     op.drop_table("job_counters")
-    op.drop_index(op.f("ix_items_job_id"), table_name="items")
+    op.drop_index("ix_items_job_line", table_name="items")
+    op.drop_index("ix_items_job_state", table_name="items")
     op.drop_index(
         "ix_items_claim_edf",
         table_name="items",
@@ -329,16 +331,16 @@ def downgrade() -> None:
         table_name="jobs",
         postgresql_where=sa.text("idempotency_key IS NOT NULL"),
     )
-    op.drop_index(op.f("ix_jobs_tenant_id"), table_name="jobs")
+    op.drop_index("ix_jobs_tenant_created", table_name="jobs")
     op.drop_index(
         "ix_jobs_open_deadline",
         table_name="jobs",
         postgresql_where=sa.text("state IN ('validating', 'in_progress', 'cancelling')"),
     )
     op.drop_table("jobs")
-    op.drop_index(op.f("ix_files_tenant_id"), table_name="files")
+    op.drop_index("ix_files_tenant_created", table_name="files")
     op.drop_table("files")
-    op.drop_index(op.f("ix_api_keys_tenant_id"), table_name="api_keys")
+    op.drop_index("ix_api_keys_tenant", table_name="api_keys")
     op.drop_table("api_keys")
     op.drop_table("tenants")
     op.drop_table("nodes")
