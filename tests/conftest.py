@@ -63,6 +63,19 @@ def database_url(template_database: str) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="module")
+def module_database_url(template_database: str) -> Iterator[str]:
+    """A fresh, migrated database shared by one test module (e.g. Hypothesis examples)."""
+    name = f"bf_m_{os.getpid()}_{secrets.token_hex(4)}"
+    with _admin() as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    try:
+        yield _url_for(name)
+    finally:
+        with _admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def empty_database_url() -> Iterator[str]:
     """A fresh database with no schema at all (for migration tests)."""

@@ -79,7 +79,7 @@ def test_preempted_items_are_claimable_again_and_keep_their_way_to_expiry() -> N
 
 
 def test_claimable_active_and_terminal_partition_the_states() -> None:
-    assert ITEM_CLAIMABLE | ITEM_ACTIVE | ITEM_TERMINAL == set(ItemState)
+    assert set(ItemState) == ITEM_CLAIMABLE | ITEM_ACTIVE | ITEM_TERMINAL
     assert not ITEM_CLAIMABLE & ITEM_ACTIVE
     assert not ITEM_ACTIVE & ITEM_TERMINAL
     assert not ITEM_CLAIMABLE & ITEM_TERMINAL

@@ -1,0 +1,346 @@
+"""The repository on a real Postgres: claims, guarded transitions, counters, tenants."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from backfill.config import libpq_url
+from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
+from backfill.repository import Finish, JobRecord, NewItem, Repository, key_digest
+from backfill.states import ItemState, JobState
+
+
+@pytest.fixture
+def repo(database_url: str) -> Iterator[Repository]:
+    r = Repository.connect(database_url, pool_size=10)
+    yield r
+    r.close()
+
+
+def _job(
+    repo: Repository, n: int, *, deadline_s: float = 3600, tenant: str | None = None
+) -> JobRecord:
+    tenant_id = tenant or repo.create_tenant(f"t{datetime.now(UTC).timestamp()}").id
+    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.create_job(
+        tenant_id,
+        f.id,
+        "/v1/chat/completions",
+        "24h",
+        datetime.now(UTC) + timedelta(seconds=deadline_s),
+    )
+    repo.insert_items(
+        job.id,
+        (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n)),
+    )
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job
+
+
+def _assert_counters_match(repo: Repository, job_id: str) -> None:
+    counts = repo.get_job(None, job_id).counts
+    truth = repo.counted_states(job_id)
+    for state in ItemState:
+        assert counts.count(state) == truth.get(state, 0), state
+    assert counts.total == sum(truth.values())
+
+
+def test_claim_hands_out_earliest_deadline_first(repo: Repository) -> None:
+    late = _job(repo, 3, deadline_s=7200)
+    early = _job(repo, 3, deadline_s=600)
+    claimed = repo.claim("n1", 4, 30)
+    assert [c.job_id for c in claimed] == [early.id] * 3 + [late.id]
+    assert all(c.attempt == 1 for c in claimed)
+    _assert_counters_match(repo, early.id)
+    _assert_counters_match(repo, late.id)
+
+
+def test_concurrent_claimers_never_share_an_item(repo: Repository) -> None:
+    job = _job(repo, 3000)
+    seen: list[int] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def claimer() -> None:
+        try:
+            while batch := repo.claim("n1", 37, 30):
+                with lock:
+                    seen.extend(c.id for c in batch)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    dupes = [i for i, n in Counter(seen).items() if n > 1]
+    assert dupes == []
+    assert len(seen) == 3000
+    assert repo.get_job(None, job.id).counts.count(ItemState.RESERVED) == 3000
+    _assert_counters_match(repo, job.id)
+
+
+def test_claim_skips_items_not_yet_due_and_items_past_their_deadline(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 2)
+    first = repo.claim("n1", 1, 30)[0]
+    repo.give_back(
+        first.id,
+        first.attempt,
+        ItemState.DEFERRED,
+        not_before=datetime.now(UTC) + timedelta(hours=1),
+    )
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        conn.execute(
+            "UPDATE items SET deadline = now() - interval '1 s' WHERE id <> %s", (first.id,)
+        )
+    assert repo.claim("n1", 10, 30) == []
+    _assert_counters_match(repo, job.id)
+
+
+def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 1)
+    old = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        old.id,
+        old.attempt,
+        lease_id="a",
+        fencing_token=1,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    # The worker goes silent: its claim expires and the reaper takes the item back.
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        conn.execute("UPDATE items SET lease_expires_at = now() - interval '1 s'")
+    reaped = repo.reap_lost()
+    assert [r.item_id for r in reaped] == [old.id]
+    assert reaped[0].lease_id == "a"
+    new = repo.claim("n2", 1, 30)[0]
+    assert new.id == old.id
+    assert new.attempt == old.attempt + 1
+    repo.start(
+        new.id,
+        new.attempt,
+        lease_id="b",
+        fencing_token=2,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    # The old worker wakes up and tries to write its result: nothing applies.
+    stale = Finish(old.id, old.attempt, 1, ItemState.SUCCEEDED, result="old", output_tokens=3)
+    assert repo.finish([stale]) == []
+    with pytest.raises(StaleWrite):
+        repo.preempt(old.id, old.attempt, 1, partial_output="x", partial_tokens=1)
+    fresh = Finish(new.id, new.attempt, 2, ItemState.SUCCEEDED, result="new", output_tokens=4)
+    assert repo.finish([fresh]) == [new.id]
+    # A second delivery of the same finish is also dropped: no item completes twice.
+    assert repo.finish([fresh]) == []
+    items = repo.items(job.id)
+    assert [(i.state, i.result) for i in items] == [(ItemState.SUCCEEDED, "new")]
+    counts = repo.get_job(None, job.id).counts
+    assert counts.output_tokens == 4
+    _assert_counters_match(repo, job.id)
+
+
+def test_wrong_fencing_token_is_rejected(repo: Repository) -> None:
+    _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        c.id,
+        c.attempt,
+        lease_id="a",
+        fencing_token=10,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    assert repo.finish([Finish(c.id, c.attempt, 9, ItemState.SUCCEEDED, result="r")]) == []
+    with pytest.raises(StaleWrite):
+        repo.fail(c.id, c.attempt, "boom", fencing_token=9)
+    repo.fail(c.id, c.attempt, "boom", fencing_token=10)
+
+
+def test_start_requires_the_current_claim(repo: Repository) -> None:
+    _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    with pytest.raises(StaleWrite):
+        repo.start(
+            c.id,
+            c.attempt + 1,
+            lease_id="a",
+            fencing_token=1,
+            reservation_tokens=1,
+            prompt_tokens=1,
+            lease_ttl_s=30,
+        )
+    repo.give_back(c.id, c.attempt, ItemState.QUEUED)
+    with pytest.raises(StaleWrite):
+        repo.start(
+            c.id,
+            c.attempt,
+            lease_id="a",
+            fencing_token=1,
+            reservation_tokens=1,
+            prompt_tokens=1,
+            lease_ttl_s=30,
+        )
+
+
+def test_illegal_transitions_raise_before_touching_the_database(repo: Repository) -> None:
+    with pytest.raises(IllegalTransition):
+        repo.give_back(1, 1, ItemState.SUCCEEDED)
+    with pytest.raises(IllegalTransition):
+        repo.finish([Finish(1, 1, 1, ItemState.PREEMPTED)])
+    with pytest.raises(IllegalTransition):
+        repo.end_items("batch_x", ItemState.SUCCEEDED)
+
+
+def test_preempted_item_keeps_its_progress_and_is_claimed_again(repo: Repository) -> None:
+    job = _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        c.id,
+        c.attempt,
+        lease_id="a",
+        fencing_token=5,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    repo.preempt(c.id, c.attempt, 5, partial_output="Once upon", partial_tokens=2)
+    again = repo.claim("n1", 1, 30)[0]
+    assert again.id == c.id
+    assert again.partial_output == "Once upon"
+    assert again.partial_tokens == 2
+    assert again.preemptions == 1
+    _assert_counters_match(repo, job.id)
+
+
+def test_heartbeat_extends_only_live_claims(repo: Repository) -> None:
+    _job(repo, 2)
+    a, b = repo.claim("n1", 2, 30)
+    repo.give_back(b.id, b.attempt, ItemState.QUEUED)
+    assert repo.heartbeat([(a.id, a.attempt), (b.id, b.attempt), (a.id, a.attempt + 1)], 30) == [
+        a.id
+    ]
+
+
+def test_cancel_ends_unstarted_items_and_reports_active_ones(repo: Repository) -> None:
+    job = _job(repo, 4)
+    a, b = repo.claim("n1", 2, 30)
+    repo.start(
+        a.id,
+        a.attempt,
+        lease_id="la",
+        fencing_token=1,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    assert repo.end_items(job.id, ItemState.CANCELLED, only_unstarted=True) == []
+    assert repo.get_job(None, job.id).counts.count(ItemState.CANCELLED) == 2
+    active = repo.end_items(job.id, ItemState.CANCELLED)
+    assert sorted(r.item_id for r in active) == sorted([a.id, b.id])
+    assert {r.lease_id for r in active} == {"la", None}
+    assert repo.active_leases() == []
+    _assert_counters_match(repo, job.id)
+
+
+def test_active_leases_are_what_the_ledger_is_rebuilt_from(repo: Repository) -> None:
+    _job(repo, 3)
+    a, b, _ = repo.claim("n1", 3, 30)
+    repo.start(
+        a.id,
+        a.attempt,
+        lease_id="la",
+        fencing_token=42,
+        reservation_tokens=256,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    rows = {r.item_id: r for r in repo.active_leases()}
+    assert set(rows) >= {a.id, b.id}
+    assert (rows[a.id].lease_id, rows[a.id].fencing_token, rows[a.id].reservation_tokens) == (
+        "la",
+        42,
+        256,
+    )
+    assert rows[b.id].lease_id is None
+
+
+def test_job_transitions_are_guarded_and_audited(repo: Repository) -> None:
+    job = _job(repo, 1)
+    with pytest.raises(StaleWrite):
+        repo.move_job(job.id, JobState.COMPLETED)
+    repo.move_job(job.id, JobState.CANCELLING, reason="user asked")
+    repo.move_job(job.id, JobState.CANCELLED)
+    with pytest.raises(StaleWrite):
+        repo.move_job(job.id, JobState.IN_PROGRESS)
+    with pytest.raises(NotFound):
+        repo.move_job("batch_nope", JobState.CANCELLED)
+    events = repo.job_events(job.id)
+    assert [e[1] for e in events] == ["validating", "in_progress", "cancelling", "cancelled"]
+    assert events[2][2] == "user asked"
+    got = repo.get_job(job.tenant_id, job.id)
+    assert got.timestamps["cancelled_at"] is not None
+
+
+def test_jobs_are_scoped_to_their_tenant(repo: Repository) -> None:
+    job = _job(repo, 1)
+    other = repo.create_tenant("other")
+    with pytest.raises(NotFound):
+        repo.get_job(other.id, job.id)
+    assert repo.list_jobs(other.id) == []
+    assert [j.id for j in repo.list_jobs(job.tenant_id)] == [job.id]
+
+
+def test_idempotent_create_returns_the_first_job(repo: Repository) -> None:
+    t = repo.create_tenant("acme")
+    f = repo.create_file(t.id, "batch", "in.jsonl", b"{}")
+    deadline = datetime.now(UTC) + timedelta(hours=1)
+    a = repo.create_job(t.id, f.id, "/v1/completions", "1h", deadline, idempotency_key="k")
+    b = repo.create_job(t.id, f.id, "/v1/completions", "1h", deadline, idempotency_key="k")
+    c = repo.create_job(t.id, f.id, "/v1/completions", "1h", deadline)
+    assert a.id == b.id != c.id
+
+
+def test_api_keys_are_stored_only_as_digests(repo: Repository) -> None:
+    t = repo.create_tenant("acme")
+    key = repo.create_api_key(t.id)
+    assert repo.tenant_for_key(key) == t
+    assert repo.tenant_for_key(key + "x") is None
+    with repo.engine.connect() as conn:
+        stored = conn.execute(text("SELECT digest, prefix FROM api_keys")).one()
+    assert stored[0] == key_digest(key)
+    assert key not in stored[0]
+    repo.revoke_api_key(key)
+    assert repo.tenant_for_key(key) is None
+    with pytest.raises(NotFound):
+        repo.revoke_api_key(key)
+
+
+def test_duplicate_tenant_name_is_a_conflict(repo: Repository) -> None:
+    repo.create_tenant("acme")
+    with pytest.raises(Conflict):
+        repo.create_tenant("acme")
+
+
+def test_exact_token_counts_update_the_job_totals(repo: Repository) -> None:
+    job = _job(repo, 2)
+    items = repo.claim("n1", 2, 30)
+    repo.set_prompt_tokens([(items[0].id, 150, 256), (items[1].id, 90, 128)])
+    assert repo.get_job(None, job.id).counts.prompt_tokens == 240
