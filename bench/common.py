@@ -1,0 +1,100 @@
+"""What every benchmark shares: arguments, tables, the JSON record and the closing line.
+
+Each benchmark ends with exactly one line ``NAME: <figure>=<value> (goal <op> <target>) ok|short``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path(__file__).parent / "out"
+
+_OPS = {
+    ">=": lambda v, t: v >= t,
+    "<=": lambda v, t: v <= t,
+    ">": lambda v, t: v > t,
+    "<": lambda v, t: v < t,
+}
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description)
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    return p
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return float(values[0])
+    return float(statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1])
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join([line, sep, *body])
+
+
+def finish(
+    name: str,
+    figure: str,
+    value: float,
+    op: str,
+    target: float,
+    details: dict[str, Any],
+) -> bool:
+    """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held."""
+    ok = _OPS[op](value, target)
+    record = {
+        "name": name,
+        "figure": figure,
+        "value": value,
+        "goal": f"{op} {target}",
+        "ok": ok,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "details": details,
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))
+    shown = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    print(f"{name}: {figure}={shown} (goal {op} {target}) {'ok' if ok else 'short'}")
+    return ok
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: ...; sw.seconds``"""
+
+    def __enter__(self) -> Stopwatch:
+        self._t0 = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
