@@ -1,1 +1,1 @@
-"""Benchmarks: each measures Backfill and its named peer in the same run (``python -m bench.NAME``)."""
+"""Benchmarks: Backfill and its named peer measured in the same run (python -m bench.NAME)."""

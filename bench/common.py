@@ -70,7 +70,7 @@ def finish(
     details: dict[str, Any],
 ) -> bool:
     """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held."""
-    ok = _OPS[op](value, target)
+    ok = bool(_OPS[op](value, target))
     record = {
         "name": name,
         "figure": figure,
