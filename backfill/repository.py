@@ -141,6 +141,18 @@ class ClaimedItem:
 
 
 @dataclass(frozen=True, slots=True)
+class Start:
+    """A claimed item about to run under a ledger lease."""
+
+    item_id: int
+    attempt: int
+    lease_id: str
+    fencing_token: int
+    reservation_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """The end of a running attempt: success with a result, or failure with an error."""
 
@@ -795,10 +807,7 @@ class Repository:
                     "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
                     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
                     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state"
-                    "), att AS ("
-                    "  INSERT INTO attempts (item_id, attempt, node) "
-                    "  SELECT id, attempt, :node FROM moved) "
-                    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
+                    ") SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
                     "ORDER BY m.deadline, m.id"
                 ),
                 {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources},
@@ -836,45 +845,50 @@ class Repository:
         prompt_tokens: int,
         lease_ttl_s: float,
     ) -> None:
-        """reserved -> running, once the attempt holds a ledger lease that fits."""
+        """reserved -> running for one item; ``StaleWrite`` if its claim moved on."""
+        start = Start(item_id, attempt, lease_id, fencing_token, reservation_tokens, prompt_tokens)
+        if not self.start_many([start], lease_ttl_s):
+            raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+
+    def start_many(self, starts: Sequence[Start], lease_ttl_s: float) -> list[int]:
+        """reserved -> running, once each attempt holds a ledger lease that fits; returns the
+        ids that applied (the others' claims moved on: their leases must be released)."""
         _check_moves([ItemState.RESERVED], ItemState.RUNNING)
+        if not starts:
+            return []
         with self._tx() as conn:
-            row = conn.execute(
+            rows = conn.execute(
                 text(
-                    "UPDATE items SET state = 'running', lease_id = :l, fencing_token = :f, "
-                    "reservation_tokens = :r, prompt_tokens = :p, "
-                    "lease_expires_at = now() + make_interval(secs => :ttl), "
-                    "started_at = coalesce(started_at, now()), updated_at = now() "
-                    "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
+                    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+                    "CAST(:att AS int[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), "
+                    "CAST(:res AS int[]), CAST(:pt AS int[])) AS v(id, a, l, f, r, p)), "
+                    "moved AS (UPDATE items i SET state = 'running', lease_id = v.l, "
+                    "  fencing_token = v.f, reservation_tokens = v.r, prompt_tokens = v.p, "
+                    "  lease_expires_at = now() + make_interval(secs => :ttl), "
+                    "  started_at = coalesce(i.started_at, now()), updated_at = now() "
+                    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+                    "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p), "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, "
+                    "  fencing_token, reserved_tokens, prompt_tokens) "
+                    "  SELECT id, attempt, node, l, f, r, p FROM moved "
+                    "  ON CONFLICT (item_id, attempt) DO UPDATE SET lease_id = EXCLUDED.lease_id, "
+                    "  fencing_token = EXCLUDED.fencing_token, "
+                    "  reserved_tokens = EXCLUDED.reserved_tokens, "
+                    "  prompt_tokens = EXCLUDED.prompt_tokens) "
+                    "SELECT id, job_id FROM moved"
                 ),
                 {
-                    "i": item_id,
-                    "a": attempt,
-                    "l": lease_id,
-                    "f": fencing_token,
-                    "r": reservation_tokens,
-                    "p": prompt_tokens,
+                    "ids": [x.item_id for x in starts],
+                    "att": [x.attempt for x in starts],
+                    "lid": [x.lease_id for x in starts],
+                    "fen": [x.fencing_token for x in starts],
+                    "res": [x.reservation_tokens for x in starts],
+                    "pt": [x.prompt_tokens for x in starts],
                     "ttl": lease_ttl_s,
                 },
-            ).first()
-            if row is None:
-                raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
-            conn.execute(
-                text(
-                    "UPDATE attempts SET lease_id = :l, fencing_token = :f, "
-                    "reserved_tokens = :r, prompt_tokens = :p "
-                    "WHERE item_id = :i AND attempt = :a"
-                ),
-                {
-                    "i": item_id,
-                    "a": attempt,
-                    "l": lease_id,
-                    "f": fencing_token,
-                    "r": reservation_tokens,
-                    "p": prompt_tokens,
-                },
-            )
-            _bump_counters(conn, [(row[0], ItemState.RESERVED, ItemState.RUNNING)])
+            ).all()
+            _bump_counters(conn, [(r.job_id, ItemState.RESERVED, ItemState.RUNNING) for r in rows])
+        return [r.id for r in rows]
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
         """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
@@ -1048,8 +1062,10 @@ class Repository:
                     "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
                     "  lost.state AS from_state, lost.node, lost.attempt, lost.lease_id, "
                     "  lost.fencing_token, lost.reservation_tokens, lost.lease_expires_at), "
-                    "att AS (UPDATE attempts t SET ended_at = now(), outcome = 'lost' "
-                    "  FROM moved m WHERE t.item_id = m.id AND t.attempt = m.attempt) "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome) "
+                    "  SELECT id, attempt, coalesce(node, ''), now(), 'lost' FROM moved "
+                    "  ON CONFLICT (item_id, attempt) DO UPDATE SET ended_at = now(), "
+                    "  outcome = 'lost') "
                     "SELECT * FROM moved"
                 ),
                 {"l": limit},
@@ -1106,9 +1122,11 @@ class Repository:
                     "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
                     "  old.state AS from_state, old.node, old.attempt, old.lease_id, "
                     "  old.fencing_token, old.reservation_tokens, old.lease_expires_at), "
-                    "att AS (UPDATE attempts t SET ended_at = now(), outcome = :to "
-                    "  FROM moved m WHERE t.item_id = m.id AND t.attempt = m.attempt "
-                    "  AND t.ended_at IS NULL) "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome) "
+                    "  SELECT id, attempt, coalesce(node, ''), now(), :to FROM moved "
+                    "  WHERE from_state IN ('reserved', 'running') "
+                    "  ON CONFLICT (item_id, attempt) DO UPDATE SET ended_at = now(), "
+                    "  outcome = EXCLUDED.outcome) "
                     "SELECT * FROM moved"
                 ),
                 {"j": job_id, "src": sources, "to": target.value},
@@ -1191,10 +1209,15 @@ def _end_attempt(
     output_tokens: int | None,
     detail: str | None = None,
 ) -> None:
+    # An attempt row exists once the attempt started; one that ended unstarted (deferred,
+    # released, failed validation) is recorded here for the first time.
     conn.execute(
         text(
-            "UPDATE attempts SET ended_at = now(), outcome = :o, output_tokens = :t, "
-            "detail = :d WHERE item_id = :i AND attempt = :a"
+            "INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, output_tokens, "
+            "detail) SELECT id, attempt, coalesce(node, ''), now(), :o, :t, :d FROM items "
+            "WHERE id = :i ON CONFLICT (item_id, attempt) DO UPDATE SET ended_at = now(), "
+            "outcome = EXCLUDED.outcome, output_tokens = EXCLUDED.output_tokens, "
+            "detail = EXCLUDED.detail"
         ),
         {"i": item_id, "a": attempt, "o": outcome.value, "t": output_tokens, "d": detail},
     )

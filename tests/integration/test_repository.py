@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from backfill.config import libpq_url
 from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
-from backfill.repository import Finish, JobRecord, NewItem, Repository, key_digest
+from backfill.repository import Finish, JobRecord, NewItem, Repository, Start, key_digest
 from backfill.states import ItemState, JobState
 
 
@@ -344,3 +344,39 @@ def test_exact_token_counts_update_the_job_totals(repo: Repository) -> None:
     items = repo.claim("n1", 2, 30)
     repo.set_prompt_tokens([(items[0].id, 150, 256), (items[1].id, 90, 128)])
     assert repo.get_job(None, job.id).counts.prompt_tokens == 240
+
+
+def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -> None:
+    _job(repo, 1)
+    c1 = repo.claim("n1", 1, 30)[0]
+    repo.give_back(c1.id, c1.attempt, ItemState.DEFERRED, detail="no slack")
+    c2 = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        c2.id,
+        c2.attempt,
+        lease_id="l2",
+        fencing_token=2,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    repo.preempt(c2.id, c2.attempt, 2, partial_output="ab", partial_tokens=2)
+    c3 = repo.claim("n2", 1, 30)[0]
+    applied = repo.start_many(
+        [Start(c3.id, c3.attempt, "l3", 3, 128, 100), Start(c3.id, c3.attempt - 1, "x", 9, 1, 1)],
+        30,
+    )
+    assert applied == [c3.id]
+    repo.finish([Finish(c3.id, c3.attempt, 3, ItemState.SUCCEEDED, result="r", output_tokens=7)])
+    with repo.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT attempt, node, lease_id, fencing_token, outcome, output_tokens "
+                "FROM attempts ORDER BY attempt"
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        (1, "n1", None, None, "deferred", None),
+        (2, "n1", "l2", 2, "preempted", 2),
+        (3, "n2", "l3", 3, "succeeded", 7),
+    ]
