@@ -1,0 +1,217 @@
+-- Shared helpers of the ledger scripts. backfill/ledger.py prepends a line of constants
+-- (SHIFT, MAX_INT, PPM, ENDED_TTL_MS, REAP_IN_RESERVE, from backfill/keys.py) and this file
+-- to every script, so the rules below exist once.
+--
+-- Every per-node script takes the same KEYS:
+--   KEYS[1] pool hash      KEYS[2] leases hash (id -> msgpack)   KEYS[3] expiry zset
+--   KEYS[4] fence counter  KEYS[5] ended hash (id -> reason:fence)  KEYS[6] ended_at zset
+--   KEYS[7] ready marker (global; holds the epoch of the last rebuild)
+--
+-- Redis runs a script to the end or stops at the first error, keeping earlier writes: every
+-- script validates all of its arguments before its first write.
+--
+-- Numbers go to redis.call through fmt(): Lua turns numbers into strings with "%.14g", which
+-- would round fencing tokens (up to 2^53).
+local K_POOL, K_LEASES, K_EXPIRY, K_FENCE, K_ENDED, K_ENDED_AT, K_READY =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+
+local function fmt(n) return string.format('%d', n) end
+
+local function bad(msg) error({err = 'backfill: ' .. msg}) end
+
+local function int_arg(v, name, lo)
+  local n = tonumber(v)
+  if n == nil or n ~= n or n ~= math.floor(n) or n < lo or n > MAX_INT then
+    bad('bad ' .. name .. ': ' .. tostring(v))
+  end
+  return n
+end
+
+local function opt_int(v, name, lo, default)
+  if v == nil or v == '' then return default end
+  return int_arg(v, name, lo)
+end
+
+local function flag_arg(v, name)
+  if v == '1' then return 1 elseif v == '0' then return 0 end
+  bad('bad ' .. name .. ' (0 or 1): ' .. tostring(v))
+end
+
+local function str_arg(v, name, allow_empty)
+  if v == nil or (v == '' and not allow_empty) or string.len(v) > 256 then
+    bad('bad ' .. name .. ': ' .. tostring(v))
+  end
+  return v
+end
+
+local function class_arg(v)
+  if v == 'interactive' or v == 'batch' then return v end
+  bad('bad class: ' .. tostring(v))
+end
+
+local function now_arg(v)
+  if v == nil or v == '' then
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return int_arg(v, 'now_ms', 0)
+end
+
+local function argc(n)
+  if #ARGV ~= n then bad('expected ' .. n .. ' arguments, got ' .. #ARGV) end
+end
+
+local POOL_FIELDS = {'capacity', 'block_size', 'reserve', 'headroom', 'safety', 'max_seq_i',
+  'max_seq_b', 'overcommit_ppm', 'epoch', 'observed', 'observed_ms', 'i_used', 'b_used'}
+
+-- The pool as numbers (epoch is nil until a rebuild or a registration gives it one), or nil.
+local function load_pool()
+  local v = redis.call('HMGET', K_POOL, unpack(POOL_FIELDS))
+  if not v[1] then return nil end
+  local p = {}
+  for i, f in ipairs(POOL_FIELDS) do p[f] = tonumber(v[i]) end
+  for _, f in ipairs({'observed', 'observed_ms', 'i_used', 'b_used', 'overcommit_ppm'}) do
+    p[f] = p[f] or 0
+  end
+  return p
+end
+
+-- The formulas of backfill/policy.py.
+local function batch_ceiling(p)
+  return math.max(0, p.capacity - math.max(p.reserve, p.headroom) - p.safety)
+end
+
+local function batch_slack(p)
+  local i_eff = math.max(p.i_used, p.observed)
+  return math.max(0, p.capacity - math.max(p.reserve, i_eff + p.headroom) - p.b_used - p.safety)
+end
+
+local function interactive_room(p)
+  return math.max(0, p.capacity - p.i_used - p.b_used)
+end
+
+-- A lease is stored as a msgpack array (integers stay exact up to 2^53).
+local function decode(id, raw)
+  local t = cmsgpack.unpack(raw)
+  return {id = id, class = t[1], tokens = t[2], owner = t[3], fence = t[4], expires = t[5],
+    preemptible = t[6], generated = t[7], started = t[8], deadline = t[9], ttl = t[10]}
+end
+
+local function encode(l)
+  return cmsgpack.pack({l.class, l.tokens, l.owner, l.fence, l.expires, l.preemptible,
+    l.generated, l.started, l.deadline, l.ttl})
+end
+
+local function lease_reply(l)
+  return {l.id, l.class, l.tokens, l.owner, l.fence, l.expires, l.preemptible, l.generated,
+    l.started, l.deadline}
+end
+
+local function used_field(class)
+  if class == 'interactive' then return 'i_used' end
+  return 'b_used'
+end
+
+local function end_lease(l, reason, now)
+  redis.call('HDEL', K_LEASES, l.id)
+  redis.call('ZREM', K_EXPIRY, l.id)
+  redis.call('HSET', K_ENDED, l.id, reason .. ':' .. fmt(l.fence))
+  redis.call('ZADD', K_ENDED_AT, fmt(now), l.id)
+  redis.call('HINCRBY', K_POOL, used_field(l.class), fmt(-l.tokens))
+end
+
+-- Reclaim up to `limit` leases whose expiry is at or before now; returns their ids.
+local function reap(now, limit)
+  local ids = redis.call('ZRANGEBYSCORE', K_EXPIRY, '-inf', fmt(now), 'LIMIT', 0, limit)
+  for _, id in ipairs(ids) do
+    local raw = redis.call('HGET', K_LEASES, id)
+    if raw then
+      end_lease(decode(id, raw), 'expired', now)
+    else
+      redis.call('ZREM', K_EXPIRY, id)
+    end
+  end
+  return ids
+end
+
+local function trim_ended(now, limit)
+  local old = redis.call('ZRANGEBYSCORE', K_ENDED_AT, '-inf', fmt(now - ENDED_TTL_MS),
+    'LIMIT', 0, limit)
+  if #old > 0 then
+    redis.call('HDEL', K_ENDED, unpack(old))
+    redis.call('ZREM', K_ENDED_AT, unpack(old))
+  end
+end
+
+-- Why a lease id is not live: 'released' | 'expired' | 'preempted' with its fence, or nil.
+local function ended(id)
+  local e = redis.call('HGET', K_ENDED, id)
+  if not e then return nil, nil end
+  local sep = string.find(e, ':', 1, true)
+  return string.sub(e, 1, sep - 1), tonumber(string.sub(e, sep + 1))
+end
+
+-- The live lease `id` if `fence` holds it, else nil and the holder's status: 'fenced',
+-- 'expired', 'preempted', 'already_released' or 'unknown'. An expired lease not yet reaped is
+-- already lost to its holder: expiry is final.
+local function held(id, fence, now)
+  local raw = redis.call('HGET', K_LEASES, id)
+  if raw then
+    local l = decode(id, raw)
+    if l.fence ~= fence then return nil, 'fenced' end
+    if l.expires <= now then return nil, 'expired' end
+    return l, 'ok'
+  end
+  local reason, efence = ended(id)
+  if reason == nil then return nil, 'unknown' end
+  if efence ~= fence then return nil, 'fenced' end
+  if reason == 'released' then return nil, 'already_released' end
+  return nil, reason
+end
+
+-- Victims as backfill.policy.choose_victims picks them: preemptible batch leases, least
+-- generated work first, then the latest deadline (0 = none = latest), then the most recently
+-- started, then by id; greedy until `needed` is freed, then drop picks the rest cover.
+local function choose_victims(needed)
+  if needed <= 0 then return {} end
+  local all = redis.call('HGETALL', K_LEASES)
+  local cands = {}
+  for i = 1, #all, 2 do
+    local l = decode(all[i], all[i + 1])
+    if l.class == 'batch' and l.preemptible == 1 then
+      l.dkey = (l.deadline == 0) and math.huge or l.deadline
+      cands[#cands + 1] = l
+    end
+  end
+  table.sort(cands, function(a, b)
+    if a.generated ~= b.generated then return a.generated < b.generated end
+    if a.dkey ~= b.dkey then return a.dkey > b.dkey end
+    if a.started ~= b.started then return a.started > b.started end
+    return a.id < b.id
+  end)
+  local chosen, freed = {}, 0
+  for _, l in ipairs(cands) do
+    if freed >= needed then break end
+    chosen[#chosen + 1] = l
+    freed = freed + l.tokens
+  end
+  if freed < needed then return nil end
+  for i = #chosen, 1, -1 do
+    if freed - chosen[i].tokens >= needed then
+      freed = freed - chosen[i].tokens
+      table.remove(chosen, i)
+    end
+  end
+  return chosen
+end
+
+-- Preempt `victims`: free their tokens, remember why they ended, tell their workers.
+local function preempt_all(victims, now, channel)
+  local ids = {}
+  for _, v in ipairs(victims) do
+    end_lease(v, 'preempted', now)
+    ids[#ids + 1] = v.id
+  end
+  for _, id in ipairs(ids) do redis.call('PUBLISH', channel, id) end
+  return ids
+end

@@ -1,0 +1,55 @@
+-- restore: put back a node's live batch leases from Postgres after Redis lost them (part of a
+-- rebuild). Leases still live here are kept as they are, leases that ended here lately (same
+-- fencing token) and leases already past their expiry are skipped: a rebuild can only ever
+-- count more tokens as held, never fewer.
+--
+-- KEYS: the per-node keys (see _lib.lua)
+-- ARGV[1] now_ms ('' = Redis TIME)
+-- ARGV[2] count of leases that follow
+-- then, per lease, 9 values: lease id, tokens (>= 0), fencing token, expires_ms, owner,
+--   preemptible ('1' | '0'), generated_tokens, started_ms, deadline_ms ('' or '0' = none)
+-- Every fencing token must be below the pool's epoch * 2^32 (given from an earlier epoch), so
+-- tokens handed out after the rebuild are larger.
+--
+-- Returns {restored, skipped}.
+if #ARGV < 2 then bad('expected at least 2 arguments, got ' .. #ARGV) end
+local now = now_arg(ARGV[1])
+local count = int_arg(ARGV[2], 'count', 0)
+argc(2 + 9 * count)
+local pool = load_pool()
+if not pool then bad('unknown node') end
+if not pool.epoch then bad('the pool has no epoch: register it with one first') end
+local floor = pool.epoch * SHIFT
+local leases = {}
+for i = 0, count - 1 do
+  local b = 2 + 9 * i
+  local l = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = 'batch',
+    tokens = int_arg(ARGV[b + 2], 'tokens', 0),
+    fence = int_arg(ARGV[b + 3], 'fencing_token', 0),
+    expires = int_arg(ARGV[b + 4], 'expires_ms', 0),
+    owner = str_arg(ARGV[b + 5], 'owner', true),
+    preemptible = flag_arg(ARGV[b + 6], 'preemptible'),
+    generated = int_arg(ARGV[b + 7], 'generated_tokens', 0),
+    started = int_arg(ARGV[b + 8], 'started_ms', 0),
+    deadline = opt_int(ARGV[b + 9], 'deadline_ms', 0, 0)}
+  if l.fence >= floor then
+    bad('fencing token ' .. fmt(l.fence) .. ' of ' .. l.id .. ' is not below epoch ' ..
+      fmt(pool.epoch) .. ' * 2^32')
+  end
+  l.ttl = math.max(1, l.expires - now)
+  leases[#leases + 1] = l
+end
+
+local restored, skipped = 0, 0
+for _, l in ipairs(leases) do
+  local _, efence = ended(l.id)
+  if l.expires <= now or efence == l.fence or redis.call('HEXISTS', K_LEASES, l.id) == 1 then
+    skipped = skipped + 1
+  else
+    redis.call('HSET', K_LEASES, l.id, encode(l))
+    redis.call('ZADD', K_EXPIRY, fmt(l.expires), l.id)
+    redis.call('HINCRBY', K_POOL, 'b_used', fmt(l.tokens))
+    restored = restored + 1
+  end
+end
+return {restored, skipped}
