@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
@@ -163,12 +164,14 @@ class Job(Base):
 class JobCounters(Base):
     """Items per state and token totals of one job, kept in step with every transition.
 
-    Status reads come from here (one row), never from COUNT(*) over a job's items.
+    Status reads sum a job's few shard rows, never COUNT(*) over its items. Each database
+    connection writes its own shard, so concurrent workers do not serialise on one row lock.
     """
 
     __tablename__ = "job_counters"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    shard: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     total: Mapped[int] = mapped_column(Integer, server_default="0")
     queued: Mapped[int] = mapped_column(Integer, server_default="0")
     deferred: Mapped[int] = mapped_column(Integer, server_default="0")

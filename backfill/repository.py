@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -43,6 +43,7 @@ from backfill.states import (
 )
 
 COUNTED_STATES: tuple[ItemState, ...] = tuple(ItemState)
+COUNTER_SHARDS = 16
 
 # ---------------------------------------------------------------------------------------------
 # Records returned to callers (plain values; no ORM session escapes this module)
@@ -235,6 +236,20 @@ _JOB_TIMESTAMP = {
     JobState.CANCELLED: "cancelled_at",
 }
 
+_COUNTER_COLUMNS = (
+    "total",
+    *(s.value for s in COUNTED_STATES),
+    "prompt_tokens",
+    "max_output_tokens",
+    "output_tokens",
+)
+# A job's counters are spread over a few shard rows (see _add_to_counters); readers sum them.
+_COUNTERS_JOIN = (
+    "CROSS JOIN LATERAL (SELECT "
+    + ", ".join(f"coalesce(sum({c}), 0) AS {c}" for c in _COUNTER_COLUMNS)
+    + " FROM job_counters WHERE job_id = j.id) c"
+)
+
 _JOB_COLUMNS = (
     "j.id, j.tenant_id, j.input_file_id, j.endpoint, j.model, j.completion_window, j.state, "
     "j.deadline, j.metadata, j.errors, j.idempotency_key, j.output_file_id, j.error_file_id, "
@@ -283,19 +298,25 @@ class Repository:
 
     @classmethod
     def connect(cls, database_url: str, *, pool_size: int = 5) -> Repository:
-        engine = create_engine(
-            database_url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
-        )
+        engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
         return cls(engine)
 
     def close(self) -> None:
         self.engine.dispose()
 
     @contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        """One transaction; driver errors leave as Backfill's own types."""
+    def _tx(self, *, durable: bool = True) -> Iterator[Connection]:
+        """One transaction; driver errors leave as Backfill's own types.
+
+        ``durable=False`` commits without waiting for the WAL flush. Only for writes whose
+        loss in a Postgres crash is harmless by design: a lost claim or start leaves the item
+        claimable again (or rescued by the reaper), and the worker's fenced writes then fail
+        as stale instead of doing harm. Results are always written durably.
+        """
         try:
             with self.engine.begin() as conn:
+                if not durable:
+                    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
                 yield conn
         except IntegrityError as exc:
             raise Conflict(str(exc.orig)) from exc
@@ -545,7 +566,6 @@ class Repository:
                 ).scalar_one()
                 job_id = existing
             else:
-                conn.execute(text("INSERT INTO job_counters (job_id) VALUES (:i)"), {"i": job_id})
                 conn.execute(
                     text("INSERT INTO job_events (job_id, to_state) VALUES (:i, :s)"),
                     {"i": job_id, "s": state.value},
@@ -557,7 +577,7 @@ class Repository:
         with self._tx() as conn:
             row = conn.execute(
                 text(
-                    f"SELECT {_JOB_COLUMNS} FROM jobs j JOIN job_counters c ON c.job_id = j.id "
+                    f"SELECT {_JOB_COLUMNS} FROM jobs j {_COUNTERS_JOIN} "
                     "WHERE j.id = :i AND (CAST(:t AS text) IS NULL OR j.tenant_id = :t)"
                 ),
                 {"i": job_id, "t": tenant_id},
@@ -573,7 +593,7 @@ class Repository:
         with self._tx() as conn:
             rows = conn.execute(
                 text(
-                    f"SELECT {_JOB_COLUMNS} FROM jobs j JOIN job_counters c ON c.job_id = j.id "
+                    f"SELECT {_JOB_COLUMNS} FROM jobs j {_COUNTERS_JOIN} "
                     "WHERE j.tenant_id = :t AND (CAST(:a AS text) IS NULL OR "
                     "(j.created_at, j.id) < (SELECT created_at, id FROM jobs "
                     "WHERE id = :a AND tenant_id = :t)) "
@@ -604,7 +624,7 @@ class Repository:
                         "SELECT coalesce(sum((c.prompt_tokens + c.max_output_tokens) "
                         "* (c.total - c.succeeded - c.failed - c.expired - c.cancelled) "
                         "/ greatest(c.total, 1)), 0) FROM jobs j "
-                        "JOIN job_counters c ON c.job_id = j.id WHERE j.tenant_id = :t "
+                        f"{_COUNTERS_JOIN} WHERE j.tenant_id = :t "
                         "AND j.state IN ('validating', 'in_progress', 'cancelling')"
                     ),
                     {"t": tenant_id},
@@ -735,13 +755,16 @@ class Repository:
                     n += 1
                     prompt_sum += it.prompt_tokens or 0
                     max_out_sum += it.max_output_tokens
-            conn.execute(
-                text(
-                    "UPDATE job_counters SET total = total + :n, queued = queued + :n, "
-                    "prompt_tokens = prompt_tokens + :p, "
-                    "max_output_tokens = max_output_tokens + :m WHERE job_id = :i"
-                ),
-                {"n": n, "p": prompt_sum, "m": max_out_sum, "i": job_id},
+            _add_to_counters(
+                conn,
+                {
+                    job_id: {
+                        "total": n,
+                        "queued": n,
+                        "prompt_tokens": prompt_sum,
+                        "max_output_tokens": max_out_sum,
+                    }
+                },
             )
         return n
 
@@ -766,17 +789,10 @@ class Repository:
                     "r": [c[2] for c in counts],
                 },
             ).all()
-            deltas: dict[str, int] = defaultdict(int)
+            deltas: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
             for job_id, delta in rows:
-                deltas[job_id] += delta
-            for job_id in sorted(deltas):
-                conn.execute(
-                    text(
-                        "UPDATE job_counters SET prompt_tokens = prompt_tokens + :d "
-                        "WHERE job_id = :i"
-                    ),
-                    {"d": deltas[job_id], "i": job_id},
-                )
+                deltas[job_id]["prompt_tokens"] += delta
+            _add_to_counters(conn, deltas)
 
     # -----------------------------------------------------------------------------------------
     # Items: the worker's path
@@ -790,7 +806,7 @@ class Repository:
         out any older attempt's writes.
         """
         sources = _check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
-        with self._tx() as conn:
+        with self._tx(durable=False) as conn:
             rows = conn.execute(
                 text(
                     "WITH picked AS ("
@@ -807,14 +823,12 @@ class Repository:
                     "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
                     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
                     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state"
-                    ") SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
+                    f"), {_CNT_CLAIM} "
+                    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
                     "ORDER BY m.deadline, m.id"
                 ),
                 {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources},
             ).all()
-            _bump_counters(
-                conn, [(r.job_id, ItemState(r.from_state), ItemState.RESERVED) for r in rows]
-            )
         return [
             ClaimedItem(
                 id=r.id,
@@ -856,7 +870,7 @@ class Repository:
         _check_moves([ItemState.RESERVED], ItemState.RUNNING)
         if not starts:
             return []
-        with self._tx() as conn:
+        with self._tx(durable=False) as conn:
             rows = conn.execute(
                 text(
                     "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
@@ -868,6 +882,7 @@ class Repository:
                     "  started_at = coalesce(i.started_at, now()), updated_at = now() "
                     "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
                     "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p), "
+                    f"{_CNT_START}, "
                     "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, "
                     "  fencing_token, reserved_tokens, prompt_tokens) "
                     "  SELECT id, attempt, node, l, f, r, p FROM moved "
@@ -887,7 +902,6 @@ class Repository:
                     "ttl": lease_ttl_s,
                 },
             ).all()
-            _bump_counters(conn, [(r.job_id, ItemState.RESERVED, ItemState.RUNNING) for r in rows])
         return [r.id for r in rows]
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
@@ -931,6 +945,7 @@ class Repository:
                     "  updated_at = now() FROM v WHERE i.id = v.id AND i.attempt = v.a "
                     "  AND i.fencing_token = v.f AND i.state = 'running' "
                     "  RETURNING i.id, i.job_id, i.attempt, v.s, v.out), "
+                    f"{_CNT_FINISH}, "
                     "att AS (UPDATE attempts t SET ended_at = now(), outcome = m.s, "
                     "  output_tokens = m.out FROM moved m "
                     "  WHERE t.item_id = m.id AND t.attempt = m.attempt) "
@@ -947,14 +962,6 @@ class Repository:
                     "pt": [f.prompt_tokens for f in finishes],
                 },
             ).all()
-            out_tokens: dict[str, int] = defaultdict(int)
-            for r in rows:
-                out_tokens[r.job_id] += r.out or 0
-            _bump_counters(
-                conn,
-                [(r.job_id, ItemState.RUNNING, ItemState(r.s)) for r in rows],
-                output_tokens=out_tokens,
-            )
         return [r.id for r in rows]
 
     def preempt(
@@ -1200,6 +1207,36 @@ class Repository:
                 ).scalar_one()
             )
 
+    # -----------------------------------------------------------------------------------------
+    # The Batch API's lookups
+    # -----------------------------------------------------------------------------------------
+
+    def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None:
+        """The job a tenant already created with this key, if any (a retried create)."""
+        with self._tx() as conn:
+            return conn.execute(
+                text("SELECT id FROM jobs WHERE tenant_id = :t AND idempotency_key = :k"),
+                {"t": tenant_id, "k": idempotency_key},
+            ).scalar()
+
+    def jobs_with_all_items_finished(self, limit: int = 100) -> list[str]:
+        """In-progress or finalizing jobs none of whose items is unfinished: ready to finalize.
+
+        Asks the items (through the ``(job_id, state)`` index) rather than the counters, so a
+        job is never finalized on a counter that drifted."""
+        unfinished = [s.value for s in ItemState if s not in ITEM_TERMINAL]
+        with self._tx() as conn:
+            return list(
+                conn.execute(
+                    text(
+                        "SELECT j.id FROM jobs j WHERE j.state IN ('in_progress', 'finalizing') "
+                        "AND NOT EXISTS (SELECT 1 FROM items i WHERE i.job_id = j.id "
+                        "AND i.state = ANY(:u)) ORDER BY j.deadline LIMIT :l"
+                    ),
+                    {"u": unfinished, "l": limit},
+                ).scalars()
+            )
+
 
 def _end_attempt(
     conn: Connection,
@@ -1223,29 +1260,78 @@ def _end_attempt(
     )
 
 
+def _counters_cte(deltas: Mapping[str, str]) -> str:
+    """A ``cnt`` CTE that adds aggregates over the ``moved`` CTE to the counters, inside the
+    same statement (one round trip). ``deltas`` maps counter columns to aggregate
+    expressions; only those columns are written. Rows are written in job-id order, the lock
+    order every counter writer follows (see ``_add_to_counters``)."""
+    cols = list(deltas)
+    return (
+        f"cnt AS (INSERT INTO job_counters (job_id, shard, {', '.join(cols)}) "
+        f"SELECT job_id, pg_backend_pid() % {COUNTER_SHARDS}, {', '.join(deltas.values())} "
+        "FROM moved GROUP BY job_id ORDER BY job_id ON CONFLICT (job_id, shard) DO UPDATE SET "
+        + ", ".join(f"{c} = job_counters.{c} + EXCLUDED.{c}" for c in cols)
+        + ")"
+    )
+
+
+def _moved_from(state: ItemState) -> str:
+    return f"-count(*) FILTER (WHERE from_state = '{state.value}')"
+
+
+_CNT_CLAIM = _counters_cte(
+    {s.value: _moved_from(s) for s in sorted(ITEM_CLAIMABLE)} | {"reserved": "count(*)"}
+)
+_CNT_START = _counters_cte({"reserved": "-count(*)", "running": "count(*)"})
+_CNT_FINISH = _counters_cte(
+    {
+        "running": "-count(*)",
+        "succeeded": "count(*) FILTER (WHERE s = 'succeeded')",
+        "failed": "count(*) FILTER (WHERE s = 'failed')",
+        "output_tokens": "coalesce(sum(out), 0)",
+    }
+)
+
+
 def _bump_counters(
     conn: Connection,
     moves: Sequence[tuple[str, ItemState, ItemState]],
     *,
     output_tokens: dict[str, int] | None = None,
 ) -> None:
-    """Apply (job_id, from, to) moves to the per-job counters, one row per job, in job-id
-    order (the lock order that keeps concurrent writers deadlock-free)."""
-    per_job: dict[str, Counter[ItemState]] = defaultdict(Counter)
+    """Apply (job_id, from, to) item moves to the per-job counters."""
+    deltas: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for job_id, source, target in moves:
-        per_job[job_id][source] -= 1
-        per_job[job_id][target] += 1
-    for job_id in sorted(set(per_job) | set(output_tokens or {})):
-        deltas = {s: d for s, d in per_job[job_id].items() if d}
-        sets = [f"{s.value} = {s.value} + :{s.value}" for s in deltas]
-        params: dict[str, Any] = {s.value: d for s, d in deltas.items()}
-        if output_tokens and output_tokens.get(job_id):
-            sets.append("output_tokens = output_tokens + :out")
-            params["out"] = output_tokens[job_id]
-        if not sets:
+        deltas[job_id][source.value] -= 1
+        deltas[job_id][target.value] += 1
+    for job_id, n in (output_tokens or {}).items():
+        deltas[job_id]["output_tokens"] += n
+    _add_to_counters(conn, deltas)
+
+
+def _add_to_counters(conn: Connection, deltas: Mapping[str, Mapping[str, int]]) -> None:
+    """Add column deltas to each job's counters.
+
+    Every connection writes its own shard row of a job (``pg_backend_pid() % SHARDS``), so
+    concurrent workers finishing items of one job do not queue on one row lock through each
+    other's commits; readers sum the shards. Rows are touched in job-id order, the one lock
+    order every writer follows, so writers cannot deadlock.
+    """
+    for job_id in sorted(deltas):
+        cols = {c: d for c, d in deltas[job_id].items() if d}
+        if not cols:
             continue
-        params["job"] = job_id
-        conn.execute(text(f"UPDATE job_counters SET {', '.join(sets)} WHERE job_id = :job"), params)
+        names = sorted(cols)
+        conn.execute(
+            text(
+                f"INSERT INTO job_counters (job_id, shard, {', '.join(names)}) "
+                f"VALUES (:job, pg_backend_pid() % {COUNTER_SHARDS}, "
+                + ", ".join(f":{c}" for c in names)
+                + ") ON CONFLICT (job_id, shard) DO UPDATE SET "
+                + ", ".join(f"{c} = job_counters.{c} + EXCLUDED.{c}" for c in names)
+            ),
+            {"job": job_id, **cols},
+        )
 
 
 def utc_now_plus(seconds: float) -> datetime:

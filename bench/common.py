@@ -9,12 +9,19 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import psycopg
+
+from backfill.config import get_settings, libpq_url
+from backfill.migrate import upgrade
 
 OUT_DIR = Path(__file__).parent / "out"
 
@@ -98,3 +105,23 @@ class Stopwatch:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._t0
+
+
+@contextmanager
+def scratch_database(prefix: str = "bfbench") -> Iterator[str]:
+    """A fresh database at migration head on the configured server, dropped afterwards.
+
+    Yields its SQLAlchemy URL. Benchmarks never touch the database a deployment uses.
+    """
+    admin_url = get_settings().database_url
+    base = admin_url.rpartition("/")[0]
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"{base}/{name}"
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

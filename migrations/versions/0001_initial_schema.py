@@ -234,6 +234,7 @@ def upgrade() -> None:
     op.create_table(
         "job_counters",
         sa.Column("job_id", sa.String(length=40), nullable=False),
+        sa.Column("shard", sa.SmallInteger(), nullable=False),
         sa.Column("total", sa.Integer(), server_default="0", nullable=False),
         sa.Column("queued", sa.Integer(), server_default="0", nullable=False),
         sa.Column("deferred", sa.Integer(), server_default="0", nullable=False),
@@ -250,7 +251,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["job_id"], ["jobs.id"], name=op.f("fk_job_counters_job_id_jobs"), ondelete="CASCADE"
         ),
-        sa.PrimaryKeyConstraint("job_id", name=op.f("pk_job_counters")),
+        sa.PrimaryKeyConstraint("job_id", "shard", name=op.f("pk_job_counters")),
     )
     op.create_table(
         "job_events",

@@ -1,0 +1,147 @@
+"""Claim + complete throughput through the repository vs a raw SQL loop, same run.
+
+4 claimer processes, 64 items per claim. The peer is the bare Postgres-queue pattern on the
+same ``items`` table (same indexes): one ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
+LOCKED)`` to claim, one ``UPDATE`` to mark done. Backfill's path is what a worker does:
+``claim`` (EDF, attempt fencing, counters), ``start_many`` (lease ids and fencing tokens,
+attempt rows) and ``finish`` (fenced results, attempt outcomes, counters).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+
+from backfill.config import libpq_url
+from backfill.repository import Finish, NewItem, Repository, Start
+from backfill.states import ItemState, JobState
+from bench.common import Stopwatch, finish, parser, scratch_database, table
+
+NAME = "claim"
+GOAL = 0.7
+CLAIMERS = 4
+PER_CLAIM = 64
+BODY = '{"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def _load(url: str, n: int) -> str:
+    repo = Repository.connect(url)
+    try:
+        tenant = repo.create_tenant("bench")
+        f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+        job = repo.create_job(
+            tenant.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(days=1)
+        )
+        repo.insert_items(job.id, (NewItem(i, f"r{i}", BODY, 64, 20, 128) for i in range(n)))
+        repo.move_job(job.id, JobState.IN_PROGRESS)
+        return job.id
+    finally:
+        repo.close()
+
+
+def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    repo = Repository.connect(url, pool_size=1)
+    done = 0
+    fence = worker << 40
+    while batch := repo.claim(f"node{worker}", PER_CLAIM, 30):
+        starts = []
+        for c in batch:
+            fence += 1
+            starts.append(Start(c.id, c.attempt, f"l{fence}", fence, 128, 20))
+        repo.start_many(starts, 30)
+        done += len(
+            repo.finish(
+                [
+                    Finish(
+                        s.item_id,
+                        s.attempt,
+                        s.fencing_token,
+                        ItemState.SUCCEEDED,
+                        result='{"ok": true}',
+                        output_tokens=12,
+                    )
+                    for s in starts
+                ]
+            )
+        )
+    repo.close()
+    out.put(done)
+
+
+def _raw_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    done = 0
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        while True:
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "UPDATE items SET state = 'running', node = %s WHERE id IN ("
+                    "SELECT id FROM items WHERE state = 'queued' ORDER BY deadline, id "
+                    "LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id",
+                    (f"node{worker}", PER_CLAIM),
+                ).fetchall()
+            ]
+            if not ids:
+                break
+            conn.execute(
+                "UPDATE items SET state = 'succeeded', result = '{\"ok\": true}', "
+                "output_tokens = 12 WHERE id = ANY(%s)",
+                (ids,),
+            )
+            done += len(ids)
+    out.put(done)
+
+
+def _run(target: object, url: str) -> tuple[float, int]:
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=target, args=(url, w, out)) for w in range(CLAIMERS)]  # type: ignore[arg-type]
+    with Stopwatch() as sw:
+        for p in procs:
+            p.start()
+        total = sum(out.get() for _ in procs)
+        for p in procs:
+            p.join()
+    return sw.seconds, total
+
+
+def main() -> None:
+    args = parser(NAME, __doc__ or "").parse_args()
+    n = 12_000 if args.quick else 50_000
+    results: dict[str, list[float]] = {"raw": [], "repo": []}
+    for r in range(1 if args.quick else 2):
+        for side in ("raw", "repo") if r % 2 == 0 else ("repo", "raw"):
+            with scratch_database("bfclaim") as url:
+                job_id = _load(url, n)
+                secs, total = _run(_raw_claimer if side == "raw" else _repo_claimer, url)
+                assert total == n, (side, total, n)
+                if side == "repo":
+                    repo = Repository.connect(url)
+                    counts = repo.get_job(None, job_id).counts
+                    repo.close()
+                    assert counts.count(ItemState.SUCCEEDED) == n
+            results[side].append(n / secs)
+    raw, repo = max(results["raw"]), max(results["repo"])
+    print(
+        table(
+            ["path", "items", "claimers", "per claim", "items/s (best)"],
+            [
+                ("raw SQL claim + done", n, CLAIMERS, PER_CLAIM, raw),
+                ("Backfill claim + start_many + finish", n, CLAIMERS, PER_CLAIM, repo),
+            ],
+        )
+    )
+    finish(
+        NAME,
+        "ratio",
+        repo / raw,
+        ">=",
+        GOAL,
+        {"items": n, "raw_items_per_s": raw, "repo_items_per_s": repo, "runs": results},
+    )
+
+
+if __name__ == "__main__":
+    main()
