@@ -118,9 +118,9 @@ def main() -> None:
                 secs, total = _run(_raw_claimer if side == "raw" else _repo_claimer, url)
                 assert total == n, (side, total, n)
                 if side == "repo":
-                    repo = Repository.connect(url)
-                    counts = repo.get_job(None, job_id).counts
-                    repo.close()
+                    check = Repository.connect(url)
+                    counts = check.get_job(None, job_id).counts
+                    check.close()
                     assert counts.count(ItemState.SUCCEEDED) == n
             results[side].append(n / secs)
     raw, repo = max(results["raw"]), max(results["repo"])
