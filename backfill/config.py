@@ -66,6 +66,23 @@ class Settings(BaseSettings):
     max_file_bytes: PositiveInt = 200 * 1024 * 1024
     max_line_bytes: PositiveInt = 1024 * 1024
     max_lines_per_batch: PositiveInt = 100_000
+    max_active_batches_per_tenant: PositiveInt = 100
+    # The batch class's per-sequence limit (prompt + max output), as the admission policy's.
+    batch_max_sequence_tokens: PositiveInt = 32_768
+    # The longest token of the served vocabularies, in bytes. Prompt characters divided by it
+    # are a lower bound on prompt tokens, so the API rejects only what is certainly too long.
+    max_bytes_per_token: PositiveInt = 128
+
+    # Completion windows (``completion_window``) a batch may ask for.
+    min_completion_window_s: PositiveInt = 5 * 60
+    max_completion_window_s: PositiveInt = 7 * 24 * 3600
+    # Batch decode throughput of the whole deployment, used for deadline feasibility until
+    # workers report a measured rate.
+    batch_throughput_tokens_per_s: PositiveFloat = 5_000.0
+
+    # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
+    rate_limit_per_s: PositiveFloat = 50.0
+    rate_limit_burst: PositiveInt = 200
 
     @field_validator("database_url")
     @classmethod

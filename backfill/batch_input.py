@@ -1,0 +1,377 @@
+"""Checking a batch input file (OpenAI's JSONL) before any of it is stored or run.
+
+Two stages, cheapest first:
+
+* :func:`check_upload` at upload: size, line count and line length, by scanning bytes.
+* :func:`validate_batch_input` at batch creation: every line parsed and checked against the
+  batch's endpoint. Either every line is valid and the result holds the items to insert, or
+  the result lists what is wrong, line by line, and nothing is stored.
+
+Token limits are checked here only where the answer is certain. A token of a byte-level
+vocabulary covers at most ``max_bytes_per_token`` bytes, and a character is at least one byte,
+so ``ceil(prompt characters / max_bytes_per_token)`` is a lower bound on prompt tokens: a line
+whose bound plus ``max_tokens`` already exceeds the class limit can never run. Exact counts
+come from the engine's own tokenizer in the worker, before any engine work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic_core
+
+from backfill.config import Settings
+from backfill.refusals import InvalidRequest, PayloadTooLarge
+from backfill.repository import NewItem
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt"}
+"""Endpoints a batch may target, and the body field that carries each one's prompt."""
+
+MAX_CUSTOM_ID_CHARS = 512
+MAX_REPORTED_ERRORS = 100
+"""A file with a systematic mistake would otherwise report it 50,000 times."""
+
+CHARS_PER_TOKEN_ESTIMATE = 4
+"""For forecasts only (ETA, quota, deadline), never for limits: English text averages about
+four characters per token with the usual vocabularies."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    max_file_bytes: int
+    max_line_bytes: int
+    max_lines: int
+    max_sequence_tokens: int
+    max_bytes_per_token: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> InputLimits:
+        return cls(
+            max_file_bytes=settings.max_file_bytes,
+            max_line_bytes=settings.max_line_bytes,
+            max_lines=settings.max_lines_per_batch,
+            max_sequence_tokens=settings.batch_max_sequence_tokens,
+            max_bytes_per_token=settings.max_bytes_per_token,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    """One problem of an input file, as an entry of OpenAI's ``errors.data``."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+@dataclass(slots=True)
+class ValidatedBatch:
+    """Every line of the file, valid, ready for ``Repository.insert_items``."""
+
+    items: list[NewItem]
+    model: str
+    max_output_tokens: int
+    estimated_prompt_tokens: int
+
+    @property
+    def estimated_tokens(self) -> int:
+        """Worst-case output plus estimated prompt tokens: what forecasts charge the batch."""
+        return self.max_output_tokens + self.estimated_prompt_tokens
+
+
+@dataclass(slots=True)
+class InvalidBatch:
+    """Why the file was refused; ``errors`` is capped at :data:`MAX_REPORTED_ERRORS`."""
+
+    errors: list[LineError] = field(default_factory=list)
+
+
+def check_upload(content: bytes, limits: InputLimits) -> int:
+    """Refuse a batch upload over the size, line-count or line-length limits; returns the
+    number of request lines. Cheap (byte scans only); full validation comes at creation."""
+    if len(content) > limits.max_file_bytes:
+        raise PayloadTooLarge(
+            f"file is {len(content)} bytes; the limit is {limits.max_file_bytes} bytes",
+            param="file",
+        )
+    lines = content.split(b"\n")
+    requests = 0
+    for number, raw in enumerate(lines, start=1):
+        if len(raw) > limits.max_line_bytes:
+            raise InvalidRequest(
+                f"line {number} is {len(raw)} bytes; the limit is {limits.max_line_bytes} bytes",
+                code="line_too_long",
+                param="file",
+            )
+        if raw.strip():
+            requests += 1
+    if requests == 0:
+        raise InvalidRequest("file has no request lines", code="empty_file", param="file")
+    if requests > limits.max_lines:
+        raise InvalidRequest(
+            f"file has {requests} request lines; the limit is {limits.max_lines}",
+            code="too_many_lines",
+            param="file",
+        )
+    return requests
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _loads(raw: bytes) -> Any:
+    return json.loads(raw, parse_constant=_refuse_constant)
+
+
+def _dumps(body: dict[str, Any]) -> str:
+    try:
+        return pydantic_core.to_json(body).decode()
+    except (ValueError, TypeError):
+        # Integers beyond 64 bits: rare enough to take the slow, exact path.
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _is_positive_int(value: Any) -> bool:
+    return type(value) is int and value > 0
+
+
+def _chat_prompt_chars(messages: Any) -> int | str:
+    """Characters of the prompt's text, or a message saying why ``messages`` is invalid."""
+    if type(messages) is not list or not messages:
+        return "body.messages must be a non-empty array of message objects"
+    chars = 0
+    for index, message in enumerate(messages):
+        if type(message) is not dict or type(message.get("role")) is not str:
+            return f"body.messages[{index}] must be an object with a string 'role'"
+        content = message.get("content")
+        if type(content) is str:
+            chars += len(content)
+        elif type(content) is list:
+            for part in content:
+                text = part.get("text") if type(part) is dict else None
+                if type(text) is str:
+                    chars += len(text)
+        elif content is not None:
+            return f"body.messages[{index}].content must be a string, an array or null"
+    return chars
+
+
+def _completion_prompt_chars(prompt: Any) -> int | str:
+    """Characters of a completions prompt (token ids count as one character each, which
+    keeps the bound a lower one: one id is exactly one token)."""
+    if type(prompt) is str:
+        return len(prompt) if prompt else "body.prompt must not be empty"
+    if type(prompt) is list and prompt:
+        if all(type(p) is str for p in prompt):
+            return sum(len(p) for p in prompt)
+        if all(type(p) is int for p in prompt):
+            return len(prompt)
+        if all(type(p) is list and p and all(type(t) is int for t in p) for p in prompt):
+            return sum(len(p) for p in prompt)
+    return "body.prompt must be a string, an array of strings, or token ids"
+
+
+_PROMPT_CHARS: dict[str, Callable[[Any], int | str]] = {
+    CHAT: _chat_prompt_chars,
+    COMPLETIONS: _completion_prompt_chars,
+}
+
+
+def validate_batch_input(
+    content: bytes, endpoint: str, limits: InputLimits
+) -> ValidatedBatch | InvalidBatch:
+    """Check every line of ``content`` for a batch on ``endpoint``."""
+    prompt_chars_of = _PROMPT_CHARS[endpoint]
+    prompt_field = PROMPT_FIELD[endpoint]
+    bad = InvalidBatch()
+    errors = bad.errors
+    more_errors = 0
+
+    def fail(code: str, message: str, line: int | None, param: str | None = None) -> None:
+        nonlocal more_errors
+        if len(errors) < MAX_REPORTED_ERRORS:
+            errors.append(LineError(code, message, line, param))
+        else:
+            more_errors += 1
+
+    items: list[NewItem] = []
+    seen: set[str] = set()
+    model: str | None = None
+    max_output_sum = prompt_chars_sum = 0
+    limit = limits.max_sequence_tokens
+    per_token = limits.max_bytes_per_token
+
+    for number, raw in enumerate(content.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        if len(raw) > limits.max_line_bytes:
+            fail(
+                "line_too_long",
+                f"line is {len(raw)} bytes; the limit is {limits.max_line_bytes}",
+                number,
+            )
+            continue
+        try:
+            request = _loads(raw)
+        except ValueError as exc:
+            fail("invalid_json_line", f"line is not valid JSON: {exc}", number)
+            continue
+        if type(request) is not dict:
+            fail("invalid_json_line", "line must be a JSON object", number)
+            continue
+
+        custom_id = request.get("custom_id")
+        if type(custom_id) is not str or not custom_id:
+            fail("missing_custom_id", "custom_id must be a non-empty string", number, "custom_id")
+            continue
+        if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+            fail(
+                "invalid_custom_id",
+                f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
+                number,
+                "custom_id",
+            )
+            continue
+        if custom_id in seen:
+            fail(
+                "duplicate_custom_id",
+                f"custom_id {custom_id!r} appears more than once in the file",
+                number,
+                "custom_id",
+            )
+            continue
+        seen.add(custom_id)
+
+        if request.get("method") != "POST":
+            fail("invalid_method", "method must be 'POST'", number, "method")
+            continue
+        if request.get("url") != endpoint:
+            fail(
+                "mismatched_endpoint",
+                f"url {request.get('url')!r} does not match the batch's endpoint {endpoint!r}",
+                number,
+                "url",
+            )
+            continue
+        body = request.get("body")
+        if type(body) is not dict:
+            fail("invalid_body", "body must be a JSON object", number, "body")
+            continue
+
+        line_model = body.get("model")
+        if type(line_model) is not str or not line_model:
+            fail("missing_model", "body.model must be a non-empty string", number, "body.model")
+            continue
+        if model is None:
+            model = line_model
+        elif line_model != model:
+            fail(
+                "mismatched_model",
+                f"body.model {line_model!r} differs from {model!r}: a batch runs one model",
+                number,
+                "body.model",
+            )
+            continue
+
+        if prompt_field not in body:
+            fail(
+                "missing_prompt",
+                f"body.{prompt_field} is required for {endpoint}",
+                number,
+                f"body.{prompt_field}",
+            )
+            continue
+        chars = prompt_chars_of(body[prompt_field])
+        if type(chars) is str:
+            fail(f"invalid_{prompt_field}", chars, number, f"body.{prompt_field}")
+            continue
+        assert isinstance(chars, int)
+
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            fail(
+                "missing_max_tokens",
+                "body.max_tokens (or max_completion_tokens) is required: "
+                "Backfill reserves the declared worst case",
+                number,
+                "body.max_tokens",
+            )
+            continue
+        if not _is_positive_int(max_tokens) or (
+            "max_tokens" in body and not _is_positive_int(body["max_tokens"])
+        ):
+            fail(
+                "invalid_max_tokens",
+                "max_tokens must be a positive integer",
+                number,
+                "body.max_tokens",
+            )
+            continue
+        if "max_tokens" in body:
+            max_tokens = max(max_tokens, body["max_tokens"])
+
+        if body.get("stream"):
+            fail(
+                "unsupported_parameter", "stream is not supported in batches", number, "body.stream"
+            )
+            continue
+        n = body.get("n", 1)
+        if n != 1 or body.get("best_of", 1) != 1:
+            fail("unsupported_parameter", "n and best_of must be 1 in batches", number, "body.n")
+            continue
+
+        if max_tokens > limit:
+            fail(
+                "max_tokens_too_large",
+                f"max_tokens {max_tokens} exceeds the batch limit of {limit} tokens per sequence",
+                number,
+                "body.max_tokens",
+            )
+            continue
+        least_prompt_tokens = math.ceil(chars / per_token)
+        if least_prompt_tokens + max_tokens > limit:
+            fail(
+                "request_too_long",
+                f"the prompt is at least {least_prompt_tokens} tokens; "
+                f"with max_tokens {max_tokens} it exceeds the batch limit of {limit}",
+                number,
+                f"body.{prompt_field}",
+            )
+            continue
+
+        if not errors:
+            items.append(NewItem(number, custom_id, _dumps(body), max_tokens))
+            max_output_sum += max_tokens
+            prompt_chars_sum += chars
+
+    if not errors and not items:
+        fail("empty_file", "file has no request lines", None, "input_file_id")
+    if not errors and len(items) > limits.max_lines:
+        fail(
+            "too_many_lines",
+            f"file has {len(items)} request lines; the limit is {limits.max_lines}",
+            None,
+            "input_file_id",
+        )
+    if errors:
+        if more_errors:
+            errors.append(LineError("too_many_errors", f"{more_errors} more errors not listed"))
+        return bad
+    assert model is not None
+    return ValidatedBatch(
+        items=items,
+        model=model,
+        max_output_tokens=max_output_sum,
+        estimated_prompt_tokens=math.ceil(prompt_chars_sum / CHARS_PER_TOKEN_ESTIMATE),
+    )

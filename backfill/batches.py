@@ -1,0 +1,276 @@
+"""Submitting batches: files in, checks, items stored, job in progress. No HTTP here.
+
+Order of a create, cheapest refusal first, and nothing stored until every check passed:
+parameters (endpoint, window, metadata) -> a retried create (same ``Idempotency-Key``) returns
+the first job -> the input file -> active-batch limit -> every line of the file -> the tenant's
+token quota -> deadline feasibility -> job and items stored (one COPY) -> ``in_progress``.
+An invalid file still yields a job, ``failed``, whose ``errors`` name each bad line, as
+OpenAI's Batch API does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from backfill.batch_input import (
+    PROMPT_FIELD,
+    InputLimits,
+    InvalidBatch,
+    check_upload,
+    validate_batch_input,
+)
+from backfill.config import Settings
+from backfill.errors import Conflict, NotFound, StaleWrite
+from backfill.refusals import (
+    DeadlineInfeasible,
+    IdempotencyMismatch,
+    InvalidRequest,
+    LimitReached,
+    QuotaExceeded,
+)
+from backfill.repository import FileRecord, JobRecord, Repository, TenantRecord
+from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
+from backfill.states import JobState
+from backfill.windows import batch_throughput, checked_window, format_window, plan_deadline
+
+INPUT_PURPOSE = "batch"
+
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    idempotency_key: str | None = None
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 string pairs, keys up to 64 and values up to 512 chars."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise InvalidRequest("metadata must be an object of strings", param="metadata")
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise InvalidRequest(
+            f"metadata has {len(metadata)} keys; at most {MAX_METADATA_KEYS} are allowed",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidRequest("metadata keys and values must be strings", param="metadata")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequest(
+                f"metadata key {key[:20]!r}... is longer than {MAX_METADATA_KEY_CHARS} characters",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"metadata value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters",
+                param="metadata",
+            )
+    return dict(metadata)
+
+
+def upload_file(
+    repo: Repository,
+    settings: Settings,
+    tenant_id: str,
+    *,
+    filename: str,
+    purpose: str,
+    content: bytes,
+) -> FileRecord:
+    """Store an input file after the cheap checks (size, lines, line length)."""
+    if purpose != INPUT_PURPOSE:
+        raise InvalidRequest(
+            f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
+            param="purpose",
+        )
+    check_upload(content, InputLimits.from_settings(settings))
+    return repo.create_file(tenant_id, purpose, filename or "upload.jsonl", content)
+
+
+def file_content(repo: Repository, tenant_id: str, file_id: str) -> bytes | Iterator[str]:
+    """An input file's bytes, or an output/error file rendered from its job's items."""
+    stored = repo.file_content(tenant_id, file_id)
+    if stored is not None:
+        return stored
+    record = repo.get_file(tenant_id, file_id)
+    if record.job_id is None:
+        return b""
+    job = repo.get_job(tenant_id, record.job_id)
+    states = ERROR_STATES if file_id == job.error_file_id else OUTPUT_STATES
+    return iter_result_lines(repo, job.id, states)
+
+
+def _same_request(job: JobRecord, request: BatchRequest) -> bool:
+    return (
+        job.input_file_id == request.input_file_id
+        and job.endpoint == request.endpoint
+        and job.completion_window == request.completion_window
+    )
+
+
+def _retried(repo: Repository, tenant_id: str, job_id: str, request: BatchRequest) -> JobRecord:
+    job = repo.get_job(tenant_id, job_id)
+    if not _same_request(job, request):
+        raise IdempotencyMismatch(
+            f"Idempotency-Key {request.idempotency_key!r} was used for batch {job.id} with "
+            "different parameters",
+            param="Idempotency-Key",
+        )
+    return job
+
+
+def create_batch(
+    repo: Repository,
+    settings: Settings,
+    tenant: TenantRecord,
+    request: BatchRequest,
+    *,
+    now: datetime | None = None,
+    measured_tps: float | None = None,
+) -> JobRecord:
+    """Check and store a batch; returns it ``in_progress`` (or ``failed`` for bad input)."""
+    if request.endpoint not in PROMPT_FIELD:
+        raise InvalidRequest(
+            f"endpoint {request.endpoint!r} is not supported; use one of "
+            + ", ".join(sorted(PROMPT_FIELD)),
+            code="invalid_endpoint",
+            param="endpoint",
+        )
+    window_s = checked_window(
+        request.completion_window,
+        settings.min_completion_window_s,
+        settings.max_completion_window_s,
+    )
+    metadata = check_metadata(request.metadata)
+    if request.idempotency_key is not None:
+        first = repo.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
+        if first is not None:
+            return _retried(repo, tenant.id, first, request)
+
+    try:
+        record = repo.get_file(tenant.id, request.input_file_id)
+    except NotFound as exc:
+        raise NotFound(f"No such File object: {request.input_file_id}") from exc
+    if record.purpose != INPUT_PURPOSE or record.job_id is not None:
+        raise InvalidRequest(
+            f"file {record.id} has purpose {record.purpose!r}; a batch needs a 'batch' file",
+            code="invalid_input_file",
+            param="input_file_id",
+        )
+    active = repo.count_active_jobs(tenant.id)
+    if active >= settings.max_active_batches_per_tenant:
+        raise LimitReached(
+            f"{active} batches are active; the limit is {settings.max_active_batches_per_tenant}"
+            " per tenant. Wait for one to finish or cancel one."
+        )
+
+    content = repo.file_content(tenant.id, record.id) or b""
+    checked = validate_batch_input(content, request.endpoint, InputLimits.from_settings(settings))
+    now = now or datetime.now(UTC)
+    deadline = now + timedelta(seconds=window_s)
+
+    def new_job(model: str | None) -> JobRecord:
+        return repo.create_job(
+            tenant.id,
+            record.id,
+            request.endpoint,
+            request.completion_window,
+            deadline,
+            metadata=metadata,
+            idempotency_key=request.idempotency_key,
+            model=model,
+        )
+
+    if isinstance(checked, InvalidBatch):
+        job = new_job(None)
+        if job.state is JobState.VALIDATING and not job.counts.total:
+            with contextlib.suppress(StaleWrite):
+                repo.move_job(
+                    job.id,
+                    JobState.FAILED,
+                    reason=f"input file invalid ({len(checked.errors)} errors)",
+                    errors=[e.as_dict() for e in checked.errors],
+                )
+        return repo.get_job(tenant.id, job.id)
+
+    if tenant.enqueued_token_quota is not None:
+        enqueued = repo.enqueued_tokens(tenant.id)
+        if enqueued + checked.estimated_tokens > tenant.enqueued_token_quota:
+            raise QuotaExceeded(
+                f"this batch needs about {checked.estimated_tokens} tokens; {enqueued} of the "
+                f"tenant's quota of {tenant.enqueued_token_quota} enqueued tokens are in use"
+            )
+
+    tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
+    plan = plan_deadline(
+        now,
+        window_s,
+        backlog_tokens=repo.backlog_tokens(),
+        batch_tokens=checked.estimated_tokens,
+        throughput_tps=tps,
+    )
+    if not plan.feasible:
+        raise DeadlineInfeasible(
+            f"completion_window {request.completion_window!r} cannot be met: with the current "
+            f"backlog this batch would finish in about "
+            f"{format_window(max(60, round((plan.estimated_completion - now).total_seconds())))}"
+            f"; the earliest feasible completion_window is {plan.earliest_window!r}",
+            earliest_window=plan.earliest_window,
+            estimated_completion=int(plan.estimated_completion.timestamp()),
+        )
+
+    job = new_job(checked.model)
+    if request.idempotency_key is not None and (
+        job.state is not JobState.VALIDATING or not _same_request(job, request)
+    ):
+        # A concurrent create with the same key won the insert: answer with its job.
+        return _retried(repo, tenant.id, job.id, request)
+    try:
+        repo.insert_items(job.id, checked.items)
+    except Conflict:
+        # A concurrent create with the same Idempotency-Key stored the items first.
+        return _retried(repo, tenant.id, job.id, request)
+    except BaseException:
+        _fail_quietly(repo, job.id)
+        raise
+    # StaleWrite: cancelled meanwhile, or a concurrent retry moved it first.
+    with contextlib.suppress(StaleWrite):
+        repo.move_job(
+            job.id,
+            JobState.IN_PROGRESS,
+            reason=f"{len(checked.items)} requests accepted; estimated completion "
+            f"{plan.estimated_completion.isoformat(timespec='seconds')}",
+        )
+    return repo.get_job(tenant.id, job.id)
+
+
+def _fail_quietly(repo: Repository, job_id: str) -> None:
+    """Mark a job whose items could not be stored; if even that fails, the periodic
+    ``recover_stale_validating`` will."""
+    # Best effort on an already failing path (Postgres may be the reason it fails).
+    with contextlib.suppress(Exception):
+        repo.move_job(
+            job_id,
+            JobState.FAILED,
+            reason="storing the items failed",
+            errors=[
+                {
+                    "code": "storage_failed",
+                    "message": "the requests could not be stored; create the batch again",
+                    "param": None,
+                    "line": None,
+                }
+            ],
+        )

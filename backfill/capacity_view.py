@@ -1,0 +1,91 @@
+"""The capacity view: per node, the pool and who holds it; plus the queued work per class.
+
+Postgres knows each node's measured pool, its interactive reserve, and the batch tokens held
+by live attempts. The live ledger in Redis knows more (interactive in use, exact slack); a
+:data:`UsageSource` supplies that when the ledger is wired in, and the view says which source
+each figure came from.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from backfill.repository import NodeRecord, Repository
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerUsage:
+    """What the ledger holds for one node right now."""
+
+    interactive_in_use: int
+    batch_in_use: int
+    batch_slack: int
+
+
+UsageSource = Callable[[NodeRecord], LedgerUsage | None]
+"""Reads one node's live usage from the ledger; None when the ledger has no pool for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCapacity:
+    name: str
+    model: str | None
+    engine_url: str
+    num_blocks: int
+    block_size: int
+    capacity_tokens: int
+    interactive_reserve_tokens: int
+    batch_reserved_tokens: int
+    """Reservations of live batch attempts as Postgres records them."""
+    interactive_in_use: int | None
+    batch_in_use: int | None
+    slack_tokens: int
+    source: str
+    """``"ledger"`` or ``"postgres"`` (no live interactive figure: slack ignores it)."""
+    last_seen_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReport:
+    nodes: list[NodeCapacity]
+    queued_tokens: dict[str, int]
+    """Worst-case tokens of unfinished work per service class."""
+
+
+def capacity_report(repo: Repository, usage: UsageSource | None = None) -> CapacityReport:
+    held: dict[str, int] = defaultdict(int)
+    for lease in repo.active_leases():
+        held[lease.node] += lease.reservation_tokens or 0
+    nodes = []
+    for node in repo.nodes():
+        live = usage(node) if usage is not None else None
+        capacity = node.capacity_tokens
+        if live is not None:
+            slack, source = live.batch_slack, "ledger"
+        else:
+            slack = max(0, capacity - node.interactive_reserve_tokens - held[node.name])
+            source = "postgres"
+        nodes.append(
+            NodeCapacity(
+                name=node.name,
+                model=node.model,
+                engine_url=node.engine_url,
+                num_blocks=node.num_blocks,
+                block_size=node.block_size,
+                capacity_tokens=capacity,
+                interactive_reserve_tokens=node.interactive_reserve_tokens,
+                batch_reserved_tokens=held[node.name],
+                interactive_in_use=live.interactive_in_use if live else None,
+                batch_in_use=live.batch_in_use if live else None,
+                slack_tokens=slack,
+                source=source,
+                last_seen_at=node.last_seen_at,
+            )
+        )
+    # Interactive requests are never queued in Postgres: the gateway admits or refuses them.
+    return CapacityReport(
+        nodes=nodes, queued_tokens={"batch": repo.backlog_tokens(), "interactive": 0}
+    )

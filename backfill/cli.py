@@ -1,0 +1,151 @@
+"""The ``backfill`` command: serve the API, migrate the database, manage tenants.
+
+FastAPI and uvicorn are imported inside ``api`` only, so the core stays importable (and the
+other commands fast) without them. Every failure is one line on stderr and a non-zero exit,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from backfill.config import Settings
+from backfill.errors import BackfillError, Conflict, NotFound
+
+app = typer.Typer(
+    help="Backfill: a batch LLM job queue that fills the KV-cache slack interactive traffic "
+    "leaves free.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
+
+out = Console(highlight=False)
+
+T = TypeVar("T")
+
+
+class CommandFailed(Exception):
+    """A command's expected failure, reported as one line."""
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if first["loc"]:
+            name = "BACKFILL_" + "_".join(str(p) for p in first["loc"]).upper()
+            message = f"{name}: {message}"
+        raise CommandFailed(f"invalid settings: {message}") from exc
+
+
+def _run(action: Callable[[], T]) -> T:
+    try:
+        return action()
+    except CommandFailed:
+        raise
+    except Conflict as exc:
+        raise CommandFailed(f"conflict: {_first_line(exc)}") from exc
+    except NotFound as exc:
+        raise CommandFailed(_first_line(exc)) from exc
+    except BackfillError as exc:
+        raise CommandFailed(_first_line(exc)) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    workers: Annotated[int, typer.Option(help="Server processes.")] = 1,
+) -> None:
+    """Serve the OpenAI-compatible Batch API (uvicorn)."""
+    _settings()
+    import uvicorn  # noqa: PLC0415 - the web stack loads only for this command
+
+    uvicorn.run(
+        "queue_api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+    )
+
+
+@app.command()
+def migrate() -> None:
+    """Bring the database schema to the latest version."""
+    settings = _settings()
+    from backfill.migrate import upgrade  # noqa: PLC0415 - alembic loads only here
+
+    try:
+        upgrade(settings.database_url)
+    except Exception as exc:  # alembic and the driver raise many types; one line for all
+        raise CommandFailed(f"migration failed: {_first_line(exc)}") from exc
+    out.print("database is at the latest schema version")
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="A unique tenant name.")],
+    quota: Annotated[
+        int | None,
+        typer.Option(min=1, help="Enqueued-token quota (prompt + max output of unfinished work)."),
+    ] = None,
+) -> None:
+    """Create a tenant and its first API key; the key is printed once, on the last line."""
+    from backfill.repository import Repository  # noqa: PLC0415
+
+    repo = Repository.connect(_settings().database_url, pool_size=1)
+    try:
+        try:
+            tenant = _run(lambda: repo.create_tenant(name, quota))
+        except CommandFailed as exc:
+            if str(exc).startswith("conflict"):
+                raise CommandFailed(f"a tenant named {name!r} already exists") from exc
+            raise
+        key = _run(lambda: repo.create_api_key(tenant.id))
+    finally:
+        repo.close()
+    quota_text = "unlimited" if quota is None else f"{quota} tokens"
+    out.print(f"tenant {tenant.name} ({tenant.id}), enqueued-token quota: {quota_text}")
+    out.print("API key (shown only now; store it safely):")
+    # Plain print: no wrapping or markup may touch the key, and it must be the last line.
+    print(key)
+
+
+@tenants_app.command("revoke-key")
+def tenants_revoke_key(key: Annotated[str, typer.Argument(help="The API key to revoke.")]) -> None:
+    """Revoke an API key at once."""
+    from backfill.repository import Repository  # noqa: PLC0415
+
+    repo = Repository.connect(_settings().database_url, pool_size=1)
+    try:
+        _run(lambda: repo.revoke_api_key(key))
+    finally:
+        repo.close()
+    out.print(f"revoked key {key[:11]}...")
+
+
+def main() -> None:
+    """The console script's entry point."""
+    try:
+        app()
+    except CommandFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
