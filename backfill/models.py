@@ -283,3 +283,12 @@ class JobEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_job_events_job_at", "job_id", "at"),)
+
+
+class LedgerEpoch(Base):
+    """The last epoch of the Redis ledger; each rebuild takes the next one."""
+
+    __tablename__ = "ledger_epochs"
+
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)

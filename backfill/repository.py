@@ -1054,6 +1054,71 @@ class Repository:
             _end_attempt(conn, item_id, attempt, AttemptOutcome.FAILED, None, error)
             _bump_counters(conn, [(row[0], sources[0], ItemState.FAILED)])
 
+    def requeue(
+        self,
+        item_id: int,
+        attempt: int,
+        fencing_token: int,
+        *,
+        partial_output: str | None,
+        partial_tokens: int,
+        detail: str,
+    ) -> None:
+        """running -> queued: the attempt stopped through no fault of the item (engine down,
+        worker shutting down, lease lost); its progress is kept for the next attempt."""
+        _check_moves([ItemState.RUNNING], ItemState.QUEUED)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = 'queued', partial_output = :o, partial_tokens = :t, "
+                    "lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
+                    "updated_at = now() WHERE id = :i AND attempt = :a AND fencing_token = :f "
+                    "AND state = 'running' RETURNING job_id"
+                ),
+                {
+                    "i": item_id,
+                    "a": attempt,
+                    "f": fencing_token,
+                    "o": partial_output,
+                    "t": partial_tokens,
+                },
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} is not running under it")
+            _end_attempt(conn, item_id, attempt, AttemptOutcome.RELEASED, partial_tokens, detail)
+            _bump_counters(conn, [(row[0], ItemState.RUNNING, ItemState.QUEUED)])
+
+    def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None:
+        """reserved -> expired: the item cannot finish before its deadline, so it is not
+        started at all (no prefill is spent on it)."""
+        _check_moves([ItemState.RESERVED], ItemState.EXPIRED)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE items SET state = 'expired', error = :e, lease_id = NULL, "
+                    "lease_expires_at = NULL, finished_at = now(), updated_at = now() "
+                    "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
+                ),
+                {"i": item_id, "a": attempt, "e": reason},
+            ).first()
+            if row is None:
+                raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+            _end_attempt(conn, item_id, attempt, AttemptOutcome.EXPIRED, None, reason)
+            _bump_counters(conn, [(row[0], ItemState.RESERVED, ItemState.EXPIRED)])
+
+    def next_ledger_epoch(self) -> int:
+        """A ledger epoch larger than any handed out before (fencing tokens stay monotonic
+        across a Redis data loss: each rebuild starts a new epoch)."""
+        with self._tx() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "INSERT INTO ledger_epochs (id, epoch) VALUES (1, 1) ON CONFLICT (id) "
+                        "DO UPDATE SET epoch = ledger_epochs.epoch + 1 RETURNING epoch"
+                    )
+                ).scalar_one()
+            )
+
     def reap_lost(self, limit: int = 1000) -> list[ActiveLeaseRow]:
         """Requeue items whose attempt stopped heartbeating; returns them (to release leases)."""
         with self._tx() as conn:

@@ -380,3 +380,40 @@ def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -
         (2, "n1", "l2", 2, "preempted", 2),
         (3, "n2", "l3", 3, "succeeded", 7),
     ]
+
+
+def test_requeue_keeps_progress_without_counting_a_preemption(repo: Repository) -> None:
+    job = _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        c.id,
+        c.attempt,
+        lease_id="a",
+        fencing_token=3,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    with pytest.raises(StaleWrite):
+        repo.requeue(c.id, c.attempt, 4, partial_output="x", partial_tokens=1, detail="d")
+    repo.requeue(
+        c.id, c.attempt, 3, partial_output="Hello", partial_tokens=1, detail="engine unreachable"
+    )
+    again = repo.claim("n1", 1, 30)[0]
+    assert (again.partial_output, again.partial_tokens, again.preemptions) == ("Hello", 1, 0)
+    _assert_counters_match(repo, job.id)
+
+
+def test_an_item_that_cannot_meet_its_deadline_expires_unstarted(repo: Repository) -> None:
+    job = _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    repo.expire_claimed(c.id, c.attempt, "needs 90 s, 10 s left")
+    with pytest.raises(StaleWrite):
+        repo.expire_claimed(c.id, c.attempt, "again")
+    assert repo.items(job.id)[0].state is ItemState.EXPIRED
+    _assert_counters_match(repo, job.id)
+
+
+def test_ledger_epochs_only_grow(repo: Repository) -> None:
+    first = repo.next_ledger_epoch()
+    assert repo.next_ledger_epoch() == first + 1
