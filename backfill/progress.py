@@ -47,16 +47,16 @@ def job_progress(job: JobRecord, now: datetime, throughput_tps: float) -> Progre
             basis = "observed"
         elif counts.total:
             share = counts.unfinished / counts.total
-            remaining = (counts.prompt_tokens + counts.max_output_tokens) * share
+            remaining = int(counts.prompt_tokens + counts.max_output_tokens) * share
             eta = now + timedelta(seconds=remaining / throughput_tps)
             basis = "forecast"
     return Progress(
         items=items,
         total=counts.total,
         finished=counts.finished,
-        output_tokens_done=counts.output_tokens,
-        output_tokens_max=counts.max_output_tokens,
-        prompt_tokens=counts.prompt_tokens,
+        output_tokens_done=int(counts.output_tokens),
+        output_tokens_max=int(counts.max_output_tokens),
+        prompt_tokens=int(counts.prompt_tokens),
         eta=eta,
         eta_basis=basis,
         deadline=job.deadline,

@@ -1,0 +1,96 @@
+"""``/v1/batches``: OpenAI's Batch API, plus results streamed while a batch runs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import StreamingResponse
+
+from backfill import batches, finalize
+from backfill.config import Settings
+from backfill.progress import job_progress
+from backfill.repository import JobRecord
+from backfill.results import iter_result_lines, parse_result_states
+from backfill.windows import batch_throughput
+from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
+from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+def _render(job: JobRecord, settings: Settings) -> BatchObject:
+    tps = batch_throughput(settings.batch_throughput_tokens_per_s)
+    return BatchObject.of(job, job_progress(job, datetime.now(UTC), tps))
+
+
+@router.post("")
+def create_batch(
+    body: CreateBatchBody,
+    tenant: TenantDep,
+    repo: RepositoryDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)] = None,
+) -> BatchObject:
+    request = batches.BatchRequest(
+        input_file_id=body.input_file_id,
+        endpoint=body.endpoint,
+        completion_window=body.completion_window,
+        metadata=body.metadata,  # the core checks the shape
+        idempotency_key=idempotency_key or None,
+    )
+    return _render(batches.create_batch(repo, settings, tenant, request), settings)
+
+
+@router.get("")
+def list_batches(
+    tenant: TenantDep,
+    repo: RepositoryDep,
+    settings: SettingsDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> BatchList:
+    jobs = repo.list_jobs(tenant.id, after=after, limit=limit + 1)
+    data = [_render(j, settings) for j in jobs[:limit]]
+    return BatchList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(jobs) > limit,
+    )
+
+
+@router.get("/{batch_id}")
+def retrieve_batch(
+    batch_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
+) -> BatchObject:
+    return _render(repo.get_job(tenant.id, batch_id), settings)
+
+
+@router.post("/{batch_id}/cancel")
+def cancel_batch(
+    batch_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
+) -> BatchObject:
+    return _render(finalize.cancel_job(repo, tenant.id, batch_id), settings)
+
+
+@router.get("/{batch_id}/results", response_model=None)
+def stream_results(
+    batch_id: str,
+    tenant: TenantDep,
+    repo: RepositoryDep,
+    state: Annotated[
+        list[str] | None,
+        Query(
+            description="Finished states to include: succeeded, failed, expired, cancelled "
+            "(repeat or separate by commas); default: all of them."
+        ),
+    ] = None,
+) -> StreamingResponse:
+    """Finished results so far, as OpenAI output/error lines, in input line order."""
+    wanted = parse_result_states(state)
+    job = repo.get_job(tenant.id, batch_id)
+    return StreamingResponse(
+        iter_result_lines(repo, job.id, wanted), media_type="application/jsonl"
+    )

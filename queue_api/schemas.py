@@ -1,0 +1,241 @@
+"""Wire shapes: OpenAI's File and Batch objects, plus Backfill's extras.
+
+Backfill's additions live under one extra key (``backfill``) so the openai SDK, which keeps
+unknown fields, parses every object unchanged. Times are unix seconds, as OpenAI's.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backfill.capacity_view import CapacityReport
+from backfill.progress import Progress
+from backfill.repository import FileRecord, JobRecord
+from backfill.states import ItemState
+
+
+def unix(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp())
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+    @classmethod
+    def of(cls, record: FileRecord) -> FileObject:
+        return cls(
+            id=record.id,
+            bytes=record.size_bytes,
+            created_at=int(record.created_at.timestamp()),
+            filename=record.filename,
+            purpose=record.purpose,
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+
+class CreateBatchBody(BaseModel):
+    """OpenAI's create parameters. Values are checked by the core (one set of messages)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, Any] | None = None
+
+
+class BatchErrorEntry(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchErrorEntry] = Field(default_factory=list)
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    """Requests that succeeded (in the output file)."""
+    failed: int
+    """Requests that failed, expired or were cancelled (in the error file)."""
+
+
+class TokenProgress(BaseModel):
+    done: int = Field(description="Output tokens generated so far.")
+    total: int = Field(description="Output tokens declared (sum of max_tokens): the worst case.")
+    prompt: int = Field(description="Prompt tokens counted so far by the engine's tokenizer.")
+
+
+class BackfillExtras(BaseModel):
+    """Beyond OpenAI: progress by item state, tokens, ETA and the deadline."""
+
+    model: str | None
+    deadline: int
+    items: dict[str, int] = Field(description="Items per state.")
+    tokens: TokenProgress
+    eta: int | None = Field(description="Estimated completion (unix seconds), while running.")
+    eta_basis: Literal["observed", "forecast"] | None = None
+    at_risk: bool = Field(description="The ETA is past the deadline.")
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, Any] | None = None
+    backfill: BackfillExtras
+
+    @classmethod
+    def of(cls, job: JobRecord, progress: Progress) -> BatchObject:
+        counts = job.counts
+        stamps = {name: unix(at) for name, at in job.timestamps.items()}
+        not_succeeded = sum(
+            counts.count(s) for s in (ItemState.FAILED, ItemState.EXPIRED, ItemState.CANCELLED)
+        )
+        return cls(
+            id=job.id,
+            endpoint=job.endpoint,
+            model=job.model,
+            errors=BatchErrors(data=[BatchErrorEntry(**e) for e in job.errors])
+            if job.errors
+            else None,
+            input_file_id=job.input_file_id,
+            completion_window=job.completion_window,
+            status=job.state.value,
+            output_file_id=job.output_file_id,
+            error_file_id=job.error_file_id,
+            created_at=int(job.created_at.timestamp()),
+            expires_at=unix(job.deadline),
+            request_counts=RequestCounts(
+                total=counts.total,
+                completed=counts.count(ItemState.SUCCEEDED),
+                failed=not_succeeded,
+            ),
+            metadata=job.metadata,
+            backfill=BackfillExtras(
+                model=job.model,
+                deadline=int(job.deadline.timestamp()),
+                items=progress.items,
+                tokens=TokenProgress(
+                    done=progress.output_tokens_done,
+                    total=progress.output_tokens_max,
+                    prompt=progress.prompt_tokens,
+                ),
+                eta=unix(progress.eta),
+                eta_basis=progress.eta_basis,
+                at_risk=progress.at_risk,
+            ),
+            **stamps,
+        )
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity
+# ---------------------------------------------------------------------------------------------
+
+
+class NodeCapacityObject(BaseModel):
+    name: str
+    model: str | None
+    capacity_tokens: int = Field(description="Measured pool: num_gpu_blocks x block_size.")
+    num_blocks: int
+    block_size: int
+    interactive_reserve_tokens: int
+    batch_reserved_tokens: int = Field(description="Batch reservations recorded in Postgres.")
+    interactive_in_use: int | None = Field(description="From the ledger; null without it.")
+    batch_in_use: int | None = Field(description="From the ledger; null without it.")
+    slack_tokens: int
+    source: Literal["ledger", "postgres"]
+    last_seen_at: int
+
+
+class CapacityObject(BaseModel):
+    object: Literal["capacity"] = "capacity"
+    nodes: list[NodeCapacityObject]
+    queued_tokens: dict[str, int]
+
+    @classmethod
+    def of(cls, report: CapacityReport) -> CapacityObject:
+        return cls(
+            nodes=[
+                NodeCapacityObject(
+                    name=n.name,
+                    model=n.model,
+                    capacity_tokens=n.capacity_tokens,
+                    num_blocks=n.num_blocks,
+                    block_size=n.block_size,
+                    interactive_reserve_tokens=n.interactive_reserve_tokens,
+                    batch_reserved_tokens=n.batch_reserved_tokens,
+                    interactive_in_use=n.interactive_in_use,
+                    batch_in_use=n.batch_in_use,
+                    slack_tokens=n.slack_tokens,
+                    source=n.source,
+                    last_seen_at=int(n.last_seen_at.timestamp()),
+                )
+                for n in report.nodes
+            ],
+            queued_tokens=report.queued_tokens,
+        )

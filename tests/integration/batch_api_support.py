@@ -1,0 +1,192 @@
+"""A live Batch API server for tests, tenants with keys, input files, and a fake worker.
+
+The server is the real application under uvicorn on a free port, in a thread of the test
+process, over the test's own database and Redis namespace; clients talk to it over HTTP (the
+openai SDK, or httpx for routes the SDK does not know).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from openai import OpenAI
+
+from backfill.config import Settings
+from backfill.repository import Finish, Repository
+from backfill.states import ItemState
+from queue_api.app import create_app
+
+CHAT = "/v1/chat/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    settings: Settings
+
+    def client(self, key: str) -> OpenAI:
+        # No retries: tests look at the first answer (429s, 5xx) themselves.
+        return OpenAI(api_key=key, base_url=f"{self.base_url}/v1", max_retries=0, timeout=60)
+
+
+@contextmanager
+def serve(settings: Settings) -> Iterator[LiveServer]:
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the API server did not start")
+        time.sleep(0.01)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", settings)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def api_settings(settings: Settings, **overrides: Any) -> Settings:
+    """The test's settings, with a rate limit no ordinary test reaches."""
+    values: dict[str, Any] = {"rate_limit_per_s": 10_000.0, "rate_limit_burst": 10_000}
+    values.update(overrides)
+    return settings.model_copy(update=values)
+
+
+@dataclass
+class Tenant:
+    id: str
+    key: str
+
+
+def make_tenant(repo: Repository, name: str, quota: int | None = None) -> Tenant:
+    record = repo.create_tenant(name, quota)
+    return Tenant(record.id, repo.create_api_key(record.id))
+
+
+def chat_line(
+    custom_id: str,
+    content: str = "Summarise the plot of Hamlet in one line.",
+    *,
+    max_tokens: int = 64,
+    model: str = "tiny-model",
+    url: str = CHAT,
+    **body_extra: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    }
+    body.update(body_extra)
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def jsonl(lines: Iterable[dict[str, Any] | str]) -> bytes:
+    return "".join(
+        (line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines
+    ).encode()
+
+
+def chat_file(n: int, **kwargs: Any) -> bytes:
+    return jsonl(chat_line(f"req-{i}", **kwargs) for i in range(n))
+
+
+def completion_body(text: str, *, prompt_tokens: int = 5, output_tokens: int = 3) -> str:
+    return json.dumps(
+        {
+            "id": "chatcmpl-test",
+            "object": "chat.completion",
+            "model": "tiny-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": output_tokens,
+                "total_tokens": prompt_tokens + output_tokens,
+            },
+        }
+    )
+
+
+def run_worker(
+    repo: Repository,
+    *,
+    fail: Iterable[str] = (),
+    limit: int = 1000,
+    leave_running: int = 0,
+) -> dict[str, tuple[int, int, int]]:
+    """Claim, start and finish queued items as a worker would (no engine, no ledger):
+    custom ids in ``fail`` fail, the rest succeed; the last ``leave_running`` claimed items
+    stay running. Returns custom_id -> (item id, attempt, fencing token) of those."""
+    failing = set(fail)
+    claimed = repo.claim("node-test", limit, 30.0)
+    fence = 1000
+    running: dict[str, tuple[int, int, int]] = {}
+    finishes = []
+    for index, item in enumerate(claimed):
+        fence += 1
+        repo.start(
+            item.id,
+            item.attempt,
+            lease_id=f"ls_{item.id}",
+            fencing_token=fence,
+            reservation_tokens=item.max_output_tokens + 16,
+            prompt_tokens=16,
+            lease_ttl_s=30.0,
+        )
+        if index >= len(claimed) - leave_running:
+            running[item.custom_id] = (item.id, item.attempt, fence)
+            continue
+        if item.custom_id in failing:
+            finishes.append(
+                Finish(
+                    item.id,
+                    item.attempt,
+                    fence,
+                    ItemState.FAILED,
+                    error=json.dumps({"code": "engine_error", "message": "the engine said no"}),
+                )
+            )
+        else:
+            finishes.append(
+                Finish(
+                    item.id,
+                    item.attempt,
+                    fence,
+                    ItemState.SUCCEEDED,
+                    result=completion_body(f"answer to {item.custom_id}"),
+                    output_tokens=3,
+                    prompt_tokens=16,
+                )
+            )
+    repo.finish(finishes)
+    return running
+
+
+def result_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,114 @@
+"""The ``backfill`` command as an operator runs it: a subprocess, its output and exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from batch_api_support import free_port
+from openai import OpenAI
+
+from backfill.repository import Repository
+
+BACKFILL = str(Path(sys.executable).parent / "backfill")
+
+
+def run(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BACKFILL_DATABASE_URL": database_url}
+    return subprocess.run(
+        [BACKFILL, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def repo(database_url: str) -> Iterator[Repository]:
+    repository = Repository.connect(database_url)
+    yield repository
+    repository.close()
+
+
+def test_migrate_brings_an_empty_database_to_the_schema(empty_database_url: str) -> None:
+    result = run(empty_database_url, "migrate")
+    assert result.returncode == 0, result.stderr
+    repository = Repository.connect(empty_database_url)
+    try:
+        assert repository.nodes() == []
+    finally:
+        repository.close()
+
+
+def test_tenants_create_prints_a_working_key_on_its_last_line(
+    database_url: str, repo: Repository
+) -> None:
+    result = run(database_url, "tenants", "create", "acme", "--quota", "5000")
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    tenant = repo.tenant_for_key(key)
+    assert tenant is not None
+    assert (tenant.name, tenant.enqueued_token_quota) == ("acme", 5000)
+
+    assert "already exists" in one_line_error(run(database_url, "tenants", "create", "acme"))
+
+    revoked = run(database_url, "tenants", "revoke-key", key)
+    assert revoked.returncode == 0, revoked.stderr
+    assert repo.tenant_for_key(key) is None
+    assert "no live API key" in one_line_error(run(database_url, "tenants", "revoke-key", key))
+
+
+def test_an_unreachable_database_is_one_line_not_a_traceback() -> None:
+    result = run("postgresql://postgres@127.0.0.1:1/nowhere", "tenants", "create", "x")
+    assert "unavailable" in one_line_error(result)
+
+
+def test_bad_settings_are_one_line_naming_the_problem(database_url: str) -> None:
+    env_url = "mysql://root@localhost/db"
+    assert "PostgreSQL" in one_line_error(run(env_url, "migrate"))
+
+
+def test_api_serves_the_batch_api(
+    database_url: str, redis_namespace: str, repo: Repository
+) -> None:
+    tenant = repo.create_tenant("acme")
+    key = repo.create_api_key(tenant.id)
+    port = free_port()
+    env = {
+        **os.environ,
+        "BACKFILL_DATABASE_URL": database_url,
+        "BACKFILL_REDIS_NAMESPACE": redis_namespace,
+    }
+    process = subprocess.Popen(
+        [BACKFILL, "api", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "backfill api did not come up"
+            time.sleep(0.1)
+        client = OpenAI(api_key=key, base_url=f"{base}/v1", max_retries=0)
+        assert client.batches.list().data == []
+    finally:
+        process.terminate()
+        process.wait(timeout=15)

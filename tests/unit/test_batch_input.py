@@ -1,0 +1,163 @@
+"""Batch input files: every line checked before anything is stored (pure, no services)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from backfill.batch_input import (
+    COMPLETIONS,
+    MAX_REPORTED_ERRORS,
+    InputLimits,
+    InvalidBatch,
+    ValidatedBatch,
+    check_upload,
+    validate_batch_input,
+)
+from backfill.refusals import InvalidRequest, PayloadTooLarge
+
+CHAT = "/v1/chat/completions"
+LIMITS = InputLimits(
+    max_file_bytes=10_000_000,
+    max_line_bytes=100_000,
+    max_lines=1000,
+    max_sequence_tokens=4096,
+    max_bytes_per_token=16,
+)
+
+
+def line(custom_id: str = "a", **body: Any) -> dict[str, Any]:
+    full: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 10,
+    }
+    full.update(body)
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": full}
+
+
+def encode(*lines: dict[str, Any] | str) -> bytes:
+    return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
+
+
+def test_a_valid_file_becomes_items_in_line_order() -> None:
+    result = validate_batch_input(
+        encode(line("a"), "", line("b", max_completion_tokens=20)), CHAT, LIMITS
+    )
+    assert isinstance(result, ValidatedBatch)
+    assert [(i.line_no, i.custom_id, i.max_output_tokens) for i in result.items] == [
+        (1, "a", 10),
+        (3, "b", 20),
+    ]
+    assert json.loads(result.items[0].body)["messages"][0]["content"] == "hello"
+    assert result.model == "m"
+    assert result.max_output_tokens == 30
+    assert result.items[0].prompt_tokens is None  # exact counts come from the worker
+
+
+def test_completions_accept_strings_and_token_ids() -> None:
+    def completion(custom_id: str, prompt: Any) -> dict[str, Any]:
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": COMPLETIONS,
+            "body": {"model": "m", "prompt": prompt, "max_tokens": 5},
+        }
+
+    ok = validate_batch_input(
+        encode(
+            completion("a", "once upon"), completion("b", [1, 2, 3]), completion("c", ["x", "y"])
+        ),
+        COMPLETIONS,
+        LIMITS,
+    )
+    assert isinstance(ok, ValidatedBatch)
+    bad = validate_batch_input(encode(completion("a", {"x": 1})), COMPLETIONS, LIMITS)
+    assert isinstance(bad, InvalidBatch)
+    assert bad.errors[0].code == "invalid_prompt"
+
+
+CASES: list[tuple[str, dict[str, Any] | str, str, str | None]] = [
+    ("invalid JSON", "{", "invalid_json_line", None),
+    ("NaN is not JSON", '{"custom_id": "a", "x": NaN}', "invalid_json_line", None),
+    ("array", "[]", "invalid_json_line", None),
+    ("missing custom_id", {**line(), "custom_id": ""}, "missing_custom_id", "custom_id"),
+    ("method", {**line(), "method": "PUT"}, "invalid_method", "method"),
+    ("url", {**line(), "url": "/v1/embeddings"}, "mismatched_endpoint", "url"),
+    ("body", {**line(), "body": []}, "invalid_body", "body"),
+    ("model", line(model=None), "missing_model", "body.model"),
+    ("message not object", line(messages=["hi"]), "invalid_messages", "body.messages"),
+    (
+        "content type",
+        line(messages=[{"role": "user", "content": 5}]),
+        "invalid_messages",
+        "body.messages",
+    ),
+    ("max_tokens missing", line(max_tokens=None), "missing_max_tokens", "body.max_tokens"),
+    ("max_tokens negative", line(max_tokens=-1), "invalid_max_tokens", "body.max_tokens"),
+    ("max_tokens bool", line(max_tokens=True), "invalid_max_tokens", "body.max_tokens"),
+    ("max_tokens float", line(max_tokens=1.5), "invalid_max_tokens", "body.max_tokens"),
+    ("over class limit", line(max_tokens=4097), "max_tokens_too_large", "body.max_tokens"),
+    # 16 bytes per token at most: 65,600 characters are at least 4,100 tokens.
+    (
+        "prompt certainly too long",
+        line(messages=[{"role": "user", "content": "x" * 65_600}]),
+        "request_too_long",
+        "body.messages",
+    ),
+    ("stream", line(stream=True), "unsupported_parameter", "body.stream"),
+    ("best_of", line(best_of=3), "unsupported_parameter", "body.n"),
+]
+
+
+@pytest.mark.parametrize(("label", "bad", "code", "param"), CASES, ids=[c[0] for c in CASES])
+def test_each_problem_is_reported_with_its_line_code_and_param(
+    label: str, bad: dict[str, Any] | str, code: str, param: str | None
+) -> None:
+    result = validate_batch_input(encode(line("ok"), bad), CHAT, LIMITS)
+    assert isinstance(result, InvalidBatch), label
+    (error,) = result.errors
+    assert (error.code, error.line, error.param) == (code, 2, param)
+    assert error.as_dict() == {"code": code, "message": error.message, "param": param, "line": 2}
+
+
+def test_a_long_prompt_that_might_fit_is_left_to_the_exact_tokenizer() -> None:
+    # 60,000 characters may be as few as 3,750 tokens: not certainly over 4,096 with 10 more.
+    result = validate_batch_input(
+        encode(line(messages=[{"role": "user", "content": "x" * 60_000}])), CHAT, LIMITS
+    )
+    assert isinstance(result, ValidatedBatch)
+
+
+def test_the_model_must_be_the_same_on_every_line() -> None:
+    result = validate_batch_input(encode(line("a"), line("b", model="n")), CHAT, LIMITS)
+    assert isinstance(result, InvalidBatch)
+    assert result.errors[0].code == "mismatched_model"
+
+
+def test_errors_are_capped_and_the_rest_counted() -> None:
+    lines = [line(f"x{i}", max_tokens=0) for i in range(MAX_REPORTED_ERRORS + 7)]
+    result = validate_batch_input(encode(*lines), CHAT, LIMITS)
+    assert isinstance(result, InvalidBatch)
+    assert len(result.errors) == MAX_REPORTED_ERRORS + 1
+    assert result.errors[-1].code == "too_many_errors"
+    assert "7 more" in result.errors[-1].message
+
+
+def test_an_empty_file_is_invalid() -> None:
+    result = validate_batch_input(b"\n \n", CHAT, LIMITS)
+    assert isinstance(result, InvalidBatch)
+    assert result.errors[0].code == "empty_file"
+
+
+def test_upload_checks_size_lines_and_line_length_cheaply() -> None:
+    small = InputLimits(100, 30, 2, 4096, 16)
+    assert check_upload(b'{"a": 1}\n{"b": 2}\n', small) == 2
+    with pytest.raises(PayloadTooLarge):
+        check_upload(b"x" * 101, small)
+    with pytest.raises(InvalidRequest, match="line 2 is 31 bytes"):
+        check_upload(b"{}\n" + b"x" * 31 + b"\n", small)
+    with pytest.raises(InvalidRequest, match="3 request lines"):
+        check_upload(b"{}\n{}\n{}\n", small)
