@@ -142,6 +142,34 @@ def tenants_revoke_key(key: Annotated[str, typer.Argument(help="The API key to r
     out.print(f"revoked key {key[:11]}...")
 
 
+@app.command()
+def worker(
+    node: Annotated[str, typer.Option(help="This GPU node's name (one worker per engine).")],
+    engine_url: Annotated[
+        str, typer.Option(help="The node's vLLM server, e.g. http://127.0.0.1:8001.")
+    ],
+    beat: Annotated[
+        bool, typer.Option(help="Also schedule maintenance (one per deployment; dev mode).")
+    ] = False,
+) -> None:
+    """Feed a node's vLLM engine from its batch slack (a Celery worker with the dispatcher)."""
+    settings = _settings()
+    if not engine_url.startswith(("http://", "https://")):
+        raise CommandFailed(f"--engine-url must be an http(s) URL, got {engine_url!r}")
+    from worker.run import run_worker  # noqa: PLC0415 - Celery loads only for this command
+
+    run_worker(settings, node, engine_url, beat=beat)
+
+
+@app.command("beat")
+def beat_command() -> None:
+    """Schedule the periodic maintenance (reap, rebuild, expire, finalize): run exactly one."""
+    settings = _settings()
+    from worker.run import run_beat  # noqa: PLC0415 - Celery loads only for this command
+
+    run_beat(settings)
+
+
 def main() -> None:
     """The console script's entry point."""
     try:

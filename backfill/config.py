@@ -80,6 +80,22 @@ class Settings(BaseSettings):
     # workers report a measured rate.
     batch_throughput_tokens_per_s: PositiveFloat = 5_000.0
 
+    # Pools (per node): the interactive reserve as a fraction of the measured pool, headroom
+    # above interactive use, and a margin never handed to batch (estimate error).
+    interactive_reserve_fraction: Annotated[float, Field(ge=0, le=1)] = 0.25
+    headroom_tokens: Annotated[int, Field(ge=0)] = 0
+    safety_margin_tokens: Annotated[int, Field(ge=0)] = 0
+    interactive_max_sequence_tokens: PositiveInt = 32_768
+
+    # Workers: engine priority of batch requests (lower runs first; interactive uses 0),
+    # sequences in flight per node, preemptions an item may suffer before it runs to the end,
+    # attempts before an item that keeps failing is failed, and the grace period on stop.
+    batch_priority: int = 10
+    max_in_flight_per_node: PositiveInt = 128
+    max_preemptions_per_item: Annotated[int, Field(ge=0)] = 3
+    max_attempts_per_item: PositiveInt = 5
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
+
     # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
     rate_limit_per_s: PositiveFloat = 50.0
     rate_limit_burst: PositiveInt = 200

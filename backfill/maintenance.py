@@ -1,0 +1,144 @@
+"""Periodic upkeep that keeps Postgres and the ledger honest (run by Celery beat).
+
+- The ledger is rebuilt from Postgres when Redis lost it; batch admission stays closed until
+  then (the ledger's ready marker).
+- Items whose attempt stopped heartbeating are requeued, and their leases released, within
+  one lease TTL plus one tick: a dead worker is noticed by its silence, not by a broker's
+  visibility timeout.
+- Jobs past their deadline expire; cancelled jobs stop their in-flight items; jobs whose
+  items are all finished are finalized with their output and error files.
+
+Every step is idempotent: two ticks running at once, or one repeated, change nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from backfill import finalize
+from backfill.config import Settings
+from backfill.errors import LedgerError
+from backfill.ledger import ActiveLease, LeaseRef, Ledger, NodePool, RebuildReport
+from backfill.policy import ClassLimits, PoolPolicy
+from backfill.repository import ActiveLeaseRow, Repository
+from backfill.states import ItemState, JobState
+
+log = logging.getLogger("backfill.maintenance")
+
+
+def pool_policy(settings: Settings) -> PoolPolicy:
+    """The admission policy every process of a deployment applies, from its settings."""
+    return PoolPolicy(
+        interactive=ClassLimits(settings.interactive_max_sequence_tokens),
+        batch=ClassLimits(settings.batch_max_sequence_tokens),
+        interactive_reserve_fraction=settings.interactive_reserve_fraction,
+        headroom_tokens=settings.headroom_tokens,
+        safety_margin_tokens=settings.safety_margin_tokens,
+    )
+
+
+def ensure_ledger(
+    repo: Repository, ledger: Ledger, *, max_preemptions: int
+) -> RebuildReport | None:
+    """Rebuild the ledger from Postgres if Redis lost it; None when it was intact."""
+    if ledger.is_ready():
+        return None
+    nodes = [
+        NodePool(n.name, n.capacity_tokens, n.block_size, n.interactive_reserve_tokens)
+        for n in repo.nodes()
+    ]
+    known = {n.name for n in nodes}
+    leases = [
+        ActiveLease(
+            lease_id=row.lease_id,
+            node=row.node,
+            tokens=row.reservation_tokens,
+            fencing_token=row.fencing_token,
+            expires_at=row.lease_expires_at,
+            owner=f"{row.node}/{row.item_id}/{row.attempt}",
+            preemptible=row.preemptions < max_preemptions,
+            generated_tokens=row.partial_tokens,
+            deadline=row.deadline,
+        )
+        for row in repo.active_leases()
+        if row.lease_id is not None
+        and row.fencing_token is not None
+        and row.reservation_tokens is not None
+        and row.lease_expires_at is not None
+        and row.node in known
+    ]
+    report = ledger.rebuild(nodes, leases, repo.next_ledger_epoch())
+    log.warning(
+        "ledger rebuilt from Postgres: epoch %s, %s leases restored, %s skipped",
+        report.epoch,
+        report.restored,
+        report.skipped,
+    )
+    return report
+
+
+def _refs(rows: Sequence[ActiveLeaseRow]) -> list[LeaseRef]:
+    return [
+        LeaseRef(r.node, r.lease_id, r.fencing_token)
+        for r in rows
+        if r.lease_id is not None and r.fencing_token is not None
+    ]
+
+
+def stop_in_flight(ledger: Ledger, rows: Sequence[ActiveLeaseRow]) -> int:
+    """Tell the workers holding ``rows`` to abort their engine requests now.
+
+    The preempt notice reaches a preemptible lease's worker at once; every holder also finds
+    its claim gone at its next heartbeat. Each worker releases its own lease once its request
+    is aborted, so no engine work runs without a reservation in the meantime.
+    """
+    told = 0
+    by_node: dict[str, list[str]] = {}
+    for ref in _refs(rows):
+        by_node.setdefault(ref.node, []).append(ref.lease_id)
+    for node, lease_ids in by_node.items():
+        try:
+            told += len(ledger.preempt(node, 0, victims=lease_ids).victims)
+        except LedgerError as exc:
+            log.warning("could not notify node %s of stopped items: %s", node, exc)
+    return told
+
+
+@dataclass
+class TickReport:
+    rebuilt: RebuildReport | None = None
+    requeued_lost: int = 0
+    released: int = 0
+    reaped_leases: int = 0
+    expired_jobs: list[str] = field(default_factory=list)
+    cancelled_in_flight: int = 0
+    finalized: dict[str, JobState] = field(default_factory=dict)
+
+
+def reap(repo: Repository, ledger: Ledger) -> tuple[int, int, int]:
+    """Requeue items of silent attempts, release their leases, reap expired leases.
+
+    Returns (items requeued, leases released, expired leases reaped)."""
+    lost = repo.reap_lost()
+    released = sum(1 for status in ledger.release_many(_refs(lost)) if status.value == "released")
+    reaped = sum(len(ledger.reap(node)) for node in ledger.nodes())
+    return len(lost), released, reaped
+
+
+def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
+    """One round of upkeep (the body of the periodic task)."""
+    report = TickReport()
+    report.rebuilt = ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)
+    report.requeued_lost, report.released, report.reaped_leases = reap(repo, ledger)
+    sweep = finalize.expire_due_jobs(repo)
+    report.expired_jobs = sweep.expired_jobs
+    stop_in_flight(ledger, sweep.in_flight)
+    for job_id in repo.jobs_in_state(JobState.CANCELLING):
+        stopped = repo.end_items(job_id, ItemState.CANCELLED)
+        report.cancelled_in_flight += len(stopped)
+        stop_in_flight(ledger, stopped)
+    finalize.settle_cancelling_jobs(repo)
+    report.finalized = finalize.finalize_ready_jobs(repo)
+    return report

@@ -1,0 +1,685 @@
+"""The node dispatcher: feeds one engine from its batch slack, in deadline order.
+
+One asyncio loop per GPU node, beside its vLLM server:
+
+1. claim a batch of items from Postgres (earliest deadline first, ``SKIP LOCKED``), never
+   more than the slack could admit;
+2. count each prompt's tokens with the engine's own tokenizer; refuse what breaks the batch
+   class limit, and expire what cannot finish before its deadline (before any prefill);
+3. reserve ``prompt + max_output`` (block-rounded) per item from the node's batch slack in the
+   ledger — one pipelined round trip; items that do not fit are deferred, not started;
+4. mark the leased items running (fenced by attempt and fencing token), then stream each from
+   the engine with the batch priority;
+5. write results in batches and release each lease after its result is durable.
+
+Interactive load takes precedence in two ways: it shrinks the slack (fewer new items), and the
+ledger preempts running batch leases, which reaches this loop as a pub/sub notice (or, if the
+notice is lost, as the lease's heartbeat status). A preempted item is aborted in the engine
+(closing its stream frees its KV blocks), keeps its partial output, and resumes later from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from backfill.errors import BackfillError, LedgerUnavailable, StaleWrite, StoreUnavailable
+from backfill.ledger import AsyncLedger, Denial, Lease, LeaseStatus, ReserveRequest
+from backfill.policy import ServiceClass
+from backfill.repository import ClaimedItem, Finish, Repository, Start
+from backfill.states import ItemState
+from worker.engine import (
+    Endpoint,
+    Engine,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    resume_request,
+)
+
+log = logging.getLogger("backfill.worker")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How one node's dispatcher behaves."""
+
+    node: str
+    claim_batch: int = 64
+    max_in_flight: int = 128
+    """Sequences in flight at most (the engine's own ``--max-num-seqs`` is the other cap)."""
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    idle_poll_s: float = 0.5
+    batch_priority: int = 10
+    """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
+    max_preemptions: int = 3
+    """At this many preemptions an item reserves as non-preemptible (no thrashing)."""
+    max_attempts: int = 5
+    """An item whose attempts keep failing (engine errors, crashes) fails after this many."""
+    grace_s: float = 30.0
+    """On stop, how long in-flight items may finish before they are aborted and requeued."""
+    result_flush_s: float = 0.05
+    decode_tokens_per_s: float = 20.0
+    """Per-sequence decode rate assumed until one is measured (deadline feasibility)."""
+    prefill_tokens_per_s: float = 1000.0
+    settle_every_tokens: int = 32
+
+
+@dataclass
+class _InFlight:
+    item: ClaimedItem
+    lease: Lease
+    endpoint: str
+    task: asyncio.Task[None] | None = None
+    generated: int = 0
+    text: dict[int, list[str]] = field(default_factory=dict)
+    stop_reason: str | None = None
+    """Why the dispatcher cancelled it: preempted, lease_lost, claim_lost, shutdown."""
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DispatchStats:
+    """What this dispatcher has done (printed by ``backfill worker``, read by tests)."""
+
+    claimed: int = 0
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    deferred: int = 0
+    expired: int = 0
+    preempted: int = 0
+    requeued: int = 0
+    stale_results: int = 0
+    output_tokens: int = 0
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _error_json(code: str, message: str) -> str:
+    return json.dumps({"code": code, "message": message})
+
+
+class NodeDispatcher:
+    """Runs the claim -> reserve -> start -> stream -> finish loop for one node."""
+
+    def __init__(
+        self,
+        config: DispatchConfig,
+        engine: Engine,
+        repo: Repository,
+        ledger: AsyncLedger,
+        *,
+        model: str,
+        block_size: int,
+        max_sequence_tokens: int,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.repo = repo
+        self.ledger = ledger
+        self.model = model
+        self.block_size = block_size
+        self.max_sequence_tokens = max_sequence_tokens
+        self.stats = DispatchStats()
+        self._in_flight: dict[int, _InFlight] = {}
+        self._by_lease: dict[str, int] = {}
+        self._results: asyncio.Queue[tuple[Finish, _InFlight]] = asyncio.Queue()
+        self._stopping = asyncio.Event()
+        self._room = asyncio.Event()
+        self._typical_reservation = 0
+        self._decode_rate = config.decode_tokens_per_s
+
+    # -----------------------------------------------------------------------------------------
+    # Lifecycle
+
+    async def run(self) -> None:
+        """Dispatch until :meth:`stop`; then drain (grace period), requeue the rest, return."""
+        helpers = [
+            asyncio.create_task(self._write_results(), name="results"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._listen_preemptions(), name="preemptions"),
+        ]
+        try:
+            while not self._stopping.is_set():
+                try:
+                    started = await self._fill()
+                except (StoreUnavailable, LedgerUnavailable) as exc:
+                    log.warning("node %s: %s; retrying", self.config.node, exc)
+                    started = 0
+                    await self._sleep(max(1.0, self.config.idle_poll_s))
+                    continue
+                if started == 0:
+                    await self._sleep(self.config.idle_poll_s)
+            await self._drain()
+        finally:
+            for task in helpers:
+                task.cancel()
+            for task in helpers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self._flush_results()
+
+    def stop(self) -> None:
+        """Stop claiming; in-flight items get the grace period, then are requeued."""
+        self._stopping.set()
+        self._room.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def _sleep(self, seconds: float) -> None:
+        self._room.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), seconds)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flight in list(self._in_flight.values()):
+            self._cancel(flight, "shutdown")
+        tasks = [f.task for f in self._in_flight.values() if f.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -----------------------------------------------------------------------------------------
+    # Claim, tokenize, check, reserve, start
+
+    async def _fill(self) -> int:
+        cfg = self.config
+        room = cfg.max_in_flight - len(self._in_flight)
+        if room <= 0:
+            return 0
+        snap = await self.ledger.snapshot(cfg.node)
+        if snap is None or not snap.ready or snap.slack < self.block_size:
+            return 0
+        # Claim no more than the slack could take, judged by recent reservations, so a busy
+        # node does not churn items through claim -> deferred.
+        want = min(room, cfg.claim_batch)
+        if self._typical_reservation:
+            want = max(1, min(want, snap.slack // self._typical_reservation))
+        claimed = await asyncio.to_thread(self.repo.claim, cfg.node, want, cfg.lease_ttl_s)
+        if not claimed:
+            return 0
+        self.stats.claimed += len(claimed)
+        ready = await self._check(claimed)
+        if not ready:
+            return 0
+        return await self._reserve_and_start(ready)
+
+    async def _check(self, claimed: list[ClaimedItem]) -> list[tuple[ClaimedItem, int, str]]:
+        """Exact prompt tokens, class limit and deadline, before any engine work."""
+        counted = await asyncio.gather(
+            *(self._prompt_tokens(c) for c in claimed), return_exceptions=True
+        )
+        ready: list[tuple[ClaimedItem, int, str]] = []
+        for item, tokens in zip(claimed, counted, strict=True):
+            endpoint = item.endpoint
+            if isinstance(tokens, EngineRejected):
+                await self._fail_claimed(item, _error_json("invalid_request", tokens.message))
+                continue
+            if isinstance(tokens, BaseException):
+                # The engine could not count (down, overloaded): give the item back untouched.
+                await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {tokens}")
+                continue
+            total = tokens + item.max_output_tokens
+            if total > self.max_sequence_tokens:
+                await self._fail_claimed(
+                    item,
+                    _error_json(
+                        "context_length_exceeded",
+                        f"prompt ({tokens} tokens) + max_tokens ({item.max_output_tokens}) = "
+                        f"{total} exceeds the batch limit of {self.max_sequence_tokens} tokens",
+                    ),
+                )
+                continue
+            remaining = item.max_output_tokens - item.partial_tokens
+            need_s = (tokens / self.config.prefill_tokens_per_s) + remaining / self._decode_rate
+            left_s = (item.deadline - _now()).total_seconds()
+            if need_s > left_s:
+                reason = (
+                    f"needs about {need_s:.1f} s at {self._decode_rate:.1f} tokens/s; "
+                    f"{max(left_s, 0):.1f} s left before the deadline"
+                )
+                with contextlib.suppress(StaleWrite):
+                    await asyncio.to_thread(self.repo.expire_claimed, item.id, item.attempt, reason)
+                self.stats.expired += 1
+                continue
+            ready.append((item, tokens, endpoint))
+        return ready
+
+    async def _prompt_tokens(self, item: ClaimedItem) -> int:
+        if item.prompt_tokens is not None:
+            return item.prompt_tokens
+        body = json.loads(item.body)
+        model = str(body.get("model") or self.model)
+        if item.endpoint == Endpoint.CHAT_COMPLETIONS:
+            return await self.engine.tokenize_chat(body["messages"], self.model or model)
+        return await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
+
+    async def _reserve_and_start(self, ready: list[tuple[ClaimedItem, int, str]]) -> int:
+        cfg = self.config
+        requests = [
+            ReserveRequest(
+                node=cfg.node,
+                service_class=ServiceClass.BATCH,
+                # A resumed item's prompt carries its partial output; its worst case is
+                # unchanged: prompt + max_output in all.
+                prompt_tokens=tokens + item.partial_tokens,
+                max_output_tokens=max(1, item.max_output_tokens - item.partial_tokens),
+                owner=f"{cfg.node}/{item.id}/{item.attempt}",
+                preemptible=item.preemptions < cfg.max_preemptions,
+                deadline_ms=int(item.deadline.timestamp() * 1000),
+                ttl_ms=int(cfg.lease_ttl_s * 1000),
+            )
+            for item, tokens, _ in ready
+        ]
+        try:
+            outcomes = await self.ledger.reserve_many(requests)
+        except LedgerUnavailable:
+            for item, _, _ in ready:
+                await self._give_back(item, ItemState.QUEUED, "ledger unavailable")
+            raise
+        starts: list[Start] = []
+        leased: dict[int, tuple[ClaimedItem, Lease, str]] = {}
+        for (item, tokens, endpoint), outcome in zip(ready, outcomes, strict=True):
+            if isinstance(outcome, Denial):
+                if outcome.permanent:
+                    await self._fail_claimed(
+                        item, _error_json("reservation_refused", str(outcome.reason))
+                    )
+                else:
+                    retry = outcome.retry_after_s or 1.0
+                    await self._give_back(
+                        item, ItemState.DEFERRED, f"no slack: {outcome.reason}", retry
+                    )
+                continue
+            self._typical_reservation = (
+                outcome.tokens
+                if not self._typical_reservation
+                else (3 * self._typical_reservation + outcome.tokens) // 4
+            )
+            starts.append(
+                Start(
+                    item.id,
+                    item.attempt,
+                    outcome.lease_id,
+                    outcome.fencing_token,
+                    outcome.tokens,
+                    tokens,
+                )
+            )
+            leased[item.id] = (item, outcome, endpoint)
+        if not starts:
+            return 0
+        applied = set(await asyncio.to_thread(self.repo.start_many, starts, cfg.lease_ttl_s))
+        orphans = [lease for i, (_, lease, _) in leased.items() if i not in applied]
+        if orphans:
+            # Their claims moved on (cancelled, reaped) between claim and start.
+            await self.ledger.release_many(orphans)
+        for item_id in applied:
+            item, lease, endpoint = leased[item_id]
+            flight = _InFlight(item=item, lease=lease, endpoint=endpoint)
+            self._in_flight[item.id] = flight
+            self._by_lease[lease.lease_id] = item.id
+            flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
+        self.stats.started += len(applied)
+        return len(applied)
+
+    async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
+        with contextlib.suppress(StaleWrite):
+            await asyncio.to_thread(self.repo.fail, item.id, item.attempt, error)
+        self.stats.failed += 1
+
+    async def _give_back(
+        self, item: ClaimedItem, target: ItemState, detail: str, retry_after_s: float = 0.0
+    ) -> None:
+        not_before = _now() + timedelta(seconds=retry_after_s) if retry_after_s else None
+        with contextlib.suppress(StaleWrite):
+            await asyncio.to_thread(
+                self.repo.give_back,
+                item.id,
+                item.attempt,
+                target,
+                not_before=not_before,
+                detail=detail,
+            )
+        if target is ItemState.DEFERRED:
+            self.stats.deferred += 1
+
+    # -----------------------------------------------------------------------------------------
+    # Generation
+
+    async def _generate(self, flight: _InFlight) -> None:
+        item = flight.item
+        body: dict[str, Any] = json.loads(item.body)
+        if item.partial_output:
+            request = resume_request(
+                flight.endpoint, body, item.partial_output, item.partial_tokens
+            )
+            flight.text[0] = [item.partial_output]
+        else:
+            request = dict(body)
+        request["model"] = self.model
+        request_id = f"bf-{item.id}-{item.attempt}"
+        finish_reasons: dict[int, str] = {}
+        usage_prompt: int | None = None
+        completion = 0
+        settled = 0
+        try:
+            stream = self.engine.stream_completion(
+                flight.endpoint,
+                request,
+                priority=self.config.batch_priority,
+                request_id=request_id,
+            )
+            async with stream:
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        flight.text.setdefault(choice.index, []).append(choice.text)
+                        if choice.finish_reason:
+                            finish_reasons[choice.index] = choice.finish_reason
+                    if chunk.usage is not None:
+                        usage_prompt = chunk.usage.prompt_tokens
+                        completion = chunk.usage.completion_tokens
+                    else:
+                        completion += sum(1 for c in chunk.choices if c.text)
+                    flight.generated = item.partial_tokens + completion
+                    if flight.generated - settled >= self.config.settle_every_tokens:
+                        settled = flight.generated
+                        await self._settle(flight)
+        except asyncio.CancelledError:
+            await self._stopped(flight)
+            return
+        except EngineRejected as exc:
+            await self._finish(
+                flight, ItemState.FAILED, error=_error_json("engine_rejected", exc.message)
+            )
+            return
+        except (EngineError, OSError) as exc:
+            await self._engine_trouble(flight, exc)
+            return
+        elapsed = time.monotonic() - flight.started
+        if completion and elapsed > 0:
+            rate = completion / elapsed
+            self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
+        response = self._response_body(flight, request_id, finish_reasons, usage_prompt)
+        await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
+
+    def _response_body(
+        self,
+        flight: _InFlight,
+        request_id: str,
+        finish_reasons: Mapping[int, str],
+        usage_prompt: int | None,
+    ) -> dict[str, Any]:
+        """The non-streaming response the endpoint would have sent, assembled from the stream
+        (and, after a preemption, from the partial output the earlier attempt produced)."""
+        item = flight.item
+        prompt = item.prompt_tokens if item.prompt_tokens is not None else usage_prompt or 0
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": flight.generated,
+            "total_tokens": prompt + flight.generated,
+        }
+        created = int(time.time())
+        indexes = sorted(flight.text) or [0]
+        if flight.endpoint == Endpoint.CHAT_COMPLETIONS:
+            return {
+                "id": f"chatcmpl-{request_id}",
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {
+                            "role": "assistant",
+                            "content": "".join(flight.text.get(i, [])),
+                        },
+                        "finish_reason": finish_reasons.get(i, "stop"),
+                        "logprobs": None,
+                    }
+                    for i in indexes
+                ],
+                "usage": usage,
+            }
+        return {
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": "".join(flight.text.get(i, [])),
+                    "finish_reason": finish_reasons.get(i, "stop"),
+                    "logprobs": None,
+                }
+                for i in indexes
+            ],
+            "usage": usage,
+        }
+
+    async def _settle(self, flight: _InFlight) -> None:
+        # Generated-so-far lets the ledger pick victims that lose the least work.
+        with contextlib.suppress(BackfillError):
+            await self.ledger.settle(
+                self.config.node,
+                flight.lease.lease_id,
+                flight.lease.fencing_token,
+                flight.generated,
+            )
+
+    def _partial(self, flight: _InFlight) -> str | None:
+        text = "".join(flight.text.get(0, []))
+        return text or None
+
+    async def _stopped(self, flight: _InFlight) -> None:
+        """The task was cancelled by the dispatcher: keep the progress where that is ours."""
+        item, lease = flight.item, flight.lease
+        reason = flight.stop_reason or "shutdown"
+        try:
+            if reason == "preempted":
+                await asyncio.to_thread(
+                    self.repo.preempt,
+                    item.id,
+                    item.attempt,
+                    lease.fencing_token,
+                    partial_output=self._partial(flight),
+                    partial_tokens=flight.generated,
+                )
+                self.stats.preempted += 1
+            elif reason in ("shutdown", "lease_lost"):
+                await asyncio.to_thread(
+                    self.repo.requeue,
+                    item.id,
+                    item.attempt,
+                    lease.fencing_token,
+                    partial_output=self._partial(flight),
+                    partial_tokens=flight.generated,
+                    detail=reason,
+                )
+                self.stats.requeued += 1
+            # claim_lost: the item was cancelled, expired or reaped; nothing of ours to write.
+        except StaleWrite:
+            pass
+        finally:
+            await self._release(flight)
+
+    async def _engine_trouble(self, flight: _InFlight, exc: BaseException) -> None:
+        item = flight.item
+        log.warning(
+            "node %s: item %s attempt %s: engine error: %s",
+            self.config.node,
+            item.id,
+            item.attempt,
+            exc,
+        )
+        if item.attempt >= self.config.max_attempts:
+            await self._finish(
+                flight,
+                ItemState.FAILED,
+                error=_error_json(
+                    "retries_exhausted",
+                    f"the engine failed {item.attempt} attempts; last error: {exc}",
+                ),
+            )
+            return
+        try:
+            await asyncio.to_thread(
+                self.repo.requeue,
+                item.id,
+                item.attempt,
+                flight.lease.fencing_token,
+                partial_output=self._partial(flight),
+                partial_tokens=flight.generated,
+                detail=f"engine error: {exc}",
+            )
+            self.stats.requeued += 1
+        except StaleWrite:
+            pass
+        finally:
+            await self._release(flight)
+        if isinstance(exc, EngineUnavailable):
+            # Give a restarting engine a moment rather than spinning through the queue.
+            await asyncio.sleep(1.0)
+
+    async def _finish(
+        self,
+        flight: _InFlight,
+        state: ItemState,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        item = flight.item
+        fin = Finish(
+            item.id,
+            item.attempt,
+            flight.lease.fencing_token,
+            state,
+            result=result,
+            error=error,
+            output_tokens=flight.generated,
+            prompt_tokens=item.prompt_tokens,
+        )
+        await self._results.put((fin, flight))
+
+    async def _release(self, flight: _InFlight) -> None:
+        self._forget(flight)
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release(flight.lease)
+
+    def _forget(self, flight: _InFlight) -> None:
+        self._in_flight.pop(flight.item.id, None)
+        self._by_lease.pop(flight.lease.lease_id, None)
+        self._room.set()
+
+    def _cancel(self, flight: _InFlight, reason: str) -> None:
+        if flight.task is not None and not flight.task.done() and flight.stop_reason is None:
+            flight.stop_reason = reason
+            flight.task.cancel()
+
+    # -----------------------------------------------------------------------------------------
+    # Results, heartbeats, preemption notices
+
+    async def _write_results(self) -> None:
+        while True:
+            first = await self._results.get()
+            batch = [first]
+            await asyncio.sleep(self.config.result_flush_s)
+            while not self._results.empty() and len(batch) < 256:
+                batch.append(self._results.get_nowait())
+            await self._commit_results(batch)
+
+    async def _flush_results(self) -> None:
+        batch = []
+        while not self._results.empty():
+            batch.append(self._results.get_nowait())
+        if batch:
+            await self._commit_results(batch)
+
+    async def _commit_results(self, batch: list[tuple[Finish, _InFlight]]) -> None:
+        while True:
+            try:
+                applied = set(await asyncio.to_thread(self.repo.finish, [f for f, _ in batch]))
+                break
+            except StoreUnavailable as exc:
+                # Results stay in memory (their leases held) until Postgres is back.
+                log.warning("node %s: cannot write results: %s; retrying", self.config.node, exc)
+                await asyncio.sleep(1.0)
+        for fin, flight in batch:
+            if fin.item_id in applied:
+                if fin.state is ItemState.SUCCEEDED:
+                    self.stats.succeeded += 1
+                    self.stats.output_tokens += fin.output_tokens
+                else:
+                    self.stats.failed += 1
+            else:
+                self.stats.stale_results += 1
+            self._forget(flight)
+        # Leases go back only once the results they produced are durable.
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release_many([flight.lease for _, flight in batch])
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            flights = list(self._in_flight.values())
+            if not flights:
+                continue
+            try:
+                held = set(
+                    await asyncio.to_thread(
+                        self.repo.heartbeat,
+                        [(f.item.id, f.item.attempt) for f in flights],
+                        cfg.lease_ttl_s,
+                    )
+                )
+            except StoreUnavailable:
+                held = {f.item.id for f in flights}
+            for flight in flights:
+                if flight.item.id not in held:
+                    self._cancel(flight, "claim_lost")
+                    continue
+                try:
+                    beat = await self.ledger.heartbeat(
+                        cfg.node,
+                        flight.lease.lease_id,
+                        flight.lease.fencing_token,
+                        ttl_ms=int(cfg.lease_ttl_s * 1000),
+                    )
+                except BackfillError:
+                    continue
+                if beat.status is LeaseStatus.PREEMPTED:
+                    self._cancel(flight, "preempted")
+                elif beat.status in (LeaseStatus.EXPIRED, LeaseStatus.FENCED):
+                    # No reservation covers this request any more: stop engine work at once.
+                    self._cancel(flight, "lease_lost")
+
+    async def _listen_preemptions(self) -> None:
+        while True:
+            try:
+                async with await self.ledger.listen_preemptions(self.config.node) as listener:
+                    async for lease_id in listener:
+                        item_id = self._by_lease.get(lease_id)
+                        flight = self._in_flight.get(item_id) if item_id is not None else None
+                        if flight is not None:
+                            self._cancel(flight, "preempted")
+            except LedgerUnavailable as exc:
+                log.warning("node %s: preemption channel lost: %s", self.config.node, exc)
+                await asyncio.sleep(1.0)

@@ -1,0 +1,202 @@
+"""One GPU node's worker: find the engine, measure its pool, register it, dispatch.
+
+``run_node`` is the whole life of a node's dispatcher as one coroutine; ``NodeThread`` runs it
+beside a Celery worker (``backfill worker``), which carries the maintenance tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+from backfill.capacity import EnginePool
+from backfill.config import Settings
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.repository import Repository
+from worker.dispatch import DispatchConfig, DispatchStats, NodeDispatcher
+from worker.engine import EngineError, HttpEngine, ModelInfo
+
+log = logging.getLogger("backfill.worker")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    pool: EnginePool
+    model: ModelInfo
+
+
+async def wait_for_engine(
+    engine: HttpEngine, stop: asyncio.Event, *, retry_s: float = 2.0, max_retry_s: float = 30.0
+) -> EngineFacts | None:
+    """The engine's measured pool and served model; retries (saying so) until it answers.
+
+    Returns None if told to stop first. A worker whose engine is down waits loudly instead
+    of crash-looping.
+    """
+    delay = retry_s
+    while not stop.is_set():
+        try:
+            pool = await engine.pool()
+            models = await engine.models()
+            if not models:
+                raise EngineError("the engine serves no model")
+            return EngineFacts(pool, models[0])
+        except (EngineError, OSError) as exc:
+            log.warning(
+                "engine at %s is not answering (%s); retrying in %.0f s",
+                engine.base_url,
+                exc,
+                delay,
+            )
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except TimeoutError:
+            delay = min(delay * 2, max_retry_s)
+    return None
+
+
+def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
+    return DispatchConfig(
+        node=node,
+        claim_batch=settings.claim_batch_size,
+        max_in_flight=settings.max_in_flight_per_node,
+        lease_ttl_s=settings.lease_ttl_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        batch_priority=settings.batch_priority,
+        max_preemptions=settings.max_preemptions_per_item,
+        max_attempts=settings.max_attempts_per_item,
+        grace_s=settings.shutdown_grace_s,
+    )
+
+
+async def run_node(
+    settings: Settings,
+    node: str,
+    engine_url: str,
+    stop: asyncio.Event,
+    *,
+    started: threading.Event | None = None,
+    holder: list[NodeDispatcher] | None = None,
+) -> DispatchStats:
+    """Serve ``node`` until ``stop`` is set; returns what was done."""
+    policy = pool_policy(settings)
+    async with HttpEngine(engine_url) as engine:
+        facts = await wait_for_engine(engine, stop)
+        if facts is None:
+            return DispatchStats()
+        pool, model = facts.pool, facts.model
+        reserve = policy.reserve_tokens(pool.capacity_tokens)
+        repo = Repository.connect(settings.database_url, pool_size=4)
+        ledger = Ledger.from_url(
+            settings.redis_url,
+            settings.redis_namespace,
+            policy,
+            lease_ttl_ms=int(settings.lease_ttl_s * 1000),
+        )
+        aledger = AsyncLedger.from_url(
+            settings.redis_url,
+            settings.redis_namespace,
+            policy,
+            lease_ttl_ms=int(settings.lease_ttl_s * 1000),
+        )
+        try:
+            await asyncio.to_thread(
+                repo.upsert_node,
+                node,
+                engine_url,
+                model.id,
+                pool.num_blocks,
+                pool.block_size,
+                reserve,
+            )
+            # A fresh (or emptied) Redis is rebuilt from Postgres before this node admits
+            # anything; the rebuild registers every known pool, this one included.
+            await asyncio.to_thread(
+                ensure_ledger, repo, ledger, max_preemptions=settings.max_preemptions_per_item
+            )
+            await aledger.register_pool(node, pool.capacity_tokens, pool.block_size)
+            limit = policy.batch.max_sequence_tokens
+            if model.max_model_len:
+                limit = min(limit, model.max_model_len)
+            dispatcher = NodeDispatcher(
+                dispatch_config(settings, node),
+                engine,
+                repo,
+                aledger,
+                model=model.id,
+                block_size=pool.block_size,
+                max_sequence_tokens=limit,
+            )
+            if holder is not None:
+                holder.append(dispatcher)
+            log.info(
+                "node %s: engine %s serves %s; pool %s tokens (%s blocks of %s), "
+                "interactive reserve %s",
+                node,
+                engine_url,
+                model.id,
+                pool.capacity_tokens,
+                pool.num_blocks,
+                pool.block_size,
+                reserve,
+            )
+            if started is not None:
+                started.set()
+            runner = asyncio.create_task(dispatcher.run())
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            dispatcher.stop()
+            stopper.cancel()
+            await runner
+            return dispatcher.stats
+        finally:
+            await aledger.aclose()
+            ledger.close()
+            repo.close()
+
+
+class NodeThread(threading.Thread):
+    """Runs :func:`run_node` on its own event loop, beside a Celery worker's main thread."""
+
+    def __init__(self, settings: Settings, node: str, engine_url: str) -> None:
+        super().__init__(name=f"node-{node}", daemon=True)
+        self.settings = settings
+        self.node = node
+        self.engine_url = engine_url
+        self.started = threading.Event()
+        self.stats: DispatchStats | None = None
+        self.error: BaseException | None = None
+        self.dispatchers: list[NodeDispatcher] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._ready = threading.Event()
+
+    def run(self) -> None:
+        async def main() -> DispatchStats:
+            self._loop = asyncio.get_running_loop()
+            self._stop_event = asyncio.Event()
+            self._ready.set()
+            return await run_node(
+                self.settings,
+                self.node,
+                self.engine_url,
+                self._stop_event,
+                started=self.started,
+                holder=self.dispatchers,
+            )
+
+        try:
+            self.stats = asyncio.run(main())
+        except BaseException as exc:
+            self.error = exc
+            log.exception("node %s stopped on an error", self.node)
+            self._ready.set()
+
+    def stop(self) -> None:
+        """Ask the dispatcher to stop (grace period, then requeue); returns at once."""
+        self._ready.wait(10)
+        if self._loop is not None and self._stop_event is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_event.set)

@@ -1,0 +1,82 @@
+"""``backfill worker`` and ``backfill beat``: Celery processes with the node dispatcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+from celery import signals
+
+from backfill.config import Settings
+from worker.celery_app import maintenance_queue, make_app
+from worker.node import NodeThread
+
+log = logging.getLogger("backfill.worker")
+
+
+def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = False) -> None:
+    """A Celery worker for ``node`` (maintenance queue) with the node's dispatcher beside it.
+
+    SIGTERM (Celery's warm shutdown) stops claiming at once, lets in-flight items finish for
+    the grace period, then aborts and requeues the rest and releases every lease.
+    """
+    _configure_logging()
+    app = make_app(settings)
+    thread = NodeThread(settings, node, engine_url)
+
+    def on_ready(**_: Any) -> None:
+        thread.start()
+
+    def on_shutting_down(**_: Any) -> None:
+        log.info("node %s: stopping (grace %.0f s)", node, settings.shutdown_grace_s)
+        thread.stop()
+
+    def on_shutdown(**_: Any) -> None:
+        thread.join(settings.shutdown_grace_s + 30)
+        if thread.stats is not None:
+            log.info("node %s stopped: %s", node, thread.stats)
+
+    signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(on_shutting_down, weak=False)
+    signals.worker_shutdown.connect(on_shutdown, weak=False)
+    argv = [
+        "worker",
+        "--queues",
+        maintenance_queue(settings),
+        "--pool",
+        "solo",
+        "--hostname",
+        f"{node}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel",
+        os.environ.get("BACKFILL_LOG_LEVEL", "INFO"),
+    ]
+    if beat:
+        schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
+        argv += ["--beat", "--schedule", schedule]
+    app.worker_main(argv)
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("BACKFILL_LOG_LEVEL", "INFO").upper()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s"))
+    backfill_log = logging.getLogger("backfill")
+    backfill_log.setLevel(level)
+    backfill_log.addHandler(handler)
+    backfill_log.propagate = False
+    # One line per engine request would drown everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run_beat(settings: Settings) -> None:
+    """Celery beat: schedules the maintenance tick (run exactly one per deployment)."""
+    _configure_logging()
+    app = make_app(settings)
+    schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
+    app.start(
+        ["beat", "--schedule", schedule, "--loglevel", os.environ.get("BACKFILL_LOG_LEVEL", "INFO")]
+    )

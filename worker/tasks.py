@@ -1,0 +1,46 @@
+"""Celery tasks: the periodic maintenance tick."""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+
+from backfill.config import get_settings
+from backfill.ledger import Ledger
+from backfill.maintenance import pool_policy, tick
+from backfill.repository import Repository
+from worker.celery_app import app
+
+log = logging.getLogger("backfill.maintenance")
+
+
+@cache
+def _stores() -> tuple[Repository, Ledger]:
+    settings = get_settings()
+    repo = Repository.connect(settings.database_url, pool_size=2)
+    ledger = Ledger.from_url(
+        settings.redis_url,
+        settings.redis_namespace,
+        pool_policy(settings),
+        lease_ttl_ms=int(settings.lease_ttl_s * 1000),
+    )
+    return repo, ledger
+
+
+@app.task(name="backfill.maintenance.tick", acks_late=True)  # type: ignore[untyped-decorator]
+def maintenance_tick() -> dict[str, object]:
+    """Rebuild the ledger if lost, reap silent attempts, expire, stop cancelled work, finalize."""
+    repo, ledger = _stores()
+    report = tick(repo, ledger, get_settings())
+    if report.requeued_lost or report.expired_jobs or report.finalized or report.rebuilt:
+        log.info(
+            "maintenance: requeued %s lost items, expired %s jobs, finalized %s",
+            report.requeued_lost,
+            len(report.expired_jobs),
+            report.finalized,
+        )
+    return {
+        "requeued_lost": report.requeued_lost,
+        "expired_jobs": report.expired_jobs,
+        "finalized": {k: v.value for k, v in report.finalized.items()},
+    }
