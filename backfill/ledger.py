@@ -19,9 +19,10 @@ live batch leases from records read from Postgres, then reopens admission.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from functools import cache
 from importlib import resources
@@ -285,8 +286,16 @@ def _s(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _ms(value: datetime | None) -> int:
-    return 0 if value is None else int(value.timestamp() * 1000)
+    # Integer arithmetic: float timestamps lose the millisecond now and then.
+    if value is None:
+        return 0
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return (value - _EPOCH) // timedelta(milliseconds=1)
 
 
 def _arg(value: int | None) -> str:
@@ -364,7 +373,8 @@ class _Calls:
             status = LeaseStatus(_s(reply[0]))
             return HeartbeatResult(status, int(reply[1]) if status is LeaseStatus.OK else None)
 
-        args = [_arg(now_ms), lease_id, str(fencing_token), _arg(ttl_ms)]
+        ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
+        args = [_arg(now_ms), lease_id, str(fencing_token), str(ttl)]
         return _Call("heartbeat", self.keys.node(node).keys(), args, parse)
 
     def release(self, held: HeldLease, now_ms: int | None) -> _Call:
@@ -670,11 +680,17 @@ class PreemptionListener:
 
     def get(self, timeout: float = 1.0) -> str | None:
         """The next preempted lease id, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         try:
-            message = self._pubsub.get_message(timeout=timeout)
+            while True:
+                # get_message answers None for a subscribe confirmation too: wait on.
+                message = self._pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
+                if message is not None:
+                    return _s(message["data"])
+                if time.monotonic() >= deadline:
+                    return None
         except redis.RedisError as exc:
             raise _translate(exc) from exc
-        return None if message is None else _s(message["data"])
 
     def __iter__(self) -> Iterator[str]:
         while True:
@@ -839,11 +855,18 @@ class AsyncPreemptionListener:
 
     async def get(self, timeout: float = 1.0) -> str | None:
         """The next preempted lease id, or None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         try:
-            message = await self._pubsub.get_message(timeout=timeout)
+            while True:
+                message = await self._pubsub.get_message(
+                    ignore_subscribe_messages=True,
+                    timeout=max(0.0, deadline - time.monotonic()))
+                if message is not None:
+                    return _s(message["data"])
+                if time.monotonic() >= deadline:
+                    return None
         except redis.RedisError as exc:
             raise _translate(exc) from exc
-        return None if message is None else _s(message["data"])
 
     async def __aiter__(self) -> AsyncIterator[str]:
         while True:

@@ -20,8 +20,11 @@ for i = 4, #ARGV do str_arg(ARGV[i], 'lease_id', false) end
 
 local victims = {}
 if #ARGV >= 4 then
+  local seen = {}
   for i = 4, #ARGV do
-    local raw = redis.call('HGET', K_LEASES, ARGV[i])
+    local raw = nil
+    if not seen[ARGV[i]] then raw = redis.call('HGET', K_LEASES, ARGV[i]) end
+    seen[ARGV[i]] = true
     if raw then
       local l = decode(ARGV[i], raw)
       if l.class == 'batch' and l.preemptible == 1 and l.expires > now then
