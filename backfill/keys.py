@@ -41,9 +41,9 @@ MAX_INT = 2**53 - 1
 """The largest integer a script argument may carry (exact in a Lua double)."""
 
 ENDED_TTL_MS = 15 * 60 * 1000
-"""How long an ended lease is remembered. A release, settle or heartbeat from its holder in
-this window is answered with why it ended; a rebuild in this window will not resurrect it.
-It must exceed the longest rebuild."""
+"""How long an ended lease is remembered (at least; ``reap`` forgets older ones). A release,
+settle or heartbeat from its holder in this window is answered with why it ended; a rebuild
+in this window will not resurrect it. It must exceed the longest rebuild."""
 
 REAP_IN_RESERVE = 64
 """Expired leases a ``reserve`` call reclaims before admitting: bounded, so one call never
@@ -51,6 +51,10 @@ stalls Redis when a dead worker left thousands behind; the periodic reaper takes
 
 REAP_BATCH = 1000
 """Expired leases one ``reap`` call reclaims at most."""
+
+BATCH_CHUNK = 100
+"""Requests one batched reserve or release call decides at most (a call blocks Redis while it
+runs: 100 reservations take a few milliseconds)."""
 
 RESTORE_CHUNK = 500
 """Leases restored per script call during a rebuild (keeps each call short)."""

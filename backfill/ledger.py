@@ -335,23 +335,33 @@ class _Calls:
         return _Call("register_pool", self.keys.node(node).keys(),
                      [*map(str, args), _arg(epoch)], lambda r: int(r[1]))
 
-    def reserve(self, req: ReserveRequest, now_ms: int | None) -> _Call:
-        nk = self.keys.node(req.node)
-        ttl = req.ttl_ms if req.ttl_ms is not None else self.lease_ttl_ms
-        args = [nk.channel, _arg(now_ms), req.lease_id, req.service_class.value,
-                str(req.prompt_tokens), str(req.max_output_tokens), str(req.n), str(ttl),
-                req.owner, "1" if req.preemptible else "0", _arg(req.deadline_ms),
-                "1" if req.allow_preemption else "0"]
+    def reserve(self, node: str, reqs: Sequence[ReserveRequest], now_ms: int | None) -> _Call:
+        nk = self.keys.node(node)
+        args = [nk.channel, _arg(now_ms), str(len(reqs))]
+        for req in reqs:
+            ttl = req.ttl_ms if req.ttl_ms is not None else self.lease_ttl_ms
+            args += [req.lease_id, req.service_class.value, str(req.prompt_tokens),
+                     str(req.max_output_tokens), str(req.n), str(ttl), req.owner,
+                     "1" if req.preemptible else "0", _arg(req.deadline_ms),
+                     "1" if req.allow_preemption else "0"]
         retry = self.policy.defer_retry_after_s
 
-        def parse(reply: list[Any]) -> Lease | Denial:
-            kind = _s(reply[0])
-            if kind == "denied":
+        def parse_one(req: ReserveRequest, reply: list[Any]) -> Lease | Denial:
+            if _s(reply[0]) == "denied":
                 reason = Reason(_s(reply[1]))
                 permanent = reason in (Reason.OVER_CLASS_LIMIT, Reason.LARGER_THAN_POOL)
-                return Denial(req.node, req.service_class, reason, int(reply[2]), int(reply[3]),
+                return Denial(node, req.service_class, reason, int(reply[2]), int(reply[3]),
                               int(reply[4]), None if permanent else retry)
-            return _lease(req.node, reply[1:11], tuple(_s(v) for v in reply[13]))
+            return Lease(
+                lease_id=req.lease_id, node=node, service_class=req.service_class,
+                tokens=int(reply[2]), fencing_token=int(reply[1]), expires_at_ms=int(reply[3]),
+                started_at_ms=int(reply[4]), owner=req.owner, preemptible=req.preemptible,
+                generated_tokens=int(reply[5]), deadline_ms=req.deadline_ms or None,
+                preempted=tuple(_s(v) for v in reply[6]),
+            )
+
+        def parse(replies: list[Any]) -> list[Lease | Denial]:
+            return [parse_one(q, r) for q, r in zip(reqs, replies, strict=True)]
 
         return _Call("reserve", nk.keys(), args, parse)
 
@@ -377,10 +387,12 @@ class _Calls:
         args = [_arg(now_ms), lease_id, str(fencing_token), str(ttl)]
         return _Call("heartbeat", self.keys.node(node).keys(), args, parse)
 
-    def release(self, held: HeldLease, now_ms: int | None) -> _Call:
-        args = [_arg(now_ms), held.lease_id, str(held.fencing_token)]
-        return _Call("release", self.keys.node(held.node).keys(), args,
-                     lambda r: LeaseStatus(_s(r[0])))
+    def release(self, node: str, held: Sequence[HeldLease], now_ms: int | None) -> _Call:
+        args = [_arg(now_ms), str(len(held))]
+        for h in held:
+            args += [h.lease_id, str(h.fencing_token)]
+        return _Call("release", self.keys.node(node).keys(), args,
+                     lambda r: [LeaseStatus(_s(x)) for x in r])
 
     def preempt(self, node: str, tokens_needed: int, victims: Sequence[str] | None,
                 now_ms: int | None) -> _Call:
@@ -451,6 +463,24 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         yield items[start:start + size]
 
 
+def _by_node(items: Sequence[T], node_of: Callable[[T], str]) -> list[tuple[str, list[int]]]:
+    """Indices of ``items`` grouped by node (in order of first appearance), in chunks that keep
+    each script call short."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(node_of(item), []).append(i)
+    return [(node, list(chunk)) for node, idx in groups.items()
+            for chunk in _chunks(idx, lk.BATCH_CHUNK)]
+
+
+def _scatter(size: int, groups: list[tuple[str, list[int]]], results: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * size
+    for (_, idx), result in zip(groups, results, strict=True):
+        for j, i in enumerate(idx):
+            out[i] = result if isinstance(result, Exception) else result[j]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The ledger
 
@@ -494,7 +524,8 @@ class Ledger:
             raise _translate(exc) from exc
         return call.parse(reply)
 
-    def _run_many(self, calls: Sequence[_Call]) -> list[Any]:
+    def _run_many(self, calls: Sequence[_Call], groups: list[tuple[str, list[int]]],
+                  size: int) -> list[Any]:
         if not calls:
             return []
         try:
@@ -509,7 +540,7 @@ class Ledger:
                     replies[i] = r
         except redis.RedisError as exc:
             raise _translate(exc) from exc
-        return _parse_all(calls, replies)
+        return _parse_all(calls, replies, groups, size)
 
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
@@ -557,13 +588,17 @@ class Ledger:
             allow_preemption=allow_preemption, ttl_ms=ttl_ms,
             **({"lease_id": lease_id} if lease_id else {}),
         )
-        result: Lease | Denial = self._run(self._calls.reserve(req, now_ms))
+        result: Lease | Denial = self._run(self._calls.reserve(node, [req], now_ms))[0]
         return result
 
     def reserve_many(self, requests: Sequence[ReserveRequest], *,
                      now_ms: int | None = None) -> list[Lease | Denial]:
-        """Reserve several, pipelined (one round trip; each is its own atomic call)."""
-        return self._run_many([self._calls.reserve(r, now_ms) for r in requests])
+        """Reserve several in one round trip: one script call per node (and per chunk), each
+        deciding its requests in order, atomically. Results come in request order."""
+        groups = _by_node(requests, lambda r: r.node)
+        calls = [self._calls.reserve(node, [requests[i] for i in idx], now_ms)
+                 for node, idx in groups]
+        return self._run_many(calls, groups, len(requests))
 
     def settle(self, node: str, lease_id: str, fencing_token: int, generated_tokens: int, *,
                reservation_tokens: int | None = None,
@@ -581,12 +616,16 @@ class Ledger:
 
     def release(self, held: HeldLease, *, now_ms: int | None = None) -> LeaseStatus:
         """Give the lease's tokens back (idempotent; a stale holder changes nothing)."""
-        result: LeaseStatus = self._run(self._calls.release(held, now_ms))
+        result: LeaseStatus = self._run(self._calls.release(held.node, [held], now_ms))[0]
         return result
 
     def release_many(self, held: Sequence[HeldLease], *,
                      now_ms: int | None = None) -> list[LeaseStatus]:
-        return self._run_many([self._calls.release(h, now_ms) for h in held])
+        """Release several in one round trip; statuses come in the order given."""
+        groups = _by_node(held, lambda h: h.node)
+        calls = [self._calls.release(node, [held[i] for i in idx], now_ms)
+                 for node, idx in groups]
+        return self._run_many(calls, groups, len(held))
 
     def preempt(self, node: str, tokens_needed: int, *, victims: Sequence[str] | None = None,
                 now_ms: int | None = None) -> PreemptResult:
@@ -657,17 +696,21 @@ class Ledger:
         return PreemptionListener(pubsub)
 
 
-def _parse_all(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Any]:
-    results: list[Any] = []
+def _parse_all(calls: Sequence[_Call], replies: Sequence[Any],
+               groups: list[tuple[str, list[int]]], size: int) -> list[Any]:
+    """Each call's parsed results, scattered back to request order; raises
+    :class:`PartialBatchError` (with every request's result or error) if any call failed."""
+    per_call: list[Any] = []
     failed = 0
     for call, reply in zip(calls, replies, strict=True):
         if isinstance(reply, redis.RedisError):
-            results.append(_translate(reply))
+            per_call.append(_translate(reply))
             failed += 1
         else:
-            results.append(call.parse(reply))
+            per_call.append(call.parse(reply))
+    results = _scatter(size, groups, per_call)
     if failed:
-        first = next(r for r in results if isinstance(r, Exception))
+        first = next(r for r in per_call if isinstance(r, Exception))
         raise PartialBatchError(f"{failed} of {len(calls)} calls failed; first: {first}", results)
     return results
 
@@ -748,7 +791,8 @@ class AsyncLedger:
             pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def _run_many(self, calls: Sequence[_Call]) -> list[Any]:
+    async def _run_many(self, calls: Sequence[_Call], groups: list[tuple[str, list[int]]],
+                        size: int) -> list[Any]:
         if not calls:
             return []
         try:
@@ -762,7 +806,7 @@ class AsyncLedger:
                     replies[i] = r
         except redis.RedisError as exc:
             raise _translate(exc) from exc
-        return _parse_all(calls, replies)
+        return _parse_all(calls, replies, groups, size)
 
     async def register_pool(self, node: str, capacity_tokens: int, block_size: int, *,
                             policy: PoolPolicy | None = None, epoch: int | None = None,
@@ -790,12 +834,15 @@ class AsyncLedger:
             allow_preemption=allow_preemption, ttl_ms=ttl_ms,
             **({"lease_id": lease_id} if lease_id else {}),
         )
-        result: Lease | Denial = await self._run(self._calls.reserve(req, now_ms))
+        result: Lease | Denial = (await self._run(self._calls.reserve(node, [req], now_ms)))[0]
         return result
 
     async def reserve_many(self, requests: Sequence[ReserveRequest], *,
                            now_ms: int | None = None) -> list[Lease | Denial]:
-        return await self._run_many([self._calls.reserve(r, now_ms) for r in requests])
+        groups = _by_node(requests, lambda r: r.node)
+        calls = [self._calls.reserve(node, [requests[i] for i in idx], now_ms)
+                 for node, idx in groups]
+        return await self._run_many(calls, groups, len(requests))
 
     async def settle(self, node: str, lease_id: str, fencing_token: int, generated_tokens: int,
                      *, reservation_tokens: int | None = None,
@@ -812,12 +859,15 @@ class AsyncLedger:
         return result
 
     async def release(self, held: HeldLease, *, now_ms: int | None = None) -> LeaseStatus:
-        result: LeaseStatus = await self._run(self._calls.release(held, now_ms))
+        result: LeaseStatus = (await self._run(self._calls.release(held.node, [held], now_ms)))[0]
         return result
 
     async def release_many(self, held: Sequence[HeldLease], *,
                            now_ms: int | None = None) -> list[LeaseStatus]:
-        return await self._run_many([self._calls.release(h, now_ms) for h in held])
+        groups = _by_node(held, lambda h: h.node)
+        calls = [self._calls.release(node, [held[i] for i in idx], now_ms)
+                 for node, idx in groups]
+        return await self._run_many(calls, groups, len(held))
 
     async def preempt(self, node: str, tokens_needed: int, *,
                       victims: Sequence[str] | None = None,

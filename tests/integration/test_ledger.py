@@ -28,6 +28,7 @@ from backfill.ledger import (
     LeaseStatus,
     Ledger,
     NodePool,
+    PartialBatchError,
     ReserveRequest,
     script_source,
 )
@@ -295,22 +296,35 @@ def test_ended_leases_are_forgotten_after_a_while(ledger: Ledger) -> None:
 
 
 NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
-    ("reserve", ["ch", "", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "1", "0", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "1", "1", "1.5", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "1", "1", "1", "inf", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "1", "1", "1", "100", "", "yes", "", "1"]),
-    ("reserve", ["ch", "", "", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "x", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "ls_x", "batch", "1", "1", "1", "100", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "0", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1.5", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "inf", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "yes", "", "1"]),
+    ("reserve", ["ch", "", "1", "", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "x", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", ""]),
+    ("reserve", ["ch", "", "0"]),
+    # the second request of a batch is malformed: the first is not admitted either
+    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
+                 "ls_y", "batch", "1", "1", "1", "100", "", "1", "", "2"]),
+    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
+                 "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
+    # ls_a is a live batch lease; ls_b ended
+    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
+                 "ls_a", "interactive", "1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
+                 "ls_b", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
     ("settle", ["", "ls_a", "nan", "5", ""]),
     ("settle", ["", "ls_a", "1", "-5", ""]),
     ("settle", ["", "ls_a", "1", "5", "abc"]),
     ("heartbeat", ["", "ls_a", "1", "0"]),
     ("heartbeat", ["", "ls_a", "1"]),
-    ("release", ["", "ls_a", "1e400"]),
-    ("release", ["", "", "1"]),
+    ("release", ["", "1", "ls_a", "1e400"]),
+    ("release", ["", "1", "", "1"]),
+    ("release", ["", "2", "ls_a", "1", "ls_b"]),
+    ("release", ["", "0"]),
     ("preempt", ["ch", "", "-3"]),
     ("preempt", ["ch", "", "10", ""]),
     ("reap", ["", "0"]),
@@ -337,7 +351,8 @@ def test_malformed_arguments_change_no_key(
     ledger.rebuild([NodePool("n1", 10_000, 16)], [], epoch=3, now_ms=T0)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, lease_id="ls_a", now_ms=T0))
     admitted(ledger.reserve("n1", INTERACTIVE, 100, 100, now_ms=T0))
-    ledger.release(admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)), now_ms=T0)
+    ledger.release(admitted(ledger.reserve("n1", BATCH, 1, 1, lease_id="ls_b", now_ms=T0)),
+                   now_ms=T0)
     assert a.fencing_token > 0
     before = dump(redis_client, ledger.keys.namespace)
     raw = redis_client.register_script(script_source(script))
@@ -526,6 +541,28 @@ def test_pipelined_reserve_and_release_match_single_calls(ledger: Ledger) -> Non
     snap = ledger.snapshot("n1", now_ms=T0)
     assert snap is not None
     assert snap.reserved == 0
+
+
+def test_a_batch_across_nodes_comes_back_in_request_order(ledger: Ledger) -> None:
+    open_pool(ledger)
+    ledger.register_pool("n2", 10_000, 16)
+    requests = [ReserveRequest(node, BATCH, 1, 1) for node in ("n1", "n2", "n1", "n2")]
+    results = ledger.reserve_many(requests, now_ms=T0)
+    assert [admitted(r).node for r in results] == ["n1", "n2", "n1", "n2"]
+    assert [admitted(r).lease_id for r in results] == [r.lease_id for r in requests]
+    assert ledger.release_many([admitted(r) for r in reversed(results)], now_ms=T0) == \
+        [LeaseStatus.RELEASED] * 4
+
+
+def test_a_failed_part_of_a_batch_reports_what_the_rest_admitted(ledger: Ledger) -> None:
+    open_pool(ledger)
+    requests = [ReserveRequest("n1", BATCH, 1, 1), ReserveRequest("nowhere", BATCH, 1, 1)]
+    with pytest.raises(PartialBatchError) as caught:
+        ledger.reserve_many(requests, now_ms=T0)
+    first, second = caught.value.results
+    assert isinstance(first, Lease)
+    assert isinstance(second, LedgerError)
+    assert ledger.release(first, now_ms=T0) is LeaseStatus.RELEASED
 
 
 def test_the_async_ledger_runs_the_same_scripts(ledger: Ledger, redis_namespace: str) -> None:
