@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,27 +189,27 @@ _PROMPT_CHARS: dict[str, Callable[[Any], int | str]] = {
 }
 
 
-def validate_batch_input(
-    content: bytes, endpoint: str, limits: InputLimits
-) -> ValidatedBatch | InvalidBatch:
-    """Check every line of ``content`` for a batch on ``endpoint``."""
+@dataclass(slots=True)
+class Tally:
+    """Running totals of the valid lines seen so far."""
+
+    lines: int = 0
+    max_output_tokens: int = 0
+    prompt_chars: int = 0
+    model: str | None = None
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        return math.ceil(self.prompt_chars / CHARS_PER_TOKEN_ESTIMATE)
+
+
+def _checked_lines(
+    content: bytes, endpoint: str, limits: InputLimits, tally: Tally
+) -> Iterator[NewItem | LineError]:
+    """Each request line of ``content``, checked: a NewItem if valid, else a LineError."""
     prompt_chars_of = _PROMPT_CHARS[endpoint]
     prompt_field = PROMPT_FIELD[endpoint]
-    bad = InvalidBatch()
-    errors = bad.errors
-    more_errors = 0
-
-    def fail(code: str, message: str, line: int | None, param: str | None = None) -> None:
-        nonlocal more_errors
-        if len(errors) < MAX_REPORTED_ERRORS:
-            errors.append(LineError(code, message, line, param))
-        else:
-            more_errors += 1
-
-    items: list[NewItem] = []
     seen: set[str] = set()
-    model: str | None = None
-    max_output_sum = prompt_chars_sum = 0
     limit = limits.max_sequence_tokens
     per_token = limits.max_bytes_per_token
 
@@ -216,7 +217,7 @@ def validate_batch_input(
         if not raw.strip():
             continue
         if len(raw) > limits.max_line_bytes:
-            fail(
+            yield LineError(
                 "line_too_long",
                 f"line is {len(raw)} bytes; the limit is {limits.max_line_bytes}",
                 number,
@@ -225,18 +226,20 @@ def validate_batch_input(
         try:
             request = _loads(raw)
         except ValueError as exc:
-            fail("invalid_json_line", f"line is not valid JSON: {exc}", number)
+            yield LineError("invalid_json_line", f"line is not valid JSON: {exc}", number)
             continue
         if type(request) is not dict:
-            fail("invalid_json_line", "line must be a JSON object", number)
+            yield LineError("invalid_json_line", "line must be a JSON object", number)
             continue
 
         custom_id = request.get("custom_id")
         if type(custom_id) is not str or not custom_id:
-            fail("missing_custom_id", "custom_id must be a non-empty string", number, "custom_id")
+            yield LineError(
+                "missing_custom_id", "custom_id must be a non-empty string", number, "custom_id"
+            )
             continue
         if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-            fail(
+            yield LineError(
                 "invalid_custom_id",
                 f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
                 number,
@@ -244,7 +247,7 @@ def validate_batch_input(
             )
             continue
         if custom_id in seen:
-            fail(
+            yield LineError(
                 "duplicate_custom_id",
                 f"custom_id {custom_id!r} appears more than once in the file",
                 number,
@@ -254,10 +257,10 @@ def validate_batch_input(
         seen.add(custom_id)
 
         if request.get("method") != "POST":
-            fail("invalid_method", "method must be 'POST'", number, "method")
+            yield LineError("invalid_method", "method must be 'POST'", number, "method")
             continue
         if request.get("url") != endpoint:
-            fail(
+            yield LineError(
                 "mismatched_endpoint",
                 f"url {request.get('url')!r} does not match the batch's endpoint {endpoint!r}",
                 number,
@@ -266,26 +269,28 @@ def validate_batch_input(
             continue
         body = request.get("body")
         if type(body) is not dict:
-            fail("invalid_body", "body must be a JSON object", number, "body")
+            yield LineError("invalid_body", "body must be a JSON object", number, "body")
             continue
 
         line_model = body.get("model")
         if type(line_model) is not str or not line_model:
-            fail("missing_model", "body.model must be a non-empty string", number, "body.model")
+            yield LineError(
+                "missing_model", "body.model must be a non-empty string", number, "body.model"
+            )
             continue
-        if model is None:
-            model = line_model
-        elif line_model != model:
-            fail(
+        if tally.model is None:
+            tally.model = line_model
+        elif line_model != tally.model:
+            yield LineError(
                 "mismatched_model",
-                f"body.model {line_model!r} differs from {model!r}: a batch runs one model",
+                f"body.model {line_model!r} differs from {tally.model!r}: a batch runs one model",
                 number,
                 "body.model",
             )
             continue
 
         if prompt_field not in body:
-            fail(
+            yield LineError(
                 "missing_prompt",
                 f"body.{prompt_field} is required for {endpoint}",
                 number,
@@ -294,13 +299,13 @@ def validate_batch_input(
             continue
         chars = prompt_chars_of(body[prompt_field])
         if type(chars) is str:
-            fail(f"invalid_{prompt_field}", chars, number, f"body.{prompt_field}")
+            yield LineError(f"invalid_{prompt_field}", chars, number, f"body.{prompt_field}")
             continue
         assert isinstance(chars, int)
 
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
-            fail(
+            yield LineError(
                 "missing_max_tokens",
                 "body.max_tokens (or max_completion_tokens) is required: "
                 "Backfill reserves the declared worst case",
@@ -311,7 +316,7 @@ def validate_batch_input(
         if not _is_positive_int(max_tokens) or (
             "max_tokens" in body and not _is_positive_int(body["max_tokens"])
         ):
-            fail(
+            yield LineError(
                 "invalid_max_tokens",
                 "max_tokens must be a positive integer",
                 number,
@@ -322,17 +327,19 @@ def validate_batch_input(
             max_tokens = max(max_tokens, body["max_tokens"])
 
         if body.get("stream"):
-            fail(
+            yield LineError(
                 "unsupported_parameter", "stream is not supported in batches", number, "body.stream"
             )
             continue
         n = body.get("n", 1)
         if n != 1 or body.get("best_of", 1) != 1:
-            fail("unsupported_parameter", "n and best_of must be 1 in batches", number, "body.n")
+            yield LineError(
+                "unsupported_parameter", "n and best_of must be 1 in batches", number, "body.n"
+            )
             continue
 
         if max_tokens > limit:
-            fail(
+            yield LineError(
                 "max_tokens_too_large",
                 f"max_tokens {max_tokens} exceeds the batch limit of {limit} tokens per sequence",
                 number,
@@ -341,7 +348,7 @@ def validate_batch_input(
             continue
         least_prompt_tokens = math.ceil(chars / per_token)
         if least_prompt_tokens + max_tokens > limit:
-            fail(
+            yield LineError(
                 "request_too_long",
                 f"the prompt is at least {least_prompt_tokens} tokens; "
                 f"with max_tokens {max_tokens} it exceeds the batch limit of {limit}",
@@ -350,28 +357,85 @@ def validate_batch_input(
             )
             continue
 
-        if not errors:
-            items.append(NewItem(number, custom_id, _dumps(body), max_tokens))
-            max_output_sum += max_tokens
-            prompt_chars_sum += chars
+        tally.lines += 1
+        tally.max_output_tokens += max_tokens
+        tally.prompt_chars += chars
+        yield NewItem(number, custom_id, _dumps(body), max_tokens)
 
-    if not errors and not items:
-        fail("empty_file", "file has no request lines", None, "input_file_id")
-    if not errors and len(items) > limits.max_lines:
-        fail(
-            "too_many_lines",
-            f"file has {len(items)} request lines; the limit is {limits.max_lines}",
-            None,
-            "input_file_id",
-        )
+
+def validate_batch_input(
+    content: bytes, endpoint: str, limits: InputLimits
+) -> ValidatedBatch | InvalidBatch:
+    """Check every line of ``content`` for a batch on ``endpoint``."""
+    tally = Tally()
+    items: list[NewItem] = []
+    errors: list[LineError] = []
+    more_errors = 0
+    for checked in _checked_lines(content, endpoint, limits, tally):
+        if isinstance(checked, NewItem):
+            if not errors:
+                items.append(checked)
+        elif len(errors) < MAX_REPORTED_ERRORS:
+            errors.append(checked)
+        else:
+            more_errors += 1
+    if not errors:
+        errors.extend(_file_errors(tally, limits))
     if errors:
         if more_errors:
             errors.append(LineError("too_many_errors", f"{more_errors} more errors not listed"))
-        return bad
-    assert model is not None
+        return InvalidBatch(errors)
+    assert tally.model is not None
     return ValidatedBatch(
         items=items,
-        model=model,
-        max_output_tokens=max_output_sum,
-        estimated_prompt_tokens=math.ceil(prompt_chars_sum / CHARS_PER_TOKEN_ESTIMATE),
+        model=tally.model,
+        max_output_tokens=tally.max_output_tokens,
+        estimated_prompt_tokens=tally.estimated_prompt_tokens,
     )
+
+
+def _file_errors(tally: Tally, limits: InputLimits) -> list[LineError]:
+    if not tally.lines:
+        return [LineError("empty_file", "file has no request lines", None, "input_file_id")]
+    if tally.lines > limits.max_lines:
+        return [
+            LineError(
+                "too_many_lines",
+                f"file has {tally.lines} request lines; the limit is {limits.max_lines}",
+                None,
+                "input_file_id",
+            )
+        ]
+    return []
+
+
+class LineInvalid(Exception):
+    """Raised by :func:`stream_valid_items` at the first problem (rolls back a COPY)."""
+
+
+def stream_valid_items(
+    content: bytes, endpoint: str, limits: InputLimits, tally: Tally
+) -> Iterator[NewItem]:
+    """The items of a file, yielded as each line checks out, so storing them can overlap
+    parsing; raises :class:`LineInvalid` at the first problem, after which
+    :func:`validate_batch_input` reports every problem. ``tally`` holds the totals once the
+    iterator is exhausted."""
+    for checked in _checked_lines(content, endpoint, limits, tally):
+        if isinstance(checked, LineError):
+            raise LineInvalid(checked.message)
+        yield checked
+    if _file_errors(tally, limits):
+        raise LineInvalid("the file as a whole is invalid")
+
+
+_MAX_TOKENS_FIELD = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d{1,12})')
+
+
+def forecast_tokens_upper_bound(content: bytes) -> int:
+    """An upper bound of the tokens forecasts charge a file, from one regex scan (no JSON
+    parse): every ``max_tokens``/``max_completion_tokens`` number counts, and every byte is
+    counted toward the prompt estimate. It is at least ``ValidatedBatch.estimated_tokens``
+    for any file whose keys are written plainly (JSON allows escaped keys; those files are
+    caught by the exact totals afterwards)."""
+    max_output = sum(int(m) for m in _MAX_TOKENS_FIELD.findall(content))
+    return max_output + math.ceil(len(content) / CHARS_PER_TOKEN_ESTIMATE)

@@ -1,16 +1,17 @@
 """Submitting batches: files in, checks, items stored, job in progress. No HTTP here.
 
-Order of a create, cheapest refusal first, and nothing stored until every check passed:
-parameters (endpoint, window, metadata) -> a retried create (same ``Idempotency-Key``) returns
-the first job -> the input file -> active-batch limit -> every line of the file -> the tenant's
-token quota -> deadline feasibility -> job and items stored (one COPY) -> ``in_progress``.
-An invalid file still yields a job, ``failed``, whose ``errors`` name each bad line, as
-OpenAI's Batch API does.
+Order of a create, cheapest refusal first: parameters (endpoint, window, metadata) -> a
+retried create (same ``Idempotency-Key``) returns the first job -> the input file ->
+active-batch limit -> the tenant's token quota and deadline feasibility, on an upper bound of
+the file's tokens -> the job, then every line parsed and checked while it streams into one
+COPY -> ``in_progress``. The first bad line aborts the COPY (nothing of the file is stored)
+and the job ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Batch API does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -20,7 +21,11 @@ from backfill.batch_input import (
     PROMPT_FIELD,
     InputLimits,
     InvalidBatch,
+    LineInvalid,
+    Tally,
     check_upload,
+    forecast_tokens_upper_bound,
+    stream_valid_items,
     validate_batch_input,
 )
 from backfill.config import Settings
@@ -32,7 +37,7 @@ from backfill.refusals import (
     LimitReached,
     QuotaExceeded,
 )
-from backfill.repository import FileRecord, JobRecord, Repository, TenantRecord
+from backfill.repository import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
 from backfill.windows import batch_throughput, checked_window, format_window, plan_deadline
@@ -101,7 +106,7 @@ def upload_file(
 
 def file_content(repo: Repository, tenant_id: str, file_id: str) -> bytes | Iterator[str]:
     """An input file's bytes, or an output/error file rendered from its job's items."""
-    stored = repo.file_content(tenant_id, file_id)
+    stored = repo.file_bytes(tenant_id, file_id)
     if stored is not None:
         return stored
     record = repo.get_file(tenant_id, file_id)
@@ -176,69 +181,79 @@ def create_batch(
             " per tenant. Wait for one to finish or cancel one."
         )
 
-    content = repo.file_content(tenant.id, record.id) or b""
-    checked = validate_batch_input(content, request.endpoint, InputLimits.from_settings(settings))
-    now = now or datetime.now(UTC)
-    deadline = now + timedelta(seconds=window_s)
-
-    def new_job(model: str | None) -> JobRecord:
-        return repo.create_job(
-            tenant.id,
-            record.id,
-            request.endpoint,
-            request.completion_window,
-            deadline,
-            metadata=metadata,
-            idempotency_key=request.idempotency_key,
-            model=model,
-        )
-
-    if isinstance(checked, InvalidBatch):
-        job = new_job(None)
-        if job.state is JobState.VALIDATING and not job.counts.total:
-            with contextlib.suppress(StaleWrite):
-                repo.move_job(
-                    job.id,
-                    JobState.FAILED,
-                    reason=f"input file invalid ({len(checked.errors)} errors)",
-                    errors=[e.as_dict() for e in checked.errors],
-                )
-        return repo.get_job(tenant.id, job.id)
-
+    content = repo.file_bytes(tenant.id, record.id) or b""
+    limits = InputLimits.from_settings(settings)
+    # Quota and deadline are judged before anything is stored, on an upper bound of the
+    # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
+    forecast = forecast_tokens_upper_bound(content)
     if tenant.enqueued_token_quota is not None:
         enqueued = repo.enqueued_tokens(tenant.id)
-        if enqueued + checked.estimated_tokens > tenant.enqueued_token_quota:
+        if enqueued + forecast > tenant.enqueued_token_quota:
             raise QuotaExceeded(
-                f"this batch needs about {checked.estimated_tokens} tokens; {enqueued} of the "
-                f"tenant's quota of {tenant.enqueued_token_quota} enqueued tokens are in use"
+                f"this batch needs up to {forecast} tokens; {enqueued} of the tenant's quota "
+                f"of {tenant.enqueued_token_quota} enqueued tokens are in use"
             )
-
+    now = now or datetime.now(UTC)
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
     plan = plan_deadline(
         now,
         window_s,
         backlog_tokens=repo.backlog_tokens(),
-        batch_tokens=checked.estimated_tokens,
+        batch_tokens=forecast,
         throughput_tps=tps,
     )
     if not plan.feasible:
+        needed_s = max(60, round((plan.estimated_completion - now).total_seconds()))
         raise DeadlineInfeasible(
             f"completion_window {request.completion_window!r} cannot be met: with the current "
-            f"backlog this batch would finish in about "
-            f"{format_window(max(60, round((plan.estimated_completion - now).total_seconds())))}"
-            f"; the earliest feasible completion_window is {plan.earliest_window!r}",
+            f"backlog this batch would finish in about {format_window(needed_s)}; the "
+            f"earliest feasible completion_window is {plan.earliest_window!r}",
             earliest_window=plan.earliest_window,
             estimated_completion=int(plan.estimated_completion.timestamp()),
         )
 
-    job = new_job(checked.model)
+    job = repo.create_job(
+        tenant.id,
+        record.id,
+        request.endpoint,
+        request.completion_window,
+        now + timedelta(seconds=window_s),
+        metadata=metadata,
+        idempotency_key=request.idempotency_key,
+        model=first_model(content),
+    )
     if request.idempotency_key is not None and (
         job.state is not JobState.VALIDATING or not _same_request(job, request)
     ):
         # A concurrent create with the same key won the insert: answer with its job.
         return _retried(repo, tenant.id, job.id, request)
+
+    tally = Tally()
+
+    def items() -> Iterator[NewItem]:
+        yield from stream_valid_items(content, request.endpoint, limits, tally)
+        # Only a file with escaped JSON keys gets past the forecast bound; judge it exactly
+        # before the items commit.
+        exact = tally.max_output_tokens + tally.estimated_prompt_tokens
+        if exact > forecast:
+            raise ForecastExceeded(exact)
+
     try:
-        repo.insert_items(job.id, checked.items)
+        # Parsing feeds the COPY line by line, so Postgres stores while Python parses; the
+        # first bad line aborts the COPY and nothing of the file is stored.
+        repo.insert_items(job.id, items())
+    except LineInvalid:
+        checked = validate_batch_input(content, request.endpoint, limits)
+        errors = checked.errors if isinstance(checked, InvalidBatch) else []
+        _fail(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
+        return repo.get_job(tenant.id, job.id)
+    except ForecastExceeded as exc:
+        message = (
+            f"the file's requests need about {exc.args[0]} tokens, more than the "
+            f"{forecast} it was admitted for; write JSON keys without escapes"
+        )
+        _fail(repo, job.id, [_entry("token_forecast_exceeded", message)], message)
+        return repo.get_job(tenant.id, job.id)
     except Conflict:
         # A concurrent create with the same Idempotency-Key stored the items first.
         return _retried(repo, tenant.id, job.id, request)
@@ -250,10 +265,36 @@ def create_batch(
         repo.move_job(
             job.id,
             JobState.IN_PROGRESS,
-            reason=f"{len(checked.items)} requests accepted; estimated completion "
+            reason=f"{tally.lines} requests accepted; estimated completion "
             f"{plan.estimated_completion.isoformat(timespec='seconds')}",
         )
     return repo.get_job(tenant.id, job.id)
+
+
+class ForecastExceeded(Exception):
+    """The exact forecast of a file is above the bound it was admitted on."""
+
+
+def first_model(content: bytes) -> str | None:
+    """``body.model`` of the first request line (a batch runs one model; validation checks
+    the rest), or None if that line is not a request at all."""
+    for raw in content.split(b"\n", 64)[:64]:
+        if raw.strip():
+            try:
+                model = json.loads(raw).get("body", {}).get("model")
+            except (ValueError, AttributeError):
+                return None
+            return model if isinstance(model, str) and len(model) <= 500 else None
+    return None
+
+
+def _entry(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": None}
+
+
+def _fail(repo: Repository, job_id: str, errors: list[dict[str, Any]], reason: str) -> None:
+    with contextlib.suppress(StaleWrite):
+        repo.move_job(job_id, JobState.FAILED, reason=reason, errors=errors)
 
 
 def _fail_quietly(repo: Repository, job_id: str) -> None:

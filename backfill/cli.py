@@ -177,3 +177,7 @@ def main() -> None:
     except CommandFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
