@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+from backfill.errors import BackfillError
+from backfill.ledger import Ledger
 from backfill.repository import NodeRecord, Repository
 
 
@@ -27,6 +29,23 @@ class LedgerUsage:
 
 UsageSource = Callable[[NodeRecord], LedgerUsage | None]
 """Reads one node's live usage from the ledger; None when the ledger has no pool for it."""
+
+
+def ledger_usage(ledger: Ledger) -> UsageSource:
+    """A :data:`UsageSource` over the live ledger. A node the ledger has no pool for, or a
+    ledger that cannot answer now (Redis down, rebuilding), falls back to Postgres's view
+    rather than failing the whole capacity read."""
+
+    def read(node: NodeRecord) -> LedgerUsage | None:
+        try:
+            snap = ledger.snapshot(node.name)
+        except (BackfillError, ValueError):
+            return None
+        if snap is None:
+            return None
+        return LedgerUsage(snap.interactive_in_use, snap.batch_in_use, snap.slack)
+
+    return read
 
 
 @dataclass(frozen=True, slots=True)

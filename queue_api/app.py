@@ -11,8 +11,9 @@ import redis
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backfill.capacity_view import UsageSource
+from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
+from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.repository import Repository
 from queue_api import errors
@@ -59,8 +60,8 @@ def create_app(
 ) -> FastAPI:
     """The API over one deployment's Postgres and Redis.
 
-    ``usage_source`` feeds ``/v1/capacity`` with the live ledger's figures; without it the
-    view shows what Postgres knows.
+    ``usage_source`` feeds ``/v1/capacity`` with live usage; by default it is the ledger in
+    Redis, and nodes the ledger does not know show what Postgres knows.
     """
     settings = settings or get_settings()
 
@@ -75,7 +76,9 @@ def create_app(
         app.state.rate_limiter = RateLimiter(
             client, settings.redis_namespace, settings.rate_limit_per_s, settings.rate_limit_burst
         )
-        app.state.usage_source = usage_source
+        app.state.usage_source = usage_source or ledger_usage(
+            Ledger(client, settings.redis_namespace)
+        )
         try:
             yield
         finally:
