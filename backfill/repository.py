@@ -15,6 +15,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -246,7 +247,7 @@ _COUNTER_COLUMNS = (
 # A job's counters are spread over a few shard rows (see _add_to_counters); readers sum them.
 _COUNTERS_JOIN = (
     "CROSS JOIN LATERAL (SELECT "
-    + ", ".join(f"coalesce(sum({c}), 0) AS {c}" for c in _COUNTER_COLUMNS)
+    + ", ".join(f"coalesce(sum({c}), 0)::bigint AS {c}" for c in _COUNTER_COLUMNS)
     + " FROM job_counters WHERE job_id = j.id) c"
 )
 
@@ -856,7 +857,7 @@ class Repository:
                 max_output_tokens=r.max_output_tokens,
                 reservation_tokens=r.reservation_tokens,
                 preemptions=r.preemptions,
-                partial_output=r.partial_output,
+                partial_output=_decode_partial(r.partial_output),
                 partial_tokens=r.partial_tokens,
                 endpoint=r.endpoint,
             )
@@ -1003,7 +1004,7 @@ class Repository:
                     "i": item_id,
                     "a": attempt,
                     "f": fencing_token,
-                    "o": partial_output,
+                    "o": _encode_partial(partial_output),
                     "t": partial_tokens,
                 },
             ).first()
@@ -1094,7 +1095,7 @@ class Repository:
                     "i": item_id,
                     "a": attempt,
                     "f": fencing_token,
-                    "o": partial_output,
+                    "o": _encode_partial(partial_output),
                     "t": partial_tokens,
                 },
             ).first()
@@ -1316,6 +1317,19 @@ class Repository:
                     {"u": unfinished, "l": limit},
                 ).scalars()
             )
+
+
+def _encode_partial(text: str | None) -> str | None:
+    # Model output may hold any code point, NUL included, which a Postgres text column
+    # refuses; stored as a JSON string it round-trips exactly.
+    return None if text is None else json.dumps(text)
+
+
+def _decode_partial(stored: str | None) -> str | None:
+    if stored is None:
+        return None
+    decoded = json.loads(stored)
+    return decoded if isinstance(decoded, str) else None
 
 
 def _end_attempt(

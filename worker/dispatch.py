@@ -30,8 +30,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from backfill.errors import BackfillError, LedgerUnavailable, StaleWrite, StoreUnavailable
-from backfill.ledger import AsyncLedger, Denial, Lease, LeaseStatus, ReserveRequest
+from backfill.errors import (
+    BackfillError,
+    LedgerError,
+    LedgerUnavailable,
+    StaleWrite,
+    StoreUnavailable,
+)
+from backfill.ledger import (
+    AsyncLedger,
+    Denial,
+    Lease,
+    LeaseStatus,
+    PartialBatchError,
+    ReserveRequest,
+)
 from backfill.policy import ServiceClass
 from backfill.repository import ClaimedItem, Finish, Repository, Start
 from backfill.states import ItemState
@@ -154,7 +167,7 @@ class NodeDispatcher:
             while not self._stopping.is_set():
                 try:
                     started = await self._fill()
-                except (StoreUnavailable, LedgerUnavailable) as exc:
+                except (StoreUnavailable, LedgerError) as exc:
                     log.warning("node %s: %s; retrying", self.config.node, exc)
                     started = 0
                     await self._sleep(max(1.0, self.config.idle_poll_s))
@@ -287,14 +300,24 @@ class NodeDispatcher:
             for item, tokens, _ in ready
         ]
         try:
-            outcomes = await self.ledger.reserve_many(requests)
-        except LedgerUnavailable:
+            outcomes: list[Lease | Denial | BaseException] = list(
+                await self.ledger.reserve_many(requests)
+            )
+        except PartialBatchError as exc:
+            # Each reservation is its own atomic call: keep the admitted ones, give the
+            # others back below.
+            outcomes = list(exc.results)  # type: ignore[arg-type]
+        except LedgerError:
             for item, _, _ in ready:
                 await self._give_back(item, ItemState.QUEUED, "ledger unavailable")
             raise
         starts: list[Start] = []
         leased: dict[int, tuple[ClaimedItem, Lease, str]] = {}
         for (item, tokens, endpoint), outcome in zip(ready, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
+                await self._give_back(item, ItemState.QUEUED, f"reserve failed: {outcome}")
+                continue
             if isinstance(outcome, Denial):
                 if outcome.permanent:
                     await self._fail_claimed(

@@ -417,3 +417,21 @@ def test_an_item_that_cannot_meet_its_deadline_expires_unstarted(repo: Repositor
 def test_ledger_epochs_only_grow(repo: Repository) -> None:
     first = repo.next_ledger_epoch()
     assert repo.next_ledger_epoch() == first + 1
+
+
+def test_partial_output_keeps_any_code_point_even_nul(repo: Repository) -> None:
+    _job(repo, 1)
+    c = repo.claim("n1", 1, 30)[0]
+    repo.start(
+        c.id,
+        c.attempt,
+        lease_id="a",
+        fencing_token=1,
+        reservation_tokens=128,
+        prompt_tokens=100,
+        lease_ttl_s=30,
+    )
+    odd = "nul\x00 tab\t emoji\U0001f600 \ud7ff end"
+    repo.preempt(c.id, c.attempt, 1, partial_output=odd, partial_tokens=5)
+    again = repo.claim("n1", 1, 30)[0]
+    assert again.partial_output == odd

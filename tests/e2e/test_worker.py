@@ -1,0 +1,369 @@
+"""The node worker against a real vLLM server: jobs complete exactly once, interactive load
+preempts batch (which resumes), deadlines expire, cancel and SIGTERM stop in-flight work, and
+two workers on one node never over-reserve.
+
+The engine here has a deliberately small KV pool (48 blocks of 128 tokens) so that batch slack
+and preemption are exercised with a handful of items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from backfill import finalize
+from backfill.config import Settings
+from backfill.ledger import Lease, Ledger
+from backfill.maintenance import pool_policy, tick
+from backfill.repository import NewItem, Repository
+from backfill.states import ItemState, JobState
+from worker import devengine
+from worker.node import NodeThread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BLOCKS = 48
+BLOCK = 128
+CAPACITY = BLOCKS * BLOCK
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Iterator[str]:
+    try:
+        server = devengine.start_model(
+            "tiny", num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
+        )
+    except devengine.DevEngineError as exc:
+        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@dataclass
+class Deployment:
+    settings: Settings
+    repo: Repository
+    ledger: Ledger
+    engine_url: str
+
+    def submit(
+        self,
+        n: int,
+        *,
+        endpoint: str = "/v1/completions",
+        max_tokens: int = 32,
+        deadline_s: float = 3600,
+        tag: str = "",
+    ) -> str:
+        tenant = self.repo.create_tenant(f"t-{time.monotonic_ns()}")
+        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.create_job(
+            tenant.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(seconds=deadline_s)
+        )
+        items = []
+        for i in range(n):
+            if endpoint == "/v1/completions":
+                body = {
+                    "model": "tiny",
+                    "prompt": f"{tag} document {i}: the fox",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                }
+            else:
+                body = {
+                    "model": "tiny",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"{tag} summarise {i}"}],
+                }
+            items.append(NewItem(i, f"req-{i}", json.dumps(body), max_tokens))
+        self.repo.insert_items(job.id, items)
+        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        return job.id
+
+    def counts(self, job_id: str) -> dict[ItemState, int]:
+        return self.repo.counted_states(job_id)
+
+    def wait(self, cond: Callable[[], bool], timeout: float = 120, what: str = "") -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if cond():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def batch_in_use(self, node: str) -> int:
+        snap = self.ledger.snapshot(node)
+        return 0 if snap is None else snap.batch_in_use
+
+    def successes_per_item(self, job_id: str) -> dict[int, int]:
+        with self.repo.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT i.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') "
+                    "FROM items i LEFT JOIN attempts a ON a.item_id = i.id "
+                    "WHERE i.job_id = :j GROUP BY i.id"
+                ),
+                {"j": job_id},
+            ).all()
+        return {r[0]: r[1] for r in rows}
+
+
+@pytest.fixture
+def deployment(settings: Settings, small_engine: str) -> Iterator[Deployment]:
+    s = settings.model_copy(
+        update={
+            "lease_ttl_s": 6.0,
+            "heartbeat_interval_s": 1.0,
+            "shutdown_grace_s": 3.0,
+            "max_in_flight_per_node": 32,
+        }
+    )
+    repo = Repository.connect(s.database_url, pool_size=4)
+    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
+    yield Deployment(s, repo, ledger, small_engine)
+    ledger.close()
+    repo.close()
+
+
+@pytest.fixture
+def maintenance(deployment: Deployment) -> Iterator[None]:
+    """Beat's job, every 0.5 s, in a thread."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(0.5):
+            tick(deployment.repo, deployment.ledger, deployment.settings)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield
+    stop.set()
+    t.join(10)
+
+
+@pytest.fixture
+def node(deployment: Deployment) -> Iterator[NodeThread]:
+    thread = NodeThread(deployment.settings, "n1", deployment.engine_url)
+    thread.start()
+    assert thread.started.wait(60), f"node did not start: {thread.error}"
+    yield thread
+    thread.stop()
+    thread.join(30)
+    assert thread.error is None
+
+
+def _assert_exactly_once(d: Deployment, job_id: str, n: int) -> None:
+    per_item = d.successes_per_item(job_id)
+    assert len(per_item) == n
+    assert set(per_item.values()) == {1}, "an item succeeded twice or not at all"
+    results = [
+        json.loads(i.result or "null") for i in d.repo.items(job_id, states=[ItemState.SUCCEEDED])
+    ]
+    assert len(results) == n
+
+
+def test_a_job_completes_with_one_result_per_line(
+    deployment: Deployment, node: NodeThread, maintenance: None
+) -> None:
+    d = deployment
+    chat = d.submit(40, endpoint="/v1/chat/completions", max_tokens=16, tag="chat")
+    comp = d.submit(40, endpoint="/v1/completions", max_tokens=16, tag="comp")
+    for job_id in (chat, comp):
+        d.wait(
+            lambda j=job_id: d.repo.get_job(None, j).state is JobState.COMPLETED,
+            what="job completion",
+        )
+        _assert_exactly_once(d, job_id, 40)
+    body = json.loads(d.repo.items(chat, states=[ItemState.SUCCEEDED])[0].result or "{}")
+    assert body["object"] == "chat.completion"
+    assert body["usage"]["completion_tokens"] == 16
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    body = json.loads(d.repo.items(comp, states=[ItemState.SUCCEEDED])[0].result or "{}")
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 16
+    d.wait(lambda: d.batch_in_use("n1") == 0, 10, "leases released")
+
+
+def test_batch_never_exceeds_its_slack(deployment: Deployment, node: NodeThread) -> None:
+    d = deployment
+    job = d.submit(120, max_tokens=200, tag="slack")
+    policy = pool_policy(d.settings)
+    limit = CAPACITY - policy.reserve_tokens(CAPACITY)
+    peak = 0
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        snap = d.ledger.snapshot("n1")
+        assert snap is not None
+        peak = max(peak, snap.batch_in_use)
+        assert snap.batch_in_use <= limit
+        if d.counts(job).get(ItemState.SUCCEEDED, 0) == 120:
+            break
+        time.sleep(0.05)
+    assert peak > limit // 2, f"batch never came near its slack (peak {peak} of {limit})"
+    _assert_exactly_once(d, job, 120)
+
+
+def test_interactive_burst_preempts_batch_which_resumes_and_completes_once(
+    deployment: Deployment, node: NodeThread
+) -> None:
+    d = deployment
+    job = d.submit(40, max_tokens=200, tag="preempt")
+    d.wait(lambda: d.batch_in_use("n1") > CAPACITY // 2, 60, "batch to fill its slack")
+    preempted_total = 0
+    for _ in range(3):
+        # Interactive needs most of the pool: it may take the room batch holds.
+        lease = d.ledger.reserve("n1", "interactive", 3000, 1000)
+        assert isinstance(lease, Lease), lease
+        preempted_total += len(lease.preempted)
+        time.sleep(1.0)
+        d.ledger.release(lease)
+        time.sleep(1.0)
+    assert preempted_total > 0
+    d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 40, 180, "all items")
+    _assert_exactly_once(d, job, 40)
+    resumed = [i for i in d.repo.items(job, states=[ItemState.SUCCEEDED]) if i.preemptions > 0]
+    assert resumed, "no preempted item resumed"
+    for item in resumed:
+        assert item.preemptions <= d.settings.max_preemptions_per_item
+        usage = json.loads(item.result or "{}")["usage"]
+        # Resumed from its partial output: the whole answer has exactly max_tokens tokens.
+        assert usage["completion_tokens"] == 200
+
+
+def test_deadline_expires_the_job_and_keeps_finished_results(
+    deployment: Deployment, node: NodeThread, maintenance: None
+) -> None:
+    d = deployment
+    quick = d.submit(5, max_tokens=8, deadline_s=3600, tag="quick")
+    d.wait(lambda: d.repo.get_job(None, quick).state is JobState.COMPLETED, 60, "quick job")
+    # Far more work than fits before a short deadline.
+    job = d.submit(400, max_tokens=300, deadline_s=6, tag="late")
+    d.wait(lambda: d.repo.get_job(None, job).state is JobState.EXPIRED, 60, "expiry")
+    counts = d.counts(job)
+    assert counts.get(ItemState.SUCCEEDED, 0) + counts.get(ItemState.EXPIRED, 0) == 400
+    assert counts.get(ItemState.EXPIRED, 0) > 0
+    job_record = d.repo.get_job(None, job)
+    assert job_record.error_file_id is not None
+    if counts.get(ItemState.SUCCEEDED, 0):
+        assert job_record.output_file_id is not None
+    d.wait(lambda: d.batch_in_use("n1") == 0, 20, "leases released after expiry")
+
+
+def test_cancel_stops_in_flight_items_and_keeps_finished_results(
+    deployment: Deployment, node: NodeThread, maintenance: None
+) -> None:
+    d = deployment
+    job = d.submit(200, max_tokens=400, tag="cancel")
+    d.wait(lambda: d.counts(job).get(ItemState.RUNNING, 0) > 3, 60, "items running")
+    tenant = d.repo.get_job(None, job).tenant_id
+    finalize.cancel_job(d.repo, tenant, job)
+    d.wait(lambda: d.repo.get_job(None, job).state is JobState.CANCELLED, 30, "cancelled")
+    counts = d.counts(job)
+    assert counts.get(ItemState.RUNNING, 0) == 0
+    assert counts.get(ItemState.RESERVED, 0) == 0
+    assert counts.get(ItemState.CANCELLED, 0) > 0
+    d.wait(lambda: d.batch_in_use("n1") == 0, 20, "leases released after cancel")
+    # The engine stops generating for the cancelled items too.
+    d.wait(lambda: _engine_running(d.engine_url) == 0, 20, "engine requests aborted")
+
+
+def _engine_running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_two_workers_on_one_node_never_over_reserve(deployment: Deployment) -> None:
+    d = deployment
+    job = d.submit(150, max_tokens=150, tag="two")
+    threads = [NodeThread(d.settings, "n1", d.engine_url) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        limit = CAPACITY - pool_policy(d.settings).reserve_tokens(CAPACITY)
+        end = time.monotonic() + 180
+        while time.monotonic() < end:
+            snap = d.ledger.snapshot("n1")
+            assert snap is not None
+            assert snap.batch_in_use <= limit
+            assert sum(lease.tokens for lease in snap.leases) == snap.reserved
+            if d.counts(job).get(ItemState.SUCCEEDED, 0) == 150:
+                break
+            time.sleep(0.05)
+        _assert_exactly_once(d, job, 150)
+        assert all(t.dispatchers and t.dispatchers[0].stats.succeeded > 0 for t in threads)
+    finally:
+        for t in threads:
+            t.stop()
+        for t in threads:
+            t.join(30)
+
+
+def test_sigterm_requeues_in_flight_work_and_releases_every_lease(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    job = d.submit(150, max_tokens=400, tag="sigterm")
+    env = {
+        **os.environ,
+        "BACKFILL_DATABASE_URL": d.settings.database_url,
+        "BACKFILL_REDIS_URL": d.settings.redis_url,
+        "BACKFILL_REDIS_NAMESPACE": d.settings.redis_namespace,
+        "BACKFILL_LEASE_TTL_S": "6",
+        "BACKFILL_HEARTBEAT_INTERVAL_S": "1",
+        "BACKFILL_SHUTDOWN_GRACE_S": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "backfill.cli",
+        "worker",
+        "--node",
+        "n1",
+        "--engine-url",
+        d.engine_url,
+        "--beat",
+    ]
+    log_path = Path(d.settings.redis_namespace + "-worker.log")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        d.wait(lambda: d.counts(job).get(ItemState.RUNNING, 0) > 3, 90, "items running")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    counts = d.counts(job)
+    assert counts.get(ItemState.RUNNING, 0) == 0, counts
+    assert counts.get(ItemState.RESERVED, 0) == 0, counts
+    assert d.batch_in_use("n1") == 0
+    # A new worker finishes the job; every item exactly once.
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        d.wait(lambda: d.repo.get_job(None, job).state is JobState.COMPLETED, 240, "completion")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log_path.unlink(missing_ok=True)
+    _assert_exactly_once(d, job, 150)
