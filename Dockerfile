@@ -1,0 +1,11 @@
+# The Backfill image: API, worker and beat all run from it (see docker-compose.yml).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY backfill ./backfill
+COPY queue_api ./queue_api
+COPY worker ./worker
+COPY migrations ./migrations
+COPY bench ./bench
+RUN pip install --no-cache-dir .
+ENTRYPOINT ["backfill"]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job (README): a bulk summarisation job end to end on this machine. Installs the
+# project into .venv, makes sure PostgreSQL and Redis answer, then `backfill dev` provisions a
+# real vLLM CPU engine with SmolLM2-135M-Instruct (first run: a few minutes, then cached in
+# ~/.cache/backfill), starts the API and a worker, submits the bundled documents and prints
+# summaries. Extra arguments go to `backfill dev` (e.g. --model tiny for a quick run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e .
+bash scripts/services.sh
+exec .venv/bin/backfill dev "$@"

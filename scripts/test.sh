@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command (README): install the project with its test extras into .venv, make sure
+# PostgreSQL and Redis answer, lint and type-check, then run every test layer. The end-to-end
+# tests provision a real vLLM CPU engine themselves (first run: a few minutes; then cached in
+# ~/.cache/backfill). pytest's exit code is kept, so "no tests ran" (5) fails too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[test]"
+
+bash scripts/services.sh
+
+.venv/bin/ruff check .
+.venv/bin/mypy
+exec .venv/bin/python -m pytest "$@"
