@@ -213,6 +213,21 @@ class NodeRecord:
         return self.num_blocks * self.block_size
 
 
+def ensure_database(server_url: str, name: str) -> str:
+    """Create database ``name`` on the server of ``server_url`` unless it exists; returns its
+    URL (SQLAlchemy form). For the dev command and tools, not for request paths."""
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"database name must be letters, digits and underscores: {name!r}")
+    with psycopg.connect(_libpq(server_url), autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{server_url.rpartition('/')[0]}/{name}"
+
+
+def _libpq(url: str) -> str:
+    return "postgresql://" + url.partition("://")[2]
+
+
 def key_digest(key: str) -> str:
     """The stored form of an API key: its SHA-256 (keys are random, so no salt is needed)."""
     return hashlib.sha256(key.encode()).hexdigest()

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psycopg
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from backfill.config import Settings, libpq_url
+from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.migrate import upgrade
-from backfill.repository import Repository
+from backfill.repository import Repository, ensure_database
 from worker import devengine
 
 DOCS = Path(__file__).parent / "demo_docs"
@@ -56,12 +55,7 @@ def dev_database_url(settings: Settings) -> str:
     unless BACKFILL_DATABASE_URL names a database explicitly."""
     if "BACKFILL_DATABASE_URL" in os.environ:
         return settings.database_url
-    base = settings.database_url.rpartition("/")[0]
-    with psycopg.connect(libpq_url(settings.database_url), autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = 'backfill_dev'").fetchone()
-        if not exists:
-            conn.execute('CREATE DATABASE "backfill_dev"')
-    return f"{base}/backfill_dev"
+    return ensure_database(settings.database_url, "backfill_dev")
 
 
 def batch_lines(docs: Path, model: str, max_tokens: int) -> bytes:

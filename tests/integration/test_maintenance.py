@@ -1,0 +1,146 @@
+"""Upkeep on real Postgres and Redis: the ledger rebuilt from Postgres after Redis lost it,
+silent attempts reaped with their leases, expired jobs' in-flight items told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.ledger import Denial, Lease, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy, tick
+from backfill.policy import Reason
+from backfill.repository import NewItem, Repository, Start
+from backfill.states import ItemState, JobState
+from worker.engine import HttpEngine
+from worker.node import wait_for_engine
+
+CAPACITY, BLOCK = 64 * 128, 128
+
+
+@pytest.fixture
+def stores(settings: Settings) -> Iterator[tuple[Repository, Ledger]]:
+    repo = Repository.connect(settings.database_url)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, pool_policy(settings))
+    yield repo, ledger
+    ledger.close()
+    repo.close()
+
+
+def _running_items(repo: Repository, ledger: Ledger, n: int, *, deadline_s: float = 3600) -> str:
+    tenant = repo.create_tenant(f"t{datetime.now(UTC).timestamp()}")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(seconds=deadline_s)
+    )
+    repo.insert_items(
+        job.id, (NewItem(i, f"c{i}", json.dumps({"prompt": "x"}), 100) for i in range(n))
+    )
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
+    ensure_ledger(repo, ledger, max_preemptions=3)
+    ledger.register_pool("n1", CAPACITY, BLOCK)
+    starts = []
+    for c in repo.claim("n1", n, 30):
+        lease = ledger.reserve("n1", "batch", 20, 100)
+        assert isinstance(lease, Lease)
+        starts.append(Start(c.id, c.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20))
+    assert len(repo.start_many(starts, 30)) == n
+    return job.id
+
+
+def _flush(settings: Settings) -> None:
+    client = redis.Redis.from_url(settings.redis_url)
+    keys = list(client.scan_iter(match=f"{settings.redis_namespace}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def test_ledger_is_rebuilt_from_postgres_and_batch_waits_until_then(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    repo, ledger = stores
+    _running_items(repo, ledger, 3)
+    before = ledger.snapshot("n1")
+    assert before is not None
+    assert before.batch_in_use == 3 * 128
+    top_fence = max(lease.fencing_token for lease in before.leases)
+
+    _flush(settings)  # Redis lost everything (restart without persistence)
+    assert not ledger.is_ready()
+    ledger.register_pool("n1", CAPACITY, BLOCK)  # a worker re-registers before any rebuild
+    denied = ledger.reserve("n1", "batch", 20, 100)
+    assert isinstance(denied, Denial)
+    assert denied.reason is Reason.LEDGER_REBUILDING
+
+    report = ensure_ledger(repo, ledger, max_preemptions=3)
+    assert report is not None
+    assert report.restored == 3
+    after = ledger.snapshot("n1")
+    assert after is not None
+    assert after.ready
+    assert after.batch_in_use == before.batch_in_use
+    fresh = ledger.reserve("n1", "batch", 20, 100)
+    assert isinstance(fresh, Lease)
+    assert fresh.fencing_token > top_fence
+    assert ensure_ledger(repo, ledger, max_preemptions=3) is None  # intact: nothing to do
+
+
+def test_silent_attempts_are_requeued_and_their_leases_released(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    repo, ledger = stores
+    job = _running_items(repo, ledger, 2)
+    with repo.engine.begin() as conn:
+        conn.execute(text("UPDATE items SET lease_expires_at = now() - interval '1 s'"))
+    report = tick(repo, ledger, settings)
+    assert report.requeued_lost == 2
+    assert report.released == 2
+    snap = ledger.snapshot("n1")
+    assert snap is not None
+    assert snap.batch_in_use == 0
+    assert repo.counted_states(job) == {ItemState.QUEUED: 2}
+
+
+def test_expiry_tells_in_flight_workers_to_stop(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    repo, ledger = stores
+    job = _running_items(repo, ledger, 2, deadline_s=3600)
+    with ledger.listen_preemptions("n1") as listener:
+        with repo.engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET deadline = now() - interval '1 s'"))
+        report = tick(repo, ledger, settings)
+        assert report.expired_jobs == [job]
+        told = {listener.get(timeout=2.0), listener.get(timeout=2.0)}
+    leases = {r for r in told if r}
+    assert len(leases) == 2
+    assert repo.get_job(None, job).state is JobState.EXPIRED
+    assert repo.counted_states(job) == {ItemState.EXPIRED: 2}
+
+
+def test_a_worker_whose_engine_is_down_says_so_and_keeps_trying(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> object:
+        stop = asyncio.Event()
+        async with HttpEngine("http://127.0.0.1:9") as engine:
+            waiter = asyncio.create_task(wait_for_engine(engine, stop, retry_s=0.1))
+            await asyncio.sleep(0.5)
+            assert not waiter.done(), "gave up instead of retrying"
+            stop.set()
+            return await waiter
+
+    with caplog.at_level(logging.WARNING, logger="backfill.worker"):
+        assert asyncio.run(scenario()) is None
+    retries = [r for r in caplog.records if "not answering" in r.getMessage()]
+    assert len(retries) >= 2
+    assert "127.0.0.1:9" in retries[0].getMessage()
