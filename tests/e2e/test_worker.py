@@ -30,6 +30,7 @@ from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
 from worker import devengine
 from worker.node import NodeThread
 
@@ -281,6 +282,37 @@ def test_cancel_stops_in_flight_items_and_keeps_finished_results(
     d.wait(lambda: d.batch_in_use("n1") == 0, 20, "leases released after cancel")
     # The engine stops generating for the cancelled items too.
     d.wait(lambda: _engine_running(d.engine_url) == 0, 20, "engine requests aborted")
+
+
+def test_a_job_submitted_with_the_openai_sdk_completes_through_api_and_worker(
+    deployment: Deployment, node: NodeThread, maintenance: None
+) -> None:
+    d = deployment
+    with serve(api_settings(d.settings)) as api:
+        tenant = make_tenant(d.repo, "sdk")
+        client = api.client(tenant.key)
+        lines = [
+            chat_line(f"doc-{i}", f"Summarise document {i}.", max_tokens=12, model="tiny")
+            for i in range(30)
+        ]
+        uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+        d.wait(
+            lambda: client.batches.retrieve(batch.id).status == "completed", 120, "batch completed"
+        )
+        done = client.batches.retrieve(batch.id)
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed) == (30, 30)
+        assert done.output_file_id is not None
+        rows = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in rows) == sorted(f"doc-{i}" for i in range(30))
+        for row in rows:
+            body = row["response"]["body"]
+            assert row["response"]["status_code"] == 200
+            assert body["usage"]["completion_tokens"] <= 12
+            assert body["choices"][0]["message"]["role"] == "assistant"
 
 
 def _engine_running(url: str) -> float:
