@@ -8,6 +8,8 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
     {ns}:{ledger}:pool:{node}        hash     capacity, reserve, headroom, safety margin,
                                               class limits, overcommit, epoch, observed
                                               non-batch use, interactive and batch in use
+                                              (and, for /metrics only, monotonic counts:
+                                              ``denied:{class}:{reason}``, ``preemptions``)
     {ns}:{ledger}:leases:{node}      hash     lease id -> the live lease (msgpack array)
     {ns}:{ledger}:expiry:{node}      zset     lease id -> expiry (ms): the reaper's index
     {ns}:{ledger}:fence:{node}       string   fencing counter within the node's epoch

@@ -195,6 +195,16 @@ class PoolSnapshot:
 
 
 @dataclass(frozen=True)
+class PoolCounters:
+    """Monotonic counts a node's pool keeps for monitoring (reset only with its Redis data)."""
+
+    denials: dict[tuple[str, str], int]
+    """(service class, reason) -> reservations refused."""
+    preemptions: int
+    """Batch leases preempted to make room for interactive work."""
+
+
+@dataclass(frozen=True)
 class NodePool:
     """A node's measured pool, as Postgres records it (input to :meth:`Ledger.rebuild`)."""
 
@@ -565,6 +575,20 @@ class Ledger:
     def snapshot(self, node: str, *, now_ms: int | None = None) -> PoolSnapshot | None:
         result: PoolSnapshot | None = self._run(self._calls.snapshot(node, now_ms))
         return result
+
+    def counters(self, node: str) -> PoolCounters:
+        """The node's denial and preemption counts (zeros for a node without a pool)."""
+        try:
+            raw = self._client.hgetall(self.keys.pool(node))
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+        fields = {_s(name): _s(value) for name, value in raw.items()}
+        denials: dict[tuple[str, str], int] = {}
+        for name, value in fields.items():
+            if name.startswith("denied:"):
+                _, service_class, reason = name.split(":", 2)
+                denials[(service_class, reason)] = int(value)
+        return PoolCounters(denials, int(fields.get("preemptions", "0")))
 
     def nodes(self) -> list[str]:
         """Every node with a pool in this namespace."""

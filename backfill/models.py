@@ -242,6 +242,12 @@ class Item(Base):
             "lease_expires_at",
             postgresql_where=text(f"state IN ({ACTIVE_SQL})"),
         ),
+        # /metrics reads what finished since its last scrape.
+        Index(
+            "ix_items_finished_at",
+            "finished_at",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
     )
 
 

@@ -112,6 +112,20 @@ class JobRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class FinishedTokenStats:
+    """Token figures of the items that succeeded in one window (for the metrics)."""
+
+    until: datetime
+    """The window's end, by the database's clock: the next window starts here."""
+    count: int
+    prompt_sum: int
+    output_sum: int
+    prompt_le: list[int]
+    """Items with at most each bound's prompt tokens (cumulative, as Prometheus buckets)."""
+    output_le: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class NewItem:
     """One request line to store, as validated by the API."""
 
@@ -1058,6 +1072,31 @@ class Repository:
             _end_attempt(conn, item_id, attempt, outcome, None, detail)
             _bump_counters(conn, [(row[0], ItemState.RESERVED, target)])
 
+    def unclaim(self, held: Sequence[tuple[int, int]], detail: str) -> list[int]:
+        """reserved -> queued for many (item_id, attempt) claims given back unstarted (the
+        slack could not take them); returns the ids that applied."""
+        _check_moves([ItemState.RESERVED], ItemState.QUEUED)
+        if not held:
+            return []
+        with self._tx(durable=False) as conn:
+            rows = conn.execute(
+                text(
+                    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+                    "CAST(:att AS int[])) AS v(id, a)), "
+                    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
+                    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
+                    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+                    "  RETURNING i.id, i.job_id, i.attempt, i.node), "
+                    f"{_CNT_UNCLAIM}, "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "
+                    "  detail) SELECT id, attempt, coalesce(node, ''), now(), 'released', :d "
+                    "  FROM moved ON CONFLICT (item_id, attempt) DO NOTHING) "
+                    "SELECT id FROM moved"
+                ),
+                {"ids": [h[0] for h in held], "att": [h[1] for h in held], "d": detail},
+            ).all()
+        return [r.id for r in rows]
+
     def fail(
         self, item_id: int, attempt: int, error: str, *, fencing_token: int | None = None
     ) -> None:
@@ -1304,6 +1343,86 @@ class Repository:
             )
 
     # -----------------------------------------------------------------------------------------
+    # Metrics (read at scrape time; each one cheap: counters, small tables, or an index range)
+    # -----------------------------------------------------------------------------------------
+
+    def item_state_totals(self) -> dict[ItemState, int]:
+        """Items per state over every job, summed from the counters (no scan of items)."""
+        states = list(ItemState)
+        cols = ", ".join(f"coalesce(sum({s.value}), 0)" for s in states)
+        with self._tx() as conn:
+            row = conn.execute(text(f"SELECT {cols} FROM job_counters")).one()
+        return {s: int(n) for s, n in zip(states, row, strict=True)}
+
+    def job_state_totals(self) -> dict[JobState, int]:
+        """Jobs per state (every state, zeros included)."""
+        with self._tx() as conn:
+            rows = conn.execute(text("SELECT state, count(*) FROM jobs GROUP BY state")).all()
+        found = {JobState(r[0]): int(r[1]) for r in rows}
+        return {s: found.get(s, 0) for s in JobState}
+
+    def finished_token_stats(
+        self,
+        since: datetime | None,
+        bounds: Sequence[int],
+        *,
+        lookback_s: float,
+        lag_s: float,
+    ) -> FinishedTokenStats:
+        """Token figures of the items that succeeded after ``since`` (or, when None, in the
+        last ``lookback_s``) and up to ``lag_s`` ago, by the database's clock.
+
+        The upper end trails now by ``lag_s`` so that a finish committed a moment late (its
+        ``finished_at`` is its transaction's start) still falls after the returned
+        ``until``, which the caller passes back as the next ``since``.
+        """
+        wanted = [int(b) for b in bounds]
+        buckets = ", ".join(
+            f"count(i.id) FILTER (WHERE coalesce(i.{col}, 0) <= {b})"
+            for col in ("prompt_tokens", "output_tokens")
+            for b in wanted
+        )
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "WITH w AS (SELECT coalesce(CAST(:since AS timestamptz), "
+                    "now() - make_interval(secs => :lookback)) AS lo, "
+                    "now() - make_interval(secs => :lag) AS hi) "
+                    "SELECT w.hi, count(i.id), coalesce(sum(i.prompt_tokens), 0), "
+                    "coalesce(sum(i.output_tokens), 0)"
+                    + (f", {buckets}" if buckets else "")
+                    + " FROM w LEFT JOIN items i ON i.finished_at IS NOT NULL "
+                    "AND i.finished_at > w.lo AND i.finished_at <= w.hi "
+                    "AND i.state = 'succeeded' GROUP BY w.hi"
+                ),
+                {"since": since, "lookback": lookback_s, "lag": lag_s},
+            ).one()
+        n = len(wanted)
+        return FinishedTokenStats(
+            until=row[0],
+            count=int(row[1]),
+            prompt_sum=int(row[2]),
+            output_sum=int(row[3]),
+            prompt_le=[int(v) for v in row[4 : 4 + n]],
+            output_le=[int(v) for v in row[4 + n : 4 + 2 * n]],
+        )
+
+    def output_tokens_finished_within(self, seconds: float) -> int:
+        """Output tokens of the items that succeeded in the last ``seconds``."""
+        with self._tx() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT coalesce(sum(output_tokens), 0) FROM items "
+                        "WHERE finished_at IS NOT NULL "
+                        "AND finished_at > now() - make_interval(secs => :s) "
+                        "AND state = 'succeeded'"
+                    ),
+                    {"s": seconds},
+                ).scalar_one()
+            )
+
+    # -----------------------------------------------------------------------------------------
     # The Batch API's lookups
     # -----------------------------------------------------------------------------------------
 
@@ -1392,6 +1511,7 @@ _CNT_CLAIM = _counters_cte(
     {s.value: _moved_from(s) for s in sorted(ITEM_CLAIMABLE)} | {"reserved": "count(*)"}
 )
 _CNT_START = _counters_cte({"reserved": "-count(*)", "running": "count(*)"})
+_CNT_UNCLAIM = _counters_cte({"reserved": "-count(*)", "queued": "count(*)"})
 _CNT_FINISH = _counters_cte(
     {
         "running": "-count(*)",

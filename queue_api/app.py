@@ -16,8 +16,10 @@ from backfill.config import Settings, get_settings
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.repository import Repository
-from queue_api import errors
+from queue_api import errors, metrics
 from queue_api.routes import batches, capacity, files
+from queue_api.routes import gateway as gateway_routes
+from queue_api.gateway import InteractiveGateway
 
 # Room for the multipart envelope around a file of the maximum size.
 _MULTIPART_OVERHEAD = 64 * 1024
@@ -79,9 +81,13 @@ def create_app(
         app.state.usage_source = usage_source or ledger_usage(
             Ledger(client, settings.redis_namespace)
         )
+        metrics.attach(app, repo, Ledger(client, settings.redis_namespace))
+        app.state.gateway = InteractiveGateway(settings, repo)
         try:
             yield
         finally:
+            await app.state.gateway.aclose()
+            metrics.detach(app)
             client.close()
             if repository is None:
                 repo.close()
@@ -96,6 +102,8 @@ def create_app(
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(capacity.router)
+    gateway_routes.install(app)
+    app.include_router(metrics.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:

@@ -212,6 +212,8 @@ local function preempt_all(victims, now, channel)
     end_lease(v, 'preempted', now)
     ids[#ids + 1] = v.id
   end
+  -- A monotonic count in the pool hash: /metrics reads it without asking every holder.
+  if #ids > 0 then redis.call('HINCRBY', K_POOL, 'preemptions', fmt(#ids)) end
   for _, id in ipairs(ids) do redis.call('PUBLISH', channel, id) end
   return ids
 end

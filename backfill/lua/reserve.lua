@@ -20,7 +20,8 @@
 -- Returns one reply per request:
 --   {'admitted' | 'existing', fence, tokens, expires_ms, started_ms, generated, {victim ids}}
 --     (victims were preempted, and published, to make room), or
---   {'denied', reason, tokens, slack, room}.
+--   {'denied', reason, tokens, slack, room}; each denial also adds 1 to the pool hash's
+--   'denied:<class>:<reason>' field (a monotonic count for /metrics).
 if #ARGV < 3 then bad('expected at least 3 arguments, got ' .. #ARGV) end
 local channel = str_arg(ARGV[1], 'channel', false)
 local now = now_arg(ARGV[2])
@@ -128,6 +129,10 @@ for i, r in ipairs(reqs) do
     out[i] = {'existing', e.fence, e.tokens, e.expires, e.started, e.generated, {}}
   else
     out[i] = decide(r)
+    if out[i][1] == 'denied' then
+      -- Counted inside the decision's atomic call, so /metrics sees every holder's denials.
+      redis.call('HINCRBY', K_POOL, 'denied:' .. r.class .. ':' .. out[i][2], 1)
+    end
   end
 end
 return out

@@ -1,0 +1,256 @@
+"""Prometheus metrics computed at scrape time from Postgres and the ledger.
+
+Nothing here runs on the request path: a scrape asks Postgres for the per-job counters, the
+jobs per state and the items that finished since the previous scrape (an index range), and
+asks the ledger for each node's pool snapshot and its monotonic denial/preemption counts. So
+the figures are the same whichever API process is scraped, and no worker has to push them.
+
+The token histograms are the one stateful part: each scrape adds the items that succeeded
+since the last one to counts kept in this process, so they start from the items of the last
+``lookback_s`` when the process starts (a counter reset, as Prometheus expects of a
+restart). Every API process keeps its own: scrape one, or do not sum them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from backfill.ledger import Ledger
+from backfill.repository import Repository
+from backfill.states import ITEM_TERMINAL, ItemState, JobState
+
+log = logging.getLogger(__name__)
+
+TOKEN_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+UNFINISHED_STATES = tuple(s for s in ItemState if s not in ITEM_TERMINAL)
+
+
+class _NoLedger(Exception):
+    """The collector was built without a ledger: its figures are absent, not failing."""
+
+
+class _TokenHistograms:
+    """Cumulative prompt/output token histograms of succeeded items, fed per scrape."""
+
+    def __init__(self, bounds: Sequence[int]) -> None:
+        self.bounds = list(bounds)
+        self.since: datetime | None = None
+        self.count = 0
+        self.sums = {"prompt": 0, "output": 0}
+        self.le = {"prompt": [0] * len(self.bounds), "output": [0] * len(self.bounds)}
+        self.lock = threading.Lock()
+
+    def advance(self, repo: Repository, lookback_s: float, lag_s: float) -> None:
+        # One scrape at a time: two concurrent ones would count the same window twice.
+        with self.lock:
+            stats = repo.finished_token_stats(
+                self.since, self.bounds, lookback_s=lookback_s, lag_s=lag_s
+            )
+            if self.since is not None and stats.until <= self.since:
+                return
+            self.since = stats.until
+            self.count += stats.count
+            self.sums["prompt"] += stats.prompt_sum
+            self.sums["output"] += stats.output_sum
+            for i in range(len(self.bounds)):
+                self.le["prompt"][i] += stats.prompt_le[i]
+                self.le["output"][i] += stats.output_le[i]
+
+    def families(self) -> Iterator[Any]:
+        with self.lock:
+            for kind in ("prompt", "output"):
+                buckets = [
+                    (str(float(b)), n) for b, n in zip(self.bounds, self.le[kind], strict=True)
+                ]
+                buckets.append(("+Inf", self.count))
+                yield HistogramMetricFamily(
+                    f"backfill_{kind}_tokens",
+                    f"{kind.capitalize()} tokens of succeeded batch items.",
+                    buckets=buckets,
+                    sum_value=self.sums[kind],
+                )
+
+
+class BackfillCollector:
+    """A ``prometheus_client`` collector over one deployment's Postgres and ledger."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        ledger: Ledger | None,
+        *,
+        useful_window_s: float = 60.0,
+        lookback_s: float = 600.0,
+        lag_s: float = 2.0,
+        token_buckets: Sequence[int] = TOKEN_BUCKETS,
+    ) -> None:
+        self.repo = repo
+        self.ledger = ledger
+        self.useful_window_s = useful_window_s
+        self.lookback_s = lookback_s
+        self.lag_s = lag_s
+        self._histograms = _TokenHistograms(token_buckets)
+
+    def describe(self) -> list[Any]:
+        # Registering must not query anything; the families are only known at scrape time.
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        up = GaugeMetricFamily(
+            "backfill_metrics_source_up",
+            "Whether this scrape could read the source (1) or not (0).",
+            labels=["source"],
+        )
+        # One family for both classes (a name may appear once per exposition): batch
+        # counts come from Postgres, interactive ones from the ledger's live leases.
+        items = GaugeMetricFamily(
+            "backfill_items",
+            "Unfinished work by service class and state (interactive requests are never "
+            "queued: the gateway admits or refuses them at once).",
+            labels=["class", "state"],
+        )
+        found = []
+        for source, section in (("postgres", self._postgres), ("ledger", self._ledger)):
+            families, ok = _guarded(source, functools.partial(section, items))
+            found.extend(families)
+            up.add_metric([source], 1.0 if ok else 0.0)
+        yield items
+        yield from found
+        yield up
+
+    # -- Postgres
+
+    def _postgres(self, by_state: Any) -> list[Any]:
+        repo = self.repo
+        items = repo.item_state_totals()
+        jobs = repo.job_state_totals()
+        for state in UNFINISHED_STATES:
+            by_state.add_metric(["batch", state.value], items[state])
+        finished = CounterMetricFamily(
+            "backfill_items_finished",
+            "Batch items that reached a final state.",
+            labels=["state"],
+        )
+        for state in sorted(ITEM_TERMINAL):
+            finished.add_metric([state.value], items[state])
+
+        job_gauge = GaugeMetricFamily(
+            "backfill_jobs", "Batch jobs by state.", labels=["state"]
+        )
+        for job_state in JobState:
+            job_gauge.add_metric([job_state.value], jobs[job_state])
+
+        misses = CounterMetricFamily(
+            "backfill_deadline_misses",
+            "Work that did not finish before its deadline: expired items and expired jobs.",
+            labels=["scope"],
+        )
+        misses.add_metric(["item"], items[ItemState.EXPIRED])
+        misses.add_metric(["job"], jobs[JobState.EXPIRED])
+
+        queued = GaugeMetricFamily(
+            "backfill_queued_tokens",
+            "Worst-case tokens (prompt + max output) of unfinished work, by service class.",
+            labels=["class"],
+        )
+        queued.add_metric(["batch"], repo.backlog_tokens())
+        # The gateway admits or refuses interactive requests at once: none wait in a queue.
+        queued.add_metric(["interactive"], 0)
+
+        useful = GaugeMetricFamily(
+            "backfill_useful_tokens_per_second",
+            "Output tokens of items that succeeded over the last window, per second "
+            "(work later thrown away by preemption or failure is not counted).",
+            labels=["window_s"],
+        )
+        window = self.useful_window_s
+        done = repo.output_tokens_finished_within(window)
+        useful.add_metric([f"{window:g}"], done / window)
+
+        self._histograms.advance(repo, self.lookback_s, self.lag_s)
+        return [
+            finished, job_gauge, misses, queued, useful, *self._histograms.families()
+        ]
+
+    # -- ledger
+
+    def _ledger(self, by_state: Any) -> list[Any]:
+        nodes = {n.name: n for n in self.repo.nodes()}
+        kv = GaugeMetricFamily(
+            "backfill_kv_tokens",
+            "A node's KV pool in tokens: capacity (measured), the interactive reserve, the "
+            "tokens reserved per class, what the engine reports non-batch work holds, and "
+            "the batch slack.",
+            labels=["node", "kind"],
+        )
+        leases = GaugeMetricFamily(
+            "backfill_leases", "Live ledger leases by node and class.", labels=["node", "class"]
+        )
+        denials = CounterMetricFamily(
+            "backfill_allocation_denials",
+            "Reservations the ledger refused, by node, class and reason.",
+            labels=["node", "class", "reason"],
+        )
+        preemptions = CounterMetricFamily(
+            "backfill_preemptions",
+            "Batch leases preempted to make room for interactive work.",
+            labels=["node"],
+        )
+        if self.ledger is None:
+            raise _NoLedger
+        names = sorted(set(nodes) | set(self.ledger.nodes()))
+        interactive_running = 0
+        for name in names:
+            snap = self.ledger.snapshot(name)
+            if snap is None:
+                record = nodes[name]
+                kv.add_metric([name, "capacity"], record.capacity_tokens)
+                kv.add_metric([name, "interactive_reserve"], record.interactive_reserve_tokens)
+                continue
+            figures = {
+                "capacity": snap.capacity_tokens,
+                "interactive_reserve": snap.reserve_tokens,
+                "interactive_reserved": snap.interactive_in_use,
+                "batch_reserved": snap.batch_in_use,
+                "engine_observed_non_batch": snap.observed_non_batch,
+                "slack": snap.slack,
+            }
+            for kind, value in figures.items():
+                kv.add_metric([name, kind], value)
+            per_class = {"interactive": 0, "batch": 0}
+            for lease in snap.leases:
+                per_class[str(lease.service_class)] += 1
+            for service_class, n in per_class.items():
+                leases.add_metric([name, service_class], n)
+            interactive_running += per_class["interactive"]
+            counts = self.ledger.counters(name)
+            for (service_class, reason), n in sorted(counts.denials.items()):
+                denials.add_metric([name, service_class, reason], n)
+            preemptions.add_metric([name], counts.preemptions)
+        by_state.add_metric(["interactive", ItemState.QUEUED.value], 0)
+        by_state.add_metric(["interactive", ItemState.RUNNING.value], interactive_running)
+        return [kv, leases, denials, preemptions]
+
+
+def _guarded(source: str, section: Callable[[], list[Any]]) -> tuple[list[Any], bool]:
+    # A scrape answers with what it can read: Postgres down must not hide the ledger's
+    # figures, nor the reverse, and /metrics must never answer 500.
+    try:
+        return section(), True
+    except _NoLedger:
+        return [], False
+    except Exception:  # the drivers raise many types; each is logged once per scrape
+        log.warning("metrics: could not read %s", source, exc_info=True)
+        return [], False
