@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     rate_limit_per_s: PositiveFloat = 50.0
     rate_limit_burst: PositiveInt = 200
 
+    # Interactive gateway: engine priority of interactive requests, how long a request may wait
+    # for room when the caller does not say (header X-Backfill-Max-Wait), and how often the
+    # gateway rereads the registered nodes.
+    interactive_priority: int = 0
+    gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
+    gateway_node_refresh_s: PositiveFloat = 5.0
+
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:

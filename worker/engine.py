@@ -368,6 +368,7 @@ class HttpEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> int:
         # vLLM's /tokenize tells a chat request from a prompt by the ``messages`` key, and
         # applies the chat template with the same defaults as /v1/chat/completions
@@ -380,6 +381,9 @@ class HttpEngine:
         }
         if chat_template_kwargs:
             body["chat_template_kwargs"] = dict(chat_template_kwargs)
+        if tools:
+            # Tool definitions are rendered into the prompt by the chat template.
+            body["tools"] = list(tools)
         return await self._tokenize(body)
 
     async def tokenize_prompt(self, prompt: str, model: str) -> int:

@@ -1,0 +1,60 @@
+"""Engine-observed non-batch KV use: interactive load that bypassed the gateway.
+
+The ledger knows what the gateway reserved (I) and what batch reserved (B). Traffic sent
+straight to the engine is invisible to it, yet it holds KV blocks and competes with batch all
+the same. Each node's worker therefore reports
+
+    O = allocated - batch_physical
+
+where ``allocated`` is the engine's ``kv_cache_usage_perc x capacity`` (block-granular) and
+``batch_physical`` estimates what batch leases hold in the engine: each sequence's prompt plus
+the tokens generated so far, rounded up to whole blocks. The ledger's batch slack then guards
+``max(I, O)`` rather than I alone (``backfill.policy.batch_slack``).
+
+The estimate leans towards counting too much as batch only where the worker cannot know
+better: a batch lease this worker does not hold (another worker on the same node) is counted
+at its full reservation, its largest possible footprint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from backfill.ledger import Lease
+from backfill.policy import ServiceClass, round_up
+
+
+def allocated_tokens(kv_usage_fraction: float, capacity_tokens: int, block_size: int) -> int:
+    """KV tokens the engine holds now: the used share of its blocks, in whole blocks."""
+    blocks = capacity_tokens // block_size
+    used = min(blocks, max(0, round(kv_usage_fraction * blocks)))
+    return used * block_size
+
+
+def batch_physical_tokens(
+    leases: Iterable[Lease], in_engine: Mapping[str, int], block_size: int
+) -> int:
+    """What live batch leases hold in the engine.
+
+    ``in_engine`` maps the lease ids whose sequences this worker knows to their prompt +
+    generated tokens; any other batch lease counts at its reservation (an upper bound).
+    """
+    total = 0
+    for lease in leases:
+        if lease.service_class is not ServiceClass.BATCH:
+            continue
+        known = in_engine.get(lease.lease_id)
+        total += lease.tokens if known is None else min(lease.tokens, round_up(known, block_size))
+    return total
+
+
+def observed_non_batch(
+    kv_usage_fraction: float,
+    capacity_tokens: int,
+    block_size: int,
+    leases: Iterable[Lease],
+    in_engine: Mapping[str, int],
+) -> int:
+    """``O``: engine-allocated KV tokens that no batch lease accounts for (never negative)."""
+    allocated = allocated_tokens(kv_usage_fraction, capacity_tokens, block_size)
+    return max(0, allocated - batch_physical_tokens(leases, in_engine, block_size))

@@ -1,0 +1,591 @@
+"""The interactive gateway's HTTP side: find the serving nodes, count the prompt on an engine,
+admit through ``backfill.gateway``, proxy to the chosen node's vLLM server, and give the
+reservation back exactly once however the request ends.
+
+Streams are relayed event by event as the engine sends them. Every way out of a relay
+(finished, engine error, the caller disconnecting, the server stopping) closes the upstream
+response, which makes vLLM abort the request and free its KV blocks, and then settles and
+releases the lease, shielded from the cancellation that ended the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from backfill.config import Settings
+from backfill.errors import BackfillError
+from backfill.gateway import (
+    Admission,
+    ClientGone,
+    GatewayRefusal,
+    GatewayUnavailable,
+    InteractiveEndpoint,
+    ModelNotServed,
+    RequestShape,
+    Sizing,
+    admit,
+    check_bound,
+    parse_request,
+    size_request,
+    upstream_body,
+    wait_budget_s,
+)
+from backfill.ledger import AsyncLedger, Lease
+from backfill.maintenance import pool_policy
+from backfill.refusals import InvalidRequest
+from backfill.repository import Repository, TenantRecord
+from queue_api import gateway_metrics as m
+from worker.engine import EngineError, EngineRejected, HttpEngine
+
+log = logging.getLogger("backfill.gateway")
+
+MAX_WAIT_HEADER = "x-backfill-max-wait"
+"""Seconds the caller will wait for room (0: answer at once). Without it the deployment's
+``gateway_max_wait_s`` applies; either way at most half the openai SDK's read timeout
+(``x-stainless-read-timeout``), so a refusal arrives before the client gives up."""
+CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"
+NODE_HEADER = "X-Backfill-Node"
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True)
+class ServingNode:
+    name: str
+    engine_url: str
+    model: str
+    max_model_len: int | None
+
+
+class NodeDirectory:
+    """Registered nodes (Postgres) with each engine's context length, refreshed in the
+    background so no request waits on Postgres after the first."""
+
+    def __init__(self, repo: Repository, refresh_s: float, engine_for: Any) -> None:
+        self._repo = repo
+        self._refresh_s = refresh_s
+        self._engine_for = engine_for
+        self._nodes: list[ServingNode] | None = None
+        self._loaded_at = 0.0
+        self._refreshing: asyncio.Task[None] | None = None
+        self._context: dict[tuple[str, str], int | None] = {}
+
+    async def serving(self, model: str) -> tuple[list[ServingNode], bool]:
+        """Nodes serving ``model``, and whether any node is registered at all."""
+        stale = time.monotonic() - self._loaded_at > self._refresh_s
+        if self._nodes is None or (stale and not self._nodes):
+            await self._refresh()
+        elif stale and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self._refresh())
+        nodes = self._nodes or []
+        return [n for n in nodes if n.model == model], bool(nodes)
+
+    async def _refresh(self) -> None:
+        try:
+            records = await asyncio.to_thread(self._repo.nodes)
+        except BackfillError as exc:
+            log.warning("node directory not refreshed: %s", exc)
+            if self._nodes is None:
+                raise GatewayUnavailable(
+                    "the node directory is unavailable", retry_after_s=5.0
+                ) from exc
+            return
+        nodes = []
+        for r in records:
+            if r.model is None:
+                continue
+            key = (r.engine_url, r.model)
+            if self._context.get(key) is None:
+                self._context[key] = await self._context_length(r.engine_url, r.model)
+            nodes.append(ServingNode(r.name, r.engine_url, r.model, self._context[key]))
+        self._nodes = nodes
+        self._loaded_at = time.monotonic()
+
+    async def _context_length(self, url: str, model: str) -> int | None:
+        try:
+            models = await self._engine_for(url).models()
+        except EngineError:
+            return None
+        return next((x.max_model_len for x in models if x.id == model), None)
+
+    async def aclose(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refreshing
+
+
+class LeaseKeeper:
+    """Heartbeats an admitted lease while its request runs, records progress, and settles and
+    releases it exactly once."""
+
+    def __init__(self, ledger: AsyncLedger, lease: Lease, interval_s: float, ttl_ms: int) -> None:
+        self.ledger = ledger
+        self.lease = lease
+        self.generated = 0
+        self._interval_s = interval_s
+        self._ttl_ms = ttl_ms
+        self._ended = False
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        lease = self.lease
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                beat = await self.ledger.heartbeat(
+                    lease.node, lease.lease_id, lease.fencing_token, ttl_ms=self._ttl_ms
+                )
+                if not beat.ok:
+                    log.warning("interactive lease %s: heartbeat %s", lease.lease_id, beat.status)
+                    return
+                await self.ledger.settle(
+                    lease.node, lease.lease_id, lease.fencing_token, self.generated
+                )
+            except BackfillError as exc:
+                log.warning("interactive lease %s: heartbeat failed: %s", lease.lease_id, exc)
+
+    async def end(self, used_tokens: int | None) -> None:
+        """Settle with the tokens used (when known) and release; later calls do nothing."""
+        if self._ended:
+            return
+        self._ended = True
+        self._beat.cancel()
+        lease = self.lease
+        m.IN_FLIGHT.dec()
+        try:
+            if used_tokens is not None:
+                m.USED_TOKENS.observe(used_tokens)
+                await self.ledger.settle(
+                    lease.node,
+                    lease.lease_id,
+                    lease.fencing_token,
+                    self.generated,
+                    reservation_tokens=max(1, used_tokens),
+                )
+            await self.ledger.release(lease)
+        except BackfillError as exc:
+            # The lease expires on its own within the TTL.
+            log.warning("interactive lease %s not released: %s", lease.lease_id, exc)
+
+
+@dataclass
+class _Relay:
+    """What a relayed stream has shown so far."""
+
+    endpoint: str
+    received: float
+    first_token: float | None = None
+    last_token: float | None = None
+    completion: int = 0
+    usage: Mapping[str, Any] | None = None
+    error: bool = False
+    done: bool = False
+
+    def saw(self, event: Mapping[str, Any], now: float) -> None:
+        usage = event.get("usage")
+        if isinstance(usage, Mapping):
+            self.usage = usage
+        if "error" in event:
+            self.error = True
+        tokens = 0
+        for choice in event.get("choices") or ():
+            if _carries_tokens(choice):
+                tokens += 1
+        if not tokens:
+            return
+        self.completion += tokens
+        if self.first_token is None:
+            self.first_token = now
+            m.TIME_TO_FIRST_TOKEN.labels(self.endpoint).observe(now - self.received)
+        elif self.last_token is not None:
+            m.INTER_TOKEN_LATENCY.labels(self.endpoint).observe(now - self.last_token)
+        self.last_token = now
+
+
+def _carries_tokens(choice: Mapping[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if delta is None:
+        return bool(choice.get("text"))
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+def _used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: int) -> int:
+    """KV tokens the request held at its largest, per the engine's usage when it sent one."""
+    prompt = sizing.prompt_tokens
+    if usage is not None:
+        completion = int(usage.get("completion_tokens") or completion)
+    return sizing.sequences * prompt + completion
+
+
+def _float_header(request: Request, name: str) -> float | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequest(f"header {name} must be a number of seconds", param=name) from None
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequest(f"header {name} must be a number of seconds >= 0", param=name)
+    return value
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the caller disconnects (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream whose lease is given back even when the relay never starts (the caller left
+    before the first byte could be sent): the relay's own ``finally`` covers the rest."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], Awaitable[None]],
+        media_type: str,
+        headers: Mapping[str, str],
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
+
+
+class InteractiveGateway:
+    """One per API process: engines' HTTP clients, the ledger, the node directory."""
+
+    def __init__(self, settings: Settings, repo: Repository) -> None:
+        self.settings = settings
+        self.policy = pool_policy(settings)
+        self.ttl_ms = int(settings.lease_ttl_s * 1000)
+        self.ledger = AsyncLedger.from_url(
+            settings.redis_url, settings.redis_namespace, self.policy, self.ttl_ms
+        )
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._engines: dict[str, HttpEngine] = {}
+        self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, self.engine)
+
+    def client(self, url: str) -> httpx.AsyncClient:
+        client = self._clients.get(url)
+        if client is None:
+            # No read timeout: a generation may take long; the caller's disconnect ends it.
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(30.0, read=None),
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            )
+            self._clients[url] = client
+        return client
+
+    def engine(self, url: str) -> HttpEngine:
+        engine = self._engines.get(url)
+        if engine is None:
+            engine = HttpEngine(url, client=self.client(url))
+            self._engines[url] = engine
+        return engine
+
+    async def aclose(self) -> None:
+        await self.directory.aclose()
+        for client in self._clients.values():
+            await client.aclose()
+        await self.ledger.aclose()
+
+    # -----------------------------------------------------------------------------------------
+
+    async def handle(
+        self, endpoint: InteractiveEndpoint, request: Request, tenant: TenantRecord
+    ) -> Response:
+        received = time.perf_counter()
+        try:
+            return await self._handle(endpoint, request, tenant, received)
+        except GatewayRefusal as exc:
+            m.REJECTIONS.labels(exc.reason).inc()
+            raise
+        except InvalidRequest:
+            m.REJECTIONS.labels("invalid_request").inc()
+            raise
+        except ClientGone:
+            m.REJECTIONS.labels("client_gone").inc()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def _handle(
+        self,
+        endpoint: InteractiveEndpoint,
+        request: Request,
+        tenant: TenantRecord,
+        received: float,
+    ) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise InvalidRequest("the request body is not valid JSON") from None
+        shape = parse_request(endpoint, body)
+        nodes, any_node = await self.directory.serving(shape.model)
+        if not nodes:
+            if any_node:
+                raise ModelNotServed(
+                    f"The model `{shape.model}` does not exist or no node serves it.",
+                    param="model",
+                )
+            raise GatewayUnavailable("no inference node is registered yet", retry_after_s=5.0)
+        limit = self._limit(nodes)
+        check_bound(shape, limit, self.settings.max_bytes_per_token)
+        prompt_tokens = await self._count(shape, body, nodes)
+        sizing = size_request(shape, prompt_tokens, limit)
+        budget = wait_budget_s(
+            _float_header(request, MAX_WAIT_HEADER),
+            self.settings.gateway_max_wait_s,
+            _float_header(request, CLIENT_TIMEOUT_HEADER),
+        )
+        counted = time.perf_counter()
+        admission = await admit(
+            self.ledger,
+            [n.name for n in nodes],
+            sizing,
+            lease_id=f"gw_{secrets.token_hex(10)}",
+            owner=f"gateway/{tenant.id}",
+            ttl_ms=self.ttl_ms,
+            max_wait_s=budget,
+            disconnected=request.is_disconnected,
+        )
+        admitted = time.perf_counter()
+        lease = admission.lease
+        m.IN_FLIGHT.inc()
+        keeper = LeaseKeeper(self.ledger, lease, self.settings.heartbeat_interval_s, self.ttl_ms)
+        try:
+            node = next(n for n in nodes if n.name == lease.node)
+            self._record_admission(admission, endpoint)
+            payload = upstream_body(body, shape, sizing, self.settings.interactive_priority)
+            overhead = (counted - received) + (time.perf_counter() - admitted)
+            m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
+            if shape.stream:
+                return await self._stream(request, node, shape, sizing, payload, keeper, received)
+            return await self._unary(request, node, shape, sizing, payload, keeper, received)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await keeper.end(None)
+            raise
+
+    def _limit(self, nodes: Sequence[ServingNode]) -> int:
+        # The widest context of any serving node: never refuse what one of them could take.
+        limit = self.policy.interactive.max_sequence_tokens
+        contexts = [n.max_model_len for n in nodes]
+        if contexts and all(c is not None for c in contexts):
+            limit = min(limit, max(c for c in contexts if c is not None))
+        return limit
+
+    def _record_admission(self, admission: Admission, endpoint: InteractiveEndpoint) -> None:
+        m.ADMISSION_WAIT.observe(admission.waited_s)
+        m.RESERVED_TOKENS.observe(admission.lease.tokens)
+        if admission.lease.preempted:
+            m.BATCH_PREEMPTIONS.inc(len(admission.lease.preempted))
+            log.info(
+                "%s admitted on %s after preempting %s batch lease(s)",
+                endpoint.value,
+                admission.lease.node,
+                len(admission.lease.preempted),
+            )
+
+    async def _count(
+        self, shape: RequestShape, body: Mapping[str, Any], nodes: Sequence[ServingNode]
+    ) -> int:
+        """Exact prompt tokens, from the first serving engine that answers."""
+        if shape.token_id_prompt_tokens is not None:
+            return shape.token_id_prompt_tokens
+        last: Exception | None = None
+        for node in nodes:
+            engine = self.engine(node.engine_url)
+            try:
+                if shape.endpoint is InteractiveEndpoint.CHAT_COMPLETIONS:
+                    return await engine.tokenize_chat(
+                        body["messages"],
+                        shape.model,
+                        add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                        continue_final_message=bool(body.get("continue_final_message", False)),
+                        chat_template_kwargs=body.get("chat_template_kwargs"),
+                        tools=body.get("tools"),
+                    )
+                counts = await asyncio.gather(
+                    *(engine.tokenize_prompt(p, shape.model) for p in shape.text_prompts)
+                )
+                return max(counts)
+            except EngineRejected as exc:
+                raise InvalidRequest(exc.message, param=shape.prompt_param) from exc
+            except EngineError as exc:
+                last = exc
+        raise GatewayUnavailable(
+            f"no engine serving {shape.model} could count the prompt: {last}", retry_after_s=2.0
+        )
+
+    async def _stream(
+        self,
+        request: Request,
+        node: ServingNode,
+        shape: RequestShape,
+        sizing: Sizing,
+        payload: Mapping[str, Any],
+        keeper: LeaseKeeper,
+        received: float,
+    ) -> Response:
+        del request  # Starlette cancels the relay when the caller disconnects
+        client = self.client(node.engine_url)
+        upstream_request = client.build_request(
+            "POST",
+            f"{node.engine_url}{shape.endpoint.value}",
+            json=payload,
+            headers={"X-Request-Id": keeper.lease.lease_id, "Accept": "text/event-stream"},
+        )
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            raise GatewayUnavailable(
+                f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
+            ) from exc
+        if upstream.is_error:
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+            m.REQUESTS.labels(shape.endpoint.value, "engine_error").inc()
+            await keeper.end(None)
+            return Response(content, upstream.status_code, media_type="application/json")
+        relay = _Relay(shape.endpoint.value, received)
+        return _RelayResponse(
+            self._relay(upstream, shape, sizing, keeper, relay),
+            on_close=partial(self._finish, upstream, sizing, keeper, relay),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", NODE_HEADER: node.name},
+        )
+
+    async def _relay(
+        self,
+        upstream: httpx.Response,
+        shape: RequestShape,
+        sizing: Sizing,
+        keeper: LeaseKeeper,
+        relay: _Relay,
+    ) -> AsyncIterator[bytes]:
+        outcome = "disconnected"
+        try:
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    relay.done = True
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    yield f"data: {data}\n\n".encode()
+                    continue
+                relay.saw(event, time.perf_counter())
+                keeper.generated = relay.completion
+                if not event.get("choices") and "usage" in event and not shape.include_usage:
+                    continue
+                yield f"data: {data}\n\n".encode()
+            outcome = "engine_error" if relay.error else "completed"
+            if relay.done:
+                # Give the room back before the caller sees the end of the stream.
+                await self._finish(upstream, sizing, keeper, relay)
+                yield b"data: [DONE]\n\n"
+        except httpx.TransportError as exc:
+            outcome = "engine_error"
+            log.warning("interactive stream from %s broke: %r", keeper.lease.node, exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish(upstream, sizing, keeper, relay)
+            m.REQUESTS.labels(shape.endpoint.value, outcome).inc()
+            m.REQUEST_DURATION.labels(shape.endpoint.value, "true").observe(
+                time.perf_counter() - relay.received
+            )
+
+    async def _finish(
+        self, upstream: httpx.Response, sizing: Sizing, keeper: LeaseKeeper, relay: _Relay
+    ) -> None:
+        # Closing first: an unfinished request is aborted in the engine before its room is
+        # handed to anyone else.
+        await upstream.aclose()
+        keeper.generated = max(keeper.generated, relay.completion)
+        await keeper.end(_used_tokens(sizing, relay.usage, relay.completion))
+
+    async def _unary(
+        self,
+        request: Request,
+        node: ServingNode,
+        shape: RequestShape,
+        sizing: Sizing,
+        payload: Mapping[str, Any],
+        keeper: LeaseKeeper,
+        received: float,
+    ) -> Response:
+        client = self.client(node.engine_url)
+        call = asyncio.ensure_future(
+            client.post(
+                f"{node.engine_url}{shape.endpoint.value}",
+                json=payload,
+                headers={"X-Request-Id": keeper.lease.lease_id},
+            )
+        )
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not call.done():
+                # Dropping the connection makes vLLM abort the request.
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await call
+        label = shape.endpoint.value
+        if call.cancelled():
+            m.REQUESTS.labels(label, "disconnected").inc()
+            await keeper.end(None)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:
+            response = call.result()
+        except httpx.TransportError as exc:
+            m.REQUESTS.labels(label, "engine_error").inc()
+            raise GatewayUnavailable(
+                f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
+            ) from exc
+        usage: Mapping[str, Any] | None = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                usage = response.json().get("usage")
+        keeper.generated = int((usage or {}).get("completion_tokens") or 0)
+        await keeper.end(_used_tokens(sizing, usage, keeper.generated) if usage else None)
+        outcome = "completed" if response.status_code == 200 else "engine_error"
+        m.REQUESTS.labels(label, outcome).inc()
+        m.REQUEST_DURATION.labels(label, "false").observe(time.perf_counter() - received)
+        return Response(
+            response.content,
+            response.status_code,
+            headers={NODE_HEADER: node.name},
+            media_type="application/json",
+        )

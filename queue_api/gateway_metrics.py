@@ -1,0 +1,81 @@
+"""Prometheus metrics of the interactive gateway, exported on the API's ``/metrics``.
+
+They live in prometheus_client's default registry: one set per process, whatever number of
+apps a process creates (tests create many).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "backfill_gateway_time_to_first_token_seconds",
+    "Interactive streams: from the gateway receiving the request to its first generated token.",
+    ["endpoint"],
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "backfill_gateway_inter_token_latency_seconds",
+    "Interactive streams: time between consecutive chunks that carry generated tokens.",
+    ["endpoint"],
+    buckets=_ITL_BUCKETS,
+)
+ADMISSION_WAIT = Histogram(
+    "backfill_gateway_admission_wait_seconds",
+    "Time an admitted interactive request waited for room in the ledger (queue wait).",
+    buckets=_LATENCY_BUCKETS,
+)
+GATEWAY_OVERHEAD = Histogram(
+    "backfill_gateway_overhead_seconds",
+    "From receiving a request to sending it to the engine, excluding the wait for room "
+    "(parsing, authentication, tokenizing, reserving).",
+    ["endpoint"],
+    buckets=_LATENCY_BUCKETS,
+)
+REQUEST_DURATION = Histogram(
+    "backfill_gateway_request_duration_seconds",
+    "Admitted interactive requests: from receipt to the end of the response.",
+    ["endpoint", "stream"],
+    buckets=_LATENCY_BUCKETS,
+)
+REJECTIONS = Counter(
+    "backfill_gateway_rejections_total",
+    "Interactive requests refused, by reason (context_length_bound is before tokenizing, "
+    "context_length_exact after).",
+    ["reason"],
+)
+REQUESTS = Counter(
+    "backfill_gateway_requests_total",
+    "Admitted interactive requests by how they ended.",
+    ["endpoint", "outcome"],
+)
+RESERVED_TOKENS = Histogram(
+    "backfill_gateway_reserved_tokens",
+    "KV tokens reserved per admitted interactive request (prompt + max output, block-rounded, "
+    "per sequence).",
+    buckets=_TOKEN_BUCKETS,
+)
+USED_TOKENS = Histogram(
+    "backfill_gateway_used_tokens",
+    "KV tokens an admitted interactive request actually used (prompt + generated, per "
+    "sequence); compare with backfill_gateway_reserved_tokens.",
+    buckets=_TOKEN_BUCKETS,
+)
+BATCH_PREEMPTIONS = Counter(
+    "backfill_gateway_batch_preemptions_total",
+    "Batch leases the ledger preempted to admit interactive requests.",
+)
+IN_FLIGHT = Gauge(
+    "backfill_gateway_in_flight",
+    "Interactive requests holding a reservation now.",
+)
