@@ -45,6 +45,7 @@ from backfill.ledger import (
     PartialBatchError,
     ReserveRequest,
 )
+from backfill.observe import observed_non_batch
 from backfill.policy import ServiceClass
 from backfill.repository import ClaimedItem, Finish, Repository, Start
 from backfill.states import ItemState
@@ -84,6 +85,9 @@ class DispatchConfig:
     """Per-sequence decode rate assumed until one is measured (deadline feasibility)."""
     prefill_tokens_per_s: float = 1000.0
     settle_every_tokens: int = 32
+    observe_interval_s: float = 1.0
+    """How often the engine's non-batch KV use is reported to the ledger (``backfill.observe``);
+    0 turns it off."""
 
 
 @dataclass
@@ -91,6 +95,8 @@ class _InFlight:
     item: ClaimedItem
     lease: Lease
     endpoint: str
+    prompt_tokens: int = 0
+    """The original prompt's tokens: with ``generated``, what the sequence holds in the engine."""
     task: asyncio.Task[None] | None = None
     generated: int = 0
     text: dict[int, list[str]] = field(default_factory=dict)
@@ -163,6 +169,8 @@ class NodeDispatcher:
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._listen_preemptions(), name="preemptions"),
         ]
+        if self.config.observe_interval_s > 0:
+            helpers.append(asyncio.create_task(self._observe(), name="observe"))
         try:
             while not self._stopping.is_set():
                 try:
@@ -313,6 +321,7 @@ class NodeDispatcher:
             raise
         starts: list[Start] = []
         leased: dict[int, tuple[ClaimedItem, Lease, str]] = {}
+        prompt_of: dict[int, int] = {}
         for (item, tokens, endpoint), outcome in zip(ready, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
@@ -345,6 +354,7 @@ class NodeDispatcher:
                 )
             )
             leased[item.id] = (item, outcome, endpoint)
+            prompt_of[item.id] = tokens
         if not starts:
             return 0
         applied = set(await asyncio.to_thread(self.repo.start_many, starts, cfg.lease_ttl_s))
@@ -354,7 +364,9 @@ class NodeDispatcher:
             await self.ledger.release_many(orphans)
         for item_id in applied:
             item, lease, endpoint = leased[item_id]
-            flight = _InFlight(item=item, lease=lease, endpoint=endpoint)
+            flight = _InFlight(
+                item=item, lease=lease, endpoint=endpoint, prompt_tokens=prompt_of[item_id]
+            )
             self._in_flight[item.id] = flight
             self._by_lease[lease.lease_id] = item.id
             flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
@@ -693,6 +705,32 @@ class NodeDispatcher:
                 elif beat.status in (LeaseStatus.EXPIRED, LeaseStatus.FENCED):
                     # No reservation covers this request any more: stop engine work at once.
                     self._cancel(flight, "lease_lost")
+
+    async def _observe(self) -> None:
+        """Tell the ledger how much of the engine's KV cache batch does not account for:
+        interactive traffic that bypassed the gateway still narrows batch slack."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.observe_interval_s)
+            try:
+                load = await self.engine.load()
+                snap = await self.ledger.snapshot(cfg.node)
+                if snap is None:
+                    continue
+                in_engine = {
+                    f.lease.lease_id: f.prompt_tokens + f.generated
+                    for f in self._in_flight.values()
+                }
+                observed = observed_non_batch(
+                    load.kv_cache_usage_perc,
+                    snap.capacity_tokens,
+                    snap.block_size,
+                    snap.leases,
+                    in_engine,
+                )
+                await self.ledger.observe(cfg.node, observed)
+            except Exception as exc:  # a missed report only leaves the last one standing
+                log.warning("node %s: engine use not observed: %s", cfg.node, exc)
 
     async def _listen_preemptions(self) -> None:
         while True:
