@@ -17,9 +17,9 @@ from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.repository import Repository
 from queue_api import errors, metrics
-from queue_api.routes import batches, capacity, files
-from queue_api.routes import gateway as gateway_routes
 from queue_api.gateway import InteractiveGateway
+from queue_api.routes import batches, capacity, dashboard, files
+from queue_api.routes import gateway as gateway_routes
 
 # Room for the multipart envelope around a file of the maximum size.
 _MULTIPART_OVERHEAD = 64 * 1024
@@ -104,6 +104,7 @@ def create_app(
     app.include_router(capacity.router)
     gateway_routes.install(app)
     app.include_router(metrics.router)
+    dashboard.mount(app)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:

@@ -15,6 +15,11 @@ fi
 
 bash scripts/services.sh
 
+# The dashboard tests drive Debian's headless Chromium; a fresh machine does not have it.
+if ! command -v chromium >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+
 .venv/bin/ruff check .
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
