@@ -4,12 +4,12 @@ into the engine, in simulated time."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from backfill.simulate.engine import Engine, EngineConfig
 from backfill.simulate.metrics import KvSample, PolicyResult, percentile
-from backfill.simulate.policies import POLICIES, PolicyKnobs
+from backfill.simulate.policies import POLICIES, Frontend, PolicyKnobs
 from backfill.simulate.trace import TraceRequest
 from backfill.simulate.workload import BatchItem
 
@@ -27,8 +27,12 @@ class RunSpec:
     sample_every_s: float = 10.0
 
 
-def simulate(spec: RunSpec, policy_name: str) -> PolicyResult:
-    """Run ``policy_name`` on ``spec``; deterministic (no randomness inside)."""
+Observer = Callable[[Frontend, Engine], None]
+
+
+def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -> PolicyResult:
+    """Run ``policy_name`` on ``spec``; deterministic (no randomness inside). ``observe`` is
+    called after every admission round and every step (tests check invariants with it)."""
     started = time.perf_counter()
     try:
         policy_cls = POLICIES[policy_name]
@@ -60,6 +64,8 @@ def simulate(spec: RunSpec, policy_name: str) -> PolicyResult:
             policy.on_interactive(arrivals[i], now)
             i += 1
         policy.before_step(now)
+        if observe is not None:
+            observe(policy, engine)
         if now >= next_sample:
             inter = engine.interactive_blocks_in_use()
             timeline.append(KvSample(now, inter, engine.blocks_in_use() - inter))
@@ -86,6 +92,8 @@ def simulate(spec: RunSpec, policy_name: str) -> PolicyResult:
                 ttfts.append(seq.first_token_s - req.arrival_s)
         gaps.extend(report.interactive_gaps)
         policy.after_step(report, now)
+        if observe is not None:
+            observe(policy, engine)
     unserved = len(arrivals) - len(ttfts)
     served_within = sum(1 for t in ttfts if t <= spec.ttft_slo_s)
     all_ttfts = ttfts + [float("inf")] * unserved
