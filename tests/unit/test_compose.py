@@ -1,0 +1,122 @@
+"""docker-compose.yml and its monitoring provisioning hang together.
+
+With a docker CLI that has the compose plugin, ``docker compose config`` validates the file
+(it needs no engine). Without one, the file is parsed and its service graph checked here:
+every depends_on target exists, every service has an image or a build, each worker names its
+engine, no two services publish one host port, and every file mounted from ``deploy/`` exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def services() -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = compose()["services"]
+    return found
+
+
+def test_docker_compose_config_accepts_the_file_when_the_cli_can_run_it() -> None:
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker CLI")
+    probe = subprocess.run(
+        [docker, "compose", "version"], capture_output=True, text=True, timeout=30, check=False
+    )
+    if probe.returncode != 0:
+        pytest.skip("the docker CLI has no compose plugin (the YAML checks below still run)")
+    for profile in ("gpu", "cpu"):
+        result = subprocess.run(
+            [docker, "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr
+
+
+def test_every_dependency_exists_and_every_service_has_an_image_or_a_build() -> None:
+    all_services = services()
+    for name, service in all_services.items():
+        assert "image" in service or "build" in service, name
+        depends = service.get("depends_on") or {}
+        for target in depends if isinstance(depends, list) else depends.keys():
+            assert target in all_services, f"{name} depends on unknown {target}"
+            # A dependency must not sit behind a profile its dependant lacks.
+            need = set(all_services[target].get("profiles") or [])
+            have = set(service.get("profiles") or [])
+            assert not need or need & have, f"{name} needs {target} of profiles {need}"
+
+
+def test_each_worker_names_its_engine() -> None:
+    workers = {n: s for n, s in services().items() if (s.get("command") or [None])[0] == "worker"}
+    assert workers
+    for name, service in workers.items():
+        command = service["command"]
+        assert "--engine-url" in command, name
+        engine_url = command[command.index("--engine-url") + 1]
+        engine = engine_url.split("//", 1)[1].split(":", 1)[0]
+        assert engine in services(), f"{name}'s engine {engine} is not a service"
+        assert engine in (service.get("depends_on") or {}), name
+        assert "--node" in command, name
+
+
+def test_no_two_services_publish_the_same_host_port() -> None:
+    seen: dict[str, str] = {}
+    for name, service in services().items():
+        for port in service.get("ports") or []:
+            host = str(port).rsplit(":", 1)[0]
+            assert host not in seen, f"{name} and {seen[host]} both publish {host}"
+            seen[host] = name
+    assert {"8000", "9090", "3000"} <= set(seen)
+
+
+def test_prometheus_scrapes_the_api_and_grafana_is_provisioned() -> None:
+    all_services = services()
+    mounts: dict[str, str] = {}
+    for name in ("prometheus", "grafana"):
+        for volume in all_services[name]["volumes"]:
+            source, target = volume.split(":")[:2]
+            path = ROOT / source
+            assert path.exists(), f"{name} mounts missing {source}"
+            mounts[target] = source
+    prometheus = yaml.safe_load((ROOT / mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = [
+        t for job in prometheus["scrape_configs"] for c in job["static_configs"]
+        for t in c["targets"]
+    ]
+    assert "api:8000" in targets
+    assert all(t.split(":")[0] in all_services for t in targets)
+
+    provisioning = ROOT / mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    [source] = datasource["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((provisioning / "dashboards" / "backfill.yml").read_text())
+    dashboards_dir = provider["providers"][0]["options"]["path"]
+    assert mounts[dashboards_dir] == "./deploy/grafana/dashboards"
+
+    dashboard = json.loads((ROOT / mounts[dashboards_dir] / "backfill.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "backfill_kv_tokens", "backfill_gateway_time_to_first_token_seconds_bucket",
+        "backfill_items", "backfill_preemptions_total", "backfill_deadline_misses_total",
+        "backfill_useful_tokens_per_second",
+    ):
+        assert metric in exprs, metric
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == source["uid"], panel["title"]
