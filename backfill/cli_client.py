@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
@@ -147,7 +148,7 @@ def render_status(batch: dict[str, Any], now: float | None = None) -> Renderable
     return Group(header, bar, states, facts)
 
 
-def _pool_bar(node: dict[str, Any], width: int = 30) -> Text:
+def _pool_bar(node: dict[str, Any], width: int = 16) -> Text:
     capacity = max(int(node.get("capacity_tokens") or 0), 1)
     interactive = int(node.get("interactive_in_use") or 0)
     batch = int(node.get("batch_in_use") or node.get("batch_reserved_tokens") or 0)
@@ -166,19 +167,23 @@ def _pool_bar(node: dict[str, Any], width: int = 30) -> Text:
 
 def render_capacity(report: dict[str, Any]) -> RenderableType:
     """Each node's pool: who holds it and what batch may still take."""
-    table = Table(title="KV pools (tokens)", title_justify="left", header_style="bold")
-    for column in ("node", "model", "pool", "reserve", "interactive", "batch", "slack"):
-        table.add_column(column, justify="left" if column in ("node", "model") else "right")
-    table.add_column("interactive | batch | slack | held back")
-    table.add_column("source")
+    table = Table(
+        title="KV pools (tokens)", title_justify="left", header_style="bold",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("node", "pool", "reserve", "interactive", "batch", "slack", "use"):
+        table.add_column(
+            column, justify="right" if column not in ("node", "use") else "left", no_wrap=True
+        )
 
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{int(value):,}"
 
     for node in report.get("nodes") or []:
+        # Without the ledger only Postgres's figures exist: no live interactive use.
+        mark = "*" if node.get("source") == "postgres" else ""
         table.add_row(
-            str(node.get("name")),
-            str(node.get("model") or "-"),
+            f"{node.get('name')}{mark}",
             fmt(node.get("capacity_tokens")),
             fmt(node.get("interactive_reserve_tokens")),
             fmt(node.get("interactive_in_use")),
@@ -189,12 +194,14 @@ def render_capacity(report: dict[str, Any]) -> RenderableType:
             ),
             fmt(node.get("slack_tokens")),
             _pool_bar(node),
-            str(node.get("source") or "-"),
         )
     queued = report.get("queued_tokens") or {}
-    footer = Text(
-        "queued work (worst-case tokens): "
-        + ", ".join(f"{cls} {int(n):,}" for cls, n in sorted(queued.items()))
+    footer = Text.assemble(
+        "use: ", ("█", "magenta"), " interactive ", ("█", "cyan"), " batch ",
+        ("█", "green"), " slack ", ("░", "grey50"), " held back",
+        "   (* no live ledger figures: Postgres's view)\n",
+        "queued work (worst-case tokens): ",
+        ", ".join(f"{cls} {int(n):,}" for cls, n in sorted(queued.items())),
     )
     if not report.get("nodes"):
         return Group(Text("no nodes have registered yet"), footer)
