@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -157,6 +158,7 @@ class NodeDispatcher:
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._typical_reservation = 0
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._decode_rate = config.decode_tokens_per_s
 
     # -----------------------------------------------------------------------------------------
@@ -214,6 +216,8 @@ class NodeDispatcher:
         tasks = [f.task for f in self._in_flight.values() if f.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        while self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
 
     # -----------------------------------------------------------------------------------------
     # Claim, tokenize, check, reserve, start
@@ -292,6 +296,9 @@ class NodeDispatcher:
 
     async def _reserve_and_start(self, ready: list[tuple[ClaimedItem, int, str]]) -> int:
         cfg = self.config
+        ready = await self._fit_to_slack(ready)
+        if not ready:
+            return 0
         requests = [
             ReserveRequest(
                 node=cfg.node,
@@ -370,8 +377,32 @@ class NodeDispatcher:
             self._in_flight[item.id] = flight
             self._by_lease[lease.lease_id] = item.id
             flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
+            flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
         self.stats.started += len(applied)
         return len(applied)
+
+    async def _fit_to_slack(
+        self, ready: list[tuple[ClaimedItem, int, str]]
+    ) -> list[tuple[ClaimedItem, int, str]]:
+        """The deadline-ordered prefix of ``ready`` that the node's slack can take now; the rest
+        goes back to the queue at once, in one write (no deferral churn)."""
+        snap = await self.ledger.snapshot(self.config.node)
+        slack = 0 if snap is None else snap.slack
+        fits: list[tuple[ClaimedItem, int, str]] = []
+        used = 0
+        for entry in ready:
+            item, tokens, _ = entry
+            need = -(-(tokens + item.max_output_tokens) // self.block_size) * self.block_size
+            if used + need > slack and fits:
+                break
+            fits.append(entry)
+            used += need
+        rest = ready[len(fits) :]
+        if rest:
+            await asyncio.to_thread(
+                self.repo.unclaim, [(i.id, i.attempt) for i, _, _ in rest], "slack full"
+            )
+        return fits
 
     async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
         with contextlib.suppress(StaleWrite):
@@ -622,6 +653,14 @@ class NodeDispatcher:
         self._in_flight.pop(flight.item.id, None)
         self._by_lease.pop(flight.lease.lease_id, None)
         self._room.set()
+
+    def _cancelled_early(self, task: asyncio.Task[None], flight: _InFlight) -> None:
+        # A task cancelled before its first step never runs its own handler: do its cleanup
+        # (requeue or preempt, release) here, or its item would stay running with a lease.
+        if task.cancelled() and self._in_flight.get(flight.item.id) is flight:
+            cleanup = asyncio.get_running_loop().create_task(self._stopped(flight))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
 
     def _cancel(self, flight: _InFlight, reason: str) -> None:
         if flight.task is not None and not flight.task.done() and flight.stop_reason is None:

@@ -100,7 +100,7 @@ class Deployment:
     def counts(self, job_id: str) -> dict[ItemState, int]:
         return self.repo.counted_states(job_id)
 
-    def wait(self, cond: Callable[[], bool], timeout: float = 120, what: str = "") -> None:
+    def wait(self, cond: Callable[[], bool], timeout: float = 240, what: str = "") -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if cond():

@@ -28,6 +28,7 @@ OPS = st.sampled_from(
         "cancel_unstarted",
         "heartbeat",
         "stale_finish",
+        "unclaim",
     ]
 )
 
@@ -114,6 +115,9 @@ def test_counters_match_count_star_after_random_transitions(
                 repo.reap_lost()
             elif op == "cancel_unstarted":
                 repo.end_items(jobs[pick % 2], ItemState.CANCELLED, only_unstarted=True)
+            elif op == "unclaim" and reserved:
+                back, reserved = reserved[:n], reserved[n:]
+                assert len(repo.unclaim([(c.id, c.attempt) for c in back], "full")) <= len(back)
             elif op == "heartbeat":
                 repo.heartbeat([(c.id, c.attempt) for c in reserved], 30)
         except StaleWrite:
