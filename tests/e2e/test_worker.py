@@ -300,7 +300,7 @@ def test_a_job_submitted_with_the_openai_sdk_completes_through_api_and_worker(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h"
         )
         d.wait(
-            lambda: client.batches.retrieve(batch.id).status == "completed", 120, "batch completed"
+            lambda: client.batches.retrieve(batch.id).status == "completed", 300, "batch completed"
         )
         done = client.batches.retrieve(batch.id)
         assert done.request_counts is not None
