@@ -122,6 +122,9 @@ class Engine:
         self._decode_length_sum = 0
         """Sum over decoders of ``entry_length - entry_step``: context = this + n * step."""
         self.running = 0
+        self._decode_blocks_granted = False
+        """Inside a step, after the decoders' blocks for this step's token were taken: a
+        decoder released now also returns the block it was just given."""
         self.interactive_unstarted = 0
         """Interactive sequences waiting or prefilling: their next token is a first token."""
         self.preemptions = 0
@@ -206,6 +209,10 @@ class Engine:
             seq.generated += self.step_index - seq.entry_step
             seq.computed = length
             seq.blocks = self._blocks_for(length)
+            if self._decode_blocks_granted and seq.residue == self.step_index % (
+                self.config.block_size
+            ):
+                seq.blocks += 1
             del self._decoding[seq.key]
             self._interactive_decoding.pop(seq.key, None)
             self._residue_count[seq.residue] -= 1
@@ -275,6 +282,7 @@ class Engine:
                 break
             need = self._residue_count[k % cfg.block_size]
         self.free_blocks -= need
+        self._decode_blocks_granted = True
         budget -= len(self._decoding)
         # Partial prefills, in the order they started, then waiting sequences by priority.
         chunks: list[tuple[Sequence, int]] = []
@@ -316,6 +324,7 @@ class Engine:
             attention += prefill_attention(0, chunk)
         n_decode = len(self._decoding)
         if n_decode == 0 and not chunks:
+            self._decode_blocks_granted = False
             return report
         context = self._decode_length_sum + n_decode * k
         work = StepWork(prefill_tokens, attention, n_decode, context)
@@ -338,6 +347,7 @@ class Engine:
         report.interactive_output_tokens += n_interactive
         report.batch_output_tokens += n_decode - n_interactive
         self.step_index += 1
+        self._decode_blocks_granted = False
         k = self.step_index
         # Decoders generated one token each; those done leave (their last token was this step).
         heap = self._finish_heap

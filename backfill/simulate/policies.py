@@ -66,12 +66,20 @@ class BatchWork:
 class Lease:
     """A live reservation, shaped as :class:`backfill.policy.VictimCandidate`."""
 
-    __slots__ = ("_engine", "_seq", "deadline_ms", "lease_id", "preemptible", "service_class",
-                 "started_at_ms", "tokens")
+    __slots__ = (
+        "_engine",
+        "deadline_ms",
+        "lease_id",
+        "preemptible",
+        "seq",
+        "service_class",
+        "started_at_ms",
+        "tokens",
+    )
 
     def __init__(self, seq: Sequence, engine: Engine, service_class: ServiceClass, tokens: int,
                  started_s: float, deadline_s: float | None, preemptible: bool) -> None:
-        self._seq = seq
+        self.seq = seq
         self._engine = engine
         self.lease_id = str(seq.key)
         self.service_class = service_class
@@ -82,7 +90,7 @@ class Lease:
 
     @property
     def generated_tokens(self) -> int:
-        seq = self._seq
+        seq = self.seq
         if seq.state == DECODE:
             return seq.generated + self._engine.step_index - seq.entry_step
         return seq.generated
@@ -261,7 +269,7 @@ class Reserving(Frontend):
             if not decision.admitted:
                 return
             for lease_id in decision.victims:
-                self.preempt_batch(self.leases[int(lease_id)]._seq)
+                self.preempt_batch(self.leases[int(lease_id)].seq)
             self.gateway.popleft()
             seq = self.submit_interactive(req)
             self.interactive_in_use += decision.tokens
