@@ -1,0 +1,402 @@
+"""The interactive gateway against a real vLLM server: the openai SDK works through it (chat
+and completions, stream and not); oversized requests are refused with 413 before tokenizing or
+after counting exactly; an interactive request preempts running batch (which still completes
+exactly once); a request that cannot get room is refused with Retry-After; a client that
+disconnects mid-stream frees its lease and its engine request; traffic that bypasses the
+gateway narrows batch slack.
+
+The engine has a small pool (48 blocks of 128 tokens, context 512) so each situation takes a
+handful of requests. ``BACKFILL_GATEWAY_ENGINE_URL`` reuses a running server of that shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.ledger import Lease, Ledger, PoolSnapshot
+from backfill.maintenance import pool_policy
+from backfill.repository import NewItem, Repository
+from backfill.states import ItemState, JobState
+from tests.integration.batch_api_support import LiveServer, Tenant, api_settings, make_tenant, serve
+from worker import devengine
+from worker.node import NodeThread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+BLOCKS = 48
+BLOCK = 128
+CAPACITY = BLOCKS * BLOCK
+CONTEXT = 512
+MODEL = "tiny"
+NODE = "g1"
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Iterator[str]:
+    url = os.environ.get("BACKFILL_GATEWAY_ENGINE_URL")
+    if url:
+        yield url.rstrip("/")
+        return
+    try:
+        server = devengine.start_model(
+            MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=CONTEXT, kv_cache_gib=1
+        )
+    except devengine.DevEngineError as exc:
+        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    repo: Repository
+    ledger: Ledger
+    engine_url: str
+    api: LiveServer
+    tenant: Tenant
+    node: NodeThread
+
+    def sdk(self, **headers: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            api_key=self.tenant.key,
+            base_url=f"{self.api.base_url}/v1",
+            max_retries=0,
+            timeout=60,
+            default_headers=headers or None,
+        )
+
+    def snapshot(self) -> PoolSnapshot:
+        snap = self.ledger.snapshot(NODE)
+        assert snap is not None
+        return snap
+
+    def metric(self, sample: str, **labels: str) -> float:
+        body = httpx.get(f"{self.api.base_url}/metrics", timeout=10).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(body)
+            for s in family.samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def engine_metric(self, sample: str) -> float:
+        body = httpx.get(f"{self.engine_url}/metrics", timeout=10).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(body)
+            for s in family.samples
+            if s.name == sample
+        )
+
+    def tokens(self, prompt: str) -> int:
+        reply = httpx.post(
+            f"{self.engine_url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10
+        )
+        return int(reply.json()["count"])
+
+    def submit_batch(self, n: int, max_tokens: int) -> str:
+        tenant = self.repo.create_tenant(f"batch-{time.monotonic_ns()}")
+        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.create_job(
+            tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+        )
+        items = [
+            NewItem(
+                i,
+                f"req-{i}",
+                json.dumps(
+                    {
+                        "model": MODEL,
+                        "prompt": f"document {i}: the fox",
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                    }
+                ),
+                max_tokens,
+            )
+            for i in range(n)
+        ]
+        self.repo.insert_items(job.id, items)
+        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        return job.id
+
+    def successes_per_item(self, job_id: str) -> dict[int, int]:
+        with self.repo.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT i.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') "
+                    "FROM items i LEFT JOIN attempts a ON a.item_id = i.id "
+                    "WHERE i.job_id = :j GROUP BY i.id"
+                ),
+                {"j": job_id},
+            ).all()
+        return {r[0]: r[1] for r in rows}
+
+
+def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def gw(settings: Settings, small_engine: str) -> Iterator[Gateway]:
+    s = api_settings(
+        settings,
+        lease_ttl_s=6.0,
+        heartbeat_interval_s=1.0,
+        shutdown_grace_s=3.0,
+        max_in_flight_per_node=32,
+        gateway_max_wait_s=2.0,
+    )
+    repo = Repository.connect(s.database_url, pool_size=4)
+    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
+    node = NodeThread(s, NODE, small_engine)
+    node.start()
+    try:
+        assert node.started.wait(60), f"node did not start: {node.error}"
+        with serve(s) as api:
+            tenant = make_tenant(repo, "interactive")
+            yield Gateway(s, repo, ledger, small_engine, api, tenant, node)
+    finally:
+        node.stop()
+        node.join(30)
+        ledger.close()
+        repo.close()
+    assert node.error is None
+
+
+def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
+    client = gw.sdk()
+    reserved_before = gw.metric("backfill_gateway_reserved_tokens_count")
+    ttft_before = gw.metric("backfill_gateway_time_to_first_token_seconds_count")
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12
+    )
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None
+    assert 0 < chat.usage.completion_tokens <= 12
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text_out
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens <= 10
+
+    done = client.completions.create(model=MODEL, prompt="The fox", max_tokens=8)
+    assert done.object == "text_completion"
+    assert done.usage is not None
+    assert done.usage.completion_tokens <= 8
+
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The fox",
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    # The gateway asks the engine for usage; a caller that did not ask does not get it.
+    assert all(c.choices for c in streamed)
+
+    # No max_tokens: the worst case is the rest of the context, and the reply stays in it.
+    open_ended = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Go on."}]
+    )
+    assert open_ended.usage is not None
+    assert open_ended.usage.total_tokens <= CONTEXT
+
+    assert gw.metric("backfill_gateway_reserved_tokens_count") - reserved_before == 5
+    assert gw.metric("backfill_gateway_time_to_first_token_seconds_count") - ttft_before == 2
+    wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "every lease released")
+    assert gw.metric("backfill_gateway_in_flight") == 0
+
+
+def test_an_obviously_huge_prompt_is_refused_before_tokenizing(gw: Gateway) -> None:
+    before = gw.metric("backfill_gateway_rejections_total", reason="context_length_bound")
+    with pytest.raises(openai.APIStatusError) as caught:
+        gw.sdk().completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=4)
+    assert caught.value.status_code == 413
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["code"] == "context_length_exceeded"
+    assert error["limit"] == CONTEXT
+    after = gw.metric("backfill_gateway_rejections_total", reason="context_length_bound")
+    assert after - before == 1
+    assert gw.snapshot().interactive_in_use == 0
+
+
+def test_a_borderline_prompt_is_counted_exactly_and_refused_only_when_over(gw: Gateway) -> None:
+    prompt = "the quick brown fox jumps over the lazy dog " * 20
+    tokens = gw.tokens(prompt)
+    # Well under the cheap bound's reach: only the exact count can tell.
+    assert len(prompt.encode()) / gw.settings.max_bytes_per_token < CONTEXT - 50
+    client = gw.sdk()
+    fits = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=CONTEXT - tokens, extra_body={"ignore_eos": True}
+    )
+    assert fits.usage is not None
+    assert fits.usage.prompt_tokens == tokens
+    assert fits.usage.completion_tokens == CONTEXT - tokens
+
+    before = gw.metric("backfill_gateway_rejections_total", reason="context_length_exact")
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=CONTEXT - tokens + 1)
+    assert caught.value.status_code == 413
+    assert str(tokens) in caught.value.message
+    after = gw.metric("backfill_gateway_rejections_total", reason="context_length_exact")
+    assert after - before == 1
+
+
+def test_interactive_request_preempts_running_batch_which_completes_once(gw: Gateway) -> None:
+    job = gw.submit_batch(30, max_tokens=300)
+    wait(lambda: gw.snapshot().batch_in_use > CAPACITY // 2, 60, "batch to fill its slack")
+    preempted_before = gw.metric("backfill_gateway_batch_preemptions_total")
+    # Four sequences of 512 tokens: more than the room batch leaves to interactive.
+    snap = gw.snapshot()
+    assert snap.interactive_room < 4 * CONTEXT
+    reply = gw.sdk().completions.create(model=MODEL, prompt="Hello", max_tokens=400, n=4)
+    assert len(reply.choices) == 4
+    assert gw.metric("backfill_gateway_batch_preemptions_total") > preempted_before
+
+    wait(
+        lambda: gw.repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30,
+        180,
+        "every batch item",
+    )
+    per_item = gw.successes_per_item(job)
+    assert len(per_item) == 30
+    assert set(per_item.values()) == {1}, "a batch item succeeded twice or not at all"
+    assert gw.node.dispatchers[0].stats.preempted > 0
+    wait(lambda: gw.snapshot().reserved == 0, 10, "every lease released")
+
+
+def test_a_request_that_cannot_get_room_is_refused_with_retry_after(gw: Gateway) -> None:
+    # Interactive holds all but one block and there is no batch to preempt.
+    held = gw.ledger.reserve(NODE, "interactive", 0, CAPACITY - BLOCK)
+    assert isinstance(held, Lease)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as caught:
+            gw.sdk(**{"X-Backfill-Max-Wait": "0.3"}).completions.create(
+                model=MODEL, prompt="Hello", max_tokens=200
+            )
+        assert caught.value.status_code == 429
+        assert int(caught.value.response.headers["Retry-After"]) >= 1
+        assert isinstance(caught.value.body, dict)
+        assert caught.value.body["code"] == "interactive_capacity_exhausted"
+        assert 0.25 < time.monotonic() - started < 3
+        assert gw.snapshot().interactive_in_use == held.tokens
+
+        # Room that frees up within the caller's wait admits the request.
+        waited_before = gw.metric("backfill_gateway_admission_wait_seconds_sum")
+        threading.Timer(0.5, gw.ledger.release, args=(held,)).start()
+        reply = gw.sdk(**{"X-Backfill-Max-Wait": "5"}).completions.create(
+            model=MODEL, prompt="Hello", max_tokens=200
+        )
+        assert reply.choices[0].text
+        assert gw.metric("backfill_gateway_admission_wait_seconds_sum") - waited_before > 0.3
+    finally:
+        gw.ledger.release(held)
+    wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "every lease released")
+
+
+def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw: Gateway) -> None:
+    generated_before = gw.engine_metric("vllm:generation_tokens_total")
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {gw.tenant.key}"}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{gw.api.base_url}/v1/completions", json=body, headers=headers
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data:")
+            if seen >= 5:
+                break
+        assert gw.snapshot().interactive_in_use > 0
+        assert gw.engine_metric("vllm:num_requests_running") == 1
+    # The connection is closed mid-stream.
+    wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "the lease released")
+    wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 5, "the engine abort")
+    time.sleep(0.5)
+    generated = gw.engine_metric("vllm:generation_tokens_total") - generated_before
+    assert generated < 480, f"the engine generated {generated} tokens: it was not aborted"
+    assert gw.metric("backfill_gateway_in_flight") == 0
+
+
+def test_traffic_that_bypasses_the_gateway_narrows_batch_slack(gw: Gateway) -> None:
+    quiet = gw.snapshot()
+    assert quiet.observed_non_batch == 0
+    assert quiet.interactive_in_use == 0
+    reserve = pool_policy(gw.settings).reserve_tokens(CAPACITY)
+    assert quiet.slack == CAPACITY - reserve
+
+    def direct(i: int) -> None:
+        httpx.post(
+            f"{gw.engine_url}/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": f"story {i}: " + "once upon a time " * 10,
+                "max_tokens": 420,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+
+    lowest = quiet.slack
+    highest_observed = 0
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(direct, i) for i in range(8)]
+        while not all(f.done() for f in futures):
+            snap = gw.snapshot()
+            lowest = min(lowest, snap.slack)
+            highest_observed = max(highest_observed, snap.observed_non_batch)
+            time.sleep(0.05)
+    # Eight sequences of ~500 tokens hold ~32 blocks: more than the interactive reserve.
+    assert highest_observed > reserve
+    assert lowest < quiet.slack
+    assert gw.snapshot().interactive_in_use == 0
+    wait(lambda: gw.snapshot().observed_non_batch == 0, 10, "observed use to fall back")
