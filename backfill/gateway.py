@@ -60,7 +60,7 @@ class ContextLengthExceeded(GatewayRefusal):
 
     default_code = "context_length_exceeded"
 
-    def __init__(self, message: str, *, stage: str, limit: int, param: str | None) -> None:
+    def __init__(self, message: str, *, stage: str, limit: int | None, param: str | None) -> None:
         super().__init__(message, param=param)
         self.stage = stage
         """``bound`` (refused before tokenizing) or ``exact`` (after counting)."""
@@ -485,7 +485,7 @@ def _permanent_refusal(denial: Denial, sizing: Sizing) -> GatewayRefusal:
             f"prompt + max output ({sizing.sequence_tokens} tokens) is over the interactive "
             "class limit of the serving nodes",
             stage="exact",
-            limit=sizing.sequence_tokens - 1,
+            limit=None,
             param=None,
         )
     return ReservationTooLarge(

@@ -61,13 +61,13 @@ REQUESTS = Counter(
 )
 RESERVED_TOKENS = Histogram(
     "backfill_gateway_reserved_tokens",
-    "KV tokens reserved per admitted interactive request (prompt + max output, block-rounded, "
-    "per sequence).",
+    "KV tokens reserved per admitted interactive request (prompt + max output of each "
+    "sequence, block-rounded).",
     buckets=_TOKEN_BUCKETS,
 )
 USED_TOKENS = Histogram(
     "backfill_gateway_used_tokens",
-    "KV tokens an admitted interactive request actually used (prompt + generated, per "
+    "KV tokens an admitted interactive request actually used (prompt + generated of each "
     "sequence); compare with backfill_gateway_reserved_tokens.",
     buckets=_TOKEN_BUCKETS,
 )

@@ -63,7 +63,7 @@ def _refusal(_: Request, exc: Exception) -> JSONResponse:
     if status in (429, 503):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
     body = error_body(exc.message, type_=type_, param=exc.param, code=exc.code)
-    if isinstance(exc, ContextLengthExceeded):
+    if isinstance(exc, ContextLengthExceeded) and exc.limit is not None:
         body["error"]["limit"] = exc.limit
     return JSONResponse(body, status_code=status, headers=headers)
 
