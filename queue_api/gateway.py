@@ -353,19 +353,25 @@ class InteractiveGateway:
                     param="model",
                 )
             raise GatewayUnavailable("no inference node is registered yet", retry_after_s=5.0)
-        limit = self._limit(nodes)
-        check_bound(shape, limit, self.settings.max_bytes_per_token)
-        prompt_tokens = await self._count(shape, body, nodes)
-        sizing = size_request(shape, prompt_tokens, limit)
         budget = wait_budget_s(
             _float_header(request, MAX_WAIT_HEADER),
             self.settings.gateway_max_wait_s,
             _float_header(request, CLIENT_TIMEOUT_HEADER),
         )
+        limit = self._limit(nodes)
+        check_bound(shape, limit, self.settings.max_bytes_per_token)
+        prompt_tokens = await self._count(shape, body, nodes)
+        sizing = size_request(shape, prompt_tokens, limit)
+        # A node with a shorter context than the widest would refuse the request itself.
+        fitting = [
+            n.name
+            for n in nodes
+            if n.max_model_len is None or sizing.sequence_tokens <= n.max_model_len
+        ]
         counted = time.perf_counter()
         admission = await admit(
             self.ledger,
-            [n.name for n in nodes],
+            fitting,
             sizing,
             lease_id=f"gw_{secrets.token_hex(10)}",
             owner=f"gateway/{tenant.id}",
