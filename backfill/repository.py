@@ -1215,21 +1215,7 @@ class Repository:
             _bump_counters(
                 conn, [(r.job_id, ItemState(r.from_state), ItemState.QUEUED) for r in rows]
             )
-        return [
-            ActiveLeaseRow(
-                item_id=r.id,
-                node=r.node,
-                attempt=r.attempt,
-                lease_id=r.lease_id,
-                fencing_token=r.fencing_token,
-                reservation_tokens=r.reservation_tokens,
-                lease_expires_at=r.lease_expires_at,
-                deadline=r.deadline,
-                preemptions=r.preemptions,
-                partial_tokens=r.partial_tokens,
-            )
-            for r in rows
-        ]
+        return [_active_row(r) for r in rows]
 
     def active_leases(self) -> list[ActiveLeaseRow]:
         """Every item a live attempt holds: what the ledger is rebuilt from."""
@@ -1274,22 +1260,7 @@ class Repository:
                 {"j": job_id, "src": sources, "to": target.value},
             ).all()
             _bump_counters(conn, [(r.job_id, ItemState(r.from_state), target) for r in rows])
-        return [
-            ActiveLeaseRow(
-                item_id=r.id,
-                node=r.node,
-                attempt=r.attempt,
-                lease_id=r.lease_id,
-                fencing_token=r.fencing_token,
-                reservation_tokens=r.reservation_tokens,
-                lease_expires_at=r.lease_expires_at,
-                deadline=r.deadline,
-                preemptions=r.preemptions,
-                partial_tokens=r.partial_tokens,
-            )
-            for r in rows
-            if ItemState(r.from_state) in ITEM_ACTIVE
-        ]
+        return [_active_row(r) for r in rows if ItemState(r.from_state) in ITEM_ACTIVE]
 
     # -----------------------------------------------------------------------------------------
     # Items: reads
@@ -1451,6 +1422,22 @@ class Repository:
                     {"u": unfinished, "l": limit},
                 ).scalars()
             )
+
+
+def _active_row(r: Any) -> ActiveLeaseRow:
+    """An ActiveLeaseRow from a ``moved`` row of reap_lost() or end_items()."""
+    return ActiveLeaseRow(
+        item_id=r.id,
+        node=r.node,
+        attempt=r.attempt,
+        lease_id=r.lease_id,
+        fencing_token=r.fencing_token,
+        reservation_tokens=r.reservation_tokens,
+        lease_expires_at=r.lease_expires_at,
+        deadline=r.deadline,
+        preemptions=r.preemptions,
+        partial_tokens=r.partial_tokens,
+    )
 
 
 def _encode_partial(text: str | None) -> str | None:

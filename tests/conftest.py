@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -50,43 +51,38 @@ def template_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture
-def database_url(template_database: str) -> Iterator[str]:
-    """A fresh, migrated database of this test's own (SQLAlchemy URL)."""
-    name = f"bf_t_{os.getpid()}_{secrets.token_hex(4)}"
+@contextmanager
+def _scratch_database(prefix: str, template: str | None = None) -> Iterator[str]:
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    clause = f' TEMPLATE "{template}"' if template else ""
     with _admin() as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+        conn.execute(f'CREATE DATABASE "{name}"{clause}')
     try:
         yield _url_for(name)
     finally:
         with _admin() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(template_database: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own (SQLAlchemy URL)."""
+    with _scratch_database("bf_t", template_database) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def module_database_url(template_database: str) -> Iterator[str]:
     """A fresh, migrated database shared by one test module (e.g. Hypothesis examples)."""
-    name = f"bf_m_{os.getpid()}_{secrets.token_hex(4)}"
-    with _admin() as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    try:
-        yield _url_for(name)
-    finally:
-        with _admin() as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _scratch_database("bf_m", template_database) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_database_url() -> Iterator[str]:
     """A fresh database with no schema at all (for migration tests)."""
-    name = f"bf_e_{os.getpid()}_{secrets.token_hex(4)}"
-    with _admin() as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield _url_for(name)
-    finally:
-        with _admin() as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with _scratch_database("bf_e") as url:
+        yield url
 
 
 @pytest.fixture
