@@ -25,8 +25,8 @@ SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     "fifo": ("batch_concurrency", (4, 8, 16, 32, 64, 128)),
     "priority": ("batch_concurrency", (4, 8, 16, 32, 64, 128, 256)),
     "static": ("reserve_fraction", (0.97, 0.95, 0.9, 0.8, 0.6, 0.25)),
-    "backfill": ("busy_batch_seqs", (2, 4, 8, 16, 32, 64)),
-    "backfill-overcommit": ("busy_batch_seqs", (2, 4, 8, 16, 32, 64)),
+    "backfill": ("busy_batch_seqs", (4, 16, 32, 64, 128, 256)),
+    "backfill-overcommit": ("busy_batch_seqs", (4, 16, 32, 64, 128, 256)),
 }
 
 

@@ -127,6 +127,9 @@ class Engine:
         decoder released now also returns the block it was just given."""
         self.interactive_unstarted = 0
         """Interactive sequences waiting or prefilling: their next token is a first token."""
+        self.batch_prefill_backlog = 0
+        """Prompt tokens batch sequences still have to prefill (waiting or mid-prefill): the
+        work a batch admission adds to the coming steps."""
         self.preemptions = 0
         self.recomputed_tokens = 0
 
@@ -175,6 +178,8 @@ class Engine:
             self.interactive_unstarted += 1
         seq.state = WAITING
         seq.target = seq.prompt_tokens + seq.generated
+        if not seq.interactive:
+            self.batch_prefill_backlog += seq.target - seq.computed
         heapq.heappush(self._waiting, (prio, seq.arrival_order, seq.key, seq))
 
     def abort(self, seq: Sequence) -> int:
@@ -196,8 +201,11 @@ class Engine:
     # -- internals ---------------------------------------------------------------------------
 
     def _left_unstarted(self, seq: Sequence) -> None:
+        """``seq`` leaves waiting or prefill other than by finishing its prefill."""
         if seq.interactive:
             self.interactive_unstarted -= 1
+        else:
+            self.batch_prefill_backlog -= seq.target - seq.computed
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -360,6 +368,8 @@ class Engine:
             if seq.state != PREFILL:
                 continue
             seq.computed += chunk
+            if not seq.interactive:
+                self.batch_prefill_backlog -= chunk
             if seq.computed < seq.target:
                 continue
             # The step that completes a prefill samples the next token.

@@ -49,6 +49,10 @@ class PolicyKnobs:
     """static, backfill: the worker's batch sequences in flight (its concurrency cap)."""
     busy_batch_seqs: int = 32
     """backfill: batch sequences in flight while interactive traffic is in the engine."""
+    batch_prefill_tokens: int = 8192
+    """backfill: batch prompt tokens admitted but not yet prefilled. Bounds how much batch
+    prefill the next steps carry, so a returning interactive request never finds a queue of
+    long batch prefill steps ahead of it."""
     max_preemptions_per_item: int = 3
     overcommit_quantile: float = 0.99
 
@@ -346,6 +350,8 @@ class Backfill(Reserving):
         engine = self.engine
         if self.gateway or engine.interactive_pending():
             # New batch prefills would share the steps interactive prefills need.
+            return False
+        if engine.batch_prefill_backlog >= self.knobs.batch_prefill_tokens:
             return False
         if engine.interactive_running():
             return self.batch_in_flight < self.knobs.busy_batch_seqs

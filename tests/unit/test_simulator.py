@@ -47,6 +47,10 @@ def _check_pool(engine: Engine) -> None:
             held += seq.blocks
     assert 0 <= engine.free_blocks <= cfg.num_blocks
     assert held == engine.blocks_in_use()
+    backlog = sum(s.target - s.computed for s in engine.sequences()
+                  if s.state == PREFILL and not s.interactive)
+    backlog += sum(w[3].target - w[3].computed for w in engine._waiting if not w[3].interactive)
+    assert engine.batch_prefill_backlog == backlog
 
 
 def _synthetic_trace(n: int, gap_s: float, prompt: int, output: int, seed: int = 1
