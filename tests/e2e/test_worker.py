@@ -220,11 +220,12 @@ def test_batch_never_exceeds_its_slack(deployment: Deployment, node: NodeThread)
     _assert_exactly_once(d, job, 120)
 
 
+@pytest.mark.parametrize(("endpoint", "n"), [("/v1/completions", 40), ("/v1/chat/completions", 30)])
 def test_interactive_burst_preempts_batch_which_resumes_and_completes_once(
-    deployment: Deployment, node: NodeThread
+    deployment: Deployment, node: NodeThread, endpoint: str, n: int
 ) -> None:
     d = deployment
-    job = d.submit(40, max_tokens=200, tag="preempt")
+    job = d.submit(n, endpoint=endpoint, max_tokens=200, tag=f"preempt{endpoint}")
     d.wait(lambda: d.batch_in_use("n1") > CAPACITY // 2, 60, "batch to fill its slack")
     preempted_total = 0
     for _ in range(3):
@@ -236,8 +237,8 @@ def test_interactive_burst_preempts_batch_which_resumes_and_completes_once(
         d.ledger.release(lease)
         time.sleep(1.0)
     assert preempted_total > 0
-    d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 40, 180, "all items")
-    _assert_exactly_once(d, job, 40)
+    d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == n, 180, "all items")
+    _assert_exactly_once(d, job, n)
     resumed = [i for i in d.repo.items(job, states=[ItemState.SUCCEEDED]) if i.preemptions > 0]
     assert resumed, "no preempted item resumed"
     for item in resumed:
