@@ -113,8 +113,10 @@ def _with_knob(knobs: PolicyKnobs, knob: str, value: float) -> PolicyKnobs:
     raise ValueError(f"no knob {knob!r}")
 
 
-def best_at_slo(points: Sequence[tuple[float, PolicyResult]], target: float
-                ) -> tuple[float, PolicyResult] | None:
-    """The knob setting with the most batch throughput among those meeting ``target``."""
-    meeting = [p for p in points if p[1].slo_attainment >= target]
+def best_at_slo(points: Sequence[tuple[float, PolicyResult]], target: float,
+                ttft_target_s: float | None = None) -> tuple[float, PolicyResult] | None:
+    """The knob setting with the most batch throughput among those whose interactive SLO
+    attainment (at ``ttft_target_s``, default the run's own target) is at least ``target``."""
+    meeting = [p for p in points if (p[1].slo_attainment if ttft_target_s is None
+                                     else p[1].attainment(ttft_target_s)) >= target]
     return max(meeting, key=lambda p: p[1].batch_tokens_per_s) if meeting else None

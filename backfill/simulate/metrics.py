@@ -57,6 +57,12 @@ class PolicyResult:
     kv_timeline: list[KvSample] = field(default_factory=list, repr=False)
     ttfts: list[float] = field(default_factory=list, repr=False)
 
+    def attainment(self, ttft_target_s: float) -> float:
+        """SLO attainment at another TTFT target (from the recorded first-token times)."""
+        if not self.ttfts:
+            return 1.0
+        return sum(1 for t in self.ttfts if t <= ttft_target_s) / len(self.ttfts)
+
     def row(self) -> dict[str, float | int | str]:
         """The table's columns (no per-request lists)."""
         return {

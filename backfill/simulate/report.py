@@ -43,19 +43,22 @@ def results_rows(comparison: Comparison) -> list[dict[str, Any]]:
     return [{**r.row(), "harvest": base.harvest(r)} for r in comparison.results]
 
 
-def equal_slo_rows(curves: Curves, target: float, comparison: Comparison | None
-                   ) -> list[dict[str, Any]]:
-    """Per policy: its best knob setting at SLO attainment >= target."""
+def equal_slo_rows(curves: Curves, target: float, comparison: Comparison | None,
+                   ttft_target_s: float | None = None) -> list[dict[str, Any]]:
+    """Per policy: its best knob setting at SLO attainment >= target (at ``ttft_target_s``,
+    default each run's own TTFT target)."""
     rows = []
     for name, points in curves.items():
-        best = best_at_slo(points, target)
+        best = best_at_slo(points, target, ttft_target_s)
         if best is None:
             rows.append({"policy": name, "knob": "-", "slo": float("nan"),
                          "batch_tok_s": 0.0, "harvest": 0.0})
             continue
         value, result = best
         harvest = comparison.baselines.harvest(result) if comparison else float("nan")
-        rows.append({"policy": name, "knob": value, "slo": result.slo_attainment,
+        slo = (result.slo_attainment if ttft_target_s is None
+               else result.attainment(ttft_target_s))
+        rows.append({"policy": name, "knob": value, "slo": slo,
                      "batch_tok_s": result.batch_tokens_per_s, "harvest": harvest})
     return rows
 
