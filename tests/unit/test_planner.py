@@ -3,7 +3,9 @@ check against an engine's measured pool, and the plan/simulate commands."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,32 @@ def test_simulate_command_writes_table_json_and_plots(tmp_path: Path) -> None:
         "fifo", "static", "priority", "backfill", "backfill-overcommit"]
     for name in ("kv_pool_over_time.png", "ttft_cdf.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def test_plan_command_checks_against_an_engines_metrics() -> None:
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "1",
+                                     "--block-size", "128", "--engine-url", url])
+        assert result.exit_code == 0, result.output
+        assert "364 blocks = 46,592 tokens; plan matches" in result.output
+        off = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "2",
+                                  "--block-size", "128", "--engine-url", url, "--json"])
+        assert json.loads(off.output)["engine_check"]["ratio"] == pytest.approx(0.5, abs=0.01)
+    finally:
+        server.shutdown()
