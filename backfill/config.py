@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     max_attempts_per_item: PositiveInt = 5
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
 
+    # API key -> tenant lookups are remembered this long (a revoked key works at most this
+    # much longer); 0 checks Postgres on every request.
+    api_key_cache_s: Annotated[float, Field(ge=0)] = 5.0
+
     # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
     rate_limit_per_s: PositiveFloat = 50.0
     rate_limit_burst: PositiveInt = 200
@@ -106,6 +110,24 @@ class Settings(BaseSettings):
     interactive_priority: int = 0
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
     gateway_node_refresh_s: PositiveFloat = 5.0
+
+    # Batch work budget per node (``backfill.work_budget``): the interactive TTFT target it
+    # protects, its floor and ceiling (batch sequences in flight, batch prompt tokens in
+    # prefill), its AIMD steps, and how often the worker steps it and the gateway publishes
+    # what it sees. The ceiling of sequences is also capped by max_in_flight_per_node.
+    interactive_ttft_target_s: PositiveFloat = 1.0
+    work_budget_enabled: bool = True
+    work_budget_floor_seqs: PositiveInt = 1
+    work_budget_ceiling_seqs: PositiveInt = 128
+    work_budget_floor_prefill_tokens: PositiveInt = 512
+    work_budget_ceiling_prefill_tokens: PositiveInt = 16_384
+    work_budget_decrease_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    work_budget_increase_seqs: PositiveInt = 8
+    work_budget_increase_prefill_tokens: PositiveInt = 2048
+    work_budget_quiet_s: Annotated[float, Field(ge=0)] = 2.0
+    work_budget_preempt_at_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    work_budget_interval_s: PositiveFloat = 0.25
+    work_signal_ttl_s: PositiveFloat = 3.0
 
     @field_validator("database_url")
     @classmethod
@@ -137,6 +159,19 @@ class Settings(BaseSettings):
             raise ValueError(
                 "BACKFILL_HEARTBEAT_INTERVAL_S must be less than half of BACKFILL_LEASE_TTL_S "
                 f"(got {self.heartbeat_interval_s} and {self.lease_ttl_s})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _work_budget_bounds(self) -> Settings:
+        if self.work_budget_floor_seqs > self.work_budget_ceiling_seqs:
+            raise ValueError(
+                "BACKFILL_WORK_BUDGET_FLOOR_SEQS must not exceed BACKFILL_WORK_BUDGET_CEILING_SEQS"
+            )
+        if self.work_budget_floor_prefill_tokens > self.work_budget_ceiling_prefill_tokens:
+            raise ValueError(
+                "BACKFILL_WORK_BUDGET_FLOOR_PREFILL_TOKENS must not exceed "
+                "BACKFILL_WORK_BUDGET_CEILING_PREFILL_TOKENS"
             )
         return self
 

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
+from backfill.keycache import TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.repository import Repository
@@ -75,6 +76,7 @@ def create_app(
         )
         app.state.settings = settings
         app.state.repository = repo
+        app.state.tenant_keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         app.state.rate_limiter = RateLimiter(
             client, settings.redis_namespace, settings.rate_limit_per_s, settings.rate_limit_burst
         )

@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from backfill.capacity_view import UsageSource
 from backfill.config import Settings
+from backfill.keycache import TenantKeyCache
 from backfill.ratelimit import RateLimiter
 from backfill.refusals import RateLimited
 from backfill.repository import Repository, TenantRecord
@@ -40,7 +41,15 @@ RateLimiterDep = Annotated[RateLimiter, Depends(get_rate_limiter)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]
 
 
-def current_tenant(request: Request, repo: RepositoryDep, limiter: RateLimiterDep) -> TenantRecord:
+def get_tenant_keys(request: Request) -> TenantKeyCache:
+    keys: TenantKeyCache = request.app.state.tenant_keys
+    return keys
+
+
+TenantKeysDep = Annotated[TenantKeyCache, Depends(get_tenant_keys)]
+
+
+def current_tenant(request: Request, keys: TenantKeysDep, limiter: RateLimiterDep) -> TenantRecord:
     """The tenant of the ``Authorization: Bearer`` key, once its rate limit allows."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     key = key.strip()
@@ -48,7 +57,7 @@ def current_tenant(request: Request, repo: RepositoryDep, limiter: RateLimiterDe
         raise Unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
         )
-    tenant = repo.tenant_for_key(key)
+    tenant = keys.get(key)
     if tenant is None:
         raise Unauthorized("Incorrect API key provided.")
     decision = limiter.check(tenant.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -406,18 +407,21 @@ def test_an_unknown_input_file_is_404(server: LiveServer, acme: Tenant) -> None:
 
 
 def test_missing_bad_and_revoked_keys_are_401(
-    server: LiveServer, acme: Tenant, repo: Repository
+    settings: Settings, acme: Tenant, repo: Repository
 ) -> None:
-    with http(server, None) as h:
-        missing = h.get("/v1/batches")
-    assert missing.status_code == 401
-    assert missing.json()["error"]["code"] == "invalid_api_key"
-    with pytest.raises(openai.AuthenticationError):
-        server.client("bf-wrong").batches.list()
-    assert server.client(acme.key).batches.list().data == []
-    repo.revoke_api_key(acme.key)
-    with pytest.raises(openai.AuthenticationError):
-        server.client(acme.key).batches.list()
+    # Keys are remembered for api_key_cache_s: a revoked key stops working within it.
+    with serve(api_settings(settings, api_key_cache_s=0.5)) as server:
+        with http(server, None) as h:
+            missing = h.get("/v1/batches")
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            server.client("bf-wrong").batches.list()
+        assert server.client(acme.key).batches.list().data == []
+        repo.revoke_api_key(acme.key)
+        time.sleep(0.6)
+        with pytest.raises(openai.AuthenticationError):
+            server.client(acme.key).batches.list()
 
 
 def test_another_tenants_ids_are_404_on_every_route(
