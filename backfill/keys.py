@@ -17,6 +17,11 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
                                               ended lately (released, expired, preempted)
     {ns}:{ledger}:ended_at:{node}    zset     lease id -> when it ended (ms), for trimming
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
+    {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
+                                              on that node (waiting, in prefill, recent TTFTs),
+                                              JSON; short TTL (``backfill.work_signals``)
+    {ns}:work:budget:{node}          hash     the node's batch work budget now and why it last
+                                              changed, written by its worker; short TTL
 
 The literal ``{ledger}`` is a Redis Cluster hash tag: every key of the ledger hashes to one
 slot, so one script may touch the global ``ready`` marker and a node's keys together. The
@@ -127,6 +132,13 @@ class LedgerKeys:
             ready=self.ready,
             channel=self.preempt_channel(node),
         )
+
+    def work_signals(self, node: str) -> str:
+        # Not in the ledger's hash slot: no script touches it, and the gateway writes it often.
+        return f"{self.namespace}:work:signals:{_check_node(node)}"
+
+    def work_budget(self, node: str) -> str:
+        return f"{self.namespace}:work:budget:{_check_node(node)}"
 
     @property
     def pool_pattern(self) -> str:

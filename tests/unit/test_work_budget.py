@@ -1,0 +1,218 @@
+"""The batch work budget controller (``backfill.work_budget``): it shrinks while interactive
+waits, holds new prefills while interactive prefills, grows back when quiet, stays within its
+floor and ceiling, preempts when a TTFT target would be missed, and says why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from backfill.policy import ServiceClass
+from backfill.work_budget import (
+    BudgetReason,
+    WorkBudget,
+    WorkBudgetPolicy,
+    WorkSignals,
+    admissible,
+    budget_victims,
+    describe,
+    step,
+)
+
+POLICY = WorkBudgetPolicy(
+    ttft_target_s=1.0,
+    floor_seqs=2,
+    ceiling_seqs=64,
+    floor_prefill_tokens=256,
+    ceiling_prefill_tokens=8192,
+    decrease_factor=0.5,
+    increase_seqs=8,
+    increase_prefill_tokens=1024,
+    quiet_s=2.0,
+    decrease_interval_s=0.5,
+)
+
+
+def run(budget: WorkBudget, *signals: WorkSignals) -> WorkBudget:
+    for s in signals:
+        budget = step(budget, s, POLICY).budget
+    return budget
+
+
+def test_starts_at_the_ceiling() -> None:
+    b = WorkBudget.initial(POLICY)
+    assert (b.max_seqs, b.max_prefill_tokens, b.hold) == (64, 8192, False)
+    assert b.code is BudgetReason.START
+
+
+def test_shrinks_and_holds_while_interactive_waits_at_the_gateway() -> None:
+    b = WorkBudget.initial(POLICY)
+    s = step(b, WorkSignals(now_s=10.0, interactive_waiting=2, oldest_pending_since_s=9.9), POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_WAITING
+    assert s.changed and s.budget.hold
+    assert (s.budget.max_seqs, s.budget.max_prefill_tokens) == (32, 4096)
+    assert s.budget.code is BudgetReason.INTERACTIVE_WAITING
+    assert "shrank to 32 sequences" in s.reason and "2 interactive request(s) wait" in s.reason
+    assert s.preempt == 0
+
+
+def test_engine_queue_beyond_batchs_own_counts_as_interactive_waiting() -> None:
+    b = WorkBudget.initial(POLICY)
+    # Three waiting in the engine, but batch has three items without a first token: those
+    # could be all of them, so no pressure.
+    own = WorkSignals(now_s=1.0, engine_waiting=3, batch_awaiting_first_token=3)
+    assert step(b, own, POLICY).code is BudgetReason.STEADY
+    other = WorkSignals(now_s=1.0, engine_waiting=5, batch_awaiting_first_token=3)
+    s = step(b, other, POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_WAITING and s.budget.max_seqs == 32
+    assert "2 in the engine's queue" in s.reason
+
+
+def test_one_decrease_per_interval_for_a_persisting_signal() -> None:
+    b = WorkBudget.initial(POLICY)
+    waiting = [WorkSignals(now_s=t, interactive_waiting=1, oldest_pending_since_s=t - 0.1)
+               for t in (10.0, 10.2, 10.4, 10.5)]
+    sizes = []
+    for s in waiting:
+        b = step(b, s, POLICY).budget
+        sizes.append(b.max_seqs)
+    assert sizes == [32, 32, 32, 16]
+
+
+def test_never_below_the_floor() -> None:
+    b = WorkBudget.initial(POLICY)
+    for i in range(40):
+        b = step(b, WorkSignals(now_s=float(i), interactive_waiting=1,
+                                oldest_pending_since_s=float(i)), POLICY).budget
+        assert b.max_seqs >= POLICY.floor_seqs
+        assert b.max_prefill_tokens >= POLICY.floor_prefill_tokens
+    assert (b.max_seqs, b.max_prefill_tokens) == (2, 256)
+    s = step(b, WorkSignals(now_s=100.0, interactive_waiting=1, oldest_pending_since_s=100.0),
+             POLICY)
+    assert not s.changed and s.budget.hold
+
+
+def test_holds_new_prefills_while_interactive_prefills_without_shrinking() -> None:
+    b = WorkBudget.initial(POLICY)
+    s = step(b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9),
+             POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_PREFILL
+    assert s.budget.hold and not s.changed
+    assert s.budget.max_seqs == 64
+    assert admissible(s.budget, 0, 0, [10]) == 0
+
+
+def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
+    b = run(WorkBudget.initial(POLICY),
+            WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
+            WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0),
+            WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=0.0))
+    assert b.max_seqs == 8 and b.hold
+    quiet = step(b, WorkSignals(now_s=1.5), POLICY)
+    assert quiet.code is BudgetReason.STEADY and not quiet.changed
+    assert not quiet.budget.hold, "the hold ends as soon as nothing waits or prefills"
+    assert "0.5 s of the 2 s needed" in quiet.reason
+    grown = step(quiet.budget, WorkSignals(now_s=3.0), POLICY)
+    assert grown.code is BudgetReason.QUIET and grown.changed
+    assert grown.budget.max_seqs == 16
+    assert grown.budget.code is BudgetReason.QUIET
+    assert "grew to 16 sequences" in grown.budget.reason
+    b = grown.budget
+    for t in range(4, 40):
+        b = step(b, WorkSignals(now_s=float(t)), POLICY).budget
+    assert (b.max_seqs, b.max_prefill_tokens) == (64, 8192), "back at the ceiling, no further"
+
+
+def test_a_ttft_near_the_target_shrinks_once_per_measurement() -> None:
+    b = WorkBudget.initial(POLICY)
+    slow = ((9.5, 0.9),)  # over 80% of the 1 s target
+    s = step(b, WorkSignals(now_s=10.0, ttfts=slow), POLICY)
+    assert s.code is BudgetReason.TTFT_NEAR_TARGET and s.budget.max_seqs == 32
+    assert not s.budget.hold
+    # The same measurement seen again (it stays in the gateway's window) is not new.
+    again = step(s.budget, WorkSignals(now_s=11.0, ttfts=slow), POLICY)
+    assert again.code is not BudgetReason.TTFT_NEAR_TARGET
+    assert again.budget.max_seqs == 32
+    fast = step(s.budget, WorkSignals(now_s=11.0, ttfts=((10.8, 0.2),)), POLICY)
+    assert fast.code is BudgetReason.STEADY
+
+
+def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
+    b = WorkBudget.initial(POLICY)
+    s = step(b, WorkSignals(now_s=10.0, interactive_prefilling=1, oldest_pending_since_s=9.4,
+                            batch_in_flight=40, batch_awaiting_first_token=3), POLICY)
+    assert s.code is BudgetReason.TTFT_AT_RISK
+    assert s.budget.hold and s.budget.max_seqs == 32
+    # Down to the new budget (40 -> 32); at least every batch prefill still going.
+    assert s.preempt == 8
+    assert "waited 0.60 s" in s.reason and "preempting 8 batch sequence(s)" in s.reason
+    few = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.4,
+                              batch_in_flight=5, batch_awaiting_first_token=3), POLICY)
+    assert few.preempt == 3
+
+
+def test_no_preemption_before_the_risk_threshold() -> None:
+    b = WorkBudget.initial(POLICY)
+    s = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.7,
+                            batch_in_flight=60, batch_awaiting_first_token=10), POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_WAITING and s.preempt == 0
+
+
+def test_admissible_respects_sequences_and_prefill_tokens() -> None:
+    b = WorkBudget(max_seqs=4, max_prefill_tokens=1000)
+    assert admissible(b, 0, 0, [300, 300, 300, 300]) == 3
+    assert admissible(b, 3, 0, [10, 10]) == 1
+    assert admissible(b, 0, 900, [200]) == 0
+    # A prompt larger than the whole prefill budget runs alone rather than never.
+    assert admissible(b, 0, 0, [5000, 10]) == 1
+    assert admissible(b, 1, 5000, [10]) == 0
+
+
+@dataclass(frozen=True)
+class FakeLease:
+    lease_id: str
+    generated_tokens: int
+    started_at_ms: int
+    service_class: ServiceClass = ServiceClass.BATCH
+    tokens: int = 256
+    deadline_ms: int | None = None
+    preemptible: bool = True
+
+
+def test_victims_are_prefills_first_then_least_output_and_never_capped_ones() -> None:
+    leases = [
+        FakeLease("decoding", 40, 1),
+        FakeLease("old-prefill", 0, 2),
+        FakeLease("new-prefill", 0, 3),
+        FakeLease("capped", 0, 4, preemptible=False),
+        FakeLease("interactive", 0, 5, service_class=ServiceClass.INTERACTIVE),
+    ]
+    assert [v.lease_id for v in budget_victims(leases, 2)] == ["new-prefill", "old-prefill"]
+    assert [v.lease_id for v in budget_victims(leases, 9)] == [
+        "new-prefill", "old-prefill", "decoding"]
+    assert budget_victims(leases, 0) == ()
+
+
+def test_describe_says_the_budget_and_why() -> None:
+    s = step(WorkBudget.initial(POLICY),
+             WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=1.0), POLICY)
+    text = describe(s.budget)
+    assert "32 sequences / 4096 prefill tokens, new prefills held" in text
+    assert "interactive_waiting" in text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ttft_target_s": 0},
+        {"floor_seqs": 0},
+        {"floor_seqs": 10, "ceiling_seqs": 5},
+        {"decrease_factor": 1.0},
+        {"increase_seqs": 0},
+        {"preempt_at_fraction": 0},
+    ],
+)
+def test_policy_refuses_nonsense(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        WorkBudgetPolicy(**bad)  # type: ignore[arg-type]
