@@ -40,6 +40,14 @@ class Baselines:
         idle_share = 1.0 - self.interactive_alone.busy_s / self.interactive_alone.duration_s
         return self.batch_alone.batch_tokens_per_s * max(0.0, idle_share)
 
+    def overall_gain(self, result: PolicyResult) -> float:
+        """All tokens computed (prompt and output, both classes) over interactive alone's:
+        the "overall throughput vs online-only" ratio HyGen and ConServe report."""
+        alone = self.interactive_alone.interactive_tokens_per_s
+        total = (result.interactive_tokens_per_s + result.batch_tokens_per_s
+                 + result.batch_prompt_tokens_per_s)
+        return total / alone if alone > 0 else 0.0
+
     def harvest(self, result: PolicyResult) -> float:
         slack = self.slack_tokens_per_s
         return result.batch_tokens_per_s / slack if slack > 0 else 0.0

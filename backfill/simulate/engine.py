@@ -102,6 +102,9 @@ class StepReport:
     interactive_gaps: list[float]
     batch_output_tokens: int
     interactive_output_tokens: int
+    batch_prefill_tokens: int = 0
+    interactive_prefill_tokens: int = 0
+    """Prompt tokens computed this step, recomputation included."""
 
 
 class Engine:
@@ -365,6 +368,10 @@ class Engine:
             if seq.state == DECODE and due == seq.entry_step + seq.output_tokens - seq.generated:
                 self._complete(seq, report)
         for seq, chunk in chunks:
+            if seq.interactive:
+                report.interactive_prefill_tokens += chunk
+            else:
+                report.batch_prefill_tokens += chunk
             if seq.state != PREFILL:
                 continue
             seq.computed += chunk

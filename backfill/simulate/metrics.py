@@ -41,6 +41,10 @@ class PolicyResult:
     (unserved ones count as missing it)."""
     batch_output_tokens: int
     batch_tokens_per_s: float
+    batch_prompt_tokens_per_s: float
+    """Batch prompt tokens computed per second (recomputation included)."""
+    interactive_tokens_per_s: float
+    """Interactive prompt and output tokens computed per second."""
     batch_items_completed: int
     deadline_attainment: float
     """Of the batch items whose deadline fell inside the run: the share finished by it."""

@@ -40,7 +40,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 def results_rows(comparison: Comparison) -> list[dict[str, Any]]:
     base = comparison.baselines
-    return [{**r.row(), "harvest": base.harvest(r)} for r in comparison.results]
+    return [{**r.row(), "harvest": base.harvest(r), "overall_x": base.overall_gain(r)}
+            for r in comparison.results]
 
 
 def equal_slo_rows(curves: Curves, target: float, comparison: Comparison | None,
@@ -52,14 +53,16 @@ def equal_slo_rows(curves: Curves, target: float, comparison: Comparison | None,
         best = best_at_slo(points, target, ttft_target_s)
         if best is None:
             rows.append({"policy": name, "knob": "-", "slo": float("nan"),
-                         "batch_tok_s": 0.0, "harvest": 0.0})
+                         "batch_tok_s": 0.0, "harvest": 0.0, "overall_x": 0.0})
             continue
         value, result = best
         harvest = comparison.baselines.harvest(result) if comparison else float("nan")
+        overall = comparison.baselines.overall_gain(result) if comparison else float("nan")
         slo = (result.slo_attainment if ttft_target_s is None
                else result.attainment(ttft_target_s))
         rows.append({"policy": name, "knob": value, "slo": slo,
-                     "batch_tok_s": result.batch_tokens_per_s, "harvest": harvest})
+                     "batch_tok_s": result.batch_tokens_per_s, "harvest": harvest,
+                     "overall_x": overall})
     return rows
 
 
@@ -94,7 +97,8 @@ def write(
         "baselines": {"interactive_alone": base.interactive_alone.to_json(),
                       "batch_alone": base.batch_alone.to_json(),
                       "slack_tokens_per_s": base.slack_tokens_per_s},
-        "results": [{**r.to_json(), "harvest": base.harvest(r)} for r in comparison.results],
+        "results": [{**r.to_json(), "harvest": base.harvest(r),
+                     "overall_gain": base.overall_gain(r)} for r in comparison.results],
     }
     if curves:
         record["sweeps"] = {

@@ -53,6 +53,8 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
     ttfts: list[float] = []
     gaps: list[float] = []
     batch_tokens = 0
+    batch_prompt = 0
+    interactive_tokens = 0
     steps = 0
     kv_integral = 0.0
     busy = 0.0
@@ -85,6 +87,9 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         now += report.seconds
         if now <= horizon:
             batch_tokens += report.batch_output_tokens
+            batch_prompt += report.batch_prefill_tokens
+            interactive_tokens += (report.interactive_prefill_tokens
+                                   + report.interactive_output_tokens)
         for seq in report.first_tokens:
             if seq.interactive:
                 req = seq.owner
@@ -110,6 +115,8 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         slo_attainment=served_within / len(arrivals) if arrivals else 1.0,
         batch_output_tokens=batch_tokens,
         batch_tokens_per_s=batch_tokens / horizon,
+        batch_prompt_tokens_per_s=batch_prompt / horizon,
+        interactive_tokens_per_s=interactive_tokens / horizon,
         batch_items_completed=len(policy.completed),
         deadline_attainment=met / len(due) if due else 1.0,
         items_expired=policy.expired,
