@@ -21,6 +21,7 @@ from queue_api import errors, metrics
 from queue_api.gateway import InteractiveGateway
 from queue_api.routes import batches, capacity, dashboard, files
 from queue_api.routes import gateway as gateway_routes
+from queue_api.routes import lab as lab_routes
 
 # Room for the multipart envelope around a file of the maximum size.
 _MULTIPART_OVERHEAD = 64 * 1024
@@ -107,6 +108,7 @@ def create_app(
     gateway_routes.install(app)
     app.include_router(metrics.router)
     dashboard.mount(app)
+    app.include_router(lab_routes.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:
