@@ -8,6 +8,7 @@ each figure came from.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from datetime import datetime
 from backfill.errors import BackfillError
 from backfill.ledger import Ledger
 from backfill.repository import NodeRecord, Repository
+from backfill.work_signals import BudgetView, read_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,8 @@ class LedgerUsage:
     interactive_in_use: int
     batch_in_use: int
     batch_slack: int
+    work_budget: BudgetView | None = None
+    """The node's batch work budget as its worker last published it."""
 
 
 UsageSource = Callable[[NodeRecord], LedgerUsage | None]
@@ -43,7 +47,11 @@ def ledger_usage(ledger: Ledger) -> UsageSource:
             return None
         if snap is None:
             return None
-        return LedgerUsage(snap.interactive_in_use, snap.batch_in_use, snap.slack)
+        budget: BudgetView | None = None
+        # The budget is for people and dashboards: without it the capacity view still stands.
+        with contextlib.suppress(Exception):
+            budget = read_budget(ledger.client, ledger.keys, node.name)
+        return LedgerUsage(snap.interactive_in_use, snap.batch_in_use, snap.slack, budget)
 
     return read
 
@@ -65,6 +73,7 @@ class NodeCapacity:
     source: str
     """``"ledger"`` or ``"postgres"`` (no live interactive figure: slack ignores it)."""
     last_seen_at: datetime
+    work_budget: BudgetView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +111,7 @@ def capacity_report(repo: Repository, usage: UsageSource | None = None) -> Capac
                 slack_tokens=slack,
                 source=source,
                 last_seen_at=node.last_seen_at,
+                work_budget=live.work_budget if live else None,
             )
         )
     # Interactive requests are never queued in Postgres: the gateway admits or refuses them.

@@ -522,6 +522,11 @@ class Ledger:
     def policy(self) -> PoolPolicy:
         return self._calls.policy
 
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client, for the small non-ledger keys read beside it (work budget)."""
+        return self._client
+
     def close(self) -> None:
         self._client.close()
 
@@ -798,6 +803,11 @@ class AsyncLedger:
     @property
     def keys(self) -> lk.LedgerKeys:
         return self._calls.keys
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        """The Redis client, for the small non-ledger keys used beside it (work budget)."""
+        return self._client
 
     async def aclose(self) -> None:
         await self._client.aclose()

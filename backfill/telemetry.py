@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from backfill.ledger import Ledger
 from backfill.repository import Repository
 from backfill.states import ITEM_TERMINAL, ItemState, JobState
+from backfill.work_signals import read_budget
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,17 @@ class BackfillCollector:
             "Batch leases preempted to make room for interactive work.",
             labels=["node"],
         )
+        budget = GaugeMetricFamily(
+            "backfill_work_budget",
+            "A node's batch work budget (max_seqs, max_prefill_tokens, hold) and what batch "
+            "uses of it (in_flight, prefill_tokens), as its worker last published them.",
+            labels=["node", "kind"],
+        )
+        budget_change = GaugeMetricFamily(
+            "backfill_work_budget_last_change_seconds",
+            "When a node's work budget last changed (Unix time), labelled with why.",
+            labels=["node", "reason"],
+        )
         if self.ledger is None:
             raise _NoLedger
         names = sorted(set(nodes) | set(self.ledger.nodes()))
@@ -239,9 +251,20 @@ class BackfillCollector:
             for (service_class, reason), n in sorted(counts.denials.items()):
                 denials.add_metric([name, service_class, reason], n)
             preemptions.add_metric([name], counts.preemptions)
+            view = read_budget(self.ledger.client, self.ledger.keys, name)
+            if view is not None:
+                for kind, value in (
+                    ("max_seqs", view.max_seqs),
+                    ("max_prefill_tokens", view.max_prefill_tokens),
+                    ("hold", int(view.hold)),
+                    ("in_flight", view.in_flight),
+                    ("prefill_tokens", view.prefill_tokens),
+                ):
+                    budget.add_metric([name, kind], value)
+                budget_change.add_metric([name, view.code], view.changed_at_s)
         by_state.add_metric(["interactive", ItemState.QUEUED.value], 0)
         by_state.add_metric(["interactive", ItemState.RUNNING.value], interactive_running)
-        return [kv, leases, denials, preemptions]
+        return [kv, leases, denials, preemptions, budget, budget_change]
 
 
 def _guarded(source: str, section: Callable[[], list[Any]]) -> tuple[list[Any], bool]:

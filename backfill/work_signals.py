@@ -162,6 +162,8 @@ class InteractiveActivity:
     def arrived(self, nodes: Iterable[str]) -> PendingInteractive:
         pending = PendingInteractive(self, nodes, self.clock())
         self._pending.add(pending)
+        for node in pending.nodes:
+            self._known[node] = pending.arrived_s
         self.changed()
         return pending
 

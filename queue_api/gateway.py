@@ -15,7 +15,9 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ from backfill.ledger import AsyncLedger, Lease
 from backfill.maintenance import pool_policy
 from backfill.refusals import InvalidRequest
 from backfill.repository import Repository, TenantRecord
+from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
 from worker.engine import EngineError, EngineRejected, HttpEngine
 
@@ -196,6 +199,8 @@ class _Relay:
     usage: Mapping[str, Any] | None = None
     error: bool = False
     done: bool = False
+    pending: PendingInteractive | None = None
+    """The request as the work budget's signals count it, until its first token."""
 
     def saw(self, event: Mapping[str, Any], now: float) -> None:
         usage = event.get("usage")
@@ -213,6 +218,8 @@ class _Relay:
         if self.first_token is None:
             self.first_token = now
             m.TIME_TO_FIRST_TOKEN.labels(self.endpoint).observe(now - self.received)
+            if self.pending is not None:
+                self.pending.first_token(now - self.received)
         elif self.last_token is not None:
             m.INTER_TOKEN_LATENCY.labels(self.endpoint).observe(now - self.last_token)
         self.last_token = now
@@ -290,6 +297,11 @@ class InteractiveGateway:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._engines: dict[str, HttpEngine] = {}
         self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, self.engine)
+        # What this process sees of interactive traffic per node, published for the workers'
+        # work budgets (``backfill.work_signals``).
+        self.activity = InteractiveActivity()
+        self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._publisher: asyncio.Task[None] | None = None
 
     def client(self, url: str) -> httpx.AsyncClient:
         client = self._clients.get(url)
@@ -310,10 +322,43 @@ class InteractiveGateway:
         return engine
 
     async def aclose(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publisher
         await self.directory.aclose()
         for client in self._clients.values():
             await client.aclose()
         await self.ledger.aclose()
+
+    async def _publish_signals(self) -> None:
+        """Publish the interactive activity soon after it changes, and often enough to stay
+        fresh within the signals' TTL while it does not."""
+        ttl = self.settings.work_signal_ttl_s
+        interval = min(0.1, self.settings.work_budget_interval_s / 2)
+        version, published_at = -1, 0.0
+        while True:
+            await asyncio.sleep(interval)
+            now = time.time()
+            if self.activity.version == version and now - published_at < ttl / 3:
+                continue
+            version = self.activity.version
+            try:
+                await publish_signals(
+                    self.ledger.client,
+                    self.ledger.keys,
+                    self.gateway_id,
+                    self.activity.snapshot(keep_s=ttl),
+                    ttl,
+                    now,
+                )
+                published_at = now
+            except Exception as exc:  # batch then judges by the engine's queue alone
+                log.warning("interactive signals not published: %s", exc)
+
+    def _start_publisher(self) -> None:
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.get_running_loop().create_task(self._publish_signals())
 
     # -----------------------------------------------------------------------------------------
 
@@ -369,18 +414,25 @@ class InteractiveGateway:
             if n.max_model_len is None or sizing.sequence_tokens <= n.max_model_len
         ]
         counted = time.perf_counter()
-        admission = await admit(
-            self.ledger,
-            fitting,
-            sizing,
-            lease_id=f"gw_{secrets.token_hex(10)}",
-            owner=f"gateway/{tenant.id}",
-            ttl_ms=self.ttl_ms,
-            max_wait_s=budget,
-            disconnected=request.is_disconnected,
-        )
+        self._start_publisher()
+        pending = self.activity.arrived(fitting)
+        try:
+            admission = await admit(
+                self.ledger,
+                fitting,
+                sizing,
+                lease_id=f"gw_{secrets.token_hex(10)}",
+                owner=f"gateway/{tenant.id}",
+                ttl_ms=self.ttl_ms,
+                max_wait_s=budget,
+                disconnected=request.is_disconnected,
+            )
+        except BaseException:
+            pending.end()
+            raise
         admitted = time.perf_counter()
         lease = admission.lease
+        pending.admitted(lease.node)
         m.IN_FLIGHT.inc()
         keeper = LeaseKeeper(self.ledger, lease, self.settings.heartbeat_interval_s, self.ttl_ms)
         try:
@@ -390,9 +442,16 @@ class InteractiveGateway:
             overhead = (counted - received) + (time.perf_counter() - admitted)
             m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
             if shape.stream:
-                return await self._stream(request, node, shape, sizing, payload, keeper, received)
-            return await self._unary(request, node, shape, sizing, payload, keeper, received)
+                return await self._stream(
+                    request, node, shape, sizing, payload, keeper, received, pending
+                )
+            try:
+                return await self._unary(request, node, shape, sizing, payload, keeper, received)
+            finally:
+                # No first token is visible without streaming: it stops counting when it ends.
+                pending.end()
         except BaseException:
+            pending.end()
             with anyio.CancelScope(shield=True):
                 await keeper.end(None)
             raise
@@ -457,6 +516,7 @@ class InteractiveGateway:
         payload: Mapping[str, Any],
         keeper: LeaseKeeper,
         received: float,
+        pending: PendingInteractive | None = None,
     ) -> Response:
         del request  # Starlette cancels the relay when the caller disconnects
         client = self.client(node.engine_url)
@@ -479,8 +539,10 @@ class InteractiveGateway:
                 await upstream.aclose()
             m.REQUESTS.labels(shape.endpoint.value, "engine_error").inc()
             await keeper.end(None)
+            if pending is not None:
+                pending.end()
             return Response(content, upstream.status_code, media_type="application/json")
-        relay = _Relay(shape.endpoint.value, received)
+        relay = _Relay(shape.endpoint.value, received, pending=pending)
         return _RelayResponse(
             self._relay(upstream, shape, sizing, keeper, relay),
             on_close=partial(self._finish, upstream, sizing, keeper, relay),
@@ -537,6 +599,8 @@ class InteractiveGateway:
         # Closing first: an unfinished request is aborted in the engine before its room is
         # handed to anyone else.
         await upstream.aclose()
+        if relay.pending is not None:
+            relay.pending.end()
         keeper.generated = max(keeper.generated, relay.completion)
         await keeper.end(_used_tokens(sizing, relay.usage, relay.completion))
 

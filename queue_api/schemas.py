@@ -197,6 +197,18 @@ class BatchList(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
+class WorkBudgetObject(BaseModel):
+    max_seqs: int = Field(description="Batch sequences in flight at most.")
+    max_prefill_tokens: int = Field(description="Batch prompt tokens in prefill at most.")
+    hold: bool = Field(description="New batch prefills are held (interactive waits/prefills).")
+    reason_code: str = Field(description="Why the budget last changed (a BudgetReason).")
+    reason: str
+    changed_at: float = Field(description="When it last changed (Unix seconds).")
+    batch_in_flight: int
+    batch_prefill_tokens: int
+    updated_at: float = Field(description="When the worker last published it (Unix seconds).")
+
+
 class NodeCapacityObject(BaseModel):
     name: str
     model: str | None
@@ -210,6 +222,9 @@ class NodeCapacityObject(BaseModel):
     slack_tokens: int
     source: Literal["ledger", "postgres"]
     last_seen_at: int
+    work_budget: WorkBudgetObject | None = Field(
+        default=None, description="The node's batch work budget; null when no worker runs one."
+    )
 
 
 class CapacityObject(BaseModel):
@@ -234,6 +249,19 @@ class CapacityObject(BaseModel):
                     slack_tokens=n.slack_tokens,
                     source=n.source,
                     last_seen_at=int(n.last_seen_at.timestamp()),
+                    work_budget=None
+                    if n.work_budget is None
+                    else WorkBudgetObject(
+                        max_seqs=n.work_budget.max_seqs,
+                        max_prefill_tokens=n.work_budget.max_prefill_tokens,
+                        hold=n.work_budget.hold,
+                        reason_code=n.work_budget.code,
+                        reason=n.work_budget.reason,
+                        changed_at=n.work_budget.changed_at_s,
+                        batch_in_flight=n.work_budget.in_flight,
+                        batch_prefill_tokens=n.work_budget.prefill_tokens,
+                        updated_at=n.work_budget.at_s,
+                    ),
                 )
                 for n in report.nodes
             ],

@@ -50,6 +50,16 @@ from backfill.observe import observed_non_batch
 from backfill.policy import ServiceClass
 from backfill.repository import ClaimedItem, Finish, Repository, Start
 from backfill.states import ItemState
+from backfill.work_budget import (
+    WorkBudget,
+    WorkBudgetPolicy,
+    WorkSignals,
+    admissible,
+    budget_victims,
+    describe,
+    step,
+)
+from backfill.work_signals import BudgetView, InteractiveSignals, publish_budget, read_signals
 from worker.engine import (
     Endpoint,
     Engine,
@@ -89,6 +99,13 @@ class DispatchConfig:
     observe_interval_s: float = 1.0
     """How often the engine's non-batch KV use is reported to the ledger (``backfill.observe``);
     0 turns it off."""
+    work_budget: WorkBudgetPolicy | None = None
+    """The batch work budget's controller (``backfill.work_budget``); None: no work budget,
+    only ``max_in_flight`` and the KV slack bound batch."""
+    budget_interval_s: float = 0.25
+    """How often the work budget is stepped from fresh signals."""
+    signal_ttl_s: float = 3.0
+    """Gateway signals older than this are ignored (the gateway that wrote them is gone)."""
 
 
 @dataclass
@@ -104,6 +121,14 @@ class _InFlight:
     stop_reason: str | None = None
     """Why the dispatcher cancelled it: preempted, lease_lost, claim_lost, shutdown."""
     started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    """Until its first token the item is in prefill: it counts against the work budget's
+    prefill tokens."""
+
+    @property
+    def prefill_tokens(self) -> int:
+        # A resumed item prefills its partial output again, with its prompt.
+        return self.prompt_tokens + self.item.partial_tokens
 
 
 @dataclass
@@ -120,6 +145,8 @@ class DispatchStats:
     requeued: int = 0
     stale_results: int = 0
     output_tokens: int = 0
+    budget_preemptions: int = 0
+    """Items the work budget preempted to protect an interactive TTFT target."""
 
 
 def _now() -> datetime:
@@ -160,6 +187,10 @@ class NodeDispatcher:
         self._typical_reservation = 0
         self._cleanups: set[asyncio.Task[None]] = set()
         self._decode_rate = config.decode_tokens_per_s
+        policy = config.work_budget
+        self.work_budget: WorkBudget | None = (
+            None if policy is None else WorkBudget.initial(policy, time.time())
+        )
 
     # -----------------------------------------------------------------------------------------
     # Lifecycle
@@ -173,6 +204,8 @@ class NodeDispatcher:
         ]
         if self.config.observe_interval_s > 0:
             helpers.append(asyncio.create_task(self._observe(), name="observe"))
+        if self.config.work_budget is not None:
+            helpers.append(asyncio.create_task(self._control_budget(), name="work-budget"))
         try:
             while not self._stopping.is_set():
                 try:
@@ -225,6 +258,11 @@ class NodeDispatcher:
     async def _fill(self) -> int:
         cfg = self.config
         room = cfg.max_in_flight - len(self._in_flight)
+        budget = self.work_budget
+        if budget is not None:
+            if budget.hold:
+                return 0
+            room = min(room, budget.max_seqs - len(self._active()))
         if room <= 0:
             return 0
         snap = await self.ledger.snapshot(cfg.node)
@@ -397,12 +435,27 @@ class NodeDispatcher:
                 break
             fits.append(entry)
             used += need
+        budgeted = self._fit_to_budget(fits)
+        detail = "work budget full" if len(budgeted) < len(fits) else "slack full"
+        fits = budgeted
         rest = ready[len(fits) :]
         if rest:
             await asyncio.to_thread(
-                self.repo.unclaim, [(i.id, i.attempt) for i, _, _ in rest], "slack full"
+                self.repo.unclaim, [(i.id, i.attempt) for i, _, _ in rest], detail
             )
         return fits
+
+    def _fit_to_budget(
+        self, fits: list[tuple[ClaimedItem, int, str]]
+    ) -> list[tuple[ClaimedItem, int, str]]:
+        """The prefix of ``fits`` the work budget lets start now."""
+        budget = self.work_budget
+        if budget is None:
+            return fits
+        active = self._active()
+        prefilling = sum(f.prefill_tokens for f in active if f.first_token_at is None)
+        prompts = [tokens + item.partial_tokens for item, tokens, _ in fits]
+        return fits[: admissible(budget, len(active), prefilling, prompts)]
 
     async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
         with contextlib.suppress(StaleWrite):
@@ -457,6 +510,8 @@ class NodeDispatcher:
                         flight.text.setdefault(choice.index, []).append(choice.text)
                         if choice.finish_reason:
                             finish_reasons[choice.index] = choice.finish_reason
+                    if flight.first_token_at is None and any(c.text for c in chunk.choices):
+                        flight.first_token_at = time.monotonic()
                     if chunk.usage is not None:
                         usage_prompt = chunk.usage.prompt_tokens
                         completion = chunk.usage.completion_tokens
@@ -771,6 +826,77 @@ class NodeDispatcher:
             except Exception as exc:  # a missed report only leaves the last one standing
                 log.warning("node %s: engine use not observed: %s", cfg.node, exc)
 
+    def _active(self) -> list[_InFlight]:
+        """In-flight items not being stopped: what counts against the work budget."""
+        return [f for f in self._in_flight.values() if f.stop_reason is None]
+
+    async def _control_budget(self) -> None:
+        """Step the work budget from fresh signals, preempt what it says, publish it."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.budget_interval_s)
+            try:
+                await self._step_budget()
+            except Exception as exc:  # a missed step leaves the last budget standing
+                log.warning("node %s: work budget not stepped: %s", cfg.node, exc)
+
+    async def _step_budget(self) -> None:
+        cfg = self.config
+        policy, before = cfg.work_budget, self.work_budget
+        if policy is None or before is None:
+            return
+        now = time.time()
+        try:
+            seen = await read_signals(
+                self.ledger.client, self.ledger.keys, cfg.node, cfg.signal_ttl_s, now
+            )
+        except Exception as exc:  # Redis trouble: judge by the engine's queue alone
+            log.debug("node %s: no gateway signals: %s", cfg.node, exc)
+            seen = InteractiveSignals()
+        try:
+            engine_waiting: int | None = (await self.engine.load()).num_requests_waiting
+        except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
+            log.debug("node %s: no engine load: %s", cfg.node, exc)
+            engine_waiting = None
+        active = self._active()
+        awaiting = [f for f in active if f.first_token_at is None]
+        decision = step(
+            before,
+            WorkSignals(
+                now_s=now,
+                interactive_waiting=seen.waiting,
+                interactive_prefilling=seen.prefilling,
+                oldest_pending_since_s=seen.oldest_pending_since_s,
+                ttfts=seen.ttfts,
+                engine_waiting=engine_waiting,
+                batch_in_flight=len(active),
+                batch_awaiting_first_token=len(awaiting),
+            ),
+            policy,
+        )
+        budget = self.work_budget = decision.budget
+        if decision.changed:
+            log.info("node %s: work budget %s", cfg.node, describe(budget))
+        if decision.preempt:
+            victims = budget_victims((_FlightVictim(f) for f in active), decision.preempt)
+            for victim in victims:
+                self._cancel(victim.flight, "preempted")
+            self.stats.budget_preemptions += len(victims)
+            log.info(
+                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
+                cfg.node,
+                len(victims),
+                decision.reason,
+            )
+        if (before.hold and not budget.hold) or budget.max_seqs > before.max_seqs:
+            self._room.set()
+        prefilling = sum(f.prefill_tokens for f in awaiting)
+        view = BudgetView.of(budget, len(active), prefilling, now)
+        with contextlib.suppress(Exception):
+            await publish_budget(
+                self.ledger.client, self.ledger.keys, cfg.node, view, max(5.0, cfg.signal_ttl_s)
+            )
+
     async def _listen_preemptions(self) -> None:
         while True:
             try:
@@ -783,3 +909,39 @@ class NodeDispatcher:
             except LedgerUnavailable as exc:
                 log.warning("node %s: preemption channel lost: %s", self.config.node, exc)
                 await asyncio.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class _FlightVictim:
+    """An in-flight item as :func:`backfill.work_budget.budget_victims` sees a lease."""
+
+    flight: _InFlight
+
+    @property
+    def lease_id(self) -> str:
+        return self.flight.lease.lease_id
+
+    @property
+    def service_class(self) -> ServiceClass:
+        return ServiceClass.BATCH
+
+    @property
+    def tokens(self) -> int:
+        return self.flight.lease.tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        # Output of this attempt only: a resumed item keeps what earlier attempts produced.
+        return self.flight.generated - self.flight.item.partial_tokens
+
+    @property
+    def started_at_ms(self) -> int:
+        return int(self.flight.started * 1000)
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return self.flight.lease.deadline_ms
+
+    @property
+    def preemptible(self) -> bool:
+        return self.flight.lease.preemptible

@@ -16,6 +16,7 @@ from backfill.config import Settings
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.repository import Repository
+from backfill.work_signals import work_budget_policy
 from worker.dispatch import DispatchConfig, DispatchStats, NodeDispatcher
 from worker.engine import EngineError, HttpEngine, ModelInfo
 
@@ -69,6 +70,13 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
         max_preemptions=settings.max_preemptions_per_item,
         max_attempts=settings.max_attempts_per_item,
         grace_s=settings.shutdown_grace_s,
+        work_budget=(
+            work_budget_policy(settings, settings.max_in_flight_per_node)
+            if settings.work_budget_enabled
+            else None
+        ),
+        budget_interval_s=settings.work_budget_interval_s,
+        signal_ttl_s=settings.work_signal_ttl_s,
     )
 
 
