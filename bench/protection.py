@@ -1,0 +1,663 @@
+"""Interactive protection: interactive time to first token while batch work shares the engine,
+Backfill against vLLM's own priority scheduling and against fcfs, all in one run.
+
+Interactive load: a request trace (``TIMESTAMP,ContextTokens,GeneratedTokens``; by default
+the Azure code trace from row 200, arrivals stretched x70, prompts clipped to 1,500 tokens,
+outputs to 64 exactly) replayed open loop, streaming, at priority 0. Batch load: summarisation
+chat requests (~475 prompt tokens, 64 out) that keep the engine busy. Scenarios:
+
+``alone``           interactive straight to vLLM, nothing else (the baseline)
+``gateway``         interactive through Backfill's gateway, nothing else
+``batch-straight``  batch alone, straight to vLLM at concurrency 32, priority 10
+``batch-backfill``  batch alone, as a Backfill job run by a Backfill worker
+``a``               Backfill: interactive through the gateway + the Backfill batch job
+``b``               batch straight (concurrency 32, priority 10) + interactive straight
+``c``               as ``b`` on a second server started with ``--scheduling-policy fcfs``
+
+One priority server serves every scenario but ``c``. Each batch scenario first lets the batch
+load run for a warm-up, then the measured window is the interactive replay (or, for batch
+alone, the same length of time). Batch output tokens/s is the engine's
+``vllm:generation_tokens_total`` over the window less the interactive requests' own tokens,
+so every scenario is counted the same way.
+
+``a`` runs once per ``--variant NAME:KEY=VALUE,...`` (settings overrides given to the API and
+the worker as ``BACKFILL_*`` variables; the first variant is the headline), so a sweep of
+admission settings gives a curve of batch throughput against interactive TTFT p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backfill.simulate.trace import TraceOptions, TraceRequest, load_trace
+from bench.common import OUT_DIR, finish, machine, parser, percentile, table
+from bench.replay import FloodStats, InteractiveResult, Target, flood, replay, summarisation_body
+from bench.stack import BackfillStack, counters
+from worker import devengine
+
+NAME = "protection"
+TRACE = Path("/work/shared/traces/azure_llm_2023_code.csv")
+PLOT = Path(__file__).parent / "protection.png"
+GOAL_TTFT_RATIO = 1.25
+GOAL_BATCH_KEPT = 0.6
+SCENARIOS = ("alone", "gateway", "batch-straight", "batch-backfill", "a", "b", "c")
+ENGINE_COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_hits_total",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    trace: TraceOptions
+    trace_path: Path
+    warmup_s: float
+    concurrency: int
+    batch_priority: int
+    batch_prompt_chars: int
+    batch_max_tokens: int
+    kv_cache_gib: int
+    drain_timeout_s: float = 180.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict[str, str]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    policy: str
+    """The engine's scheduling policy."""
+    interactive: list[InteractiveResult] | None
+    batch: str | None
+    """How batch work reached the engine: ``straight``, ``backfill`` or None."""
+    window_s: float
+    engine: dict[str, float]
+    """Engine counter deltas over the window."""
+    load: dict[str, float] = field(default_factory=dict)
+    backfill: dict[str, float] = field(default_factory=dict)
+    overrides: dict[str, str] = field(default_factory=dict)
+    loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [r.ttft for r in self.interactive or () if r.ok and r.ttft is not None]
+
+    @property
+    def itls(self) -> list[float]:
+        return [x for r in self.interactive or () if r.ok for x in r.itls]
+
+    @property
+    def rejected(self) -> int:
+        """Refused with an HTTP status (the gateway's 429/413/503, or the engine's 4xx)."""
+        return sum(1 for r in self.interactive or () if r.status not in (0, 200))
+
+    @property
+    def failed(self) -> int:
+        """Accepted but broken: an error event, no text, or the connection lost."""
+        return sum(1 for r in self.interactive or () if r.status in (0, 200) and not r.ok)
+
+    @property
+    def interactive_output_tokens(self) -> int:
+        return sum(r.output_tokens or len(r.chunk_times) for r in self.interactive or ())
+
+    @property
+    def batch_output_tokens(self) -> float:
+        return self.engine["vllm:generation_tokens_total"] - self.interactive_output_tokens
+
+    @property
+    def batch_tps(self) -> float | None:
+        if self.batch is None:
+            return None
+        return self.batch_output_tokens / self.window_s if self.window_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ttfts, itls = self.ttfts, self.itls
+        replayed = self.interactive or []
+        origin = replayed[0].scheduled if replayed else 0.0
+        return {
+            "scenario": self.name,
+            "policy": self.policy,
+            "batch": self.batch,
+            "overrides": self.overrides,
+            "window_s": self.window_s,
+            "interactive_requests": len(self.interactive or ()),
+            "interactive_ok": len(ttfts),
+            "interactive_rejected": self.rejected,
+            "interactive_failed": self.failed,
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
+            "ttft_p90_s": percentile(ttfts, 90) if ttfts else None,
+            "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
+            "itl_p50_s": percentile(itls, 50) if itls else None,
+            "itl_p99_s": percentile(itls, 99) if itls else None,
+            "batch_output_tokens_per_s": self.batch_tps,
+            "engine_preemptions": self.engine["vllm:num_preemptions_total"],
+            "engine_prefix_cache_hits": self.engine["vllm:prefix_cache_hits_total"],
+            "engine_prompt_tokens": self.engine["vllm:prompt_tokens_total"],
+            "engine_generation_tokens": self.engine["vllm:generation_tokens_total"],
+            "engine_load": self.load,
+            "backfill": self.backfill,
+            "loadavg_1m_5m_15m": self.loadavg,
+            "requests": [
+                {
+                    "index": r.index,
+                    "arrival_s": round(r.scheduled - origin, 3),
+                    "prompt_tokens": r.prompt_tokens,
+                    "max_tokens": r.max_tokens,
+                    "status": r.status,
+                    "ttft_s": r.ttft,
+                    "send_lag_s": round(r.sent - r.scheduled, 4),
+                    "output_tokens": r.output_tokens,
+                    "error": r.error,
+                }
+                for r in replayed
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine as the scenarios see it
+
+
+async def engine_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    return counters((await client.get(f"{url}/metrics")).text, ENGINE_COUNTERS)
+
+
+async def engine_load(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    text = (await client.get(f"{url}/metrics")).text
+    got = counters(text, ["vllm:num_requests_running", "vllm:num_requests_waiting"])
+    return got["vllm:num_requests_running"], got["vllm:num_requests_waiting"]
+
+
+async def _sample_load(url: str, into: list[tuple[float, float]]) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                into.append(await engine_load(client, url))
+            except httpx.HTTPError:
+                continue
+
+
+async def _wait_busy(url: str, timeout_s: float) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            running, _ = await engine_load(client, url)
+            if running > 0:
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the batch load did not reach the engine in {timeout_s:.0f} s")
+
+
+async def wait_idle(url: str, timeout_s: float) -> bool:
+    """Until nothing runs or waits in the engine, twice in a row; whether it got there."""
+    quiet = 0
+    async with httpx.AsyncClient(timeout=10) as client:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            running, waiting = await engine_load(client, url)
+            quiet = quiet + 1 if running + waiting == 0 else 0
+            if quiet >= 2:
+                return True
+            await asyncio.sleep(0.5)
+    return False
+
+
+def _say(message: str) -> None:
+    print(f"[protection] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One scenario
+
+
+async def run_scenario(
+    name: str,
+    server: devengine.EngineServer,
+    policy: str,
+    cfg: Config,
+    requests: Sequence[TraceRequest],
+    *,
+    interactive: Target | None,
+    batch: str | None,
+    stack: BackfillStack | None = None,
+    overrides: dict[str, str] | None = None,
+) -> ScenarioResult:
+    """Start the batch load (if any), let it warm up, replay the trace (or wait as long),
+    read the engine's counters around that window, stop the batch and let the engine drain."""
+    url, model = server.url, server.served_model_name
+    span = requests[-1].arrival_s if requests else 0.0
+    flood_task: asyncio.Task[None] | None = None
+    flood_stats = FloodStats()
+    batch_id: str | None = None
+    if not await wait_idle(url, cfg.drain_timeout_s):
+        _say(f"{name}: the engine was still busy at the start")
+    if batch == "straight":
+        flood_task = asyncio.create_task(
+            flood(
+                url,
+                model,
+                concurrency=cfg.concurrency,
+                priority=cfg.batch_priority,
+                prompt_chars=cfg.batch_prompt_chars,
+                max_tokens=cfg.batch_max_tokens,
+                stats=flood_stats,
+            )
+        )
+    elif batch == "backfill":
+        assert stack is not None
+        # Enough items that the job cannot run dry inside the window even at 4 items/s.
+        n = int(4 * (cfg.warmup_s + 2 * span + 90))
+        bodies = [
+            summarisation_body(model, i, cfg.batch_prompt_chars, cfg.batch_max_tokens, name)
+            for i in range(n)
+        ]
+        batch_id = await asyncio.to_thread(stack.submit, bodies)
+    if batch is not None:
+        await _wait_busy(url, 180)
+        await asyncio.sleep(cfg.warmup_s)
+    samples: list[tuple[float, float]] = []
+    sampler = asyncio.create_task(_sample_load(url, samples))
+    async with httpx.AsyncClient(timeout=30) as client:
+        before = await engine_counters(client, url)
+        bf_before = await asyncio.to_thread(stack.metrics) if stack else {}
+        att_before = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
+        t0 = time.monotonic()
+        results: list[InteractiveResult] | None = None
+        if interactive is not None:
+            results = await replay(requests, interactive)
+        else:
+            await asyncio.sleep(span)
+        window = time.monotonic() - t0
+        after = await engine_counters(client, url)
+        bf_after = await asyncio.to_thread(stack.metrics) if stack else {}
+        att_after = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
+    sampler.cancel()
+    loadavg = os.getloadavg()
+    if flood_task is not None:
+        flood_task.cancel()
+        await asyncio.gather(flood_task, return_exceptions=True)
+    if batch_id is not None and stack is not None:
+        await asyncio.to_thread(stack.cancel, batch_id)
+    drained = await wait_idle(url, cfg.drain_timeout_s)
+    load: dict[str, float] = {"drained_after": float(drained)}
+    if samples:
+        load["running_mean"] = statistics.fmean(s[0] for s in samples)
+        load["waiting_mean"] = statistics.fmean(s[1] for s in samples)
+    if flood_task is not None:
+        load["flood_completed"] = flood_stats.completed
+        load["flood_errors"] = flood_stats.errors
+    backfill: dict[str, float] = {}
+    if stack is not None:
+        backfill = {k: bf_after[k] - bf_before.get(k, 0.0) for k in bf_after}
+        backfill["preempted_attempts"] = att_after[0] - att_before[0]
+        backfill["recomputed_tokens_on_resume"] = att_after[1] - att_before[1]
+    result = ScenarioResult(
+        name=name,
+        policy=policy,
+        interactive=results,
+        batch=batch,
+        window_s=window,
+        engine={k: after[k] - before[k] for k in ENGINE_COUNTERS},
+        load=load,
+        backfill=backfill,
+        overrides=dict(overrides or {}),
+        loadavg=(round(loadavg[0], 1), round(loadavg[1], 1), round(loadavg[2], 1)),
+    )
+    s = result.summary()
+    _say(
+        f"{name}: window {window:.1f} s, TTFT p50/p99 {s['ttft_p50_s']}/{s['ttft_p99_s']}, "
+        f"rejected {s['interactive_rejected']}, failed {s['interactive_failed']}, "
+        f"batch tok/s {s['batch_output_tokens_per_s']}, "
+        f"engine preemptions {s['engine_preemptions']:.0f}, load {loadavg[0]:.1f}"
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def gateway_target(stack: BackfillStack, model: str) -> Target:
+    return Target(stack.base, model, headers=stack.auth, priority=None)
+
+
+def run_all(
+    cfg: Config,
+    requests: Sequence[TraceRequest],
+    wanted: Sequence[str],
+    variants: Sequence[Variant],
+    logs: Path,
+) -> tuple[list[ScenarioResult], dict[str, float]]:
+    results: list[ScenarioResult] = []
+    starts: dict[str, float] = {}
+    needs_stack = {"gateway", "batch-backfill", "a"} & set(wanted)
+    priority_scenarios = [s for s in wanted if s != "c"]
+    if priority_scenarios:
+        server = devengine.start_model(cfg.model, kv_cache_gib=cfg.kv_cache_gib)
+        starts["priority"] = server.ready_seconds
+        try:
+            model = server.served_model_name
+            straight = Target(server.url, model, priority=0)
+
+            def one(name: str, **kw: Any) -> None:
+                results.append(
+                    asyncio.run(run_scenario(name, server, "priority", cfg, requests, **kw))
+                )
+
+            if "alone" in wanted:
+                one("alone", interactive=straight, batch=None)
+            if "b" in wanted:
+                one("b", interactive=straight, batch="straight")
+            if "batch-straight" in wanted:
+                one("batch-straight", interactive=None, batch="straight")
+            if needs_stack:
+                for i, variant in enumerate(variants):
+                    stack_logs = logs / f"backfill-{variant.name}"
+                    with BackfillStack(server.url, stack_logs, variant.overrides).running() as st:
+                        _say(f"Backfill up for variant {variant.name}: {st.base}")
+                        gw = gateway_target(st, model)
+                        label = "a" if i == 0 else f"a:{variant.name}"
+                        if i == 0 and "gateway" in wanted:
+                            one("gateway", interactive=gw, batch=None, stack=st)
+                        if i == 0 and "batch-backfill" in wanted:
+                            one("batch-backfill", interactive=None, batch="backfill", stack=st)
+                        if "a" in wanted:
+                            one(
+                                label,
+                                interactive=gw,
+                                batch="backfill",
+                                stack=st,
+                                overrides=variant.overrides,
+                            )
+                    if "a" not in wanted:
+                        break
+        finally:
+            server.stop()
+    if "c" in wanted:
+        server = devengine.start_model(
+            cfg.model,
+            kv_cache_gib=cfg.kv_cache_gib,
+            # The last --scheduling-policy on vLLM's command line wins.
+            extra_args=["--scheduling-policy", "fcfs"],
+        )
+        starts["fcfs"] = server.ready_seconds
+        try:
+            straight = Target(server.url, server.served_model_name, priority=0)
+            results.append(
+                asyncio.run(
+                    run_scenario(
+                        "c", server, "fcfs", cfg, requests, interactive=straight, batch="straight"
+                    )
+                )
+            )
+        finally:
+            server.stop()
+    return results, starts
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(v: float | None, digits: int = 2) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    out = []
+    for s in summaries:
+        bf = s["backfill"]
+        out.append(
+            (
+                s["scenario"],
+                s["policy"],
+                s["batch"] or "—",
+                f"{s['interactive_ok']}/{s['interactive_requests']}"
+                if s["interactive_requests"]
+                else "—",
+                f"{_fmt(s['ttft_p50_s'])} / {_fmt(s['ttft_p99_s'])}",
+                _fmt(s["itl_p99_s"], 3),
+                f"{s['interactive_rejected']} / {s['interactive_failed']}"
+                if s["interactive_requests"]
+                else "—",
+                _fmt(s["batch_output_tokens_per_s"], 1),
+                int(s["engine_preemptions"]),
+                int(bf["backfill_gateway_batch_preemptions_total"]) if bf else "—",
+                int(bf["recomputed_tokens_on_resume"]) if bf else "—",
+                f"{s['loadavg_1m_5m_15m'][0]:.1f}",
+            )
+        )
+    return out
+
+
+HEADERS = [
+    "scenario", "engine", "batch", "int ok", "TTFT p50 / p99 s", "ITL p99 s", "rejected / failed",
+    "batch out tok/s", "engine preempt", "Backfill preempt", "recomputed tok", "load 1m",
+]  # fmt: skip
+
+
+def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib  # noqa: PLC0415 - plotting loads only when a report is written
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s in summaries:
+        ttfts = sorted(r["ttft_s"] for r in s["requests"] if r["ttft_s"] is not None)
+        if not ttfts:
+            continue
+        ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        cdf.step(ttfts, ys, where="post", label=f"{s['scenario']} (p99 {s['ttft_p99_s']:.2f} s)")
+    cdf.set_xlabel("interactive time to first token (s)")
+    cdf.set_ylabel("fraction of requests")
+    cdf.set_title("Interactive TTFT, CDF per scenario", fontsize=10)
+    cdf.grid(alpha=0.3)
+    cdf.legend(fontsize=8, loc="lower right")
+    batch = [s for s in summaries if s["batch_output_tokens_per_s"] is not None]
+    names = [s["scenario"] for s in batch]
+    values = [s["batch_output_tokens_per_s"] for s in batch]
+    colours = ["#2b6cb0" if s["batch"] == "backfill" else "#a0aec0" for s in batch]
+    bars.bar(names, values, color=colours)
+    for x, v in enumerate(values):
+        bars.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+    bars.set_ylabel("batch output tokens/s (engine count)")
+    bars.set_title("Batch throughput per scenario (blue: through Backfill)", fontsize=10)
+    bars.tick_params(axis="x", labelsize=8, rotation=20)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _by_name(summaries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {s["scenario"]: s for s in summaries}
+
+
+def verdicts(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals, each None when a scenario it needs was not run."""
+    by = _by_name(summaries)
+
+    def get(name: str, key: str) -> float | None:
+        v = by.get(name, {}).get(key)
+        return float(v) if v is not None else None
+
+    alone, a = get("alone", "ttft_p99_s"), get("a", "ttft_p99_s")
+    out: dict[str, Any] = {"ttft_p99_ratio": a / alone if a is not None and alone else None}
+    for peer in ("b", "c"):
+        theirs = get(peer, "ttft_p99_s")
+        out[f"a_ttft_p99_below_{peer}"] = a < theirs if a is not None and theirs else None
+    bf_alone, bf_a = (
+        get("batch-backfill", "batch_output_tokens_per_s"),
+        get("a", "batch_output_tokens_per_s"),
+    )
+    out["batch_kept_a"] = bf_a / bf_alone if bf_a is not None and bf_alone else None
+    straight = get("batch-straight", "batch_output_tokens_per_s")
+    for name in ("b", "c"):
+        v = get(name, "batch_output_tokens_per_s")
+        out[f"batch_kept_{name}"] = v / straight if v is not None and straight else None
+    for s in summaries:
+        if s["scenario"].startswith("a:") and alone:
+            p99 = s["ttft_p99_s"]
+            tps = s["batch_output_tokens_per_s"]
+            out[f"{s['scenario']}_ttft_p99_ratio"] = p99 / alone if p99 is not None else None
+            out[f"{s['scenario']}_batch_kept"] = tps / bf_alone if tps and bf_alone else None
+    return out
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME:KEY=VALUE,KEY=VALUE`` (``NAME`` alone: no overrides)."""
+    name, _, rest = text.partition(":")
+    overrides: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--variant {text!r}: expected NAME:KEY=VALUE,...")
+        overrides[key.strip()] = value.strip()
+    if not name:
+        raise SystemExit(f"--variant {text!r}: needs a name")
+    return Variant(name, overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(NAME, __doc__ or "")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (smoke test)")
+    p.add_argument("--trace", type=Path, default=TRACE, help="a TIMESTAMP,ContextTokens,"
+                   "GeneratedTokens CSV")  # fmt: skip
+    p.add_argument("--skip", type=int, default=200, help="trace rows to skip (default 200)")
+    p.add_argument("--time-scale", type=float, default=70.0, help="stretch arrivals (70)")
+    p.add_argument("--max-prompt", type=int, default=1500, help="clip prompts (1500 tokens)")
+    p.add_argument("--max-output", type=int, default=64, help="clip outputs (64 tokens)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of (scaled) trace per scenario; default 90, --quick 30",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds the batch runs before the window (default 10, --quick 5)",
+    )
+    p.add_argument("--concurrency", type=int, default=32, help="straight batch concurrency")
+    p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="run scenario a with these Backfill settings (repeatable; the first "
+        "is the headline; default one variant 'default' with no overrides)",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help=f"PNG path (default {PLOT.name} beside this file; --quick: bench/out/)",
+    )
+    args = p.parse_args(argv)
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(wanted) - set(SCENARIOS)
+    if unknown:
+        raise SystemExit(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    variants = [parse_variant(v) for v in args.variant] or [Variant("default", {})]
+    duration = args.duration or (30.0 if args.quick else 90.0)
+    options = TraceOptions(
+        time_scale=args.time_scale,
+        max_prompt_tokens=args.max_prompt,
+        max_output_tokens=args.max_output,
+        duration_s=duration,
+        skip=args.skip,
+    )
+    requests = load_trace(args.trace, options)
+    if not requests:
+        raise SystemExit(f"no requests in {args.trace} with {options}")
+    cfg = Config(
+        model=args.model,
+        trace=options,
+        trace_path=args.trace,
+        warmup_s=args.warmup if args.warmup is not None else (5.0 if args.quick else 10.0),
+        concurrency=args.concurrency,
+        batch_priority=10,
+        batch_prompt_chars=1700,
+        batch_max_tokens=64,
+        kv_cache_gib=args.kv_cache_gib,
+    )
+    _say(
+        f"{len(requests)} interactive requests in {requests[-1].arrival_s:.1f} s, mean prompt "
+        f"{statistics.fmean(r.prompt_tokens for r in requests):.0f}, mean output "
+        f"{statistics.fmean(r.output_tokens for r in requests):.1f} tokens"
+    )
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    logs = OUT_DIR / "protection-logs"
+    results, starts = run_all(cfg, requests, wanted, variants, logs)
+    summaries = [r.summary() for r in results]
+    print(table(HEADERS, rows(summaries)))
+    goals = verdicts(summaries)
+    for key, value in goals.items():
+        print(f"{key}: {_fmt(value, 3) if isinstance(value, float) else value}")
+    plot_path = args.plot or (PLOT if not args.quick else OUT_DIR / "protection-quick.png")
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(
+        summaries,
+        plot_path,
+        f"Interactive protection, {cfg.model} on vLLM CPU, {duration:.0f} s of trace per "
+        f"scenario, {machine()}",
+    )
+    print(f"plot: {plot_path}")
+    command = "python -m bench.protection " + " ".join(sys.argv[1:] if argv is None else argv)
+    ratio = goals["ttft_p99_ratio"]
+    finish(
+        NAME,
+        "ttft_p99_ratio",
+        ratio if ratio is not None else math.nan,
+        "<=",
+        GOAL_TTFT_RATIO,
+        {
+            "command": command.strip(),
+            "started": started,
+            "loadavg_at_start": load_start,
+            "loadavg_at_end": os.getloadavg(),
+            "engine_ready_seconds": starts,
+            "config": asdict(cfg) | {"trace_path": str(cfg.trace_path)},
+            "variants": [asdict(v) for v in variants],
+            "interactive_requests": len(requests),
+            "goals": goals,
+            "goal_batch_kept": GOAL_BATCH_KEPT,
+            "plot": str(plot_path),
+            "scenarios": summaries,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

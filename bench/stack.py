@@ -1,0 +1,212 @@
+"""A Backfill deployment beside one engine, for benchmarks: ``backfill api`` and
+``backfill worker --beat`` as their own processes (as in production) over a scratch database
+and a ledger namespace of their own, with settings overrides passed as ``BACKFILL_*``
+environment variables, so one engine can be measured under several policies in one run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from backfill.config import get_settings, libpq_url
+from backfill.repository import Repository
+from bench.common import scratch_database
+
+BACKFILL = [sys.executable, "-m", "backfill.cli"]
+BATCH_ENDED = {"completed", "failed", "expired", "cancelled"}
+
+
+def settings_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """``{"max_in_flight_per_node": "8"}`` or ``{"BACKFILL_MAX_IN_FLIGHT_PER_NODE": "8"}`` as
+    environment variables."""
+    out = {}
+    for key, value in overrides.items():
+        name = key.upper()
+        out[name if name.startswith("BACKFILL_") else f"BACKFILL_{name}"] = str(value)
+    return out
+
+
+def counters(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each named Prometheus sample summed over its labels (missing ones read 0)."""
+    wanted = set(names)
+    out = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[sample.name] += sample.value
+    return out
+
+
+@dataclass
+class BackfillStack:
+    """API and worker processes for one engine; use :meth:`running`."""
+
+    engine_url: str
+    logs: Path
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    node: str = field(default_factory=lambda: f"bench-{secrets.token_hex(3)}")
+    port: int = 0
+    key: str = ""
+    database_url: str = ""
+    namespace: str = field(default_factory=lambda: f"bfprot{secrets.token_hex(3)}")
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[BackfillStack]:
+        from worker.devengine import free_port  # noqa: PLC0415 - keeps this import cheap
+
+        self.port = free_port()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        settings = get_settings()
+        with ExitStack() as stack:
+            self.database_url = stack.enter_context(scratch_database("bfprot"))
+            stack.callback(self._forget_ledger, settings.redis_url)
+            repo = Repository.connect(self.database_url, pool_size=1)
+            try:
+                self.key = repo.create_api_key(repo.create_tenant("bench").id)
+            finally:
+                repo.close()
+            env = {
+                **os.environ,
+                "BACKFILL_DATABASE_URL": self.database_url,
+                "BACKFILL_REDIS_URL": settings.redis_url,
+                "BACKFILL_REDIS_NAMESPACE": self.namespace,
+                "BACKFILL_RATE_LIMIT_PER_S": "100000",
+                "BACKFILL_RATE_LIMIT_BURST": "100000",
+                # Cancelled batches are finalised on the maintenance tick; a short tick keeps
+                # the engine's drain between scenarios short.
+                "BACKFILL_REAPER_INTERVAL_S": "1",
+                **settings_env(self.overrides),
+            }
+            api = self._spawn("api", ["api", "--port", str(self.port)], env, stack)
+            worker = self._spawn(
+                "worker",
+                ["worker", "--node", self.node, "--engine-url", self.engine_url, "--beat"],
+                env,
+                stack,
+            )
+            self._wait_ready(api, worker)
+            yield self
+
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str], stack: ExitStack
+    ) -> subprocess.Popen[bytes]:
+        log = stack.enter_context((self.logs / f"{name}.log").open("wb"))
+        proc = subprocess.Popen([*BACKFILL, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        stack.callback(_stop, proc)
+        return proc
+
+    def _wait_ready(self, *procs: subprocess.Popen[bytes]) -> None:
+        repo = Repository.connect(self.database_url, pool_size=1)
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"backfill api or worker exited; logs in {self.logs}")
+                try:
+                    api_up = httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    api_up = False
+                if api_up and any(n.name == self.node for n in repo.nodes()):
+                    return
+                time.sleep(0.3)
+        finally:
+            repo.close()
+        raise RuntimeError(f"backfill api or worker not ready in 180 s; logs in {self.logs}")
+
+    def _forget_ledger(self, redis_url: str) -> None:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            for k in client.scan_iter(match=f"{self.namespace}*", count=1000):
+                client.delete(k)
+        finally:
+            client.close()
+
+    # -----------------------------------------------------------------------------------------
+
+    def submit(self, bodies: Sequence[dict[str, Any]]) -> str:
+        """Upload ``bodies`` as a chat-completions batch and create it; returns its id."""
+        data = "".join(
+            json.dumps(
+                {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
+            )
+            + "\n"
+            for i, b in enumerate(bodies)
+        ).encode()
+        with httpx.Client(base_url=self.base, headers=self.auth, timeout=120) as client:
+            uploaded = client.post(
+                "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}
+            )
+            uploaded.raise_for_status()
+            created = client.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": uploaded.json()["id"],
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
+            )
+            created.raise_for_status()
+            return str(created.json()["id"])
+
+    def cancel(self, batch_id: str) -> None:
+        with httpx.Client(base_url=self.base, headers=self.auth, timeout=60) as client:
+            client.post(f"/v1/batches/{batch_id}/cancel").raise_for_status()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base}/metrics", timeout=30).text
+        return counters(
+            text,
+            [
+                "backfill_preemptions_total",
+                "backfill_gateway_batch_preemptions_total",
+                "backfill_gateway_rejections_total",
+                "backfill_gateway_admission_wait_seconds_sum",
+                "backfill_gateway_admission_wait_seconds_count",
+            ],
+        )
+
+    def preempted_attempts(self) -> tuple[int, int]:
+        """Batch attempts Backfill preempted so far, and the tokens their resumption prefills
+        again (the item's prompt plus the output kept so far; a lower bound when an item was
+        preempted more than once)."""
+        with psycopg.connect(libpq_url(self.database_url)) as conn:
+            row = conn.execute(
+                "SELECT count(*), coalesce(sum(coalesce(i.prompt_tokens, 0) "
+                "+ coalesce(a.output_tokens, 0)), 0) FROM attempts a "
+                "JOIN items i ON i.id = a.item_id WHERE a.outcome = 'preempted'"
+            ).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(45)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
