@@ -27,6 +27,9 @@ SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     "static": ("reserve_fraction", (0.97, 0.95, 0.9, 0.8, 0.6, 0.25)),
     "backfill": ("busy_batch_seqs", (4, 16, 32, 64, 128, 256)),
     "backfill-overcommit": ("busy_batch_seqs", (4, 16, 32, 64, 128, 256)),
+    # The TTFT target the work budget protects: a tighter one shrinks, holds and preempts
+    # batch sooner.
+    "backfill-budget": ("budget_ttft_target_s", (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)),
 }
 
 
@@ -118,6 +121,9 @@ def _with_knob(knobs: PolicyKnobs, knob: str, value: float) -> PolicyKnobs:
         return dataclasses.replace(knobs, batch_concurrency=int(value))
     if knob == "busy_batch_seqs":
         return dataclasses.replace(knobs, busy_batch_seqs=int(value))
+    if knob == "budget_ttft_target_s":
+        budget = dataclasses.replace(knobs.work_budget, ttft_target_s=value)
+        return dataclasses.replace(knobs, work_budget=budget)
     raise ValueError(f"no knob {knob!r}")
 
 

@@ -8,6 +8,11 @@
               and a work budget that holds back new batch prefills while interactive waits.
 ``backfill-overcommit``  the same, charging batch for the measured output ratio
               (:func:`backfill.policy.overcommit_from_ratios`) once enough items finished.
+``backfill-budget``  "Backfill + work budget": the real admission policy, with the worker's
+              own work budget controller (:mod:`backfill.work_budget`) stepped every
+              ``control_interval_s`` from the signals the worker reads (gateway waiting and
+              in prefill, recent TTFTs, the engine's queue), enforced and preempting as the
+              worker does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backfill.policy import (
     AdmissionRequest,
@@ -30,10 +35,20 @@ from backfill.policy import (
 from backfill.simulate.engine import DECODE, Engine, Sequence, StepReport
 from backfill.simulate.trace import TraceRequest
 from backfill.simulate.workload import BatchItem
+from backfill.work_budget import (
+    WorkBudget,
+    WorkBudgetPolicy,
+    WorkSignals,
+    admissible,
+    budget_victims,
+    step,
+)
 
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10
-POLICY_NAMES = ("fifo", "static", "priority", "backfill", "backfill-overcommit")
+POLICY_NAMES = (
+    "fifo", "static", "priority", "backfill", "backfill-overcommit", "backfill-budget"
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,11 @@ class PolicyKnobs:
     long batch prefill steps ahead of it."""
     max_preemptions_per_item: int = 3
     overcommit_quantile: float = 0.99
+    work_budget: WorkBudgetPolicy = field(default_factory=WorkBudgetPolicy)
+    """backfill-budget: the controller's parameters (as the worker's settings give them)."""
+    control_interval_s: float = 0.25
+    """backfill-budget: how often the controller steps (the worker's work_budget_interval_s);
+    signals are as fresh as the last step, as in the worker."""
 
 
 @dataclass
@@ -374,6 +394,92 @@ class BackfillOvercommit(Backfill):
             self.pool_policy = dataclasses.replace(self.pool_policy, batch_overcommit=overcommit)
 
 
+class BackfillWorkBudget(Reserving):
+    """Backfill + work budget: :func:`backfill.work_budget.step` decides, as in the worker."""
+
+    name = "backfill-budget"
+
+    def __init__(self, engine: Engine, items: list[BatchItem], knobs: PolicyKnobs) -> None:
+        super().__init__(engine, items, knobs)
+        self.budget = WorkBudget.initial(knobs.work_budget, 0.0)
+        self.budget_preemptions = 0
+        self._next_control = 0.0
+        self._now = 0.0
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=64)
+        self._interactive_pending: dict[int, float] = {}
+        """Interactive sequences in the engine without a first token -> arrival."""
+        self._batch_prefill: dict[int, int] = {}
+        """Batch sequences without a first token -> prompt tokens (prefill, as the worker
+        counts it: from start to first token)."""
+
+    def submit_interactive(self, req: TraceRequest) -> Sequence:
+        seq = super().submit_interactive(req)
+        self._interactive_pending[seq.key] = req.arrival_s
+        return seq
+
+    def submit_batch(self, work: BatchWork, now: float) -> Sequence:
+        seq = super().submit_batch(work, now)
+        self._batch_prefill[seq.key] = work.item.prompt_tokens + work.generated
+        return seq
+
+    def before_step(self, now: float) -> None:
+        self._now = now
+        if now >= self._next_control:
+            self._control(now)
+            self._next_control = now + self.knobs.control_interval_s
+        super().before_step(now)
+
+    def _control(self, now: float) -> None:
+        arrivals = [r.arrival_s for r in self.gateway]
+        arrivals.extend(self._interactive_pending.values())
+        decision = step(
+            self.budget,
+            WorkSignals(
+                now_s=now,
+                interactive_waiting=len(self.gateway),
+                interactive_prefilling=len(self._interactive_pending),
+                oldest_pending_since_s=min(arrivals, default=None),
+                ttfts=tuple(self._ttfts),
+                engine_waiting=self.engine.waiting,
+                batch_in_flight=self.batch_in_flight,
+                batch_awaiting_first_token=len(self._batch_prefill),
+            ),
+            self.knobs.work_budget,
+        )
+        self.budget = decision.budget
+        if decision.preempt:
+            for lease in budget_victims(self._victim_pool(), decision.preempt):
+                self.preempt_batch(lease.seq)
+                self.budget_preemptions += 1
+
+    def batch_may_start(self) -> bool:
+        if not super().batch_may_start():
+            return False
+        work = self.peek_batch(self._now)
+        if work is None:
+            return True  # the admission loop ends on an empty backlog itself
+        prompt = work.item.prompt_tokens + work.generated
+        prefilling = sum(self._batch_prefill.values())
+        return admissible(self.budget, self.batch_in_flight, prefilling, [prompt]) == 1
+
+    def after_step(self, report: StepReport, now: float) -> None:
+        for seq in report.first_tokens:
+            if seq.interactive:
+                arrival = self._interactive_pending.pop(seq.key, None)
+                if arrival is not None:
+                    self._ttfts.append((seq.first_token_s, seq.first_token_s - arrival))
+            else:
+                self._batch_prefill.pop(seq.key, None)
+        super().after_step(report, now)
+
+    def on_batch_gone(self, seq: Sequence) -> None:
+        self._batch_prefill.pop(seq.key, None)
+        super().on_batch_gone(seq)
+
+
 POLICIES: dict[str, type[Frontend]] = {
-    cls.name: cls for cls in (Fifo, StaticPartition, PriorityOnly, Backfill, BackfillOvercommit)
+    cls.name: cls
+    for cls in (
+        Fifo, StaticPartition, PriorityOnly, Backfill, BackfillOvercommit, BackfillWorkBudget
+    )
 }
