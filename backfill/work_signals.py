@@ -286,7 +286,9 @@ class BudgetView:
         }
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[bytes | str, bytes | str]) -> BudgetView | None:
+    def from_mapping(
+        cls, raw: Mapping[bytes, bytes] | Mapping[str, str]
+    ) -> BudgetView | None:
         d = {
             (k.decode() if isinstance(k, bytes) else k): (
                 v.decode() if isinstance(v, bytes) else v
@@ -321,5 +323,5 @@ async def publish_budget(
 
 def read_budget(client: redis.Redis, keys: LedgerKeys, node: str) -> BudgetView | None:
     """The node's published budget; None when no worker with a budget runs there."""
-    raw = client.hgetall(keys.work_budget(node))
+    raw: dict[bytes, bytes] = client.hgetall(keys.work_budget(node))  # type: ignore[assignment]
     return BudgetView.from_mapping(raw) if raw else None

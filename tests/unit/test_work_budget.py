@@ -50,10 +50,12 @@ def test_shrinks_and_holds_while_interactive_waits_at_the_gateway() -> None:
     b = WorkBudget.initial(POLICY)
     s = step(b, WorkSignals(now_s=10.0, interactive_waiting=2, oldest_pending_since_s=9.9), POLICY)
     assert s.code is BudgetReason.INTERACTIVE_WAITING
-    assert s.changed and s.budget.hold
+    assert s.changed
+    assert s.budget.hold
     assert (s.budget.max_seqs, s.budget.max_prefill_tokens) == (32, 4096)
     assert s.budget.code is BudgetReason.INTERACTIVE_WAITING
-    assert "shrank to 32 sequences" in s.reason and "2 interactive request(s) wait" in s.reason
+    assert "shrank to 32 sequences" in s.reason
+    assert "2 interactive request(s) wait" in s.reason
     assert s.preempt == 0
 
 
@@ -65,7 +67,8 @@ def test_engine_queue_beyond_batchs_own_counts_as_interactive_waiting() -> None:
     assert step(b, own, POLICY).code is BudgetReason.STEADY
     other = WorkSignals(now_s=1.0, engine_waiting=5, batch_awaiting_first_token=3)
     s = step(b, other, POLICY)
-    assert s.code is BudgetReason.INTERACTIVE_WAITING and s.budget.max_seqs == 32
+    assert s.code is BudgetReason.INTERACTIVE_WAITING
+    assert s.budget.max_seqs == 32
     assert "2 in the engine's queue" in s.reason
 
 
@@ -90,7 +93,8 @@ def test_never_below_the_floor() -> None:
     assert (b.max_seqs, b.max_prefill_tokens) == (2, 256)
     s = step(b, WorkSignals(now_s=100.0, interactive_waiting=1, oldest_pending_since_s=100.0),
              POLICY)
-    assert not s.changed and s.budget.hold
+    assert not s.changed
+    assert s.budget.hold
 
 
 def test_holds_new_prefills_while_interactive_prefills_without_shrinking() -> None:
@@ -98,7 +102,8 @@ def test_holds_new_prefills_while_interactive_prefills_without_shrinking() -> No
     s = step(b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9),
              POLICY)
     assert s.code is BudgetReason.INTERACTIVE_PREFILL
-    assert s.budget.hold and not s.changed
+    assert s.budget.hold
+    assert not s.changed
     assert s.budget.max_seqs == 64
     assert admissible(s.budget, 0, 0, [10]) == 0
 
@@ -108,13 +113,16 @@ def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
             WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
             WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0),
             WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=0.0))
-    assert b.max_seqs == 8 and b.hold
+    assert b.max_seqs == 8
+    assert b.hold
     quiet = step(b, WorkSignals(now_s=1.5), POLICY)
-    assert quiet.code is BudgetReason.STEADY and not quiet.changed
+    assert quiet.code is BudgetReason.STEADY
+    assert not quiet.changed
     assert not quiet.budget.hold, "the hold ends as soon as nothing waits or prefills"
     assert "0.5 s of the 2 s needed" in quiet.reason
     grown = step(quiet.budget, WorkSignals(now_s=3.0), POLICY)
-    assert grown.code is BudgetReason.QUIET and grown.changed
+    assert grown.code is BudgetReason.QUIET
+    assert grown.changed
     assert grown.budget.max_seqs == 16
     assert grown.budget.code is BudgetReason.QUIET
     assert "grew to 16 sequences" in grown.budget.reason
@@ -128,7 +136,8 @@ def test_a_ttft_near_the_target_shrinks_once_per_measurement() -> None:
     b = WorkBudget.initial(POLICY)
     slow = ((9.5, 0.9),)  # over 80% of the 1 s target
     s = step(b, WorkSignals(now_s=10.0, ttfts=slow), POLICY)
-    assert s.code is BudgetReason.TTFT_NEAR_TARGET and s.budget.max_seqs == 32
+    assert s.code is BudgetReason.TTFT_NEAR_TARGET
+    assert s.budget.max_seqs == 32
     assert not s.budget.hold
     # The same measurement seen again (it stays in the gateway's window) is not new.
     again = step(s.budget, WorkSignals(now_s=11.0, ttfts=slow), POLICY)
@@ -143,10 +152,12 @@ def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
     s = step(b, WorkSignals(now_s=10.0, interactive_prefilling=1, oldest_pending_since_s=9.4,
                             batch_in_flight=40, batch_awaiting_first_token=3), POLICY)
     assert s.code is BudgetReason.TTFT_AT_RISK
-    assert s.budget.hold and s.budget.max_seqs == 32
+    assert s.budget.hold
+    assert s.budget.max_seqs == 32
     # Down to the new budget (40 -> 32); at least every batch prefill still going.
     assert s.preempt == 8
-    assert "waited 0.60 s" in s.reason and "preempting 8 batch sequence(s)" in s.reason
+    assert "waited 0.60 s" in s.reason
+    assert "preempting 8 batch sequence(s)" in s.reason
     few = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.4,
                               batch_in_flight=5, batch_awaiting_first_token=3), POLICY)
     assert few.preempt == 3
@@ -156,7 +167,8 @@ def test_no_preemption_before_the_risk_threshold() -> None:
     b = WorkBudget.initial(POLICY)
     s = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.7,
                             batch_in_flight=60, batch_awaiting_first_token=10), POLICY)
-    assert s.code is BudgetReason.INTERACTIVE_WAITING and s.preempt == 0
+    assert s.code is BudgetReason.INTERACTIVE_WAITING
+    assert s.preempt == 0
 
 
 def test_admissible_respects_sequences_and_prefill_tokens() -> None:
@@ -214,5 +226,5 @@ def test_describe_says_the_budget_and_why() -> None:
     ],
 )
 def test_policy_refuses_nonsense(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must|need"):
         WorkBudgetPolicy(**bad)  # type: ignore[arg-type]

@@ -36,7 +36,8 @@ def test_a_request_waits_on_every_candidate_node_then_prefills_on_one() -> None:
     clock.now = 1000.4
     req.first_token(0.4)
     snap = activity.snapshot(keep_s=3.0)
-    assert snap["b"].prefilling == 0 and snap["b"].oldest_pending_since_s is None
+    assert snap["b"].prefilling == 0
+    assert snap["b"].oldest_pending_since_s is None
     assert snap["b"].ttfts == ((1000.4, 0.4),)
     req.end()  # after the first token: nothing more to count
     clock.now = 1020.0
