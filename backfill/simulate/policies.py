@@ -271,6 +271,7 @@ class Reserving(Frontend):
         self.batch_in_use = 0
         self.leases: dict[int, Lease] = {}
         self.gateway: deque[TraceRequest] = deque()
+        self._deferred: tuple[object, ...] | None = None
 
     def state(self) -> PoolState:
         return PoolState(self.capacity, self.block_size, self.interactive_in_use,
@@ -316,17 +317,24 @@ class Reserving(Frontend):
             if work is None:
                 return
             item = work.item
+            state = self.batch_state()
+            # decide() is pure: the same request on the same pool under the same policy was
+            # deferred last time and would be again.
+            key = (id(work.item), work.generated, work.preemptions, state, self.pool_policy)
+            if key == self._deferred:
+                return
             remaining = item.max_output_tokens - work.generated
             request = AdmissionRequest(
                 ServiceClass.BATCH, item.prompt_tokens + work.generated, max(1, remaining),
                 preemptible=work.preemptions < self.knobs.max_preemptions_per_item,
             )
-            decision = decide(request, self.batch_state(), self.pool_policy)
+            decision = decide(request, state, self.pool_policy)
             if decision.kind is DecisionKind.REJECT:
                 self._take(work)
                 self.rejected += 1
                 continue
             if not decision.admitted:
+                self._deferred = key
                 return
             seq = self.submit_batch(work, now)
             self.batch_in_use += decision.tokens
@@ -383,13 +391,17 @@ class BackfillOvercommit(Backfill):
 
     name = "backfill-overcommit"
     _refit_every = 500
+    # The most recent outputs only: they describe the work running now, and refitting stays
+    # cheap however many items finished.
+    _window = 2_000
 
     def after_step(self, report: StepReport, now: float) -> None:
         before = len(self.completed)
         super().after_step(report, now)
         done = len(self.completed)
         if done // self._refit_every > before // self._refit_every:
-            ratios = (w.item.output_tokens / w.item.max_output_tokens for w, _ in self.completed)
+            recent = self.completed[-self._window:]
+            ratios = (w.item.output_tokens / w.item.max_output_tokens for w, _ in recent)
             overcommit = overcommit_from_ratios(ratios, self.knobs.overcommit_quantile)
             self.pool_policy = dataclasses.replace(self.pool_policy, batch_overcommit=overcommit)
 

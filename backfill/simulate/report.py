@@ -18,6 +18,8 @@ Curves = dict[str, list[tuple[float, PolicyResult]]]
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
         if not math.isfinite(v):
             return "inf"
         return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
