@@ -45,18 +45,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{base.batch_alone.batch_tokens_per_s:,.0f} tok/s; slack capacity "
           f"{base.slack_tokens_per_s:,.0f} tok/s")
     curves = None
+    tight = math.ceil(base.interactive_alone.ttft_p99_s * 10) / 10
     equal: dict[str, list[dict[str, object]]] = {}
     if args.sweep:
         curves = compare.sweep(sc, args.trace)
         # Also the tightest target interactive alone meets for 99% of requests: there any
         # interference batch causes shows.
-        tight = math.ceil(base.interactive_alone.ttft_p99_s * 10) / 10
         for target in (sc.ttft_slo_s, tight):
             rows = report.equal_slo_rows(curves, 0.99, result, target)
             equal[f"ttft<={target:g}s"] = rows
             print(f"best setting per policy at >= 99% of requests with TTFT <= {target:g} s:")
             print(report.table(rows))
-    paths = report.write(result, OUT_DIR / "simulate", curves=curves)
+    paths = report.write(result, OUT_DIR / "simulate", curves=curves, tradeoff_ttft_s=(tight,))
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     details = {

@@ -80,7 +80,7 @@ def _clean(value: Any) -> Any:
 
 def write(
     comparison: Comparison, out_dir: Path, *, curves: Curves | None = None,
-    slo_target: float = 0.99, plot: bool = True,
+    slo_target: float = 0.99, plot: bool = True, tradeoff_ttft_s: Sequence[float] = (),
 ) -> dict[str, Path]:
     """``simulate.json`` and, with ``plot``, the PNGs; returns what was written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -117,4 +117,8 @@ def write(
         if curves:
             paths["tradeoff"] = plots.throughput_vs_slo(
                 curves, slo_target, out_dir / "batch_throughput_vs_slo.png")
+            for ttft in tradeoff_ttft_s:
+                paths[f"tradeoff@{ttft:g}s"] = plots.throughput_vs_slo(
+                    curves, slo_target, out_dir / f"batch_throughput_vs_slo_ttft{ttft:g}s.png",
+                    ttft)
     return paths
