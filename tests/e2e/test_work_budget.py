@@ -1,0 +1,234 @@
+"""The node worker honours its batch work budget against a real vLLM server.
+
+A fake gateway signal in Redis (what ``queue_api/gateway.py`` publishes) says interactive
+requests wait on the node: the worker shrinks its budget to the floor, holds new batch
+prefills, and batch in flight drains to the floor; when the signal clears the budget grows
+back and batch fills it again. A signal that an interactive request is about to miss its TTFT
+target makes the worker preempt batch, which resumes and completes exactly once. The budget
+and why it last changed are in the capacity view.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+
+from backfill.capacity_view import capacity_report, ledger_usage
+from backfill.config import Settings
+from backfill.ledger import Ledger
+from backfill.maintenance import pool_policy
+from backfill.repository import NewItem, Repository
+from backfill.states import ItemState, JobState
+from backfill.work_budget import BudgetReason
+from backfill.work_signals import InteractiveSignals
+from worker import devengine
+from worker.dispatch import NodeDispatcher
+from worker.node import NodeThread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+NODE = "wb1"
+FLOOR = 2
+CEILING = 16
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> Iterator[str]:
+    try:
+        server = devengine.start_model(
+            "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1
+        )
+    except devengine.DevEngineError as exc:
+        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def budget_settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={
+            "lease_ttl_s": 6.0,
+            "heartbeat_interval_s": 1.0,
+            "shutdown_grace_s": 3.0,
+            "max_in_flight_per_node": 32,
+            "interactive_reserve_fraction": 0.0,
+            "work_budget_floor_seqs": FLOOR,
+            "work_budget_ceiling_seqs": CEILING,
+            "work_budget_increase_seqs": 4,
+            "work_budget_quiet_s": 0.5,
+            "work_budget_interval_s": 0.1,
+            "interactive_ttft_target_s": 2.0,
+        }
+    )
+
+
+@pytest.fixture
+def stores(budget_settings: Settings) -> Iterator[tuple[Repository, Ledger, redis.Redis]]:
+    s = budget_settings
+    repo = Repository.connect(s.database_url, pool_size=4)
+    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
+    client = redis.Redis.from_url(s.redis_url)
+    yield repo, ledger, client
+    client.close()
+    ledger.close()
+    repo.close()
+
+
+@pytest.fixture
+def node(budget_settings: Settings, small_engine: str) -> Iterator[NodeThread]:
+    thread = NodeThread(budget_settings, NODE, small_engine)
+    thread.start()
+    assert thread.started.wait(60), f"node did not start: {thread.error}"
+    yield thread
+    thread.stop()
+    thread.join(30)
+    assert thread.error is None
+
+
+def _submit(repo: Repository, n: int, max_tokens: int) -> str:
+    tenant = repo.create_tenant(f"t-{time.monotonic_ns()}")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    items = [
+        NewItem(
+            i,
+            f"req-{i}",
+            json.dumps(
+                {"model": "tiny", "prompt": f"doc {i}: the fox", "max_tokens": max_tokens,
+                 "ignore_eos": True}
+            ),
+            max_tokens,
+        )
+        for i in range(n)
+    ]
+    repo.insert_items(job.id, items)
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class FakeGateway:
+    """Writes the interactive signal a gateway process would publish for the node."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.key = f"{settings.redis_namespace}:work:signals:{NODE}"
+
+    def publish(self, signals: InteractiveSignals) -> None:
+        self.client.hset(self.key, "fake-gateway", signals.to_json(time.time()))
+        self.client.pexpire(self.key, 3000)
+
+    def clear(self) -> None:
+        self.client.delete(self.key)
+
+
+def _dispatcher(node: NodeThread) -> NodeDispatcher:
+    _wait(lambda: bool(node.dispatchers), 30, "the dispatcher")
+    return node.dispatchers[0]
+
+
+def _code(d: NodeDispatcher) -> BudgetReason | None:
+    return None if d.work_budget is None else d.work_budget.code
+
+
+def test_budget_shrinks_holds_and_grows_back_with_the_interactive_signal(
+    budget_settings: Settings,
+    stores: tuple[Repository, Ledger, redis.Redis],
+    node: NodeThread,
+) -> None:
+    repo, ledger, client = stores
+    d = _dispatcher(node)
+    gateway = FakeGateway(client, budget_settings)
+    job = _submit(repo, 80, max_tokens=48)
+    _wait(lambda: d.in_flight > FLOOR + 2, 60, "batch to exceed the floor")
+
+    # Interactive waits (not yet at risk: no preemption), kept fresh as a gateway would. A
+    # shrink stops new starts at once; running items drain as they finish.
+    held_since: float | None = None
+    started_at_hold: int | None = None
+    lowest = d.in_flight
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        gateway.publish(InteractiveSignals(waiting=1))
+        budget = d.work_budget
+        assert budget is not None
+        if budget.hold and budget.max_seqs == FLOOR and held_since is None:
+            held_since = time.monotonic()
+        # A fill that passed its budget check just before the hold may still start its items.
+        if held_since is not None and started_at_hold is None:
+            if time.monotonic() - held_since > 1.0:
+                started_at_hold, lowest = d.stats.started, d.in_flight
+        elif started_at_hold is not None:
+            assert d.stats.started == started_at_hold, "a batch item started during the hold"
+            assert d.in_flight <= lowest, "batch in flight grew during the hold"
+            lowest = d.in_flight
+            if lowest <= FLOOR:
+                break
+        time.sleep(0.2)
+    assert started_at_hold is not None, f"the budget never reached the floor: {d.work_budget}"
+    assert lowest <= FLOOR, f"{lowest} still in flight after the hold"
+    assert _code(d) is BudgetReason.INTERACTIVE_WAITING
+    gateway.publish(InteractiveSignals(waiting=1))
+
+    report = capacity_report(repo, ledger_usage(ledger))
+    view = next(n.work_budget for n in report.nodes if n.name == NODE)
+    assert view is not None
+    assert view.hold
+    assert view.max_seqs == FLOOR
+    assert view.code == "interactive_waiting"
+    assert "wait for admission" in view.reason
+
+    gateway.clear()
+    _wait(
+        lambda: d.work_budget is not None and d.work_budget.max_seqs == CEILING,
+        20,
+        "the budget to grow back to its ceiling",
+    )
+    assert _code(d) is BudgetReason.QUIET
+    _wait(lambda: d.in_flight > FLOOR, 30, "batch to use the grown budget")
+    peak = 0
+    while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < 80:
+        peak = max(peak, d.in_flight)
+        assert d.in_flight <= CEILING
+        time.sleep(0.05)
+    assert peak > FLOOR
+
+
+def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
+    budget_settings: Settings,
+    stores: tuple[Repository, Ledger, redis.Redis],
+    node: NodeThread,
+) -> None:
+    repo, _, client = stores
+    d = _dispatcher(node)
+    gateway = FakeGateway(client, budget_settings)
+    job = _submit(repo, 30, max_tokens=200)
+    _wait(lambda: d.in_flight >= 8, 60, "batch in flight")
+    # Waiting for 1.5 s of a 2 s target: past the 50% point, so it would miss it.
+    gateway.publish(InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 1.5))
+    _wait(lambda: d.stats.budget_preemptions > 0, 10, "a work-budget preemption")
+    gateway.clear()
+    _wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 240, "all items")
+    done = repo.items(job, states=[ItemState.SUCCEEDED])
+    assert any(i.preemptions > 0 for i in done), "no preempted item resumed"
+    for item in done:
+        usage = json.loads(item.result or "{}")["usage"]
+        assert usage["completion_tokens"] == 200
