@@ -22,7 +22,15 @@ so every scenario is counted the same way.
 
 ``a`` runs once per ``--variant NAME:KEY=VALUE,...`` (settings overrides given to the API and
 the worker as ``BACKFILL_*`` variables; the first variant is the headline), so a sweep of
-admission settings gives a curve of batch throughput against interactive TTFT p99.
+admission settings gives a curve of batch throughput against interactive TTFT p99, e.g.::
+
+    python -m bench.protection --scenarios alone,batch-backfill,a \
+        --variant budget --variant off:work_budget_enabled=false \
+        --variant target2s:interactive_ttft_target_s=2
+
+Each variant gets a fresh API, worker, scratch database and ledger namespace on the same
+engine; ``goals`` in ``bench/out/protection.json`` has each variant's TTFT p99 ratio and the
+share of standalone batch throughput it kept.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import argparse
 import asyncio
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -198,15 +207,21 @@ async def _sample_load(url: str, into: list[tuple[float, float]]) -> None:
                 continue
 
 
-async def _wait_busy(url: str, timeout_s: float) -> None:
+async def _wait_steady(url: str, tokens: float, timeout_s: float) -> float:
+    """Until the engine has generated ``tokens`` more tokens: the batch load's first wave is
+    all prefill (32 prompts of ~475 tokens take 15-60 s here), so a window opened before one
+    wave has finished would count prefill time without its decode. Returns the wait."""
+    started = time.monotonic()
     async with httpx.AsyncClient(timeout=10) as client:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            running, _ = await engine_load(client, url)
-            if running > 0:
-                return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the batch load did not reach the engine in {timeout_s:.0f} s")
+        base = (await engine_counters(client, url))["vllm:generation_tokens_total"]
+        while time.monotonic() - started < timeout_s:
+            await asyncio.sleep(1.0)
+            now = (await engine_counters(client, url))["vllm:generation_tokens_total"]
+            if now - base >= tokens:
+                break
+        else:
+            _say(f"the batch load made under {tokens:.0f} tokens in {timeout_s:.0f} s")
+    return time.monotonic() - started
 
 
 async def wait_idle(url: str, timeout_s: float) -> bool:
@@ -273,8 +288,9 @@ async def run_scenario(
             for i in range(n)
         ]
         batch_id = await asyncio.to_thread(stack.submit, bodies)
+    steady_after = 0.0
     if batch is not None:
-        await _wait_busy(url, 180)
+        steady_after = await _wait_steady(url, cfg.concurrency * cfg.batch_max_tokens, 600)
         await asyncio.sleep(cfg.warmup_s)
     samples: list[tuple[float, float]] = []
     sampler = asyncio.create_task(_sample_load(url, samples))
@@ -300,7 +316,7 @@ async def run_scenario(
     if batch_id is not None and stack is not None:
         await asyncio.to_thread(stack.cancel, batch_id)
     drained = await wait_idle(url, cfg.drain_timeout_s)
-    load: dict[str, float] = {"drained_after": float(drained)}
+    load: dict[str, float] = {"drained_after": float(drained), "steady_after_s": steady_after}
     if samples:
         load["running_mean"] = statistics.fmean(s[0] for s in samples)
         load["waiting_mean"] = statistics.fmean(s[1] for s in samples)
@@ -584,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=f"PNG path (default {PLOT.name} beside this file; --quick: bench/out/)",
     )
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the engines, the API and worker processes, the scratch
+    # database and the ledger keys are all cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(wanted) - set(SCENARIOS)
     if unknown:
