@@ -132,7 +132,11 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _loads(raw: bytes) -> Any:
-    return json.loads(raw, parse_constant=_refuse_constant)
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        # Nesting deeper than the parser's recursion limit: refused as a line, not a crash.
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _dumps(body: dict[str, Any]) -> str:
@@ -244,6 +248,12 @@ def _checked_lines(
                 f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
                 number,
                 "custom_id",
+            )
+            continue
+        if "\x00" in custom_id:
+            # Postgres text cannot hold NUL; refused here, before anything is stored.
+            yield LineError(
+                "invalid_custom_id", "custom_id must not contain NUL (\\u0000)", number, "custom_id"
             )
             continue
         if custom_id in seen:

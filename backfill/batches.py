@@ -282,7 +282,7 @@ def first_model(content: bytes) -> str | None:
         if raw.strip():
             try:
                 model = json.loads(raw).get("body", {}).get("model")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 return None
             return model if isinstance(model, str) and len(model) <= 500 else None
     return None

@@ -27,10 +27,17 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy import Connection, Engine, create_engine, text
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 
 from backfill import ids
-from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite, StoreUnavailable
+from backfill.errors import (
+    Conflict,
+    IllegalTransition,
+    InvalidInput,
+    NotFound,
+    StaleWrite,
+    StoreUnavailable,
+)
 from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
 from backfill.states import (
     ITEM_ACTIVE,
@@ -352,6 +359,13 @@ class Repository:
             raise Conflict(str(exc.orig)) from exc
         except OperationalError as exc:
             raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
+        except DataError as exc:
+            # A value Postgres cannot hold (a NUL byte in text, a number out of range) that
+            # came from outside: the caller's input, not a fault of the store.
+            raise InvalidInput(f"value refused: {exc.orig}") from exc
+        except psycopg.DataError as exc:
+            # The same, from the driver directly (COPY and binary reads bypass SQLAlchemy).
+            raise InvalidInput(f"value refused: {exc}") from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
                 raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
