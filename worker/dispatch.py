@@ -66,6 +66,7 @@ from worker.engine import (
     EngineError,
     EngineRejected,
     EngineUnavailable,
+    ResumeUnsupported,
     resume_request,
 )
 
@@ -96,6 +97,11 @@ class DispatchConfig:
     """Per-sequence decode rate assumed until one is measured (deadline feasibility)."""
     prefill_tokens_per_s: float = 1000.0
     settle_every_tokens: int = 32
+    tokenize_concurrency: int = 8
+    """Prompt counts asked of the engine at once. vLLM's ``/tokenize`` serves a few
+    concurrent requests best: on 2 cores, 8 at once counted ~150-220 prompts/s and 64 at once
+    ~40-70/s (both httpx and the server slow down with many connections), and a claim's items
+    start only once all of them are counted."""
     observe_interval_s: float = 1.0
     """How often the engine's non-batch KV use is reported to the ledger (``backfill.observe``);
     0 turns it off."""
@@ -187,6 +193,9 @@ class NodeDispatcher:
         self._typical_reservation = 0
         self._cleanups: set[asyncio.Task[None]] = set()
         self._decode_rate = config.decode_tokens_per_s
+        self._tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
+        # Set when the engine stopped answering; cleared once it answers again.
+        self._engine_down = False
         policy = config.work_budget
         self.work_budget: WorkBudget | None = (
             None if policy is None else WorkBudget.initial(policy, time.time())
@@ -235,6 +244,17 @@ class NodeDispatcher:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    async def _engine_answers(self) -> bool:
+        try:
+            await self.engine.models()
+        except (EngineError, OSError) as exc:
+            log.warning("node %s: engine not answering (%s); not claiming", self.config.node, exc)
+            await self._sleep(1.0)
+            return False
+        log.info("node %s: engine answers again; claiming", self.config.node)
+        self._engine_down = False
+        return True
+
     async def _sleep(self, seconds: float) -> None:
         self._room.clear()
         with contextlib.suppress(TimeoutError):
@@ -265,6 +285,10 @@ class NodeDispatcher:
             room = min(room, budget.max_seqs - len(self._active()))
         if room <= 0:
             return 0
+        if self._engine_down and not await self._engine_answers():
+            # Claiming now would only cycle items through claim -> requeue, each time
+            # spending one of their attempts, for as long as the engine is down.
+            return 0
         snap = await self.ledger.snapshot(cfg.node)
         if snap is None or not snap.ready or snap.slack < self.block_size:
             return 0
@@ -293,9 +317,25 @@ class NodeDispatcher:
             if isinstance(tokens, EngineRejected):
                 await self._fail_claimed(item, _error_json("invalid_request", tokens.message))
                 continue
-            if isinstance(tokens, BaseException):
+            if isinstance(tokens, EngineUnavailable):
                 # The engine could not count (down, overloaded): give the item back untouched.
+                self._engine_down = True
                 await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {tokens}")
+                continue
+            if isinstance(tokens, BaseException):
+                # Not the engine's absence but something about this item: it fails the same
+                # way each time it is tried, so it counts against the item's attempts.
+                if item.attempt >= self.config.max_attempts:
+                    await self._fail_claimed(
+                        item,
+                        _error_json(
+                            "retries_exhausted",
+                            f"the prompt could not be counted in {item.attempt} attempts; "
+                            f"last error: {tokens!r}",
+                        ),
+                    )
+                else:
+                    await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {tokens!r}")
                 continue
             total = tokens + item.max_output_tokens
             if total > self.max_sequence_tokens:
@@ -328,9 +368,10 @@ class NodeDispatcher:
             return item.prompt_tokens
         body = json.loads(item.body)
         model = str(body.get("model") or self.model)
-        if item.endpoint == Endpoint.CHAT_COMPLETIONS:
-            return await self.engine.tokenize_chat(body["messages"], self.model or model)
-        return await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
+        async with self._tokenize_slots:
+            if item.endpoint == Endpoint.CHAT_COMPLETIONS:
+                return await self.engine.tokenize_chat(body["messages"], self.model or model)
+            return await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
 
     async def _reserve_and_start(self, ready: list[tuple[ClaimedItem, int, str]]) -> int:
         cfg = self.config
@@ -410,7 +451,14 @@ class NodeDispatcher:
         for item_id in applied:
             item, lease, endpoint = leased[item_id]
             flight = _InFlight(
-                item=item, lease=lease, endpoint=endpoint, prompt_tokens=prompt_of[item_id]
+                item=item,
+                lease=lease,
+                endpoint=endpoint,
+                prompt_tokens=prompt_of[item_id],
+                # Progress of earlier attempts is this one's from the start: a preemption
+                # before its first token must keep it, not store zero.
+                generated=item.partial_tokens,
+                text={0: [item.partial_output]} if item.partial_output else {},
             )
             self._in_flight[item.id] = flight
             self._by_lease[lease.lease_id] = item.id
@@ -484,15 +532,24 @@ class NodeDispatcher:
     async def _generate(self, flight: _InFlight) -> None:
         item = flight.item
         body: dict[str, Any] = json.loads(item.body)
-        if item.partial_output:
-            request = resume_request(
-                flight.endpoint, body, item.partial_output, item.partial_tokens
-            )
-            flight.text[0] = [item.partial_output]
-        else:
-            request = dict(body)
-        request["model"] = self.model
         request_id = f"bf-{item.id}-{item.attempt}"
+        # Tokens generated by earlier attempts. Their text may be empty (a detokenizer holds
+        # back an incomplete UTF-8 sequence), so progress is judged by the count.
+        done = item.partial_tokens
+        request = dict(body)
+        if done and done >= item.max_output_tokens:
+            # Preempted after its last token: the answer is complete; nothing to run.
+            response = self._response_body(flight, request_id, {0: "length"}, None)
+            await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
+            return
+        if done:
+            try:
+                request = resume_request(flight.endpoint, body, item.partial_output or "", done)
+            except ResumeUnsupported:
+                # Continuing would change the answer's meaning: run it whole again.
+                done = flight.generated = 0
+                flight.text = {}
+        request["model"] = self.model
         finish_reasons: dict[int, str] = {}
         usage_prompt: int | None = None
         completion = 0
@@ -517,7 +574,7 @@ class NodeDispatcher:
                         completion = chunk.usage.completion_tokens
                     else:
                         completion += sum(1 for c in chunk.choices if c.text)
-                    flight.generated = item.partial_tokens + completion
+                    flight.generated = done + completion
                     if flight.generated - settled >= self.config.settle_every_tokens:
                         settled = flight.generated
                         await self._settle(flight)
@@ -675,8 +732,8 @@ class NodeDispatcher:
         finally:
             await self._release(flight)
         if isinstance(exc, EngineUnavailable):
-            # Give a restarting engine a moment rather than spinning through the queue.
-            await asyncio.sleep(1.0)
+            # Claim nothing more until the engine answers again (see _fill).
+            self._engine_down = True
 
     async def _finish(
         self,

@@ -1,0 +1,99 @@
+"""Scenario 4: poison items.
+
+Two kinds: a request the engine refuses (400: more logprobs than it allows), which fails at
+once, and a line that breaks its attempt every time it is tried (the worker cannot count its
+prompt: a completions line without a prompt, as a line that slipped past validation would),
+which must fail after the retry cap instead of cycling between claim and requeue forever.
+Each fails with an error that says why, and the rest of the job keeps at least 90% of the
+throughput of the same job without poison (both measured here, on the same engine).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from backfill.states import ItemState
+from tests.reliability.conftest import REAPER_S
+from tests.reliability.support import Deployment, maintenance, report
+from tests.reliability.test_worker_kill import deployment_workers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ITEMS = 300
+MAX_TOKENS = 8
+REJECTED = {i: {"logprobs": 21} for i in range(7, ITEMS, 60)}
+BROKEN = set(range(37, ITEMS, 60))
+
+
+def _poison_bodies() -> dict[int, str]:
+    bodies = {}
+    for i, extra in REJECTED.items():
+        bodies[i] = json.dumps(
+            {"model": "tiny", "prompt": f"poison {i}", "max_tokens": MAX_TOKENS, **extra}
+        )
+    for i in BROKEN:
+        bodies[i] = json.dumps({"model": "tiny", "text": f"no prompt {i}", "max_tokens": 8})
+    return bodies
+
+
+def _run(d: Deployment, job: str) -> float:
+    started = time.monotonic()
+    d.wait(lambda: d.done(job) == ITEMS, 300, "every item to finish")
+    return time.monotonic() - started
+
+
+def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
+    deployment: Deployment, workdir: Path
+) -> None:
+    d = deployment
+    [worker] = deployment_workers(d, workdir, 1)
+    try:
+        with maintenance(d, REAPER_S):
+            worker.start()
+            worker.wait_ready()
+            # Clean, poisoned, clean again: the machine's load drifts; compare with both.
+            clean_s = _run(d, d.submit(ITEMS, max_tokens=MAX_TOKENS, tag="clean"))
+            poisoned_job = d.submit(
+                ITEMS, max_tokens=MAX_TOKENS, tag="poisoned", bodies=_poison_bodies()
+            )
+            poisoned_s = _run(d, poisoned_job)
+            clean_s = (clean_s + _run(d, d.submit(ITEMS, max_tokens=MAX_TOKENS, tag="again"))) / 2
+            d.assert_no_leak()
+    finally:
+        worker.close()
+    items = {i.line_no: i for i in d.repo.items(poisoned_job, limit=ITEMS)}
+    poison = set(REJECTED) | BROKEN
+    good = ITEMS - len(poison)
+    clean_rate = ITEMS / clean_s
+    poisoned_rate = good / poisoned_s
+    attempts = {line: items[line].attempt for line in BROKEN}
+    report(
+        "4 poison items",
+        items=ITEMS,
+        engine_rejected=len(REJECTED),
+        broken_every_attempt=len(BROKEN),
+        broken_attempts_max=max(attempts.values()),
+        attempt_cap=d.settings.max_attempts_per_item,
+        clean_items_per_s=round(clean_rate, 1),
+        poisoned_job_good_items_per_s=round(poisoned_rate, 1),
+        throughput_ratio=round(poisoned_rate / clean_rate, 2),
+    )
+    for line in REJECTED:
+        item = items[line]
+        assert item.state is ItemState.FAILED, item
+        error = json.loads(item.error or "{}")
+        assert error["code"] == "engine_rejected"
+        assert "logprobs" in error["message"]
+    for line in BROKEN:
+        item = items[line]
+        assert item.state is ItemState.FAILED, item
+        error = json.loads(item.error or "{}")
+        assert error["code"] == "retries_exhausted", error
+        assert "prompt" in error["message"]
+        assert item.attempt <= d.settings.max_attempts_per_item
+    assert all(items[i].state is ItemState.SUCCEEDED for i in range(ITEMS) if i not in poison)
+    assert poisoned_rate >= 0.9 * clean_rate, (clean_rate, poisoned_rate)
