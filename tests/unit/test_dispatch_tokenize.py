@@ -1,0 +1,102 @@
+"""The dispatcher counts a claim's prompts with a bounded number of engine requests at once.
+
+vLLM's ``/tokenize`` (and the httpx client in front of it) counts prompts several times faster
+at 8 concurrent requests than at 64 on a small node, and a claimed batch starts only when all
+of its prompts are counted, so the bound is a throughput matter (``bench.throughput``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from backfill.ledger import AsyncLedger
+from backfill.repository import ClaimedItem, Repository
+from worker.dispatch import DispatchConfig, NodeDispatcher
+from worker.engine import Engine
+
+
+class CountingEngine:
+    """Answers prompt counts after a short wait and records how many were asked at once."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.most_at_once = 0
+        self.calls = 0
+
+    async def _count(self, tokens: int) -> int:
+        self.calls += 1
+        self.in_flight += 1
+        self.most_at_once = max(self.most_at_once, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)
+        finally:
+            self.in_flight -= 1
+        return tokens
+
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], model: str) -> int:
+        return await self._count(len(str(messages[0]["content"])))
+
+    async def tokenize_prompt(self, prompt: str, model: str) -> int:
+        return await self._count(len(prompt))
+
+
+def _claimed(n: int, *, prompt_tokens: int | None = None) -> list[ClaimedItem]:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+    return [
+        ClaimedItem(
+            id=i,
+            job_id="job",
+            attempt=1,
+            custom_id=f"r{i}",
+            body=json.dumps(body),
+            deadline=datetime.now(UTC) + timedelta(hours=1),
+            prompt_tokens=prompt_tokens,
+            max_output_tokens=8,
+            reservation_tokens=None,
+            preemptions=0,
+            partial_output=None,
+            partial_tokens=0,
+            endpoint="/v1/chat/completions",
+        )
+        for i in range(n)
+    ]
+
+
+def _dispatcher(engine: CountingEngine, **config: Any) -> NodeDispatcher:
+    # Counting and checking a claim touches neither Postgres nor the ledger when every item
+    # is valid and on time.
+    return NodeDispatcher(
+        DispatchConfig(node="n", **config),
+        cast(Engine, engine),
+        cast(Repository, None),
+        cast(AsyncLedger, None),
+        model="m",
+        block_size=16,
+        max_sequence_tokens=4096,
+    )
+
+
+def test_a_claims_prompts_are_counted_at_most_tokenize_concurrency_at_once() -> None:
+    engine = CountingEngine()
+    dispatcher = _dispatcher(engine, tokenize_concurrency=8)
+
+    ready = asyncio.run(dispatcher._check(_claimed(64)))
+
+    assert len(ready) == 64
+    assert [tokens for _, tokens, _ in ready] == [5] * 64
+    assert engine.calls == 64
+    assert engine.most_at_once == 8
+
+
+def test_prompts_counted_before_are_not_counted_again() -> None:
+    engine = CountingEngine()
+    dispatcher = _dispatcher(engine)
+
+    ready = asyncio.run(dispatcher._check(_claimed(4, prompt_tokens=7)))
+
+    assert [tokens for _, tokens, _ in ready] == [7] * 4
+    assert engine.calls == 0
