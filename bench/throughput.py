@@ -61,18 +61,37 @@ MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048
 """vLLM's CPU defaults, passed explicitly so the server and run-batch surely agree."""
 SIDES = ("backfill", "run-batch", "direct")
+_NOT_SIDE_CPU = {"cpu_s_process_with_start"}
 
 # Runs vLLM's batch runner exactly as ``python -m vllm.entrypoints.openai.run_batch`` does,
 # with a timer around its processing coroutine: its log timestamps have one-second resolution,
 # too coarse for a 10-second run, and the engine's start must be left out.
 RUN_BATCH_DRIVER = """
-import asyncio, json, sys, time
+import asyncio, json, os, time
+from pathlib import Path
 import vllm.entrypoints.launchers.run_batch as rb
+def tree_cpu():
+    kids, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            f = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        kids.setdefault(int(f[1]), []).append(pid)
+        ticks[pid] = int(f[11]) + int(f[12])
+    todo, total = [os.getpid()], 0
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += kids.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 inner = rb.run_batch
 async def timed(engine_client, args):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tree_cpu()
     await inner(engine_client, args)
-    print("BACKFILL_RUN_BATCH " + json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+    out = {"seconds": time.perf_counter() - t0, "cpu_s": tree_cpu() - c0}
+    print("BACKFILL_RUN_BATCH " + json.dumps(out), flush=True)
 rb.run_batch = timed
 asyncio.run(rb.main(rb.parse_args()))
 """
@@ -120,6 +139,16 @@ class SideRun:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        """Output tokens per CPU second of the side's own processes (engine, vLLM API server,
+        Backfill's API and worker or the client; Postgres and Redis not counted): how much
+        work each token costs, which other people's load on the cores does not change."""
+        cpu = sum(
+            v for k, v in self.extra.items() if k.startswith("cpu_s_") and k not in _NOT_SIDE_CPU
+        )
+        return self.output_tokens / cpu if cpu > 0 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +432,8 @@ def run_vllm_batch(
     if proc.returncode != 0 or not marker:
         tail = "\n".join(proc.stdout.splitlines()[-30:])
         raise RuntimeError(f"vllm run-batch failed (exit {proc.returncode}):\n{tail}")
-    seconds = float(json.loads(marker[-1].split(" ", 1)[1])["seconds"])
+    timing = json.loads(marker[-1].split(" ", 1)[1])
+    seconds = float(timing["seconds"])
     rows = [json.loads(ln) for ln in dst.read_text().splitlines() if ln.strip()]
     failed = [r for r in rows if r.get("error") or r["response"]["status_code"] != 200]
     if failed or len(rows) != w.requests:
@@ -421,6 +451,7 @@ def run_vllm_batch(
             "process_seconds": round(total, 2),
             "engine_start_seconds": round(total - seconds, 2),
             "cpu_s_process_with_start": round(cpu_total, 2),
+            "cpu_s_processing": round(float(timing["cpu_s"]), 2),
         },
     )
 
@@ -633,6 +664,7 @@ def summarise(
             "best_seconds": best.seconds,
             "output_tokens": sorted({r.output_tokens for r in mine}),
             "mean_prompt_tokens": best.prompt_tokens / best.requests,
+            "best_tokens_per_cpu_s": max(r.tokens_per_cpu_s for r in mine),
         }
     mismatched = [asdict(r) for r in runs if r.output_tokens != expected]
     peer = max(sides["run-batch"]["best_tokens_per_s"], sides["direct"]["best_tokens_per_s"])
@@ -649,7 +681,14 @@ def summarise(
         "direct_best_concurrency": best_c,
         "ratio_best": sides["backfill"]["best_tokens_per_s"] / peer,
         "ratio_median": sides["backfill"]["median_tokens_per_s"] / peer_median,
-        "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
+        "ratio_per_cpu_s": sides["backfill"]["best_tokens_per_cpu_s"]
+        / max(
+            sides["run-batch"]["best_tokens_per_cpu_s"], sides["direct"]["best_tokens_per_cpu_s"]
+        ),
+        "runs": [
+            asdict(r) | {"tokens_per_s": r.tokens_per_s, "tokens_per_cpu_s": r.tokens_per_cpu_s}
+            for r in runs
+        ],
     }
 
 
@@ -674,6 +713,7 @@ def _rows(results: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
                     s["best_tokens_per_s"],
                     f"{s['min_tokens_per_s']:,.0f}-{s['max_tokens_per_s']:,.0f}",
                     ",".join(str(t) for t in s["output_tokens"]),
+                    s["best_tokens_per_cpu_s"],
                 )
             )
         rows.append(
@@ -686,6 +726,7 @@ def _rows(results: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
                 res["ratio_best"],
                 f"median {res['ratio_median']:.3f}",
                 f"goal >= {w['goal']}",
+                res["ratio_per_cpu_s"],
             )
         )
     return rows
@@ -754,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         table(
             [
                 "model", "side", "requests", "prompt/out tok", "best s",
-                "out tok/s (best)", "spread tok/s", "out tokens",
+                "out tok/s (best)", "spread tok/s", "out tokens", "out tok/CPU-s",
             ],
             _rows(results),
         )
