@@ -20,7 +20,7 @@ import json
 import random
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,23 @@ def interactive_body(request: TraceRequest, target: Target, rng: random.Random) 
     return body
 
 
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream.
+
+    Split on newlines only: httpx's ``aiter_lines`` also splits on U+2028, U+0085 and the
+    like, which JSON leaves unescaped inside strings, so generated text cut events in two.
+    """
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.startswith("data:"):
+                yield line[5:].strip()
+    if buffer.startswith("data:"):
+        yield buffer[5:].strip()
+
+
 async def _one(
     client: httpx.AsyncClient,
     target: Target,
@@ -115,11 +132,15 @@ async def _one(
             if response.status_code != 200:
                 result.error = (await response.aread()).decode(errors="replace")[:300]
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or "[DONE]" in line:
-                    continue
+            async for data in sse_data(response):
+                if data == "[DONE]":
+                    break
                 now = time.monotonic()
-                event = json.loads(line[5:])
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    result.error = f"unparsable stream event: {data[:200]!r}"
+                    break
                 if "error" in event:
                     # vLLM reports errors found after the stream opened as an event, under 200.
                     result.error = json.dumps(event["error"])[:300]

@@ -3,13 +3,15 @@ count, and the goals, without an engine."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import httpx
 import pytest
 
 from backfill.simulate.trace import TraceRequest
 from bench.protection import ScenarioResult, parse_variant, verdicts
-from bench.replay import InteractiveResult, Target, interactive_body
+from bench.replay import InteractiveResult, Target, interactive_body, sse_data
 from bench.stack import counters, settings_env
 
 
@@ -112,3 +114,13 @@ def test_counters_sum_over_labels() -> None:
     )
     got = counters(text, ["vllm:num_preemptions_total", "vllm:prompt_tokens_total"])
     assert got == {"vllm:num_preemptions_total": 5.0, "vllm:prompt_tokens_total": 0.0}
+
+
+def test_stream_events_are_split_on_newlines_only() -> None:
+    body = 'data: {"text": "a\u2028b\x85c"}\n\ndata: [DONE]\n\n'.encode()
+
+    async def read() -> list[str]:
+        response = httpx.Response(200, content=body)
+        return [d async for d in sse_data(response)]
+
+    assert asyncio.run(read()) == ['{"text": "a\u2028b\x85c"}', "[DONE]"]
