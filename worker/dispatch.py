@@ -276,6 +276,8 @@ class NodeDispatcher:
     # Claim, tokenize, check, reserve, start
 
     async def _fill(self) -> int:
+        """Claim, check, reserve and start what the node has room for; returns how many items
+        it started or settled (0: nothing to do now, and the caller waits)."""
         cfg = self.config
         room = cfg.max_in_flight - len(self._in_flight)
         budget = self.work_budget
@@ -303,7 +305,10 @@ class NodeDispatcher:
         self.stats.claimed += len(claimed)
         ready = await self._check(claimed)
         if not ready:
-            return 0
+            # Every claimed item was settled here (failed, expired, given back to be tried
+            # again): that is progress, not idleness. Sleeping an idle poll instead would let
+            # a poison item at the head of the queue stall the node once per retry.
+            return len(claimed)
         return await self._reserve_and_start(ready)
 
     async def _check(self, claimed: list[ClaimedItem]) -> list[tuple[ClaimedItem, int, str]]:
@@ -335,7 +340,13 @@ class NodeDispatcher:
                         ),
                     )
                 else:
-                    await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {tokens!r}")
+                    # Back off, so that a poison item does not hold the head of the queue.
+                    await self._give_back(
+                        item,
+                        ItemState.QUEUED,
+                        f"tokenize failed: {tokens!r}",
+                        min(0.25 * 2 ** max(item.attempt - 1, 0), 5.0),
+                    )
                 continue
             total = tokens + item.max_output_tokens
             if total > self.max_sequence_tokens:
