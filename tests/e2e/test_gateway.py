@@ -282,18 +282,23 @@ def test_a_borderline_prompt_is_counted_exactly_and_refused_only_when_over(gw: G
 
 def test_interactive_request_preempts_running_batch_which_completes_once(gw: Gateway) -> None:
     job = gw.submit_batch(30, max_tokens=300)
-    wait(lambda: gw.snapshot().batch_in_use > CAPACITY // 2, 60, "batch to fill its slack")
-    preempted_before = gw.metric("backfill_gateway_batch_preemptions_total")
-    # Four sequences of 512 tokens: more than the room batch leaves to interactive.
-    snap = gw.snapshot()
-    assert snap.interactive_room < 4 * CONTEXT
-    reply = gw.sdk().completions.create(model=MODEL, prompt="Hello", max_tokens=400, n=4)
-    assert len(reply.choices) == 4
-    assert gw.metric("backfill_gateway_batch_preemptions_total") > preempted_before
+    preempted = False
+    # Batch may free room between the snapshot and the request's arrival on a slow or busy
+    # machine; try a few times, each time once batch holds most of its slack again.
+    for _ in range(3):
+        wait(lambda: gw.snapshot().batch_in_use > CAPACITY // 2, 180, "batch to fill its slack")
+        preempted_before = gw.metric("backfill_gateway_batch_preemptions_total")
+        # Four sequences of 512 tokens: more than the room batch leaves to interactive.
+        reply = gw.sdk().completions.create(model=MODEL, prompt="Hello", max_tokens=400, n=4)
+        assert len(reply.choices) == 4
+        if gw.metric("backfill_gateway_batch_preemptions_total") > preempted_before:
+            preempted = True
+            break
+    assert preempted, "no interactive request had to preempt batch"
 
     wait(
         lambda: gw.repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30,
-        180,
+        300,
         "every batch item",
     )
     per_item = gw.successes_per_item(job)
