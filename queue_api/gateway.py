@@ -54,7 +54,7 @@ from backfill.refusals import InvalidRequest
 from backfill.repository import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
-from worker.engine import EngineError, EngineRejected, HttpEngine
+from worker.engine import EngineError, EngineRejected, HttpEngine, sse_lines
 
 log = logging.getLogger("backfill.gateway")
 
@@ -560,7 +560,7 @@ class InteractiveGateway:
     ) -> AsyncIterator[bytes]:
         outcome = "disconnected"
         try:
-            async for line in upstream.aiter_lines():
+            async for line in sse_lines(upstream):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

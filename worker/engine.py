@@ -211,6 +211,22 @@ class Engine(Protocol):
     async def aclose(self) -> None: ...
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream, split on ``\n`` only.
+
+    httpx's ``aiter_lines`` also splits on U+2028, U+0085 and friends, which JSON leaves
+    unescaped inside strings: generated text holding one would cut an event in two.
+    """
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 def _error_message(response: httpx.Response) -> str:
     """vLLM's error text from ``{"error": {"message": ...}}`` or ``{"message": ...}``."""
     try:
@@ -430,7 +446,7 @@ class HttpEngine:
                 await response.aread()
                 _raise_for_status(response, _error_message(response))
             try:
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()

@@ -22,6 +22,7 @@ from worker.engine import (
     ResumeUnsupported,
     StreamChunk,
     resume_request,
+    sse_lines,
 )
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -183,3 +184,20 @@ def test_requests_that_cannot_be_resumed_say_so(
 ) -> None:
     with pytest.raises(ResumeUnsupported):
         resume_request(endpoint, body, "partial", generated_tokens=generated)
+
+
+def test_sse_lines_split_on_newline_only_not_on_unicode_line_separators() -> None:
+    text = 'data: {"t": "a\u2028b\u0085c"}\r\n\ndata: [DONE]\n'
+    raw = text.encode()
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for cut in (raw[:7], raw[7:20], raw[20:]):
+                yield cut
+
+    async def collect() -> list[str]:
+        response = httpx.Response(200, stream=Chunks())
+        return [line async for line in sse_lines(response)]
+
+    lines = asyncio.run(collect())
+    assert lines == ['data: {"t": "a\u2028b\u0085c"}', "", "data: [DONE]"]
