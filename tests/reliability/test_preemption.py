@@ -111,7 +111,7 @@ def test_items_preempted_again_and_again_complete_once_within_the_cap(
         violations=len(samples.violations),
         job_s=round(elapsed, 1),
     )
-    assert sum(preemptions) >= ITEMS // 2, "the bursts preempted too little to test anything"
+    assert sum(preemptions) >= ITEMS // 4, "the bursts preempted too little to test anything"
     assert max(preemptions) <= cap
     if wrong_length:
         history = d.sql(
