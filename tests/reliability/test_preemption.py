@@ -31,9 +31,14 @@ BURST_TOKENS = CAPACITY // 2
 
 
 class Burst(threading.Thread):
-    """Interactive load that comes and goes: hold a large reservation, release, pause."""
+    """Interactive load that comes and goes: hold a large reservation, release, pause.
 
-    def __init__(self, ledger: Ledger, node: str, hold_s: float = 0.6, pause_s: float = 0.6):
+    Each burst waits until batch holds enough of the pool that the reservation must preempt
+    it, so the number of preemptions follows the job's length rather than the machine's
+    speed (a loaded CI machine ran a third as many timed bursts per item as a quiet one).
+    """
+
+    def __init__(self, ledger: Ledger, node: str, hold_s: float = 0.4, pause_s: float = 0.3):
         super().__init__(name="interactive-burst", daemon=True)
         self.ledger, self.node = ledger, node
         self.hold_s, self.pause_s = hold_s, pause_s
@@ -44,6 +49,9 @@ class Burst(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
+            if not self._batch_in_the_way():
+                self._halt.wait(0.02)
+                continue
             lease = self.ledger.reserve(self.node, "interactive", BURST_TOKENS - 256, 256)
             self.bursts += 1
             if isinstance(lease, Lease):
@@ -52,6 +60,10 @@ class Burst(threading.Thread):
                 self._halt.wait(self.hold_s)
                 self.ledger.release(lease)
             self._halt.wait(self.pause_s)
+
+    def _batch_in_the_way(self) -> bool:
+        snap = self.ledger.snapshot(self.node)
+        return snap is not None and snap.interactive_room < BURST_TOKENS
 
     def stop(self) -> None:
         self._halt.set()
@@ -111,7 +123,8 @@ def test_items_preempted_again_and_again_complete_once_within_the_cap(
         violations=len(samples.violations),
         job_s=round(elapsed, 1),
     )
-    assert sum(preemptions) >= ITEMS // 4, "the bursts preempted too little to test anything"
+    assert sum(preemptions) >= ITEMS // 5, "the bursts preempted too little to test anything"
+    assert max(preemptions) >= 2, "no item was preempted more than once"
     assert max(preemptions) <= cap
     if wrong_length:
         history = d.sql(
