@@ -187,7 +187,8 @@ class NodeDispatcher:
         self.stats = DispatchStats()
         self._in_flight: dict[int, _InFlight] = {}
         self._by_lease: dict[str, int] = {}
-        self._results: asyncio.Queue[tuple[Finish, _InFlight]] = asyncio.Queue()
+        # None is the writer's signal to commit what it holds and stop.
+        self._results: asyncio.Queue[tuple[Finish, _InFlight] | None] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._typical_reservation = 0
@@ -206,8 +207,8 @@ class NodeDispatcher:
 
     async def run(self) -> None:
         """Dispatch until :meth:`stop`; then drain (grace period), requeue the rest, return."""
+        writer = asyncio.create_task(self._write_results(), name="results")
         helpers = [
-            asyncio.create_task(self._write_results(), name="results"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._listen_preemptions(), name="preemptions"),
         ]
@@ -228,11 +229,21 @@ class NodeDispatcher:
                     await self._sleep(self.config.idle_poll_s)
             await self._drain()
         finally:
-            for task in helpers:
-                task.cancel()
-            for task in helpers:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # The writer commits the batch it holds before it stops: cancelled in its flush
+            # pause, that batch was lost, its items left running until the reaper came.
+            await self._results.put(None)
+            try:
+                await asyncio.wait_for(writer, self.config.grace_s + 30)
+            except TimeoutError:
+                log.warning("node %s: results not written before shutdown", self.config.node)
+            except Exception:
+                log.exception("node %s: the result writer failed", self.config.node)
+            finally:
+                for task in helpers:
+                    task.cancel()
+                for task in helpers:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self._flush_results()
 
     def stop(self) -> None:
@@ -794,18 +805,30 @@ class NodeDispatcher:
     # Results, heartbeats, preemption notices
 
     async def _write_results(self) -> None:
+        """Commit results in small batches; returns after the stop signal (None)."""
         while True:
             first = await self._results.get()
+            if first is None:
+                return
             batch = [first]
             await asyncio.sleep(self.config.result_flush_s)
+            stopping = False
             while not self._results.empty() and len(batch) < 256:
-                batch.append(self._results.get_nowait())
+                entry = self._results.get_nowait()
+                if entry is None:
+                    stopping = True
+                    break
+                batch.append(entry)
             await self._commit_results(batch)
+            if stopping:
+                return
 
     async def _flush_results(self) -> None:
         batch = []
         while not self._results.empty():
-            batch.append(self._results.get_nowait())
+            entry = self._results.get_nowait()
+            if entry is not None:
+                batch.append(entry)
         if batch:
             await self._commit_results(batch)
 
