@@ -1,0 +1,195 @@
+"""The embedded services of ``backfill dev``: real PostgreSQL and Redis servers from wheels,
+started in a scratch home, migrated, restarted on the same data, stopped without leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from backfill.config import libpq_url
+from backfill.migrate import upgrade
+from backfill.repository import Repository, ensure_database
+from worker.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gone(pid: int, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _processes_with(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (PostgreSQL's backends name the
+    data directory only through their postmaster, so callers pass the data directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in argv:
+            found.append(argv)
+    return found
+
+
+def _children(parent: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_postgres_is_migrated_and_keeps_its_data_across_restarts(tmp_path: Path) -> None:
+    first = start_postgres(tmp_path)
+    try:
+        assert first.port != 5432
+        url = ensure_database(first.url, "backfill_dev")
+        upgrade(url)
+        repo = Repository.connect(url, pool_size=1)
+        try:
+            created = repo.create_tenant("survivor")
+        finally:
+            repo.close()
+        children = _children(first.pid)
+        assert children  # checkpointer, walwriter, backends ...
+    finally:
+        first.stop()
+    assert _gone(first.pid)
+    assert all(_gone(pid) for pid in children)
+    assert _processes_with(str(first.data_dir)) == []
+
+    second = start_postgres(tmp_path)
+    try:
+        assert second.data_dir == first.data_dir
+        repo = Repository.connect(f"{second.url.rpartition('/')[0]}/backfill_dev", pool_size=1)
+        try:
+            assert repo.tenant_by_name("survivor").id == created.id
+        finally:
+            repo.close()
+        # Upgrading again is a no-op on a database already at head.
+        upgrade(f"{second.url.rpartition('/')[0]}/backfill_dev")
+    finally:
+        second.stop()
+    assert _gone(second.pid)
+
+
+def test_servers_run_in_their_own_session_so_a_terminal_ctrl_c_misses_them(
+    tmp_path: Path,
+) -> None:
+    """The worker needs the database while it requeues its items after Ctrl-C; the services
+    must outlive the signal the terminal sends to the dev command's process group."""
+    pg = start_postgres(tmp_path)
+    rd = start_redis(tmp_path)
+    try:
+        for server in (pg, rd):
+            assert os.getsid(server.pid) == server.pid
+            assert os.getpgid(server.pid) != os.getpgid(0)
+    finally:
+        pg.stop()
+        rd.stop()
+
+
+def test_redis_round_trip_and_stop_leaves_nothing(tmp_path: Path) -> None:
+    server = start_redis(tmp_path)
+    try:
+        assert server.port != 6379
+        client = redis.Redis.from_url(server.url)
+        client.set("bf:probe", "ok")
+        assert client.get("bf:probe") == b"ok"
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        client.close()
+    finally:
+        server.stop()
+    assert _gone(server.pid)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()
+
+
+def test_servers_left_by_a_killed_run_are_stopped_by_the_next(tmp_path: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from worker.embedded import start_postgres, start_redis\n"
+        "pg = start_postgres(Path(sys.argv[1])); rd = start_redis(Path(sys.argv[1]))\n"
+        "print(pg.pid, rd.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert owner.stdout is not None
+    old_pg, old_redis = (int(p) for p in owner.stdout.readline().split())
+    owner.send_signal(signal.SIGKILL)  # no cleanup runs: both servers are orphaned
+    owner.wait()
+    assert not _gone(old_pg, 0.5)
+    assert not _gone(old_redis, 0.5)
+
+    started: list[EmbeddedServer] = []
+    try:
+        started.append(start_postgres(tmp_path))
+        started.append(start_redis(tmp_path))
+        assert _gone(old_pg)
+        assert _gone(old_redis)
+        with psycopg.connect(libpq_url(started[0].url)) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        for server in started:
+            server.stop()
+
+
+def test_a_second_live_run_is_refused_rather_than_sharing_the_data(tmp_path: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from worker.embedded import start_postgres\n"
+        "pg = start_postgres(Path(sys.argv[1]))\n"
+        "print(pg.pid, flush=True)\n"
+        "try:\n"
+        "    sys.stdin.read()\n"
+        "finally:\n"
+        "    pg.stop()\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert owner.stdout is not None
+    assert owner.stdin is not None
+    pid = int(owner.stdout.readline())
+    try:
+        with pytest.raises(EmbeddedServiceError, match="another running backfill dev"):
+            start_postgres(tmp_path)
+        assert not _gone(pid, 0.2)
+    finally:
+        owner.stdin.close()
+        owner.wait(30)
+    assert _gone(pid)
