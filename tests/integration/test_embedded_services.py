@@ -8,15 +8,18 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import psycopg
 import pytest
 import redis
 
-from backfill.config import libpq_url
+from backfill.config import Settings, libpq_url
 from backfill.migrate import upgrade
 from backfill.repository import Repository, ensure_database
+from tests.conftest import REDIS_URL
+from worker.dev import start_services
 from worker.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,3 +196,23 @@ def test_a_second_live_run_is_refused_rather_than_sharing_the_data(tmp_path: Pat
         owner.stdin.close()
         owner.wait(30)
     assert _gone(pid)
+
+
+def test_dev_embeds_only_the_services_whose_url_is_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
+    monkeypatch.delenv("BACKFILL_DATABASE_URL", raising=False)
+    monkeypatch.setenv("BACKFILL_REDIS_URL", REDIS_URL)
+    settings = Settings()
+    with ExitStack() as stack:
+        dev = start_services(settings, "auto", stack)
+        assert dev.redis_url == settings.redis_url
+        assert dev.database_url != settings.database_url
+        port = int(dev.database_url.rpartition(":")[2].partition("/")[0])
+        with psycopg.connect(libpq_url(dev.database_url)) as conn:
+            assert conn.execute("SHOW data_directory").fetchone() == (
+                str(tmp_path / "embedded" / "postgres-18"),
+            )
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
