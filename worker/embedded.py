@@ -282,21 +282,26 @@ def _free_port() -> int:
 
 
 def _wait_ready(server: EmbeddedServer, answers: Callable[[], bool]) -> None:
-    end = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < end:
-        if server.process.poll() is not None:
-            server.stop()
-            raise EmbeddedServiceError(
-                f"{server.name} exited with code {server.process.returncode} while starting; "
-                f"its log: {server.log_path}\n{_tail(server.log_path)}"
-            )
-        if answers():
-            return
-        time.sleep(0.1)
-    server.stop()
-    raise EmbeddedServiceError(
-        f"{server.name} did not answer within {START_TIMEOUT_S:.0f} s; its log: {server.log_path}"
-    )
+    """Wait until the server answers; on any way out but that (it died, it is too slow, or a
+    Ctrl-C while waiting) stop it, since the caller never got it to stop."""
+    try:
+        end = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < end:
+            if server.process.poll() is not None:
+                raise EmbeddedServiceError(
+                    f"{server.name} exited with code {server.process.returncode} while "
+                    f"starting; its log: {server.log_path}\n{_tail(server.log_path)}"
+                )
+            if answers():
+                return
+            time.sleep(0.1)
+        raise EmbeddedServiceError(
+            f"{server.name} did not answer within {START_TIMEOUT_S:.0f} s; "
+            f"its log: {server.log_path}"
+        )
+    except BaseException:
+        server.stop()
+        raise
 
 
 def _postgres_answers(port: int) -> bool:
