@@ -216,3 +216,50 @@ def test_dev_embeds_only_the_services_whose_url_is_unset(
             )
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
+
+
+def test_sigterm_to_dev_stops_the_services_it_started(tmp_path: Path) -> None:
+    """SIGTERM unwinds ``backfill dev`` like Ctrl-C: the embedded servers stop. The engine is
+    replaced by a stand-in that never becomes ready (no vLLM here), so the signal lands while
+    dev waits for it, with the database migrated and both servers up."""
+    script = (
+        "import sys, time\n"
+        "from backfill.config import Settings\n"
+        "from worker import dev, devengine\n"
+        "def never_ready(*args, **kwargs):\n"
+        "    print('engine: waiting', flush=True)\n"
+        "    time.sleep(600)\n"
+        "devengine.start_model = never_ready\n"
+        "sys.exit(dev.run_dev(Settings(), dev.DevOptions(model='tiny')))\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("BACKFILL_DATABASE_URL", "BACKFILL_REDIS_URL")
+    }
+    env["BACKFILL_HOME"] = str(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("engine: waiting"):
+            break
+    text = "".join(seen)
+    assert "services: embedded PostgreSQL" in text, text
+    data_dir = tmp_path / "embedded" / "postgres-18"
+    postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+    redis_pid = int((tmp_path / "embedded" / "redis" / "redis.pid").read_text().split()[0])
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert _gone(postmaster)
+    assert _gone(redis_pid)
+    assert _processes_with(str(data_dir)) == []
