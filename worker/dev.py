@@ -112,7 +112,7 @@ def start_services(settings: Settings, services: str, stack: ExitStack) -> Setti
     if "redis_url" not in update:
         source = REDIS_ENV if REDIS_ENV in os.environ else "the default"
         said.append(f"Redis at {_where(settings.redis_url)} ({source})")
-    console.print("[bold]services:[/] " + ", ".join(said))
+    console.print("[bold]services:[/] " + ", ".join(said), soft_wrap=True)
     return settings.model_copy(update=update)
 
 
