@@ -82,9 +82,9 @@ def _end_with_files(
 
 
 def finalize_job(repo: Repository, job_id: str) -> JobState | None:
-    """Close a job whose items are all finished: finalizing, then completed (or failed when
-    none succeeded). Returns the state it ended in, or None if it was not ready or another
-    caller took it."""
+    """Close a job whose items are all finished: finalizing, then completed (expired when
+    some expired, failed when none succeeded). Returns the state it ended in, or None if it
+    was not ready or another caller took it."""
     job = repo.get_job(None, job_id)
     if job.state not in (JobState.IN_PROGRESS, JobState.FINALIZING) or job.counts.unfinished:
         return None
@@ -95,7 +95,16 @@ def finalize_job(repo: Repository, job_id: str) -> JobState | None:
             return None
         job = repo.get_job(None, job_id)
     succeeded = job.counts.count(ItemState.SUCCEEDED)
-    if succeeded:
+    expired = job.counts.count(ItemState.EXPIRED)
+    if expired:
+        # Items the worker did not start because they could not finish by the deadline end
+        # before it: the job ends as it would at its deadline, expired, results kept.
+        target, errors = JobState.EXPIRED, None
+        reason = (
+            f"{expired} of {job.counts.total} requests could not finish by the deadline; "
+            f"{succeeded} results kept"
+        )
+    elif succeeded:
         target, errors = JobState.COMPLETED, None
         reason = f"{succeeded} of {job.counts.total} requests succeeded"
     else:

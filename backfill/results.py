@@ -64,6 +64,9 @@ def _json_or_text(value: str | None) -> Any:
 def _error_object(item: ItemRecord) -> dict[str, Any]:
     if item.state in _ENDED_WITHOUT_RUNNING:
         code, message = _ENDED_WITHOUT_RUNNING[item.state]
+        if item.error and not item.error.lstrip().startswith("{"):
+            # The worker said why (e.g. how long the request needed and how long was left).
+            message = f"{message} {item.error}"
         return {"code": code, "message": message}
     detail = _json_or_text(item.error)
     if isinstance(detail, dict):

@@ -9,6 +9,7 @@ and preemption are exercised with a handful of items.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -149,7 +150,11 @@ def maintenance(deployment: Deployment) -> Iterator[None]:
 
     def loop() -> None:
         while not stop.wait(0.5):
-            tick(deployment.repo, deployment.ledger, deployment.settings)
+            try:
+                tick(deployment.repo, deployment.ledger, deployment.settings)
+            except Exception:
+                # As under Celery beat, a failed tick is logged and the next one runs.
+                logging.getLogger(__name__).exception("maintenance tick failed")
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -248,11 +253,6 @@ def test_interactive_burst_preempts_batch_which_resumes_and_completes_once(
         assert usage["completion_tokens"] == 200
 
 
-@pytest.mark.xfail(
-    reason="regressed late in session 1 (job not expired within 240 s on a real engine; the "
-    "expiry path itself passes in tests/integration/test_maintenance.py); under investigation",
-    strict=False,
-)
 def test_deadline_expires_the_job_and_keeps_finished_results(
     deployment: Deployment, node: NodeThread, maintenance: None
 ) -> None:
@@ -261,7 +261,11 @@ def test_deadline_expires_the_job_and_keeps_finished_results(
     d.wait(lambda: d.repo.get_job(None, quick).state is JobState.COMPLETED, 240, "quick job")
     # Far more work than fits before a short deadline.
     job = d.submit(400, max_tokens=300, deadline_s=6, tag="late")
-    d.wait(lambda: d.repo.get_job(None, job).state is JobState.EXPIRED, 240, "expiry")
+    try:
+        d.wait(lambda: d.repo.get_job(None, job).state is JobState.EXPIRED, 240, "expiry")
+    except AssertionError as exc:
+        record = d.repo.get_job(None, job)
+        raise AssertionError(f"{exc}: job {record.state}, items {d.counts(job)}") from None
     counts = d.counts(job)
     assert counts.get(ItemState.SUCCEEDED, 0) + counts.get(ItemState.EXPIRED, 0) == 400
     assert counts.get(ItemState.EXPIRED, 0) > 0
@@ -330,7 +334,9 @@ def _engine_running(url: str) -> float:
     return total
 
 
-def test_two_workers_on_one_node_never_over_reserve(deployment: Deployment) -> None:
+def test_two_workers_on_one_node_never_over_reserve(
+    deployment: Deployment, maintenance: None
+) -> None:
     d = deployment
     job = d.submit(150, max_tokens=150, tag="two")
     threads = [NodeThread(d.settings, "n1", d.engine_url) for _ in range(2)]
@@ -340,17 +346,18 @@ def test_two_workers_on_one_node_never_over_reserve(deployment: Deployment) -> N
         for t in threads:
             assert t.started.wait(60), f"node did not start: {t.error}"
         limit = CAPACITY - pool_policy(d.settings).reserve_tokens(CAPACITY)
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
+        end = time.monotonic() + 300
+        while d.counts(job).get(ItemState.SUCCEEDED, 0) < 150:
+            assert time.monotonic() < end, f"job not done in 300 s: {d.counts(job)}"
             snap = d.ledger.snapshot("n1")
             assert snap is not None
             assert snap.batch_in_use <= limit
             assert sum(lease.tokens for lease in snap.leases) == snap.reserved
-            if d.counts(job).get(ItemState.SUCCEEDED, 0) == 150:
-                break
             time.sleep(0.05)
         _assert_exactly_once(d, job, 150)
-        assert all(t.dispatchers and t.dispatchers[0].stats.succeeded > 0 for t in threads)
+        # Both served the node (how the work split between them is up to timing).
+        assert all(t.dispatchers for t in threads)
+        assert sum(t.dispatchers[0].stats.succeeded for t in threads) >= 150
     finally:
         for t in threads:
             t.stop()

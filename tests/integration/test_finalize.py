@@ -143,3 +143,23 @@ def test_cli_style_tenant_helper_makes_working_keys(repo: Repository) -> None:
     found = repo.tenant_for_key(tenant.key)
     assert found is not None
     assert found.id == tenant.id
+
+
+def test_a_job_whose_items_the_worker_expired_before_the_deadline_ends_expired(
+    repo: Repository, settings: Settings
+) -> None:
+    # The worker expires what cannot finish by the deadline instead of starting it; once
+    # every item has ended so, the job is expired (not "failed": nothing went wrong but time).
+    job = submit(repo, settings, 3)
+    claimed = repo.claim("n-expire", 10, 30)
+    assert {c.job_id for c in claimed} == {job.id}
+    for item in claimed:
+        repo.expire_claimed(item.id, item.attempt, "needs 40 s; 5 s left before the deadline")
+    assert finalize_ready_jobs(repo) == {job.id: JobState.EXPIRED}
+    ended = repo.get_job(None, job.id)
+    assert ended.counts.count(ItemState.EXPIRED) == 3
+    assert ended.output_file_id is None
+    assert ended.error_file_id is not None
+    lines = list(iter_result_lines(repo, job.id, ERROR_STATES))
+    assert len(lines) == 3
+    assert all("5 s left before the deadline" in line for line in lines)
