@@ -310,6 +310,8 @@ class NodeDispatcher:
         want = min(room, cfg.claim_batch)
         if self._typical_reservation:
             want = max(1, min(want, snap.slack // self._typical_reservation))
+        if self._engine_down:
+            return 0  # a stream broke while the snapshot was read: the engine may be gone
         claimed = await asyncio.to_thread(self.repo.claim, cfg.node, want, cfg.lease_ttl_s)
         if not claimed:
             return 0
@@ -721,6 +723,11 @@ class NodeDispatcher:
 
     async def _engine_trouble(self, flight: _InFlight, exc: BaseException) -> None:
         item = flight.item
+        if isinstance(exc, EngineUnavailable):
+            # Claim nothing more until the engine answers again (see _fill). Said before the
+            # first await below: a claim the loop starts meanwhile would send items to a dead
+            # engine and spend one of their attempts each.
+            self._engine_down = True
         log.warning(
             "node %s: item %s attempt %s: engine error: %s",
             self.config.node,
@@ -753,9 +760,6 @@ class NodeDispatcher:
             pass
         finally:
             await self._release(flight)
-        if isinstance(exc, EngineUnavailable):
-            # Claim nothing more until the engine answers again (see _fill).
-            self._engine_down = True
 
     async def _finish(
         self,

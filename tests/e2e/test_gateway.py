@@ -168,6 +168,9 @@ def gw(settings: Settings, small_engine: str) -> Iterator[Gateway]:
         shutdown_grace_s=3.0,
         max_in_flight_per_node=32,
         gateway_max_wait_s=2.0,
+        # These tests are about KV admission: the work budget's own TTFT-driven preemptions
+        # (tests/e2e/test_work_budget_engine.py) would blur which preempted what.
+        work_budget_enabled=False,
     )
     repo = Repository.connect(s.database_url, pool_size=4)
     ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
@@ -281,13 +284,25 @@ def test_a_borderline_prompt_is_counted_exactly_and_refused_only_when_over(gw: G
 
 
 def test_interactive_request_preempts_running_batch_which_completes_once(gw: Gateway) -> None:
-    job = gw.submit_batch(30, max_tokens=300)
+    jobs = [gw.submit_batch(30, max_tokens=300)]
     dispatcher = gw.node.dispatchers[0]
+
+    def unfinished() -> int:
+        return sum(
+            n
+            for job in jobs
+            for state, n in gw.repo.counted_states(job).items()
+            if state is not ItemState.SUCCEEDED
+        )
+
     preempted = False
     # Batch may free room between the snapshot and the request's arrival, or a victim may
     # finish its last token before its preemption notice arrives, on a slow or busy machine;
-    # try a few times, each time once batch holds most of its slack again.
-    for _ in range(4):
+    # try a few times, each time once batch holds most of its slack again. A try that finds
+    # too little batch left to fill the slack submits more.
+    for _ in range(5):
+        if unfinished() < 20:
+            jobs.append(gw.submit_batch(30, max_tokens=300))
         wait(lambda: gw.snapshot().batch_in_use > CAPACITY // 2, 180, "batch to fill its slack")
         stopped_before = dispatcher.stats.preempted
         # Four sequences of 512 tokens: more than the room batch leaves to interactive.
@@ -302,14 +317,11 @@ def test_interactive_request_preempts_running_batch_which_completes_once(gw: Gat
     assert preempted, "no interactive request preempted running batch work"
     assert gw.metric("backfill_gateway_batch_preemptions_total") > 0
 
-    wait(
-        lambda: gw.repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30,
-        300,
-        "every batch item",
-    )
-    per_item = gw.successes_per_item(job)
-    assert len(per_item) == 30
-    assert set(per_item.values()) == {1}, "a batch item succeeded twice or not at all"
+    wait(lambda: unfinished() == 0, 300 * len(jobs), "every batch item")
+    for job in jobs:
+        per_item = gw.successes_per_item(job)
+        assert len(per_item) == 30
+        assert set(per_item.values()) == {1}, "a batch item succeeded twice or not at all"
     wait(lambda: gw.snapshot().reserved == 0, 10, "every lease released")
 
 
@@ -356,7 +368,7 @@ def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw:
     # The tiny model can generate all 480 tokens before a slow client reads its first event
     # (the relay runs ahead into socket buffers): then the gateway saw the stream complete,
     # not a disconnect, and there was nothing to abort. Such a try proves nothing; try again.
-    for _ in range(5):
+    for _ in range(8):
         disconnects_before = gw.metric(ended, outcome="disconnected")
         generated_before = gw.engine_metric("vllm:generation_tokens_total")
         with (
@@ -366,19 +378,26 @@ def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw:
             ) as response,
         ):
             assert response.status_code == 200
+            held = 0
             for line in response.iter_lines():
                 if line.startswith("data:"):
+                    # Read before leaving the loop: dropping the line iterator closes the
+                    # connection at once (httpcore closes a stream abandoned mid-body).
+                    held = gw.snapshot().interactive_in_use
                     break
-            held = gw.snapshot().interactive_in_use
         # The connection is closed mid-stream.
         wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "the lease released")
         wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 5, "the engine abort")
         wait(lambda: gw.metric("backfill_gateway_in_flight") == 0, 5, "the relay to end")
         if gw.metric(ended, outcome="disconnected") == disconnects_before:
             continue
-        assert held > 0, "the lease was not held while the stream was open"
         time.sleep(0.5)
         generated = gw.engine_metric("vllm:generation_tokens_total") - generated_before
+        if held == 0 and generated >= 480:
+            # The engine finished (and the lease went) before the client read its first
+            # event; the client then left a relay that was only flushing buffers.
+            continue
+        assert held > 0, "the lease was not held while the stream was open"
         assert generated < 480, f"the engine generated {generated} tokens: it was not aborted"
         return
     pytest.fail("the engine finished every stream before the client could disconnect")
@@ -417,3 +436,4 @@ def test_traffic_that_bypasses_the_gateway_narrows_batch_slack(gw: Gateway) -> N
     assert lowest < quiet.slack
     assert gw.snapshot().interactive_in_use == 0
     wait(lambda: gw.snapshot().observed_non_batch == 0, 10, "observed use to fall back")
+

