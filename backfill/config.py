@@ -110,6 +110,11 @@ class Settings(BaseSettings):
     interactive_priority: int = 0
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
     gateway_node_refresh_s: PositiveFloat = 5.0
+    # Admit a request on an upper bound of its prompt's tokens (UTF-8 bytes + what the
+    # tokenizer or template adds, measured once per shape), skipping the engine's /tokenize,
+    # when that fits without preempting; else count exactly. The reservation is settled to
+    # the engine's count when it reports one.
+    gateway_bound_admission: bool = True
 
     # Batch work budget per node (``backfill.work_budget``): the interactive TTFT target it
     # protects, its floor and ceiling (batch sequences in flight, batch prompt tokens in

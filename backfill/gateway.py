@@ -128,6 +128,11 @@ class RequestShape:
     """As the caller gave it; None when absent."""
     budget_key: str
     """The body field that carries the output budget."""
+    bound_key: tuple[str, ...] | None = None
+    """What the tokens around the prompt's text depend on (see :func:`bound_key`); None when
+    only an exact count is safe."""
+    segments: int = 1
+    """Pieces of text in the (longest) prompt: one per chat message, one for a prompt."""
 
     @property
     def sequences(self) -> int:
@@ -209,6 +214,7 @@ def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
         longest = max((len(p.encode()) for p in text_prompts), default=0)
         key = "max_tokens"
     max_output = _positive_int(body, key, None)
+    segments = len(body["messages"]) if endpoint is InteractiveEndpoint.CHAT_COMPLETIONS else 1
     return RequestShape(
         endpoint=endpoint,
         model=model,
@@ -221,6 +227,67 @@ def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
         n=n,
         max_output_tokens=max_output,
         budget_key=key,
+        bound_key=bound_key(endpoint, body) if ids is None else None,
+        segments=segments,
+    )
+
+
+# Request fields that change what is rendered around the text: a request with any of them is
+# counted exactly. Messages with more than a role and plain-text content are too.
+_CHAT_RENDERING_FIELDS = (
+    "tools",
+    "functions",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+_COMPLETIONS_RENDERING_FIELDS = ("suffix",)
+
+
+def bound_key(endpoint: InteractiveEndpoint, body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """What the tokens a tokenizer or chat template adds around a prompt's text depend on:
+    ``("prompt",)`` for a completions prompt (the tokenizer's special tokens), ``("chat",
+    add_generation_prompt, role, role, ...)`` for chat messages of plain text. None when a
+    field could render more than that (tools, documents, template arguments, a custom
+    template, content parts, named or tool messages): such requests are counted exactly."""
+    if endpoint is InteractiveEndpoint.COMPLETIONS:
+        if any(body.get(f) for f in _COMPLETIONS_RENDERING_FIELDS):
+            return None
+        return ("prompt",)
+    if any(body.get(f) for f in _CHAT_RENDERING_FIELDS):
+        return None
+    generation = body.get("add_generation_prompt", True)
+    if not isinstance(generation, bool):
+        return None
+    roles: list[str] = []
+    for message in body["messages"]:
+        role, content = message.get("role"), message.get("content")
+        if set(message) - {"role", "content"} or not isinstance(role, str):
+            return None
+        if not isinstance(content, str):
+            return None
+        roles.append(role)
+    return ("chat", str(generation), *roles)
+
+
+BOUND_MARGIN_PER_SEGMENT = 2
+"""Tokens allowed per piece of text beyond one per UTF-8 byte: a SentencePiece tokenizer may
+split off a word-start marker, and text meeting template text may tokenize apart."""
+
+
+def prompt_upper_bound(shape: RequestShape, overhead_tokens: int) -> int:
+    """Tokens the (longest) prompt has at most, without tokenizing it: one per UTF-8 byte of
+    its text (no token of a byte-level or byte-fallback vocabulary is shorter, special tokens
+    aside, and those only shorten), plus what the tokenizer or chat template adds around the
+    text (``overhead_tokens``, measured once on the same shape with empty text), plus a
+    margin per piece of text."""
+    return (
+        shape.longest_prompt_bytes
+        + overhead_tokens
+        + BOUND_MARGIN_PER_SEGMENT * shape.segments
     )
 
 
@@ -407,9 +474,11 @@ async def admit(
     timing: AdmissionTiming | None = None,
     disconnected: Callable[[], Awaitable[bool]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    allow_preemption: bool = True,
 ) -> Admission:
     """Reserve ``sizing`` on the first of ``nodes`` (ranked by load when there are several)
-    that admits it, preempting batch where that makes room; wait up to ``max_wait_s``.
+    that admits it, preempting batch where that makes room (unless ``allow_preemption`` is
+    False); wait up to ``max_wait_s``.
 
     Raises :class:`NoInteractiveRoom` or :class:`GatewayUnavailable` (with a retry hint) when
     the wait runs out, :class:`ReservationTooLarge` when no node could ever hold it, and
@@ -440,7 +509,7 @@ async def admit(
                     n=sizing.sequences,
                     lease_id=lease_id,
                     owner=owner,
-                    allow_preemption=True,
+                    allow_preemption=allow_preemption,
                     ttl_ms=ttl_ms,
                 )
             except LedgerUnavailable as exc:

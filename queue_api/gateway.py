@@ -44,13 +44,14 @@ from backfill.gateway import (
     admit,
     check_bound,
     parse_request,
+    prompt_upper_bound,
     size_request,
     upstream_body,
     wait_budget_s,
 )
 from backfill.ledger import AsyncLedger, Lease
 from backfill.maintenance import pool_policy
-from backfill.refusals import InvalidRequest
+from backfill.refusals import InvalidRequest, Refusal
 from backfill.repository import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
@@ -145,6 +146,25 @@ class LeaseKeeper:
         self._ttl_ms = ttl_ms
         self._ended = False
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+        self.exact: Sizing | None = None
+        """The sizing on the engine's count, once known, of a request admitted on a bound."""
+        self.counting: asyncio.Task[None] | None = None
+
+    async def settle_reservation(self, tokens: int) -> None:
+        """Shrink the reservation to ``tokens`` (the exact need of a bound admission)."""
+        if self._ended:
+            return
+        lease = self.lease
+        try:
+            await self.ledger.settle(
+                lease.node,
+                lease.lease_id,
+                lease.fencing_token,
+                self.generated,
+                reservation_tokens=tokens,
+            )
+        except BackfillError as exc:
+            log.warning("interactive lease %s not settled: %s", lease.lease_id, exc)
 
     async def _heartbeat(self) -> None:
         lease = self.lease
@@ -232,6 +252,16 @@ def _carries_tokens(choice: Mapping[str, Any]) -> bool:
     return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
+OVERHEAD_CACHE_SIZE = 1024
+"""Shapes (model, roles) whose template overhead the gateway keeps."""
+
+
+def _fitting(nodes: Sequence[ServingNode], sizing: Sizing) -> list[str]:
+    # A node with a shorter context than the widest would refuse the request itself.
+    need = sizing.sequence_tokens
+    return [n.name for n in nodes if n.max_model_len is None or need <= n.max_model_len]
+
+
 def _used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: int) -> int:
     """KV tokens the request held at its largest, per the engine's usage when it sent one."""
     prompt = sizing.prompt_tokens
@@ -302,6 +332,7 @@ class InteractiveGateway:
         self.activity = InteractiveActivity()
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._publisher: asyncio.Task[None] | None = None
+        self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
 
     def client(self, url: str) -> httpx.AsyncClient:
         client = self._clients.get(url)
@@ -405,39 +436,45 @@ class InteractiveGateway:
         )
         limit = self._limit(nodes)
         check_bound(shape, limit, self.settings.max_bytes_per_token)
-        prompt_tokens = await self._count(shape, body, nodes)
-        sizing = size_request(shape, prompt_tokens, limit)
-        # A node with a shorter context than the widest would refuse the request itself.
-        fitting = [
-            n.name
-            for n in nodes
-            if n.max_model_len is None or sizing.sequence_tokens <= n.max_model_len
-        ]
-        counted = time.perf_counter()
         self._start_publisher()
-        pending = self.activity.arrived(fitting)
-        try:
-            admission = await admit(
-                self.ledger,
-                fitting,
-                sizing,
-                lease_id=f"gw_{secrets.token_hex(10)}",
-                owner=f"gateway/{tenant.id}",
-                ttl_ms=self.ttl_ms,
-                max_wait_s=budget,
-                disconnected=request.is_disconnected,
-            )
-        except BaseException:
-            pending.end()
-            raise
+        lease_id = f"gw_{secrets.token_hex(10)}"
+        owner = f"gateway/{tenant.id}"
+        counted = time.perf_counter()
+        bounded = await self._admit_on_bound(shape, body, nodes, limit, lease_id, owner)
+        if bounded is not None:
+            admission, sizing, pending = bounded
+        else:
+            prompt_tokens = await self._count(shape, body, nodes)
+            sizing = size_request(shape, prompt_tokens, limit)
+            counted = time.perf_counter()
+            pending = self.activity.arrived(_fitting(nodes, sizing))
+            try:
+                admission = await admit(
+                    self.ledger,
+                    _fitting(nodes, sizing),
+                    sizing,
+                    lease_id=lease_id,
+                    owner=owner,
+                    ttl_ms=self.ttl_ms,
+                    max_wait_s=budget,
+                    disconnected=request.is_disconnected,
+                )
+            except BaseException:
+                pending.end()
+                raise
         admitted = time.perf_counter()
         lease = admission.lease
         pending.admitted(lease.node)
         m.IN_FLIGHT.inc()
+        m.ADMISSIONS.labels("bound" if bounded is not None else "exact").inc()
         keeper = LeaseKeeper(self.ledger, lease, self.settings.heartbeat_interval_s, self.ttl_ms)
         try:
             node = next(n for n in nodes if n.name == lease.node)
             self._record_admission(admission, endpoint)
+            if bounded is not None:
+                keeper.counting = asyncio.ensure_future(
+                    self._settle_exact(keeper, shape, body, node, sizing)
+                )
             payload = upstream_body(body, shape, sizing, self.settings.interactive_priority)
             overhead = (counted - received) + (time.perf_counter() - admitted)
             m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
@@ -455,6 +492,116 @@ class InteractiveGateway:
             with anyio.CancelScope(shield=True):
                 await keeper.end(None)
             raise
+
+    async def _admit_on_bound(
+        self,
+        shape: RequestShape,
+        body: Mapping[str, Any],
+        nodes: Sequence[ServingNode],
+        limit: int,
+        lease_id: str,
+        owner: str,
+    ) -> tuple[Admission, Sizing, PendingInteractive] | None:
+        """Admit on an upper bound of the prompt's tokens, without tokenizing, where that is
+        safe and a node has the room now without preempting or waiting; None: count exactly.
+
+        Only a request with an explicit output budget qualifies (an absent one is the rest of
+        the context, which needs the exact count), and only when the bound leaves it within
+        the class limit (near the limit, only the exact count can tell)."""
+        key = shape.bound_key
+        given = shape.max_output_tokens
+        if not self.settings.gateway_bound_admission or key is None or given is None:
+            return None
+        if (shape.model, key) in self._overheads:
+            overhead = self._overheads[(shape.model, key)]
+        else:
+            overhead = await self._measure_overhead(shape, key, nodes)
+        if overhead is None:
+            return None
+        bound = prompt_upper_bound(shape, overhead)
+        if bound + given > limit:
+            return None
+        sizing = size_request(shape, bound, limit)
+        fitting = _fitting(nodes, sizing)
+        pending = self.activity.arrived(fitting)
+        try:
+            admission = await admit(
+                self.ledger,
+                fitting,
+                sizing,
+                lease_id=lease_id,
+                owner=owner,
+                ttl_ms=self.ttl_ms,
+                max_wait_s=0.0,
+                allow_preemption=False,
+            )
+        except GatewayRefusal:
+            pending.end()
+            return None
+        except BaseException:
+            pending.end()
+            raise
+        return admission, sizing, pending
+
+    async def _measure_overhead(
+        self, shape: RequestShape, key: tuple[str, ...], nodes: Sequence[ServingNode]
+    ) -> int | None:
+        """Tokens the tokenizer or chat template adds around the text of requests of this
+        shape: the engine's count of the same shape with empty text (kept per model)."""
+        for node in nodes:
+            engine = self.engine(node.engine_url)
+            found: int | None
+            try:
+                if key[0] == "chat":
+                    found = await engine.tokenize_chat(
+                        [{"role": role, "content": ""} for role in key[2:]],
+                        shape.model,
+                        add_generation_prompt=key[1] == "True",
+                    )
+                else:
+                    found = await engine.tokenize_prompt("", shape.model)
+            except EngineRejected as exc:
+                # This shape cannot be rendered empty (a template that insists on content,
+                # say): its requests are counted exactly from now on.
+                log.info("no prompt bound for %s %s: %s", shape.model, key, exc.message)
+                found = None
+            except EngineError:
+                continue
+            if len(self._overheads) >= OVERHEAD_CACHE_SIZE:
+                self._overheads.clear()
+            self._overheads[(shape.model, key)] = found
+            return found
+        return None
+
+    async def _settle_exact(
+        self,
+        keeper: LeaseKeeper,
+        shape: RequestShape,
+        body: Mapping[str, Any],
+        node: ServingNode,
+        bound: Sizing,
+    ) -> None:
+        """Off the request's path: count the prompt of a bound admission exactly, shrink its
+        reservation to that, and check the bound held."""
+        try:
+            tokens = await self._count(shape, body, [node])
+        except Refusal as exc:
+            log.info("interactive lease %s: no exact count: %s", keeper.lease.lease_id, exc)
+            return
+        if tokens > bound.prompt_tokens:
+            m.BOUND_VIOLATIONS.inc()
+            log.error(
+                "interactive lease %s: the prompt has %s tokens, over its bound of %s "
+                "(model %s): it ran on a reservation short of its need; turn bound "
+                "admission off (BACKFILL_GATEWAY_BOUND_ADMISSION=false) for this model",
+                keeper.lease.lease_id,
+                tokens,
+                bound.prompt_tokens,
+                shape.model,
+            )
+        exact = Sizing(tokens, bound.max_output_tokens, bound.sequences, bound.output_defaulted)
+        keeper.exact = exact
+        await keeper.settle_reservation(exact.sequences * exact.sequence_tokens)
 
     def _limit(self, nodes: Sequence[ServingNode]) -> int:
         # The widest context of any serving node: never refuse what one of them could take.
@@ -602,7 +749,7 @@ class InteractiveGateway:
         if relay.pending is not None:
             relay.pending.end()
         keeper.generated = max(keeper.generated, relay.completion)
-        await keeper.end(_used_tokens(sizing, relay.usage, relay.completion))
+        await keeper.end(_used_tokens(keeper.exact or sizing, relay.usage, relay.completion))
 
     async def _unary(
         self,
@@ -649,7 +796,9 @@ class InteractiveGateway:
             with contextlib.suppress(ValueError, AttributeError):
                 usage = response.json().get("usage")
         keeper.generated = int((usage or {}).get("completion_tokens") or 0)
-        await keeper.end(_used_tokens(sizing, usage, keeper.generated) if usage else None)
+        await keeper.end(
+            _used_tokens(keeper.exact or sizing, usage, keeper.generated) if usage else None
+        )
         outcome = "completed" if response.status_code == 200 else "engine_error"
         m.REQUESTS.labels(label, outcome).inc()
         m.REQUEST_DURATION.labels(label, "false").observe(time.perf_counter() - received)

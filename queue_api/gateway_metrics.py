@@ -79,3 +79,16 @@ IN_FLIGHT = Gauge(
     "backfill_gateway_in_flight",
     "Interactive requests holding a reservation now.",
 )
+ADMISSIONS = Counter(
+    "backfill_gateway_admissions_total",
+    "Admitted interactive requests by what their reservation was sized on: 'bound' (an upper "
+    "bound of the prompt's tokens, no tokenizing; room without preempting) or 'exact' (the "
+    "engine's count).",
+    ["basis"],
+)
+BOUND_VIOLATIONS = Counter(
+    "backfill_gateway_bound_violations_total",
+    "Requests admitted on a prompt bound whose prompt the engine counted above it (should stay "
+    "0: the bound's assumptions failed for this tokenizer; set BACKFILL_GATEWAY_BOUND_ADMISSION"
+    "=false).",
+)

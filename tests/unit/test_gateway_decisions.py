@@ -8,12 +8,15 @@ from typing import Any
 import pytest
 
 from backfill.gateway import (
+    BOUND_MARGIN_PER_SEGMENT,
     ContextLengthExceeded,
     InteractiveEndpoint,
     NodeLoad,
+    bound_key,
     check_bound,
     parse_request,
     prompt_lower_bound,
+    prompt_upper_bound,
     rank_nodes,
     size_request,
     upstream_body,
@@ -94,6 +97,51 @@ def test_cheap_bound_refuses_only_what_cannot_fit_at_the_lower_bound() -> None:
     )
     # Without a budget only the prompt's bound counts (the output is then what fits).
     check_bound(parse_request(CHAT, chat("x" * 1000)), 101, 10)
+
+
+def test_the_bound_key_names_what_is_rendered_around_the_text() -> None:
+    chat = InteractiveEndpoint.CHAT_COMPLETIONS
+    plain = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    }
+    assert bound_key(chat, plain) == ("chat", "True", "system", "user")
+    assert bound_key(chat, {**plain, "add_generation_prompt": False}) == (
+        "chat",
+        "False",
+        "system",
+        "user",
+    )
+    # Anything the template could render beyond roles and plain text: counted exactly.
+    assert bound_key(chat, {**plain, "tools": [{"type": "function"}]}) is None
+    assert bound_key(chat, {**plain, "chat_template": "{{ messages }}"}) is None
+    assert bound_key(chat, {**plain, "continue_final_message": True}) is None
+    named = {"model": "m", "messages": [{"role": "user", "content": "Hi", "name": "ann"}]}
+    assert bound_key(chat, named) is None
+    parts = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    assert bound_key(chat, parts) is None
+    completions = InteractiveEndpoint.COMPLETIONS
+    assert bound_key(completions, {"model": "m", "prompt": "x"}) == ("prompt",)
+    assert bound_key(completions, {"model": "m", "prompt": "x", "suffix": "y"}) is None
+    # Token ids need no bound: their count is exact.
+    assert parse_request(completions, {"model": "m", "prompt": [1, 2]}).bound_key is None
+
+
+def test_the_prompt_bound_is_bytes_plus_overhead_plus_a_margin_per_piece_of_text() -> None:
+    chat = parse_request(
+        InteractiveEndpoint.CHAT_COMPLETIONS,
+        {
+            "model": "m",
+            "messages": [{"role": "system", "content": "héllo"}, {"role": "user", "content": "ab"}],
+            "max_tokens": 5,
+        },
+    )
+    assert chat.segments == 2
+    assert prompt_upper_bound(chat, 11) == 6 + 2 + 11 + 2 * BOUND_MARGIN_PER_SEGMENT
+    prompts = parse_request(
+        InteractiveEndpoint.COMPLETIONS, {"model": "m", "prompt": ["abc", "abcdef"]}
+    )
+    assert prompt_upper_bound(prompts, 1) == 6 + 1 + BOUND_MARGIN_PER_SEGMENT
 
 
 def test_exact_check_and_the_worst_case_of_an_absent_budget() -> None:
