@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Request
 
 from backfill.capacity_view import UsageSource
@@ -15,22 +16,22 @@ from backfill.repository import Repository, TenantRecord
 from queue_api.errors import Unauthorized
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_repository(request: Request) -> Repository:
+async def get_repository(request: Request) -> Repository:
     repo: Repository = request.app.state.repository
     return repo
 
 
-def get_rate_limiter(request: Request) -> RateLimiter:
+async def get_rate_limiter(request: Request) -> RateLimiter:
     limiter: RateLimiter = request.app.state.rate_limiter
     return limiter
 
 
-def get_usage_source(request: Request) -> UsageSource | None:
+async def get_usage_source(request: Request) -> UsageSource | None:
     source: UsageSource | None = request.app.state.usage_source
     return source
 
@@ -41,7 +42,7 @@ RateLimiterDep = Annotated[RateLimiter, Depends(get_rate_limiter)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]
 
 
-def get_tenant_keys(request: Request) -> TenantKeyCache:
+async def get_tenant_keys(request: Request) -> TenantKeyCache:
     keys: TenantKeyCache = request.app.state.tenant_keys
     return keys
 
@@ -49,14 +50,24 @@ def get_tenant_keys(request: Request) -> TenantKeyCache:
 TenantKeysDep = Annotated[TenantKeyCache, Depends(get_tenant_keys)]
 
 
-def current_tenant(request: Request, keys: TenantKeysDep, limiter: RateLimiterDep) -> TenantRecord:
-    """The tenant of the ``Authorization: Bearer`` key, once its rate limit allows."""
+async def current_tenant(
+    request: Request, keys: TenantKeysDep, limiter: RateLimiterDep
+) -> TenantRecord:
+    """The tenant of the ``Authorization: Bearer`` key, once its rate limit allows.
+
+    The key lookup (Postgres on a cache miss) and the rate limit (Redis) block, so they run
+    together in one worker thread: one hop off the event loop per request, not one per
+    dependency (the getters above are ``async`` for that reason: they only read app state)."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized(
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
         )
+    return await anyio.to_thread.run_sync(_authenticate, key, keys, limiter)
+
+
+def _authenticate(key: str, keys: TenantKeyCache, limiter: RateLimiter) -> TenantRecord:
     tenant = keys.get(key)
     if tenant is None:
         raise Unauthorized("Incorrect API key provided.")

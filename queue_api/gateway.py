@@ -148,7 +148,27 @@ class LeaseKeeper:
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
         self.exact: Sizing | None = None
         """The sizing on the engine's count, once known, of a request admitted on a bound."""
-        self.counting: asyncio.Task[None] | None = None
+        self._count: Callable[[], Awaitable[None]] | None = None
+        self._counting: asyncio.Task[None] | None = None
+
+    def count_later(self, count: Callable[[], Awaitable[None]]) -> None:
+        """Run ``count`` (the exact count of a bound admission) after the first token or the
+        first heartbeat, whichever comes first: not beside the request's prefill, whose
+        engine it would slow."""
+        self._count = count
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
+    def bounded(self) -> bool:
+        """Admitted on a bound of its prompt, not the engine's count."""
+        return self._count is not None
+
+    def start_counting(self) -> None:
+        if self._count is not None and self._counting is None and not self._ended:
+            self._counting = asyncio.ensure_future(self._count())
 
     async def settle_reservation(self, tokens: int) -> None:
         """Shrink the reservation to ``tokens`` (the exact need of a bound admission)."""
@@ -170,6 +190,7 @@ class LeaseKeeper:
         lease = self.lease
         while True:
             await asyncio.sleep(self._interval_s)
+            self.start_counting()
             try:
                 beat = await self.ledger.heartbeat(
                     lease.node, lease.lease_id, lease.fencing_token, ttl_ms=self._ttl_ms
@@ -260,6 +281,21 @@ def _fitting(nodes: Sequence[ServingNode], sizing: Sizing) -> list[str]:
     # A node with a shorter context than the widest would refuse the request itself.
     need = sizing.sequence_tokens
     return [n.name for n in nodes if n.max_model_len is None or need <= n.max_model_len]
+
+
+def _check_bound(keeper: LeaseKeeper, sizing: Sizing, usage: Mapping[str, Any] | None) -> None:
+    """A bound admission whose single prompt the engine's usage counts above the bound."""
+    if keeper.ended or not keeper.bounded or usage is None or sizing.sequences != 1:
+        return
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int) and prompt > sizing.prompt_tokens and keeper.exact is None:
+        m.BOUND_VIOLATIONS.inc()
+        log.error(
+            "interactive lease %s: the prompt had %s tokens, over its bound of %s",
+            keeper.lease.lease_id,
+            prompt,
+            sizing.prompt_tokens,
+        )
 
 
 def _used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: int) -> int:
@@ -472,9 +508,7 @@ class InteractiveGateway:
             node = next(n for n in nodes if n.name == lease.node)
             self._record_admission(admission, endpoint)
             if bounded is not None:
-                keeper.counting = asyncio.ensure_future(
-                    self._settle_exact(keeper, shape, body, node, sizing)
-                )
+                keeper.count_later(partial(self._settle_exact, keeper, shape, body, node, sizing))
             payload = upstream_body(body, shape, sizing, self.settings.interactive_priority)
             overhead = (counted - received) + (time.perf_counter() - admitted)
             m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
@@ -712,8 +746,13 @@ class InteractiveGateway:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    # Read on to the end of the body (the engine ends it right after): a
+                    # response closed early takes its connection with it, and the next
+                    # request pays a new TCP connection to the engine.
                     relay.done = True
-                    break
+                    continue
+                if relay.done:
+                    continue
                 try:
                     event = json.loads(data)
                 except ValueError:
@@ -721,6 +760,8 @@ class InteractiveGateway:
                     continue
                 relay.saw(event, time.perf_counter())
                 keeper.generated = relay.completion
+                if relay.completion:
+                    keeper.start_counting()
                 if not event.get("choices") and "usage" in event and not shape.include_usage:
                     continue
                 yield f"data: {data}\n\n".encode()
@@ -749,6 +790,7 @@ class InteractiveGateway:
         if relay.pending is not None:
             relay.pending.end()
         keeper.generated = max(keeper.generated, relay.completion)
+        _check_bound(keeper, sizing, relay.usage)
         await keeper.end(_used_tokens(keeper.exact or sizing, relay.usage, relay.completion))
 
     async def _unary(
@@ -796,6 +838,7 @@ class InteractiveGateway:
             with contextlib.suppress(ValueError, AttributeError):
                 usage = response.json().get("usage")
         keeper.generated = int((usage or {}).get("completion_tokens") or 0)
+        _check_bound(keeper, sizing, usage)
         await keeper.end(
             _used_tokens(keeper.exact or sizing, usage, keeper.generated) if usage else None
         )

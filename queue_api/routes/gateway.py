@@ -30,7 +30,7 @@ from queue_api.gateway import InteractiveGateway
 router = APIRouter(prefix="/v1", tags=["gateway"])
 
 
-def get_gateway(request: Request) -> InteractiveGateway:
+async def get_gateway(request: Request) -> InteractiveGateway:
     gateway: InteractiveGateway = request.app.state.gateway
     return gateway
 
