@@ -483,11 +483,12 @@ class InteractiveGateway:
             prompt_tokens = await self._count(shape, body, nodes)
             sizing = size_request(shape, prompt_tokens, limit)
             counted = time.perf_counter()
-            pending = self.activity.arrived(_fitting(nodes, sizing))
+            fitting = _fitting(nodes, sizing)
+            pending = self.activity.arrived(fitting)
             try:
                 admission = await admit(
                     self.ledger,
-                    _fitting(nodes, sizing),
+                    fitting,
                     sizing,
                     lease_id=lease_id,
                     owner=owner,
