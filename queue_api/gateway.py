@@ -483,22 +483,14 @@ class InteractiveGateway:
             prompt_tokens = await self._count(shape, body, nodes)
             sizing = size_request(shape, prompt_tokens, limit)
             counted = time.perf_counter()
-            fitting = _fitting(nodes, sizing)
-            pending = self.activity.arrived(fitting)
-            try:
-                admission = await admit(
-                    self.ledger,
-                    fitting,
-                    sizing,
-                    lease_id=lease_id,
-                    owner=owner,
-                    ttl_ms=self.ttl_ms,
-                    max_wait_s=budget,
-                    disconnected=request.is_disconnected,
-                )
-            except BaseException:
-                pending.end()
-                raise
+            admission, pending = await self._reserve(
+                nodes,
+                sizing,
+                lease_id,
+                owner,
+                max_wait_s=budget,
+                disconnected=request.is_disconnected,
+            )
         admitted = time.perf_counter()
         lease = admission.lease
         pending.admitted(lease.node)
@@ -557,6 +549,27 @@ class InteractiveGateway:
         if bound + given > limit:
             return None
         sizing = size_request(shape, bound, limit)
+        try:
+            admission, pending = await self._reserve(
+                nodes, sizing, lease_id, owner, max_wait_s=0.0, allow_preemption=False
+            )
+        except GatewayRefusal:
+            return None
+        return admission, sizing, pending
+
+    async def _reserve(
+        self,
+        nodes: Sequence[ServingNode],
+        sizing: Sizing,
+        lease_id: str,
+        owner: str,
+        *,
+        max_wait_s: float,
+        allow_preemption: bool = True,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> tuple[Admission, PendingInteractive]:
+        """Reserve ``sizing`` on a node whose context can hold it; the request counts as
+        pending interactive work (the work budget's signal) from now on."""
         fitting = _fitting(nodes, sizing)
         pending = self.activity.arrived(fitting)
         try:
@@ -567,16 +580,14 @@ class InteractiveGateway:
                 lease_id=lease_id,
                 owner=owner,
                 ttl_ms=self.ttl_ms,
-                max_wait_s=0.0,
-                allow_preemption=False,
+                max_wait_s=max_wait_s,
+                allow_preemption=allow_preemption,
+                disconnected=disconnected,
             )
-        except GatewayRefusal:
-            pending.end()
-            return None
         except BaseException:
             pending.end()
             raise
-        return admission, sizing, pending
+        return admission, pending
 
     async def _measure_overhead(
         self, shape: RequestShape, key: tuple[str, ...], nodes: Sequence[ServingNode]
