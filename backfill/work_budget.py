@@ -10,14 +10,26 @@ spare (``notes/peers.md``). So batch also gets a work budget per node:
                         from its start until its first token arrives)
     hold                no new batch prefill starts at all
 
-A controller moves the budget from measured signals, like TCP's AIMD: it halves (``decrease
-_factor``) while interactive requests wait (at the gateway for admission, or in the engine's
-queue) or when their measured TTFT comes near the target, holds new batch prefills while any
-interactive request waits or prefills, and grows back by a fixed step once interactive has
-been quiet for ``quiet_s``. When an interactive request that has no first token yet has
-already used ``preempt_at_fraction`` of its TTFT target, waiting for batch to drain would miss
-the target: the decision then names how many running batch sequences to preempt (the caller
-acts, choosing victims with :func:`budget_victims`: prefills first, they lose no output).
+A controller moves the budget from measured signals, like TCP's AIMD, and judges each signal
+by whether *batch* is what hurts interactive:
+
+- it halves (``decrease_factor``, at most once per ``decrease_interval_s``) and holds new batch
+  prefills when interactive requests wait at the gateway for room, when they wait in the
+  engine's queue while batch prefills are under way, or when a measured TTFT comes near the
+  target;
+- an interactive request queued behind *another interactive* prefill is not batch's doing:
+  the budget keeps its size, and new batch prefills are held only while a recent shrink says
+  batch was hurting (``quiet_s`` after it), so a steady interactive stream does not starve
+  batch on its own;
+- it grows by a fixed step each control step once ``quiet_s`` has passed since the last
+  shrink signal, whether or not interactive requests are active: growth follows the TTFT
+  signal, not the absence of traffic.
+
+When an interactive request that has no first token yet has already used
+``preempt_at_fraction`` of its TTFT target, waiting for batch to drain would miss the target:
+the decision then names the batch prefills under way to preempt (they delay its prefill most
+and lose no output), and, once the target itself is spent, any batch over the shrunken budget
+too (the caller acts, choosing victims with :func:`budget_victims`).
 
 :func:`step` returns a :class:`BudgetStep` (the new budget, what to preempt, and why);
 :func:`admissible` says how many candidate prefills the budget lets start. The worker's
@@ -41,29 +53,32 @@ class BudgetReason(StrEnum):
     START = "start"
     """No signal seen yet: the budget starts at its ceiling (batch alone is the usual case)."""
     INTERACTIVE_WAITING = "interactive_waiting"
-    """Interactive requests wait for admission or in the engine's queue: shrink and hold."""
+    """Interactive requests wait for admission, or in the engine's queue while batch prefills
+    are under way: shrink and hold."""
     INTERACTIVE_PREFILL = "interactive_prefill"
-    """Interactive requests are in prefill: hold new batch prefills, keep the budget."""
+    """Interactive requests are in prefill or queued behind each other, with their TTFTs on
+    target: keep the budget (hold new batch prefills only within ``quiet_s`` of a shrink)."""
     TTFT_NEAR_TARGET = "ttft_near_target"
     """A recent interactive TTFT came within ``ttft_high_fraction`` of the target: shrink."""
     TTFT_AT_RISK = "ttft_at_risk"
     """An interactive request would miss its TTFT target behind batch work: shrink, hold and
     preempt running batch."""
     QUIET = "quiet"
-    """Interactive has been quiet for ``quiet_s``: grow by one step."""
+    """No shrink signal for ``quiet_s``: grow by one step."""
     STEADY = "steady"
-    """Nothing to change (quiet, but not yet for long enough; or already at the ceiling)."""
+    """Nothing to change (no shrink signal, but not yet for long enough; or already at the
+    ceiling)."""
 
 
 PRESSURE: frozenset[BudgetReason] = frozenset(
     {
         BudgetReason.INTERACTIVE_WAITING,
-        BudgetReason.INTERACTIVE_PREFILL,
         BudgetReason.TTFT_NEAR_TARGET,
         BudgetReason.TTFT_AT_RISK,
     }
 )
-"""Reasons that mean interactive is active: growth waits for ``quiet_s`` after the last."""
+"""Reasons that mean batch hurts interactive: growth waits for ``quiet_s`` after the last, and
+new batch prefills are held meanwhile while any interactive request is pending."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +99,8 @@ class WorkBudgetPolicy:
     """Additive increase per quiet step (the AI of AIMD)."""
     increase_prefill_tokens: int = 2048
     quiet_s: float = 2.0
-    """How long interactive must be quiet before the budget grows: a gap between two requests
-    of one conversation should not let a wave of batch prefills in."""
+    """How long after the last shrink signal the budget starts growing again (and until when
+    new batch prefills are held while interactive requests are pending)."""
     decrease_interval_s: float = 0.5
     """At most one decrease per interval: a signal that persists across a few control steps
     (the engine has not drained yet) is one congestion event, not several."""
@@ -167,7 +182,7 @@ class WorkBudget:
     reason: str = "no signal yet: the budget starts at its ceiling"
     changed_at_s: float = 0.0
     last_pressure_s: float | None = None
-    """When interactive was last seen active (growth waits ``quiet_s`` after it)."""
+    """When batch was last seen hurting interactive (growth waits ``quiet_s`` after it)."""
     last_decrease_s: float | None = None
     ttft_seen_s: float = -math.inf
     """The newest TTFT already taken into account."""
@@ -202,32 +217,44 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
     new_ttfts = [(at, t) for at, t in signals.ttfts if at > budget.ttft_seen_s]
     seen = max([budget.ttft_seen_s, *(at for at, _ in new_ttfts)])
     worst_new = max((t for _, t in new_ttfts), default=0.0)
-    pending = signals.interactive_waiting + signals.interactive_prefilling
-    queued = signals.interactive_waiting + signals.engine_other_waiting
-    oldest = signals.oldest_pending_s if pending or queued else 0.0
+    engine_queued = signals.engine_other_waiting
+    pending = signals.interactive_waiting + signals.interactive_prefilling + engine_queued
+    oldest = signals.oldest_pending_s if pending else 0.0
+    batch_prefills = signals.batch_awaiting_first_token
+    recently_hurt = (
+        budget.last_pressure_s is not None and now - budget.last_pressure_s < policy.quiet_s
+    )
 
     code: BudgetReason
     shrink = hold = False
-    if (pending or queued) and oldest >= policy.preempt_at_fraction * target:
+    if pending and oldest >= policy.preempt_at_fraction * target and signals.batch_in_flight:
         code, shrink, hold = BudgetReason.TTFT_AT_RISK, True, True
         why = (
             f"an interactive request has waited {oldest:.2f} s for its first token, "
             f"{policy.preempt_at_fraction:.0%} of the {target:g} s target"
         )
-    elif queued:
+    elif signals.interactive_waiting or (engine_queued and batch_prefills):
         code, shrink, hold = BudgetReason.INTERACTIVE_WAITING, True, True
         why = (
             f"{signals.interactive_waiting} interactive request(s) wait for admission and "
-            f"{signals.engine_other_waiting} in the engine's queue"
+            f"{engine_queued} in the engine's queue"
+            + (f" beside {batch_prefills} batch prefill(s)" if engine_queued else "")
         )
-    elif signals.interactive_prefilling:
-        code, hold = BudgetReason.INTERACTIVE_PREFILL, True
-        why = f"{signals.interactive_prefilling} interactive request(s) in prefill"
     elif worst_new > policy.ttft_high_fraction * target:
-        code, shrink = BudgetReason.TTFT_NEAR_TARGET, True
+        code, shrink, hold = BudgetReason.TTFT_NEAR_TARGET, True, bool(pending)
         why = (
             f"interactive TTFT of {worst_new:.2f} s is over {policy.ttft_high_fraction:.0%} "
             f"of the {target:g} s target"
+        )
+    elif pending:
+        # Interactive is busy but batch is not what delays it: its TTFTs are on target and
+        # whatever waits in the engine waits behind interactive prefills. Batch keeps going
+        # within its budget; new prefills stay held only while a recent shrink stands.
+        code, hold = BudgetReason.INTERACTIVE_PREFILL, recently_hurt
+        why = (
+            f"{signals.interactive_prefilling} interactive request(s) in prefill and "
+            f"{engine_queued} queued behind them, TTFT on target"
+            + (" (new batch prefills held after a recent shrink)" if hold else "")
         )
     else:
         code = BudgetReason.QUIET
@@ -236,27 +263,34 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
     last_pressure = now if code in PRESSURE else budget.last_pressure_s
     seqs, prefill = budget.max_seqs, budget.max_prefill_tokens
     last_decrease = budget.last_decrease_s
-    if shrink and (
-        last_decrease is None or now - last_decrease >= policy.decrease_interval_s
-    ):
-        seqs = _shrink(seqs, policy.decrease_factor, policy.floor_seqs)
-        prefill = _shrink(prefill, policy.decrease_factor, policy.floor_prefill_tokens)
-        last_decrease = now
-    elif code is BudgetReason.QUIET:
-        quiet_for = math.inf if last_pressure is None else now - last_pressure
-        if quiet_for >= policy.quiet_s:
+    grew = False
+    if shrink:
+        if last_decrease is None or now - last_decrease >= policy.decrease_interval_s:
+            seqs = _shrink(seqs, policy.decrease_factor, policy.floor_seqs)
+            prefill = _shrink(prefill, policy.decrease_factor, policy.floor_prefill_tokens)
+            last_decrease = now
+    else:
+        calm_for = math.inf if last_pressure is None else now - last_pressure
+        if calm_for >= policy.quiet_s:
             seqs = min(policy.ceiling_seqs, seqs + policy.increase_seqs)
             prefill = min(
                 policy.ceiling_prefill_tokens, prefill + policy.increase_prefill_tokens
             )
-            why = f"interactive quiet for {quiet_for:.1f} s"
-        else:
+            grew = (seqs, prefill) != (budget.max_seqs, budget.max_prefill_tokens)
+            if grew:
+                what = "interactive quiet" if code is BudgetReason.QUIET else why
+                calm = "ever" if math.isinf(calm_for) else f"{calm_for:.1f} s"
+                why = f"{what}; no shrink signal for {calm}"
+        elif code is BudgetReason.QUIET:
             code = BudgetReason.STEADY
-            why = f"interactive quiet for {quiet_for:.1f} s of the {policy.quiet_s:g} s needed"
+            why = (
+                f"interactive quiet; {calm_for:.1f} s since the last shrink signal of the "
+                f"{policy.quiet_s:g} s needed"
+            )
 
     changed = (seqs, prefill) != (budget.max_seqs, budget.max_prefill_tokens)
     if changed:
-        verb = "grew" if code is BudgetReason.QUIET else "shrank"
+        verb = "grew" if grew else "shrank"
         change = (
             f"{verb} to {seqs} sequences / {prefill} prefill tokens "
             f"(from {budget.max_seqs} / {budget.max_prefill_tokens})"
@@ -268,9 +302,12 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
         code = BudgetReason.STEADY
     preempt = 0
     if code is BudgetReason.TTFT_AT_RISK:
-        # Over the shrunken budget, and every batch prefill still going: a prefill chunk is
-        # exactly what delays the interactive request's, and aborting one loses no output.
-        preempt = max(signals.batch_in_flight - seqs, signals.batch_awaiting_first_token, 0)
+        # Every batch prefill still going: a prefill chunk is exactly what delays the
+        # interactive request's, and aborting one loses no output. Decoding batch over the
+        # shrunken budget only once the target itself is spent: a decode token adds little to
+        # a step, and aborting one throws its prefill away.
+        over = signals.batch_in_flight - seqs if oldest >= target else 0
+        preempt = max(over, batch_prefills, 0)
         if preempt:
             reason = f"{reason}; preempting {preempt} batch sequence(s)"
     new_budget = WorkBudget(

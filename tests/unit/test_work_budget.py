@@ -97,15 +97,69 @@ def test_never_below_the_floor() -> None:
     assert s.budget.hold
 
 
-def test_holds_new_prefills_while_interactive_prefills_without_shrinking() -> None:
+def test_interactive_prefilling_on_target_neither_shrinks_nor_holds_batch() -> None:
+    # A steady interactive stream whose TTFTs are on target is not batch's doing: batch keeps
+    # its budget and may start prefills within it (a standing hold starved it on a busy node).
     b = WorkBudget.initial(POLICY)
     s = step(b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9),
              POLICY)
     assert s.code is BudgetReason.INTERACTIVE_PREFILL
-    assert s.budget.hold
+    assert not s.budget.hold
     assert not s.changed
     assert s.budget.max_seqs == 64
-    assert admissible(s.budget, 0, 0, [10]) == 0
+    assert admissible(s.budget, 0, 0, [10]) == 1
+    assert "TTFT on target" in s.reason
+
+
+def test_new_prefills_are_held_while_interactive_is_pending_soon_after_a_shrink() -> None:
+    b = WorkBudget.initial(POLICY)
+    slow = step(b, WorkSignals(now_s=10.0, ttfts=((9.9, 0.95),)), POLICY).budget
+    assert slow.max_seqs == 32
+    busy = step(slow, WorkSignals(now_s=11.0, interactive_prefilling=1,
+                                  oldest_pending_since_s=10.9), POLICY)
+    assert busy.code is BudgetReason.INTERACTIVE_PREFILL
+    assert busy.budget.hold
+    assert "held after a recent shrink" in busy.reason
+    assert admissible(busy.budget, 0, 0, [10]) == 0
+    later = step(busy.budget, WorkSignals(now_s=12.5, interactive_prefilling=1,
+                                          oldest_pending_since_s=12.4), POLICY)
+    assert not later.budget.hold, "the hold lapses quiet_s after the shrink signal"
+
+
+def test_interactive_queued_behind_interactive_is_not_batchs_doing() -> None:
+    b = WorkBudget.initial(POLICY)
+    # Two interactive requests in the engine's queue, no batch prefill under way: they wait
+    # for an interactive prefill, so the budget keeps its size.
+    behind = step(b, WorkSignals(now_s=3.0, engine_waiting=2, interactive_prefilling=1,
+                                 oldest_pending_since_s=2.8, batch_in_flight=10), POLICY)
+    assert behind.code is BudgetReason.INTERACTIVE_PREFILL
+    assert not behind.changed
+    # The same queue while batch prefills are under way: batch competes, so it shrinks.
+    beside = step(b, WorkSignals(now_s=3.0, engine_waiting=4, interactive_prefilling=1,
+                                 oldest_pending_since_s=2.8, batch_in_flight=10,
+                                 batch_awaiting_first_token=2), POLICY)
+    assert beside.code is BudgetReason.INTERACTIVE_WAITING
+    assert beside.budget.max_seqs == 32
+    assert beside.budget.hold
+    assert "beside 2 batch prefill(s)" in beside.reason
+
+
+def test_grows_while_interactive_is_busy_once_ttfts_are_back_on_target() -> None:
+    b = run(WorkBudget.initial(POLICY),
+            WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
+            WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0))
+    assert b.max_seqs == 16
+    busy = [WorkSignals(now_s=t, interactive_prefilling=1, oldest_pending_since_s=t - 0.1,
+                        ttfts=((t - 0.05, 0.3),)) for t in (1.0, 2.0, 2.5, 3.0)]
+    sizes = []
+    for s in busy:
+        st = step(b, s, POLICY)
+        b = st.budget
+        sizes.append(b.max_seqs)
+    # Held at 16 until quiet_s (2 s) after the last shrink signal at 0.5 s, then additive.
+    assert sizes == [16, 16, 24, 32]
+    assert st.code is BudgetReason.INTERACTIVE_PREFILL
+    assert "grew to 32 sequences" in b.reason
 
 
 def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
@@ -119,7 +173,7 @@ def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
     assert quiet.code is BudgetReason.STEADY
     assert not quiet.changed
     assert not quiet.budget.hold, "the hold ends as soon as nothing waits or prefills"
-    assert "0.5 s of the 2 s needed" in quiet.reason
+    assert "0.5 s since the last shrink signal of the 2 s needed" in quiet.reason
     grown = step(quiet.budget, WorkSignals(now_s=3.0), POLICY)
     assert grown.code is BudgetReason.QUIET
     assert grown.changed
@@ -154,13 +208,23 @@ def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
     assert s.code is BudgetReason.TTFT_AT_RISK
     assert s.budget.hold
     assert s.budget.max_seqs == 32
-    # Down to the new budget (40 -> 32); at least every batch prefill still going.
-    assert s.preempt == 8
+    # Half the target spent: every batch prefill still going, decoding batch keeps running.
+    assert s.preempt == 3
     assert "waited 0.60 s" in s.reason
-    assert "preempting 8 batch sequence(s)" in s.reason
-    few = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.4,
+    assert "preempting 3 batch sequence(s)" in s.reason
+    # The target itself spent: batch over the shrunken budget (40 -> 32) goes too.
+    late = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=8.9,
+                               batch_in_flight=40, batch_awaiting_first_token=3), POLICY)
+    assert late.preempt == 8
+    few = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=8.9,
                               batch_in_flight=5, batch_awaiting_first_token=3), POLICY)
     assert few.preempt == 3
+    # Nothing of batch's running: nothing to preempt, and no shrink for interactive overload
+    # beyond the wait itself.
+    alone = step(b, WorkSignals(now_s=10.0, interactive_prefilling=2,
+                                oldest_pending_since_s=8.9), POLICY)
+    assert alone.code is BudgetReason.INTERACTIVE_PREFILL
+    assert alone.preempt == 0
 
 
 def test_no_preemption_before_the_risk_threshold() -> None:

@@ -44,7 +44,7 @@ def test_batch_never_exceeds_the_budget_it_was_admitted_under() -> None:
         assert isinstance(frontend, BackfillWorkBudget)
         seen.append((frontend.batch_in_flight, frontend.budget.max_seqs))
 
-    simulate(_with_target(0.5), "backfill-budget", observe)
+    simulate(_with_target(0.05), "backfill-budget", observe)
     # A shrink does not stop running work at once (only preemption does), but batch never
     # exceeds the ceiling and does run below it while interactive is active.
     assert max(n for n, _ in seen) <= 32
