@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 NODE = "wb1"
 FLOOR = 2
 CEILING = 16
+MAX_TOKENS = 300
+"""Long enough that batch is still decoding when the at-risk signal lands."""
 
 
 @pytest.fixture(scope="module")
@@ -220,15 +222,23 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     repo, _, client = stores
     d = _dispatcher(node)
     gateway = FakeGateway(client, budget_settings)
-    job = _submit(repo, 30, max_tokens=200)
+    job = _submit(repo, 30, max_tokens=MAX_TOKENS)
     _wait(lambda: d.in_flight >= 8, 60, "batch in flight")
-    # Waiting for 1.5 s of a 2 s target: past the 50% point, so it would miss it.
-    gateway.publish(InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 1.5))
-    _wait(lambda: d.stats.budget_preemptions > 0, 10, "a work-budget preemption")
+    # Pending for 2.5 s of a 2 s target: the target is spent, so the budget shrinks (to its
+    # floor within a few steps) and batch over it is preempted, decoding or not. The signal is
+    # kept fresh, as a gateway would while the request is still pending.
+    end = time.monotonic() + 15
+    while d.stats.budget_preemptions == 0 and time.monotonic() < end:
+        gateway.publish(
+            InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5)
+        )
+        time.sleep(0.1)
+    assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
+    assert _code(d) is BudgetReason.TTFT_AT_RISK
     gateway.clear()
     _wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 240, "all items")
     done = repo.items(job, states=[ItemState.SUCCEEDED])
     assert any(i.preemptions > 0 for i in done), "no preempted item resumed"
     for item in done:
         usage = json.loads(item.result or "{}")["usage"]
-        assert usage["completion_tokens"] == 200
+        assert usage["completion_tokens"] == MAX_TOKENS
