@@ -140,6 +140,10 @@ class LedgerKeys:
     def work_budget(self, node: str) -> str:
         return f"{self.namespace}:work:budget:{_check_node(node)}"
 
+    def work_batch(self, node: str) -> str:
+        # One field per worker of the node: its batch sequences awaiting a first token.
+        return f"{self.namespace}:work:batch:{_check_node(node)}"
+
     @property
     def pool_pattern(self) -> str:
         """SCAN pattern of every pool hash of the namespace."""

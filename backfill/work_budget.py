@@ -151,16 +151,22 @@ class WorkSignals:
     """The engine's ``vllm:num_requests_waiting``; None when it could not be read."""
     batch_in_flight: int = 0
     batch_awaiting_first_token: int = 0
-    """Batch sequences of this node with no first token yet (waiting or prefilling in the
-    engine): the engine's waiting queue holds at most these of batch's."""
+    """This worker's batch sequences with no first token yet (waiting or prefilling in the
+    engine): the engine's waiting queue holds at most these of its batch."""
+    other_batch_awaiting_first_token: int = 0
+    """The same for the node's other workers (they share the engine and its queue)."""
+
+    @property
+    def node_batch_awaiting_first_token(self) -> int:
+        return self.batch_awaiting_first_token + self.other_batch_awaiting_first_token
 
     @property
     def engine_other_waiting(self) -> int:
-        """Engine-queued requests that cannot be batch's own: interactive traffic, including
-        any that bypassed the gateway."""
+        """Engine-queued requests that cannot be batch's (any worker's): interactive traffic,
+        including any that bypassed the gateway."""
         if self.engine_waiting is None:
             return 0
-        return max(0, self.engine_waiting - self.batch_awaiting_first_token)
+        return max(0, self.engine_waiting - self.node_batch_awaiting_first_token)
 
     @property
     def oldest_pending_s(self) -> float:
@@ -220,7 +226,7 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
     engine_queued = signals.engine_other_waiting
     pending = signals.interactive_waiting + signals.interactive_prefilling + engine_queued
     oldest = signals.oldest_pending_s if pending else 0.0
-    batch_prefills = signals.batch_awaiting_first_token
+    batch_prefills = signals.node_batch_awaiting_first_token
     recently_hurt = (
         budget.last_pressure_s is not None and now - budget.last_pressure_s < policy.quiet_s
     )
@@ -307,7 +313,7 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
         # shrunken budget only once the target itself is spent: a decode token adds little to
         # a step, and aborting one throws its prefill away.
         over = signals.batch_in_flight - seqs if oldest >= target else 0
-        preempt = max(over, batch_prefills, 0)
+        preempt = max(over, signals.batch_awaiting_first_token, 0)
         if preempt:
             reason = f"{reason}; preempting {preempt} batch sequence(s)"
     new_budget = WorkBudget(

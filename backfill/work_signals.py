@@ -8,6 +8,11 @@ Two small hashes per node (key names in ``backfill.keys``):
     (in prefill), the arrival of the oldest of those, and the TTFTs of the last
     ``ttft_window_s``. Entries carry their write time and the key a short TTL, so a gateway
     that dies stops counting within ``ttl_s``; the worker sums the fresh entries.
+``work:batch:{node}``
+    Each worker process of the node writes one field (its id): how many of its batch
+    sequences await their first token. The engine's waiting queue is shared by every worker
+    on the node, so a worker must not read another worker's queued batch as interactive
+    traffic; it subtracts the fresh entries of the others too.
 ``work:budget:{node}``
     The node's worker writes its budget, what batch uses of it, and why it last changed, for
     ``/v1/capacity`` and ``/metrics`` (the API process cannot see the worker's memory).
@@ -236,6 +241,50 @@ async def read_signals(
 ) -> InteractiveSignals:
     raw = await client.hgetall(keys.work_signals(node))
     return merge_signals(raw, now_s, ttl_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: batch of the other workers of a node
+
+
+def merge_batch_awaiting(
+    raw: Mapping[bytes | str, bytes | str], own_id: str, now_s: float, ttl_s: float
+) -> int:
+    """Batch sequences awaiting a first token on the node's *other* workers (fresh, well-formed
+    entries only: a dead worker's count must not hide interactive traffic for long)."""
+    total = 0
+    for key, value in raw.items():
+        worker = key.decode() if isinstance(key, bytes) else key
+        if worker == own_id:
+            continue
+        try:
+            entry: dict[str, Any] = json.loads(value)
+            at = float(entry["at"])
+            if not math.isfinite(at) or now_s - at > ttl_s:
+                continue
+            total += max(0, int(entry["a"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return total
+
+
+async def exchange_batch_awaiting(
+    client: redis.asyncio.Redis,
+    keys: LedgerKeys,
+    node: str,
+    worker_id: str,
+    awaiting: int,
+    ttl_s: float,
+    now_s: float,
+) -> int:
+    """Publish this worker's batch awaiting a first token; return the other workers' sum."""
+    key = keys.work_batch(node)
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hset(key, worker_id, json.dumps({"a": awaiting, "at": now_s}))
+        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+        pipe.hgetall(key)
+        results = await pipe.execute()
+    return merge_batch_awaiting(results[2], worker_id, now_s, ttl_s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -59,7 +60,13 @@ from backfill.work_budget import (
     describe,
     step,
 )
-from backfill.work_signals import BudgetView, InteractiveSignals, publish_budget, read_signals
+from backfill.work_signals import (
+    BudgetView,
+    InteractiveSignals,
+    exchange_batch_awaiting,
+    publish_budget,
+    read_signals,
+)
 from worker.engine import (
     Endpoint,
     Engine,
@@ -187,6 +194,12 @@ class NodeDispatcher:
         self.stats = DispatchStats()
         self._in_flight: dict[int, _InFlight] = {}
         self._by_lease: dict[str, int] = {}
+        # Preemption notices for leases this dispatcher does not know yet: a lease preempted
+        # between its reservation and the item's registration (the notice comes while the
+        # start is written to Postgres; the ledger prefers exactly those newest leases as
+        # victims). Checked at registration so that such an item never reaches the engine.
+        self._early_preemptions: dict[str, float] = {}
+        self._worker_id = uuid.uuid4().hex
         # None is the writer's signal to commit what it holds and stop.
         self._results: asyncio.Queue[tuple[Finish, _InFlight] | None] = asyncio.Queue()
         self._stopping = asyncio.Event()
@@ -486,6 +499,11 @@ class NodeDispatcher:
             )
             self._in_flight[item.id] = flight
             self._by_lease[lease.lease_id] = item.id
+            if self._early_preemptions.pop(lease.lease_id, None) is not None:
+                # Preempted before it started: keep its progress, requeue it, no engine work.
+                flight.stop_reason = "preempted"
+                flight.task = asyncio.create_task(self._stopped(flight), name=f"item-{item.id}")
+                continue
             flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
             flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
         self.stats.started += len(applied)
@@ -955,6 +973,19 @@ class NodeDispatcher:
             engine_waiting = None
         active = self._active()
         awaiting = [f for f in active if f.first_token_at is None]
+        try:
+            others_awaiting = await exchange_batch_awaiting(
+                self.ledger.client,
+                self.ledger.keys,
+                cfg.node,
+                self._worker_id,
+                len(awaiting),
+                max(1.0, 4 * cfg.budget_interval_s),
+                now,
+            )
+        except Exception as exc:  # Redis trouble: as if this worker were the node's only one
+            log.debug("node %s: other workers' batch not read: %s", cfg.node, exc)
+            others_awaiting = 0
         decision = step(
             before,
             WorkSignals(
@@ -966,6 +997,7 @@ class NodeDispatcher:
                 engine_waiting=engine_waiting,
                 batch_in_flight=len(active),
                 batch_awaiting_first_token=len(awaiting),
+                other_batch_awaiting_first_token=others_awaiting,
             ),
             policy,
         )
@@ -992,6 +1024,19 @@ class NodeDispatcher:
                 self.ledger.client, self.ledger.keys, cfg.node, view, max(5.0, cfg.signal_ttl_s)
             )
 
+    def _note_early_preemption(self, lease_id: str) -> None:
+        """Keep a notice for a lease not registered (yet): another worker's on this node, or
+        one of ours between its reservation and its start. Kept a minute (a start takes
+        milliseconds), at most a few thousand."""
+        now = time.monotonic()
+        if len(self._early_preemptions) >= 4096:
+            self._early_preemptions = {
+                k: t for k, t in self._early_preemptions.items() if now - t < 60.0
+            }
+            if len(self._early_preemptions) >= 4096:
+                self._early_preemptions.pop(next(iter(self._early_preemptions)))
+        self._early_preemptions[lease_id] = now
+
     async def _listen_preemptions(self) -> None:
         while True:
             try:
@@ -1001,6 +1046,8 @@ class NodeDispatcher:
                         flight = self._in_flight.get(item_id) if item_id is not None else None
                         if flight is not None:
                             self._cancel(flight, "preempted")
+                        elif item_id is None:
+                            self._note_early_preemption(lease_id)
             except LedgerUnavailable as exc:
                 log.warning("node %s: preemption channel lost: %s", self.config.node, exc)
                 await asyncio.sleep(1.0)

@@ -88,6 +88,8 @@ def test_engine_crash_requeues_in_flight_items_and_the_job_completes(
     )
     assert engine_errors >= 1
     # Nothing was claimed (spending attempts) while the engine was down, but for a claim that
-    # was already under way when it crashed (seen once under heavy machine load).
-    assert attempts_up <= attempts_down + 1
+    # was already under way when it crashed: one per worker, since each learns of the crash
+    # from its own broken streams (an item requeued by one can be in the other's claim under
+    # way; seen in CI: max attempt 3 with two workers).
+    assert attempts_up <= attempts_down + len(workers)
     assert d.counts(job) == {ItemState.SUCCEEDED: n}

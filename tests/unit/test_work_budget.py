@@ -72,6 +72,50 @@ def test_engine_queue_beyond_batchs_own_counts_as_interactive_waiting() -> None:
     assert "2 in the engine's queue" in s.reason
 
 
+def test_other_workers_batch_in_the_shared_engine_queue_is_not_interactive() -> None:
+    b = WorkBudget.initial(POLICY)
+    # Two workers on one node share the engine's queue: six waiting, two this worker's and
+    # four the other's. None is interactive; reading them as such collapsed both budgets.
+    both = WorkSignals(
+        now_s=1.0,
+        engine_waiting=6,
+        batch_in_flight=8,
+        batch_awaiting_first_token=2,
+        other_batch_awaiting_first_token=4,
+    )
+    assert both.engine_other_waiting == 0
+    assert step(b, both, POLICY).code is BudgetReason.STEADY
+    # One more in the queue than all batch together: interactive, beside batch prefills.
+    more = WorkSignals(
+        now_s=1.0,
+        engine_waiting=7,
+        batch_in_flight=8,
+        batch_awaiting_first_token=2,
+        other_batch_awaiting_first_token=4,
+    )
+    s = step(b, more, POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_WAITING
+    assert "1 in the engine's queue beside 6 batch prefill(s)" in s.reason
+
+
+def test_a_worker_preempts_only_its_own_prefills_at_risk() -> None:
+    b = WorkBudget.initial(POLICY)
+    s = step(
+        b,
+        WorkSignals(
+            now_s=10.0,
+            interactive_prefilling=1,
+            oldest_pending_since_s=9.4,
+            batch_in_flight=5,
+            batch_awaiting_first_token=2,
+            other_batch_awaiting_first_token=7,
+        ),
+        POLICY,
+    )
+    assert s.code is BudgetReason.TTFT_AT_RISK
+    assert s.preempt == 2
+
+
 def test_one_decrease_per_interval_for_a_persisting_signal() -> None:
     b = WorkBudget.initial(POLICY)
     waiting = [WorkSignals(now_s=t, interactive_waiting=1, oldest_pending_since_s=t - 0.1)

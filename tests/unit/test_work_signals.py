@@ -9,6 +9,7 @@ from backfill.work_signals import (
     BudgetView,
     InteractiveActivity,
     InteractiveSignals,
+    merge_batch_awaiting,
     merge_signals,
     work_budget_policy,
 )
@@ -63,6 +64,19 @@ def test_merge_sums_fresh_gateways_and_drops_stale_or_malformed_ones() -> None:
     assert (merged.waiting, merged.prefilling) == (3, 1)
     assert merged.oldest_pending_since_s == 97.5
     assert merged.ttfts == ((98.0, 0.3), (99.0, 0.9))
+
+
+def test_other_workers_batch_awaiting_sums_fresh_entries_but_not_its_own() -> None:
+    raw = {
+        b"me": b'{"a": 5, "at": 100.0}',
+        b"w2": b'{"a": 3, "at": 100.2}',
+        "w3": '{"a": 4, "at": 99.9}',
+        "dead": '{"a": 40, "at": 90.0}',
+        "bad": "{}",
+        "neg": '{"a": -2, "at": 100.0}',
+    }
+    assert merge_batch_awaiting(raw, "me", 100.5, 1.0) == 7
+    assert merge_batch_awaiting({}, "me", 100.5, 1.0) == 0
 
 
 def test_budget_view_round_trips_through_a_hash() -> None:
