@@ -91,6 +91,11 @@ class Settings(BaseSettings):
     # sequences in flight per node, preemptions an item may suffer before it runs to the end,
     # attempts before an item that keeps failing is failed, and the grace period on stop.
     batch_priority: int = 10
+    # Batch output is streamed from the engine in chunks of this many tokens (vLLM's per-request
+    # ``stream_interval``; the first token always comes at once): one SSE event per token cost
+    # the worker and vLLM's API server more CPU than the tokens themselves on small models.
+    # A preempted item keeps the output of its last chunk, so at most this many tokens less.
+    batch_stream_interval: PositiveInt = 16
     max_in_flight_per_node: PositiveInt = 128
     max_preemptions_per_item: Annotated[int, Field(ge=0)] = 3
     max_attempts_per_item: PositiveInt = 5

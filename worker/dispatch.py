@@ -93,6 +93,8 @@ class DispatchConfig:
     idle_poll_s: float = 0.5
     batch_priority: int = 10
     """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
+    stream_interval: int = 1
+    """Output tokens per streamed chunk asked of the engine (1: every token)."""
     max_preemptions: int = 3
     """At this many preemptions an item reserves as non-preemptible (no thrashing)."""
     max_attempts: int = 5
@@ -602,6 +604,7 @@ class NodeDispatcher:
                 request,
                 priority=self.config.batch_priority,
                 request_id=request_id,
+                stream_interval=self.config.stream_interval,
             )
             async with stream:
                 async for chunk in stream:
@@ -818,10 +821,14 @@ class NodeDispatcher:
             self._cleanups.add(cleanup)
             cleanup.add_done_callback(self._cleanups.discard)
 
-    def _cancel(self, flight: _InFlight, reason: str) -> None:
+    def _cancel(self, flight: _InFlight, reason: str) -> bool:
+        """Stop a generating item's task for ``reason``; False when there was nothing to stop
+        (already done or already being stopped)."""
         if flight.task is not None and not flight.task.done() and flight.stop_reason is None:
             flight.stop_reason = reason
             flight.task.cancel()
+            return True
+        return False
 
     # -----------------------------------------------------------------------------------------
     # Results, heartbeats, preemption notices
@@ -943,6 +950,11 @@ class NodeDispatcher:
         """In-flight items not being stopped: what counts against the work budget."""
         return [f for f in self._in_flight.values() if f.stop_reason is None]
 
+    def _running(self) -> list[_InFlight]:
+        """Active items still generating (not done and waiting for their result to be
+        written): the only ones a preemption can stop."""
+        return [f for f in self._active() if f.task is not None and not f.task.done()]
+
     async def _control_budget(self) -> None:
         """Step the work budget from fresh signals, preempt what it says, publish it."""
         cfg = self.config
@@ -1005,16 +1017,18 @@ class NodeDispatcher:
         if decision.changed:
             log.info("node %s: work budget %s", cfg.node, describe(budget))
         if decision.preempt:
-            victims = budget_victims((_FlightVictim(f) for f in active), decision.preempt)
-            for victim in victims:
-                self._cancel(victim.flight, "preempted")
-            self.stats.budget_preemptions += len(victims)
-            log.info(
-                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
-                cfg.node,
-                len(victims),
-                decision.reason,
+            victims = budget_victims(
+                (_FlightVictim(f) for f in self._running()), decision.preempt
             )
+            stopped = sum(self._cancel(victim.flight, "preempted") for victim in victims)
+            self.stats.budget_preemptions += stopped
+            if stopped:
+                log.info(
+                    "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
+                    cfg.node,
+                    stopped,
+                    decision.reason,
+                )
         if (before.hold and not budget.hold) or budget.max_seqs > before.max_seqs:
             self._room.set()
         prefilling = sum(f.prefill_tokens for f in awaiting)

@@ -204,8 +204,10 @@ class Engine(Protocol):
         *,
         priority: int,
         request_id: str,
+        stream_interval: int = 1,
     ) -> CompletionStream:
-        """Start a streaming generation; lower ``priority`` runs first."""
+        """Start a streaming generation; lower ``priority`` runs first; output comes in
+        chunks of ``stream_interval`` tokens (the first token and the last chunk at once)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -413,10 +415,13 @@ class HttpEngine:
         *,
         priority: int,
         request_id: str,
+        stream_interval: int = 1,
     ) -> CompletionStream:
         path = Endpoint(endpoint).value
         payload = dict(body)
         payload.update(stream=True, priority=priority, request_id=request_id)
+        if stream_interval > 1:
+            payload["stream_interval"] = stream_interval
         # Running usage in every chunk tells the worker how many tokens a preempted request
         # had generated, which bounds its resumption.
         options = dict(payload.get("stream_options") or {})

@@ -67,6 +67,7 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
         lease_ttl_s=settings.lease_ttl_s,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         batch_priority=settings.batch_priority,
+        stream_interval=settings.batch_stream_interval,
         max_preemptions=settings.max_preemptions_per_item,
         max_attempts=settings.max_attempts_per_item,
         grace_s=settings.shutdown_grace_s,

@@ -9,6 +9,7 @@ and a preempted request resumes from its partial output within its original budg
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -159,6 +160,37 @@ def test_streams_text_and_running_usage_at_any_priority(
     running = [c.usage.completion_tokens for c in chunks if c.usage and c.choices]
     assert running == sorted(running)
     assert running[-1] == 12
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_tokens(
+    engine: EngineUnderTest, endpoint: Endpoint
+) -> None:
+    """Batch asks for output in chunks (``batch_stream_interval``): the first token still comes
+    alone (its arrival is the batch prefill's end for the work budget), running usage still
+    counts every token, and the text is the whole text."""
+    body: dict[str, Any] = {"model": engine.model, "max_tokens": 40, "ignore_eos": True}
+    if endpoint is Endpoint.COMPLETIONS:
+        body["prompt"] = "The queue"
+    else:
+        body["messages"] = [{"role": "user", "content": "Say something."}]
+
+    async def chunks_of(client: HttpEngine) -> list[StreamChunk]:
+        async with client.stream_completion(
+            endpoint, body, priority=10, request_id=f"si-{time.monotonic_ns()}", stream_interval=8
+        ) as stream:
+            return [c async for c in stream]
+
+    chunks = run(engine, chunks_of)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage and c.choices]
+    assert counts[0] == 1 or (counts[0] == 0 and counts[1] == 1), counts
+    # 1, 9, 17, 25, 33, 40: the first token, then every 8, then the rest with the finish.
+    steps = [b - a for a, b in itertools.pairwise(counts) if b > a]
+    assert steps, counts
+    assert max(steps) == 8, counts
+    assert counts[-1] == 40
+    assert len(counts) <= 8, counts
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
 
 
 def test_cancelling_the_consumer_aborts_the_request_in_the_engine(

@@ -68,6 +68,30 @@ def test_stream_sends_priority_request_id_and_running_usage() -> None:
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
+def test_a_stream_interval_is_asked_only_when_over_one() -> None:
+    bodies: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=_sse("[DONE]"))
+
+    async def both() -> None:
+        engine = _engine(handler)
+        for interval in (1, 16):
+            async with engine.stream_completion(
+                Endpoint.COMPLETIONS,
+                {"prompt": "x", "max_tokens": 4},
+                priority=10,
+                request_id=f"r-{interval}",
+                stream_interval=interval,
+            ) as stream:
+                _ = [c async for c in stream]
+
+    asyncio.run(both())
+    assert "stream_interval" not in bodies[0]
+    assert bodies[1]["stream_interval"] == 16
+
+
 def test_chat_stream_chunks_carry_deltas_finish_reason_and_usage() -> None:
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     events = (
