@@ -931,12 +931,20 @@ class NodeDispatcher:
                 snap = await self.ledger.snapshot(cfg.node)
                 if snap is None:
                     continue
+                # Output streams in chunks of ``stream_interval`` tokens: the engine may hold
+                # up to one chunk less one more than the worker has seen of each sequence.
+                unseen = cfg.stream_interval - 1
                 in_engine = {
-                    f.lease.lease_id: f.prompt_tokens + f.generated
+                    f.lease.lease_id: f.prompt_tokens + f.generated + unseen
                     for f in self._in_flight.values()
                 }
+                # With nothing running or waiting, no sequence holds KV: what the gauge still
+                # says is free-able prefix cache, or a value from the engine's last step that
+                # no step has refreshed. Trusting it could keep batch out of an idle engine,
+                # and batch is what would have made the engine step again.
+                idle = load.num_requests_running == 0 and load.num_requests_waiting == 0
                 observed = observed_non_batch(
-                    load.kv_cache_usage_perc,
+                    0.0 if idle else load.kv_cache_usage_perc,
                     snap.capacity_tokens,
                     snap.block_size,
                     snap.leases,

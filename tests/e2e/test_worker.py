@@ -216,7 +216,17 @@ def test_batch_never_exceeds_its_slack(deployment: Deployment, node: NodeThread)
     while d.counts(job).get(ItemState.SUCCEEDED, 0) < 120:
         # Checked until every item is done, not for a fixed time: on a starved machine the job
         # takes longer, and the exactly-once check below needs all of it.
-        assert time.monotonic() < end, f"job not done: {d.counts(job)}"
+        if time.monotonic() > end:
+            dispatcher = node.dispatchers[0] if node.dispatchers else None
+            state = (
+                None
+                if dispatcher is None
+                else (dispatcher.in_flight, dispatcher.work_budget, dispatcher.stats)
+            )
+            raise AssertionError(
+                f"job not done: {d.counts(job)}; ledger {d.ledger.snapshot('n1')}; "
+                f"dispatcher (in flight, budget, stats) {state}"
+            )
         snap = d.ledger.snapshot("n1")
         assert snap is not None
         peak = max(peak, snap.batch_in_use)
