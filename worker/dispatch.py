@@ -932,7 +932,7 @@ class NodeDispatcher:
                 if snap is None:
                     continue
                 # Output streams in chunks of ``stream_interval`` tokens: the engine may hold
-                # up to one chunk less one more than the worker has seen of each sequence.
+                # up to ``stream_interval - 1`` more tokens of a sequence than the worker saw.
                 unseen = cfg.stream_interval - 1
                 in_engine = {
                     f.lease.lease_id: f.prompt_tokens + f.generated + unseen

@@ -447,10 +447,12 @@ def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw:
                     # connection at once (httpcore closes a stream abandoned mid-body).
                     held = gw.snapshot().interactive_in_use
                     break
-        # The connection is closed mid-stream.
-        wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "the lease released")
-        wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 5, "the engine abort")
-        wait(lambda: gw.metric("backfill_gateway_in_flight") == 0, 5, "the relay to end")
+        # The connection is closed mid-stream. Generous waits: on a starved machine the
+        # disconnect reaches the relay late (CI once: over 5 s); whether the engine was aborted
+        # rather than left to finish is judged below from the tokens it generated.
+        wait(lambda: gw.snapshot().interactive_in_use == 0, 30, "the lease released")
+        wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 30, "the engine abort")
+        wait(lambda: gw.metric("backfill_gateway_in_flight") == 0, 30, "the relay to end")
         if gw.metric(ended, outcome="disconnected") == disconnects_before:
             continue
         time.sleep(0.5)
