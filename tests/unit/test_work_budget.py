@@ -4,7 +4,7 @@ floor and ceiling, preempts when a TTFT target would be missed, and says why."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -86,13 +86,7 @@ def test_other_workers_batch_in_the_shared_engine_queue_is_not_interactive() -> 
     assert both.engine_other_waiting == 0
     assert step(b, both, POLICY).code is BudgetReason.STEADY
     # One more in the queue than all batch together: interactive, beside batch prefills.
-    more = WorkSignals(
-        now_s=1.0,
-        engine_waiting=7,
-        batch_in_flight=8,
-        batch_awaiting_first_token=2,
-        other_batch_awaiting_first_token=4,
-    )
+    more = replace(both, engine_waiting=7)
     s = step(b, more, POLICY)
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert "1 in the engine's queue beside 6 batch prefill(s)" in s.reason
