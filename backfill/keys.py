@@ -20,8 +20,9 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),
                                               JSON; short TTL (``backfill.work_signals``)
-    {ns}:work:budget:{node}          hash     the node's batch work budget now and why it last
-                                              changed, written by its worker; short TTL
+    {ns}:work:budget:{node}          hash     worker process id -> its batch work budget now, its
+                                              use and why it last changed, JSON; read as the
+                                              node's sum; short TTL
 
 The literal ``{ledger}`` is a Redis Cluster hash tag: every key of the ledger hashes to one
 slot, so one script may touch the global ``ready`` marker and a node's keys together. The

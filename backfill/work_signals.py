@@ -14,8 +14,10 @@ Two small hashes per node (key names in ``backfill.keys``):
     on the node, so a worker must not read another worker's queued batch as interactive
     traffic; it subtracts the fresh entries of the others too.
 ``work:budget:{node}``
-    The node's worker writes its budget, what batch uses of it, and why it last changed, for
-    ``/v1/capacity`` and ``/metrics`` (the API process cannot see the worker's memory).
+    Each worker process of the node writes one field (its id): its budget, what batch uses of
+    it, why it last changed, and until when the entry counts. ``/v1/capacity`` and
+    ``/metrics`` (the API process cannot see the workers' memory) show the node's sum of the
+    fresh entries: every worker on a node runs its own budget against the same engine.
 
 Times are wall-clock seconds (``time.time``): writer and reader are different processes.
 A request waiting for admission counts on every node it may be admitted to: it is pressure on
@@ -304,6 +306,8 @@ class BudgetView:
     in_flight: int
     prefill_tokens: int
     at_s: float
+    workers: int = 1
+    """How many workers' budgets this view sums (one, as a worker publishes it)."""
 
     @classmethod
     def of(
@@ -332,6 +336,7 @@ class BudgetView:
             "in_flight": str(self.in_flight),
             "prefill_tokens": str(self.prefill_tokens),
             "at": repr(self.at_s),
+            "workers": str(self.workers),
         }
 
     @classmethod
@@ -355,22 +360,75 @@ class BudgetView:
                 int(d.get("in_flight", "0")),
                 int(d.get("prefill_tokens", "0")),
                 float(d["at"]),
+                int(d.get("workers", "1")),
             )
         except (KeyError, ValueError):
             return None
 
 
+def merge_budgets(views: Iterable[BudgetView]) -> BudgetView | None:
+    """The node's budget from its workers' (each runs its own against the same engine): limits
+    and use add up; batch is held when any worker holds it; the reason is the latest change's.
+    None without a view."""
+    views = list(views)
+    if not views:
+        return None
+    if len(views) == 1:
+        return views[0]
+    latest = max(views, key=lambda v: v.changed_at_s)
+    return BudgetView(
+        sum(v.max_seqs for v in views),
+        sum(v.max_prefill_tokens for v in views),
+        any(v.hold for v in views),
+        latest.code,
+        latest.reason,
+        latest.changed_at_s,
+        sum(v.in_flight for v in views),
+        sum(v.prefill_tokens for v in views),
+        max(v.at_s for v in views),
+        sum(v.workers for v in views),
+    )
+
+
+def fresh_budgets(raw: Mapping[bytes, bytes] | Mapping[str, str], now_s: float) -> list[BudgetView]:
+    """The workers' entries of a ``work:budget:{node}`` hash that still count at ``now_s``
+    (each carries its own ``expires``); unreadable entries are skipped."""
+    out: list[BudgetView] = []
+    for value in raw.values():
+        try:
+            d = json.loads(value)
+            if float(d.pop("expires")) < now_s:
+                continue
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        view = BudgetView.from_mapping({str(k): str(v) for k, v in d.items()})
+        if view is not None:
+            out.append(view)
+    return out
+
+
 async def publish_budget(
-    client: redis.asyncio.Redis, keys: LedgerKeys, node: str, view: BudgetView, ttl_s: float
+    client: redis.asyncio.Redis,
+    keys: LedgerKeys,
+    node: str,
+    worker_id: str,
+    view: BudgetView,
+    ttl_s: float,
 ) -> None:
+    """Write this worker's entry; it counts for ``ttl_s`` unless written again (a worker that
+    dies stops counting), and the whole hash goes when no worker writes for that long."""
     key = keys.work_budget(node)
+    entry = json.dumps(view.to_mapping() | {"expires": repr(view.at_s + ttl_s)})
     async with client.pipeline(transaction=False) as pipe:
-        pipe.hset(key, mapping=view.to_mapping())  # type: ignore[arg-type]
+        pipe.hset(key, worker_id, entry)
         pipe.pexpire(key, max(1, int(ttl_s * 1000)))
         await pipe.execute()
 
 
-def read_budget(client: redis.Redis, keys: LedgerKeys, node: str) -> BudgetView | None:
-    """The node's published budget; None when no worker with a budget runs there."""
+def read_budget(
+    client: redis.Redis, keys: LedgerKeys, node: str, now_s: float | None = None
+) -> BudgetView | None:
+    """The node's budget, summed over its workers' fresh entries; None when no worker with a
+    budget runs there."""
     raw: dict[bytes, bytes] = client.hgetall(keys.work_budget(node))  # type: ignore[assignment]
-    return BudgetView.from_mapping(raw) if raw else None
+    return merge_budgets(fresh_budgets(raw, time.time() if now_s is None else now_s))

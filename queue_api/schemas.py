@@ -206,7 +206,10 @@ class WorkBudgetObject(BaseModel):
     changed_at: float = Field(description="When it last changed (Unix seconds).")
     batch_in_flight: int
     batch_prefill_tokens: int
-    updated_at: float = Field(description="When the worker last published it (Unix seconds).")
+    updated_at: float = Field(description="When a worker last published it (Unix seconds).")
+    workers: int = Field(
+        default=1, description="Worker processes whose budgets this sums (each runs its own)."
+    )
 
 
 class NodeCapacityObject(BaseModel):
@@ -261,6 +264,7 @@ class CapacityObject(BaseModel):
                         batch_in_flight=n.work_budget.in_flight,
                         batch_prefill_tokens=n.work_budget.prefill_tokens,
                         updated_at=n.work_budget.at_s,
+                        workers=n.work_budget.workers,
                     ),
                 )
                 for n in report.nodes

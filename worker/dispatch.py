@@ -1043,7 +1043,12 @@ class NodeDispatcher:
         view = BudgetView.of(budget, len(active), prefilling, now)
         with contextlib.suppress(Exception):
             await publish_budget(
-                self.ledger.client, self.ledger.keys, cfg.node, view, max(5.0, cfg.signal_ttl_s)
+                self.ledger.client,
+                self.ledger.keys,
+                cfg.node,
+                self._worker_id,
+                view,
+                max(5.0, cfg.signal_ttl_s),
             )
 
     def _note_early_preemption(self, lease_id: str) -> None:

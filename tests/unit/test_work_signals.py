@@ -3,13 +3,17 @@ arrival to first token, summed over gateway processes, stale entries ignored."""
 
 from __future__ import annotations
 
+import json
+
 from backfill.config import Settings
 from backfill.work_budget import BudgetReason, WorkBudget
 from backfill.work_signals import (
     BudgetView,
     InteractiveActivity,
     InteractiveSignals,
+    fresh_budgets,
     merge_batch_awaiting,
+    merge_budgets,
     merge_signals,
     work_budget_policy,
 )
@@ -86,6 +90,38 @@ def test_budget_view_round_trips_through_a_hash() -> None:
     raw = {k.encode(): v.encode() for k, v in view.to_mapping().items()}
     assert BudgetView.from_mapping(raw) == view
     assert BudgetView.from_mapping({b"max_seqs": b"x"}) is None
+
+
+def _entry(view: BudgetView, expires: float) -> str:
+    return json.dumps(view.to_mapping() | {"expires": repr(expires)})
+
+
+def test_a_nodes_budget_sums_its_workers_fresh_entries() -> None:
+    """Two workers on one node each run a budget against the same engine: the node's limits and
+    use are their sums, it holds batch when either holds, and says the latest change; a dead
+    worker's entry (past its expiry) and unreadable entries do not count."""
+    quiet = WorkBudget(16, 4096, hold=False, code=BudgetReason.QUIET, reason="quiet",
+                       changed_at_s=50.0)
+    held = WorkBudget(2, 512, hold=True, code=BudgetReason.INTERACTIVE_WAITING,
+                      reason="2 interactive waiting", changed_at_s=99.0)
+    raw = {
+        b"w1": _entry(BudgetView.of(quiet, 10, 900, 100.0), 105.0).encode(),
+        b"w2": _entry(BudgetView.of(held, 2, 300, 100.1), 105.1).encode(),
+        b"dead": _entry(BudgetView.of(quiet, 50, 9000, 90.0), 95.0).encode(),
+        b"junk": b"{not json",
+        b"partial": b'{"expires": "200", "max_seqs": "x"}',
+    }
+    views = fresh_budgets(raw, now_s=100.5)
+    assert len(views) == 2
+    node = merge_budgets(views)
+    assert node is not None
+    assert (node.max_seqs, node.max_prefill_tokens, node.in_flight, node.prefill_tokens) == (
+        18, 4608, 12, 1200)
+    assert node.hold
+    assert node.code == str(BudgetReason.INTERACTIVE_WAITING)
+    assert (node.changed_at_s, node.at_s, node.workers) == (99.0, 100.1, 2)
+    assert merge_budgets(fresh_budgets(raw, now_s=106.0)) is None
+    assert merge_budgets([]) is None
 
 
 def test_policy_from_settings_caps_the_ceiling_at_the_in_flight_limit() -> None:
