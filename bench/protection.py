@@ -483,7 +483,9 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, (cdf, bars) = plt.subplots(1, 2, figsize=(11, 4.2))
+    points = tradeoff_points(summaries)
+    fig, axes = plt.subplots(1, 3 if points else 2, figsize=(16.5 if points else 11, 4.6))
+    cdf, bars = axes[0], axes[1]
     for s in summaries:
         ttfts = sorted(r["ttft_s"] for r in s["requests"] if r["ttft_s"] is not None)
         if not ttfts:
@@ -494,7 +496,8 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("Interactive TTFT, CDF per scenario", fontsize=10)
     cdf.grid(alpha=0.3)
-    cdf.legend(fontsize=8, loc="lower right")
+    if cdf.get_legend_handles_labels()[0]:
+        cdf.legend(fontsize=8, loc="lower right")
     batch = [s for s in summaries if s["batch_output_tokens_per_s"] is not None]
     names = [s["scenario"] for s in batch]
     values = [s["batch_output_tokens_per_s"] for s in batch]
@@ -505,10 +508,75 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     bars.set_ylabel("batch output tokens/s (engine count)")
     bars.set_title("Batch throughput per scenario (blue: through Backfill)", fontsize=10)
     bars.tick_params(axis="x", labelsize=8, rotation=20)
+    if points:
+        _plot_tradeoff(axes[2], points)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_tradeoff(ax: Any, points: Sequence[dict[str, Any]]) -> None:
+    """Batch kept against interactive TTFT p99, one point per scenario that ran both: the
+    Backfill variants joined in order of the batch they kept, the peers apart."""
+    ours = sorted((p for p in points if p["batch"] == "backfill"), key=lambda p: p["batch_kept"])
+    peers = [p for p in points if p["batch"] != "backfill"]
+    if ours:
+        ax.plot([p["batch_kept"] for p in ours], [p["ttft_p99_ratio"] for p in ours], "o-",
+                color="#2b6cb0", label="Backfill (settings swept)")
+    for p in peers:
+        ax.plot([p["batch_kept"]], [p["ttft_p99_ratio"]], "s", color="#a0aec0")
+    for p in points:
+        ax.annotate(p["label"], (p["batch_kept"], p["ttft_p99_ratio"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.axhline(GOAL_TTFT_RATIO, color="grey", ls="--", lw=0.8, label="TTFT goal (issue 7)")
+    ax.axhline(1.1, color="grey", ls=":", lw=0.8, label="TTFT goal (issue 12)")
+    ax.axvline(GOAL_BATCH_KEPT, color="grey", ls="-.", lw=0.8, label="batch kept goal")
+    ax.set_xlabel("batch throughput kept (share of the same path's batch alone)")
+    ax.set_ylabel("interactive TTFT p99 / interactive alone")
+    ax.set_title("Trade-off: batch kept vs interactive TTFT p99 (grey: vLLM alone)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def tradeoff_points(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each mixed scenario (``a``, its variants, ``b``, ``c``) as a point of the trade-off:
+    interactive TTFT p50/p99 over interactive alone's, and batch throughput over the same
+    path's batch alone (Backfill's over ``batch-backfill``, the peers' over
+    ``batch-straight``). Scenarios without the figures they need are left out."""
+    by = _by_name(summaries)
+    alone = by.get("alone", {})
+    a50, a99 = alone.get("ttft_p50_s"), alone.get("ttft_p99_s")
+    flat = {
+        "backfill": by.get("batch-backfill", {}).get("batch_output_tokens_per_s"),
+        "straight": by.get("batch-straight", {}).get("batch_output_tokens_per_s"),
+    }
+    out = []
+    for s in summaries:
+        name = s["scenario"]
+        if not (name in ("a", "b", "c") or name.startswith("a:")):
+            continue
+        base = flat.get(s["batch"] or "")
+        p50, p99, tps = s["ttft_p50_s"], s["ttft_p99_s"], s["batch_output_tokens_per_s"]
+        if not (a50 and a99 and base and p50 is not None and p99 is not None and tps is not None):
+            continue
+        label = name
+        if name == "a":
+            label = "a (" + (",".join(f"{k}={v}" for k, v in s["overrides"].items()) or "defaults")
+            label += ")"
+        out.append(
+            {
+                "scenario": name,
+                "label": label,
+                "batch": s["batch"],
+                "overrides": s["overrides"],
+                "ttft_p50_ratio": p50 / a50,
+                "ttft_p99_ratio": p99 / a99,
+                "batch_kept": tps / base,
+            }
+        )
+    return out
 
 
 def _by_name(summaries: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -677,6 +745,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "interactive_requests": len(requests),
             "goals": goals,
             "goal_batch_kept": GOAL_BATCH_KEPT,
+            "tradeoff": tradeoff_points(summaries),
             "plot": str(plot_path),
             "scenarios": summaries,
         },

@@ -68,23 +68,14 @@ def simulated(name: str, duration_s: float, items: int) -> dict[str, Any]:
 
 
 def measured() -> list[dict[str, Any]]:
-    """Variants of scenario ``a`` in the last ``bench.protection`` record, if any."""
+    """The trade-off points of the last ``bench.protection`` record (Backfill's variants and
+    the peers, each against its own path's batch alone), if any."""
     path = OUT_DIR / "protection.json"
     if not path.is_file():
         return []
     record = json.loads(path.read_text())
-    details = record.get("details", {})
-    goals = details.get("goals", record.get("goals", {}))
-    out = []
-    for key, ratio in goals.items():
-        # bench.protection names each variant's figures "a:NAME_ttft_p99_ratio", "_batch_kept".
-        if not key.startswith("a:") or not key.endswith("_ttft_p99_ratio"):
-            continue
-        variant = key[: -len("_ttft_p99_ratio")]
-        kept = goals.get(f"{variant}_batch_kept")
-        if ratio is not None and kept is not None:
-            out.append({"variant": variant, "ttft_p99_ratio": ratio, "batch_kept": kept})
-    return out
+    points: list[dict[str, Any]] = record.get("details", record).get("tradeoff", [])
+    return points
 
 
 def plot(sim: dict[str, Any], real: list[dict[str, Any]], path: Path) -> None:
@@ -93,24 +84,35 @@ def plot(sim: dict[str, Any], real: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1, 2 if real else 1, figsize=(13 if real else 7, 4.8), squeeze=False)
+    ax = axes[0][0]
     pts = sim["budget"]
     ax.plot([p["batch_kept"] for p in pts], [p["ttft_p99_ratio"] for p in pts], "o-",
-            label="simulated: Backfill + work budget (TTFT target swept)")
+            label="Backfill + work budget (TTFT target swept)")
     for p in pts:
         ax.annotate(f"{p['ttft_target_s']:g}s", (p["batch_kept"], p["ttft_p99_ratio"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
     for name, o in sim["others"].items():
-        ax.plot([o["batch_kept"]], [o["ttft_p99_ratio"]], "s", label=f"simulated: {name}")
+        ax.plot([o["batch_kept"]], [o["ttft_p99_ratio"]], "s", label=name)
+    ax.set_title(f"Simulated: {sim['scenario']}, {sim['duration_s']:g} s of trace", fontsize=10)
     if real:
-        ax.plot([r["batch_kept"] for r in real], [r["ttft_p99_ratio"] for r in real], "D",
-                label="measured: bench.protection variants")
-    ax.axhline(1.1, color="grey", ls="--", lw=0.8)
-    ax.axvline(0.6, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("batch throughput kept (share of batch alone)")
-    ax.set_ylabel("interactive TTFT p99 / interactive alone")
-    ax.set_title(f"Work budget trade-off ({sim['scenario']}, {sim['duration_s']:g} s)")
-    ax.legend(fontsize=8)
+        rx = axes[0][1]
+        ours = sorted((r for r in real if r["batch"] == "backfill"), key=lambda r: r["batch_kept"])
+        rx.plot([r["batch_kept"] for r in ours], [r["ttft_p99_ratio"] for r in ours], "o-",
+                label="Backfill (bench.protection variants)")
+        for r in real:
+            if r["batch"] != "backfill":
+                rx.plot([r["batch_kept"]], [r["ttft_p99_ratio"]], "s", color="#a0aec0")
+            rx.annotate(r["label"], (r["batch_kept"], r["ttft_p99_ratio"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+        rx.set_title("Measured: bench.protection, vLLM CPU (grey: vLLM alone)", fontsize=10)
+    for a in axes[0]:
+        a.axhline(1.1, color="grey", ls="--", lw=0.8)
+        a.axvline(0.6, color="grey", ls="--", lw=0.8)
+        a.set_xlabel("batch throughput kept (share of batch alone)")
+        a.set_ylabel("interactive TTFT p99 / interactive alone")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

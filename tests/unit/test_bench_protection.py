@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from backfill.simulate.trace import TraceRequest
-from bench.protection import ScenarioResult, parse_variant, verdicts
+from bench.protection import ScenarioResult, parse_variant, plot, tradeoff_points, verdicts
 from bench.replay import InteractiveResult, Target, interactive_body, sse_data
 from bench.stack import counters, settings_env
 
@@ -87,6 +89,36 @@ def test_goals_compare_backfill_with_alone_and_peers() -> None:
     assert goals["batch_kept_c"] == pytest.approx(0.8)
     assert goals["a:tight_ttft_p99_ratio"] == pytest.approx(1.05)
     assert goals["a:tight_batch_kept"] == pytest.approx(0.4)
+
+
+def test_tradeoff_points_judge_each_path_against_its_own_batch_alone(tmp_path: Path) -> None:
+    def s(name: str, batch: str | None, p50: float | None, p99: float | None,
+          tps: float | None, **overrides: str) -> dict[str, Any]:
+        return {"scenario": name, "batch": batch, "ttft_p50_s": p50, "ttft_p99_s": p99,
+                "batch_output_tokens_per_s": tps, "overrides": overrides, "requests": []}
+
+    summaries = [
+        s("alone", None, 1.0, 2.0, None),
+        s("batch-backfill", "backfill", None, None, 100.0),
+        s("batch-straight", "straight", None, None, 120.0),
+        s("a", "backfill", 1.5, 2.4, 70.0, interactive_ttft_target_s="4"),
+        s("a:off", "backfill", 2.0, 3.2, 90.0, work_budget_enabled="false"),
+        s("b", "straight", 1.2, 3.0, 90.0),
+        s("c", "straight", None, None, 96.0),  # no interactive figures: left out
+    ]
+    points = {p["scenario"]: p for p in tradeoff_points(summaries)}
+    assert set(points) == {"a", "a:off", "b"}
+    assert points["a"]["label"] == "a (interactive_ttft_target_s=4)"
+    assert points["a"]["batch_kept"] == pytest.approx(0.7)
+    assert points["a:off"]["ttft_p99_ratio"] == pytest.approx(1.6)
+    assert points["b"]["batch_kept"] == pytest.approx(0.75)  # against straight, not Backfill
+    assert points["b"]["ttft_p50_ratio"] == pytest.approx(1.2)
+    assert tradeoff_points(summaries[1:]) == []  # no interactive-alone baseline
+    for row in summaries:
+        row.update(interactive_requests=0, engine_preemptions=0.0)
+    out = tmp_path / "p.png"
+    plot(summaries, out, "test")
+    assert out.read_bytes().startswith(b"\x89PNG")
 
 
 def test_goals_missing_a_scenario_are_none() -> None:
