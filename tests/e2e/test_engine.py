@@ -84,6 +84,28 @@ def test_pool_is_what_the_server_was_started_with(engine: EngineUnderTest) -> No
         assert pool.kv_cache_memory_bytes == engine.kv_cache_gib * 2**30
 
 
+def test_load_read_from_the_needed_samples_equals_a_full_parse(engine: EngineUnderTest) -> None:
+    """The load parser skips every sample it does not need (the histogram buckets are most of
+    the text); on the real engine's text it must read what a full parse reads."""
+    from backfill import capacity  # noqa: PLC0415 - the private full parse, for comparison
+
+    async def body(c: HttpEngine) -> str:
+        body = {"model": engine.model, "max_tokens": 4, "ignore_eos": True, "prompt": "Hello"}
+        await collect(c, Endpoint.COMPLETIONS, body)
+        return await c.metrics_text()
+
+    text = run(engine, body)
+    full = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in capacity._samples(text)}
+    kept = capacity._samples(text, capacity._LOAD_SAMPLES)
+    assert len(kept) < len(full) / 4, "the filter kept most of the text"
+    assert {s.name for s in kept} >= {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
+    for s in kept:
+        assert full[(s.name, tuple(sorted(s.labels.items())))] == s.value
+    assert {s.name for s in kept} == {name for name, _ in full if name in capacity._LOAD_SAMPLES}
+    load = capacity.parse_engine_load(text)
+    assert load.generation_tokens_total >= 4
+
+
 def test_pool_matches_the_planning_formula(engine: EngineUnderTest) -> None:
     if engine.model_dir is None:
         pytest.skip("the engine's model folder is not readable here (remote engine)")

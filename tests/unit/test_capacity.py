@@ -346,6 +346,21 @@ def test_load_is_read_from_gauges_and_counters() -> None:
     assert load.allocated_tokens(parse_cache_config(REAL_METRICS)) == 2048 * 128
 
 
+def test_load_ignores_samples_it_does_not_need_even_malformed_ones() -> None:
+    """Only the load's own samples are parsed: histogram buckets (most of vLLM's text) are
+    skipped, so even a malformed one does not fail the read; a malformed needed one does."""
+    buckets = "\n".join(
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}",model_name="m"}} 3.0'
+        for le in (0.1, 0.5, 1.0, 5.0)
+    )
+    noisy = REAL_METRICS + "# TYPE vllm:time_to_first_token_seconds histogram\n" + buckets + "\n"
+    assert parse_engine_load(noisy) == parse_engine_load(REAL_METRICS)
+    broken_bucket = noisy + 'vllm:e2e_request_latency_seconds_bucket{le="1"} not-a-number\n'
+    assert parse_engine_load(broken_bucket) == parse_engine_load(REAL_METRICS)
+    with pytest.raises(MetricMalformed):
+        parse_engine_load(REAL_METRICS + "vllm:num_requests_running{engine=\"1\"} nope\n")
+
+
 def test_load_accepts_the_older_usage_gauge_name() -> None:
     text = REAL_METRICS.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
     assert parse_engine_load(text).kv_cache_usage_perc == 0.25
