@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -78,6 +79,9 @@ from worker.engine import (
 )
 
 log = logging.getLogger("backfill.worker")
+# Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
+# unstarted is not counted again when it is claimed again.
+_COUNTED_KEPT = 65_536
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,11 @@ class NodeDispatcher:
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._typical_reservation = 0
+        self._typical_prompt = 0
+        # Prompt token counts by item id: an item given back unstarted (no slack, work budget
+        # full) is not counted again by the engine when it is claimed again. Bodies never
+        # change, so a count stays right; bounded, oldest forgotten first.
+        self._counted: OrderedDict[int, int] = OrderedDict()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._decode_rate = config.decode_tokens_per_s
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
@@ -325,6 +334,14 @@ class NodeDispatcher:
         want = min(room, cfg.claim_batch)
         if self._typical_reservation:
             want = max(1, min(want, snap.slack // self._typical_reservation))
+        if budget is not None and self._typical_prompt:
+            # Nor more than the work budget's prefill room could start: a claim it cuts short
+            # goes back to the queue, and claiming it again costs Postgres writes each time.
+            active = self._active()
+            prefilling = sum(f.prefill_tokens for f in active if f.first_token_at is None)
+            want = admissible(budget, len(active), prefilling, [self._typical_prompt] * want)
+            if want == 0:
+                return 0  # woken when a prefill ends (first token) or an item finishes
         if self._engine_down:
             return 0  # a stream broke while the snapshot was read: the engine may be gone
         claimed = await asyncio.to_thread(self.repo.claim, cfg.node, want, cfg.lease_ttl_s)
@@ -405,12 +422,23 @@ class NodeDispatcher:
     async def _prompt_tokens(self, item: ClaimedItem) -> int:
         if item.prompt_tokens is not None:
             return item.prompt_tokens
+        known = self._counted.get(item.id)
+        if known is not None:
+            return known
         body = json.loads(item.body)
         model = str(body.get("model") or self.model)
         async with self._tokenize_slots:
             if item.endpoint == Endpoint.CHAT_COMPLETIONS:
-                return await self.engine.tokenize_chat(body["messages"], self.model or model)
-            return await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
+                tokens = await self.engine.tokenize_chat(body["messages"], self.model or model)
+            else:
+                tokens = await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
+        self._counted[item.id] = tokens
+        if len(self._counted) > _COUNTED_KEPT:
+            self._counted.popitem(last=False)
+        self._typical_prompt = (
+            tokens if not self._typical_prompt else (3 * self._typical_prompt + tokens) // 4
+        )
+        return tokens
 
     async def _reserve_and_start(self, ready: list[tuple[ClaimedItem, int, str]]) -> int:
         cfg = self.config
@@ -614,6 +642,8 @@ class NodeDispatcher:
                             finish_reasons[choice.index] = choice.finish_reason
                     if flight.first_token_at is None and any(c.text for c in chunk.choices):
                         flight.first_token_at = time.monotonic()
+                        if self.work_budget is not None:
+                            self._room.set()  # its prompt left the budget's prefill count
                     if chunk.usage is not None:
                         usage_prompt = chunk.usage.prompt_tokens
                         completion = chunk.usage.completion_tokens

@@ -236,6 +236,46 @@ def test_batch_never_exceeds_its_slack(deployment: Deployment, node: NodeThread)
     _assert_exactly_once(d, job, 120)
 
 
+def test_a_tight_prefill_budget_does_not_churn_claims(deployment: Deployment) -> None:
+    """The work budget lets only a prompt or two into prefill at once: the dispatcher claims
+    what it could start, not a full claim batch that mostly goes back to the queue (each
+    round trip of which cost Postgres writes and, before counts were kept, another
+    ``/tokenize``: a 240-item job once claimed items 3,320 times)."""
+    d = deployment
+    s = d.settings.model_copy(
+        update={
+            "work_budget_floor_prefill_tokens": 24,
+            "work_budget_ceiling_prefill_tokens": 24,
+            "claim_batch_size": 32,
+        }
+    )
+    thread = NodeThread(s, "n1", d.engine_url)
+    thread.start()
+    try:
+        assert thread.started.wait(60), f"node did not start: {thread.error}"
+        job = d.submit(40, max_tokens=24, tag="churn")
+        dispatcher = thread.dispatchers[0]
+        try:
+            d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 40, 300, "the job")
+        except AssertionError:
+            raise AssertionError(
+                f"job not done under a tight prefill budget: {d.counts(job)}, "
+                f"{dispatcher.stats}, budget {dispatcher.work_budget}, "
+                f"in flight {dispatcher.in_flight}"
+            ) from None
+        stats = dispatcher.stats
+    finally:
+        thread.stop()
+        thread.join(30)
+    assert thread.error is None
+    _assert_exactly_once(d, job, 40)
+    # Each prompt is ~10 tokens: two fit the prefill budget. A claim may still come back
+    # when a prompt is longer than the typical one; a full batch of 32 coming back each
+    # time would claim hundreds.
+    assert stats.started == 40
+    assert stats.claimed <= 2 * 40, stats
+
+
 def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engine(
     deployment: Deployment, node: NodeThread
 ) -> None:
