@@ -509,14 +509,14 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     bars.set_title("Batch throughput per scenario (blue: through Backfill)", fontsize=10)
     bars.tick_params(axis="x", labelsize=8, rotation=20)
     if points:
-        _plot_tradeoff(axes[2], points)
+        plot_tradeoff(axes[2], points)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _plot_tradeoff(ax: Any, points: Sequence[dict[str, Any]]) -> None:
+def plot_tradeoff(ax: Any, points: Sequence[dict[str, Any]]) -> None:
     """Batch kept against interactive TTFT p99, one point per scenario that ran both: the
     Backfill variants joined in order of the batch they kept, the peers apart."""
     ours = sorted((p for p in points if p["batch"] == "backfill"), key=lambda p: p["batch_kept"])

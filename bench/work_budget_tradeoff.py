@@ -20,6 +20,7 @@ from backfill.simulate import compare
 from backfill.simulate.run import simulate
 from backfill.simulate.scenario import scenario
 from bench.common import OUT_DIR
+from bench.protection import plot_tradeoff
 
 TRACE = "/work/shared/traces/azure_llm_2023_code.csv"
 PLOT = Path(__file__).parent / "work_budget_tradeoff.png"
@@ -96,23 +97,16 @@ def plot(sim: dict[str, Any], real: list[dict[str, Any]], path: Path) -> None:
         ax.plot([o["batch_kept"]], [o["ttft_p99_ratio"]], "s", label=name)
     ax.set_title(f"Simulated: {sim['scenario']}, {sim['duration_s']:g} s of trace", fontsize=10)
     if real:
-        rx = axes[0][1]
-        ours = sorted((r for r in real if r["batch"] == "backfill"), key=lambda r: r["batch_kept"])
-        rx.plot([r["batch_kept"] for r in ours], [r["ttft_p99_ratio"] for r in ours], "o-",
-                label="Backfill (bench.protection variants)")
-        for r in real:
-            if r["batch"] != "backfill":
-                rx.plot([r["batch_kept"]], [r["ttft_p99_ratio"]], "s", color="#a0aec0")
-            rx.annotate(r["label"], (r["batch_kept"], r["ttft_p99_ratio"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7)
-        rx.set_title("Measured: bench.protection, vLLM CPU (grey: vLLM alone)", fontsize=10)
-    for a in axes[0]:
-        a.axhline(1.1, color="grey", ls="--", lw=0.8)
-        a.axvline(0.6, color="grey", ls="--", lw=0.8)
-        a.set_xlabel("batch throughput kept (share of batch alone)")
-        a.set_ylabel("interactive TTFT p99 / interactive alone")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        # The same panel bench.protection draws, from its recorded points.
+        plot_tradeoff(axes[0][1], real)
+        axes[0][1].set_title("Measured: bench.protection, vLLM CPU (grey: vLLM alone)",
+                             fontsize=10)
+    ax.axhline(1.1, color="grey", ls="--", lw=0.8)
+    ax.axvline(0.6, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("batch throughput kept (share of batch alone)")
+    ax.set_ylabel("interactive TTFT p99 / interactive alone")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
