@@ -84,6 +84,12 @@ log = logging.getLogger("backfill.worker")
 _COUNTED_KEPT = 65_536
 
 
+def _prefilling(active: list[_InFlight]) -> int:
+    """Prompt tokens of the items still awaiting their first token: what counts against the
+    work budget's prefill room."""
+    return sum(f.prefill_tokens for f in active if f.first_token_at is None)
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     """How one node's dispatcher behaves."""
@@ -338,8 +344,9 @@ class NodeDispatcher:
             # Nor more than the work budget's prefill room could start: a claim it cuts short
             # goes back to the queue, and claiming it again costs Postgres writes each time.
             active = self._active()
-            prefilling = sum(f.prefill_tokens for f in active if f.first_token_at is None)
-            want = admissible(budget, len(active), prefilling, [self._typical_prompt] * want)
+            want = admissible(
+                budget, len(active), _prefilling(active), [self._typical_prompt] * want
+            )
             if want == 0:
                 return 0  # woken when a prefill ends (first token) or an item finishes
         if self._engine_down:
@@ -573,9 +580,8 @@ class NodeDispatcher:
         if budget is None:
             return fits
         active = self._active()
-        prefilling = sum(f.prefill_tokens for f in active if f.first_token_at is None)
         prompts = [tokens + item.partial_tokens for item, tokens, _ in fits]
-        return fits[: admissible(budget, len(active), prefilling, prompts)]
+        return fits[: admissible(budget, len(active), _prefilling(active), prompts)]
 
     async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
         with contextlib.suppress(StaleWrite):
@@ -1069,8 +1075,7 @@ class NodeDispatcher:
                 )
         if (before.hold and not budget.hold) or budget.max_seqs > before.max_seqs:
             self._room.set()
-        prefilling = sum(f.prefill_tokens for f in awaiting)
-        view = BudgetView.of(budget, len(active), prefilling, now)
+        view = BudgetView.of(budget, len(active), _prefilling(active), now)
         with contextlib.suppress(Exception):
             await publish_budget(
                 self.ledger.client,
