@@ -26,11 +26,11 @@ from typing import Any
 import pydantic_core
 
 from backfill.config import Settings
+from backfill.prefill import CHAT, COMPLETIONS, completion_prompts, prefill_plan
 from backfill.refusals import InvalidRequest, PayloadTooLarge
 from backfill.repository import NewItem
+from backfill.request_fields import normalise_fields
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt"}
 """Endpoints a batch may target, and the body field that carries each one's prompt."""
 
@@ -50,6 +50,7 @@ class InputLimits:
     max_lines: int
     max_sequence_tokens: int
     max_bytes_per_token: int
+    max_prompts_per_line: int = 64
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InputLimits:
@@ -59,6 +60,7 @@ class InputLimits:
             max_lines=settings.max_lines_per_batch,
             max_sequence_tokens=settings.batch_max_sequence_tokens,
             max_bytes_per_token=settings.max_bytes_per_token,
+            max_prompts_per_line=settings.batch_max_prompts_per_line,
         )
 
 
@@ -151,7 +153,17 @@ def _is_positive_int(value: Any) -> bool:
     return type(value) is int and value > 0
 
 
-def _chat_prompt_chars(messages: Any) -> int | str:
+@dataclass(frozen=True, slots=True)
+class PromptChars:
+    """The characters of a line's prompts: the longest bounds the class limit check (each
+    prompt is a sequence of its own), all of them together feed the forecasts."""
+
+    longest: int
+    total: int
+    prompts: int = 1
+
+
+def _chat_prompt_chars(messages: Any) -> PromptChars | str:
     """Characters of the prompt's text, or a message saying why ``messages`` is invalid."""
     if type(messages) is not list or not messages:
         return "body.messages must be a non-empty array of message objects"
@@ -169,28 +181,39 @@ def _chat_prompt_chars(messages: Any) -> int | str:
                     chars += len(text)
         elif content is not None:
             return f"body.messages[{index}].content must be a string, an array or null"
-    return chars
+    return PromptChars(chars, chars)
 
 
-def _completion_prompt_chars(prompt: Any) -> int | str:
-    """Characters of a completions prompt (token ids count as one character each, which
-    keeps the bound a lower one: one id is exactly one token)."""
+def _completion_prompt_chars(prompt: Any) -> PromptChars | str:
+    """Characters of a completions prompt, each prompt of a list apart (token ids count as
+    one character each, which keeps the bound a lower one: one id is exactly one token)."""
     if type(prompt) is str:
-        return len(prompt) if prompt else "body.prompt must not be empty"
-    if type(prompt) is list and prompt:
-        if all(type(p) is str for p in prompt):
-            return sum(len(p) for p in prompt)
-        if all(type(p) is int for p in prompt):
-            return len(prompt)
-        if all(type(p) is list and p and all(type(t) is int for t in p) for p in prompt):
-            return sum(len(p) for p in prompt)
-    return "body.prompt must be a string, an array of strings, or token ids"
+        return PromptChars(len(prompt), len(prompt)) if prompt else "body.prompt must not be empty"
+    try:
+        prompts = completion_prompts(prompt)
+    except InvalidRequest as exc:
+        return exc.message
+    sizes = [len(p) for p in prompts]
+    if not all(sizes):
+        return "body.prompt must not hold an empty prompt"
+    return PromptChars(max(sizes), sum(sizes), len(sizes))
 
 
-_PROMPT_CHARS: dict[str, Callable[[Any], int | str]] = {
+_PROMPT_CHARS: dict[str, Callable[[Any], PromptChars | str]] = {
     CHAT: _chat_prompt_chars,
     COMPLETIONS: _completion_prompt_chars,
 }
+
+_RENDERED_BESIDE_MESSAGES = ("tools", "documents", "chat_template_kwargs")
+"""Chat fields the template renders into the prompt beside the messages: their JSON size
+counts toward the forecasts (not toward the limit's lower bound: a template may leave them
+out)."""
+
+
+def _rendered_chars(body: dict[str, Any]) -> int:
+    return sum(
+        len(_dumps({key: body[key]})) for key in _RENDERED_BESIDE_MESSAGES if body.get(key)
+    )
 
 
 @dataclass(slots=True)
@@ -311,7 +334,24 @@ def _checked_lines(
         if type(chars) is str:
             yield LineError(f"invalid_{prompt_field}", chars, number, f"body.{prompt_field}")
             continue
-        assert isinstance(chars, int)
+        assert isinstance(chars, PromptChars)
+        if chars.prompts > limits.max_prompts_per_line:
+            yield LineError(
+                "too_many_prompts",
+                f"body.prompt holds {chars.prompts} prompts; a line may hold at most "
+                f"{limits.max_prompts_per_line} (each runs as a sequence of its own: put "
+                "the rest on lines of their own)",
+                number,
+                "body.prompt",
+            )
+            continue
+        malformed = normalise_fields(body, chat=endpoint == CHAT)
+        if malformed is not None:
+            param, message = malformed
+            budget = param in ("max_tokens", "max_completion_tokens")
+            code = "invalid_max_tokens" if budget else "invalid_parameter"
+            yield LineError(code, message, number, f"body.{param}")
+            continue
 
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
@@ -341,11 +381,15 @@ def _checked_lines(
                 "unsupported_parameter", "stream is not supported in batches", number, "body.stream"
             )
             continue
-        n = body.get("n", 1)
-        if n != 1 or body.get("best_of", 1) != 1:
+        if body.get("n") not in (1, None) or body.get("best_of") not in (1, None):
             yield LineError(
                 "unsupported_parameter", "n and best_of must be 1 in batches", number, "body.n"
             )
+            continue
+        try:
+            prefill_plan(endpoint, body)
+        except InvalidRequest as exc:
+            yield LineError(exc.code, exc.message, number, f"body.{exc.param or prompt_field}")
             continue
 
         if max_tokens > limit:
@@ -356,7 +400,7 @@ def _checked_lines(
                 "body.max_tokens",
             )
             continue
-        least_prompt_tokens = math.ceil(chars / per_token)
+        least_prompt_tokens = math.ceil(chars.longest / per_token)
         if least_prompt_tokens + max_tokens > limit:
             yield LineError(
                 "request_too_long",
@@ -368,8 +412,9 @@ def _checked_lines(
             continue
 
         tally.lines += 1
-        tally.max_output_tokens += max_tokens
-        tally.prompt_chars += chars
+        # Every prompt of a line is a sequence of its own, with its own output budget.
+        tally.max_output_tokens += max_tokens * chars.prompts
+        tally.prompt_chars += chars.total + (_rendered_chars(body) if endpoint == CHAT else 0)
         yield NewItem(number, custom_id, _dumps(body), max_tokens)
 
 

@@ -36,11 +36,18 @@ from backfill.refusals import (
     InvalidRequest,
     LimitReached,
     QuotaExceeded,
+    Refusal,
 )
 from backfill.repository import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
-from backfill.windows import batch_throughput, checked_window, format_window, plan_deadline
+from backfill.windows import (
+    DeadlinePlan,
+    batch_throughput,
+    checked_window,
+    format_window,
+    plan_deadline,
+)
 
 INPUT_PURPOSE = "batch"
 
@@ -186,31 +193,9 @@ def create_batch(
     # Quota and deadline are judged before anything is stored, on an upper bound of the
     # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
     forecast = forecast_tokens_upper_bound(content)
-    if tenant.enqueued_token_quota is not None:
-        enqueued = repo.enqueued_tokens(tenant.id)
-        if enqueued + forecast > tenant.enqueued_token_quota:
-            raise QuotaExceeded(
-                f"this batch needs up to {forecast} tokens; {enqueued} of the tenant's quota "
-                f"of {tenant.enqueued_token_quota} enqueued tokens are in use"
-            )
     now = now or datetime.now(UTC)
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
-    plan = plan_deadline(
-        now,
-        window_s,
-        backlog_tokens=repo.backlog_tokens(),
-        batch_tokens=forecast,
-        throughput_tps=tps,
-    )
-    if not plan.feasible:
-        needed_s = max(60, round((plan.estimated_completion - now).total_seconds()))
-        raise DeadlineInfeasible(
-            f"completion_window {request.completion_window!r} cannot be met: with the current "
-            f"backlog this batch would finish in about {format_window(needed_s)}; the "
-            f"earliest feasible completion_window is {plan.earliest_window!r}",
-            earliest_window=plan.earliest_window,
-            estimated_completion=int(plan.estimated_completion.timestamp()),
-        )
+    plan = _judge_tokens(repo, tenant, forecast, now, window_s, tps, request.completion_window)
 
     job = repo.create_job(
         tenant.id,
@@ -232,11 +217,17 @@ def create_batch(
 
     def items() -> Iterator[NewItem]:
         yield from stream_valid_items(content, request.endpoint, limits, tally)
-        # Only a file with escaped JSON keys gets past the forecast bound; judge it exactly
+        # The bound counts each line's output budget once: a line of several prompts (one
+        # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
         # before the items commit.
         exact = tally.max_output_tokens + tally.estimated_prompt_tokens
         if exact > forecast:
-            raise ForecastExceeded(exact)
+            try:
+                _judge_tokens(
+                    repo, tenant, exact, now, window_s, tps, request.completion_window
+                )
+            except Refusal as refusal:
+                raise ForecastExceeded(refusal) from refusal
 
     try:
         # Parsing feeds the COPY line by line, so Postgres stores while Python parses; the
@@ -248,11 +239,8 @@ def create_batch(
         _fail(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
         return repo.get_job(tenant.id, job.id)
     except ForecastExceeded as exc:
-        message = (
-            f"the file's requests need about {exc.args[0]} tokens, more than the "
-            f"{forecast} it was admitted for; write JSON keys without escapes"
-        )
-        _fail(repo, job.id, [_entry("token_forecast_exceeded", message)], message)
+        refusal = exc.args[0]
+        _fail(repo, job.id, [_entry(refusal.code, refusal.message)], refusal.message)
         return repo.get_job(tenant.id, job.id)
     except Conflict:
         # A concurrent create with the same Idempotency-Key stored the items first.
@@ -272,7 +260,45 @@ def create_batch(
 
 
 class ForecastExceeded(Exception):
-    """The exact forecast of a file is above the bound it was admitted on."""
+    """The exact forecast of a file, above the bound it was admitted on, breaks the quota or
+    the deadline (``args[0]``: the :class:`Refusal`)."""
+
+
+def _judge_tokens(
+    repo: Repository,
+    tenant: TenantRecord,
+    tokens: int,
+    now: datetime,
+    window_s: int,
+    throughput_tps: float,
+    completion_window: str,
+) -> DeadlinePlan:
+    """Refuse a batch of ``tokens`` forecast tokens that breaks the tenant's quota or cannot
+    finish within its window; else the plan of its completion."""
+    if tenant.enqueued_token_quota is not None:
+        enqueued = repo.enqueued_tokens(tenant.id)
+        if enqueued + tokens > tenant.enqueued_token_quota:
+            raise QuotaExceeded(
+                f"this batch needs up to {tokens} tokens; {enqueued} of the tenant's quota "
+                f"of {tenant.enqueued_token_quota} enqueued tokens are in use"
+            )
+    plan = plan_deadline(
+        now,
+        window_s,
+        backlog_tokens=repo.backlog_tokens(),
+        batch_tokens=tokens,
+        throughput_tps=throughput_tps,
+    )
+    if not plan.feasible:
+        needed_s = max(60, round((plan.estimated_completion - now).total_seconds()))
+        raise DeadlineInfeasible(
+            f"completion_window {completion_window!r} cannot be met: with the current "
+            f"backlog this batch would finish in about {format_window(needed_s)}; the "
+            f"earliest feasible completion_window is {plan.earliest_window!r}",
+            earliest_window=plan.earliest_window,
+            estimated_completion=int(plan.estimated_completion.timestamp()),
+        )
+    return plan
 
 
 def first_model(content: bytes) -> str | None:

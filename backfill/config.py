@@ -100,6 +100,13 @@ class Settings(BaseSettings):
     max_preemptions_per_item: Annotated[int, Field(ge=0)] = 3
     max_attempts_per_item: PositiveInt = 5
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
+    # A batch stream that sends nothing this long while its engine makes no progress at all
+    # (no token prefilled or generated for anyone) is a hung engine: the attempt is stopped
+    # as an engine error (requeued, the engine suspect until it answers). 0: never.
+    batch_stream_stall_s: Annotated[float, Field(ge=0)] = 120.0
+    # Prompts one completions line may carry (vLLM runs one sequence per prompt; each is
+    # counted and reserved).
+    batch_max_prompts_per_line: PositiveInt = 64
 
     # API key -> tenant lookups are remembered this long (a revoked key works at most this
     # much longer); 0 checks Postgres on every request.

@@ -32,6 +32,7 @@ from typing import Any
 from backfill.errors import BackfillError, LedgerError, LedgerUnavailable
 from backfill.ledger import AsyncLedger, Denial, Lease, PoolSnapshot
 from backfill.policy import Reason, ServiceClass
+from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -214,6 +215,8 @@ def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
         longest = max((len(p.encode()) for p in text_prompts), default=0)
         key = "max_tokens"
     max_output = _positive_int(body, key, None)
+    # Refuses what no count could cover (prompt embeddings) before any reservation.
+    prefill_plan(endpoint.value, body)
     segments = len(body["messages"]) if endpoint is InteractiveEndpoint.CHAT_COMPLETIONS else 1
     return RequestShape(
         endpoint=endpoint,
@@ -243,6 +246,8 @@ _CHAT_RENDERING_FIELDS = (
     "continue_final_message",
     "add_special_tokens",
     "mm_processor_kwargs",
+    "media_io_kwargs",
+    "reasoning_effort",
 )
 _COMPLETIONS_RENDERING_FIELDS = ("suffix",)
 

@@ -1147,15 +1147,18 @@ class Repository:
         partial_output: str | None,
         partial_tokens: int,
         detail: str,
+        not_before: datetime | None = None,
     ) -> None:
-        """running -> queued: the attempt stopped through no fault of the item (engine down,
-        worker shutting down, lease lost); its progress is kept for the next attempt."""
+        """running -> queued: the attempt stopped (engine down, worker shutting down, lease
+        lost, a worker error); its progress is kept for the next attempt, which waits until
+        ``not_before`` when given."""
         _check_moves([ItemState.RUNNING], ItemState.QUEUED)
         with self._tx() as conn:
             row = conn.execute(
                 text(
                     "UPDATE items SET state = 'queued', partial_output = :o, partial_tokens = :t, "
                     "lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
+                    "not_before = :nb, "
                     "updated_at = now() WHERE id = :i AND attempt = :a AND fencing_token = :f "
                     "AND state = 'running' RETURNING job_id"
                 ),
@@ -1165,6 +1168,7 @@ class Repository:
                     "f": fencing_token,
                     "o": _encode_partial(partial_output),
                     "t": partial_tokens,
+                    "nb": not_before,
                 },
             ).first()
             if row is None:

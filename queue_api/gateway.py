@@ -51,11 +51,12 @@ from backfill.gateway import (
 )
 from backfill.ledger import AsyncLedger, Lease
 from backfill.maintenance import pool_policy
+from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
 from backfill.repository import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
-from worker.engine import EngineError, EngineRejected, HttpEngine, sse_lines
+from worker.engine import EngineError, EngineRejected, HttpEngine, count_prefill, sse_lines
 
 log = logging.getLogger("backfill.gateway")
 
@@ -672,26 +673,18 @@ class InteractiveGateway:
     async def _count(
         self, shape: RequestShape, body: Mapping[str, Any], nodes: Sequence[ServingNode]
     ) -> int:
-        """Exact prompt tokens, from the first serving engine that answers."""
-        if shape.token_id_prompt_tokens is not None:
-            return shape.token_id_prompt_tokens
+        """Exact prompt tokens of the longest prompt (each of a request's sequences is
+        charged that many), from the first serving engine that answers."""
+        # The same plan the worker counts batch items by: every field that renders into the
+        # prompt is counted (tools, documents, template arguments), each prompt of a list.
+        plan = prefill_plan(shape.endpoint.value, body)
+        if not plan.tokenize:
+            return max(plan.known)
         last: Exception | None = None
         for node in nodes:
             engine = self.engine(node.engine_url)
             try:
-                if shape.endpoint is InteractiveEndpoint.CHAT_COMPLETIONS:
-                    return await engine.tokenize_chat(
-                        body["messages"],
-                        shape.model,
-                        add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                        continue_final_message=bool(body.get("continue_final_message", False)),
-                        chat_template_kwargs=body.get("chat_template_kwargs"),
-                        tools=body.get("tools"),
-                    )
-                counts = await asyncio.gather(
-                    *(engine.tokenize_prompt(p, shape.model) for p in shape.text_prompts)
-                )
-                return max(counts)
+                return (await count_prefill(engine, plan, shape.model)).longest
             except EngineRejected as exc:
                 raise InvalidRequest(exc.message, param=shape.prompt_param) from exc
             except EngineError as exc:

@@ -50,6 +50,8 @@ from backfill.ledger import (
 )
 from backfill.observe import observed_non_batch
 from backfill.policy import ServiceClass
+from backfill.prefill import PromptCount, prefill_plan
+from backfill.refusals import InvalidRequest
 from backfill.repository import ClaimedItem, Finish, Repository, Start
 from backfill.states import ItemState
 from backfill.work_budget import (
@@ -74,9 +76,9 @@ from worker.engine import (
     EngineError,
     EngineRejected,
     EngineUnavailable,
-    ResumeUnsupported,
-    resume_request,
+    count_prefill,
 )
+from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
 
 log = logging.getLogger("backfill.worker")
 # Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
@@ -131,6 +133,11 @@ class DispatchConfig:
     """How often the work budget is stepped from fresh signals."""
     signal_ttl_s: float = 3.0
     """Gateway signals older than this are ignored (the gateway that wrote them is gone)."""
+    stall_timeout_s: float = 120.0
+    """An attempt whose stream sent nothing for this long while its engine made no progress
+    at all (no token prefilled or generated for anyone) is stopped as an engine error: a hung
+    engine must not hold items and leases until their deadlines. Waiting behind interactive
+    work is not a stall: the engine is busy then. 0 turns the watch off."""
 
 
 @dataclass
@@ -138,22 +145,23 @@ class _InFlight:
     item: ClaimedItem
     lease: Lease
     endpoint: str
+    run: RunPlan
     prompt_tokens: int = 0
     """The original prompt's tokens: with ``generated``, what the sequence holds in the engine."""
+    prefill_tokens: int = 0
+    """What this run prefills (a continuation's prompt holds its partial output), for every
+    sequence it creates."""
     task: asyncio.Task[None] | None = None
     generated: int = 0
     text: dict[int, list[str]] = field(default_factory=dict)
     stop_reason: str | None = None
-    """Why the dispatcher cancelled it: preempted, lease_lost, claim_lost, shutdown."""
+    """Why the dispatcher cancelled it: preempted, lease_lost, claim_lost, stalled, shutdown."""
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     """Until its first token the item is in prefill: it counts against the work budget's
     prefill tokens."""
-
-    @property
-    def prefill_tokens(self) -> int:
-        # A resumed item prefills its partial output again, with its prompt.
-        return self.prompt_tokens + self.item.partial_tokens
+    last_chunk_at: float = field(default_factory=time.monotonic)
+    """When the engine last sent anything for it (the stall watch's clock)."""
 
 
 @dataclass
@@ -172,10 +180,19 @@ class DispatchStats:
     output_tokens: int = 0
     budget_preemptions: int = 0
     """Items the work budget preempted to protect an interactive TTFT target."""
+    reservation_violations: int = 0
+    """Attempts the engine says held more KV than their lease (must stay 0)."""
+    stalls: int = 0
+    """Attempts stopped because their engine made no progress at all for the stall timeout."""
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _backoff_s(attempt: int) -> float:
+    """How long an item whose attempt failed on its own account waits before the next."""
+    return float(min(0.25 * 2 ** max(attempt - 1, 0), 5.0))
 
 
 def _error_json(code: str, message: str) -> str:
@@ -221,12 +238,16 @@ class NodeDispatcher:
         # Prompt token counts by item id: an item given back unstarted (no slack, work budget
         # full) is not counted again by the engine when it is claimed again. Bodies never
         # change, so a count stays right; bounded, oldest forgotten first.
-        self._counted: OrderedDict[int, int] = OrderedDict()
+        self._counted: OrderedDict[int, PromptCount] = OrderedDict()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._decode_rate = config.decode_tokens_per_s
         self._tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
         # Set when the engine stopped answering; cleared once it answers again.
         self._engine_down = False
+        # Set when an attempt stalled on an engine that answers but makes no progress (hung):
+        # one item at a time is sent until one gets output again, so a hang spends the
+        # attempts of one item per stall timeout, not of every item the node could hold.
+        self._engine_suspect = False
         policy = config.work_budget
         self.work_budget: WorkBudget | None = (
             None if policy is None else WorkBudget.initial(policy, time.time())
@@ -246,6 +267,8 @@ class NodeDispatcher:
             helpers.append(asyncio.create_task(self._observe(), name="observe"))
         if self.config.work_budget is not None:
             helpers.append(asyncio.create_task(self._control_budget(), name="work-budget"))
+        if self.config.stall_timeout_s > 0:
+            helpers.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
         try:
             while not self._stopping.is_set():
                 try:
@@ -326,6 +349,8 @@ class NodeDispatcher:
             if budget.hold:
                 return 0
             room = min(room, budget.max_seqs - len(self._active()))
+        if self._engine_suspect:
+            room = min(room, 1 - len(self._in_flight))
         if room <= 0:
             return 0
         if self._engine_down and not await self._engine_answers():
@@ -363,56 +388,36 @@ class NodeDispatcher:
             return len(claimed)
         return await self._reserve_and_start(ready)
 
-    async def _check(self, claimed: list[ClaimedItem]) -> list[tuple[ClaimedItem, int, str]]:
-        """Exact prompt tokens, class limit and deadline, before any engine work."""
-        counted = await asyncio.gather(
-            *(self._prompt_tokens(c) for c in claimed), return_exceptions=True
+    async def _check(self, claimed: list[ClaimedItem]) -> list[Prepared]:
+        """Exact prompt tokens of what each item will run, class limit and deadline, before
+        any engine work."""
+        prepared = await asyncio.gather(
+            *(self._prepare(c) for c in claimed), return_exceptions=True
         )
-        ready: list[tuple[ClaimedItem, int, str]] = []
-        for item, tokens in zip(claimed, counted, strict=True):
-            endpoint = item.endpoint
-            if isinstance(tokens, EngineRejected):
-                await self._fail_claimed(item, _error_json("invalid_request", tokens.message))
+        ready: list[Prepared] = []
+        for item, outcome in zip(claimed, prepared, strict=True):
+            if isinstance(outcome, EngineRejected | InvalidRequest):
+                await self._fail_claimed(item, _error_json("invalid_request", outcome.message))
                 continue
-            if isinstance(tokens, EngineUnavailable):
+            if isinstance(outcome, EngineUnavailable):
                 # The engine could not count (down, overloaded): give the item back untouched.
                 self._engine_down = True
-                await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {tokens}")
+                await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {outcome}")
                 continue
-            if isinstance(tokens, BaseException):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            if isinstance(outcome, BaseException):
                 # Not the engine's absence but something about this item: it fails the same
                 # way each time it is tried, so it counts against the item's attempts.
-                if item.attempt >= self.config.max_attempts:
-                    await self._fail_claimed(
-                        item,
-                        _error_json(
-                            "retries_exhausted",
-                            f"the prompt could not be counted in {item.attempt} attempts; "
-                            f"last error: {tokens!r}",
-                        ),
-                    )
-                else:
-                    # Back off, so that a poison item does not hold the head of the queue.
-                    await self._give_back(
-                        item,
-                        ItemState.QUEUED,
-                        f"tokenize failed: {tokens!r}",
-                        min(0.25 * 2 ** max(item.attempt - 1, 0), 5.0),
-                    )
+                await self._retry_or_fail(item, f"the prompt could not be counted: {outcome!r}")
                 continue
-            total = tokens + item.max_output_tokens
-            if total > self.max_sequence_tokens:
-                await self._fail_claimed(
-                    item,
-                    _error_json(
-                        "context_length_exceeded",
-                        f"prompt ({tokens} tokens) + max_tokens ({item.max_output_tokens}) = "
-                        f"{total} exceeds the batch limit of {self.max_sequence_tokens} tokens",
-                    ),
-                )
+            refused = over_limit(outcome.count, outcome.max_output, self.max_sequence_tokens)
+            if refused is not None:
+                await self._fail_claimed(item, _error_json("context_length_exceeded", refused))
                 continue
-            remaining = item.max_output_tokens - item.partial_tokens
-            need_s = (tokens / self.config.prefill_tokens_per_s) + remaining / self._decode_rate
+            need_s = seconds_needed(
+                outcome, self.config.prefill_tokens_per_s, self._decode_rate
+            )
             left_s = (item.deadline - _now()).total_seconds()
             if need_s > left_s:
                 reason = (
@@ -423,31 +428,68 @@ class NodeDispatcher:
                     await asyncio.to_thread(self.repo.expire_claimed, item.id, item.attempt, reason)
                 self.stats.expired += 1
                 continue
-            ready.append((item, tokens, endpoint))
+            ready.append(outcome)
         return ready
 
-    async def _prompt_tokens(self, item: ClaimedItem) -> int:
-        if item.prompt_tokens is not None:
-            return item.prompt_tokens
+    async def _retry_or_fail(self, item: ClaimedItem, error: str) -> None:
+        """A claimed item whose attempt failed for a reason of its own: back off and try
+        again (a poison item must not hold the head of the queue), failing at the cap."""
+        if item.attempt >= self.config.max_attempts:
+            await self._fail_claimed(
+                item,
+                _error_json(
+                    "retries_exhausted", f"{item.attempt} attempts failed; last error: {error}"
+                ),
+            )
+            return
+        await self._give_back(item, ItemState.QUEUED, error, _backoff_s(item.attempt))
+
+    async def _prepare(self, item: ClaimedItem) -> Prepared:
+        """Decide what ``item`` runs and count it exactly. A continuation the class limit
+        would refuse (its re-tokenized partial output came out longer) runs from the start."""
+        run = run_plan(item)
+        original = None if run.kept else await self._count_original(item, run.request)
+        count = original or await self._count(run.request, item.endpoint)
+        if run.kept and not run.complete:
+            left = item.max_output_tokens - run.kept
+            if over_limit(count, left, self.max_sequence_tokens) is not None:
+                run = run_plan(item, from_start=True)
+                original = count = await self._count_original(item, run.request)
+        prompt_tokens = (
+            original.total
+            if original is not None
+            else item.prompt_tokens or max(count.total - run.kept, 0)
+        )
+        return Prepared(item, run, count, prompt_tokens)
+
+    async def _count_original(self, item: ClaimedItem, body: dict[str, Any]) -> PromptCount:
+        """The count of an item's own request: stored by an earlier attempt (one sequence)
+        or remembered from an earlier claim, else asked of the engine."""
         known = self._counted.get(item.id)
         if known is not None:
             return known
-        body = json.loads(item.body)
-        model = str(body.get("model") or self.model)
-        async with self._tokenize_slots:
-            if item.endpoint == Endpoint.CHAT_COMPLETIONS:
-                tokens = await self.engine.tokenize_chat(body["messages"], self.model or model)
-            else:
-                tokens = await self.engine.tokenize_prompt(str(body["prompt"]), self.model or model)
-        self._counted[item.id] = tokens
+        # Postgres keeps one number, which is the whole count only for one sequence.
+        if item.prompt_tokens is not None and prefill_plan(item.endpoint, body).sequences == 1:
+            count = PromptCount.single(item.prompt_tokens)
+        else:
+            count = await self._count(body, item.endpoint)
+        self._counted[item.id] = count
         if len(self._counted) > _COUNTED_KEPT:
             self._counted.popitem(last=False)
-        self._typical_prompt = (
-            tokens if not self._typical_prompt else (3 * self._typical_prompt + tokens) // 4
-        )
-        return tokens
+        return count
 
-    async def _reserve_and_start(self, ready: list[tuple[ClaimedItem, int, str]]) -> int:
+    async def _count(self, body: dict[str, Any], endpoint: str) -> PromptCount:
+        plan = prefill_plan(endpoint, body)
+        async with self._tokenize_slots:
+            count = await count_prefill(self.engine, plan, self.model or str(body.get("model")))
+        self._typical_prompt = (
+            count.total
+            if not self._typical_prompt
+            else (3 * self._typical_prompt + count.total) // 4
+        )
+        return count
+
+    async def _reserve_and_start(self, ready: list[Prepared]) -> int:
         cfg = self.config
         ready = await self._fit_to_slack(ready)
         if not ready:
@@ -456,16 +498,17 @@ class NodeDispatcher:
             ReserveRequest(
                 node=cfg.node,
                 service_class=ServiceClass.BATCH,
-                # A resumed item's prompt carries its partial output; its worst case is
-                # unchanged: prompt + max_output in all.
-                prompt_tokens=tokens + item.partial_tokens,
-                max_output_tokens=max(1, item.max_output_tokens - item.partial_tokens),
-                owner=f"{cfg.node}/{item.id}/{item.attempt}",
-                preemptible=item.preemptions < cfg.max_preemptions,
-                deadline_ms=int(item.deadline.timestamp() * 1000),
+                # What this run prefills (a continuation's prompt carries its partial
+                # output) and what it may still generate, for every sequence it creates.
+                prompt_tokens=p.count.longest,
+                max_output_tokens=p.max_output,
+                n=p.count.sequences,
+                owner=f"{cfg.node}/{p.item.id}/{p.item.attempt}",
+                preemptible=p.item.preemptions < cfg.max_preemptions,
+                deadline_ms=int(p.item.deadline.timestamp() * 1000),
                 ttl_ms=int(cfg.lease_ttl_s * 1000),
             )
-            for item, tokens, _ in ready
+            for p in ready
         ]
         try:
             outcomes: list[Lease | Denial | BaseException] = list(
@@ -476,13 +519,13 @@ class NodeDispatcher:
             # others back below.
             outcomes = list(exc.results)  # type: ignore[arg-type]
         except LedgerError:
-            for item, _, _ in ready:
-                await self._give_back(item, ItemState.QUEUED, "ledger unavailable")
+            for p in ready:
+                await self._give_back(p.item, ItemState.QUEUED, "ledger unavailable")
             raise
         starts: list[Start] = []
-        leased: dict[int, tuple[ClaimedItem, Lease, str]] = {}
-        prompt_of: dict[int, int] = {}
-        for (item, tokens, endpoint), outcome in zip(ready, outcomes, strict=True):
+        leased: dict[int, tuple[Prepared, Lease]] = {}
+        for prepared, outcome in zip(ready, outcomes, strict=True):
+            item = prepared.item
             if isinstance(outcome, BaseException):
                 log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
                 await self._give_back(item, ItemState.QUEUED, f"reserve failed: {outcome}")
@@ -510,29 +553,31 @@ class NodeDispatcher:
                     outcome.lease_id,
                     outcome.fencing_token,
                     outcome.tokens,
-                    tokens,
+                    prepared.prompt_tokens,
                 )
             )
-            leased[item.id] = (item, outcome, endpoint)
-            prompt_of[item.id] = tokens
+            leased[item.id] = (prepared, outcome)
         if not starts:
             return 0
         applied = set(await asyncio.to_thread(self.repo.start_many, starts, cfg.lease_ttl_s))
-        orphans = [lease for i, (_, lease, _) in leased.items() if i not in applied]
+        orphans = [lease for i, (_, lease) in leased.items() if i not in applied]
         if orphans:
             # Their claims moved on (cancelled, reaped) between claim and start.
             await self.ledger.release_many(orphans)
         for item_id in applied:
-            item, lease, endpoint = leased[item_id]
+            prepared, lease = leased[item_id]
+            item, run = prepared.item, prepared.run
             flight = _InFlight(
                 item=item,
                 lease=lease,
-                endpoint=endpoint,
-                prompt_tokens=prompt_of[item_id],
+                endpoint=item.endpoint,
+                run=run,
+                prompt_tokens=prepared.prompt_tokens,
+                prefill_tokens=prepared.count.total,
                 # Progress of earlier attempts is this one's from the start: a preemption
                 # before its first token must keep it, not store zero.
-                generated=item.partial_tokens,
-                text={0: [item.partial_output]} if item.partial_output else {},
+                generated=run.kept,
+                text={0: [item.partial_output]} if run.kept and item.partial_output else {},
             )
             self._in_flight[item.id] = flight
             self._by_lease[lease.lease_id] = item.id
@@ -546,21 +591,18 @@ class NodeDispatcher:
         self.stats.started += len(applied)
         return len(applied)
 
-    async def _fit_to_slack(
-        self, ready: list[tuple[ClaimedItem, int, str]]
-    ) -> list[tuple[ClaimedItem, int, str]]:
+    async def _fit_to_slack(self, ready: list[Prepared]) -> list[Prepared]:
         """The deadline-ordered prefix of ``ready`` that the node's slack can take now; the rest
         goes back to the queue at once, in one write (no deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
-        fits: list[tuple[ClaimedItem, int, str]] = []
+        fits: list[Prepared] = []
         used = 0
-        for entry in ready:
-            item, tokens, _ = entry
-            need = -(-(tokens + item.max_output_tokens) // self.block_size) * self.block_size
+        for prepared in ready:
+            need = prepared.reservation(self.block_size)
             if used + need > slack and fits:
                 break
-            fits.append(entry)
+            fits.append(prepared)
             used += need
         budgeted = self._fit_to_budget(fits)
         detail = "work budget full" if len(budgeted) < len(fits) else "slack full"
@@ -568,19 +610,17 @@ class NodeDispatcher:
         rest = ready[len(fits) :]
         if rest:
             await asyncio.to_thread(
-                self.repo.unclaim, [(i.id, i.attempt) for i, _, _ in rest], detail
+                self.repo.unclaim, [(p.item.id, p.item.attempt) for p in rest], detail
             )
         return fits
 
-    def _fit_to_budget(
-        self, fits: list[tuple[ClaimedItem, int, str]]
-    ) -> list[tuple[ClaimedItem, int, str]]:
+    def _fit_to_budget(self, fits: list[Prepared]) -> list[Prepared]:
         """The prefix of ``fits`` the work budget lets start now."""
         budget = self.work_budget
         if budget is None:
             return fits
         active = self._active()
-        prompts = [tokens + item.partial_tokens for item, tokens, _ in fits]
+        prompts = [p.count.total for p in fits]
         return fits[: admissible(budget, len(active), _prefilling(active), prompts)]
 
     async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
@@ -608,25 +648,34 @@ class NodeDispatcher:
     # Generation
 
     async def _generate(self, flight: _InFlight) -> None:
+        """Run one attempt. Whatever goes wrong ends the attempt: its item is finished,
+        requeued or failed, its lease released, and it leaves the flight table (an item left
+        running would keep its claim and lease alive through every heartbeat)."""
+        try:
+            await self._run(flight)
+        except asyncio.CancelledError:
+            await self._stopped(flight)
+        except Exception as exc:
+            log.exception(
+                "node %s: item %s attempt %s failed in the worker",
+                self.config.node,
+                flight.item.id,
+                flight.item.attempt,
+            )
+            await self._attempt_crashed(flight, exc)
+
+    async def _run(self, flight: _InFlight) -> None:
         item = flight.item
-        body: dict[str, Any] = json.loads(item.body)
         request_id = f"bf-{item.id}-{item.attempt}"
-        # Tokens generated by earlier attempts. Their text may be empty (a detokenizer holds
-        # back an incomplete UTF-8 sequence), so progress is judged by the count.
-        done = item.partial_tokens
-        request = dict(body)
-        if done and done >= item.max_output_tokens:
+        if flight.run.complete:
             # Preempted after its last token: the answer is complete; nothing to run.
             response = self._response_body(flight, request_id, {0: "length"}, None)
             await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
             return
-        if done:
-            try:
-                request = resume_request(flight.endpoint, body, item.partial_output or "", done)
-            except ResumeUnsupported:
-                # Continuing would change the answer's meaning: run it whole again.
-                done = flight.generated = 0
-                flight.text = {}
+        # Tokens generated by earlier attempts. Their text may be empty (a detokenizer holds
+        # back an incomplete UTF-8 sequence), so progress is judged by the count.
+        done = flight.run.kept
+        request = dict(flight.run.request)
         request["model"] = self.model
         finish_reasons: dict[int, str] = {}
         usage_prompt: int | None = None
@@ -642,6 +691,11 @@ class NodeDispatcher:
             )
             async with stream:
                 async for chunk in stream:
+                    flight.last_chunk_at = time.monotonic()
+                    if self._engine_suspect and chunk.choices:
+                        log.info("node %s: the engine makes progress again", self.config.node)
+                        self._engine_suspect = False
+                        self._room.set()
                     for choice in chunk.choices:
                         flight.text.setdefault(choice.index, []).append(choice.text)
                         if choice.finish_reason:
@@ -659,9 +713,6 @@ class NodeDispatcher:
                     if flight.generated - settled >= self.config.settle_every_tokens:
                         settled = flight.generated
                         await self._settle(flight)
-        except asyncio.CancelledError:
-            await self._stopped(flight)
-            return
         except EngineRejected as exc:
             await self._finish(
                 flight, ItemState.FAILED, error=_error_json("engine_rejected", exc.message)
@@ -670,12 +721,74 @@ class NodeDispatcher:
         except (EngineError, OSError) as exc:
             await self._engine_trouble(flight, exc)
             return
+        self._check_reservation(flight, usage_prompt, completion)
         elapsed = time.monotonic() - flight.started
         if completion and elapsed > 0:
             rate = completion / elapsed
             self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
         response = self._response_body(flight, request_id, finish_reasons, usage_prompt)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
+
+    def _check_reservation(
+        self, flight: _InFlight, usage_prompt: int | None, completion: int
+    ) -> None:
+        """The invariant, checked against the engine's own counts: the tokens it prefilled
+        and generated for this attempt (all its sequences) fit the lease that covered it."""
+        if usage_prompt is None:
+            return
+        held = usage_prompt + completion
+        if held > flight.lease.tokens:
+            self.stats.reservation_violations += 1
+            log.error(
+                "node %s: item %s attempt %s held %s KV tokens in the engine (prompt %s + "
+                "output %s) on a reservation of %s",
+                self.config.node,
+                flight.item.id,
+                flight.item.attempt,
+                held,
+                usage_prompt,
+                completion,
+                flight.lease.tokens,
+            )
+
+    async def _attempt_crashed(self, flight: _InFlight, exc: BaseException) -> None:
+        """An attempt broke on something of the worker's or the item's (not the engine's):
+        requeue it with backoff, or fail it at the attempt cap; release and forget it."""
+        item = flight.item
+        try:
+            if item.attempt >= self.config.max_attempts:
+                with contextlib.suppress(StaleWrite):
+                    await asyncio.to_thread(
+                        functools.partial(
+                            self.repo.fail,
+                            item.id,
+                            item.attempt,
+                            _error_json(
+                                "retries_exhausted",
+                                f"{item.attempt} attempts failed; last error: {exc!r}",
+                            ),
+                            fencing_token=flight.lease.fencing_token,
+                        )
+                    )
+                self.stats.failed += 1
+            else:
+                with contextlib.suppress(StaleWrite):
+                    await asyncio.to_thread(
+                        self.repo.requeue,
+                        item.id,
+                        item.attempt,
+                        flight.lease.fencing_token,
+                        partial_output=self._partial(flight),
+                        partial_tokens=flight.generated,
+                        detail=f"worker error: {exc!r}",
+                        not_before=_now() + timedelta(seconds=_backoff_s(item.attempt)),
+                    )
+                self.stats.requeued += 1
+        except Exception:
+            # Postgres is out too: the claim expires and the reaper requeues the item.
+            log.exception("node %s: item %s not requeued", self.config.node, item.id)
+        finally:
+            await self._release(flight)
 
     def _response_body(
         self,
@@ -686,8 +799,10 @@ class NodeDispatcher:
     ) -> dict[str, Any]:
         """The non-streaming response the endpoint would have sent, assembled from the stream
         (and, after a preemption, from the partial output the earlier attempt produced)."""
-        item = flight.item
-        prompt = item.prompt_tokens if item.prompt_tokens is not None else usage_prompt or 0
+        # The engine's count where it counted the original prompt; a continuation's prompt
+        # also holds the partial output, so then the original count stands.
+        kept = flight.run.kept
+        prompt = usage_prompt if usage_prompt is not None and not kept else flight.prompt_tokens
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": flight.generated,
@@ -772,6 +887,15 @@ class NodeDispatcher:
                     detail=reason,
                 )
                 self.stats.requeued += 1
+            elif reason == "stalled":
+                await self._engine_trouble(
+                    flight,
+                    EngineUnavailable(
+                        f"the stream sent nothing for {self.config.stall_timeout_s:.0f} s "
+                        "while the engine made no progress"
+                    ),
+                )
+                return
             # claim_lost: the item was cancelled, expired or reaped; nothing of ours to write.
         except StaleWrite:
             pass
@@ -990,6 +1114,36 @@ class NodeDispatcher:
             except Exception as exc:  # a missed report only leaves the last one standing
                 log.warning("node %s: engine use not observed: %s", cfg.node, exc)
 
+    async def _watch_stalls(self) -> None:
+        """Stop the attempts a hung engine holds (see ``DispatchConfig.stall_timeout_s``)."""
+        timeout = self.config.stall_timeout_s
+        interval = min(5.0, max(timeout / 4, 0.05))
+        progress: int | None = None
+        progressed_at = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                load = await self.engine.load()
+                seen: int | None = load.prompt_tokens_total + load.generation_tokens_total
+            except Exception as exc:  # no answer at all is no progress
+                log.debug("node %s: no engine load for the stall watch: %s", self.config.node, exc)
+                seen = None
+            now = time.monotonic()
+            if seen is not None and seen != progress:
+                progress, progressed_at = seen, now
+            for flight in stalled(self._running(), progressed_at, now, timeout):
+                if self._cancel(flight, "stalled"):
+                    self.stats.stalls += 1
+                    self._engine_suspect = True
+                    log.warning(
+                        "node %s: item %s attempt %s: no output for %.0f s and no engine "
+                        "progress; stopping it as an engine error",
+                        self.config.node,
+                        flight.item.id,
+                        flight.item.attempt,
+                        now - flight.last_chunk_at,
+                    )
+
     def _active(self) -> list[_InFlight]:
         """In-flight items not being stopped: what counts against the work budget."""
         return [f for f in self._in_flight.values() if f.stop_reason is None]
@@ -1115,6 +1269,14 @@ class NodeDispatcher:
                 await asyncio.sleep(1.0)
 
 
+def stalled(
+    flights: list[_InFlight], progressed_at: float, now: float, timeout_s: float
+) -> list[_InFlight]:
+    """The attempts that heard nothing from the engine for ``timeout_s``, counted from their
+    last chunk or the engine's last progress, whichever came later."""
+    return [f for f in flights if now - max(f.last_chunk_at, progressed_at) > timeout_s]
+
+
 @dataclass(frozen=True)
 class _FlightVictim:
     """An in-flight item as :func:`backfill.work_budget.budget_victims` sees a lease."""
@@ -1136,7 +1298,7 @@ class _FlightVictim:
     @property
     def generated_tokens(self) -> int:
         # Output of this attempt only: a resumed item keeps what earlier attempts produced.
-        return self.flight.generated - self.flight.item.partial_tokens
+        return self.flight.generated - self.flight.run.kept
 
     @property
     def started_at_ms(self) -> int:

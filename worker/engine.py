@@ -19,6 +19,7 @@ Three rules the rest of the worker relies on:
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -31,6 +32,7 @@ import httpx
 
 from backfill.capacity import EngineLoad, EnginePool, parse_cache_config, parse_engine_load
 from backfill.errors import BackfillError
+from backfill.prefill import PrefillPlan, PromptCount
 
 __all__ = [
     "ChoiceDelta",
@@ -195,6 +197,11 @@ class Engine(Protocol):
     async def tokenize_prompt(self, prompt: str, model: str) -> int:
         """Prompt tokens of a completions request, special tokens included as the engine
         adds them."""
+        ...
+
+    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
+        """Prompt tokens of one ``/tokenize`` body (a :class:`backfill.prefill.PrefillPlan`
+        entry: a chat rendering with all its arguments, or one completions prompt)."""
         ...
 
     def stream_completion(
@@ -408,6 +415,9 @@ class HttpEngine:
         # add_special_tokens defaults to True, as /v1/completions tokenizes a prompt.
         return await self._tokenize({"model": model, "prompt": prompt})
 
+    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
+        return await self._tokenize({**body, "model": model})
+
     def stream_completion(
         self,
         endpoint: Endpoint | str,
@@ -476,6 +486,13 @@ class HttpEngine:
                 raise EngineUnavailable(f"stream from {where} broke: {exc!r}") from exc
         finally:
             await response.aclose()
+
+
+async def count_prefill(engine: Engine, plan: PrefillPlan, model: str) -> PromptCount:
+    """Carry out ``plan``: the engine counts each prompt given as text (at once), the
+    prompts given as token ids are known."""
+    counted = await asyncio.gather(*(engine.tokenize(body, model) for body in plan.tokenize))
+    return PromptCount.of([*counted, *plan.known], plan.n)
 
 
 def resume_request(

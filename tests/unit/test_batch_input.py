@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -161,3 +162,74 @@ def test_upload_checks_size_lines_and_line_length_cheaply() -> None:
         check_upload(b"{}\n" + b"x" * 31 + b"\n", small)
     with pytest.raises(InvalidRequest, match="3 request lines"):
         check_upload(b"{}\n{}\n{}\n", small)
+
+
+def _completion(custom_id: str, prompt: Any, max_tokens: int = 100, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": "m", "prompt": prompt, "max_tokens": max_tokens, **body},
+    }
+
+
+def test_every_prompt_of_a_line_is_charged_its_output_budget() -> None:
+    result = validate_batch_input(
+        encode(_completion("a", ["x"] * 20), _completion("b", "y")), COMPLETIONS, LIMITS
+    )
+    assert isinstance(result, ValidatedBatch)
+    # 20 sequences of up to 100 tokens each, and one more: what quota and deadline judge.
+    assert result.max_output_tokens == 21 * 100
+
+
+def test_a_line_with_more_prompts_than_the_limit_is_refused() -> None:
+    limits = dataclasses.replace(LIMITS, max_prompts_per_line=8)
+    result = validate_batch_input(encode(_completion("a", ["x"] * 2000)), COMPLETIONS, limits)
+    assert isinstance(result, InvalidBatch)
+    assert (result.errors[0].code, result.errors[0].param) == ("too_many_prompts", "body.prompt")
+
+
+def test_the_limit_check_judges_each_prompt_of_a_list_apart() -> None:
+    # Each prompt is short; together they are far past what one sequence could hold.
+    result = validate_batch_input(
+        encode(_completion("a", ["x" * 30_000, "y" * 30_000, "z" * 30_000])), COMPLETIONS, LIMITS
+    )
+    assert isinstance(result, ValidatedBatch)
+    too_long = validate_batch_input(
+        encode(_completion("a", ["x", "y" * 70_000])), COMPLETIONS, LIMITS
+    )
+    assert isinstance(too_long, InvalidBatch)
+    assert too_long.errors[0].code == "request_too_long"
+
+
+def test_lax_numbers_are_stored_canonical_and_bad_ones_refused() -> None:
+    result = validate_batch_input(
+        encode(line("a", min_tokens="3.0", temperature="0.2", max_tokens="10")), CHAT, LIMITS
+    )
+    assert isinstance(result, ValidatedBatch)
+    stored = json.loads(result.items[0].body)
+    assert (stored["min_tokens"], stored["temperature"], stored["max_tokens"]) == (3, 0.2, 10)
+    assert result.items[0].max_output_tokens == 10
+    bad = validate_batch_input(encode(line("a", min_tokens="three")), CHAT, LIMITS)
+    assert isinstance(bad, InvalidBatch)
+    assert (bad.errors[0].code, bad.errors[0].param) == ("invalid_parameter", "body.min_tokens")
+
+
+def test_prompt_embeddings_are_refused_in_a_line() -> None:
+    bad = validate_batch_input(
+        encode(_completion("a", "x", prompt_embeds="AAAA")), COMPLETIONS, LIMITS
+    )
+    assert isinstance(bad, InvalidBatch)
+    assert (bad.errors[0].code, bad.errors[0].param) == (
+        "unsupported_parameter",
+        "body.prompt_embeds",
+    )
+
+
+def test_a_tool_schema_counts_toward_the_forecast() -> None:
+    plain = validate_batch_input(encode(line("a")), CHAT, LIMITS)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 40_000}}]
+    with_tools = validate_batch_input(encode(line("a", tools=tools)), CHAT, LIMITS)
+    assert isinstance(plain, ValidatedBatch)
+    assert isinstance(with_tools, ValidatedBatch)
+    assert with_tools.estimated_prompt_tokens >= plain.estimated_prompt_tokens + 10_000

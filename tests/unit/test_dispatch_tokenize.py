@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -37,11 +37,10 @@ class CountingEngine:
             self.in_flight -= 1
         return tokens
 
-    async def tokenize_chat(self, messages: Sequence[Mapping[str, Any]], model: str) -> int:
-        return await self._count(len(str(messages[0]["content"])))
-
-    async def tokenize_prompt(self, prompt: str, model: str) -> int:
-        return await self._count(len(prompt))
+    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
+        if "messages" in body:
+            return await self._count(len(str(body["messages"][0]["content"])))
+        return await self._count(len(body["prompt"]))
 
 
 def _claimed(n: int, *, prompt_tokens: int | None = None) -> list[ClaimedItem]:
@@ -87,7 +86,7 @@ def test_a_claims_prompts_are_counted_at_most_tokenize_concurrency_at_once() -> 
     ready = asyncio.run(dispatcher._check(_claimed(64)))
 
     assert len(ready) == 64
-    assert [tokens for _, tokens, _ in ready] == [5] * 64
+    assert [p.count.total for p in ready] == [5] * 64
     assert engine.calls == 64
     assert engine.most_at_once == 8
 
@@ -98,5 +97,74 @@ def test_prompts_counted_before_are_not_counted_again() -> None:
 
     ready = asyncio.run(dispatcher._check(_claimed(4, prompt_tokens=7)))
 
-    assert [tokens for _, tokens, _ in ready] == [7] * 4
+    assert [p.count.total for p in ready] == [7] * 4
     assert engine.calls == 0
+
+
+class RenderingEngine:
+    """Counts one token per character of the whole /tokenize body it is sent (so every field
+    that renders into the prompt adds to the count), and records the bodies."""
+
+    def __init__(self) -> None:
+        self.bodies: list[Mapping[str, Any]] = []
+
+    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
+        self.bodies.append(body)
+        return len(json.dumps({k: v for k, v in body.items() if k != "model"}))
+
+
+def _item(body: dict[str, Any], endpoint: str, max_tokens: int = 8) -> ClaimedItem:
+    return ClaimedItem(
+        id=1,
+        job_id="job",
+        attempt=1,
+        custom_id="r",
+        body=json.dumps(body),
+        deadline=datetime.now(UTC) + timedelta(hours=1),
+        prompt_tokens=None,
+        max_output_tokens=max_tokens,
+        reservation_tokens=None,
+        preemptions=0,
+        partial_output=None,
+        partial_tokens=0,
+        endpoint=endpoint,
+    )
+
+
+def test_a_line_of_several_prompts_reserves_every_sequence() -> None:
+    engine = RenderingEngine()
+    dispatcher = _dispatcher(cast(CountingEngine, engine))
+    prompts = ["x" * 10, "y" * 100, "z"]
+    body = {"model": "m", "prompt": prompts, "max_tokens": 50}
+
+    (ready,) = asyncio.run(dispatcher._check([_item(body, "/v1/completions", 50)]))
+
+    counts = [len(json.dumps({"prompt": p})) for p in prompts]
+    assert ready.count.sequences == 3
+    assert ready.count.longest == max(counts)
+    # Each sequence holds its own prompt and output: three of the longest, block-rounded.
+    per_sequence = -(-(max(counts) + 50) // 16) * 16
+    assert ready.reservation(16) == 3 * per_sequence
+    assert ready.reservation(16) >= sum(c + 50 for c in counts)
+
+
+def test_a_chat_line_is_counted_with_its_tools_and_template_arguments() -> None:
+    engine = RenderingEngine()
+    dispatcher = _dispatcher(cast(CountingEngine, engine))
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 2000}}]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "documents": [{"text": "e" * 700}],
+        "add_generation_prompt": False,
+        "max_tokens": 8,
+    }
+
+    (ready,) = asyncio.run(dispatcher._check([_item(body, "/v1/chat/completions")]))
+
+    (sent,) = engine.bodies
+    assert sent["tools"] == tools
+    assert sent["add_generation_prompt"] is False
+    assert sent["chat_template_kwargs"] == {"documents": [{"text": "e" * 700}]}
+    assert ready.count.longest > 2700  # the schema and the document are part of the prompt
