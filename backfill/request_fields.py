@@ -49,7 +49,8 @@ PROMPT_SHAPING_FLAGS = frozenset(
 the engine's rendering cannot read them differently."""
 
 
-def _as_integer(value: Any) -> int | None:
+def as_integer(value: Any) -> int | None:
+    """``value`` as the integer vLLM reads it as, or None (bools are not integers here)."""
     if type(value) is int:
         return value
     if type(value) is float and math.isfinite(value) and value.is_integer():
@@ -91,7 +92,7 @@ def normalise_fields(body: dict[str, Any], *, chat: bool) -> tuple[str, str] | N
         value = body.get(key)
         if value is None:
             continue
-        number = _as_integer(value)
+        number = as_integer(value)
         if number is None:
             return key, f"body.{key} must be an integer"
         body[key] = number

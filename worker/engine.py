@@ -33,6 +33,7 @@ import httpx
 from backfill.capacity import EngineLoad, EnginePool, parse_cache_config, parse_engine_load
 from backfill.errors import BackfillError
 from backfill.prefill import PrefillPlan, PromptCount
+from backfill.request_fields import as_integer
 
 __all__ = [
     "ChoiceDelta",
@@ -524,7 +525,16 @@ def resume_request(
     if generated_tokens < 0:
         raise ValueError(f"generated_tokens must not be negative, got {generated_tokens}")
     request = copy.deepcopy(dict(body))
-    if int(request.get("n") or 1) != 1 or int(request.get("best_of") or 1) != 1:
+    # Bodies stored before validation normalised their numbers may hold "3.0" and the like:
+    # read them as the engine does, and run from the start what cannot be read.
+    for key in ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens"):
+        value = request.get(key)
+        if value is not None:
+            number = as_integer(value)
+            if number is None:
+                raise ResumeUnsupported(f"{key} {value!r} is not an integer")
+            request[key] = number
+    if (request.get("n") or 1) != 1 or (request.get("best_of") or 1) != 1:
         raise ResumeUnsupported("cannot resume a request with several choices (n > 1)")
     # A chat request may name its budget either way; keep whichever it used.
     budget_key = "max_tokens"

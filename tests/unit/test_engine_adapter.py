@@ -193,10 +193,19 @@ def test_resumed_chat_continues_a_final_assistant_message() -> None:
     assert len(messages) == 1
 
 
+def test_a_resume_reads_lax_numbers_as_the_engine_does() -> None:
+    # Stored before validation normalised numbers: int("3.0") crashed the resume and left
+    # the item running for good.
+    body = {"prompt": "x", "max_tokens": "8.0", "min_tokens": "3.0"}
+    resumed = resume_request(Endpoint.COMPLETIONS, body, "y", generated_tokens=2)
+    assert (resumed["max_tokens"], resumed["min_tokens"]) == (6, 1)
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "generated"),
     [
         (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 5}, 5),
+        (Endpoint.COMPLETIONS, {"prompt": "x", "max_tokens": 5, "min_tokens": "3.5"}, 1),
         (Endpoint.COMPLETIONS, {"prompt": "x", "n": 2, "max_tokens": 5}, 1),
         (Endpoint.COMPLETIONS, {"prompt": "x", "echo": True, "max_tokens": 5}, 1),
         (Endpoint.COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 5}, 1),

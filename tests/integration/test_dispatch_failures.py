@@ -1,0 +1,140 @@
+"""An attempt that breaks inside the worker ends: its item is requeued with backoff and failed
+at the attempt cap, its lease released, and it leaves the flight table (before, the task died,
+the item stayed ``running`` and heartbeats kept its claim and lease alive for good).
+
+Real Postgres and Redis. The engine is a stand-in: no real engine raises an arbitrary
+exception inside the worker's stream loop, which is the fault this pins down (a bug of the
+worker's own, or a body only an older version stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from backfill.capacity import EngineLoad, EnginePool
+from backfill.config import Settings
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.repository import NewItem, Repository
+from backfill.states import ItemState, JobState
+from worker.dispatch import DispatchConfig, NodeDispatcher
+from worker.engine import (
+    ChoiceDelta,
+    CompletionStream,
+    Engine,
+    ModelInfo,
+    StreamChunk,
+    Usage,
+)
+
+NODE = "n-fail"
+BLOCK = 16
+
+
+class BreakingEngine:
+    """Counts prompts, then sends one chunk and raises: the worker's loop meets an error that
+    is not an engine error."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.generated = 0
+
+    async def pool(self) -> EnginePool:
+        return EnginePool(num_blocks=64, block_size=BLOCK, capacity_tokens=64 * BLOCK)
+
+    async def load(self) -> EngineLoad:
+        # Progress on every read: the stall watch must not be what ends these attempts.
+        self.generated += 1
+        return EngineLoad(0.0, self.streams, 0, 0, 0, self.generated)
+
+    async def models(self) -> list[ModelInfo]:
+        return [ModelInfo("m", 512, None)]
+
+    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
+        return 5
+
+    def stream_completion(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        priority: int,
+        request_id: str,
+        stream_interval: int = 1,
+    ) -> CompletionStream:
+        self.streams += 1
+
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            yield StreamChunk("c", (ChoiceDelta(0, "a"),), Usage(5, 1, 6), {})
+            raise RuntimeError("a fault of the worker's own")
+
+        return CompletionStream(chunks())
+
+
+def _submit(repo: Repository) -> str:
+    tenant = repo.create_tenant("t-fail")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    body = {"model": "m", "prompt": "x", "max_tokens": 8}
+    repo.insert_items(job.id, [NewItem(0, "r0", json.dumps(body), 8)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lease_freed(
+    settings: Settings,
+) -> None:
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    engine = BreakingEngine()
+    try:
+        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        job = _submit(repo)
+        dispatcher = NodeDispatcher(
+            DispatchConfig(node=NODE, max_attempts=3, idle_poll_s=0.05, observe_interval_s=0),
+            cast(Engine, engine),
+            repo,
+            aledger,
+            model="m",
+            block_size=BLOCK,
+            max_sequence_tokens=512,
+        )
+
+        async def run_until_done() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                for _ in range(400):
+                    await asyncio.sleep(0.05)
+                    if repo.counted_states(job).get(ItemState.FAILED):
+                        break
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(run_until_done())
+
+        counts = repo.counted_states(job)
+        assert counts.get(ItemState.FAILED) == 1, counts
+        assert engine.streams == 3  # one stream per attempt, up to the cap
+        (item,) = repo.items(job)
+        assert item.error is not None
+        assert json.loads(item.error)["code"] == "retries_exhausted"
+        assert "a fault of the worker's own" in json.loads(item.error)["message"]
+        assert dispatcher.in_flight == 0
+        snap = ledger.snapshot(NODE)
+        assert snap is not None
+        assert snap.batch_in_use == 0
+        assert not snap.leases
+    finally:
+        ledger.close()
+        repo.close()
