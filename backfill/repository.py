@@ -28,6 +28,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backfill import ids
 from backfill.errors import (
@@ -366,6 +367,13 @@ class Repository:
         except psycopg.DataError as exc:
             # The same, from the driver directly (COPY and binary reads bypass SQLAlchemy).
             raise InvalidInput(f"value refused: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            # A connection lost under a driver-level call (COPY, binary reads).
+            raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
+        except PoolTimeout as exc:
+            # Every pooled connection is busy: the store is there but has no room for this
+            # caller now, which a retry a little later may find.
+            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
                 raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
