@@ -6,7 +6,8 @@
   one lease TTL plus one tick: a dead worker is noticed by its silence, not by a broker's
   visibility timeout.
 - Jobs past their deadline expire; cancelled jobs stop their in-flight items; jobs whose
-  items are all finished are finalized with their output and error files.
+  items are all finished are finalized with their output and error files; jobs left
+  ``validating`` by an API process that died mid-create are moved on.
 
 Every step is idempotent: two ticks running at once, or one repeated, change nothing twice.
 """
@@ -115,6 +116,7 @@ class TickReport:
     expired_jobs: list[str] = field(default_factory=list)
     cancelled_in_flight: int = 0
     finalized: dict[str, JobState] = field(default_factory=dict)
+    recovered: dict[str, JobState] = field(default_factory=dict)
 
 
 def reap(repo: Repository, ledger: Ledger) -> tuple[int, int, int]:
@@ -141,4 +143,7 @@ def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
         stop_in_flight(ledger, stopped)
     finalize.settle_cancelling_jobs(repo)
     report.finalized = finalize.finalize_ready_jobs(repo)
+    report.recovered = finalize.recover_stale_validating(
+        repo, older_than_s=settings.stale_validating_s
+    )
     return report
