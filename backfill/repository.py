@@ -207,6 +207,14 @@ class ActiveLeaseRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LostItem(ActiveLeaseRow):
+    """An item the reaper took back from a silent attempt: requeued, or failed when its
+    worker died under it as often as the attempt cap allows."""
+
+    failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ItemRecord:
     id: int
     job_id: str
@@ -1248,8 +1256,20 @@ class Repository:
                 ).scalar_one()
             )
 
-    def reap_lost(self, limit: int = 1000) -> list[ActiveLeaseRow]:
-        """Requeue items whose attempt stopped heartbeating; returns them (to release leases)."""
+    def reap_lost(
+        self, limit: int = 1000, *, max_lost_runs: int | None = None
+    ) -> list[LostItem]:
+        """Take back items whose attempt stopped heartbeating; returns them (to release their
+        leases).
+
+        An attempt lost while ``running`` means its worker process died with the request in
+        the engine, which a poison request can cause every time: with ``max_lost_runs``, an
+        item lost that many times while running fails ("worker lost N times") instead of
+        being requeued. Attempts lost while ``reserved`` never reached the engine and do not
+        count. (Started attempts are the ones whose ``attempts`` row has a fencing token.)
+        """
+        _check_moves(sorted(ITEM_ACTIVE), ItemState.QUEUED)
+        _check_moves(sorted(ITEM_ACTIVE), ItemState.FAILED)
         with self._tx() as conn:
             rows = conn.execute(
                 text(
@@ -1257,24 +1277,47 @@ class Repository:
                     "  reservation_tokens, lease_expires_at FROM items "
                     f"  WHERE state IN ({ACTIVE_SQL}) AND lease_expires_at < now() "
                     "  ORDER BY lease_expires_at LIMIT :l FOR UPDATE SKIP LOCKED), "
-                    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
-                    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
-                    "  FROM lost WHERE i.id = lost.id "
+                    "runs AS (SELECT lost.id, (lost.state = 'running')::int + (SELECT count(*) "
+                    "  FROM attempts a WHERE a.item_id = lost.id AND a.attempt < lost.attempt "
+                    "  AND a.outcome = 'lost' AND a.fencing_token IS NOT NULL) AS n FROM lost), "
+                    "fate AS (SELECT lost.*, runs.n AS lost_runs, "
+                    "  (lost.state = 'running' AND runs.n >= CAST(:cap AS int)) IS TRUE AS failed "
+                    "  FROM lost JOIN runs ON runs.id = lost.id), "
+                    "moved AS (UPDATE items i SET "
+                    "  state = CASE WHEN f.failed THEN 'failed' ELSE 'queued' END, "
+                    "  error = CASE WHEN f.failed THEN json_build_object('code', 'worker_lost', "
+                    "    'message', format('worker lost %s times while running this request "
+                    "(its process died each time); it is not tried again', f.lost_runs))::text "
+                    "    ELSE i.error END, "
+                    "  finished_at = CASE WHEN f.failed THEN now() END, "
+                    "  lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
+                    "  updated_at = now() "
+                    "  FROM fate f WHERE i.id = f.id "
                     "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
-                    "  lost.state AS from_state, lost.node, lost.attempt, lost.lease_id, "
-                    "  lost.fencing_token, lost.reservation_tokens, lost.lease_expires_at), "
-                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome) "
-                    "  SELECT id, attempt, coalesce(node, ''), now(), 'lost' FROM moved "
-                    "  ON CONFLICT (item_id, attempt) DO UPDATE SET ended_at = now(), "
-                    "  outcome = 'lost') "
+                    "  f.state AS from_state, f.node, f.attempt, f.lease_id, "
+                    "  f.fencing_token, f.reservation_tokens, f.lease_expires_at, f.failed, "
+                    "  f.lost_runs), "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "
+                    "  detail) SELECT id, attempt, coalesce(node, ''), now(), 'lost', "
+                    "  CASE WHEN failed THEN format('worker lost %s times', lost_runs) END "
+                    "  FROM moved ON CONFLICT (item_id, attempt) DO UPDATE SET "
+                    "  ended_at = now(), outcome = 'lost', detail = EXCLUDED.detail) "
                     "SELECT * FROM moved"
                 ),
-                {"l": limit},
+                {"l": limit, "cap": max_lost_runs},
             ).all()
             _bump_counters(
-                conn, [(r.job_id, ItemState(r.from_state), ItemState.QUEUED) for r in rows]
+                conn,
+                [
+                    (
+                        r.job_id,
+                        ItemState(r.from_state),
+                        ItemState.FAILED if r.failed else ItemState.QUEUED,
+                    )
+                    for r in rows
+                ],
             )
-        return [_active_row(r) for r in rows]
+        return [LostItem(**_active_fields(r), failed=r.failed) for r in rows]
 
     def active_leases(self) -> list[ActiveLeaseRow]:
         """Every item a live attempt holds: what the ledger is rebuilt from."""
@@ -1536,20 +1579,24 @@ def _move_job(
     return JobState(row[0])
 
 
+def _active_fields(r: Any) -> dict[str, Any]:
+    """ActiveLeaseRow's fields from a ``moved`` row of reap_lost() or end_items()."""
+    return {
+        "item_id": r.id,
+        "node": r.node,
+        "attempt": r.attempt,
+        "lease_id": r.lease_id,
+        "fencing_token": r.fencing_token,
+        "reservation_tokens": r.reservation_tokens,
+        "lease_expires_at": r.lease_expires_at,
+        "deadline": r.deadline,
+        "preemptions": r.preemptions,
+        "partial_tokens": r.partial_tokens,
+    }
+
+
 def _active_row(r: Any) -> ActiveLeaseRow:
-    """An ActiveLeaseRow from a ``moved`` row of reap_lost() or end_items()."""
-    return ActiveLeaseRow(
-        item_id=r.id,
-        node=r.node,
-        attempt=r.attempt,
-        lease_id=r.lease_id,
-        fencing_token=r.fencing_token,
-        reservation_tokens=r.reservation_tokens,
-        lease_expires_at=r.lease_expires_at,
-        deadline=r.deadline,
-        preemptions=r.preemptions,
-        partial_tokens=r.partial_tokens,
-    )
+    return ActiveLeaseRow(**_active_fields(r))
 
 
 def _encode_partial(text: str | None) -> str | None:
