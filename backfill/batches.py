@@ -4,8 +4,10 @@ Order of a create, cheapest refusal first: parameters (endpoint, window, metadat
 retried create (same ``Idempotency-Key``) returns the first job -> the input file ->
 active-batch limit -> the tenant's token quota and deadline feasibility, on an upper bound of
 the file's tokens -> the job, then every line parsed and checked while it streams into one
-COPY -> ``in_progress``. The first bad line aborts the COPY (nothing of the file is stored)
-and the job ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Batch API does.
+COPY, whose transaction also moves the job to ``in_progress``. The first bad line aborts the
+COPY (nothing of the file is stored) and the job ends ``failed`` with ``errors`` naming each
+bad line, as OpenAI's Batch API does. A cancel during validation takes effect at once; the
+create then stores nothing (see ``Repository.insert_items``).
 """
 
 from __future__ import annotations
@@ -229,10 +231,19 @@ def create_batch(
             except Refusal as refusal:
                 raise ForecastExceeded(refusal) from refusal
 
+    estimated = plan.estimated_completion.isoformat(timespec="seconds")
     try:
         # Parsing feeds the COPY line by line, so Postgres stores while Python parses; the
-        # first bad line aborts the COPY and nothing of the file is stored.
-        repo.insert_items(job.id, items())
+        # first bad line aborts the COPY and nothing of the file is stored. The job moves to
+        # in_progress in the COPY's transaction: its items are claimable exactly from then.
+        repo.insert_items(
+            job.id,
+            items(),
+            start_reason=lambda n: f"{n} requests accepted; estimated completion {estimated}",
+        )
+    except StaleWrite:
+        # Cancelled (or expired, or recovered) while the items streamed in: none was stored.
+        return repo.get_job(tenant.id, job.id)
     except LineInvalid:
         checked = validate_batch_input(content, request.endpoint, limits)
         errors = checked.errors if isinstance(checked, InvalidBatch) else []
@@ -248,14 +259,6 @@ def create_batch(
     except BaseException:
         _fail_quietly(repo, job.id)
         raise
-    # StaleWrite: cancelled meanwhile, or a concurrent retry moved it first.
-    with contextlib.suppress(StaleWrite):
-        repo.move_job(
-            job.id,
-            JobState.IN_PROGRESS,
-            reason=f"{tally.lines} requests accepted; estimated completion "
-            f"{plan.estimated_completion.isoformat(timespec='seconds')}",
-        )
     return repo.get_job(tenant.id, job.id)
 
 

@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     heartbeat_interval_s: PositiveFloat = 5.0
     reaper_interval_s: PositiveFloat = 5.0
 
+    # A batch still ``validating`` this long after its create began, with no create at work on
+    # it, is recovered by the maintenance tick (its API process died mid-create).
+    stale_validating_s: PositiveFloat = 600.0
+
     # Claims from Postgres.
     claim_batch_size: PositiveInt = 64
 

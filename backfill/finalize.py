@@ -219,26 +219,11 @@ def expire_due_jobs(repo: Repository, limit: int = 100) -> ExpirySweep:
 def recover_stale_validating(
     repo: Repository, *, older_than_s: float, now: datetime | None = None
 ) -> dict[str, JobState]:
-    """Jobs left in ``validating`` by an API process that died mid-create: those whose items
-    were all stored go on to in_progress, the rest fail with a message to resubmit."""
+    """Jobs left in ``validating`` by an API process that died mid-create (run by the
+    maintenance tick): those whose items were all stored go on to in_progress, the rest fail
+    with a message to resubmit. A create still at work is left alone, however slow."""
     cutoff = (now or datetime.now(UTC)) - timedelta(seconds=older_than_s)
-    moved: dict[str, JobState] = {}
-    for job_id in repo.jobs_in_state(JobState.VALIDATING, 1000):
-        job = repo.get_job(None, job_id)
-        if job.created_at > cutoff:
-            continue
-        if job.counts.total:
-            target, errors = JobState.IN_PROGRESS, None
-        else:
-            target = JobState.FAILED
-            errors = [
-                _error(
-                    "validation_interrupted", "validation was interrupted; create the batch again"
-                )
-            ]
-        try:
-            repo.move_job(job_id, target, reason="recovered from validating", errors=errors)
-        except StaleWrite:
-            continue
-        moved[job_id] = target
-    return moved
+    errors = [
+        _error("validation_interrupted", "validation was interrupted; create the batch again")
+    ]
+    return repo.recover_validating(cutoff, errors)

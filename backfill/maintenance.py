@@ -5,8 +5,11 @@
 - Items whose attempt stopped heartbeating are requeued, and their leases released, within
   one lease TTL plus one tick: a dead worker is noticed by its silence, not by a broker's
   visibility timeout.
+- Items whose worker process died while running them count those deaths against the attempt
+  cap: an item that keeps killing its worker fails instead of being retried forever.
 - Jobs past their deadline expire; cancelled jobs stop their in-flight items; jobs whose
-  items are all finished are finalized with their output and error files.
+  items are all finished are finalized with their output and error files; jobs left
+  ``validating`` by an API process that died mid-create are moved on.
 
 Every step is idempotent: two ticks running at once, or one repeated, change nothing twice.
 """
@@ -110,28 +113,46 @@ def stop_in_flight(ledger: Ledger, rows: Sequence[ActiveLeaseRow]) -> int:
 class TickReport:
     rebuilt: RebuildReport | None = None
     requeued_lost: int = 0
+    failed_lost: int = 0
+    """Items failed because their worker died under them as often as the attempt cap."""
     released: int = 0
     reaped_leases: int = 0
     expired_jobs: list[str] = field(default_factory=list)
     cancelled_in_flight: int = 0
     finalized: dict[str, JobState] = field(default_factory=dict)
+    recovered: dict[str, JobState] = field(default_factory=dict)
 
 
-def reap(repo: Repository, ledger: Ledger) -> tuple[int, int, int]:
-    """Requeue items of silent attempts, release their leases, reap expired leases.
+@dataclass(frozen=True)
+class Reaped:
+    requeued: int
+    failed: int
+    """Lost as often as ``max_lost_runs`` while running: failed, not requeued."""
+    released: int
+    expired_leases: int
 
-    Returns (items requeued, leases released, expired leases reaped)."""
-    lost = repo.reap_lost()
+
+def reap(repo: Repository, ledger: Ledger, *, max_lost_runs: int | None = None) -> Reaped:
+    """Requeue items of silent attempts (or fail those whose worker died under them
+    ``max_lost_runs`` times), release their leases, reap expired leases."""
+    lost = repo.reap_lost(max_lost_runs=max_lost_runs)
+    failed = [r for r in lost if r.failed]
+    for r in failed:
+        log.warning(
+            "item %s failed: its worker was lost running it (cap %s)", r.item_id, max_lost_runs
+        )
     released = sum(1 for status in ledger.release_many(_refs(lost)) if status.value == "released")
     reaped = sum(len(ledger.reap(node)) for node in ledger.nodes())
-    return len(lost), released, reaped
+    return Reaped(len(lost) - len(failed), len(failed), released, reaped)
 
 
 def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
     """One round of upkeep (the body of the periodic task)."""
     report = TickReport()
     report.rebuilt = ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)
-    report.requeued_lost, report.released, report.reaped_leases = reap(repo, ledger)
+    reaped = reap(repo, ledger, max_lost_runs=settings.max_attempts_per_item)
+    report.requeued_lost, report.failed_lost = reaped.requeued, reaped.failed
+    report.released, report.reaped_leases = reaped.released, reaped.expired_leases
     sweep = finalize.expire_due_jobs(repo)
     report.expired_jobs = sweep.expired_jobs
     stop_in_flight(ledger, sweep.in_flight)
@@ -141,4 +162,7 @@ def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
         stop_in_flight(ledger, stopped)
     finalize.settle_cancelling_jobs(repo)
     report.finalized = finalize.finalize_ready_jobs(repo)
+    report.recovered = finalize.recover_stale_validating(
+        repo, older_than_s=settings.stale_validating_s
+    )
     return report

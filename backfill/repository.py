@@ -18,7 +18,7 @@ import hashlib
 import json
 import secrets
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -28,6 +28,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backfill import ids
 from backfill.errors import (
@@ -206,6 +207,14 @@ class ActiveLeaseRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LostItem(ActiveLeaseRow):
+    """An item the reaper took back from a silent attempt: requeued, or failed when its
+    worker died under it as often as the attempt cap allows."""
+
+    failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ItemRecord:
     id: int
     job_id: str
@@ -366,6 +375,13 @@ class Repository:
         except psycopg.DataError as exc:
             # The same, from the driver directly (COPY and binary reads bypass SQLAlchemy).
             raise InvalidInput(f"value refused: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            # A connection lost under a driver-level call (COPY, binary reads).
+            raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
+        except PoolTimeout as exc:
+            # Every pooled connection is busy: the store is there but has no room for this
+            # caller now, which a retry a little later may find.
+            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
                 raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
@@ -701,45 +717,16 @@ class Repository:
         error_file_id: str | None = None,
     ) -> JobState:
         """Guarded job transition; returns the state it left. ``StaleWrite`` if not allowed now."""
-        sources = [s.value for s, nexts in JOB_TRANSITIONS.items() if target in nexts]
-        stamp = _JOB_TIMESTAMP.get(target)
-        sets = ["state = :to"]
-        if stamp:
-            sets.append(f"{stamp} = now()")
-        params: dict[str, Any] = {"i": job_id, "to": target.value, "src": sources}
-        if errors is not None:
-            sets.append("errors = :errors")
-            params["errors"] = Jsonb(errors)
-        if output_file_id is not None:
-            sets.append("output_file_id = :of")
-            params["of"] = output_file_id
-        if error_file_id is not None:
-            sets.append("error_file_id = :ef")
-            params["ef"] = error_file_id
         with self._tx() as conn:
-            row = conn.execute(
-                text(
-                    "WITH old AS (SELECT id, state FROM jobs WHERE id = :i FOR UPDATE) "
-                    f"UPDATE jobs j SET {', '.join(sets)} FROM old "
-                    "WHERE j.id = old.id AND old.state = ANY(:src) RETURNING old.state"
-                ),
-                params,
-            ).first()
-            if row is None:
-                current = conn.execute(
-                    text("SELECT state FROM jobs WHERE id = :i"), {"i": job_id}
-                ).scalar()
-                if current is None:
-                    raise NotFound(f"No such Batch object: {job_id}")
-                raise StaleWrite(f"job {job_id} is {current}; cannot move to {target}")
-            conn.execute(
-                text(
-                    "INSERT INTO job_events (job_id, from_state, to_state, reason) "
-                    "VALUES (:i, :f, :t, :r)"
-                ),
-                {"i": job_id, "f": row[0], "t": target.value, "r": reason},
+            return _move_job(
+                conn,
+                job_id,
+                target,
+                reason=reason,
+                errors=errors,
+                output_file_id=output_file_id,
+                error_file_id=error_file_id,
             )
-        return JobState(row[0])
 
     def job_events(self, job_id: str) -> list[tuple[str | None, str, str | None]]:
         with self._tx() as conn:
@@ -773,18 +760,71 @@ class Repository:
                 ).scalars()
             )
 
+    def recover_validating(
+        self, created_before: datetime, errors: list[dict[str, Any]], limit: int = 100
+    ) -> dict[str, JobState]:
+        """Move on the ``validating`` jobs created before ``created_before`` whose create is
+        gone (its API process died): a job whose items are stored goes on to
+        ``in_progress`` (the COPY is all or nothing, so they are all there), any other
+        fails with ``errors``. A live create holds its job's row for as long as it stores
+        (see ``insert_items``), so ``SKIP LOCKED`` leaves it alone however long it takes;
+        and one that somehow resumes later finds its job moved and stores nothing."""
+        for target in (JobState.IN_PROGRESS, JobState.FAILED):
+            if target not in JOB_TRANSITIONS[JobState.VALIDATING]:
+                raise IllegalTransition(f"job validating -> {target} is not in the state machine")
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH stale AS (SELECT j.id, EXISTS (SELECT 1 FROM items i "
+                    "  WHERE i.job_id = j.id) AS stored FROM jobs j "
+                    "  WHERE j.state = 'validating' AND j.created_at < :before "
+                    "  ORDER BY j.created_at LIMIT :l FOR UPDATE OF j SKIP LOCKED), "
+                    "moved AS (UPDATE jobs j SET "
+                    "  state = CASE WHEN s.stored THEN 'in_progress' ELSE 'failed' END, "
+                    "  in_progress_at = CASE WHEN s.stored THEN now() END, "
+                    "  failed_at = CASE WHEN s.stored THEN NULL ELSE now() END, "
+                    "  errors = CASE WHEN s.stored THEN j.errors ELSE :errors END "
+                    "  FROM stale s WHERE j.id = s.id RETURNING j.id, j.state), "
+                    "ev AS (INSERT INTO job_events (job_id, from_state, to_state, reason) "
+                    "  SELECT id, 'validating', state, 'recovered from validating' FROM moved) "
+                    "SELECT id, state FROM moved"
+                ),
+                {"before": created_before, "l": limit, "errors": Jsonb(errors)},
+            ).all()
+        return {r[0]: JobState(r[1]) for r in rows}
+
     # -----------------------------------------------------------------------------------------
     # Items: ingest
     # -----------------------------------------------------------------------------------------
 
-    def insert_items(self, job_id: str, items: Iterable[NewItem]) -> int:
-        """Store a job's items with binary COPY; counters move in the same transaction."""
+    def insert_items(
+        self,
+        job_id: str,
+        items: Iterable[NewItem],
+        *,
+        start_reason: Callable[[int], str] | None = None,
+    ) -> int:
+        """Store a ``validating`` job's items with binary COPY; counters move in the same
+        transaction. With ``start_reason`` (the event's reason, given the count) the job moves
+        to ``in_progress`` in that transaction too, so its items become claimable exactly when
+        the job runs.
+
+        The job row is held ``FOR KEY SHARE`` while the items stream in: a cancel, an expiry
+        or a failure still moves the job at once (they lock ``FOR NO KEY UPDATE``), and the
+        recovery of stale creates sees that this one is alive (it locks ``FOR UPDATE SKIP
+        LOCKED``). At the end the job must still be validating, or nothing is stored and
+        ``StaleWrite`` says so: no item of a job that ended meanwhile ever exists.
+        """
         with self._tx() as conn:
-            deadline = conn.execute(
-                text("SELECT deadline FROM jobs WHERE id = :i"), {"i": job_id}
-            ).scalar()
-            if deadline is None:
+            row = conn.execute(
+                text("SELECT deadline, state FROM jobs WHERE id = :i FOR KEY SHARE"),
+                {"i": job_id},
+            ).first()
+            if row is None:
                 raise NotFound(f"No such Batch object: {job_id}")
+            deadline = row[0]
+            if row[1] != JobState.VALIDATING.value:
+                raise StaleWrite(f"job {job_id} is {row[1]}; its items are no longer wanted")
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             n = prompt_sum = max_out_sum = 0
@@ -825,6 +865,15 @@ class Repository:
                     }
                 },
             )
+            if start_reason is not None:
+                _move_job(conn, job_id, JobState.IN_PROGRESS, reason=start_reason(n))
+            else:
+                state = conn.execute(
+                    text("SELECT state FROM jobs WHERE id = :i FOR NO KEY UPDATE"),
+                    {"i": job_id},
+                ).scalar_one()
+                if state != JobState.VALIDATING.value:
+                    raise StaleWrite(f"job {job_id} is {state}; its items are no longer wanted")
         return n
 
     def set_prompt_tokens(self, counts: Sequence[tuple[int, int, int]]) -> None:
@@ -872,6 +921,10 @@ class Repository:
                     "  SELECT id, state FROM items"
                     f"  WHERE state IN ({CLAIMABLE_SQL}) AND deadline > now()"
                     "    AND (not_before IS NULL OR not_before <= now())"
+                    # Only a running job's items: never those of a job being validated,
+                    # cancelled or ended, whatever state its items were left in.
+                    "    AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id"
+                    "      AND jb.state = 'in_progress')"
                     "  ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED), "
                     "moved AS ("
                     "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
@@ -1207,8 +1260,20 @@ class Repository:
                 ).scalar_one()
             )
 
-    def reap_lost(self, limit: int = 1000) -> list[ActiveLeaseRow]:
-        """Requeue items whose attempt stopped heartbeating; returns them (to release leases)."""
+    def reap_lost(
+        self, limit: int = 1000, *, max_lost_runs: int | None = None
+    ) -> list[LostItem]:
+        """Take back items whose attempt stopped heartbeating; returns them (to release their
+        leases).
+
+        An attempt lost while ``running`` means its worker process died with the request in
+        the engine, which a poison request can cause every time: with ``max_lost_runs``, an
+        item lost that many times while running fails ("worker lost N times") instead of
+        being requeued. Attempts lost while ``reserved`` never reached the engine and do not
+        count. (Started attempts are the ones whose ``attempts`` row has a fencing token.)
+        """
+        _check_moves(sorted(ITEM_ACTIVE), ItemState.QUEUED)
+        _check_moves(sorted(ITEM_ACTIVE), ItemState.FAILED)
         with self._tx() as conn:
             rows = conn.execute(
                 text(
@@ -1216,24 +1281,47 @@ class Repository:
                     "  reservation_tokens, lease_expires_at FROM items "
                     f"  WHERE state IN ({ACTIVE_SQL}) AND lease_expires_at < now() "
                     "  ORDER BY lease_expires_at LIMIT :l FOR UPDATE SKIP LOCKED), "
-                    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
-                    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
-                    "  FROM lost WHERE i.id = lost.id "
+                    "runs AS (SELECT lost.id, (lost.state = 'running')::int + (SELECT count(*) "
+                    "  FROM attempts a WHERE a.item_id = lost.id AND a.attempt < lost.attempt "
+                    "  AND a.outcome = 'lost' AND a.fencing_token IS NOT NULL) AS n FROM lost), "
+                    "fate AS (SELECT lost.*, runs.n AS lost_runs, "
+                    "  (lost.state = 'running' AND runs.n >= CAST(:cap AS int)) IS TRUE AS failed "
+                    "  FROM lost JOIN runs ON runs.id = lost.id), "
+                    "moved AS (UPDATE items i SET "
+                    "  state = CASE WHEN f.failed THEN 'failed' ELSE 'queued' END, "
+                    "  error = CASE WHEN f.failed THEN json_build_object('code', 'worker_lost', "
+                    "    'message', format('worker lost %s times while running this request "
+                    "(its process died each time); it is not tried again', f.lost_runs))::text "
+                    "    ELSE i.error END, "
+                    "  finished_at = CASE WHEN f.failed THEN now() END, "
+                    "  lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
+                    "  updated_at = now() "
+                    "  FROM fate f WHERE i.id = f.id "
                     "  RETURNING i.id, i.job_id, i.deadline, i.preemptions, i.partial_tokens, "
-                    "  lost.state AS from_state, lost.node, lost.attempt, lost.lease_id, "
-                    "  lost.fencing_token, lost.reservation_tokens, lost.lease_expires_at), "
-                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome) "
-                    "  SELECT id, attempt, coalesce(node, ''), now(), 'lost' FROM moved "
-                    "  ON CONFLICT (item_id, attempt) DO UPDATE SET ended_at = now(), "
-                    "  outcome = 'lost') "
+                    "  f.state AS from_state, f.node, f.attempt, f.lease_id, "
+                    "  f.fencing_token, f.reservation_tokens, f.lease_expires_at, f.failed, "
+                    "  f.lost_runs), "
+                    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "
+                    "  detail) SELECT id, attempt, coalesce(node, ''), now(), 'lost', "
+                    "  CASE WHEN failed THEN format('worker lost %s times', lost_runs) END "
+                    "  FROM moved ON CONFLICT (item_id, attempt) DO UPDATE SET "
+                    "  ended_at = now(), outcome = 'lost', detail = EXCLUDED.detail) "
                     "SELECT * FROM moved"
                 ),
-                {"l": limit},
+                {"l": limit, "cap": max_lost_runs},
             ).all()
             _bump_counters(
-                conn, [(r.job_id, ItemState(r.from_state), ItemState.QUEUED) for r in rows]
+                conn,
+                [
+                    (
+                        r.job_id,
+                        ItemState(r.from_state),
+                        ItemState.FAILED if r.failed else ItemState.QUEUED,
+                    )
+                    for r in rows
+                ],
             )
-        return [_active_row(r) for r in rows]
+        return [LostItem(**_active_fields(r), failed=r.failed) for r in rows]
 
     def active_leases(self) -> list[ActiveLeaseRow]:
         """Every item a live attempt holds: what the ledger is rebuilt from."""
@@ -1442,20 +1530,77 @@ class Repository:
             )
 
 
-def _active_row(r: Any) -> ActiveLeaseRow:
-    """An ActiveLeaseRow from a ``moved`` row of reap_lost() or end_items()."""
-    return ActiveLeaseRow(
-        item_id=r.id,
-        node=r.node,
-        attempt=r.attempt,
-        lease_id=r.lease_id,
-        fencing_token=r.fencing_token,
-        reservation_tokens=r.reservation_tokens,
-        lease_expires_at=r.lease_expires_at,
-        deadline=r.deadline,
-        preemptions=r.preemptions,
-        partial_tokens=r.partial_tokens,
+def _move_job(
+    conn: Connection,
+    job_id: str,
+    target: JobState,
+    *,
+    reason: str | None = None,
+    errors: list[dict[str, Any]] | None = None,
+    output_file_id: str | None = None,
+    error_file_id: str | None = None,
+) -> JobState:
+    """``Repository.move_job`` inside the caller's transaction.
+
+    The job row is locked ``FOR NO KEY UPDATE``: transitions of one job queue behind each
+    other, but not behind a create that is storing the job's items (it holds the row
+    ``FOR KEY SHARE`` for as long as it writes; see ``insert_items``)."""
+    sources = [s.value for s, nexts in JOB_TRANSITIONS.items() if target in nexts]
+    stamp = _JOB_TIMESTAMP.get(target)
+    sets = ["state = :to"]
+    if stamp:
+        sets.append(f"{stamp} = now()")
+    params: dict[str, Any] = {"i": job_id, "to": target.value, "src": sources}
+    if errors is not None:
+        sets.append("errors = :errors")
+        params["errors"] = Jsonb(errors)
+    if output_file_id is not None:
+        sets.append("output_file_id = :of")
+        params["of"] = output_file_id
+    if error_file_id is not None:
+        sets.append("error_file_id = :ef")
+        params["ef"] = error_file_id
+    row = conn.execute(
+        text(
+            "WITH old AS (SELECT id, state FROM jobs WHERE id = :i FOR NO KEY UPDATE) "
+            f"UPDATE jobs j SET {', '.join(sets)} FROM old "
+            "WHERE j.id = old.id AND old.state = ANY(:src) RETURNING old.state"
+        ),
+        params,
+    ).first()
+    if row is None:
+        current = conn.execute(text("SELECT state FROM jobs WHERE id = :i"), {"i": job_id}).scalar()
+        if current is None:
+            raise NotFound(f"No such Batch object: {job_id}")
+        raise StaleWrite(f"job {job_id} is {current}; cannot move to {target}")
+    conn.execute(
+        text(
+            "INSERT INTO job_events (job_id, from_state, to_state, reason) "
+            "VALUES (:i, :f, :t, :r)"
+        ),
+        {"i": job_id, "f": row[0], "t": target.value, "r": reason},
     )
+    return JobState(row[0])
+
+
+def _active_fields(r: Any) -> dict[str, Any]:
+    """ActiveLeaseRow's fields from a ``moved`` row of reap_lost() or end_items()."""
+    return {
+        "item_id": r.id,
+        "node": r.node,
+        "attempt": r.attempt,
+        "lease_id": r.lease_id,
+        "fencing_token": r.fencing_token,
+        "reservation_tokens": r.reservation_tokens,
+        "lease_expires_at": r.lease_expires_at,
+        "deadline": r.deadline,
+        "preemptions": r.preemptions,
+        "partial_tokens": r.partial_tokens,
+    }
+
+
+def _active_row(r: Any) -> ActiveLeaseRow:
+    return ActiveLeaseRow(**_active_fields(r))
 
 
 def _encode_partial(text: str | None) -> str | None:

@@ -81,6 +81,10 @@ from worker.engine import (
 from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
 
 log = logging.getLogger("backfill.worker")
+
+# The result writer's waits between tries while Postgres is out of reach (doubling).
+RESULT_RETRY_FIRST_S = 0.5
+RESULT_RETRY_MAX_S = 10.0
 # Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
 # unstarted is not counted again when it is claimed again.
 _COUNTED_KEPT = 65_536
@@ -1022,14 +1026,28 @@ class NodeDispatcher:
             await self._commit_results(batch)
 
     async def _commit_results(self, batch: list[tuple[Finish, _InFlight]]) -> None:
+        wait_s = RESULT_RETRY_FIRST_S
         while True:
             try:
                 applied = set(await asyncio.to_thread(self.repo.finish, [f for f, _ in batch]))
                 break
             except StoreUnavailable as exc:
                 # Results stay in memory (their leases held) until Postgres is back.
-                log.warning("node %s: cannot write results: %s; retrying", self.config.node, exc)
-                await asyncio.sleep(1.0)
+                log.warning(
+                    "node %s: cannot write results: %s; retrying in %.1f s",
+                    self.config.node,
+                    exc,
+                    wait_s,
+                )
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, RESULT_RETRY_MAX_S)
+            except Exception:
+                # Not the store's absence but a fault retrying will not clear. The writer must
+                # live on: this batch is dropped unwritten, its items stop being heartbeated
+                # and the reaper requeues them (their lost runs count against the cap).
+                log.exception("node %s: results could not be written; dropped", self.config.node)
+                applied = set()
+                break
         for fin, flight in batch:
             if fin.item_id in applied:
                 if fin.state is ItemState.SUCCEEDED:

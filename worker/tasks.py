@@ -29,18 +29,31 @@ def _stores() -> tuple[Repository, Ledger]:
 
 @app.task(name="backfill.maintenance.tick", acks_late=True)  # type: ignore[untyped-decorator]
 def maintenance_tick() -> dict[str, object]:
-    """Rebuild the ledger if lost, reap silent attempts, expire, stop cancelled work, finalize."""
+    """Rebuild the ledger if lost, reap silent attempts, expire, stop cancelled work, finalize,
+    recover creates that died in validating."""
     repo, ledger = _stores()
     report = tick(repo, ledger, get_settings())
-    if report.requeued_lost or report.expired_jobs or report.finalized or report.rebuilt:
+    if (
+        report.requeued_lost
+        or report.failed_lost
+        or report.expired_jobs
+        or report.finalized
+        or report.rebuilt
+        or report.recovered
+    ):
         log.info(
-            "maintenance: requeued %s lost items, expired %s jobs, finalized %s",
+            "maintenance: requeued %s lost items, failed %s at the attempt cap, expired %s "
+            "jobs, finalized %s, recovered from validating %s",
             report.requeued_lost,
+            report.failed_lost,
             len(report.expired_jobs),
             report.finalized,
+            report.recovered,
         )
     return {
         "requeued_lost": report.requeued_lost,
+        "failed_lost": report.failed_lost,
         "expired_jobs": report.expired_jobs,
         "finalized": {k: v.value for k, v in report.finalized.items()},
+        "recovered": {k: v.value for k, v in report.recovered.items()},
     }

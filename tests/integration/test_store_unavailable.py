@@ -1,0 +1,170 @@
+"""Postgres out of reach, as a caller of the repository meets it on a real server: every
+pooled connection busy (SQLAlchemy's pool times out), or the connection killed under a call.
+
+Either is the store's unavailability, not a bug: the API answers 503 with Retry-After (never
+500), and the worker's result writer keeps its results and commits them once the store is
+back, instead of dying and leaving its finished items heartbeated forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import cast
+
+import psycopg
+import pytest
+from batch_api_support import api_settings, make_tenant
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine
+
+from backfill.config import Settings, libpq_url
+from backfill.errors import StoreUnavailable
+from backfill.ledger import AsyncLedger, Lease, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.repository import Finish, NewItem, Repository, Start
+from backfill.states import ItemState, JobState
+from queue_api.app import create_app
+from worker.dispatch import DispatchConfig, NodeDispatcher, _InFlight
+from worker.engine import Engine
+
+CAPACITY, BLOCK = 64 * 128, 128
+# Only how long a caller waits for a pooled connection before it is told the store is busy.
+POOL_TIMEOUT_S = 0.5
+HANG_S = 60
+
+
+@pytest.fixture
+def small_repo(settings: Settings) -> Iterator[Repository]:
+    """A repository whose pool holds one connection and no overflow."""
+    engine = create_engine(
+        settings.database_url, pool_size=1, max_overflow=0, pool_timeout=POOL_TIMEOUT_S
+    )
+    repo = Repository(engine)
+    yield repo
+    repo.close()
+
+
+def test_the_api_answers_503_with_retry_after_while_no_connection_is_free(
+    settings: Settings, small_repo: Repository
+) -> None:
+    tenant = make_tenant(small_repo, "acme")
+    app = create_app(api_settings(settings), repository=small_repo)
+    headers = {"Authorization": f"Bearer {tenant.key}"}
+    with TestClient(app) as http:
+        assert http.get("/v1/batches", headers=headers).status_code == 200
+        held = small_repo.engine.connect()  # the pool's one connection, busy elsewhere
+        try:
+            for path in ("/v1/batches", "/v1/files"):
+                busy = http.get(path, headers=headers)
+                assert busy.status_code == 503, (path, busy.text)
+                assert busy.headers.get("retry-after"), path
+                assert busy.json()["error"]["code"] == "store_unavailable"
+        finally:
+            held.close()
+        assert http.get("/v1/batches", headers=headers).status_code == 200
+
+
+def _kill_connections(database_url: str) -> int:
+    """Terminate every other session of this test's database, as a Postgres restart does."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_connection_killed_under_a_driver_level_read_is_store_unavailable(
+    settings: Settings, small_repo: Repository
+) -> None:
+    tenant = small_repo.create_tenant("acme")
+    record = small_repo.create_file(tenant.id, "batch", "in.jsonl", b"{}\n")
+    assert small_repo.file_bytes(tenant.id, record.id) == b"{}\n"
+    assert _kill_connections(settings.database_url) >= 1
+    # The pooled connection is dead; the binary read goes through the driver directly.
+    with pytest.raises(StoreUnavailable):
+        small_repo.file_bytes(tenant.id, record.id)
+    # The pool replaced the dead connection: the next call works.
+    assert small_repo.file_bytes(tenant.id, record.id) == b"{}\n"
+
+
+def _running_item(repo: Repository, ledger: Ledger) -> tuple[_InFlight, Finish]:
+    tenant = repo.create_tenant("acme")
+    job = repo.create_job(
+        tenant.id, "file-x", "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.insert_items(job.id, [NewItem(0, "c0", json.dumps({"prompt": "x"}), 100)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
+    ensure_ledger(repo, ledger, max_preemptions=3)
+    ledger.register_pool("n1", CAPACITY, BLOCK)
+    [item] = repo.claim("n1", 1, 30)
+    lease = ledger.reserve("n1", "batch", 20, 100)
+    assert isinstance(lease, Lease)
+    start = Start(item.id, item.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
+    assert repo.start_many([start], 30) == [item.id]
+    finish = Finish(
+        item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}"
+    )
+    return _InFlight(item, lease, item.endpoint), finish
+
+
+def test_the_result_writer_outlives_a_store_outage_and_commits_later(
+    settings: Settings, small_repo: Repository, caplog: pytest.LogCaptureFixture
+) -> None:
+    repo = small_repo
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, pool_policy(settings))
+    flight, finish = _running_item(repo, ledger)
+
+    async def scenario() -> NodeDispatcher:
+        aledger = AsyncLedger.from_url(
+            settings.redis_url, settings.redis_namespace, pool_policy(settings)
+        )
+        dispatcher = NodeDispatcher(
+            DispatchConfig(node="n1", result_flush_s=0.0),
+            cast(Engine, None),  # the writer never talks to the engine
+            repo,
+            aledger,
+            model="m",
+            block_size=BLOCK,
+            max_sequence_tokens=4096,
+        )
+        dispatcher._in_flight[flight.item.id] = flight
+        held = repo.engine.connect()  # Postgres out of reach for the writer
+        writer = asyncio.create_task(dispatcher._write_results())
+        try:
+            await dispatcher._results.put((finish, flight))
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + HANG_S
+            while not any("cannot write results" in r.getMessage() for r in caplog.records):
+                if writer.done():
+                    raise AssertionError(f"the result writer died: {writer.exception()!r}")
+                dropped = [r for r in caplog.records if "could not be written" in r.getMessage()]
+                assert not dropped, "the writer dropped the results instead of waiting"
+                assert loop.time() < give_up, "the writer never tried to write"
+                await asyncio.sleep(0.05)
+            assert not writer.done()
+            assert flight.item.id in dispatcher._in_flight  # still held, still heartbeated
+        finally:
+            held.close()
+        await dispatcher._results.put(None)
+        await asyncio.wait_for(writer, HANG_S)
+        await aledger.aclose()
+        return dispatcher
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="backfill.worker"):
+            dispatcher = asyncio.run(scenario())
+        assert dispatcher.stats.succeeded == 1
+        assert dispatcher._in_flight == {}
+        [item] = repo.items(flight.item.job_id)
+        assert item.state is ItemState.SUCCEEDED
+        snap = ledger.snapshot("n1")
+        assert snap is not None
+        assert snap.batch_in_use == 0  # the lease went back once the result was durable
+    finally:
+        ledger.close()
