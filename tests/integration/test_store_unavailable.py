@@ -30,6 +30,7 @@ from backfill.states import ItemState, JobState
 from queue_api.app import create_app
 from worker.dispatch import DispatchConfig, NodeDispatcher, _InFlight
 from worker.engine import Engine
+from worker.prepare import run_plan
 
 CAPACITY, BLOCK = 64 * 128, 128
 # Only how long a caller waits for a pooled connection before it is told the store is busy.
@@ -110,7 +111,7 @@ def _running_item(repo: Repository, ledger: Ledger) -> tuple[_InFlight, Finish]:
     finish = Finish(
         item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}"
     )
-    return _InFlight(item, lease, item.endpoint), finish
+    return _InFlight(item, lease, item.endpoint, run_plan(item)), finish
 
 
 def test_the_result_writer_outlives_a_store_outage_and_commits_later(
