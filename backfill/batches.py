@@ -2,10 +2,11 @@
 
 Order of a create, cheapest refusal first: parameters (endpoint, window, metadata) -> a
 retried create (same ``Idempotency-Key``) returns the first job -> the input file ->
-active-batch limit -> the tenant's token quota and deadline feasibility, on an upper bound of
-the file's tokens -> the job, then every line parsed and checked while it streams into one
-COPY -> ``in_progress``. The first bad line aborts the COPY (nothing of the file is stored)
-and the job ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Batch API does.
+active-batch limit -> the tenant's token quota and deadline feasibility (at the tenant's fair
+share of the throughput), on an upper bound of the file's tokens -> the job, then every line
+parsed and checked while it streams into one COPY -> ``in_progress``. The first bad line aborts
+the COPY (nothing of the file is stored) and the job ends ``failed`` with ``errors`` naming
+each bad line, as OpenAI's Batch API does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from backfill.batch_input import (
 )
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound, StaleWrite
+from backfill.fairshare import tokens_until_done
 from backfill.refusals import (
     DeadlineInfeasible,
     IdempotencyMismatch,
@@ -195,10 +197,18 @@ def create_batch(
             )
     now = now or datetime.now(UTC)
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
+    if settings.fair_share:
+        # Its tenant's backlog at its share, with the other tenants' work done meanwhile.
+        ahead = (
+            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, forecast)
+            - forecast
+        )
+    else:
+        ahead = repo.backlog_tokens()
     plan = plan_deadline(
         now,
         window_s,
-        backlog_tokens=repo.backlog_tokens(),
+        backlog_tokens=ahead,
         batch_tokens=forecast,
         throughput_tps=tps,
     )
