@@ -450,13 +450,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     b_ratio_same_rate = (
         b_ratio * both_tps / alone["tokens_per_s"] if b_ratio and alone["tokens_per_s"] else None
     )
+    # A alone after B, against a lone tenant on the node with plain EDF claims (the EDF run,
+    # where B never got a sequence): what fair share costs a tenant that has the node alone.
+    edf_seqs = edf["phase_both"]["seqs_a"] + edf["phase_both"]["seqs_b"]
+    after = fair["phase_a_after"]
+    a_vs_edf = after["seqs_a"] / edf_seqs if after and edf_seqs else None
     print(
         f"B share fair / EDF: {b_share:.3f} / {peer_share:.3f}"
         + (f" (x{b_share / peer_share:.1f})" if peer_share > 0 else " (EDF gave B nothing)")
         + f"; B time / twice alone: {_fmt(b_ratio, 2)} (goal <= {TIME_GOAL}; "
         f"{_fmt(b_ratio_same_rate, 2)} at the node's rate alone); "
         f"A alone after B / both: sequences {_fmt(fair['a_alone_seqs_ratio'])}, tokens/s "
-        f"{_fmt(fair['a_alone_tokens_ratio'])} (goal >= {ALONE_GOAL})"
+        f"{_fmt(fair['a_alone_tokens_ratio'])} (goal >= {ALONE_GOAL}); A alone, fair / EDF: "
+        f"sequences {_fmt(a_vs_edf)}"
     )
     cpu_rows = []
     for name, ph in (
@@ -500,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "b_time_over_twice_alone_same_rate": b_ratio_same_rate,
         "b_time_ok": b_ratio is not None and b_ratio <= TIME_GOAL,
         "a_alone_ok": (fair["a_alone_seqs_ratio"] or 0) >= ALONE_GOAL,
+        "a_alone_seqs_over_edf": a_vs_edf,
         "seconds": elapsed,
     }
     finish(NAME, "b_share", b_share, ">=", SHARE_GOAL, details)
