@@ -2,12 +2,13 @@
 
 Order of a create, cheapest refusal first: parameters (endpoint, window, metadata) -> a
 retried create (same ``Idempotency-Key``) returns the first job -> the input file ->
-active-batch limit -> the tenant's token quota and deadline feasibility, on an upper bound of
-the file's tokens -> the job, then every line parsed and checked while it streams into one
-COPY, whose transaction also moves the job to ``in_progress``. The first bad line aborts the
-COPY (nothing of the file is stored) and the job ends ``failed`` with ``errors`` naming each
-bad line, as OpenAI's Batch API does. A cancel during validation takes effect at once; the
-create then stores nothing (see ``Repository.insert_items``).
+active-batch limit -> the tenant's token quota and deadline feasibility (at the tenant's fair
+share of the throughput), on an upper bound of the file's tokens -> the job, then every line
+parsed and checked while it streams into one COPY, whose transaction also moves the job to
+``in_progress``. The first bad line aborts the COPY (nothing of the file is stored) and the job
+ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Batch API does. A cancel
+during validation takes effect at once; the create then stores nothing (see
+``Repository.insert_items``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from backfill.batch_input import (
 )
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound, StaleWrite
+from backfill.fairshare import tokens_until_done
 from backfill.refusals import (
     DeadlineInfeasible,
     IdempotencyMismatch,
@@ -197,7 +199,9 @@ def create_batch(
     forecast = forecast_tokens_upper_bound(content)
     now = now or datetime.now(UTC)
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
-    plan = _judge_tokens(repo, tenant, forecast, now, window_s, tps, request.completion_window)
+    plan = _judge_tokens(
+        repo, settings, tenant, forecast, now, window_s, tps, request.completion_window
+    )
 
     job = repo.create_job(
         tenant.id,
@@ -226,7 +230,7 @@ def create_batch(
         if exact > forecast:
             try:
                 _judge_tokens(
-                    repo, tenant, exact, now, window_s, tps, request.completion_window
+                    repo, settings, tenant, exact, now, window_s, tps, request.completion_window
                 )
             except Refusal as refusal:
                 raise ForecastExceeded(refusal) from refusal
@@ -269,6 +273,7 @@ class ForecastExceeded(Exception):
 
 def _judge_tokens(
     repo: Repository,
+    settings: Settings,
     tenant: TenantRecord,
     tokens: int,
     now: datetime,
@@ -285,10 +290,18 @@ def _judge_tokens(
                 f"this batch needs up to {tokens} tokens; {enqueued} of the tenant's quota "
                 f"of {tenant.enqueued_token_quota} enqueued tokens are in use"
             )
+    if settings.fair_share:
+        # Its tenant's backlog at its share, with the other tenants' work done meanwhile.
+        ahead = (
+            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, tokens)
+            - tokens
+        )
+    else:
+        ahead = repo.backlog_tokens()
     plan = plan_deadline(
         now,
         window_s,
-        backlog_tokens=repo.backlog_tokens(),
+        backlog_tokens=ahead,
         batch_tokens=tokens,
         throughput_tps=throughput_tps,
     )

@@ -106,6 +106,15 @@ def migrate() -> None:
     out.print("database is at the latest schema version")
 
 
+WeightOpt = Annotated[
+    float,
+    typer.Option(
+        help="Share of each node's batch capacity relative to the other tenants with work "
+        "(2 gets twice what 1 does; an idle tenant's share goes to the others).",
+    ),
+]
+
+
 @tenants_app.command("create")
 def tenants_create(
     name: Annotated[str, typer.Argument(help="A unique tenant name.")],
@@ -113,6 +122,7 @@ def tenants_create(
         int | None,
         typer.Option(min=1, help="Enqueued-token quota (prompt + max output of unfinished work)."),
     ] = None,
+    weight: WeightOpt = 1.0,
 ) -> None:
     """Create a tenant and its first API key; the key is printed once, on the last line."""
     from backfill.repository import Repository  # noqa: PLC0415
@@ -120,7 +130,7 @@ def tenants_create(
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
         try:
-            tenant = _run(lambda: repo.create_tenant(name, quota))
+            tenant = _run(lambda: repo.create_tenant(name, quota, weight=weight))
         except CommandFailed as exc:
             if str(exc).startswith("conflict"):
                 raise CommandFailed(f"a tenant named {name!r} already exists") from exc
@@ -129,10 +139,29 @@ def tenants_create(
     finally:
         repo.close()
     quota_text = "unlimited" if quota is None else f"{quota} tokens"
-    out.print(f"tenant {tenant.name} ({tenant.id}), enqueued-token quota: {quota_text}")
+    out.print(
+        f"tenant {tenant.name} ({tenant.id}), enqueued-token quota: {quota_text}, "
+        f"weight {tenant.weight:g}"
+    )
     out.print("API key (shown only now; store it safely):")
     # Plain print: no wrapping or markup may touch the key, and it must be the last line.
     print(key)
+
+
+@tenants_app.command("set-weight")
+def tenants_set_weight(
+    name: Annotated[str, typer.Argument(help="The tenant's name.")],
+    weight: Annotated[float, typer.Argument(help="Its new weight (> 0; tenants start at 1).")],
+) -> None:
+    """Change a tenant's share of each node's batch capacity; claims follow it at once."""
+    from backfill.repository import Repository  # noqa: PLC0415
+
+    repo = Repository.connect(_settings().database_url, pool_size=1)
+    try:
+        tenant = _run(lambda: repo.set_tenant_weight(name, weight))
+    finally:
+        repo.close()
+    out.print(f"tenant {tenant.name} ({tenant.id}): weight {tenant.weight:g}")
 
 
 @tenants_app.command("revoke-key")

@@ -65,6 +65,11 @@ class Settings(BaseSettings):
 
     # Claims from Postgres.
     claim_batch_size: PositiveInt = 64
+    # Tenants share each node's batch sequences by weight, and a batch's deadline is judged
+    # against its tenant's share (``backfill.fairshare``). False: earliest deadline first
+    # across all tenants, and every tenant's backlog ahead of a new batch (the behaviour
+    # before tenants were shared; for comparison).
+    fair_share: bool = True
 
     # Limits at the API edge.
     max_file_bytes: PositiveInt = 200 * 1024 * 1024

@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Double,
     ForeignKey,
     Identity,
     Index,
@@ -64,7 +65,12 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     enqueued_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    # The tenant's share of each node's batch sequences, relative to the other tenants with
+    # work (``backfill.fairshare``).
+    weight: Mapped[float] = mapped_column(Double, server_default="1")
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (CheckConstraint("weight > 0", name="weight_positive"),)
 
 
 class ApiKey(Base):
@@ -158,6 +164,12 @@ class Job(Base):
             "deadline",
             postgresql_where=text("state IN ('validating', 'in_progress', 'cancelling')"),
         ),
+        # The fair-share claim asks which tenants have work (jobs in progress).
+        Index(
+            "ix_jobs_in_progress_tenant",
+            "tenant_id",
+            postgresql_where=text("state = 'in_progress'"),
+        ),
     )
 
 
@@ -195,6 +207,8 @@ class Item(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    # The job's tenant, copied at ingest so a claim finds a tenant's items by index alone.
+    tenant_id: Mapped[str] = mapped_column(String(40))
     line_no: Mapped[int] = mapped_column(Integer)
     custom_id: Mapped[str] = mapped_column(String(512))
     # The request body as the user sent it (JSON text; lz4-compressed column, see migration).
@@ -235,6 +249,21 @@ class Item(Base):
             "deadline",
             "id",
             postgresql_where=text(f"state IN ({CLAIMABLE_SQL})"),
+        ),
+        # The fair-share claim takes each tenant's quota, earliest deadline first, from here.
+        Index(
+            "ix_items_claim_tenant",
+            "tenant_id",
+            "deadline",
+            "id",
+            postgresql_where=text(f"state IN ({CLAIMABLE_SQL})"),
+        ),
+        # What a node holds for each tenant: the fair share's use.
+        Index(
+            "ix_items_node_active",
+            "node",
+            "tenant_id",
+            postgresql_where=text(f"state IN ({ACTIVE_SQL})"),
         ),
         # The reaper finds attempts whose worker stopped heartbeating.
         Index(

@@ -10,6 +10,8 @@ Rules it keeps:
   are always locked last and in job-id order, so concurrent writers cannot deadlock on them.
 - Hot paths move rows in batches: COPY for ingest, ``FOR UPDATE SKIP LOCKED`` claims of many
   items at once, array-parameter updates for results.
+- Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
+  statement carries the plan out), earliest deadline first within a tenant.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from backfill import ids
+from backfill import fairshare, ids
 from backfill.errors import (
     Conflict,
     IllegalTransition,
@@ -64,6 +66,8 @@ class TenantRecord:
     id: str
     name: str
     enqueued_token_quota: int | None
+    weight: float = 1.0
+    """Share of each node's batch sequences relative to the other tenants with work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,15 +341,23 @@ def _job_from_row(row: Sequence[Any]) -> JobRecord:
 
 
 class Repository:
-    """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine)."""
+    """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 
-    def __init__(self, engine: Engine) -> None:
+    ``fair_share`` is how :meth:`claim` orders tenants: by weighted fair share of the node
+    (the default), or, when False, earliest deadline first across all tenants (the order
+    before tenants were shared; kept to compare against).
+    """
+
+    def __init__(self, engine: Engine, *, fair_share: bool = True) -> None:
         self.engine = engine
+        self.fair_share = fair_share
 
     @classmethod
-    def connect(cls, database_url: str, *, pool_size: int = 5) -> Repository:
+    def connect(
+        cls, database_url: str, *, pool_size: int = 5, fair_share: bool = True
+    ) -> Repository:
         engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
-        return cls(engine)
+        return cls(engine, fair_share=fair_share)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -395,24 +407,45 @@ class Repository:
     # Tenants and API keys
     # -----------------------------------------------------------------------------------------
 
-    def create_tenant(self, name: str, enqueued_token_quota: int | None = None) -> TenantRecord:
+    def create_tenant(
+        self, name: str, enqueued_token_quota: int | None = None, *, weight: float = 1.0
+    ) -> TenantRecord:
+        _check_weight(weight)
         tenant_id = ids.new_tenant_id()
         with self._tx() as conn:
             conn.execute(
-                text("INSERT INTO tenants (id, name, enqueued_token_quota) VALUES (:i, :n, :q)"),
-                {"i": tenant_id, "n": name, "q": enqueued_token_quota},
+                text(
+                    "INSERT INTO tenants (id, name, enqueued_token_quota, weight) "
+                    "VALUES (:i, :n, :q, :w)"
+                ),
+                {"i": tenant_id, "n": name, "q": enqueued_token_quota, "w": weight},
             )
-        return TenantRecord(tenant_id, name, enqueued_token_quota)
+        return TenantRecord(tenant_id, name, enqueued_token_quota, weight)
 
     def tenant_by_name(self, name: str) -> TenantRecord:
         with self._tx() as conn:
             row = conn.execute(
-                text("SELECT id, name, enqueued_token_quota FROM tenants WHERE name = :n"),
-                {"n": name},
+                text(f"SELECT {_TENANT_COLUMNS} FROM tenants t WHERE t.name = :n"), {"n": name}
             ).first()
         if row is None:
             raise NotFound(f"no tenant named {name!r}")
-        return TenantRecord(row[0], row[1], row[2])
+        return TenantRecord(row[0], row[1], row[2], row[3])
+
+    def set_tenant_weight(self, name: str, weight: float) -> TenantRecord:
+        """Change a tenant's share; claims follow it at once, API feasibility checks once
+        the API's key cache refreshes."""
+        _check_weight(weight)
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE tenants t SET weight = :w WHERE t.name = :n "
+                    f"RETURNING {_TENANT_COLUMNS}"
+                ),
+                {"n": name, "w": weight},
+            ).first()
+        if row is None:
+            raise NotFound(f"no tenant named {name!r}")
+        return TenantRecord(row[0], row[1], row[2], row[3])
 
     def create_api_key(self, tenant_id: str) -> str:
         """Make a new key for the tenant; returns it in clear (the only time it exists so)."""
@@ -428,13 +461,13 @@ class Repository:
         with self._tx() as conn:
             row = conn.execute(
                 text(
-                    "SELECT t.id, t.name, t.enqueued_token_quota FROM api_keys k "
+                    f"SELECT {_TENANT_COLUMNS} FROM api_keys k "
                     "JOIN tenants t ON t.id = k.tenant_id "
                     "WHERE k.digest = :d AND k.revoked_at IS NULL"
                 ),
                 {"d": key_digest(key)},
             ).first()
-        return None if row is None else TenantRecord(row[0], row[1], row[2])
+        return None if row is None else TenantRecord(row[0], row[1], row[2], row[3])
 
     def revoke_api_key(self, key: str) -> None:
         with self._tx() as conn:
@@ -817,12 +850,12 @@ class Repository:
         """
         with self._tx() as conn:
             row = conn.execute(
-                text("SELECT deadline, state FROM jobs WHERE id = :i FOR KEY SHARE"),
+                text("SELECT deadline, state, tenant_id FROM jobs WHERE id = :i FOR KEY SHARE"),
                 {"i": job_id},
             ).first()
             if row is None:
                 raise NotFound(f"No such Batch object: {job_id}")
-            deadline = row[0]
+            deadline, tenant_id = row[0], row[2]
             if row[1] != JobState.VALIDATING.value:
                 raise StaleWrite(f"job {job_id} is {row[1]}; its items are no longer wanted")
             raw = conn.connection.driver_connection
@@ -831,17 +864,19 @@ class Repository:
             with (
                 raw.cursor() as cur,
                 cur.copy(
-                    "COPY items (job_id, line_no, custom_id, body, max_output_tokens, "
-                    "prompt_tokens, reservation_tokens, deadline) FROM STDIN (FORMAT BINARY)"
+                    "COPY items (job_id, tenant_id, line_no, custom_id, body, "
+                    "max_output_tokens, prompt_tokens, reservation_tokens, deadline) "
+                    "FROM STDIN (FORMAT BINARY)"
                 ) as copy,
             ):
                 copy.set_types(
-                    ["text", "int4", "text", "text", "int4", "int4", "int4", "timestamptz"]
+                    ["text", "text", "int4", "text", "text", "int4", "int4", "int4", "timestamptz"]
                 )
                 for it in items:
                     copy.write_row(
                         (
                             job_id,
+                            tenant_id,
                             it.line_no,
                             it.custom_id,
                             it.body,
@@ -907,40 +942,35 @@ class Repository:
     # -----------------------------------------------------------------------------------------
 
     def claim(self, node: str, limit: int, lease_ttl_s: float) -> list[ClaimedItem]:
-        """Hand up to ``limit`` claimable items, earliest deadline first, to one attempt each.
+        """Hand up to ``limit`` claimable items to one attempt each, in the order to start them.
+
+        With fair share (the default) the node's share view is read first, in the same
+        transaction, and ``fairshare.claim_order`` plans whose items to take; the claim
+        statement then takes each tenant's quota earliest deadline first, in the plan's
+        order. With several tenants the plan asks for twice ``limit`` slots, so a tenant that
+        has fewer items than its slots (all held by other nodes, or not due yet) passes its
+        turn to the next tenant in fair order, and whatever is still short is filled earliest
+        deadline first from every tenant: no claim comes back short while items wait.
+        Without fair share, the earliest deadlines across all tenants.
 
         ``FOR UPDATE SKIP LOCKED`` lets many claimers run at once without ever handing one
         item to two of them; each claimed item's attempt number goes up by one, which fences
         out any older attempt's writes.
         """
         sources = _check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
+        params: dict[str, Any] = {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources}
         with self._tx(durable=False) as conn:
-            rows = conn.execute(
-                text(
-                    "WITH picked AS ("
-                    "  SELECT id, state FROM items"
-                    f"  WHERE state IN ({CLAIMABLE_SQL}) AND deadline > now()"
-                    "    AND (not_before IS NULL OR not_before <= now())"
-                    # Only a running job's items: never those of a job being validated,
-                    # cancelled or ended, whatever state its items were left in.
-                    "    AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id"
-                    "      AND jb.state = 'in_progress')"
-                    "  ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED), "
-                    "moved AS ("
-                    "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
-                    "    node = :node, lease_id = NULL, fencing_token = NULL, not_before = NULL, "
-                    "    lease_expires_at = now() + make_interval(secs => :ttl), "
-                    "    updated_at = now() "
-                    "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
-                    "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
-                    "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
-                    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state"
-                    f"), {_CNT_CLAIM} "
-                    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
-                    "ORDER BY m.deadline, m.id"
-                ),
-                {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources},
-            ).all()
+            if self.fair_share:
+                view = [
+                    fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
+                    for r in conn.execute(text(_SHARE_VIEW), {"node": node}).all()
+                ]
+                # Spare slots only matter where a tenant short of items can pass its turn on.
+                spare = limit if len(view) > 1 else 0
+                params["slots"] = list(fairshare.claim_order(view, limit + spare))
+                rows = conn.execute(text(_CLAIM_FAIR), params).all()
+            else:
+                rows = conn.execute(text(_CLAIM_EDF), params).all()
         return [
             ClaimedItem(
                 id=r.id,
@@ -1419,6 +1449,20 @@ class Repository:
                 ).scalar_one()
             )
 
+    def backlog_by_tenant(self) -> list[fairshare.TenantBacklog]:
+        """:meth:`backlog_tokens` per tenant, with each tenant's weight (tenants with none
+        are left out)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT t.id, t.weight, b.tokens FROM (SELECT tenant_id, "
+                    "sum(coalesce(prompt_tokens, 0) + max_output_tokens - partial_tokens) "
+                    f"AS tokens FROM items WHERE state IN ({CLAIMABLE_SQL}, {ACTIVE_SQL}) "
+                    "GROUP BY tenant_id) b JOIN tenants t ON t.id = b.tenant_id"
+                )
+            ).all()
+        return [fairshare.TenantBacklog(r[0], float(r[1]), int(r[2])) for r in rows]
+
     # -----------------------------------------------------------------------------------------
     # Metrics (read at scrape time; each one cheap: counters, small tables, or an index range)
     # -----------------------------------------------------------------------------------------
@@ -1672,6 +1716,83 @@ _CNT_FINISH = _counters_cte(
 )
 
 
+_TENANT_COLUMNS = "t.id, t.name, t.enqueued_token_quota, t.weight"
+
+_CLAIMABLE_NOW = (
+    f"state IN ({CLAIMABLE_SQL}) AND deadline > now() "
+    "AND (not_before IS NULL OR not_before <= now()) "
+    # Only a running job's items: never those of a job being validated, cancelled or
+    # ended, whatever state its items were left in.
+    "AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id AND jb.state = 'in_progress')"
+)
+
+# The tenants with work (jobs in progress; one whose items are all held elsewhere passes its
+# slots on in the claim), their weights, and the batch sequences this node holds for each.
+_SHARE_VIEW = (
+    "WITH waiting AS (SELECT DISTINCT tenant_id FROM jobs WHERE state = 'in_progress'), "
+    "held AS (SELECT tenant_id, count(*) AS n FROM items "
+    f"  WHERE node = :node AND state IN ({ACTIVE_SQL}) GROUP BY tenant_id) "
+    "SELECT t.id, t.weight, coalesce(h.n, 0) FROM waiting w "
+    "JOIN tenants t ON t.id = w.tenant_id LEFT JOIN held h ON h.tenant_id = w.tenant_id"
+)
+
+# Moves the ``picked`` items to ``reserved`` for this attempt, counts them, and returns them
+# in ``picked.ord`` order.
+_CLAIM_MOVE = (
+    "moved AS ("
+    "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
+    "    node = :node, lease_id = NULL, fencing_token = NULL, not_before = NULL, "
+    "    lease_expires_at = now() + make_interval(secs => :ttl), "
+    "    updated_at = now() "
+    "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
+    "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
+    "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
+    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord"
+    f"), {_CNT_CLAIM} "
+    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id ORDER BY m.ord"
+)
+
+_CLAIM_EDF = (
+    "WITH picked AS ("
+    "  SELECT id, state, row_number() OVER (ORDER BY deadline, id) AS ord FROM ("
+    f"    SELECT id, state, deadline FROM items WHERE {_CLAIMABLE_NOW}"
+    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), "
+    + _CLAIM_MOVE
+)
+
+# ``:slots`` is the plan: the tenant of each slot, in order. The k-th slot of a tenant takes
+# its k-th earliest-deadline item; the first ``:n`` slots that found one are the claim, and
+# any shortfall is filled earliest deadline first across all tenants (``rest``). Items locked
+# for slots past the first ``:n`` are not claimed and unlock at commit.
+_CLAIM_FAIR = (
+    "WITH slots AS ("
+    "  SELECT s.tenant_id, s.ord, "
+    "    row_number() OVER (PARTITION BY s.tenant_id ORDER BY s.ord) AS k "
+    "  FROM unnest(CAST(:slots AS text[])) WITH ORDINALITY AS s(tenant_id, ord)), "
+    "quota AS (SELECT tenant_id, count(*) AS n FROM slots GROUP BY tenant_id), "
+    "taken AS ("
+    "  SELECT q.tenant_id, c.id, c.state, "
+    "    row_number() OVER (PARTITION BY q.tenant_id ORDER BY c.deadline, c.id) AS k "
+    "  FROM quota q CROSS JOIN LATERAL ("
+    "    SELECT id, state, deadline FROM items"
+    f"    WHERE tenant_id = q.tenant_id AND {_CLAIMABLE_NOW}"
+    "    ORDER BY deadline, id LIMIT q.n FOR UPDATE SKIP LOCKED) c), "
+    "fair AS ("
+    "  SELECT t.id, t.state, s.ord FROM taken t "
+    "  JOIN slots s ON s.tenant_id = t.tenant_id AND s.k = t.k ORDER BY s.ord LIMIT :n), "
+    "rest AS ("
+    "  SELECT id, state, deadline FROM items"
+    f"  WHERE {_CLAIMABLE_NOW} AND id <> ALL (ARRAY(SELECT id FROM taken))"
+    "  ORDER BY deadline, id LIMIT greatest(0, :n - (SELECT count(*) FROM fair))"
+    "  FOR UPDATE SKIP LOCKED), "
+    "picked AS ("
+    "  SELECT id, state, ord FROM fair UNION ALL "
+    "  SELECT id, state, CAST(:n AS bigint) * 2 + row_number() OVER (ORDER BY deadline, id) "
+    "  FROM rest), "
+    + _CLAIM_MOVE
+)
+
+
 def _bump_counters(
     conn: Connection,
     moves: Sequence[tuple[str, ItemState, ItemState]],
@@ -1711,6 +1832,11 @@ def _add_to_counters(conn: Connection, deltas: Mapping[str, Mapping[str, int]]) 
             ),
             {"job": job_id, **cols},
         )
+
+
+def _check_weight(weight: float) -> None:
+    if not weight > 0 or weight == float("inf"):
+        raise InvalidInput(f"weight {weight} is not a positive number")
 
 
 def utc_now_plus(seconds: float) -> datetime:

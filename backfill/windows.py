@@ -2,8 +2,9 @@
 
 A batch names how long it may take (``completion_window``: OpenAI's ``"24h"``, or any
 duration such as ``"30m"``, ``"72h"``, ``"1h30m"``). At submission Backfill checks that the
-window can be met: the work already queued ahead of it (the token backlog) plus the batch's own
-tokens, at the deployment's batch throughput, must fit in the window. If not, it says which
+window can be met: the work done before it (its tenant's backlog, and what the other tenants
+get meanwhile at their shares) plus the batch's own tokens, at the deployment's batch
+throughput, must fit in the window. If not, it says which
 window would be feasible instead of accepting a promise it cannot keep.
 
 Pure functions only: the caller supplies the backlog, the throughput and the clock.
@@ -110,8 +111,10 @@ def plan_deadline(
     batch_tokens: int,
     throughput_tps: float,
 ) -> DeadlinePlan:
-    """Earliest-deadline-first runs the batch after everything already queued (a safe upper
-    bound: EDF may run it sooner when its deadline is earlier than others')."""
+    """Whether the batch is done within its window when ``backlog_tokens`` are worked
+    through before it is: with fair share, its tenant's own backlog and what the other
+    tenants get meanwhile (``fairshare.tokens_until_done``); without, everything queued (a
+    safe upper bound: EDF may run it sooner when its deadline is earlier than others')."""
     if throughput_tps <= 0:
         raise ValueError("throughput must be positive")
     needed_s = (max(backlog_tokens, 0) + max(batch_tokens, 0)) / throughput_tps

@@ -3,8 +3,10 @@
 4 claimer processes, 64 items per claim. The peer is the bare Postgres-queue pattern on the
 same ``items`` table (same indexes): one ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
 LOCKED)`` to claim, one ``UPDATE`` to mark done. Backfill's path is what a worker does:
-``claim`` (EDF, attempt fencing, counters), ``start_many`` (lease ids and fencing tokens,
-attempt rows) and ``finish`` (fenced results, attempt outcomes, counters).
+``claim`` (fair share between tenants, EDF within one, attempt fencing, counters),
+``start_many`` (lease ids and fencing tokens, attempt rows) and ``finish`` (fenced results,
+attempt outcomes, counters). ``--tenants N`` spreads the items over N tenants' jobs;
+``--plain-edf`` claims earliest deadline first across tenants, without fair share.
 """
 
 from __future__ import annotations
@@ -23,26 +25,35 @@ NAME = "claim"
 GOAL = 0.7
 CLAIMERS = 4
 PER_CLAIM = 64
+FAIR_SHARE = True
+"""How the repository claims (``--plain-edf`` turns it off; read by the forked claimers)."""
 BODY = '{"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}'
 
 
-def _load(url: str, n: int) -> str:
+def _load(url: str, n: int, tenants: int = 1) -> list[str]:
     repo = Repository.connect(url)
     try:
-        tenant = repo.create_tenant("bench")
-        f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
-        job = repo.create_job(
-            tenant.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(days=1)
-        )
-        repo.insert_items(job.id, (NewItem(i, f"r{i}", BODY, 64, 20, 128) for i in range(n)))
-        repo.move_job(job.id, JobState.IN_PROGRESS)
-        return job.id
+        jobs = []
+        for t in range(tenants):
+            tenant = repo.create_tenant(f"bench-{t}")
+            f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+            job = repo.create_job(
+                tenant.id, f.id, "/v1/chat/completions", "24h",
+                datetime.now(UTC) + timedelta(days=1, seconds=t),
+            )  # fmt: skip
+            share = n // tenants + (1 if t < n % tenants else 0)
+            repo.insert_items(
+                job.id, (NewItem(i, f"r{i}", BODY, 64, 20, 128) for i in range(share))
+            )
+            repo.move_job(job.id, JobState.IN_PROGRESS)
+            jobs.append(job.id)
+        return jobs
     finally:
         repo.close()
 
 
 def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
-    repo = Repository.connect(url, pool_size=1)
+    repo = Repository.connect(url, pool_size=1, fair_share=FAIR_SHARE)
     done = 0
     fence = worker << 40
     while batch := repo.claim(f"node{worker}", PER_CLAIM, 30):
@@ -108,28 +119,39 @@ def _run(target: object, url: str) -> tuple[float, int]:
 
 
 def main() -> None:
-    args = parser(NAME, __doc__ or "").parse_args()
+    global FAIR_SHARE  # noqa: PLW0603 - set once, before the claimers fork
+    p = parser(NAME, __doc__ or "")
+    p.add_argument("--tenants", type=int, default=1, help="tenants the items are spread over")
+    p.add_argument("--plain-edf", action="store_true", help="claim without fair share")
+    args = p.parse_args()
+    FAIR_SHARE = not args.plain_edf
     n = 12_000 if args.quick else 50_000
     results: dict[str, list[float]] = {"raw": [], "repo": []}
     for r in range(1 if args.quick else 2):
         for side in ("raw", "repo") if r % 2 == 0 else ("repo", "raw"):
             with scratch_database("bfclaim") as url:
-                job_id = _load(url, n)
+                jobs = _load(url, n, args.tenants)
                 secs, total = _run(_raw_claimer if side == "raw" else _repo_claimer, url)
                 assert total == n, (side, total, n)
                 if side == "repo":
                     check = Repository.connect(url)
-                    counts = check.get_job(None, job_id).counts
+                    done = sum(
+                        check.get_job(None, j).counts.count(ItemState.SUCCEEDED) for j in jobs
+                    )
                     check.close()
-                    assert counts.count(ItemState.SUCCEEDED) == n
+                    assert done == n
             results[side].append(n / secs)
     raw, repo = max(results["raw"]), max(results["repo"])
     print(
         table(
-            ["path", "items", "claimers", "per claim", "items/s (best)"],
+            ["path", "items", "tenants", "claimers", "per claim", "items/s (best)"],
             [
-                ("raw SQL claim + done", n, CLAIMERS, PER_CLAIM, raw),
-                ("Backfill claim + start_many + finish", n, CLAIMERS, PER_CLAIM, repo),
+                ("raw SQL claim + done", n, args.tenants, CLAIMERS, PER_CLAIM, raw),
+                (
+                    "Backfill claim + start_many + finish"
+                    + (" (plain EDF)" if args.plain_edf else " (fair share)"),
+                    n, args.tenants, CLAIMERS, PER_CLAIM, repo,
+                ),
             ],
         )
     )
@@ -139,7 +161,14 @@ def main() -> None:
         repo / raw,
         ">=",
         GOAL,
-        {"items": n, "raw_items_per_s": raw, "repo_items_per_s": repo, "runs": results},
+        {
+            "items": n,
+            "tenants": args.tenants,
+            "fair_share": FAIR_SHARE,
+            "raw_items_per_s": raw,
+            "repo_items_per_s": repo,
+            "runs": results,
+        },
     )
 
 

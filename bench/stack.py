@@ -63,6 +63,8 @@ class BackfillStack:
     node: str = field(default_factory=lambda: f"bench-{secrets.token_hex(3)}")
     port: int = 0
     key: str = ""
+    pids: dict[str, int] = field(default_factory=dict)
+    """The API's and the worker's process ids, once running (for CPU accounting)."""
     database_url: str = ""
     namespace: str = field(default_factory=lambda: f"bfprot{secrets.token_hex(3)}")
 
@@ -108,6 +110,7 @@ class BackfillStack:
                 env,
                 stack,
             )
+            self.pids = {"bf_api": api.pid, "bf_worker": worker.pid}
             self._wait_ready(api, worker)
             yield self
 

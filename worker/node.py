@@ -99,7 +99,9 @@ async def run_node(
             return DispatchStats()
         pool, model = facts.pool, facts.model
         reserve = policy.reserve_tokens(pool.capacity_tokens)
-        repo = Repository.connect(settings.database_url, pool_size=4)
+        repo = Repository.connect(
+            settings.database_url, pool_size=4, fair_share=settings.fair_share
+        )
         ledger = Ledger.from_url(
             settings.redis_url,
             settings.redis_namespace,

@@ -69,6 +69,26 @@ def test_tenants_create_prints_a_working_key_on_its_last_line(
     assert "no live API key" in one_line_error(run(database_url, "tenants", "revoke-key", key))
 
 
+def test_tenants_have_a_weight_set_at_create_or_later(database_url: str, repo: Repository) -> None:
+    created = run(database_url, "tenants", "create", "acme", "--weight", "2.5")
+    assert created.returncode == 0, created.stderr
+    assert "weight 2.5" in created.stdout
+    assert repo.tenant_by_name("acme").weight == 2.5
+    assert run(database_url, "tenants", "create", "plain").returncode == 0
+    assert repo.tenant_by_name("plain").weight == 1
+
+    changed = run(database_url, "tenants", "set-weight", "plain", "3")
+    assert changed.returncode == 0, changed.stderr
+    assert repo.tenant_by_name("plain").weight == 3
+    assert "no tenant named" in one_line_error(
+        run(database_url, "tenants", "set-weight", "nobody", "3")
+    )
+    refused = "is not a positive number"
+    assert refused in one_line_error(run(database_url, "tenants", "set-weight", "plain", "0"))
+    assert refused in one_line_error(run(database_url, "tenants", "create", "z", "--weight", "-1"))
+    assert repo.tenant_by_name("plain").weight == 3
+
+
 def test_an_unreachable_database_is_one_line_not_a_traceback() -> None:
     result = run("postgresql://postgres@127.0.0.1:1/nowhere", "tenants", "create", "x")
     assert "unavailable" in one_line_error(result)

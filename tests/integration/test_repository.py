@@ -53,8 +53,10 @@ def _assert_counters_match(repo: Repository, job_id: str) -> None:
 
 
 def test_claim_hands_out_earliest_deadline_first(repo: Repository) -> None:
-    late = _job(repo, 3, deadline_s=7200)
-    early = _job(repo, 3, deadline_s=600)
+    # Within one tenant (tenants share a node by weight: tests/integration/test_fair_share.py).
+    tenant = repo.create_tenant("edf").id
+    late = _job(repo, 3, deadline_s=7200, tenant=tenant)
+    early = _job(repo, 3, deadline_s=600, tenant=tenant)
     claimed = repo.claim("n1", 4, 30)
     assert [c.job_id for c in claimed] == [early.id] * 3 + [late.id]
     assert all(c.attempt == 1 for c in claimed)
