@@ -11,11 +11,13 @@ and the job ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Ba
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 from backfill.batch_input import (
     PROMPT_FIELD,
@@ -25,6 +27,7 @@ from backfill.batch_input import (
     Tally,
     check_upload,
     forecast_tokens_upper_bound,
+    iter_lines,
     stream_valid_items,
     validate_batch_input,
 )
@@ -92,29 +95,46 @@ def upload_file(
     *,
     filename: str,
     purpose: str,
-    content: bytes,
+    content: bytes | BinaryIO,
 ) -> FileRecord:
-    """Store an input file after the cheap checks (size, lines, line length)."""
+    """Store an input file after the cheap checks (size, lines, line length). A file object
+    (seekable: an upload spooled by the server) is read twice, a piece at a time: once to
+    check it, once into storage."""
     if purpose != INPUT_PURPOSE:
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
             param="purpose",
         )
-    check_upload(content, InputLimits.from_settings(settings))
-    return repo.create_file(tenant_id, purpose, filename or "upload.jsonl", content)
+    source = io.BytesIO(content) if isinstance(content, bytes) else content
+    start = source.tell()
+    check_upload(source, InputLimits.from_settings(settings))
+    source.seek(start)
+    return repo.create_file(
+        tenant_id,
+        purpose,
+        filename or "upload.jsonl",
+        source,
+        chunk_bytes=settings.file_chunk_bytes,
+    )
 
 
-def file_content(repo: Repository, tenant_id: str, file_id: str) -> bytes | Iterator[str]:
-    """An input file's bytes, or an output/error file rendered from its job's items."""
-    stored = repo.file_bytes(tenant_id, file_id)
+def file_content(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes] | Iterator[str]:
+    """An input file's bytes piece by piece, or an output/error file rendered from its
+    job's items line by line. NotFound comes at once, before anything is streamed."""
+    stored = repo.file_pieces(tenant_id, file_id)
     if stored is not None:
         return stored
     record = repo.get_file(tenant_id, file_id)
     if record.job_id is None:
-        return b""
+        return iter(())
     job = repo.get_job(tenant_id, record.job_id)
     states = ERROR_STATES if file_id == job.error_file_id else OUTPUT_STATES
     return iter_result_lines(repo, job.id, states)
+
+
+def _stored_lines(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes]:
+    """An input file's lines, read from storage a piece at a time."""
+    return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
 
 
 def _same_request(job: JobRecord, request: BatchRequest) -> bool:
@@ -181,11 +201,14 @@ def create_batch(
             " per tenant. Wait for one to finish or cancel one."
         )
 
-    content = repo.file_bytes(tenant.id, record.id) or b""
+    # The file is read from storage a piece at a time by each pass over it, never whole.
+    def content() -> Iterator[bytes]:
+        return _stored_lines(repo, tenant.id, record.id)
+
     limits = InputLimits.from_settings(settings)
     # Quota and deadline are judged before anything is stored, on an upper bound of the
     # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
-    forecast = forecast_tokens_upper_bound(content)
+    forecast = forecast_tokens_upper_bound(content())
     if tenant.enqueued_token_quota is not None:
         enqueued = repo.enqueued_tokens(tenant.id)
         if enqueued + forecast > tenant.enqueued_token_quota:
@@ -220,7 +243,7 @@ def create_batch(
         now + timedelta(seconds=window_s),
         metadata=metadata,
         idempotency_key=request.idempotency_key,
-        model=first_model(content),
+        model=first_model(content()),
     )
     if request.idempotency_key is not None and (
         job.state is not JobState.VALIDATING or not _same_request(job, request)
@@ -231,7 +254,7 @@ def create_batch(
     tally = Tally()
 
     def items() -> Iterator[NewItem]:
-        yield from stream_valid_items(content, request.endpoint, limits, tally)
+        yield from stream_valid_items(content(), request.endpoint, limits, tally)
         # Only a file with escaped JSON keys gets past the forecast bound; judge it exactly
         # before the items commit.
         exact = tally.max_output_tokens + tally.estimated_prompt_tokens
@@ -243,7 +266,7 @@ def create_batch(
         # first bad line aborts the COPY and nothing of the file is stored.
         repo.insert_items(job.id, items())
     except LineInvalid:
-        checked = validate_batch_input(content, request.endpoint, limits)
+        checked = validate_batch_input(content(), request.endpoint, limits)
         errors = checked.errors if isinstance(checked, InvalidBatch) else []
         _fail(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
         return repo.get_job(tenant.id, job.id)
@@ -275,10 +298,11 @@ class ForecastExceeded(Exception):
     """The exact forecast of a file is above the bound it was admitted on."""
 
 
-def first_model(content: bytes) -> str | None:
+def first_model(content: bytes | Iterable[bytes]) -> str | None:
     """``body.model`` of the first request line (a batch runs one model; validation checks
-    the rest), or None if that line is not a request at all."""
-    for raw in content.split(b"\n", 64)[:64]:
+    the rest), or None if that line is not a request at all: bytes, or the file's lines."""
+    lines = content.split(b"\n", 64) if isinstance(content, bytes) else content
+    for raw in itertools.islice(lines, 64):
         if raw.strip():
             try:
                 model = json.loads(raw).get("body", {}).get("model")
