@@ -2,8 +2,9 @@
 
 No API key: the lab computes a made-up stream against a made-up pool and touches no tenant's
 data, Postgres or Redis, so it teaches anyone who opens the page. What anyone may make it do
-is bounded three ways: the limits below (the longest trace, 4,096 requests against 64 slots,
-computes and serialises in about 0.2 s of CPU here), a per-address rate limit at the edge
+is bounded three ways: the limits below (the largest trace, 4,096 requests against 64 slots,
+costs the server about 0.3 s of CPU here, answering included: ``bench.anonymous``), a
+per-address rate limit at the edge
 (``queue_api.edge``), and one trace computed at a time per process, in a thread of its own
 limiter, so lab calls never take the worker threads that authentication and the JSON API
 run in, and queue behind each other instead of sharing the interpreter with them.
