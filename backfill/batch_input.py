@@ -16,12 +16,13 @@ come from the engine's own tokenizer in the worker, before any engine work.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import pydantic_core
 
@@ -99,34 +100,102 @@ class InvalidBatch:
     errors: list[LineError] = field(default_factory=list)
 
 
-def check_upload(content: bytes, limits: InputLimits) -> int:
+UPLOAD_SCAN_BYTES = 64 * 1024
+"""Bytes :func:`check_upload` looks at per step. Its memory is one step, the line carried
+over to the next (at most ``max_line_bytes``), and one object per line of the step (a
+step of two-byte lines is 32,768 of them: about 1.5 MB)."""
+
+_BLANKS = b" \t\r\x0b\x0c"
+"""What ``bytes.strip`` removes besides the newline: a line of only these is blank."""
+
+
+def check_upload(
+    content: bytes | BinaryIO, limits: InputLimits, *, scan_bytes: int = UPLOAD_SCAN_BYTES
+) -> int:
     """Refuse a batch upload over the size, line-count or line-length limits; returns the
-    number of request lines. Cheap (byte scans only); full validation comes at creation."""
-    if len(content) > limits.max_file_bytes:
-        raise PayloadTooLarge(
-            f"file is {len(content)} bytes; the limit is {limits.max_file_bytes} bytes",
-            param="file",
-        )
-    lines = content.split(b"\n")
-    requests = 0
-    for number, raw in enumerate(lines, start=1):
-        if len(raw) > limits.max_line_bytes:
-            raise InvalidRequest(
-                f"line {number} is {len(raw)} bytes; the limit is {limits.max_line_bytes} bytes",
-                code="line_too_long",
-                param="file",
+    number of request lines. Cheap (byte scans only); full validation comes at creation.
+
+    A file is read once, from where it stands, ``scan_bytes`` at a time, and refused at the
+    first piece that breaks a limit: memory stays bounded whatever the file holds."""
+    source = io.BytesIO(content) if isinstance(content, bytes) else content
+    size = requests = 0
+    lines_before = 0  # complete lines already scanned
+    carry = b""
+    while piece := source.read(scan_bytes):
+        size += len(piece)
+        if size > limits.max_file_bytes:
+            raise PayloadTooLarge(
+                f"file is larger than the limit of {limits.max_file_bytes} bytes", param="file"
             )
-        if raw.strip():
-            requests += 1
+        buffer = carry + piece
+        end = buffer.rfind(b"\n")
+        complete, carry = (b"", buffer) if end < 0 else (buffer[:end], buffer[end + 1 :])
+        if end >= 0:
+            _check_line_lengths(complete, lines_before, limits)
+            lines_before += complete.count(b"\n") + 1
+            # Blanks removed, every non-blank line is one whitespace-free word.
+            requests += len(complete.translate(None, _BLANKS).split())
+            if requests > limits.max_lines:
+                raise _too_many_lines(f"more than {limits.max_lines}", limits)
+        if len(carry) > limits.max_line_bytes:
+            raise _line_too_long(lines_before + 1, f"more than {limits.max_line_bytes}", limits)
+    _check_line_lengths(carry, lines_before, limits)
+    if carry.strip():
+        requests += 1
     if requests == 0:
         raise InvalidRequest("file has no request lines", code="empty_file", param="file")
     if requests > limits.max_lines:
-        raise InvalidRequest(
-            f"file has {requests} request lines; the limit is {limits.max_lines}",
-            code="too_many_lines",
-            param="file",
-        )
+        raise _too_many_lines(str(requests), limits)
     return requests
+
+
+def _check_line_lengths(lines: bytes, lines_before: int, limits: InputLimits) -> None:
+    """Refuse the first of these newline-separated lines that is over the limit."""
+    if len(lines) <= limits.max_line_bytes:
+        return
+    for offset, raw in enumerate(lines.split(b"\n"), start=1):
+        if len(raw) > limits.max_line_bytes:
+            raise _line_too_long(lines_before + offset, str(len(raw)), limits)
+
+
+def _line_too_long(number: int, size: str, limits: InputLimits) -> InvalidRequest:
+    return InvalidRequest(
+        f"line {number} is {size} bytes; the limit is {limits.max_line_bytes} bytes",
+        code="line_too_long",
+        param="file",
+    )
+
+
+def _too_many_lines(count: str, limits: InputLimits) -> InvalidRequest:
+    return InvalidRequest(
+        f"file has {count} request lines; the limit is {limits.max_lines}",
+        code="too_many_lines",
+        param="file",
+    )
+
+
+def iter_lines(pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """The newline-separated lines of a file given piece by piece (as ``bytes.split``
+    would give them, the part after the last newline included): one line at a time, so a
+    stored file is validated without being held whole."""
+    carry = b""
+    for piece in pieces:
+        buffer = carry + piece
+        end = buffer.rfind(b"\n")
+        if end < 0:
+            carry = buffer
+            continue
+        yield from buffer[:end].split(b"\n")
+        carry = buffer[end + 1 :]
+    yield carry
+
+
+InputLines = bytes | Iterable[bytes]
+"""A file to validate: its bytes, or its lines (:func:`iter_lines`)."""
+
+
+def _lines_of(content: InputLines) -> Iterable[bytes]:
+    return content.split(b"\n") if isinstance(content, bytes) else content
 
 
 def _refuse_constant(name: str) -> Any:
@@ -231,7 +300,7 @@ class Tally:
 
 
 def _checked_lines(
-    content: bytes, endpoint: str, limits: InputLimits, tally: Tally
+    content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem | LineError]:
     """Each request line of ``content``, checked: a NewItem if valid, else a LineError."""
     prompt_chars_of = _PROMPT_CHARS[endpoint]
@@ -240,7 +309,7 @@ def _checked_lines(
     limit = limits.max_sequence_tokens
     per_token = limits.max_bytes_per_token
 
-    for number, raw in enumerate(content.split(b"\n"), start=1):
+    for number, raw in enumerate(_lines_of(content), start=1):
         if not raw.strip():
             continue
         if len(raw) > limits.max_line_bytes:
@@ -419,7 +488,7 @@ def _checked_lines(
 
 
 def validate_batch_input(
-    content: bytes, endpoint: str, limits: InputLimits
+    content: InputLines, endpoint: str, limits: InputLimits
 ) -> ValidatedBatch | InvalidBatch:
     """Check every line of ``content`` for a batch on ``endpoint``."""
     tally = Tally()
@@ -469,7 +538,7 @@ class LineInvalid(Exception):
 
 
 def stream_valid_items(
-    content: bytes, endpoint: str, limits: InputLimits, tally: Tally
+    content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem]:
     """The items of a file, yielded as each line checks out, so storing them can overlap
     parsing; raises :class:`LineInvalid` at the first problem, after which
@@ -486,11 +555,17 @@ def stream_valid_items(
 _MAX_TOKENS_FIELD = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d{1,12})')
 
 
-def forecast_tokens_upper_bound(content: bytes) -> int:
+def forecast_tokens_upper_bound(content: InputLines) -> int:
     """An upper bound of the tokens forecasts charge a file, from one regex scan (no JSON
     parse): every ``max_tokens``/``max_completion_tokens`` number counts, and every byte is
     counted toward the prompt estimate. It is at least ``ValidatedBatch.estimated_tokens``
     for any file whose keys are written plainly (JSON allows escaped keys; those files are
     caught by the exact totals afterwards)."""
-    max_output = sum(int(m) for m in _MAX_TOKENS_FIELD.findall(content))
-    return max_output + math.ceil(len(content) / CHARS_PER_TOKEN_ESTIMATE)
+    if isinstance(content, bytes):
+        max_output = sum(int(m) for m in _MAX_TOKENS_FIELD.findall(content))
+        return max_output + math.ceil(len(content) / CHARS_PER_TOKEN_ESTIMATE)
+    max_output = size = 0
+    for line in content:  # a key split over two lines is on no valid line
+        max_output += sum(int(m) for m in _MAX_TOKENS_FIELD.findall(line))
+        size += len(line) + 1
+    return max_output + math.ceil(size / CHARS_PER_TOKEN_ESTIMATE)

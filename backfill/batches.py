@@ -14,11 +14,13 @@ during validation takes effect at once; the create then stores nothing (see
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 from backfill.batch_input import (
     PROMPT_FIELD,
@@ -28,6 +30,7 @@ from backfill.batch_input import (
     Tally,
     check_upload,
     forecast_tokens_upper_bound,
+    iter_lines,
     stream_valid_items,
     validate_batch_input,
 )
@@ -103,29 +106,46 @@ def upload_file(
     *,
     filename: str,
     purpose: str,
-    content: bytes,
+    content: bytes | BinaryIO,
 ) -> FileRecord:
-    """Store an input file after the cheap checks (size, lines, line length)."""
+    """Store an input file after the cheap checks (size, lines, line length). A file object
+    (seekable: an upload spooled by the server) is read twice, a piece at a time: once to
+    check it, once into storage."""
     if purpose != INPUT_PURPOSE:
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
             param="purpose",
         )
-    check_upload(content, InputLimits.from_settings(settings))
-    return repo.create_file(tenant_id, purpose, filename or "upload.jsonl", content)
+    source = io.BytesIO(content) if isinstance(content, bytes) else content
+    start = source.tell()
+    check_upload(source, InputLimits.from_settings(settings))
+    source.seek(start)
+    return repo.create_file(
+        tenant_id,
+        purpose,
+        filename or "upload.jsonl",
+        source,
+        chunk_bytes=settings.file_chunk_bytes,
+    )
 
 
-def file_content(repo: Repository, tenant_id: str, file_id: str) -> bytes | Iterator[str]:
-    """An input file's bytes, or an output/error file rendered from its job's items."""
-    stored = repo.file_bytes(tenant_id, file_id)
+def file_content(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes] | Iterator[str]:
+    """An input file's bytes piece by piece, or an output/error file rendered from its
+    job's items line by line. NotFound comes at once, before anything is streamed."""
+    stored = repo.file_pieces(tenant_id, file_id)
     if stored is not None:
         return stored
     record = repo.get_file(tenant_id, file_id)
     if record.job_id is None:
-        return b""
+        return iter(())
     job = repo.get_job(tenant_id, record.job_id)
     states = ERROR_STATES if file_id == job.error_file_id else OUTPUT_STATES
     return iter_result_lines(repo, job.id, states)
+
+
+def _stored_lines(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes]:
+    """An input file's lines, read from storage a piece at a time."""
+    return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
 
 
 def _same_request(job: JobRecord, request: BatchRequest) -> bool:
@@ -192,11 +212,14 @@ def create_batch(
             " per tenant. Wait for one to finish or cancel one."
         )
 
-    content = repo.file_bytes(tenant.id, record.id) or b""
+    # The file is read from storage a piece at a time by each pass over it, never whole.
+    def content() -> Iterator[bytes]:
+        return _stored_lines(repo, tenant.id, record.id)
+
     limits = InputLimits.from_settings(settings)
     # Quota and deadline are judged before anything is stored, on an upper bound of the
     # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
-    forecast = forecast_tokens_upper_bound(content)
+    forecast = forecast_tokens_upper_bound(content())
     now = now or datetime.now(UTC)
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
     plan = _judge_tokens(
@@ -211,7 +234,7 @@ def create_batch(
         now + timedelta(seconds=window_s),
         metadata=metadata,
         idempotency_key=request.idempotency_key,
-        model=first_model(content),
+        model=first_model(content()),
     )
     if request.idempotency_key is not None and (
         job.state is not JobState.VALIDATING or not _same_request(job, request)
@@ -222,7 +245,7 @@ def create_batch(
     tally = Tally()
 
     def items() -> Iterator[NewItem]:
-        yield from stream_valid_items(content, request.endpoint, limits, tally)
+        yield from stream_valid_items(content(), request.endpoint, limits, tally)
         # The bound counts each line's output budget once: a line of several prompts (one
         # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
         # before the items commit.
@@ -249,7 +272,7 @@ def create_batch(
         # Cancelled (or expired, or recovered) while the items streamed in: none was stored.
         return repo.get_job(tenant.id, job.id)
     except LineInvalid:
-        checked = validate_batch_input(content, request.endpoint, limits)
+        checked = validate_batch_input(content(), request.endpoint, limits)
         errors = checked.errors if isinstance(checked, InvalidBatch) else []
         _fail(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
         return repo.get_job(tenant.id, job.id)
@@ -317,10 +340,11 @@ def _judge_tokens(
     return plan
 
 
-def first_model(content: bytes) -> str | None:
+def first_model(content: bytes | Iterable[bytes]) -> str | None:
     """``body.model`` of the first request line (a batch runs one model; validation checks
-    the rest), or None if that line is not a request at all."""
-    for raw in content.split(b"\n", 64)[:64]:
+    the rest), or None if that line is not a request at all: bytes, or the file's lines."""
+    lines = content.split(b"\n", 64) if isinstance(content, bytes) else content
+    for raw in itertools.islice(lines, 64):
         if raw.strip():
             try:
                 model = json.loads(raw).get("body", {}).get("model")

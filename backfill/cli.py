@@ -125,7 +125,7 @@ def tenants_create(
     weight: WeightOpt = 1.0,
 ) -> None:
     """Create a tenant and its first API key; the key is printed once, on the last line."""
-    from backfill.repository import Repository  # noqa: PLC0415
+    from backfill.repository import Repository, key_id  # noqa: PLC0415
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
@@ -143,6 +143,7 @@ def tenants_create(
         f"tenant {tenant.name} ({tenant.id}), enqueued-token quota: {quota_text}, "
         f"weight {tenant.weight:g}"
     )
+    out.print(f"key id {key_id(key)} (names the key in `tenants keys` and `tenants revoke-key`)")
     out.print("API key (shown only now; store it safely):")
     # Plain print: no wrapping or markup may touch the key, and it must be the last line.
     print(key)
@@ -164,17 +165,59 @@ def tenants_set_weight(
     out.print(f"tenant {tenant.name} ({tenant.id}): weight {tenant.weight:g}")
 
 
-@tenants_app.command("revoke-key")
-def tenants_revoke_key(key: Annotated[str, typer.Argument(help="The API key to revoke.")]) -> None:
-    """Revoke an API key at once."""
+@tenants_app.command("keys")
+def tenants_keys(name: Annotated[str, typer.Argument(help="The tenant's name.")]) -> None:
+    """List a tenant's API keys by id (the keys themselves are not kept)."""
     from backfill.repository import Repository  # noqa: PLC0415
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
-        _run(lambda: repo.revoke_api_key(key))
+        tenant = _run(lambda: repo.tenant_by_name(name))
+        keys = _run(lambda: repo.api_keys(tenant.id))
     finally:
         repo.close()
-    out.print(f"revoked key {key[:11]}...")
+    for record in keys:
+        created = record.created_at.isoformat(timespec="seconds")
+        state = (
+            "live"
+            if record.revoked_at is None
+            else f"revoked {record.revoked_at.isoformat(timespec='seconds')}"
+        )
+        out.print(f"{record.key_id}  created {created}  {state}")
+
+
+@tenants_app.command("revoke-key")
+def tenants_revoke_key(
+    key: Annotated[str, typer.Argument(help="The API key, or its id (its first 11 characters).")],
+) -> None:
+    """Revoke an API key: every API process that hears of it through Redis stops accepting
+    it at once; one cut off from Redis, within BACKFILL_API_KEY_CACHE_S."""
+    import redis  # noqa: PLC0415
+
+    from backfill.keycache import announce_revocation  # noqa: PLC0415
+    from backfill.repository import Repository  # noqa: PLC0415
+
+    settings = _settings()
+    repo = Repository.connect(settings.database_url, pool_size=1)
+    try:
+        revoked = _run(lambda: repo.revoke_api_key(key.rstrip(".")))
+    finally:
+        repo.close()
+    out.print(f"revoked key {revoked.key_id}... of tenant {revoked.tenant}")
+    within = f"within {settings.api_key_cache_s:g} s (BACKFILL_API_KEY_CACHE_S)"
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        listeners = announce_revocation(client, settings.redis_namespace, [revoked.digest])
+    except redis.RedisError as exc:
+        reason = _first_line(exc)
+        out.print(f"Redis unreachable ({reason}): API processes stop accepting it {within}")
+        return
+    finally:
+        client.close()
+    out.print(
+        f"{listeners} API process(es) heard it and stopped accepting it at once; any "
+        f"other (cut off from Redis just now) stops {within}"
+    )
 
 
 @app.command()

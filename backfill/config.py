@@ -76,6 +76,14 @@ class Settings(BaseSettings):
     max_line_bytes: PositiveInt = 1024 * 1024
     max_lines_per_batch: PositiveInt = 100_000
     max_active_batches_per_tenant: PositiveInt = 100
+    # Request bodies, counted on the bytes actually read (a chunked body declares no length):
+    # an upload may carry max_file_bytes (plus its multipart envelope), an interactive
+    # request this much, and every other route's JSON this much.
+    max_interactive_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_json_body_bytes: PositiveInt = 64 * 1024
+    # Files stream through the API in pieces of this many bytes (upload checks, storage,
+    # downloads, batch creation): what one file costs the API in memory, whatever its size.
+    file_chunk_bytes: Annotated[int, Field(ge=4096)] = 1024 * 1024
     # The batch class's per-sequence limit (prompt + max output), as the admission policy's.
     batch_max_sequence_tokens: PositiveInt = 32_768
     # The longest token of the served vocabularies, in bytes. Prompt characters divided by it
@@ -117,13 +125,22 @@ class Settings(BaseSettings):
     # counted and reserved).
     batch_max_prompts_per_line: PositiveInt = 64
 
-    # API key -> tenant lookups are remembered this long (a revoked key works at most this
-    # much longer); 0 checks Postgres on every request.
+    # API key -> tenant lookups (found or not) are remembered this long; 0 checks Postgres on
+    # every request. A revocation evicts the key from every API process at once through
+    # Redis; only an API process cut off from Redis then may accept it this much longer.
     api_key_cache_s: Annotated[float, Field(ge=0)] = 5.0
 
     # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
     rate_limit_per_s: PositiveFloat = 50.0
     rate_limit_burst: PositiveInt = 200
+    # Per client address, for what answers without a key (the capacity lab, /metrics,
+    # /healthz) and for keys not known to be good (each costs a Postgres lookup).
+    anonymous_rate_limit_per_s: PositiveFloat = 5.0
+    anonymous_rate_limit_burst: PositiveInt = 30
+
+    # /metrics: the scrape-time reads of Postgres and the ledger are reused this long, so
+    # scrapes (or anyone calling /metrics) cost at most one scan per interval.
+    metrics_cache_s: Annotated[float, Field(ge=0)] = 5.0
 
     # Interactive gateway: engine priority of interactive requests, how long a request may wait
     # for room when the caller does not say (header X-Backfill-Max-Wait), and how often the

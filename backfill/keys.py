@@ -23,6 +23,8 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
     {ns}:work:budget:{node}          hash     worker process id -> its batch work budget now, its
                                               use and why it last changed, JSON; read as the
                                               node's sum; short TTL
+    {ns}:keys:revoked                channel  digests of API keys just revoked: every API
+                                              process evicts them from its key cache
 
 The literal ``{ledger}`` is a Redis Cluster hash tag: every key of the ledger hashes to one
 slot, so one script may touch the global ``ready`` marker and a node's keys together. The
@@ -66,6 +68,11 @@ runs: 100 reservations take a few milliseconds)."""
 
 RESTORE_CHUNK = 500
 """Leases restored per script call during a rebuild (keeps each call short)."""
+
+
+def key_revocations_channel(namespace: str) -> str:
+    """The channel on which a revocation reaches every API process's key cache."""
+    return f"{namespace}:keys:revoked"
 
 
 def _check_node(node: str) -> str:

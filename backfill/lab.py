@@ -281,7 +281,8 @@ class _KvPool:
     def preemptible(self, seq: _Sequence) -> bool:
         return seq.preemptions < self.config.max_preemptions
 
-    def leases(self) -> list[_Lease]:
+    def victim_candidates(self) -> list[_Lease]:
+        # Only batch can be preempted: interactive residents would be looked at and skipped.
         return [
             _Lease(
                 str(s.identifier),
@@ -293,6 +294,7 @@ class _KvPool:
                 self.preemptible(s),
             )
             for s in self.resident.values()
+            if s.service_class is ServiceClass.BATCH
         ]
 
     def event(self, kind: EventKind, seq: _Sequence, tokens: int) -> None:
@@ -359,10 +361,15 @@ class _KvPool:
                 cfg.output_tokens - seq.generated,
                 preemptible=self.preemptible(seq),
             )
-            # Only interactive may preempt, so only it needs the leases.
-            interactive = seq.service_class is ServiceClass.INTERACTIVE
-            leases = self.leases() if interactive else []
-            decision = decide(request, self.state(), self.policy, leases)
+            decision = decide(request, self.state(), self.policy)
+            if (
+                seq.service_class is ServiceClass.INTERACTIVE
+                and decision.kind is DecisionKind.DEFER
+            ):
+                # Leases matter only to an interactive request that does not fit as it is
+                # (only it may preempt): listing them for every decision cost most of a
+                # long trace's time.
+                decision = decide(request, self.state(), self.policy, self.victim_candidates())
             reasons[identifier] = decision.reason
             if decision.kind is DecisionKind.REJECT:
                 self.queue.remove(identifier)

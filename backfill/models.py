@@ -98,13 +98,27 @@ class File(Base):
     purpose: Mapped[str] = mapped_column(String(32))
     filename: Mapped[str] = mapped_column(String(512))
     size_bytes: Mapped[int] = mapped_column("bytes", BigInteger)
-    # Input files keep their bytes; output and error files are rendered from the items of
+    # Input files keep their bytes (in ``file_chunks``; ``content`` holds those of files
+    # uploaded before chunks existed); output and error files are rendered from the items of
     # ``job_id`` when read, so results are never stored twice.
     content: Mapped[bytes | None] = mapped_column(LargeBinary)
     job_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
     __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+
+class FileChunk(Base):
+    """One piece of an input file's bytes, in order (``seq`` from 0): files stream in and
+    out a piece at a time, never whole in memory."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(
+        ForeignKey("files.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Node(Base):

@@ -17,6 +17,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import secrets
 from collections import defaultdict
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -68,6 +69,21 @@ class TenantRecord:
     enqueued_token_quota: int | None
     weight: float = 1.0
     """Share of each node's batch sequences relative to the other tenants with work."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    key_id: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RevokedKey:
+    key_id: str
+    digest: str
+    """What key caches know the key by (announced so every API process forgets it)."""
+    tenant: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +278,15 @@ def _libpq(url: str) -> str:
     return "postgresql://" + url.partition("://")[2]
 
 
+KEY_ID_CHARS = 11
+"""A key's id is its first characters (``bf-`` and 8 random ones): stored in clear, shown
+at creation and in listings, enough to name the key for revocation, useless to call with."""
+
+
+def key_id(key: str) -> str:
+    return key[:KEY_ID_CHARS]
+
+
 def key_digest(key: str) -> str:
     """The stored form of an API key: its SHA-256 (keys are random, so no salt is needed)."""
     return hashlib.sha256(key.encode()).hexdigest()
@@ -338,6 +363,27 @@ def _job_from_row(row: Sequence[Any]) -> JobRecord:
         timestamps=stamps,
         counts=counts,
     )
+
+
+FILE_CHUNK_BYTES = 1024 * 1024
+"""Pieces of stored files, unless the caller says (``Settings.file_chunk_bytes``)."""
+
+
+def _copy_pieces(conn: Connection, file_id: str, source: BinaryIO, chunk_bytes: int) -> int:
+    """COPY ``source`` into ``file_chunks`` a piece at a time; returns the bytes stored."""
+    raw = conn.connection.driver_connection
+    assert isinstance(raw, psycopg.Connection)
+    size = seq = 0
+    with (
+        raw.cursor() as cur,
+        cur.copy("COPY file_chunks (file_id, seq, data) FROM STDIN (FORMAT BINARY)") as copy,
+    ):
+        copy.set_types(["text", "int4", "bytea"])
+        while piece := source.read(chunk_bytes):
+            copy.write_row((file_id, seq, piece))
+            size += len(piece)
+            seq += 1
+    return size
 
 
 class Repository:
@@ -448,12 +494,13 @@ class Repository:
         return TenantRecord(row[0], row[1], row[2], row[3])
 
     def create_api_key(self, tenant_id: str) -> str:
-        """Make a new key for the tenant; returns it in clear (the only time it exists so)."""
+        """Make a new key for the tenant; returns it in clear (the only time it exists so).
+        Its first :data:`KEY_ID_CHARS` characters are its id (:func:`key_id`)."""
         key = f"bf-{secrets.token_urlsafe(32)}"
         with self._tx() as conn:
             conn.execute(
                 text("INSERT INTO api_keys (tenant_id, digest, prefix) VALUES (:t, :d, :p)"),
-                {"t": tenant_id, "d": key_digest(key), "p": key[:11]},
+                {"t": tenant_id, "d": key_digest(key), "p": key_id(key)},
             )
         return key
 
@@ -469,17 +516,43 @@ class Repository:
             ).first()
         return None if row is None else TenantRecord(row[0], row[1], row[2], row[3])
 
-    def revoke_api_key(self, key: str) -> None:
+    def revoke_api_key(self, key_or_id: str) -> RevokedKey:
+        """Revoke one live key, named by the whole key or by its id (the first
+        :data:`KEY_ID_CHARS` characters, as ``tenants create`` and ``tenants keys`` show).
+        NotFound if no live key matches; Conflict if an id matches several (use the key)."""
         with self._tx() as conn:
-            res = conn.execute(
+            rows = conn.execute(
                 text(
-                    "UPDATE api_keys SET revoked_at = now() "
-                    "WHERE digest = :d AND revoked_at IS NULL"
+                    "SELECT k.id, k.digest, k.prefix, t.name FROM api_keys k "
+                    "JOIN tenants t ON t.id = k.tenant_id "
+                    "WHERE k.revoked_at IS NULL AND (k.digest = :d OR "
+                    "(char_length(:k) = :n AND k.prefix = :k)) FOR UPDATE OF k"
                 ),
-                {"d": key_digest(key)},
+                {"d": key_digest(key_or_id), "k": key_or_id, "n": KEY_ID_CHARS},
+            ).all()
+            if not rows:
+                raise NotFound("no live API key matches")
+            if len(rows) > 1:
+                raise Conflict(
+                    f"{len(rows)} live keys have the id {key_or_id}; revoke by the whole key"
+                )
+            [(row_id, digest, prefix, tenant)] = rows
+            conn.execute(
+                text("UPDATE api_keys SET revoked_at = now() WHERE id = :i"), {"i": row_id}
             )
-        if res.rowcount == 0:
-            raise NotFound("no live API key matches")
+        return RevokedKey(prefix, digest, tenant)
+
+    def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        """The tenant's keys (by id; the keys themselves are not kept), newest first."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT prefix, created_at, revoked_at FROM api_keys WHERE tenant_id = :t "
+                    "ORDER BY created_at DESC, id DESC"
+                ),
+                {"t": tenant_id},
+            ).all()
+        return [ApiKeyRecord(*r) for r in rows]
 
     # -----------------------------------------------------------------------------------------
     # Files
@@ -490,29 +563,31 @@ class Repository:
         tenant_id: str,
         purpose: str,
         filename: str,
-        content: bytes | None,
+        content: bytes | BinaryIO | None,
         *,
         size_bytes: int | None = None,
         job_id: str | None = None,
+        chunk_bytes: int = FILE_CHUNK_BYTES,
     ) -> FileRecord:
+        """A file row; ``content`` (bytes, or a binary file read to its end) is stored in
+        pieces of ``chunk_bytes`` by one binary COPY, so a file of any size costs one piece
+        of memory. ``None``: a file rendered from ``job_id``'s items when read."""
         file_id = ids.new_file_id()
-        size = len(content) if content is not None else (size_bytes or 0)
+        source = io.BytesIO(content) if isinstance(content, bytes) else content
+        size = size_bytes or 0
         with self._tx() as conn:
             row = conn.execute(
                 text(
-                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, content, job_id) "
-                    "VALUES (:i, :t, :p, :f, :b, :c, :j) RETURNING created_at"
+                    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, job_id) "
+                    "VALUES (:i, :t, :p, :f, :b, :j) RETURNING created_at"
                 ),
-                {
-                    "i": file_id,
-                    "t": tenant_id,
-                    "p": purpose,
-                    "f": filename,
-                    "b": size,
-                    "c": content,
-                    "j": job_id,
-                },
+                {"i": file_id, "t": tenant_id, "p": purpose, "f": filename, "b": size, "j": job_id},
             ).one()
+            if source is not None:
+                size = _copy_pieces(conn, file_id, source, chunk_bytes)
+                conn.execute(
+                    text("UPDATE files SET bytes = :b WHERE id = :i"), {"b": size, "i": file_id}
+                )
         return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0])
 
     def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
@@ -543,31 +618,50 @@ class Repository:
             ).all()
         return [FileRecord(*r) for r in rows]
 
-    def file_content(self, tenant_id: str, file_id: str) -> bytes | None:
-        """Stored bytes of the file, or None for a file rendered from a job's items."""
+    def file_pieces(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None:
+        """A stored file's bytes, one piece per query (no connection is held between them),
+        or None for a file rendered from a job's items. NotFound is raised at once, before
+        the first piece is asked for."""
         with self._tx() as conn:
             row = conn.execute(
-                text("SELECT content FROM files WHERE id = :i AND tenant_id = :t"),
+                text(
+                    "SELECT job_id IS NULL AND bytes > 0, content IS NOT NULL FROM files "
+                    "WHERE id = :i AND tenant_id = :t"
+                ),
                 {"i": file_id, "t": tenant_id},
             ).first()
         if row is None:
             raise NotFound(f"No such File object: {file_id}")
-        return None if row[0] is None else bytes(row[0])
+        stored, legacy = row
+        if not stored and not legacy:
+            return None
+        return self._pieces(file_id, legacy)
 
-    def file_bytes(self, tenant_id: str, file_id: str) -> bytes | None:
-        """``file_content`` read in binary format: a text-format read hex-encodes the bytea,
-        doubling what crosses the wire and costing seconds to decode for a 100 MB file."""
+    def _pieces(self, file_id: str, legacy: bool) -> Iterator[bytes]:
+        if legacy:
+            # Uploaded before files were stored in pieces: one piece, the whole file.
+            whole = self._read_binary("SELECT content FROM files WHERE id = %s", (file_id,))
+            if whole is not None:
+                yield whole
+            return
+        seq = 0
+        while (
+            piece := self._read_binary(
+                "SELECT data FROM file_chunks WHERE file_id = %s AND seq = %s", (file_id, seq)
+            )
+        ) is not None:
+            yield piece
+            seq += 1
+
+    def _read_binary(self, query: str, params: tuple[Any, ...]) -> bytes | None:
+        """One bytea value read in binary format: a text-format read hex-encodes it,
+        doubling what crosses the wire and costing seconds to decode for 100 MB."""
         with self._tx() as conn:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             with raw.cursor(binary=True) as cur:
-                row = cur.execute(
-                    "SELECT content FROM files WHERE id = %s AND tenant_id = %s",
-                    (file_id, tenant_id),
-                ).fetchone()
-        if row is None:
-            raise NotFound(f"No such File object: {file_id}")
-        return None if row[0] is None else bytes(row[0])
+                found = cur.execute(query, params).fetchone()
+        return None if found is None or found[0] is None else bytes(found[0])
 
     def delete_file(self, tenant_id: str, file_id: str) -> None:
         with self._tx() as conn:

@@ -4,9 +4,11 @@ vLLM's request models are lax: ``"min_tokens": "3.0"``, ``3.0`` and ``"3"`` are 
 integer 3 to the engine, and ``"false"`` is False. Backfill reads some of these fields itself
 (resuming a preempted item recomputes ``min_tokens`` and the output budget; counting a chat
 prompt passes ``add_generation_prompt`` on), so a stored body must hold exactly what the
-engine will understand, in JSON's own types. :func:`normalise_fields` rewrites lax numbers to
-canonical ones, refuses what the engine would refuse (or misread) with a message naming the
-field, and refuses anything but a JSON boolean for the fields that shape the prompt.
+engine will understand, in JSON's own types. :func:`normalise_fields` stores an integral
+number as an integer (``3.0`` -> ``3``) and refuses, with a message naming the field, what
+OpenAI's API refuses: numbers written as strings, booleans as numbers, non-finite numbers, and
+anything but a JSON boolean for the fields that shape the prompt. :func:`as_integer` reads a
+value as the engine would, for bodies stored before this check existed.
 """
 
 from __future__ import annotations
@@ -70,17 +72,17 @@ def as_integer(value: Any) -> int | None:
     return None
 
 
-def _as_number(value: Any) -> int | float | None:
+def _strict_integer(value: Any) -> int | None:
     if type(value) is int:
         return value
-    if type(value) is float:
-        return value if math.isfinite(value) else None
-    if type(value) is str:
-        try:
-            number = float(value.strip())
-        except ValueError:
-            return None
-        return number if math.isfinite(number) else None
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _strict_number(value: Any) -> int | float | None:
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return value
     return None
 
 
@@ -92,17 +94,17 @@ def normalise_fields(body: dict[str, Any], *, chat: bool) -> tuple[str, str] | N
         value = body.get(key)
         if value is None:
             continue
-        number = as_integer(value)
+        number = _strict_integer(value)
         if number is None:
-            return key, f"body.{key} must be an integer"
+            return key, f"body.{key} must be an integer (got {type(value).__name__})"
         body[key] = number
     for key in NUMBER_FIELDS:
         value = body.get(key)
         if value is None:
             continue
-        real = _as_number(value)
+        real = _strict_number(value)
         if real is None:
-            return key, f"body.{key} must be a finite number"
+            return key, f"body.{key} must be a finite number (got {type(value).__name__})"
         body[key] = real
     for key in PROMPT_SHAPING_FLAGS:
         if key in body and body[key] is not None and type(body[key]) is not bool:

@@ -2,58 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
-from backfill.keycache import TenantKeyCache
+from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.repository import Repository
 from queue_api import errors, metrics
+from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway
 from queue_api.routes import batches, capacity, dashboard, files
 from queue_api.routes import gateway as gateway_routes
 from queue_api.routes import lab as lab_routes
-
-# Room for the multipart envelope around a file of the maximum size.
-_MULTIPART_OVERHEAD = 64 * 1024
-
-
-class UploadSizeGuard:
-    """Refuses an upload whose declared length is over the limit before its body is read
-    (the form parser would otherwise spool all of it to disk first)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes + _MULTIPART_OVERHEAD
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            for name, value in scope["headers"]:
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    body = errors.error_body(
-                        f"request body of {int(value)} bytes is over the upload limit",
-                        param="file",
-                        code="file_too_large",
-                    )
-                    await send(
-                        {
-                            "type": "http.response.start",
-                            "status": 413,
-                            "headers": [(b"content-type", b"application/json")],
-                        }
-                    )
-                    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
-                    return
-        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -77,20 +44,33 @@ def create_app(
         )
         app.state.settings = settings
         app.state.repository = repo
-        app.state.tenant_keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
-        app.state.rate_limiter = RateLimiter(
-            client, settings.redis_namespace, settings.rate_limit_per_s, settings.rate_limit_burst
+        keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
+        namespace = settings.redis_namespace
+        app.state.gate = Gate(
+            keys,
+            RateLimiter(client, namespace, settings.rate_limit_per_s, settings.rate_limit_burst),
+            RateLimiter(
+                client,
+                namespace,
+                settings.anonymous_rate_limit_per_s,
+                settings.anonymous_rate_limit_burst,
+            ),
         )
-        app.state.usage_source = usage_source or ledger_usage(
-            Ledger(client, settings.redis_namespace)
-        )
-        metrics.attach(app, repo, Ledger(client, settings.redis_namespace))
+        # Its own connection: a subscribed connection can do nothing else.
+        subscriber = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=0.5)
+        revocations = RevocationListener(subscriber, namespace, keys).start()
+        app.state.revocations = revocations
+        app.state.usage_source = usage_source or ledger_usage(Ledger(client, namespace))
+        metrics.attach(app, repo, Ledger(client, namespace), settings.metrics_cache_s)
+        lab_routes.install_limiter(app)
         app.state.gateway = InteractiveGateway(settings, repo)
         try:
             yield
         finally:
             await app.state.gateway.aclose()
             metrics.detach(app)
+            revocations.stop()
+            subscriber.close()
             client.close()
             if repository is None:
                 repo.close()
@@ -115,5 +95,5 @@ def create_app(
         app.state.repository.ping()
         return {"status": "ok"}
 
-    app.add_middleware(UploadSizeGuard, max_bytes=settings.max_file_bytes)
+    app.add_middleware(RequestEdge, settings=settings)
     return app

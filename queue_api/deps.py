@@ -9,11 +9,8 @@ from fastapi import Depends, Request
 
 from backfill.capacity_view import UsageSource
 from backfill.config import Settings
-from backfill.keycache import TenantKeyCache
-from backfill.ratelimit import RateLimiter
-from backfill.refusals import RateLimited
 from backfill.repository import Repository, TenantRecord
-from queue_api.errors import Unauthorized
+from queue_api.edge import TENANT_STATE, Gate, client_address
 
 
 async def get_settings(request: Request) -> Settings:
@@ -26,11 +23,6 @@ async def get_repository(request: Request) -> Repository:
     return repo
 
 
-async def get_rate_limiter(request: Request) -> RateLimiter:
-    limiter: RateLimiter = request.app.state.rate_limiter
-    return limiter
-
-
 async def get_usage_source(request: Request) -> UsageSource | None:
     source: UsageSource | None = request.app.state.usage_source
     return source
@@ -38,46 +30,32 @@ async def get_usage_source(request: Request) -> UsageSource | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RepositoryDep = Annotated[Repository, Depends(get_repository)]
-RateLimiterDep = Annotated[RateLimiter, Depends(get_rate_limiter)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]
 
 
-async def get_tenant_keys(request: Request) -> TenantKeyCache:
-    keys: TenantKeyCache = request.app.state.tenant_keys
-    return keys
+async def get_gate(request: Request) -> Gate:
+    gate: Gate = request.app.state.gate
+    return gate
 
 
-TenantKeysDep = Annotated[TenantKeyCache, Depends(get_tenant_keys)]
+GateDep = Annotated[Gate, Depends(get_gate)]
 
 
-async def current_tenant(
-    request: Request, keys: TenantKeysDep, limiter: RateLimiterDep
-) -> TenantRecord:
+async def current_tenant(request: Request, gate: GateDep) -> TenantRecord:
     """The tenant of the ``Authorization: Bearer`` key, once its rate limit allows.
 
-    The key lookup (Postgres on a cache miss) and the rate limit (Redis) block, so they run
-    together in one worker thread: one hop off the event loop per request, not one per
-    dependency (the getters above are ``async`` for that reason: they only read app state)."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        raise Unauthorized(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-        )
-    return await anyio.to_thread.run_sync(_authenticate, key, keys, limiter)
-
-
-def _authenticate(key: str, keys: TenantKeyCache, limiter: RateLimiter) -> TenantRecord:
-    tenant = keys.get(key)
-    if tenant is None:
-        raise Unauthorized("Incorrect API key provided.")
-    decision = limiter.check(tenant.id)
-    if not decision.allowed:
-        raise RateLimited(
-            "Too many requests for this tenant; retry after the time in Retry-After.",
-            retry_after_s=decision.retry_after_s,
-        )
-    return tenant
+    The request edge (``queue_api.edge``) has checked both before the body was read and left
+    the tenant in the request's state; a route the edge did not cover checks here, in one
+    worker thread (the key lookup and the rate limit block: one hop off the event loop per
+    request, and the getters above are ``async`` because they only read app state)."""
+    tenant: TenantRecord | None = request.scope.get("state", {}).get(TENANT_STATE)
+    if tenant is not None:
+        return tenant
+    return await anyio.to_thread.run_sync(
+        gate.authenticate,
+        request.headers.get("authorization", ""),
+        client_address(request.scope),
+    )
 
 
 TenantDep = Annotated[TenantRecord, Depends(current_tenant)]

@@ -102,6 +102,12 @@ def _refusal(exc: Refusal) -> JSONResponse:
 
 
 def _backfill_error(_: Request, exc: Exception) -> JSONResponse:
+    return backfill_error_response(exc)
+
+
+def backfill_error_response(exc: Exception) -> JSONResponse:
+    """The answer to one of Backfill's own errors (also for the request edge, which answers
+    before any route runs)."""
     if isinstance(exc, Refusal):
         return _refusal(exc)
     if isinstance(exc, Unauthorized):
@@ -131,9 +137,23 @@ def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"Invalid URL ({request.method} {request.url.path})"
     else:
         message = str(exc.detail)
+    if exc.status_code == 413:
+        return body_too_large(exc)
     headers = dict(exc.headers) if exc.headers else None
     code = "not_found" if exc.status_code == 404 else None
     return _answer(exc.status_code, message, code=code, headers=headers)
+
+
+def body_too_large(exc: HTTPException) -> JSONResponse:
+    """A body over its route's limit (``queue_api.edge.BodyTooLarge``): the connection is
+    closed after the answer, so the rest of the body is never read."""
+    return _answer(
+        413,
+        str(exc.detail),
+        param=getattr(exc, "param", None),
+        code=getattr(exc, "code", "request_too_large"),
+        headers=dict(exc.headers or {}),
+    )
 
 
 def _validation_error(_: Request, exc: Exception) -> JSONResponse:

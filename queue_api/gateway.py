@@ -56,6 +56,7 @@ from backfill.refusals import InvalidRequest, Refusal
 from backfill.repository import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
+from queue_api.edge import load_json_body
 from worker.engine import EngineError, EngineRejected, HttpEngine, count_prefill, sse_lines
 
 log = logging.getLogger("backfill.gateway")
@@ -453,10 +454,7 @@ class InteractiveGateway:
         tenant: TenantRecord,
         received: float,
     ) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise InvalidRequest("the request body is not valid JSON") from None
+        body = load_json_body(await request.body())
         shape = parse_request(endpoint, body)
         nodes, any_node = await self.directory.serving(shape.model)
         if not nodes:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from backfill import batches
-from backfill.refusals import PayloadTooLarge
 from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import FileDeleted, FileList, FileObject
 
@@ -25,19 +24,15 @@ def upload_file(
     file: Annotated[UploadFile, File()],
     purpose: Annotated[str, Form()],
 ) -> FileObject:
-    # One byte over the limit is enough to refuse; never read an oversized upload whole.
-    content = file.file.read(settings.max_file_bytes + 1)
-    if len(content) > settings.max_file_bytes:
-        raise PayloadTooLarge(
-            f"file is larger than the limit of {settings.max_file_bytes} bytes", param="file"
-        )
+    # The server spooled the upload (to disk past 1 MB; the request edge capped its size):
+    # it is checked and stored from there a piece at a time, never read whole.
     record = batches.upload_file(
         repo,
         settings,
         tenant.id,
         filename=file.filename or "upload.jsonl",
         purpose=purpose,
-        content=content,
+        content=file.file,
     )
     return FileObject.of(record)
 
@@ -73,11 +68,15 @@ def retrieve_file(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> FileO
 
 
 @router.get("/{file_id}/content", response_model=None)
-def file_content(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> Response:
-    content = batches.file_content(repo, tenant.id, file_id)
-    if isinstance(content, bytes):
-        return Response(content, media_type="application/octet-stream")
-    return StreamingResponse(content, media_type="application/jsonl")
+def file_content(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> StreamingResponse:
+    # Streamed piece by piece (a sync iterator: Starlette reads it in a worker thread).
+    record = repo.get_file(tenant.id, file_id)
+    media_type = "application/octet-stream" if record.job_id is None else "application/jsonl"
+    return StreamingResponse(
+        batches.file_content(repo, tenant.id, file_id),
+        media_type=media_type,
+        headers={"Content-Length": str(record.size_bytes)} if record.job_id is None else None,
+    )
 
 
 @router.delete("/{file_id}")

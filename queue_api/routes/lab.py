@@ -1,17 +1,24 @@
 """``/lab/lru`` and ``/lab/kv``: the traces the dashboard's Capacity lab page plays.
 
 No API key: the lab computes a made-up stream against a made-up pool and touches no tenant's
-data, Postgres or Redis, so it teaches anyone who opens the page. Its cost is bounded by the
-limits below (at most 4,096 requests against at most 64 slots: well under a second), and the
-route is synchronous, so it runs in the thread pool and never stalls the event loop.
+data, Postgres or Redis, so it teaches anyone who opens the page. What anyone may make it do
+is bounded three ways: the limits below (the largest trace, 4,096 requests against 64 slots,
+costs the server about 0.3 s of CPU here, answering included: ``bench.anonymous``), a
+per-address rate limit at the edge
+(``queue_api.edge``), and one trace computed at a time per process, in a thread of its own
+limiter, so lab calls never take the worker threads that authentication and the JSON API
+run in, and queue behind each other instead of sharing the interpreter with them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import dataclasses
+from collections.abc import Callable
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+import anyio
+import pydantic_core
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from backfill import lab
@@ -34,24 +41,41 @@ class KvParams(LruParams):
     max_preemptions: int = Field(3, ge=0, le=100)
 
 
-def _trace(trace: lab.LruTrace | lab.KvTrace) -> JSONResponse:
-    # asdict and a plain JSON response: validating thousands of steps again on the way out
-    # would cost more than computing them.
-    return JSONResponse({**asdict(trace), "hits": trace.hits})
+def install_limiter(app: FastAPI) -> None:
+    """One trace at a time per process: made in the app's lifespan (its event loop)."""
+    app.state.lab_limiter = anyio.CapacityLimiter(1)
+
+
+def _json(trace: lab.LruTrace | lab.KvTrace) -> bytes:
+    # Serialised by pydantic-core straight from the dataclasses: ``dataclasses.asdict`` of
+    # the longest trace cost five times what computing it did.
+    fields = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace)}
+    return pydantic_core.to_json({**fields, "hits": trace.hits})
+
+
+async def _answer(
+    request: Request, compute: Callable[[], lab.LruTrace | lab.KvTrace]
+) -> Response:
+    limiter: anyio.CapacityLimiter = request.app.state.lab_limiter
+    body = await anyio.to_thread.run_sync(lambda: _json(compute()), limiter=limiter)
+    return Response(body, media_type="application/json")
 
 
 @router.post("/lru")
-def lru(params: LruParams) -> JSONResponse:
+async def lru(params: LruParams, request: Request) -> Response:
     """The stream through an LRU cache: eviction is automatic and free."""
-    return _trace(lab.simulate_lru(params.capacity_slots, params.working_set, params.requests))
+    return await _answer(
+        request,
+        lambda: lab.simulate_lru(params.capacity_slots, params.working_set, params.requests)
+    )
 
 
 @router.post("/kv")
-def kv(params: KvParams) -> JSONResponse:
+async def kv(params: KvParams, request: Request) -> Response:
     """The stream as sequences reserving KV tokens, each admission decided by the real
     policy (:func:`backfill.policy.decide`)."""
     try:
         config = lab.KvLabConfig(**params.model_dump())
     except ValueError as error:  # a reserve larger than the pool: only the pair is wrong
         raise InvalidInput(str(error)) from error
-    return _trace(lab.simulate_kv(config))
+    return await _answer(request, lambda: lab.simulate_kv(config))

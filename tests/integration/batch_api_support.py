@@ -11,10 +11,11 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import tracemalloc
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from openai import OpenAI
@@ -25,6 +26,8 @@ from backfill.states import ItemState
 from queue_api.app import create_app
 
 CHAT = "/v1/chat/completions"
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -45,10 +48,14 @@ class LiveServer:
 
 
 @contextmanager
-def serve(settings: Settings) -> Iterator[LiveServer]:
+def serve(settings: Settings, *, repository: Repository | None = None) -> Iterator[LiveServer]:
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        create_app(settings, repository=repository),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -66,8 +73,14 @@ def serve(settings: Settings) -> Iterator[LiveServer]:
 
 
 def api_settings(settings: Settings, **overrides: Any) -> Settings:
-    """The test's settings, with a rate limit no ordinary test reaches."""
-    values: dict[str, Any] = {"rate_limit_per_s": 10_000.0, "rate_limit_burst": 10_000}
+    """The test's settings, with rate limits (per tenant, per address) no ordinary test
+    reaches."""
+    values: dict[str, Any] = {
+        "rate_limit_per_s": 10_000.0,
+        "rate_limit_burst": 10_000,
+        "anonymous_rate_limit_per_s": 10_000.0,
+        "anonymous_rate_limit_burst": 10_000,
+    }
     values.update(overrides)
     return settings.model_copy(update=values)
 
@@ -190,3 +203,20 @@ def run_worker(
 
 def result_lines(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def peak_growth(action: Callable[[], T]) -> tuple[T, int]:
+    """``action()``, and the most Python memory allocated above the start while it ran
+    (every thread of the process: the in-process server's work included)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        result = action()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        if started:
+            tracemalloc.stop()
+    return result, peak - base

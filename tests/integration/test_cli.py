@@ -13,8 +13,9 @@ import httpx
 import pytest
 from batch_api_support import free_port
 from openai import OpenAI
+from sqlalchemy import text
 
-from backfill.repository import Repository
+from backfill.repository import Repository, key_id
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 
@@ -87,6 +88,37 @@ def test_tenants_have_a_weight_set_at_create_or_later(database_url: str, repo: R
     assert refused in one_line_error(run(database_url, "tenants", "set-weight", "plain", "0"))
     assert refused in one_line_error(run(database_url, "tenants", "create", "z", "--weight", "-1"))
     assert repo.tenant_by_name("plain").weight == 3
+
+
+def test_keys_are_listed_and_revoked_by_the_id_shown_at_creation(
+    database_url: str, repo: Repository
+) -> None:
+    created = run(database_url, "tenants", "create", "acme")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    shown = key_id(key)
+    assert f"key id {shown}" in created.stdout
+    listed = run(database_url, "tenants", "keys", "acme")
+    assert listed.returncode == 0, listed.stderr
+    assert shown in listed.stdout
+    assert "live" in listed.stdout
+    assert key not in listed.stdout  # only the id is kept
+
+    # Two live keys that share an id (a collision of 48 random bits, made here by hand):
+    # the id is refused as ambiguous, and the whole key still works.
+    tenant = repo.tenant_by_name("acme")
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO api_keys (tenant_id, digest, prefix) VALUES (:t, :d, :p)"),
+            {"t": tenant.id, "d": "0" * 64, "p": shown},
+        )
+    assert "revoke by the whole key" in one_line_error(
+        run(database_url, "tenants", "revoke-key", shown)
+    )
+    revoked = run(database_url, "tenants", "revoke-key", key)
+    assert revoked.returncode == 0, revoked.stderr
+    assert repo.tenant_for_key(key) is None
+    assert "revoked" in run(database_url, "tenants", "keys", "acme").stdout
 
 
 def test_an_unreachable_database_is_one_line_not_a_traceback() -> None:

@@ -9,6 +9,13 @@
    behaviour); and no item of a refused file is ever stored (rows counted before and after).
 10. Every id-taking route called with another tenant's ids answers 404 and shows nothing of
    it; API keys never appear in clear in the database or in the logs.
+11. Hostile bodies (sent over a raw socket, ``tests/reliability/bodies.py``), on the batch
+   routes and the gateway's: without a valid key, refused before one byte of the body is
+   read; chunked past the route's limit, cut off where it crosses it, the server's memory
+   growing by about the limit, not the body; a declared length over the limit refused before
+   the body; JSON nested deeper than the parser's recursion limit a 400, never a 500. And what
+   anonymous callers can spend: key lookups and /metrics scans are cached, the lab and
+   unknown keys rate-limited per address.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ from tests.integration.batch_api_support import (
     chat_line,
     jsonl,
     make_tenant,
+    peak_growth,
     serve,
 )
+from tests.reliability.bodies import Answer, pieces, post_body
 from tests.reliability.support import report
 
 MAX_FILE = 64 * 1024
@@ -337,3 +346,212 @@ def test_a_nul_byte_in_a_query_parameter_is_a_400_not_a_500(api: Api) -> None:
             assert r.status_code < 500
     with pytest.raises(InvalidInput):
         api.repo.list_files(api.a.id, purpose="a\x00b")
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Bodies: size on the bytes read, the key before the body, nesting, anonymous cost
+# ---------------------------------------------------------------------------------------------
+
+HOSTILE_BYTES = 64 * 1024 * 1024
+"""Each hostile body: bigger than every route's limit (the gateway's is 4 MiB here)."""
+FILLER = b"x" * 65536
+BOUNDARY = "hostileboundary"
+UPLOAD_HEAD = (
+    f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+    "Content-Type: application/octet-stream\r\n\r\n"
+).encode()
+JSON_HEAD = b'{"model": "tiny-model", "prompt": "'
+MULTIPART = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+JSON = {"Content-Type": "application/json"}
+# route -> (headers, first bytes of its body)
+BODY_ROUTES: dict[str, tuple[dict[str, str], bytes]] = {
+    "/v1/files": (MULTIPART, UPLOAD_HEAD),
+    "/v1/batches": (JSON, JSON_HEAD),
+    "/v1/chat/completions": (JSON, JSON_HEAD),
+    "/v1/completions": (JSON, JSON_HEAD),
+}
+
+
+def _hostile(api: Api, path: str, key: str | None, **kwargs: Any) -> tuple[Answer, int]:
+    headers, first = BODY_ROUTES.get(path, (JSON, JSON_HEAD))
+    if key is not None:
+        headers = {**headers, "Authorization": f"Bearer {key}"}
+    return peak_growth(
+        lambda: post_body(
+            api.server.base_url,
+            path,
+            pieces(HOSTILE_BYTES, FILLER, first),
+            headers=headers,
+            **kwargs,
+        )
+    )
+
+
+@pytest.mark.parametrize("path", sorted(BODY_ROUTES))
+@pytest.mark.parametrize("key", ["none", "wrong"])
+def test_a_body_without_a_valid_key_is_refused_before_one_byte_of_it_is_read(
+    api: Api, path: str, key: str
+) -> None:
+    # Was: the whole body was read (an upload spooled to disk, JSON into memory), then 401.
+    before = api.rows()
+    answer, grown = _hostile(
+        api, path, None if key == "none" else "bf-wrong", early_answer_s=30.0
+    )
+    assert answer.status == 401, answer
+    assert answer.error["code"] == "invalid_api_key"
+    assert answer.sent == 0, f"{answer.sent} body bytes were read before the 401"
+    assert answer.headers.get("connection") == "close"  # the body is not drained either
+    assert grown < 1024 * 1024, grown
+    assert api.rows() == before
+
+
+@pytest.mark.parametrize("path", [*sorted(BODY_ROUTES), "/lab/kv"])
+def test_a_chunked_body_over_the_routes_limit_is_cut_off_where_it_crosses_it(
+    api: Api, path: str
+) -> None:
+    # Was: only Content-Length was checked, so a chunked body had no limit at all (a 100 MB
+    # one to /lab/kv grew the API by 264 MB).
+    limit = {
+        "/v1/files": MAX_FILE + 64 * 1024,
+        "/v1/chat/completions": 4 * 1024 * 1024,
+        "/v1/completions": 4 * 1024 * 1024,
+    }.get(path, 64 * 1024)
+    before = api.rows()
+    answer, grown = _hostile(api, path, api.a.key)
+    # The 413 may be lost to the reset of a connection closed with unread bytes in it.
+    assert answer.status in (413, None), answer
+    if answer.status == 413:
+        code = "file_too_large" if path == "/v1/files" else "request_too_large"
+        assert answer.error["code"] == code, answer
+        assert str(limit) in answer.error["message"]
+    # What loopback socket buffers hold is all the client gets to write past the limit.
+    assert answer.sent < HOSTILE_BYTES // 2, answer.sent
+    print(f"\n{path}: {answer.status} after {answer.sent} bytes, peak growth {grown}")
+    assert grown < 2 * limit + 2 * 1024 * 1024, grown
+    assert api.rows() == before
+
+
+@pytest.mark.parametrize("path", [*sorted(BODY_ROUTES), "/lab/kv"])
+def test_a_declared_length_over_the_limit_is_413_before_the_body(api: Api, path: str) -> None:
+    answer, _ = _hostile(api, path, api.a.key, content_length=HOSTILE_BYTES, early_answer_s=30.0)
+    assert answer.status == 413, answer
+    assert answer.sent == 0
+    assert answer.error["message"]
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b'{"model": "m", "messages": ' + _nested(5000) + b"}"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "m", "messages": [{"role": "user", "content": '
+            + _nested(100)
+            + b"}]}",
+        ),
+        ("/v1/completions", b'{"model": "m", "prompt": ' + _nested(5000) + b"}"),
+        ("/v1/completions", _nested(5000)),
+        ("/v1/batches", b'{"input_file_id": ' + _nested(5000) + b"}"),
+        ("/lab/kv", b'{"capacity_slots": ' + _nested(5000) + b"}"),
+    ],
+)
+def test_deeply_nested_json_is_a_400_on_every_json_route(
+    api: Api, path: str, body: bytes
+) -> None:
+    # Was: a 500 on the gateway routes (only ValueError was caught; deep JSON is a
+    # RecursionError).
+    with api.http(api.a) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["message"]
+
+
+class CountingRepository(Repository):
+    """The real repository, counting the reads anonymous callers can cause."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.key_lookups = 0
+        self.item_scans = 0
+
+    def tenant_for_key(self, key: str) -> Any:
+        self.key_lookups += 1
+        return super().tenant_for_key(key)
+
+    def item_state_totals(self) -> Any:
+        self.item_scans += 1
+        return super().item_state_totals()
+
+
+ANON_BURST = 10
+
+
+@pytest.fixture
+def counted(module_database_url: str) -> Iterator[tuple[LiveServer, CountingRepository]]:
+    """A server whose anonymous limit (per address) is small enough to reach."""
+    s = api_settings(
+        Settings(
+            database_url=module_database_url,
+            redis_url=REDIS_URL,
+            redis_namespace=f"bfh{secrets.token_hex(3)}",
+        ),
+        anonymous_rate_limit_per_s=0.5,
+        anonymous_rate_limit_burst=ANON_BURST,
+        api_key_cache_s=60.0,
+        metrics_cache_s=60.0,
+    )
+    repo = CountingRepository(Repository.connect(s.database_url).engine)
+    try:
+        with serve(s, repository=repo) as server:
+            yield server, repo
+    finally:
+        repo.close()
+
+
+def test_a_wrong_key_costs_one_postgres_lookup_and_guessing_keys_is_rate_limited(
+    counted: tuple[LiveServer, CountingRepository],
+) -> None:
+    # Was: every request with a wrong key was a Postgres query, without any limit.
+    server, repo = counted
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        same = [
+            http.get("/v1/batches", headers={"Authorization": "Bearer bf-wrong"}).status_code
+            for _ in range(30)
+        ]
+        assert same == [401] * 30
+        assert repo.key_lookups == 1
+        guesses = [
+            http.get("/v1/batches", headers={"Authorization": f"Bearer bf-{i}"})
+            for i in range(30)
+        ]
+    codes = [r.status_code for r in guesses]
+    assert 429 in codes, codes
+    limited = guesses[codes.index(429)]
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["Retry-After"]) >= 1
+    # Each lookup took a token of the address's bucket: at most the burst reached Postgres.
+    assert repo.key_lookups <= ANON_BURST, repo.key_lookups
+
+
+def test_metrics_scrapes_reuse_one_scan_and_the_lab_is_rate_limited_per_address(
+    counted: tuple[LiveServer, CountingRepository],
+) -> None:
+    # Was: every scrape of /metrics (no key) scanned the unfinished items, and /lab/kv took
+    # up to 3.2 s of CPU per anonymous call, without any limit.
+    server, repo = counted
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        scrapes = [http.get("/metrics").status_code for _ in range(ANON_BURST // 2)]
+        assert scrapes == [200] * len(scrapes)
+        assert repo.item_scans == 1
+        lab = [
+            http.post("/lab/kv", json={"capacity_slots": 4, "working_set": 8, "requests": 64})
+            for _ in range(ANON_BURST)
+        ]
+    codes = [r.status_code for r in lab]
+    assert codes[0] == 200
+    assert 429 in codes, codes
+    assert lab[codes.index(429)].json()["error"]["code"] == "rate_limit_exceeded"

@@ -160,7 +160,7 @@ def test_upload_checks_size_lines_and_line_length_cheaply() -> None:
         check_upload(b"x" * 101, small)
     with pytest.raises(InvalidRequest, match="line 2 is 31 bytes"):
         check_upload(b"{}\n" + b"x" * 31 + b"\n", small)
-    with pytest.raises(InvalidRequest, match="3 request lines"):
+    with pytest.raises(InvalidRequest, match="more than 2 request lines"):
         check_upload(b"{}\n{}\n{}\n", small)
 
 
@@ -202,15 +202,16 @@ def test_the_limit_check_judges_each_prompt_of_a_list_apart() -> None:
     assert too_long.errors[0].code == "request_too_long"
 
 
-def test_lax_numbers_are_stored_canonical_and_bad_ones_refused() -> None:
+def test_integral_numbers_are_stored_as_integers_and_strings_refused() -> None:
     result = validate_batch_input(
-        encode(line("a", min_tokens="3.0", temperature="0.2", max_tokens="10")), CHAT, LIMITS
+        encode(line("a", min_tokens=3.0, temperature=0.2, max_tokens=10.0)), CHAT, LIMITS
     )
     assert isinstance(result, ValidatedBatch)
     stored = json.loads(result.items[0].body)
     assert (stored["min_tokens"], stored["temperature"], stored["max_tokens"]) == (3, 0.2, 10)
+    assert type(stored["max_tokens"]) is int
     assert result.items[0].max_output_tokens == 10
-    bad = validate_batch_input(encode(line("a", min_tokens="three")), CHAT, LIMITS)
+    bad = validate_batch_input(encode(line("a", min_tokens="3.0")), CHAT, LIMITS)
     assert isinstance(bad, InvalidBatch)
     assert (bad.errors[0].code, bad.errors[0].param) == ("invalid_parameter", "body.min_tokens")
 

@@ -4,11 +4,15 @@ With a docker CLI that has the compose plugin, ``docker compose config`` validat
 (it needs no engine). Without one, the file is parsed and its service graph checked here:
 every depends_on target exists, every service has an image or a build, each worker names its
 engine, no two services publish one host port, and every file mounted from ``deploy/`` exists.
+And nothing is open that should not be: only the API (which checks keys) listens beyond
+loopback, and no password is written in the file (each is a required variable).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+SECRETS = {"BACKFILL_POSTGRES_PASSWORD": "test-secret", "GRAFANA_ADMIN_PASSWORD": "test-secret"}
 
 
 def compose() -> dict[str, Any]:
@@ -40,12 +45,20 @@ def test_docker_compose_config_accepts_the_file_when_the_cli_can_run_it() -> Non
     )
     if probe.returncode != 0:
         pytest.skip("the docker CLI has no compose plugin (the YAML checks below still run)")
+    env = {**os.environ, **SECRETS}
     for profile in ("gpu", "cpu"):
         result = subprocess.run(
             [docker, "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
-            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT, env=env,
         )
         assert result.returncode == 0, result.stderr
+    # Without the secrets, compose refuses to run at all.
+    bare = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    refused = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE), "--profile", "cpu", "config", "--quiet"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT, env=bare,
+    )
+    assert refused.returncode != 0
 
 
 def test_every_dependency_exists_and_every_service_has_an_image_or_a_build() -> None:
@@ -74,14 +87,54 @@ def test_each_worker_names_its_engine() -> None:
         assert "--node" in command, name
 
 
-def test_no_two_services_publish_the_same_host_port() -> None:
-    seen: dict[str, str] = {}
+def published() -> dict[str, list[tuple[str, str]]]:
+    """service -> [(host address, host port)] of what it publishes ("" address: every
+    interface)."""
+    out: dict[str, list[tuple[str, str]]] = {}
     for name, service in services().items():
         for port in service.get("ports") or []:
-            host = str(port).rsplit(":", 1)[0]
-            assert host not in seen, f"{name} and {seen[host]} both publish {host}"
-            seen[host] = name
+            parts = str(port).split(":")
+            address = parts[0] if len(parts) == 3 else ""
+            out.setdefault(name, []).append((address, parts[-2]))
+    return out
+
+
+def test_no_two_services_publish_the_same_host_port() -> None:
+    seen: dict[str, str] = {}
+    for name, ports in published().items():
+        for _, host_port in ports:
+            assert host_port not in seen, f"{name} and {seen[host_port]} both publish {host_port}"
+            seen[host_port] = name
     assert {"8000", "9090", "3000"} <= set(seen)
+
+
+def test_only_the_api_listens_beyond_loopback() -> None:
+    # Was: Grafana (anonymous viewer, default admin) and Prometheus on every interface.
+    for name, ports in published().items():
+        for address, host_port in ports:
+            if name != "api":
+                assert address == "127.0.0.1", f"{name} publishes {host_port} on all interfaces"
+    assert "postgres" not in published()
+    assert "redis" not in published()
+
+
+def _required_secret(value: str) -> str:
+    """The variable a ``${NAME:?message}`` value requires (compose fails without it)."""
+    match = re.fullmatch(r"\$\{([A-Z_]+):\?[^}]*\}", value)
+    assert match, f"{value!r} is not a required ${{VAR:?...}} secret"
+    return match.group(1)
+
+
+def test_no_password_is_written_in_the_file() -> None:
+    # Was: Postgres with the password 'backfill', Grafana with its default admin/admin.
+    all_services = services()
+    postgres = _required_secret(all_services["postgres"]["environment"]["POSTGRES_PASSWORD"])
+    assert postgres in SECRETS
+    url = compose()["x-backfill-env"]["BACKFILL_DATABASE_URL"]
+    assert f"${{{postgres}:?" in url
+    grafana = all_services["grafana"]["environment"]
+    assert _required_secret(grafana["GF_SECURITY_ADMIN_PASSWORD"]) in SECRETS
+    assert str(grafana.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "false"
 
 
 def test_prometheus_scrapes_the_api_and_grafana_is_provisioned() -> None:

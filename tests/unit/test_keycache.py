@@ -1,9 +1,10 @@
-"""The tenant key cache: hits within the TTL, misses never cached, bounded size."""
+"""The tenant key cache: found and unknown keys remembered within the TTL, evicted on
+revocation, bounded in size."""
 
 from __future__ import annotations
 
 from backfill.keycache import TenantKeyCache
-from backfill.repository import TenantRecord
+from backfill.repository import TenantRecord, key_digest
 
 ACME = TenantRecord("tnt_1", "acme", None)
 
@@ -34,17 +35,38 @@ def test_a_found_tenant_is_remembered_until_the_ttl_passes() -> None:
     assert len(calls) == 2
 
 
-def test_unknown_keys_are_always_checked() -> None:
+def test_a_wrong_key_costs_one_lookup_per_ttl_not_one_per_request() -> None:
     calls: list[str] = []
+    clock = Clock()
 
     def lookup(key: str) -> TenantRecord | None:
         calls.append(key)
         return None
 
-    cache = TenantKeyCache(lookup, 5.0, clock=Clock())
+    cache = TenantKeyCache(lookup, 5.0, clock=clock)
+    assert cache.cached("bad") == (False, None)  # only Postgres can tell yet
+    for _ in range(100):
+        assert cache.get("bad") is None
+    assert calls == ["bad"]
+    assert cache.cached("bad") == (True, None)
+    clock.now = 5.1
     assert cache.get("bad") is None
-    assert cache.get("bad") is None
-    assert len(calls) == 2
+    assert calls == ["bad", "bad"]
+
+
+def test_an_evicted_key_is_checked_again_at_once() -> None:
+    answers: dict[str, TenantRecord | None] = {"k": ACME}
+    cache = TenantKeyCache(answers.get, 5.0, clock=Clock())
+    assert cache.get("k") == ACME
+    answers["k"] = None  # revoked in Postgres
+    assert cache.get("k") == ACME  # still remembered
+    cache.evict(key_digest("k"))
+    assert cache.get("k") is None
+    answers["j"] = ACME
+    assert cache.get("j") == ACME
+    cache.clear()
+    answers["j"] = None
+    assert cache.get("j") is None
 
 
 def test_ttl_zero_disables_the_cache_and_size_is_bounded() -> None:
@@ -59,3 +81,4 @@ def test_ttl_zero_disables_the_cache_and_size_is_bounded() -> None:
     for key in ("a", "b", "c", "a"):
         cache.get(key)
     assert calls == ["k", "a", "b", "c", "a"]  # "a" was pushed out by "c"
+    assert cache.cached("b") == (False, None)  # and "b" by the second "a"

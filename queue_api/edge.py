@@ -1,0 +1,258 @@
+"""The request edge: what a request may cost is settled before any route sees it.
+
+Per route (:func:`route_rules`, a pure function of method and path):
+
+- **Body size**, counted on the bytes actually read, not only on ``Content-Length`` (a
+  chunked body declares no length): an upload may carry ``max_file_bytes`` and its multipart
+  envelope, an interactive request ``max_interactive_body_bytes``, every other JSON route
+  ``max_json_body_bytes``. A declared length over the limit is refused before reading; a body
+  that grows past it is cut off at the first chunk over (413, and the connection is closed
+  rather than drained).
+- **The key**, for every ``/v1/`` route: checked, with the tenant's rate limit, before one
+  byte of the body is read, so a caller without a valid key never makes the API read, parse
+  or spool a body.
+- **Anonymous work** (the capacity lab, ``/metrics``, ``/healthz``) is rate-limited per
+  client address, and so is every key lookup that only Postgres can answer (a key not in the
+  key cache), so guessing keys costs the guesser, not the database.
+
+The address is the connection's peer as the server reports it (``--proxy-headers`` in
+uvicorn makes that the client's behind a trusted proxy; otherwise every caller behind a
+proxy shares one bucket).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from backfill.config import Settings
+from backfill.errors import BackfillError
+from backfill.keycache import TenantKeyCache
+from backfill.ratelimit import RateLimiter
+from backfill.refusals import InvalidRequest, RateLimited
+from backfill.repository import TenantRecord
+from queue_api import errors
+from queue_api.errors import Unauthorized
+
+MULTIPART_OVERHEAD = 64 * 1024
+"""Room for the multipart envelope around a file of the maximum size."""
+
+TENANT_STATE = "backfill.tenant"
+"""Where the edge leaves the authenticated tenant in the request's state."""
+
+UPLOAD_PATH = "/v1/files"
+INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ANONYMOUS_LIMITED = ("/lab/", "/metrics", "/healthz")
+"""Routes that answer without a key but do work (compute, Postgres, Redis)."""
+
+MAX_JSON_DEPTH = 64
+"""Nesting a JSON body may have (OpenAI request bodies, tool schemas included, need a
+fraction of it); deeper is refused as a 400 before anything walks it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    upload_bytes: int
+    interactive_bytes: int
+    json_bytes: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BodyLimits:
+        return cls(
+            upload_bytes=settings.max_file_bytes + MULTIPART_OVERHEAD,
+            interactive_bytes=settings.max_interactive_body_bytes,
+            json_bytes=settings.max_json_body_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRules:
+    max_body_bytes: int
+    needs_key: bool
+    anonymous_limited: bool
+    body_param: str | None = None
+    """What an oversized body is called in the error (``file`` for uploads)."""
+
+
+def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
+    """The rules of one request, from its method and path alone."""
+    if path == "/v1" or path.startswith("/v1/"):
+        if method == "POST" and path == UPLOAD_PATH:
+            return RouteRules(limits.upload_bytes, True, False, "file")
+        if path in INTERACTIVE_PATHS:
+            return RouteRules(limits.interactive_bytes, True, False)
+        return RouteRules(limits.json_bytes, True, False)
+    limited = any(path == p.rstrip("/") or path.startswith(p) for p in ANONYMOUS_LIMITED)
+    return RouteRules(limits.json_bytes, False, limited)
+
+
+class BodyTooLarge(HTTPException):
+    """A request body over its route's limit (an HTTPException, so that FastAPI's body
+    parsing passes it on instead of calling it a malformed body)."""
+
+    def __init__(self, limit: int, param: str | None, declared: int | None = None) -> None:
+        size = f"of {declared} bytes " if declared is not None else ""
+        super().__init__(
+            413,
+            f"request body {size}is over this route's limit of {limit} bytes",
+            headers={"Connection": "close"},
+        )
+        self.param = param
+        self.code = "file_too_large" if param == "file" else "request_too_large"
+
+
+class Gate:
+    """Who is calling, and whether they may now: keys through the key cache, tenants' rate
+    limits, and the per-address limit of anonymous work. Blocking (Postgres on a cache
+    miss, Redis): call it from a worker thread."""
+
+    def __init__(
+        self, keys: TenantKeyCache, tenants: RateLimiter, anonymous: RateLimiter
+    ) -> None:
+        self.keys = keys
+        self.tenants = tenants
+        self.anonymous = anonymous
+
+    def authenticate(self, authorization: str, address: str) -> TenantRecord:
+        scheme, _, key = authorization.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+            )
+        known, tenant = self.keys.cached(key)
+        if not known:
+            self.admit_anonymous(address)
+            tenant = self.keys.get(key)
+        if tenant is None:
+            raise Unauthorized("Incorrect API key provided.")
+        decision = self.tenants.check(tenant.id)
+        if not decision.allowed:
+            raise RateLimited(
+                "Too many requests for this tenant; retry after the time in Retry-After.",
+                retry_after_s=decision.retry_after_s,
+            )
+        return tenant
+
+    def admit_anonymous(self, address: str) -> None:
+        decision = self.anonymous.check(f"anon:{address}")
+        if not decision.allowed:
+            raise RateLimited(
+                "Too many requests without a known API key from this address; retry after "
+                "the time in Retry-After.",
+                retry_after_s=decision.retry_after_s,
+            )
+
+
+def client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+class RequestEdge:
+    """ASGI middleware applying :func:`route_rules` to every HTTP request."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.limits = BodyLimits.from_settings(settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rules = route_rules(scope["method"], scope["path"], self.limits)
+        headers = Headers(scope=scope)
+        declared = _declared_length(headers)
+        if declared is not None and declared > rules.max_body_bytes:
+            error = BodyTooLarge(rules.max_body_bytes, rules.body_param, declared)
+            await errors.body_too_large(error)(scope, receive, send)
+            return
+        gate: Gate | None = getattr(scope["app"].state, "gate", None)
+        if gate is not None and (rules.needs_key or rules.anonymous_limited):
+            try:
+                tenant = await anyio.to_thread.run_sync(
+                    _pass, gate, rules, headers.get("authorization", ""), client_address(scope)
+                )
+            except BackfillError as exc:
+                response = errors.backfill_error_response(exc)
+                if declared or "chunked" in headers.get("transfer-encoding", ""):
+                    # The body is not wanted: close the connection instead of draining it.
+                    response.headers["Connection"] = "close"
+                await response(scope, receive, send)
+                return
+            if tenant is not None:
+                scope.setdefault("state", {})[TENANT_STATE] = tenant
+        await self.app(scope, _limited(receive, rules), send)
+
+
+def _pass(gate: Gate, rules: RouteRules, authorization: str, address: str) -> TenantRecord | None:
+    if rules.needs_key:
+        return gate.authenticate(authorization, address)
+    gate.admit_anonymous(address)
+    return None
+
+
+def load_json_body(raw: bytes) -> Any:
+    """A JSON request body, or InvalidRequest (400) for one that is not JSON or is nested
+    deeper than :data:`MAX_JSON_DEPTH` (deeper than the parser's recursion limit would be a
+    RecursionError, and code walking a body recursively could hit it later)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequest(
+            f"the request body is nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
+    except ValueError:
+        raise InvalidRequest("the request body is not valid JSON") from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def json_depth(value: Any, stop_at: int = MAX_JSON_DEPTH) -> int:
+    """How deeply ``value`` nests arrays and objects (a scalar is 0), counted without
+    recursion; the walk stops once past ``stop_at``."""
+    deepest = 0
+    level: list[Any] = [value]
+    depth = 0
+    while level and depth <= stop_at:
+        children: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                children.extend(node.values())
+            elif isinstance(node, list):
+                children.extend(node)
+        if not children and not any(isinstance(n, dict | list) for n in level):
+            break
+        depth += 1
+        deepest = depth
+        level = children
+    return deepest
+
+
+def _declared_length(headers: Headers) -> int | None:
+    raw = headers.get("content-length")
+    if raw is None or not raw.strip().isdigit():
+        return None
+    return int(raw)
+
+
+def _limited(receive: Receive, rules: RouteRules) -> Receive:
+    seen = 0
+
+    async def receive_within_limit() -> Message:
+        nonlocal seen
+        message: Any = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > rules.max_body_bytes:
+                raise BodyTooLarge(rules.max_body_bytes, rules.body_param)
+        return message  # type: ignore[no-any-return]
+
+    return receive_within_limit

@@ -1,0 +1,103 @@
+"""check_upload scans a file a piece at a time and agrees with a whole-file reading of it;
+iter_lines gives a file's lines from any split of it into pieces (pure, no services)."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backfill.batch_input import InputLimits, check_upload, iter_lines, validate_batch_input
+from backfill.refusals import InvalidRequest, PayloadTooLarge
+
+CHAT = "/v1/chat/completions"
+LINES = st.lists(
+    st.sampled_from([b"", b" ", b"\r", b"\t \x0c", b"{}", b" {} ", b"x" * 7, b"y" * 13]),
+    max_size=40,
+)
+
+
+def _problems(content: bytes, limits: InputLimits) -> set[str]:
+    """What is wrong with ``content``, read whole (the reference)."""
+    lines = content.split(b"\n")
+    requests = sum(1 for raw in lines if raw.strip())
+    found = set()
+    if len(content) > limits.max_file_bytes:
+        found.add("file_too_large")
+    if any(len(raw) > limits.max_line_bytes for raw in lines):
+        found.add("line_too_long")
+    if requests == 0:
+        found.add("empty_file")
+    if requests > limits.max_lines:
+        found.add("too_many_lines")
+    return found
+
+
+@given(
+    lines=LINES,
+    trailing_newline=st.booleans(),
+    scan_bytes=st.integers(1, 64),
+    max_file=st.integers(1, 400),
+    max_line=st.integers(1, 14),
+    max_lines=st.integers(1, 30),
+)
+def test_a_piecewise_scan_refuses_exactly_what_a_whole_reading_refuses(
+    lines: list[bytes],
+    trailing_newline: bool,
+    scan_bytes: int,
+    max_file: int,
+    max_line: int,
+    max_lines: int,
+) -> None:
+    content = b"\n".join(lines) + (b"\n" if trailing_newline else b"")
+    limits = InputLimits(max_file, max_line, max_lines, 4096, 16)
+    problems = _problems(content, limits)
+    if not problems:
+        count = check_upload(io.BytesIO(content), limits, scan_bytes=scan_bytes)
+        assert count == sum(1 for raw in content.split(b"\n") if raw.strip())
+        return
+    with pytest.raises((InvalidRequest, PayloadTooLarge)) as refused:
+        check_upload(io.BytesIO(content), limits, scan_bytes=scan_bytes)
+    code = refused.value.code
+    assert code in problems, (code, problems)
+
+
+def test_the_line_numbers_of_a_refusal_count_every_line_before_it() -> None:
+    limits = InputLimits(10_000, 8, 100, 4096, 16)
+    content = b"{}\n\n{}\n" + b"z" * 9 + b"\n{}\n"
+    for scan_bytes in (1, 3, 4, 64):
+        with pytest.raises(InvalidRequest, match=r"^line 4 is ") as refused:
+            check_upload(io.BytesIO(content), limits, scan_bytes=scan_bytes)
+        assert refused.value.code == "line_too_long"
+
+
+def test_a_file_object_is_read_from_where_it_stands_and_not_past_its_end() -> None:
+    source = io.BytesIO(b"ignored header\n{}\n{}\n")
+    source.seek(len(b"ignored header\n"))
+    assert check_upload(source, InputLimits(100, 20, 5, 4096, 16)) == 2
+
+
+@given(content=st.binary(max_size=200), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_iter_lines_gives_the_lines_of_any_split_into_pieces(
+    content: bytes, cuts: list[int]
+) -> None:
+    bounds = sorted({0, len(content), *(c for c in cuts if c <= len(content))})
+    pieces = [content[a:b] for a, b in itertools.pairwise(bounds)]
+    assert list(iter_lines(pieces)) == content.split(b"\n")
+
+
+def test_validation_of_lines_read_piecewise_matches_that_of_the_bytes() -> None:
+    limits = InputLimits(10_000, 1000, 100, 4096, 16)
+    good = (
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}'
+    )
+    content = good + b"\n\n" + good.replace(b'"a"', b'"b"') + b"\nnot json\n"
+    whole = validate_batch_input(content, CHAT, limits)
+    piecewise = validate_batch_input(
+        iter_lines(content[i : i + 7] for i in range(0, len(content), 7)), CHAT, limits
+    )
+    assert whole == piecewise
