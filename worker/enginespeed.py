@@ -41,6 +41,15 @@ class EngineSpeed:
             prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
         )
 
+    def seconds_for_batch(
+        self, requests: int, prompt_tokens: int, output_tokens: int, at_once: int
+    ) -> float:
+        """``requests`` alike, ``at_once`` at a time, each wave taking as long as one request
+        alone: about right for a model as small as the tests' tiny one, whose steps cost
+        about the same for one sequence or sixteen; a bigger model's batched steps are longer."""
+        waves = -(-requests // max(1, at_once))
+        return waves * self.seconds_for(prompt_tokens, output_tokens)
+
     def __str__(self) -> str:
         return (
             f"prefill {self.prefill_tokens_per_s:,.0f} tok/s, "

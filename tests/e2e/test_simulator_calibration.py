@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 ENGINE_BUDGET_S = 60.0
 # A step model off by half on average over the very steps it was fitted to does not describe
-# the engine (fits here: ~10% on a quiet machine, up to ~30% at a load average of 8 on 2 cores).
+# the engine (fits here: 2-30% at load averages of 6-13 on 2 cores, one round 61%).
 MAX_FIT_ERROR = 0.5
 
 
@@ -39,20 +39,30 @@ def test_a_cost_model_is_fitted_to_every_term_and_replays_a_held_back_workload(
     engine: EngineUnderTest, engine_speed: EngineSpeed
 ) -> None:
     workload = sized_to(SHORT, engine_speed, ENGINE_BUDGET_S)
-    # A burst of foreign load during one round can put any one observation far off; a second
-    # round tells such noise (gone) from a fit that does not work (still off).
-    for round_ in (1, 2):
+    # A burst of foreign load during one round can put any one observation far off (and on
+    # the tiny model, whose steps cost nearly the same whatever they hold, noise has once
+    # pushed both the step overhead and the per-decode term negative, leaving no valid
+    # model); further rounds tell such noise (gone) from a fit that does not work (still off).
+    failures: list[str] = []
+    for round_ in (1, 2, 3):
         observations, held = asyncio.run(measure(engine.url, engine.model, workload))
-        model, rms = fit(observations, engine.model)
+        try:
+            model, rms = fit(observations, engine.model)
+        except ValueError as exc:
+            failures.append(f"round {round_}: {exc}; observations {observations}")
+            print(failures[-1])
+            continue
         print(f"round {round_}: {len(observations)} observations, fit RMS {rms:.1%}, load "
               f"average {os.getloadavg()[0]:.1f}")
         if rms <= MAX_FIT_ERROR:
             break
+        failures.append(f"round {round_}: fit RMS {rms:.1%}: {model}; {observations}")
+    else:
+        pytest.fail("no round gave a fit:\n" + "\n".join(failures))
     prefills = [o for o in observations if o.with_request_overhead]
     decodes = [o for o in observations if not o.with_request_overhead]
     assert [o.work.prefill_tokens for o in prefills] == list(workload.prefill_lengths)
     assert len(decodes) == len(workload.decode_cases), "a decode case yielded no decode steps"
-    assert rms <= MAX_FIT_ERROR, (rms, model, observations)
     longest, shortest = max(prefills, key=lambda o: o.work.prefill_tokens), prefills[0]
     assert model.step_seconds(longest.work) > model.step_seconds(shortest.work), model
 
