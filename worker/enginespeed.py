@@ -35,7 +35,7 @@ class EngineSpeed:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
 
-    def seconds_for(self, prompt_tokens: int, output_tokens: int) -> float:
+    def seconds_for(self, prompt_tokens: float, output_tokens: float) -> float:
         """One request alone, start to end: an upper bound for it on an idle engine."""
         return (
             prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
