@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -111,12 +112,15 @@ SHORT = Workload(
 
 
 def sized_to(workload: Workload, speed: EngineSpeed, budget_s: float) -> Workload:
-    """``workload`` with its prompts shortened (halved, at most six times) until its
-    estimated engine time at ``speed`` fits ``budget_s``."""
+    """``workload`` with its prompts halved until its estimated engine time at ``speed``
+    fits ``budget_s``, or until halving again would merge two prompt lengths (the fit needs
+    several to tell the per-token term from the attention term)."""
     sized, factor = workload, 1.0
-    while sized.estimated_seconds(speed) > budget_s and factor > 1 / 64:
-        factor /= 2
-        sized = workload.with_prompts_scaled(factor)
+    while sized.estimated_seconds(speed) > budget_s:
+        shorter = workload.with_prompts_scaled(factor / 2)
+        if len(shorter.prefill_lengths) < len(workload.prefill_lengths):
+            break
+        sized, factor = shorter, factor / 2
     return sized
 
 
@@ -245,7 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    model, rms = fit(observations, args.model, "" if server is None else dtype)
+    try:
+        model, rms = fit(observations, args.model, "" if server is None else dtype)
+    except ValueError as exc:
+        print(f"no fit from {len(observations)} observations: {exc}")
+        finish(NAME, "held_back_error", math.nan, "<=", GOAL, {
+            "model": args.model, "quick": args.quick, "fit_error": str(exc),
+            "observations": [asdict(o) for o in observations]})
+        return 1
     check = held.against(model)
     stored_model = _stored(args.model)
     stored = None if stored_model is None else held.against(stored_model)

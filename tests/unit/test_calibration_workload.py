@@ -37,3 +37,10 @@ def test_a_slow_engine_gets_shorter_prompts_until_the_workload_fits() -> None:
 def test_the_full_calibration_would_not_fit_a_test_on_such_an_engine() -> None:
     # What made the suite's calibration run past its timeout on the AVX2 machine.
     assert FULL.estimated_seconds(EMULATED_BF16) > 600
+
+
+def test_however_slow_the_engine_the_prompt_lengths_stay_apart() -> None:
+    crawling = EngineSpeed(prefill_tokens_per_s=1, decode_tokens_per_s=0.1)
+    sized = sized_to(SHORT, crawling, 60)
+    assert len(sized.prefill_lengths) == len(SHORT.prefill_lengths)
+    assert sized.estimated_seconds(crawling) > 60  # as short as it gets; it runs anyway
