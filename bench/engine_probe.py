@@ -20,8 +20,9 @@ import httpx
 
 from backfill.simulate.costmodel import Observation, StepWork, prefill_attention
 
-# Token ids well inside SmolLM2's and the tiny model's vocabularies, clear of special tokens.
-_TOKEN_LO, _TOKEN_HI = 1_000, 8_000
+# Token ids inside both SmolLM2's (49,152) and the tiny model's (1,024) vocabularies, clear
+# of their special tokens; vLLM refuses an id outside the vocabulary (400).
+_TOKEN_LO, _TOKEN_HI = 300, 1_000
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,9 @@ def _usage_totals(bodies: Sequence[dict[str, Any]]) -> tuple[int, int]:
 def engine_args(spec: devengine.ModelSpec) -> list[str]:
     return [
         "--max-model-len", str(spec.max_model_len),
-        "--dtype", spec.dtype,
+        # The dtype the dev engine serves this model in here (float32 where the CPU would
+        # emulate bfloat16), so the peer runs the same model as Backfill's engine.
+        "--dtype", devengine.choose_dtype(spec.dtype, devengine.cpu_flags()).dtype,
         "--scheduling-policy", "priority",
         "--enforce-eager",
         "--max-num-seqs", str(MAX_NUM_SEQS),

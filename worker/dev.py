@@ -220,7 +220,10 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         )
         server = devengine.start_model(options.model, kv_cache_gib=1)
         stack.callback(server.stop)
-        console.print(f"      engine ready at {server.url} in {server.ready_seconds:.0f} s")
+        console.print(
+            f"      engine ready at {server.url} in {server.ready_seconds:.0f} s, "
+            f"dtype {server.dtype} ({server.dtype_reason})"
+        )
 
         console.print(f"[bold]3/5[/] API on http://127.0.0.1:{options.port}, worker {options.node}")
         api_log = (logs / "api.log").open("wb")

