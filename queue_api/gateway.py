@@ -30,6 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.gateway import (
@@ -354,8 +355,12 @@ class _RelayResponse(StreamingResponse):
 class InteractiveGateway:
     """One per API process: engines' HTTP clients, the ledger, the node directory."""
 
-    def __init__(self, settings: Settings, repo: Repository) -> None:
+    def __init__(
+        self, settings: Settings, repo: Repository, *, host_clock: HostClock = time.time
+    ) -> None:
         self.settings = settings
+        # This host's wall clock (tests run a gateway whose clock is off).
+        self._host_clock = host_clock
         self.policy = pool_policy(settings)
         self.ttl_ms = int(settings.lease_ttl_s * 1000)
         self.ledger = AsyncLedger.from_url(
@@ -366,7 +371,7 @@ class InteractiveGateway:
         self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, self.engine)
         # What this process sees of interactive traffic per node, published for the workers'
         # work budgets (``backfill.work_signals``).
-        self.activity = InteractiveActivity()
+        self.activity = InteractiveActivity(clock=host_clock)
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._publisher: asyncio.Task[None] | None = None
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
@@ -407,7 +412,7 @@ class InteractiveGateway:
         version, published_at = -1, 0.0
         while True:
             await asyncio.sleep(interval)
-            now = time.time()
+            now = self._host_clock()
             if self.activity.version == version and now - published_at < ttl / 3:
                 continue
             version = self.activity.version

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from backfill.clock import HostClock
 from backfill.errors import (
     BackfillError,
     LedgerError,
@@ -190,10 +191,6 @@ class DispatchStats:
     """Attempts stopped because their engine made no progress at all for the stall timeout."""
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _backoff_s(attempt: int) -> float:
     """How long an item whose attempt failed on its own account waits before the next."""
     return float(min(0.25 * 2 ** max(attempt - 1, 0), 5.0))
@@ -216,8 +213,11 @@ class NodeDispatcher:
         model: str,
         block_size: int,
         max_sequence_tokens: int,
+        host_clock: HostClock = time.time,
     ) -> None:
         self.config = config
+        # This host's wall clock (tests run a dispatcher whose clock is off).
+        self._host_clock = host_clock
         self.engine = engine
         self.repo = repo
         self.ledger = ledger
@@ -254,8 +254,11 @@ class NodeDispatcher:
         self._engine_suspect = False
         policy = config.work_budget
         self.work_budget: WorkBudget | None = (
-            None if policy is None else WorkBudget.initial(policy, time.time())
+            None if policy is None else WorkBudget.initial(policy, host_clock())
         )
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self._host_clock(), UTC)
 
     # -----------------------------------------------------------------------------------------
     # Lifecycle
@@ -422,7 +425,7 @@ class NodeDispatcher:
             need_s = seconds_needed(
                 outcome, self.config.prefill_tokens_per_s, self._decode_rate
             )
-            left_s = (item.deadline - _now()).total_seconds()
+            left_s = (item.deadline - self._now()).total_seconds()
             if need_s > left_s:
                 reason = (
                     f"needs about {need_s:.1f} s at {self._decode_rate:.1f} tokens/s; "
@@ -635,7 +638,7 @@ class NodeDispatcher:
     async def _give_back(
         self, item: ClaimedItem, target: ItemState, detail: str, retry_after_s: float = 0.0
     ) -> None:
-        not_before = _now() + timedelta(seconds=retry_after_s) if retry_after_s else None
+        not_before = self._now() + timedelta(seconds=retry_after_s) if retry_after_s else None
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
                 self.repo.give_back,
@@ -785,7 +788,7 @@ class NodeDispatcher:
                         partial_output=self._partial(flight),
                         partial_tokens=flight.generated,
                         detail=f"worker error: {exc!r}",
-                        not_before=_now() + timedelta(seconds=_backoff_s(item.attempt)),
+                        not_before=self._now() + timedelta(seconds=_backoff_s(item.attempt)),
                     )
                 self.stats.requeued += 1
         except Exception:
@@ -1186,7 +1189,7 @@ class NodeDispatcher:
         policy, before = cfg.work_budget, self.work_budget
         if policy is None or before is None:
             return
-        now = time.time()
+        now = self._host_clock()
         try:
             seen = await read_signals(
                 self.ledger.client, self.ledger.keys, cfg.node, cfg.signal_ttl_s, now
