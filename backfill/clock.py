@@ -127,6 +127,6 @@ def redis_time(client: redis.asyncio.Redis) -> Callable[[], Awaitable[float]]:
 
 def redis_time_blocking(client: redis.Redis) -> Callable[[], float]:
     def read() -> float:
-        return _seconds(client.time())  # type: ignore[arg-type]
+        return _seconds(client.time())
 
     return read

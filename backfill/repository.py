@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -52,6 +52,9 @@ from backfill.states import (
 )
 
 COUNTED_STATES: tuple[ItemState, ...] = tuple(ItemState)
+# ``not_before`` from a delay in seconds (``:retry``, NULL: none), on Postgres' own clock: a
+# worker's timestamp would carry its clock's error into every claim.
+_NOT_BEFORE = "now() + make_interval(secs => CAST(:retry AS float8))"
 COUNTER_SHARDS = 16
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +165,9 @@ class ClaimedItem:
     partial_output: str | None
     partial_tokens: int
     endpoint: str
+    deadline_left_s: float
+    """Seconds to ``deadline`` at the claim, on Postgres' clock: what a worker judges the
+    deadline by (its own clock may be off; the claim's age it measures on its monotonic one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -934,7 +940,8 @@ class Repository:
                     "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
                     "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
                     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
-                    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state"
+                    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, "
+                    "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
                     f"), {_CNT_CLAIM} "
                     "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id "
                     "ORDER BY m.deadline, m.id"
@@ -956,6 +963,7 @@ class Repository:
                 partial_output=_decode_partial(r.partial_output),
                 partial_tokens=r.partial_tokens,
                 endpoint=r.endpoint,
+                deadline_left_s=r.deadline_left_s,
             )
             for r in rows
         ]
@@ -1115,10 +1123,11 @@ class Repository:
         attempt: int,
         target: ItemState,
         *,
-        not_before: datetime | None = None,
+        retry_after_s: float | None = None,
         detail: str | None = None,
     ) -> None:
-        """reserved -> deferred (no slack; retry at ``not_before``) or queued (unstarted)."""
+        """reserved -> deferred (no slack) or queued (unstarted), claimable again
+        ``retry_after_s`` from now on Postgres' clock (at once when None)."""
         if target not in (ItemState.DEFERRED, ItemState.QUEUED):
             raise IllegalTransition(f"give_back() moves to deferred or queued, not {target}")
         _check_moves([ItemState.RESERVED], target)
@@ -1128,11 +1137,11 @@ class Repository:
         with self._tx() as conn:
             row = conn.execute(
                 text(
-                    "UPDATE items SET state = :s, not_before = :nb, lease_id = NULL, "
+                    f"UPDATE items SET state = :s, not_before = {_NOT_BEFORE}, lease_id = NULL, "
                     "fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
                     "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
                 ),
-                {"i": item_id, "a": attempt, "s": target.value, "nb": not_before},
+                {"i": item_id, "a": attempt, "s": target.value, "retry": retry_after_s},
             ).first()
             if row is None:
                 raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
@@ -1200,18 +1209,18 @@ class Repository:
         partial_output: str | None,
         partial_tokens: int,
         detail: str,
-        not_before: datetime | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         """running -> queued: the attempt stopped (engine down, worker shutting down, lease
-        lost, a worker error); its progress is kept for the next attempt, which waits until
-        ``not_before`` when given."""
+        lost, a worker error); its progress is kept for the next attempt, which waits
+        ``retry_after_s`` from now (Postgres' clock) when given."""
         _check_moves([ItemState.RUNNING], ItemState.QUEUED)
         with self._tx() as conn:
             row = conn.execute(
                 text(
                     "UPDATE items SET state = 'queued', partial_output = :o, partial_tokens = :t, "
                     "lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
-                    "not_before = :nb, "
+                    f"not_before = {_NOT_BEFORE}, "
                     "updated_at = now() WHERE id = :i AND attempt = :a AND fencing_token = :f "
                     "AND state = 'running' RETURNING job_id"
                 ),
@@ -1221,7 +1230,7 @@ class Repository:
                     "f": fencing_token,
                     "o": _encode_partial(partial_output),
                     "t": partial_tokens,
-                    "nb": not_before,
+                    "retry": retry_after_s,
                 },
             ).first()
             if row is None:
@@ -1712,7 +1721,3 @@ def _add_to_counters(conn: Connection, deltas: Mapping[str, Mapping[str, int]]) 
             {"job": job_id, **cols},
         )
 
-
-def utc_now_plus(seconds: float) -> datetime:
-    """A timestamp ``seconds`` from now, in UTC (for ``not_before`` hints)."""
-    return datetime.now(UTC) + timedelta(seconds=seconds)

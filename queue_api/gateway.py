@@ -30,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from backfill.clock import HostClock
+from backfill.clock import HostClock, SharedClock, redis_time
 from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.gateway import (
@@ -359,8 +359,6 @@ class InteractiveGateway:
         self, settings: Settings, repo: Repository, *, host_clock: HostClock = time.time
     ) -> None:
         self.settings = settings
-        # This host's wall clock (tests run a gateway whose clock is off).
-        self._host_clock = host_clock
         self.policy = pool_policy(settings)
         self.ttl_ms = int(settings.lease_ttl_s * 1000)
         self.ledger = AsyncLedger.from_url(
@@ -371,7 +369,10 @@ class InteractiveGateway:
         self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, self.engine)
         # What this process sees of interactive traffic per node, published for the workers'
         # work budgets (``backfill.work_signals``).
-        self.activity = InteractiveActivity(clock=host_clock)
+        # Its stamps are on Redis' clock: the workers that read them run on other hosts, whose
+        # clocks may disagree with this one (``host_clock``).
+        self.clock = SharedClock(host=host_clock)
+        self.activity = InteractiveActivity(clock=self.clock.now)
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._publisher: asyncio.Task[None] | None = None
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
@@ -412,7 +413,11 @@ class InteractiveGateway:
         version, published_at = -1, 0.0
         while True:
             await asyncio.sleep(interval)
-            now = self._host_clock()
+            try:
+                now = await self.clock.refresh(redis_time(self.ledger.client))
+            except Exception as exc:  # go on from the last anchor
+                log.debug("Redis' clock not read: %s", exc)
+                now = self.clock.now()
             if self.activity.version == version and now - published_at < ttl / 3:
                 continue
             version = self.activity.version
@@ -429,7 +434,14 @@ class InteractiveGateway:
             except Exception as exc:  # batch then judges by the engine's queue alone
                 log.warning("interactive signals not published: %s", exc)
 
-    def _start_publisher(self) -> None:
+    async def _start_publisher(self) -> None:
+        """Publish from now on; the first time, anchor the clock the stamps are written on
+        (one round trip to Redis, once per process)."""
+        if not self.clock.anchored:
+            try:
+                await self.clock.sync(redis_time(self.ledger.client))
+            except Exception as exc:  # the publisher tries again
+                log.warning("Redis' clock not read: %s", exc)
         if self._publisher is None or self._publisher.done():
             self._publisher = asyncio.get_running_loop().create_task(self._publish_signals())
 
@@ -478,7 +490,7 @@ class InteractiveGateway:
         )
         limit = self._limit(nodes)
         check_bound(shape, limit, self.settings.max_bytes_per_token)
-        self._start_publisher()
+        await self._start_publisher()
         lease_id = f"gw_{secrets.token_hex(10)}"
         owner = f"gateway/{tenant.id}"
         counted = time.perf_counter()
