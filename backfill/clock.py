@@ -10,7 +10,9 @@ So Backfill compares times of different machines on one clock only:
 
 - **Postgres'** ``now()`` for everything stored there (deadlines, ``not_before``, lease
   expiries, ``created_at``): the repository computes such times in SQL (``now() +
-  make_interval(...)``) and hands back durations (seconds left), never a host's timestamp.
+  make_interval(...)``) and hands back durations (seconds left), never a host's timestamp;
+  where a process needs the time itself (a batch's deadline, its progress), it reads
+  ``Repository.now()``, a :class:`SharedClock` on Postgres' clock.
 - **Redis'** ``TIME`` for the stamps kept in Redis (the ledger's scripts read it themselves;
   the work budget's signals and published budgets carry :class:`SharedClock` time).
 
@@ -46,9 +48,9 @@ def _seconds(reply: tuple[int, int] | list[int] | tuple[bytes, bytes]) -> float:
 class SharedClock:
     """A reference clock on another machine (Redis'), read on this one.
 
-    Before its first anchor it reads this host's clock (a process that has not reached Redis
-    yet has no other); :attr:`anchored` tells which. Not thread-safe; one per event loop (an
-    anchor is two floats, so a torn read across threads costs one stale reading at worst).
+    Before its first anchor it reads this host's clock (a process that has not reached the
+    reference yet has no other); :attr:`anchored` tells which. Readings are safe from any
+    thread (an anchor is replaced whole); concurrent syncs only race to set the newest.
     """
 
     def __init__(
@@ -61,28 +63,33 @@ class SharedClock:
         self.refresh_s = refresh_s
         self._host = host
         self._monotonic = monotonic
-        self._ref_s = 0.0
-        self._mono_s = 0.0
-        self._anchored = False
-        self.uncertainty_s = float("inf")
-        """Half the round trip of the last anchor: how far off the reading may be."""
+        # (reference seconds, monotonic seconds at that reading, half its round trip)
+        self._anchor: tuple[float, float, float] | None = None
 
     @property
     def anchored(self) -> bool:
-        return self._anchored
+        return self._anchor is not None
+
+    @property
+    def uncertainty_s(self) -> float:
+        """Half the round trip of the last anchor: how far off a reading may be."""
+        anchor = self._anchor
+        return float("inf") if anchor is None else anchor[2]
 
     def now(self) -> float:
         """Seconds since the epoch on the reference clock."""
-        if not self._anchored:
+        anchor = self._anchor
+        if anchor is None:
             return self._host()
-        return self._ref_s + (self._monotonic() - self._mono_s)
+        return anchor[0] + (self._monotonic() - anchor[1])
 
     def offset_s(self) -> float:
         """The reference clock minus this host's wall clock (what this host is behind by)."""
         return self.now() - self._host()
 
     def due(self) -> bool:
-        return not self._anchored or self._monotonic() - self._mono_s >= self.refresh_s
+        anchor = self._anchor
+        return anchor is None or self._monotonic() - anchor[1] >= self.refresh_s
 
     def anchor(self, reference_s: float, sent_mono_s: float, received_mono_s: float) -> None:
         """Take one reading of the reference clock, asked at ``sent_mono_s`` and answered at
@@ -90,12 +97,9 @@ class SharedClock:
         midpoint. A reading with a longer round trip than the current anchor's, taken within
         the refresh interval, is ignored (a slow reply is a poor anchor)."""
         half = max(0.0, received_mono_s - sent_mono_s) / 2
-        if self._anchored and not self.due() and half > self.uncertainty_s:
+        if not self.due() and half > self.uncertainty_s:
             return
-        self._ref_s = reference_s
-        self._mono_s = sent_mono_s + half
-        self.uncertainty_s = half
-        self._anchored = True
+        self._anchor = (reference_s, sent_mono_s + half, half)
 
     async def sync(self, read: Callable[[], Awaitable[float]]) -> None:
         """Anchor on one reading of the reference clock (``read``: e.g. :func:`redis_time`)."""
@@ -113,6 +117,11 @@ class SharedClock:
         second (one ``TIME`` round trip per ``refresh_s``, the rest local)."""
         if self.due():
             await self.sync(read)
+        return self.now()
+
+    def refresh_blocking(self, read: Callable[[], float]) -> float:
+        if self.due():
+            self.sync_blocking(read)
         return self.now()
 
 

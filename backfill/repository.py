@@ -17,11 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -31,6 +32,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backfill import ids
+from backfill.clock import HostClock, SharedClock
 from backfill.errors import (
     Conflict,
     IllegalTransition,
@@ -345,8 +347,11 @@ def _job_from_row(row: Sequence[Any]) -> JobRecord:
 class Repository:
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, host_clock: HostClock = time.time) -> None:
         self.engine = engine
+        # Postgres' clock, read here: stored timestamps are judged, and new ones computed, on
+        # it (this host's clock, ``host_clock``, may be off).
+        self._clock = SharedClock(host=host_clock)
 
     @classmethod
     def connect(cls, database_url: str, *, pool_size: int = 5) -> Repository:
@@ -396,6 +401,24 @@ class Repository:
     def ping(self) -> None:
         with self._tx() as conn:
             conn.execute(text("SELECT 1"))
+
+    def now(self) -> datetime:
+        """The time on Postgres' clock, without a round trip (re-anchored every few seconds):
+        what a process judges stored timestamps by and computes new ones from. Postgres out
+        of reach: the last anchor goes on (``StoreUnavailable`` if there is none yet)."""
+        if self._clock.due():
+            try:
+                self._clock.sync_blocking(self._database_time)
+            except StoreUnavailable:
+                if not self._clock.anchored:
+                    raise
+        return datetime.fromtimestamp(self._clock.now(), UTC)
+
+    def _database_time(self) -> float:
+        with self._tx() as conn:
+            return float(
+                conn.execute(text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")).scalar_one()
+            )
 
     # -----------------------------------------------------------------------------------------
     # Tenants and API keys
