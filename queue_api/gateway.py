@@ -40,10 +40,12 @@ from backfill.gateway import (
     GatewayUnavailable,
     InteractiveEndpoint,
     ModelNotServed,
+    RequestCaps,
     RequestShape,
     Sizing,
     admit,
     check_bound,
+    check_sequences,
     parse_request,
     prompt_upper_bound,
     size_request,
@@ -63,8 +65,12 @@ log = logging.getLogger("backfill.gateway")
 
 MAX_WAIT_HEADER = "x-backfill-max-wait"
 """Seconds the caller will wait for room (0: answer at once). Without it the deployment's
-``gateway_max_wait_s`` applies; either way at most half the openai SDK's read timeout
-(``x-stainless-read-timeout``), so a refusal arrives before the client gives up."""
+``gateway_max_wait_s`` applies; either way at most ``gateway_max_wait_cap_s`` and half the
+openai SDK's read timeout (``x-stainless-read-timeout``), so a refusal arrives before the
+client gives up."""
+MAX_WAIT_APPLIED_HEADER = "X-Backfill-Max-Wait-Applied"
+"""Set on the answer when the wait applied is shorter than the caller's ``X-Backfill-Max-Wait``
+(clamped to the cap or to the client's timeout): the seconds it was."""
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"
 NODE_HEADER = "X-Backfill-Node"
 CLIENT_CLOSED_REQUEST = 499
@@ -308,6 +314,12 @@ def _used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: in
     return sizing.sequences * prompt + completion
 
 
+def answer_headers(request: Request) -> dict[str, str]:
+    """Headers the gateway adds to every answer of ``request`` (also its refusals)."""
+    headers: dict[str, str] = getattr(request.state, "backfill_headers", {})
+    return dict(headers)
+
+
 def _float_header(request: Request, name: str) -> float | None:
     raw = request.headers.get(name)
     if raw is None:
@@ -375,6 +387,11 @@ class InteractiveGateway:
         self.activity = InteractiveActivity(clock=self.clock.now)
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._publisher: asyncio.Task[None] | None = None
+        self.caps = RequestCaps(
+            max_sequences=settings.gateway_max_sequences,
+            max_request_tokens=settings.gateway_max_request_tokens,
+            max_wait_s=settings.gateway_max_wait_cap_s,
+        )
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
 
     def client(self, url: str) -> httpx.AsyncClient:
@@ -475,6 +492,7 @@ class InteractiveGateway:
         except ValueError:
             raise InvalidRequest("the request body is not valid JSON") from None
         shape = parse_request(endpoint, body)
+        check_sequences(shape, self.caps.max_sequences)
         nodes, any_node = await self.directory.serving(shape.model)
         if not nodes:
             if any_node:
@@ -483,13 +501,18 @@ class InteractiveGateway:
                     param="model",
                 )
             raise GatewayUnavailable("no inference node is registered yet", retry_after_s=5.0)
+        asked = _float_header(request, MAX_WAIT_HEADER)
         budget = wait_budget_s(
-            _float_header(request, MAX_WAIT_HEADER),
+            asked,
             self.settings.gateway_max_wait_s,
             _float_header(request, CLIENT_TIMEOUT_HEADER),
+            self.caps.max_wait_s,
         )
+        if asked is not None and budget < asked:
+            request.state.backfill_headers = {MAX_WAIT_APPLIED_HEADER: f"{budget:g}"}
         limit = self._limit(nodes)
-        check_bound(shape, limit, self.settings.max_bytes_per_token)
+        cap = self.caps.max_request_tokens
+        check_bound(shape, limit, self.settings.max_bytes_per_token, cap)
         await self._start_publisher()
         lease_id = f"gw_{secrets.token_hex(10)}"
         owner = f"gateway/{tenant.id}"
@@ -499,7 +522,7 @@ class InteractiveGateway:
             admission, sizing, pending = bounded
         else:
             prompt_tokens = await self._count(shape, body, nodes)
-            sizing = size_request(shape, prompt_tokens, limit)
+            sizing = size_request(shape, prompt_tokens, limit, cap)
             counted = time.perf_counter()
             admission, pending = await self._reserve(
                 nodes,
@@ -566,6 +589,8 @@ class InteractiveGateway:
         bound = prompt_upper_bound(shape, overhead)
         if bound + given > limit:
             return None
+        if shape.sequences * (bound + given) > self.caps.max_request_tokens:
+            return None  # the exact count may bring it under the cap
         sizing = size_request(shape, bound, limit)
         try:
             admission, pending = await self._reserve(
@@ -721,7 +746,7 @@ class InteractiveGateway:
         received: float,
         pending: PendingInteractive | None = None,
     ) -> Response:
-        del request  # Starlette cancels the relay when the caller disconnects
+        extra = answer_headers(request)  # Starlette cancels the relay when the caller leaves
         client = self.client(node.engine_url)
         upstream_request = client.build_request(
             "POST",
@@ -744,13 +769,18 @@ class InteractiveGateway:
             await keeper.end(None)
             if pending is not None:
                 pending.end()
-            return Response(content, upstream.status_code, media_type="application/json")
+            return Response(
+                content,
+                upstream.status_code,
+                media_type="application/json",
+                headers=extra,
+            )
         relay = _Relay(shape.endpoint.value, received, pending=pending)
         return _RelayResponse(
             self._relay(upstream, shape, sizing, keeper, relay),
             on_close=partial(self._finish, upstream, sizing, keeper, relay),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", NODE_HEADER: node.name},
+            headers={"Cache-Control": "no-cache", NODE_HEADER: node.name, **extra},
         )
 
     async def _relay(
@@ -870,6 +900,6 @@ class InteractiveGateway:
         return Response(
             response.content,
             response.status_code,
-            headers={NODE_HEADER: node.name},
+            headers={NODE_HEADER: node.name, **answer_headers(request)},
             media_type="application/json",
         )
