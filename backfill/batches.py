@@ -19,7 +19,7 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
 from backfill.batch_input import (
@@ -220,7 +220,8 @@ def create_batch(
     # Quota and deadline are judged before anything is stored, on an upper bound of the
     # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
     forecast = forecast_tokens_upper_bound(content())
-    now = now or datetime.now(UTC)
+    # Postgres' clock: the deadline is stored there and judged there (this host's may be off).
+    now = now or repo.now()
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
     plan = _judge_tokens(
         repo, settings, tenant, forecast, now, window_s, tps, request.completion_window

@@ -147,6 +147,14 @@ class Settings(BaseSettings):
     # gateway rereads the registered nodes.
     interactive_priority: int = 0
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
+    # What one interactive request may ask for: the longest wait for room (a longer
+    # X-Backfill-Max-Wait is clamped to it, and the answer says so in
+    # X-Backfill-Max-Wait-Applied), its sequences (n x prompts), and the KV tokens it reserves
+    # over all of them (sequences x (prompt + max_tokens)). A request over either of the last
+    # two is refused (400); one without max_tokens gets what the cap leaves each sequence.
+    gateway_max_wait_cap_s: Annotated[float, Field(ge=0)] = 60.0
+    gateway_max_sequences: PositiveInt = 16
+    gateway_max_request_tokens: PositiveInt = 65_536
     gateway_node_refresh_s: PositiveFloat = 5.0
     # Admit a request on an upper bound of its prompt's tokens (UTF-8 bytes + what the
     # tokenizer or template adds, measured once per shape), skipping the engine's /tokenize,
@@ -202,6 +210,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 "BACKFILL_HEARTBEAT_INTERVAL_S must be less than half of BACKFILL_LEASE_TTL_S "
                 f"(got {self.heartbeat_interval_s} and {self.lease_ttl_s})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gateway_wait(self) -> Settings:
+        if self.gateway_max_wait_s > self.gateway_max_wait_cap_s:
+            raise ValueError(
+                "BACKFILL_GATEWAY_MAX_WAIT_S must not exceed BACKFILL_GATEWAY_MAX_WAIT_CAP_S "
+                f"(got {self.gateway_max_wait_s} and {self.gateway_max_wait_cap_s})"
             )
         return self
 

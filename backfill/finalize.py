@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from backfill.errors import NotFound, StaleWrite
@@ -222,7 +222,8 @@ def recover_stale_validating(
     """Jobs left in ``validating`` by an API process that died mid-create (run by the
     maintenance tick): those whose items were all stored go on to in_progress, the rest fail
     with a message to resubmit. A create still at work is left alone, however slow."""
-    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=older_than_s)
+    # Judged on Postgres' clock, which stamped ``created_at`` (this host's may be off).
+    cutoff = (now or repo.now()) - timedelta(seconds=older_than_s)
     errors = [
         _error("validation_interrupted", "validation was interrupted; create the batch again")
     ]

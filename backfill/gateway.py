@@ -14,6 +14,12 @@ The invariant applied to one interactive request, in this order:
    letting the ledger preempt batch leases when the node is short. No room on any node: wait
    within the caller's budget, polling, then refuse with a retry hint.
 
+One request's reach is capped (:class:`RequestCaps`): its sequences (``n`` x prompts), the
+tokens it reserves over all of them, checked with the limits above (on the bound, then
+exactly), and how long it may wait. Without the caps a single request with a large
+``n x max_tokens`` preempts every batch lease on a node, and one that waits for long holds
+batch back all that while (a waiting request is pressure on the work budget).
+
 A request without ``max_tokens`` may generate up to the model's context: its worst case is
 ``limit - prompt``, and the gateway sends that figure as ``max_tokens`` so the engine cannot
 outgrow the reservation. (``/v1/completions`` defaults to 16, as vLLM and OpenAI do.)
@@ -74,6 +80,18 @@ class ReservationTooLarge(GatewayRefusal):
 
     default_code = "reservation_larger_than_pool"
     reason = "larger_than_pool"
+
+
+class OverRequestCap(GatewayRefusal):
+    """The request asks for more than one interactive request may: sequences, or tokens
+    reserved over all of them (``RequestCaps``)."""
+
+    default_code = "interactive_request_cap_exceeded"
+    reason = "over_request_cap"
+
+    def __init__(self, message: str, *, param: str, limit: int) -> None:
+        super().__init__(message, param=param)
+        self.limit = limit
 
 
 class ModelNotServed(GatewayRefusal):
@@ -308,10 +326,21 @@ def prompt_lower_bound(shape: RequestShape, max_bytes_per_token: int) -> int:
     return math.ceil(shape.longest_prompt_bytes / max_bytes_per_token)
 
 
-def check_bound(shape: RequestShape, limit: int, max_bytes_per_token: int) -> None:
-    """Refuse, before tokenizing, what cannot fit ``limit`` even at the prompt's lower bound."""
+def check_bound(
+    shape: RequestShape,
+    limit: int,
+    max_bytes_per_token: int,
+    max_request_tokens: int | None = None,
+) -> None:
+    """Refuse, before tokenizing, what cannot fit ``limit`` (per sequence) or
+    ``max_request_tokens`` (over all sequences) even at the prompt's lower bound."""
     lower = prompt_lower_bound(shape, max_bytes_per_token)
     least_output = shape.max_output_tokens or 1
+    if (
+        max_request_tokens is not None
+        and shape.sequences * (lower + least_output) > max_request_tokens
+    ):
+        raise _over_token_cap(shape, lower, least_output, max_request_tokens, exact=False)
     if lower + least_output > limit:
         what = (
             f"prompt (at least {lower} tokens) + {shape.budget_key} ({least_output})"
@@ -325,6 +354,55 @@ def check_bound(shape: RequestShape, limit: int, max_bytes_per_token: int) -> No
             limit=limit,
             param=shape.prompt_param if lower >= limit else shape.budget_key,
         )
+
+
+@dataclass(frozen=True)
+class RequestCaps:
+    """What one interactive request may ask for (``BACKFILL_GATEWAY_MAX_SEQUENCES``,
+    ``BACKFILL_GATEWAY_MAX_REQUEST_TOKENS``, ``BACKFILL_GATEWAY_MAX_WAIT_CAP_S``)."""
+
+    max_sequences: int
+    max_request_tokens: int
+    """KV tokens over all of a request's sequences (``sequences x (prompt + max_output)``,
+    before block rounding)."""
+    max_wait_s: float
+
+
+def _sequences_param(shape: RequestShape) -> str:
+    return "n" if shape.n > 1 else shape.prompt_param
+
+
+def check_sequences(shape: RequestShape, max_sequences: int) -> None:
+    """Refuse, before anything is counted, a request of more sequences than the cap."""
+    if shape.sequences <= max_sequences:
+        return
+    what = (
+        f"{shape.prompts} prompts x n={shape.n}" if shape.prompts > 1 else f"n={shape.n}"
+    )
+    raise OverRequestCap(
+        f"This request asks for {shape.sequences} sequences ({what}); an interactive request "
+        f"may run at most {max_sequences}. Lower n (or send fewer prompts), or submit the "
+        "work as a batch.",
+        param=_sequences_param(shape),
+        limit=max_sequences,
+    )
+
+
+def _over_token_cap(
+    shape: RequestShape, prompt_tokens: int, output: int, cap: int, *, exact: bool
+) -> OverRequestCap:
+    total = shape.sequences * (prompt_tokens + output)
+    prompt = f"{prompt_tokens} prompt" if exact else f"at least {prompt_tokens} prompt"
+    # The output budget when lowering it could bring the request under the cap; else the
+    # sequences (or the prompt itself).
+    param = shape.budget_key if shape.sequences * prompt_tokens < cap else _sequences_param(shape)
+    return OverRequestCap(
+        f"This request would reserve {total} KV tokens ({shape.sequences} sequence(s) x "
+        f"({prompt} + {output} {shape.budget_key})); an interactive request may reserve at "
+        f"most {cap}. Lower {shape.budget_key} or n, or submit the work as a batch.",
+        param=param,
+        limit=cap,
+    )
 
 
 @dataclass(frozen=True)
@@ -342,13 +420,21 @@ class Sizing:
         return self.prompt_tokens + self.max_output_tokens
 
 
-def size_request(shape: RequestShape, prompt_tokens: int, limit: int) -> Sizing:
+def size_request(
+    shape: RequestShape, prompt_tokens: int, limit: int, max_request_tokens: int | None = None
+) -> Sizing:
     """The exact check: ``prompt + max_output <= limit``, with the worst case for an absent
-    budget (everything the context leaves; 16 for completions)."""
+    budget (everything the context leaves, and the request cap allows; 16 for completions),
+    and ``sequences x (prompt + max_output) <= max_request_tokens``."""
     given = shape.max_output_tokens
     if given is None and shape.endpoint is InteractiveEndpoint.COMPLETIONS:
         given = COMPLETIONS_DEFAULT_MAX_TOKENS
     output = given if given is not None else limit - prompt_tokens
+    if given is None and max_request_tokens is not None:
+        # No budget asked for: as much as the cap leaves each sequence (sent to the engine).
+        output = min(output, max_request_tokens // shape.sequences - prompt_tokens)
+        if output < 1 and prompt_tokens < limit:
+            raise _over_token_cap(shape, prompt_tokens, 1, max_request_tokens, exact=True)
     if output < 1 or prompt_tokens + output > limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length for interactive requests is {limit} tokens; "
@@ -359,6 +445,10 @@ def size_request(shape: RequestShape, prompt_tokens: int, limit: int) -> Sizing:
             limit=limit,
             param=shape.prompt_param if prompt_tokens >= limit else shape.budget_key,
         )
+    if max_request_tokens is not None and shape.sequences * (prompt_tokens + output) > (
+        max_request_tokens
+    ):
+        raise _over_token_cap(shape, prompt_tokens, output, max_request_tokens, exact=True)
     return Sizing(prompt_tokens, output, shape.sequences, shape.max_output_tokens is None)
 
 
@@ -442,12 +532,16 @@ def rank_nodes(loads: Sequence[NodeLoad], tokens: int) -> list[str]:
 
 
 def wait_budget_s(
-    requested_s: float | None, default_s: float, client_read_timeout_s: float | None
+    requested_s: float | None,
+    default_s: float,
+    client_read_timeout_s: float | None,
+    cap_s: float = math.inf,
 ) -> float:
     """How long a request may wait for room: what the caller asked for (the gateway's header),
-    else the deployment's default; never more than half of the client's own read timeout, so
-    the answer (even a refusal) arrives before the client gives up."""
-    budget = default_s if requested_s is None else requested_s
+    else the deployment's default; never more than ``cap_s``, nor more than half of the
+    client's own read timeout, so the answer (even a refusal) arrives before the client gives
+    up."""
+    budget = min(default_s if requested_s is None else requested_s, cap_s)
     if client_read_timeout_s is not None and client_read_timeout_s > 0:
         budget = min(budget, client_read_timeout_s / 2)
     return max(0.0, budget)

@@ -20,11 +20,12 @@ import hashlib
 import io
 import json
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 import psycopg
@@ -34,6 +35,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backfill import fairshare, ids
+from backfill.clock import HostClock, SharedClock
 from backfill.errors import (
     Conflict,
     IllegalTransition,
@@ -55,6 +57,9 @@ from backfill.states import (
 )
 
 COUNTED_STATES: tuple[ItemState, ...] = tuple(ItemState)
+# ``not_before`` from a delay in seconds (``:retry``, NULL: none), on Postgres' own clock: a
+# worker's timestamp would carry its clock's error into every claim.
+_NOT_BEFORE = "now() + make_interval(secs => CAST(:retry AS float8))"
 COUNTER_SHARDS = 16
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +187,9 @@ class ClaimedItem:
     partial_output: str | None
     partial_tokens: int
     endpoint: str
+    deadline_left_s: float
+    """Seconds to ``deadline`` at the claim, on Postgres' clock: what a worker judges the
+    deadline by (its own clock may be off; the claim's age it measures on its monotonic one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,9 +402,14 @@ class Repository:
     before tenants were shared; kept to compare against).
     """
 
-    def __init__(self, engine: Engine, *, fair_share: bool = True) -> None:
+    def __init__(
+        self, engine: Engine, *, fair_share: bool = True, host_clock: HostClock = time.time
+    ) -> None:
         self.engine = engine
         self.fair_share = fair_share
+        # Postgres' clock, read here: stored timestamps are judged, and new ones computed, on
+        # it (this host's clock, ``host_clock``, may be off).
+        self._clock = SharedClock(host=host_clock)
 
     @classmethod
     def connect(
@@ -448,6 +461,24 @@ class Repository:
     def ping(self) -> None:
         with self._tx() as conn:
             conn.execute(text("SELECT 1"))
+
+    def now(self) -> datetime:
+        """The time on Postgres' clock, without a round trip (re-anchored every few seconds):
+        what a process judges stored timestamps by and computes new ones from. Postgres out
+        of reach: the last anchor goes on (``StoreUnavailable`` if there is none yet)."""
+        if self._clock.due():
+            try:
+                self._clock.sync_blocking(self._database_time)
+            except StoreUnavailable:
+                if not self._clock.anchored:
+                    raise
+        return datetime.fromtimestamp(self._clock.now(), UTC)
+
+    def _database_time(self) -> float:
+        with self._tx() as conn:
+            return float(
+                conn.execute(text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")).scalar_one()
+            )
 
     # -----------------------------------------------------------------------------------------
     # Tenants and API keys
@@ -1080,6 +1111,7 @@ class Repository:
                 partial_output=_decode_partial(r.partial_output),
                 partial_tokens=r.partial_tokens,
                 endpoint=r.endpoint,
+                deadline_left_s=r.deadline_left_s,
             )
             for r in rows
         ]
@@ -1239,10 +1271,11 @@ class Repository:
         attempt: int,
         target: ItemState,
         *,
-        not_before: datetime | None = None,
+        retry_after_s: float | None = None,
         detail: str | None = None,
     ) -> None:
-        """reserved -> deferred (no slack; retry at ``not_before``) or queued (unstarted)."""
+        """reserved -> deferred (no slack) or queued (unstarted), claimable again
+        ``retry_after_s`` from now on Postgres' clock (at once when None)."""
         if target not in (ItemState.DEFERRED, ItemState.QUEUED):
             raise IllegalTransition(f"give_back() moves to deferred or queued, not {target}")
         _check_moves([ItemState.RESERVED], target)
@@ -1252,11 +1285,11 @@ class Repository:
         with self._tx() as conn:
             row = conn.execute(
                 text(
-                    "UPDATE items SET state = :s, not_before = :nb, lease_id = NULL, "
+                    f"UPDATE items SET state = :s, not_before = {_NOT_BEFORE}, lease_id = NULL, "
                     "fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
                     "WHERE id = :i AND attempt = :a AND state = 'reserved' RETURNING job_id"
                 ),
-                {"i": item_id, "a": attempt, "s": target.value, "nb": not_before},
+                {"i": item_id, "a": attempt, "s": target.value, "retry": retry_after_s},
             ).first()
             if row is None:
                 raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
@@ -1324,18 +1357,18 @@ class Repository:
         partial_output: str | None,
         partial_tokens: int,
         detail: str,
-        not_before: datetime | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         """running -> queued: the attempt stopped (engine down, worker shutting down, lease
-        lost, a worker error); its progress is kept for the next attempt, which waits until
-        ``not_before`` when given."""
+        lost, a worker error); its progress is kept for the next attempt, which waits
+        ``retry_after_s`` from now (Postgres' clock) when given."""
         _check_moves([ItemState.RUNNING], ItemState.QUEUED)
         with self._tx() as conn:
             row = conn.execute(
                 text(
                     "UPDATE items SET state = 'queued', partial_output = :o, partial_tokens = :t, "
                     "lease_id = NULL, fencing_token = NULL, lease_expires_at = NULL, "
-                    "not_before = :nb, "
+                    f"not_before = {_NOT_BEFORE}, "
                     "updated_at = now() WHERE id = :i AND attempt = :a AND fencing_token = :f "
                     "AND state = 'running' RETURNING job_id"
                 ),
@@ -1345,7 +1378,7 @@ class Repository:
                     "f": fencing_token,
                     "o": _encode_partial(partial_output),
                     "t": partial_tokens,
-                    "nb": not_before,
+                    "retry": retry_after_s,
                 },
             ).first()
             if row is None:
@@ -1841,7 +1874,8 @@ _CLAIM_MOVE = (
     "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
     "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
-    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord"
+    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
+    "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
     f"), {_CNT_CLAIM} "
     "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id ORDER BY m.ord"
 )
@@ -1928,11 +1962,7 @@ def _add_to_counters(conn: Connection, deltas: Mapping[str, Mapping[str, int]]) 
         )
 
 
+
 def _check_weight(weight: float) -> None:
     if not weight > 0 or weight == float("inf"):
         raise InvalidInput(f"weight {weight} is not a positive number")
-
-
-def utc_now_plus(seconds: float) -> datetime:
-    """A timestamp ``seconds`` from now, in UTC (for ``not_before`` hints)."""
-    return datetime.now(UTC) + timedelta(seconds=seconds)

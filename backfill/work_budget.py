@@ -131,9 +131,9 @@ class WorkBudgetPolicy:
 class WorkSignals:
     """What the controller measures at one instant (one node).
 
-    Times are seconds on one clock shared with :class:`WorkBudget` (wall time in the worker,
-    because the gateway's timestamps come from another process; simulated time in the
-    simulator).
+    Times are seconds on one clock shared with :class:`WorkBudget` (Redis' clock in the
+    worker, ``backfill.clock.SharedClock``, because the gateways' timestamps come from other
+    hosts; simulated time in the simulator).
     """
 
     now_s: float

@@ -19,7 +19,9 @@ Two small hashes per node (key names in ``backfill.keys``):
     ``/metrics`` (the API process cannot see the workers' memory) show the node's sum of the
     fresh entries: every worker on a node runs its own budget against the same engine.
 
-Times are wall-clock seconds (``time.time``): writer and reader are different processes.
+Times are seconds on Redis' clock (``backfill.clock.SharedClock``): writer and reader are
+different processes, often on different hosts, whose own clocks may disagree by far more than
+the entries' few seconds of freshness.
 A request waiting for admission counts on every node it may be admitted to: it is pressure on
 each of them until one admits it.
 """
@@ -428,7 +430,12 @@ async def publish_budget(
 def read_budget(
     client: redis.Redis, keys: LedgerKeys, node: str, now_s: float | None = None
 ) -> BudgetView | None:
-    """The node's budget, summed over its workers' fresh entries; None when no worker with a
-    budget runs there."""
-    raw: dict[bytes, bytes] = client.hgetall(keys.work_budget(node))  # type: ignore[assignment]
-    return merge_budgets(fresh_budgets(raw, time.time() if now_s is None else now_s))
+    """The node's budget, summed over its workers' fresh entries (judged at ``now_s``, by
+    default Redis' clock, read in the same round trip); None when no worker with a budget
+    runs there."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.work_budget(node))
+        pipe.time()
+        raw, (secs, micros) = pipe.execute()
+    now = int(secs) + int(micros) / 1_000_000 if now_s is None else now_s
+    return merge_budgets(fresh_budgets(raw, now))

@@ -30,6 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from backfill.clock import HostClock, SharedClock, redis_time
 from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.gateway import (
@@ -39,10 +40,12 @@ from backfill.gateway import (
     GatewayUnavailable,
     InteractiveEndpoint,
     ModelNotServed,
+    RequestCaps,
     RequestShape,
     Sizing,
     admit,
     check_bound,
+    check_sequences,
     parse_request,
     prompt_upper_bound,
     size_request,
@@ -63,8 +66,12 @@ log = logging.getLogger("backfill.gateway")
 
 MAX_WAIT_HEADER = "x-backfill-max-wait"
 """Seconds the caller will wait for room (0: answer at once). Without it the deployment's
-``gateway_max_wait_s`` applies; either way at most half the openai SDK's read timeout
-(``x-stainless-read-timeout``), so a refusal arrives before the client gives up."""
+``gateway_max_wait_s`` applies; either way at most ``gateway_max_wait_cap_s`` and half the
+openai SDK's read timeout (``x-stainless-read-timeout``), so a refusal arrives before the
+client gives up."""
+MAX_WAIT_APPLIED_HEADER = "X-Backfill-Max-Wait-Applied"
+"""Set on the answer when the wait applied is shorter than the caller's ``X-Backfill-Max-Wait``
+(clamped to the cap or to the client's timeout): the seconds it was."""
 CLIENT_TIMEOUT_HEADER = "x-stainless-read-timeout"
 NODE_HEADER = "X-Backfill-Node"
 CLIENT_CLOSED_REQUEST = 499
@@ -308,6 +315,12 @@ def _used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: in
     return sizing.sequences * prompt + completion
 
 
+def answer_headers(request: Request) -> dict[str, str]:
+    """Headers the gateway adds to every answer of ``request`` (also its refusals)."""
+    headers: dict[str, str] = getattr(request.state, "backfill_headers", {})
+    return dict(headers)
+
+
 def _float_header(request: Request, name: str) -> float | None:
     raw = request.headers.get(name)
     if raw is None:
@@ -355,7 +368,9 @@ class _RelayResponse(StreamingResponse):
 class InteractiveGateway:
     """One per API process: engines' HTTP clients, the ledger, the node directory."""
 
-    def __init__(self, settings: Settings, repo: Repository) -> None:
+    def __init__(
+        self, settings: Settings, repo: Repository, *, host_clock: HostClock = time.time
+    ) -> None:
         self.settings = settings
         self.policy = pool_policy(settings)
         self.ttl_ms = int(settings.lease_ttl_s * 1000)
@@ -367,9 +382,17 @@ class InteractiveGateway:
         self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, self.engine)
         # What this process sees of interactive traffic per node, published for the workers'
         # work budgets (``backfill.work_signals``).
-        self.activity = InteractiveActivity()
+        # Its stamps are on Redis' clock: the workers that read them run on other hosts, whose
+        # clocks may disagree with this one (``host_clock``).
+        self.clock = SharedClock(host=host_clock)
+        self.activity = InteractiveActivity(clock=self.clock.now)
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._publisher: asyncio.Task[None] | None = None
+        self.caps = RequestCaps(
+            max_sequences=settings.gateway_max_sequences,
+            max_request_tokens=settings.gateway_max_request_tokens,
+            max_wait_s=settings.gateway_max_wait_cap_s,
+        )
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
 
     def client(self, url: str) -> httpx.AsyncClient:
@@ -408,7 +431,11 @@ class InteractiveGateway:
         version, published_at = -1, 0.0
         while True:
             await asyncio.sleep(interval)
-            now = time.time()
+            try:
+                now = await self.clock.refresh(redis_time(self.ledger.client))
+            except Exception as exc:  # go on from the last anchor
+                log.debug("Redis' clock not read: %s", exc)
+                now = self.clock.now()
             if self.activity.version == version and now - published_at < ttl / 3:
                 continue
             version = self.activity.version
@@ -425,7 +452,14 @@ class InteractiveGateway:
             except Exception as exc:  # batch then judges by the engine's queue alone
                 log.warning("interactive signals not published: %s", exc)
 
-    def _start_publisher(self) -> None:
+    async def _start_publisher(self) -> None:
+        """Publish from now on; the first time, anchor the clock the stamps are written on
+        (one round trip to Redis, once per process)."""
+        if not self.clock.anchored:
+            try:
+                await self.clock.sync(redis_time(self.ledger.client))
+            except Exception as exc:  # the publisher tries again
+                log.warning("Redis' clock not read: %s", exc)
         if self._publisher is None or self._publisher.done():
             self._publisher = asyncio.get_running_loop().create_task(self._publish_signals())
 
@@ -456,6 +490,7 @@ class InteractiveGateway:
     ) -> Response:
         body = load_json_body(await request.body())
         shape = parse_request(endpoint, body)
+        check_sequences(shape, self.caps.max_sequences)
         nodes, any_node = await self.directory.serving(shape.model)
         if not nodes:
             if any_node:
@@ -464,14 +499,19 @@ class InteractiveGateway:
                     param="model",
                 )
             raise GatewayUnavailable("no inference node is registered yet", retry_after_s=5.0)
+        asked = _float_header(request, MAX_WAIT_HEADER)
         budget = wait_budget_s(
-            _float_header(request, MAX_WAIT_HEADER),
+            asked,
             self.settings.gateway_max_wait_s,
             _float_header(request, CLIENT_TIMEOUT_HEADER),
+            self.caps.max_wait_s,
         )
+        if asked is not None and budget < asked:
+            request.state.backfill_headers = {MAX_WAIT_APPLIED_HEADER: f"{budget:g}"}
         limit = self._limit(nodes)
-        check_bound(shape, limit, self.settings.max_bytes_per_token)
-        self._start_publisher()
+        cap = self.caps.max_request_tokens
+        check_bound(shape, limit, self.settings.max_bytes_per_token, cap)
+        await self._start_publisher()
         lease_id = f"gw_{secrets.token_hex(10)}"
         owner = f"gateway/{tenant.id}"
         counted = time.perf_counter()
@@ -480,7 +520,7 @@ class InteractiveGateway:
             admission, sizing, pending = bounded
         else:
             prompt_tokens = await self._count(shape, body, nodes)
-            sizing = size_request(shape, prompt_tokens, limit)
+            sizing = size_request(shape, prompt_tokens, limit, cap)
             counted = time.perf_counter()
             admission, pending = await self._reserve(
                 nodes,
@@ -547,6 +587,8 @@ class InteractiveGateway:
         bound = prompt_upper_bound(shape, overhead)
         if bound + given > limit:
             return None
+        if shape.sequences * (bound + given) > self.caps.max_request_tokens:
+            return None  # the exact count may bring it under the cap
         sizing = size_request(shape, bound, limit)
         try:
             admission, pending = await self._reserve(
@@ -702,7 +744,7 @@ class InteractiveGateway:
         received: float,
         pending: PendingInteractive | None = None,
     ) -> Response:
-        del request  # Starlette cancels the relay when the caller disconnects
+        extra = answer_headers(request)  # Starlette cancels the relay when the caller leaves
         client = self.client(node.engine_url)
         upstream_request = client.build_request(
             "POST",
@@ -725,13 +767,18 @@ class InteractiveGateway:
             await keeper.end(None)
             if pending is not None:
                 pending.end()
-            return Response(content, upstream.status_code, media_type="application/json")
+            return Response(
+                content,
+                upstream.status_code,
+                media_type="application/json",
+                headers=extra,
+            )
         relay = _Relay(shape.endpoint.value, received, pending=pending)
         return _RelayResponse(
             self._relay(upstream, shape, sizing, keeper, relay),
             on_close=partial(self._finish, upstream, sizing, keeper, relay),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", NODE_HEADER: node.name},
+            headers={"Cache-Control": "no-cache", NODE_HEADER: node.name, **extra},
         )
 
     async def _relay(
@@ -851,6 +898,6 @@ class InteractiveGateway:
         return Response(
             response.content,
             response.status_code,
-            headers={NODE_HEADER: node.name},
+            headers={NODE_HEADER: node.name, **answer_headers(request)},
             media_type="application/json",
         )

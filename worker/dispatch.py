@@ -30,9 +30,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from backfill.clock import HostClock, SharedClock, redis_time
 from backfill.errors import (
     BackfillError,
     LedgerError,
@@ -190,10 +190,6 @@ class DispatchStats:
     """Attempts stopped because their engine made no progress at all for the stall timeout."""
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _backoff_s(attempt: int) -> float:
     """How long an item whose attempt failed on its own account waits before the next."""
     return float(min(0.25 * 2 ** max(attempt - 1, 0), 5.0))
@@ -216,8 +212,12 @@ class NodeDispatcher:
         model: str,
         block_size: int,
         max_sequence_tokens: int,
+        host_clock: HostClock = time.time,
     ) -> None:
         self.config = config
+        # Redis' clock, read here: the gateways' signal stamps and the published budgets are
+        # compared on it (this host's clock may be off; ``host_clock`` is it).
+        self.clock = SharedClock(host=host_clock)
         self.engine = engine
         self.repo = repo
         self.ledger = ledger
@@ -254,7 +254,7 @@ class NodeDispatcher:
         self._engine_suspect = False
         policy = config.work_budget
         self.work_budget: WorkBudget | None = (
-            None if policy is None else WorkBudget.initial(policy, time.time())
+            None if policy is None else WorkBudget.initial(policy, self.clock.now())
         )
 
     # -----------------------------------------------------------------------------------------
@@ -380,11 +380,12 @@ class NodeDispatcher:
                 return 0  # woken when a prefill ends (first token) or an item finishes
         if self._engine_down:
             return 0  # a stream broke while the snapshot was read: the engine may be gone
+        claiming = time.monotonic()
         claimed = await asyncio.to_thread(self.repo.claim, cfg.node, want, cfg.lease_ttl_s)
         if not claimed:
             return 0
         self.stats.claimed += len(claimed)
-        ready = await self._check(claimed)
+        ready = await self._check(claimed, claiming)
         if not ready:
             # Every claimed item was settled here (failed, expired, given back to be tried
             # again): that is progress, not idleness. Sleeping an idle poll instead would let
@@ -392,9 +393,14 @@ class NodeDispatcher:
             return len(claimed)
         return await self._reserve_and_start(ready)
 
-    async def _check(self, claimed: list[ClaimedItem]) -> list[Prepared]:
+    async def _check(
+        self, claimed: list[ClaimedItem], claiming: float | None = None
+    ) -> list[Prepared]:
         """Exact prompt tokens of what each item will run, class limit and deadline, before
-        any engine work."""
+        any engine work. Deadlines are judged on Postgres' clock: the time left at the claim
+        (asked at ``claiming``, monotonic; now if not given) less the time counting took."""
+        if claiming is None:
+            claiming = time.monotonic()
         prepared = await asyncio.gather(
             *(self._prepare(c) for c in claimed), return_exceptions=True
         )
@@ -422,7 +428,7 @@ class NodeDispatcher:
             need_s = seconds_needed(
                 outcome, self.config.prefill_tokens_per_s, self._decode_rate
             )
-            left_s = (item.deadline - _now()).total_seconds()
+            left_s = item.deadline_left_s - (time.monotonic() - claiming)
             if need_s > left_s:
                 reason = (
                     f"needs about {need_s:.1f} s at {self._decode_rate:.1f} tokens/s; "
@@ -635,14 +641,13 @@ class NodeDispatcher:
     async def _give_back(
         self, item: ClaimedItem, target: ItemState, detail: str, retry_after_s: float = 0.0
     ) -> None:
-        not_before = _now() + timedelta(seconds=retry_after_s) if retry_after_s else None
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
                 self.repo.give_back,
                 item.id,
                 item.attempt,
                 target,
-                not_before=not_before,
+                retry_after_s=retry_after_s or None,
                 detail=detail,
             )
         if target is ItemState.DEFERRED:
@@ -785,7 +790,7 @@ class NodeDispatcher:
                         partial_output=self._partial(flight),
                         partial_tokens=flight.generated,
                         detail=f"worker error: {exc!r}",
-                        not_before=_now() + timedelta(seconds=_backoff_s(item.attempt)),
+                        retry_after_s=_backoff_s(item.attempt),
                     )
                 self.stats.requeued += 1
         except Exception:
@@ -1174,6 +1179,12 @@ class NodeDispatcher:
     async def _control_budget(self) -> None:
         """Step the work budget from fresh signals, preempt what it says, publish it."""
         cfg = self.config
+        try:
+            await self.clock.sync(redis_time(self.ledger.client))
+            if self.work_budget is not None and cfg.work_budget is not None:
+                self.work_budget = WorkBudget.initial(cfg.work_budget, self.clock.now())
+        except Exception as exc:  # the first step tries again
+            log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
         while True:
             await asyncio.sleep(cfg.budget_interval_s)
             try:
@@ -1186,7 +1197,11 @@ class NodeDispatcher:
         policy, before = cfg.work_budget, self.work_budget
         if policy is None or before is None:
             return
-        now = time.time()
+        try:
+            now = await self.clock.refresh(redis_time(self.ledger.client))
+        except Exception as exc:  # Redis trouble: go on from the last anchor
+            log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
+            now = self.clock.now()
         try:
             seen = await read_signals(
                 self.ledger.client, self.ledger.keys, cfg.node, cfg.signal_ttl_s, now

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
@@ -11,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from backfill import batches, finalize
 from backfill.config import Settings
 from backfill.progress import job_progress
-from backfill.repository import JobRecord
+from backfill.repository import JobRecord, Repository
 from backfill.results import iter_result_lines, parse_result_states
 from backfill.windows import batch_throughput
 from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
@@ -20,9 +19,10 @@ from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
-def _render(job: JobRecord, settings: Settings) -> BatchObject:
+def _render(job: JobRecord, settings: Settings, repo: Repository) -> BatchObject:
     tps = batch_throughput(settings.batch_throughput_tokens_per_s)
-    return BatchObject.of(job, job_progress(job, datetime.now(UTC), tps))
+    # Progress judges Postgres' timestamps: on its clock (this host's may be off).
+    return BatchObject.of(job, job_progress(job, repo.now(), tps))
 
 
 @router.post("")
@@ -40,7 +40,7 @@ def create_batch(
         metadata=body.metadata,  # the core checks the shape
         idempotency_key=idempotency_key or None,
     )
-    return _render(batches.create_batch(repo, settings, tenant, request), settings)
+    return _render(batches.create_batch(repo, settings, tenant, request), settings, repo)
 
 
 @router.get("")
@@ -52,7 +52,7 @@ def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
     jobs = repo.list_jobs(tenant.id, after=after, limit=limit + 1)
-    data = [_render(j, settings) for j in jobs[:limit]]
+    data = [_render(j, settings, repo) for j in jobs[:limit]]
     return BatchList(
         data=data,
         first_id=data[0].id if data else None,
@@ -65,14 +65,14 @@ def list_batches(
 def retrieve_batch(
     batch_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> BatchObject:
-    return _render(repo.get_job(tenant.id, batch_id), settings)
+    return _render(repo.get_job(tenant.id, batch_id), settings, repo)
 
 
 @router.post("/{batch_id}/cancel")
 def cancel_batch(
     batch_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> BatchObject:
-    return _render(finalize.cancel_job(repo, tenant.id, batch_id), settings)
+    return _render(finalize.cancel_job(repo, tenant.id, batch_id), settings, repo)
 
 
 @router.get("/{batch_id}/results", response_model=None)

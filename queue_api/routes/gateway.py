@@ -3,8 +3,9 @@ OpenAI-compatible (stream and not), admitted against the interactive pool and pr
 node's vLLM server.
 
 Headers the gateway reads: ``X-Backfill-Max-Wait`` (seconds the caller will wait for room; 0
-answers at once). Headers it sets: ``X-Backfill-Node`` (the node that served the request),
-``Retry-After`` on 429 and 503.
+answers at once; at most ``BACKFILL_GATEWAY_MAX_WAIT_CAP_S``). Headers it sets:
+``X-Backfill-Node`` (the node that served the request), ``Retry-After`` on 429 and 503, and
+``X-Backfill-Max-Wait-Applied`` (the seconds it waited at most, when less than asked).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from backfill.gateway import (
     InteractiveEndpoint,
     ModelNotServed,
     NoInteractiveRoom,
+    OverRequestCap,
     ReservationTooLarge,
 )
 from queue_api.deps import TenantDep
 from queue_api.errors import error_body
-from queue_api.gateway import InteractiveGateway
+from queue_api.gateway import InteractiveGateway, answer_headers
 
 router = APIRouter(prefix="/v1", tags=["gateway"])
 
@@ -48,11 +50,13 @@ async def completions(request: Request, tenant: TenantDep, gateway: GatewayDep) 
     return await gateway.handle(InteractiveEndpoint.COMPLETIONS, request, tenant)
 
 
-def _refusal(_: Request, exc: Exception) -> JSONResponse:
+def _refusal(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayRefusal)
-    headers: dict[str, str] = {}
+    headers = answer_headers(request)
     type_ = "invalid_request_error"
-    if isinstance(exc, ContextLengthExceeded | ReservationTooLarge):
+    if isinstance(exc, OverRequestCap):
+        status = 400
+    elif isinstance(exc, ContextLengthExceeded | ReservationTooLarge):
         status = 413
     elif isinstance(exc, ModelNotServed):
         status = 404
@@ -63,7 +67,7 @@ def _refusal(_: Request, exc: Exception) -> JSONResponse:
     if status in (429, 503):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
     body = error_body(exc.message, type_=type_, param=exc.param, code=exc.code)
-    if isinstance(exc, ContextLengthExceeded) and exc.limit is not None:
+    if isinstance(exc, ContextLengthExceeded | OverRequestCap) and exc.limit is not None:
         body["error"]["limit"] = exc.limit
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -100,7 +100,7 @@ def test_claim_skips_items_not_yet_due_and_items_past_their_deadline(
         first.id,
         first.attempt,
         ItemState.DEFERRED,
-        not_before=datetime.now(UTC) + timedelta(hours=1),
+        retry_after_s=3600,
     )
     with psycopg.connect(libpq_url(database_url)) as conn:
         conn.execute(

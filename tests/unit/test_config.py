@@ -61,3 +61,9 @@ def test_redis_url_scheme_is_checked() -> None:
 def test_namespace_is_checked() -> None:
     with pytest.raises(ValidationError, match="NAMESPACE"):
         Settings(redis_namespace="a b")
+
+
+def test_the_default_wait_must_fit_the_wait_cap() -> None:
+    Settings(gateway_max_wait_s=60, gateway_max_wait_cap_s=60)
+    with pytest.raises(ValueError, match="BACKFILL_GATEWAY_MAX_WAIT_CAP_S"):
+        Settings(gateway_max_wait_s=61, gateway_max_wait_cap_s=60)

@@ -60,6 +60,7 @@ def _claimed(n: int, *, prompt_tokens: int | None = None) -> list[ClaimedItem]:
             partial_output=None,
             partial_tokens=0,
             endpoint="/v1/chat/completions",
+            deadline_left_s=3600.0,
         )
         for i in range(n)
     ]
@@ -128,6 +129,7 @@ def _item(body: dict[str, Any], endpoint: str, max_tokens: int = 8) -> ClaimedIt
         partial_output=None,
         partial_tokens=0,
         endpoint=endpoint,
+        deadline_left_s=3600.0,
     )
 
 

@@ -12,8 +12,10 @@ from backfill.gateway import (
     ContextLengthExceeded,
     InteractiveEndpoint,
     NodeLoad,
+    OverRequestCap,
     bound_key,
     check_bound,
+    check_sequences,
     parse_request,
     prompt_lower_bound,
     prompt_upper_bound,
@@ -164,6 +166,45 @@ def test_exact_check_and_the_worst_case_of_an_absent_budget() -> None:
     assert open_completion.max_output_tokens == 16
 
 
+def test_sequences_over_the_cap_are_refused_naming_n_or_the_prompts() -> None:
+    check_sequences(parse_request(CHAT, chat(n=4)), 4)
+    with pytest.raises(OverRequestCap) as many_n:
+        check_sequences(parse_request(CHAT, chat(n=5)), 4)
+    assert (many_n.value.param, many_n.value.limit) == ("n", 4)
+    prompts = {"model": "m", "prompt": ["a"] * 5}
+    with pytest.raises(OverRequestCap) as many_prompts:
+        check_sequences(parse_request(COMPLETIONS, prompts), 4)
+    assert many_prompts.value.param == "prompt"
+
+
+def test_tokens_over_the_request_cap_are_refused_on_the_bound_and_exactly() -> None:
+    shape = parse_request(CHAT, chat("x" * 1000, max_tokens=100, n=4))
+    # At least 100 prompt tokens (10 bytes a token) + 100 output, 4 times: 800.
+    check_bound(shape, 4096, 10, 800)
+    with pytest.raises(OverRequestCap) as on_bound:
+        check_bound(shape, 4096, 10, 799)
+    assert on_bound.value.param == "max_tokens"
+    assert size_request(shape, 150, 4096, 1000).max_output_tokens == 100
+    with pytest.raises(OverRequestCap) as exact:
+        size_request(shape, 151, 4096, 1000)
+    assert (exact.value.param, exact.value.limit) == ("max_tokens", 1000)
+    assert "1004 KV tokens" in exact.value.message
+    # The prompts alone are over it: lowering max_tokens would not do.
+    with pytest.raises(OverRequestCap) as prompts:
+        size_request(shape, 250, 4096, 1000)
+    assert prompts.value.param == "n"
+
+
+def test_an_absent_budget_gets_what_the_request_cap_leaves_each_sequence() -> None:
+    open_chat = parse_request(CHAT, chat(n=2))
+    sizing = size_request(open_chat, 100, 4096, 1000)
+    assert (sizing.max_output_tokens, sizing.output_defaulted) == (400, True)
+    assert size_request(open_chat, 100, 300, 1000).max_output_tokens == 200  # the context
+    with pytest.raises(OverRequestCap) as no_room:
+        size_request(open_chat, 500, 4096, 1000)
+    assert no_room.value.param == "n"
+
+
 def test_upstream_body_sets_priority_budget_and_usage_without_touching_the_caller() -> None:
     body = chat(stream=True, priority=-100, stream_options={"continuous_usage_stats": False})
     shape = parse_request(CHAT, body)
@@ -209,6 +250,12 @@ def test_wait_budget_obeys_the_caller_and_half_the_client_timeout() -> None:
     assert wait_budget_s(30.0, 10.0, None) == 30.0
     assert wait_budget_s(30.0, 10.0, 8.0) == 4.0
     assert wait_budget_s(None, 10.0, 600.0) == 10.0
+
+
+def test_wait_budget_is_clamped_to_the_cap() -> None:
+    assert wait_budget_s(3600.0, 10.0, None, 60.0) == 60.0
+    assert wait_budget_s(30.0, 10.0, None, 60.0) == 30.0
+    assert wait_budget_s(3600.0, 10.0, 8.0, 60.0) == 4.0
 
 
 def _lease(lease_id: str, cls: ServiceClass, tokens: int) -> Lease:

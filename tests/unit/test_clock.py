@@ -1,0 +1,83 @@
+"""SharedClock: the reference clock read here, anchored on one reading at the midpoint of its
+round trip and advanced by the monotonic clock, whatever this host's wall clock says."""
+
+from __future__ import annotations
+
+import asyncio
+
+from backfill.clock import SharedClock
+
+
+class Ticks:
+    """A hand-moved monotonic clock."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_before_any_anchor_it_reads_the_host_clock() -> None:
+    clock = SharedClock(host=lambda: 42.0, monotonic=Ticks())
+    assert not clock.anchored
+    assert clock.now() == 42.0
+    assert clock.due()
+
+
+def test_a_reading_is_placed_at_the_midpoint_of_its_round_trip_and_then_advances() -> None:
+    ticks = Ticks()
+    clock = SharedClock(host=lambda: 0.0, monotonic=ticks, refresh_s=10)
+    clock.anchor(5000.0, sent_mono_s=1000.0, received_mono_s=1000.2)
+    ticks.t = 1000.2
+    assert abs(clock.now() - 5000.1) < 1e-9
+    assert abs(clock.uncertainty_s - 0.1) < 1e-9
+    ticks.t = 1005.1
+    assert abs(clock.now() - 5005.0) < 1e-9
+    assert not clock.due()
+    ticks.t = 1010.1
+    assert clock.due()
+
+
+def test_the_host_clock_is_not_read_once_anchored_so_its_skew_and_jumps_do_not_matter() -> None:
+    host = [1_000_000.0]
+    ticks = Ticks()
+    clock = SharedClock(host=lambda: host[0], monotonic=ticks)
+    clock.anchor(5000.0, 1000.0, 1000.0)
+    host[0] += 3600  # the host's clock steps an hour
+    ticks.t += 1
+    assert clock.now() == 5001.0
+    assert clock.offset_s() == 5001.0 - host[0]
+
+
+def test_a_slower_reply_within_the_refresh_interval_does_not_replace_a_better_anchor() -> None:
+    ticks = Ticks()
+    clock = SharedClock(host=lambda: 0.0, monotonic=ticks, refresh_s=10)
+    clock.anchor(5000.0, 1000.0, 1000.002)
+    clock.anchor(9999.0, 1001.0, 1003.0)  # a 2 s round trip: a poor reading
+    ticks.t = 1001.001
+    assert abs(clock.now() - 5001.0) < 1e-6
+    ticks.t = 1011.0  # due: any reading will do
+    clock.anchor(6000.0, 1011.0, 1011.5)
+    assert abs(clock.now() - (6000.0 - 0.25)) < 1e-9
+
+
+def test_refresh_reads_the_reference_only_when_due() -> None:
+    ticks = Ticks()
+    clock = SharedClock(host=lambda: 0.0, monotonic=ticks, refresh_s=10)
+    reads: list[float] = []
+
+    async def read() -> float:
+        reads.append(ticks.t)
+        return 7000.0
+
+    async def scenario() -> list[float]:
+        first = await clock.refresh(read)
+        ticks.t += 3
+        second = await clock.refresh(read)
+        ticks.t += 8
+        third = await clock.refresh(read)
+        return [first, second, third]
+
+    assert asyncio.run(scenario()) == [7000.0, 7003.0, 7000.0]
+    assert reads == [1000.0, 1011.0]
