@@ -602,8 +602,9 @@ class NodeDispatcher:
         return len(applied)
 
     async def _fit_to_slack(self, ready: list[Prepared]) -> list[Prepared]:
-        """The deadline-ordered prefix of ``ready`` that the node's slack can take now; the rest
-        goes back to the queue at once, in one write (no deferral churn)."""
+        """The prefix of ``ready`` (in the claim's order: fair share, then deadlines) that the
+        node's slack can take now; the rest goes back to the queue at once, in one write (no
+        deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
         fits: list[Prepared] = []
@@ -781,18 +782,9 @@ class NodeDispatcher:
                     )
                 self.stats.failed += 1
             else:
-                with contextlib.suppress(StaleWrite):
-                    await asyncio.to_thread(
-                        self.repo.requeue,
-                        item.id,
-                        item.attempt,
-                        flight.lease.fencing_token,
-                        partial_output=self._partial(flight),
-                        partial_tokens=flight.generated,
-                        detail=f"worker error: {exc!r}",
-                        retry_after_s=_backoff_s(item.attempt),
-                    )
-                self.stats.requeued += 1
+                await self._requeue(
+                    flight, f"worker error: {exc!r}", retry_after_s=_backoff_s(item.attempt)
+                )
         except Exception:
             # Postgres is out too: the claim expires and the reaper requeues the item.
             log.exception("node %s: item %s not requeued", self.config.node, item.id)
@@ -886,16 +878,7 @@ class NodeDispatcher:
                 )
                 self.stats.preempted += 1
             elif reason in ("shutdown", "lease_lost"):
-                await asyncio.to_thread(
-                    self.repo.requeue,
-                    item.id,
-                    item.attempt,
-                    lease.fencing_token,
-                    partial_output=self._partial(flight),
-                    partial_tokens=flight.generated,
-                    detail=reason,
-                )
-                self.stats.requeued += 1
+                await self._requeue(flight, reason)
             elif reason == "stalled":
                 await self._engine_trouble(
                     flight,
@@ -936,20 +919,30 @@ class NodeDispatcher:
             )
             return
         try:
-            await asyncio.to_thread(
-                self.repo.requeue,
-                item.id,
-                item.attempt,
-                flight.lease.fencing_token,
-                partial_output=self._partial(flight),
-                partial_tokens=flight.generated,
-                detail=f"engine error: {exc}",
-            )
-            self.stats.requeued += 1
-        except StaleWrite:
-            pass
+            await self._requeue(flight, f"engine error: {exc}")
         finally:
             await self._release(flight)
+
+    async def _requeue(
+        self, flight: _InFlight, detail: str, *, retry_after_s: float | None = None
+    ) -> None:
+        """running -> queued for ``flight``'s attempt, its progress kept (nothing to do if
+        its claim moved on meanwhile)."""
+        item = flight.item
+        with contextlib.suppress(StaleWrite):
+            await asyncio.to_thread(
+                functools.partial(
+                    self.repo.requeue,
+                    item.id,
+                    item.attempt,
+                    flight.lease.fencing_token,
+                    partial_output=self._partial(flight),
+                    partial_tokens=flight.generated,
+                    detail=detail,
+                    retry_after_s=retry_after_s,
+                )
+            )
+            self.stats.requeued += 1
 
     async def _finish(
         self,
