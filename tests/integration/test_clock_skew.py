@@ -18,14 +18,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
 from sqlalchemy import text
 
-from backfill.capacity import EngineLoad, EnginePool
 from backfill.config import Settings
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
@@ -34,67 +33,18 @@ from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
 from backfill.work_signals import read_budget, work_budget_policy
 from queue_api.gateway import InteractiveGateway
+from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import (
-    ChoiceDelta,
-    CompletionStream,
-    Engine,
-    ModelInfo,
-    StreamChunk,
-    Usage,
-)
+from worker.engine import Engine
 
 NODE = "n-skew"
-BLOCK = 16
+BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
 BLOCKS = 64
 SKEWS = [pytest.param(60.0, id="ahead-60s"), pytest.param(-60.0, id="behind-60s")]
 
 
 def skewed(skew_s: float) -> Callable[[], float]:
     return lambda: time.time() + skew_s
-
-
-class StandInEngine:
-    """Counts every prompt as 5 tokens and answers each request with one token at once;
-    ``fail`` makes every stream break inside the worker instead (a worker-side fault)."""
-
-    def __init__(self, *, fail: bool = False) -> None:
-        self.fail = fail
-        self.streamed: list[str] = []
-        self._progress = 0
-
-    async def pool(self) -> EnginePool:
-        return EnginePool(num_blocks=BLOCKS, block_size=BLOCK, capacity_tokens=BLOCKS * BLOCK)
-
-    async def load(self) -> EngineLoad:
-        self._progress += 1
-        return EngineLoad(0.0, 0, 0, 0, 0, self._progress)
-
-    async def models(self) -> list[ModelInfo]:
-        return [ModelInfo("m", 512, None)]
-
-    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
-        return 5
-
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
-        self.streamed.append(request_id)
-        fail = self.fail
-
-        async def chunks() -> AsyncIterator[StreamChunk]:
-            if fail:
-                raise RuntimeError("a fault of the worker's own")
-            yield StreamChunk("c", (ChoiceDelta(0, "ok", "stop"),), None, {})
-            yield StreamChunk("c", (), Usage(5, 1, 6), {})
-
-        return CompletionStream(chunks())
 
 
 class Services:
@@ -260,7 +210,7 @@ def test_a_failed_attempt_backs_off_on_the_databases_clock(
     """An attempt that broke in the worker is requeued to wait its backoff (0.25 s after the
     first attempt), not a minute more, nor already due."""
     job = services.submit([8])
-    dispatcher, aledger = services.dispatcher(StandInEngine(fail=True), skewed(skew_s))
+    dispatcher, aledger = services.dispatcher(StandInEngine(fail_after=0), skewed(skew_s))
 
     asyncio.run(run_until(dispatcher, aledger, lambda: dispatcher.stats.requeued >= 1))
 

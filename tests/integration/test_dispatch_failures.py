@@ -11,68 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import cast
 
-from backfill.capacity import EngineLoad, EnginePool
 from backfill.config import Settings
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import (
-    ChoiceDelta,
-    CompletionStream,
-    Engine,
-    ModelInfo,
-    StreamChunk,
-    Usage,
-)
+from worker.engine import Engine
 
 NODE = "n-fail"
-BLOCK = 16
-
-
-class BreakingEngine:
-    """Counts prompts, then sends one chunk and raises: the worker's loop meets an error that
-    is not an engine error."""
-
-    def __init__(self) -> None:
-        self.streams = 0
-        self.generated = 0
-
-    async def pool(self) -> EnginePool:
-        return EnginePool(num_blocks=64, block_size=BLOCK, capacity_tokens=64 * BLOCK)
-
-    async def load(self) -> EngineLoad:
-        # Progress on every read: the stall watch must not be what ends these attempts.
-        self.generated += 1
-        return EngineLoad(0.0, self.streams, 0, 0, 0, self.generated)
-
-    async def models(self) -> list[ModelInfo]:
-        return [ModelInfo("m", 512, None)]
-
-    async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
-        return 5
-
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
-        self.streams += 1
-
-        async def chunks() -> AsyncIterator[StreamChunk]:
-            yield StreamChunk("c", (ChoiceDelta(0, "a"),), Usage(5, 1, 6), {})
-            raise RuntimeError("a fault of the worker's own")
-
-        return CompletionStream(chunks())
+BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
 
 
 def _submit(repo: Repository) -> str:
@@ -94,7 +46,7 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
     policy = pool_policy(settings)
     ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
     aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    engine = BreakingEngine()
+    engine = StandInEngine(fail_after=1)
     try:
         repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
@@ -125,7 +77,7 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
 
         counts = repo.counted_states(job)
         assert counts.get(ItemState.FAILED) == 1, counts
-        assert engine.streams == 3  # one stream per attempt, up to the cap
+        assert len(engine.streamed) == 3  # one stream per attempt, up to the cap
         (item,) = repo.items(job)
         assert item.error is not None
         assert json.loads(item.error)["code"] == "retries_exhausted"
