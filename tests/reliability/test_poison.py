@@ -1,9 +1,10 @@
 """Scenario 4: poison items.
 
-Two kinds: a request the engine refuses (400: more logprobs than it allows), which fails at
-once, and a line that breaks its attempt every time it is tried (the worker cannot count its
-prompt: a completions line without a prompt, as a line that slipped past validation would),
-which must fail after the retry cap instead of cycling between claim and requeue forever.
+Three kinds: a request the engine refuses (400: more logprobs than it allows) and a line whose
+prompt cannot be counted (a completions line without a prompt, as a line that slipped past
+validation would), which both fail at once; and a line that breaks its attempt every time it
+is tried (a stored body that is not a JSON object, as no check of today's would let in), which
+must fail after the retry cap instead of cycling between claim and requeue forever.
 Each fails with an error that says why, and the rest of the job keeps its throughput: the
 ratio to the same job without poison is reported (both measured here, on the same engine);
 the test fails only on a stall-sized loss.
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 ITEMS = 300
 MAX_TOKENS = 8
 REJECTED = {i: {"logprobs": 21} for i in range(7, ITEMS, 60)}
+UNCOUNTABLE = set(range(22, ITEMS, 60))
 BROKEN = set(range(37, ITEMS, 60))
 
 
@@ -36,8 +38,10 @@ def _poison_bodies() -> dict[int, str]:
         bodies[i] = json.dumps(
             {"model": "tiny", "prompt": f"poison {i}", "max_tokens": MAX_TOKENS, **extra}
         )
-    for i in BROKEN:
+    for i in UNCOUNTABLE:
         bodies[i] = json.dumps({"model": "tiny", "text": f"no prompt {i}", "max_tokens": 8})
+    for i in BROKEN:
+        bodies[i] = json.dumps([f"not a request {i}"])
     return bodies
 
 
@@ -62,7 +66,9 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
             poisoned_job = d.submit(
                 ITEMS, max_tokens=MAX_TOKENS, tag="poisoned", bodies=_poison_bodies()
             )
-            poisoned_s = _run(d, poisoned_job, ITEMS - len(REJECTED) - len(BROKEN))
+            poisoned_s = _run(
+                d, poisoned_job, ITEMS - len(REJECTED) - len(UNCOUNTABLE) - len(BROKEN)
+            )
             d.wait(lambda: d.done(poisoned_job) == ITEMS, 60, "the poison items to fail")
             after_s = _run(d, d.submit(ITEMS, max_tokens=MAX_TOKENS, tag="again"))
             clean_s = (before_s + after_s) / 2
@@ -70,7 +76,7 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
     finally:
         worker.close()
     items = {i.line_no: i for i in d.repo.items(poisoned_job, limit=ITEMS)}
-    poison = set(REJECTED) | BROKEN
+    poison = set(REJECTED) | UNCOUNTABLE | BROKEN
     good = ITEMS - len(poison)
     clean_rate = ITEMS / clean_s
     poisoned_rate = good / poisoned_s
@@ -79,6 +85,7 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
         "4 poison items",
         items=ITEMS,
         engine_rejected=len(REJECTED),
+        uncountable=len(UNCOUNTABLE),
         broken_every_attempt=len(BROKEN),
         broken_attempts_max=max(attempts.values()),
         attempt_cap=d.settings.max_attempts_per_item,
@@ -94,12 +101,19 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
         error = json.loads(item.error or "{}")
         assert error["code"] == "engine_rejected"
         assert "logprobs" in error["message"]
+    for line in UNCOUNTABLE:
+        item = items[line]
+        assert item.state is ItemState.FAILED, item
+        error = json.loads(item.error or "{}")
+        assert error["code"] == "invalid_request", error
+        assert "prompt" in error["message"]
+        assert item.attempt == 1  # the same every time: no retry spent on it
     for line in BROKEN:
         item = items[line]
         assert item.state is ItemState.FAILED, item
         error = json.loads(item.error or "{}")
         assert error["code"] == "retries_exhausted", error
-        assert "prompt" in error["message"]
+        assert "JSON object" in error["message"]
         assert item.attempt <= d.settings.max_attempts_per_item
     assert all(items[i].state is ItemState.SUCCEEDED for i in range(ITEMS) if i not in poison)
     # The figure itself is reported above (and in bench/RESULTS.md): about 1.0 on a quiet
