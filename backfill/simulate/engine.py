@@ -383,6 +383,8 @@ class Engine:
                                            self._last_step_s):
                     report.batch_paused += 1
                     continue
+                if batch_chunked and batch_s <= 0:
+                    continue  # the cap is spent
                 chunk = self._batch_chunk(seq.computed, batch_s, chunk, batch_chunked)
                 if chunk == 0:
                     continue

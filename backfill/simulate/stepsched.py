@@ -27,7 +27,7 @@ class StepSchedule:
     """While interactive work is pending, batch decode tokens may still ride along in a step
     up to this share of the step's time without them (priced by the step-time model): 0, the
     default, pauses every batch sequence; 0.25 lets batch lengthen such a step by a quarter."""
-    chunk_target_s: float = 0.02
+    chunk_target_s: float = 0.01
     """Batch prefill a step may carry, in step time (marginal, priced by the model): bounds how
     long an interactive request arriving mid-step waits for the step in flight."""
     starvation_steps: int = 0
