@@ -11,7 +11,9 @@ engine scheduler in its step loop; where ``bench/out/protection.json`` holds a s
 
 ``--quick``: 300 s of the trace and 8,000 batch items (the figures of issue 12's first record).
 Writes ``bench/work_budget_tradeoff.png`` and ``bench/out/work_budget_tradeoff.json`` (for
-another scenario than the default, ``work_budget_tradeoff_<scenario>.png`` and ``.json``).
+another scenario than the default, ``work_budget_tradeoff_<scenario>.png`` and ``.json``;
+with ``--quick``, both under ``bench/out/`` with ``_quick`` added, so the committed plots stay
+those of the whole trace).
 """
 
 from __future__ import annotations
@@ -219,11 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, o in sim["others"].items():
         print(_line(name, o))
     stem = PLOT.stem if args.scenario == DEFAULT_SCENARIO else f"{PLOT.stem}_{args.scenario}"
+    if args.quick:
+        stem += "_quick"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"{stem}.json").write_text(
         json.dumps({"simulated": sim, "measured": real}, indent=2)
     )
-    path = PLOT.with_name(f"{stem}.png")
+    path = (OUT_DIR if args.quick else PLOT.parent) / f"{stem}.png"
     plot(sim, real, path)
     print(f"wrote {path}")
 
