@@ -30,6 +30,9 @@ SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     # The TTFT target the work budget protects: a tighter one shrinks, holds and preempts
     # batch sooner.
     "backfill-budget": ("budget_ttft_target_s", (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)),
+    # The step time batch prefill may add to a step (GPU-scale values): a smaller cap keeps
+    # the step an arriving interactive request waits for shorter, and batch prefill slower.
+    "backfill-step": ("chunk_target_s", (0.005, 0.0075, 0.01, 0.015, 0.02, 0.05, 0.1)),
 }
 
 
@@ -124,6 +127,19 @@ def _with_knob(knobs: PolicyKnobs, knob: str, value: float) -> PolicyKnobs:
     if knob == "budget_ttft_target_s":
         budget = dataclasses.replace(knobs.work_budget, ttft_target_s=value)
         return dataclasses.replace(knobs, work_budget=budget)
+    step = knobs.step_schedule
+    if knob == "chunk_target_s":
+        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
+            step, chunk_target_s=value))
+    if knob == "ride_along_share":
+        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
+            step, ride_along_share=value))
+    if knob == "starvation_s":
+        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
+            step, starvation_s=value))
+    if knob == "starvation_steps":
+        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
+            step, starvation_steps=int(value)))
     raise ValueError(f"no knob {knob!r}")
 
 

@@ -8,11 +8,20 @@ sequence needs a block and none is free, the lowest-priority (latest) running se
 preempted by *recompute*: its blocks are freed and it waits to prefill prompt and output so
 far again.
 
+With a :class:`~backfill.simulate.stepsched.StepSchedule` (policy ``backfill-step``) the engine
+runs Backfill's step-shaping scheduler instead: while any interactive sequence waits or
+prefills, batch sequences carry no tokens (decoders are *paused*, resident with their blocks;
+partial batch prefills get no chunk; waiting batch is not admitted) except those the starvation
+bound or the ride-along share lets through; batch prefill per step is capped in step time; and a
+waiting interactive sequence short of blocks or of a sequence slot preempts batch for them.
+
 Speed: decoding sequences are kept as one aggregate. A sequence's length is
 ``entry_length + (step - entry_step)``, so the group's total context is one running sum, the
 sequences needing a new block at step ``k`` are those whose ``(entry_step - entry_length)``
 is ``k`` modulo the block size (a count per residue), and finishes come off a heap. A step
-costs O(prefills + finishes + interactive decoders), not O(all decoders).
+costs O(prefills + finishes + interactive decoders), not O(all decoders). Pausing takes the
+batch decoders out of the aggregate (O(batch decoders) once per interactive burst) and resuming
+puts them back; paused sequences that ride along are stepped one by one.
 """
 
 from __future__ import annotations
@@ -22,6 +31,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from backfill.simulate.costmodel import CostModel, StepWork, prefill_attention
+from backfill.simulate.stepsched import (
+    StepSchedule,
+    chunk_tokens,
+    decode_token_seconds,
+    prefill_seconds,
+    starved,
+)
 
 
 @dataclass(frozen=True)
@@ -35,11 +51,16 @@ class EngineConfig:
     max_num_seqs: int = 128
     priority_scheduling: bool = True
     """False: first come first served; request priorities are ignored (as vLLM's fcfs)."""
+    step_schedule: StepSchedule | None = None
+    """Backfill's step-shaping scheduler (``backfill-step``); None: vLLM's stock scheduler."""
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_batched_tokens,
                self.max_num_seqs) <= 0:
             raise ValueError(f"engine limits must be positive: {self}")
+        if self.step_schedule is not None and not self.priority_scheduling:
+            raise ValueError("the step-shaping scheduler tells batch from interactive by "
+                             "priority: it needs priority scheduling")
 
     @property
     def capacity_tokens(self) -> int:
@@ -47,7 +68,9 @@ class EngineConfig:
 
 
 # Sequence states inside the engine.
-WAITING, PREFILL, DECODE, DONE, ABORTED = range(5)
+WAITING, PREFILL, DECODE, DONE, ABORTED, PAUSED = range(6)
+"""PAUSED: a batch decoder the step-shaping scheduler holds resident (blocks and computed
+tokens kept) while interactive work is pending; ``computed`` and ``generated`` are exact."""
 
 
 class Sequence:
@@ -55,8 +78,9 @@ class Sequence:
 
     __slots__ = ("arrival_order", "blocks", "computed", "entry_length", "entry_step",
                  "first_token_s", "generated", "interactive", "key", "last_token_s",
-                 "output_tokens", "owner", "preemptions", "priority", "prompt_tokens",
-                 "recomputed", "residue", "state", "target")
+                 "output_tokens", "owner", "preemptions", "priority", "progress_s",
+                 "progress_step", "prompt_tokens", "recomputed", "residue", "state",
+                 "target")
 
     def __init__(
         self, key: int, prompt_tokens: int, output_tokens: int, priority: int,
@@ -85,6 +109,10 @@ class Sequence:
         self.last_token_s = -1.0
         self.preemptions = 0
         self.recomputed = 0
+        self.progress_step = -1
+        self.progress_s = 0.0
+        """The last step (and its end) in which a batch sequence under the step-shaping
+        scheduler got a token or a prefill chunk: what its starvation bound counts from."""
 
     @property
     def finished(self) -> bool:
@@ -105,6 +133,9 @@ class StepReport:
     batch_prefill_tokens: int = 0
     interactive_prefill_tokens: int = 0
     """Prompt tokens computed this step, recomputation included."""
+    batch_paused: int = 0
+    """Batch sequences the step-shaping scheduler kept resident without a token or a chunk
+    this step (paused decoders and partial prefills)."""
 
 
 class Engine:
@@ -135,6 +166,10 @@ class Engine:
         work a batch admission adds to the coming steps."""
         self.preemptions = 0
         self.recomputed_tokens = 0
+        self._last_step_s = 0.0
+        """The last step's duration: what the next one is expected to take."""
+        self._paused: dict[int, Sequence] = {}
+        """Paused batch decoders, oldest progress first (a rider moves to the end)."""
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -167,6 +202,12 @@ class Engine:
     def sequences(self) -> Iterator[Sequence]:
         yield from self._prefilling
         yield from self._decoding.values()
+        yield from self._paused.values()
+
+    @property
+    def paused(self) -> int:
+        """Batch decoders paused (resident, carrying no tokens) now."""
+        return len(self._paused)
 
     # -- changes from outside ----------------------------------------------------------------
 
@@ -193,7 +234,7 @@ class Engine:
             self._left_unstarted(seq)
             seq.state = ABORTED
             return 0
-        if seq.state not in (PREFILL, DECODE):
+        if seq.state not in (PREFILL, DECODE, PAUSED):
             return 0
         if seq.state == PREFILL:
             self._left_unstarted(seq)
@@ -213,21 +254,28 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
 
+    def _leave_aggregate(self, seq: Sequence) -> None:
+        """Take a decoder out of the aggregate, making its ``computed``, ``generated`` and
+        ``blocks`` exact."""
+        length = seq.entry_length + self.step_index - seq.entry_step
+        seq.generated += self.step_index - seq.entry_step
+        seq.computed = length
+        seq.blocks = self._blocks_for(length)
+        if self._decode_blocks_granted and seq.residue == self.step_index % (
+            self.config.block_size
+        ):
+            seq.blocks += 1
+        del self._decoding[seq.key]
+        self._interactive_decoding.pop(seq.key, None)
+        self._residue_count[seq.residue] -= 1
+        self._decode_length_sum -= seq.entry_length - seq.entry_step
+
     def _release(self, seq: Sequence) -> int:
         """Take a running ``seq`` out of the running set and free its blocks."""
         if seq.state == DECODE:
-            length = seq.entry_length + self.step_index - seq.entry_step
-            seq.generated += self.step_index - seq.entry_step
-            seq.computed = length
-            seq.blocks = self._blocks_for(length)
-            if self._decode_blocks_granted and seq.residue == self.step_index % (
-                self.config.block_size
-            ):
-                seq.blocks += 1
-            del self._decoding[seq.key]
-            self._interactive_decoding.pop(seq.key, None)
-            self._residue_count[seq.residue] -= 1
-            self._decode_length_sum -= seq.entry_length - seq.entry_step
+            self._leave_aggregate(seq)
+        elif seq.state == PAUSED:
+            del self._paused[seq.key]
         else:
             self._prefilling.remove(seq)
         freed = seq.blocks
@@ -247,6 +295,10 @@ class Engine:
     def _enter_decode(self, seq: Sequence, next_step: int) -> None:
         self._prefilling.remove(seq)
         self._left_unstarted(seq)
+        self._join_aggregate(seq, next_step)
+
+    def _join_aggregate(self, seq: Sequence, next_step: int) -> None:
+        """``seq`` (``computed`` and ``generated`` exact) decodes from step ``next_step``."""
         if seq.interactive:
             self._interactive_decoding[seq.key] = seq
         seq.state = DECODE
@@ -263,7 +315,7 @@ class Engine:
         """Preempt the lowest-priority, latest running sequence (recompute)."""
         while self._victims:
             _, _, _, seq = heapq.heappop(self._victims)
-            if seq.state in (PREFILL, DECODE):
+            if seq.state in (PREFILL, DECODE, PAUSED):
                 if seq.state == PREFILL:
                     self._left_unstarted(seq)
                 self._release(seq)
@@ -283,9 +335,17 @@ class Engine:
         """Schedule and run one step starting at ``now``; returns what happened (its
         ``seconds`` is the step's duration, 0 when there was nothing to run)."""
         cfg = self.config
+        sched = cfg.step_schedule
         report = StepReport(0.0, [], [], [], [], 0, 0)
         k = self.step_index
         budget = cfg.max_num_batched_tokens
+        # Backfill's scheduler: batch yields while an interactive sequence waits or prefills.
+        holding = sched is not None and self.interactive_unstarted > 0
+        if holding:
+            if len(self._decoding) > len(self._interactive_decoding):
+                self._pause_batch(now)
+        elif self._paused:
+            self._resume_batch()
         # Decoders first: one token each, and a block for those at a block boundary.
         need = self._residue_count[k % cfg.block_size] if self._decoding else 0
         while need > self.free_blocks and self._decoding:
@@ -295,17 +355,39 @@ class Engine:
         self.free_blocks -= need
         self._decode_blocks_granted = True
         budget -= len(self._decoding)
+        riders: list[Sequence] = []
+        if holding and self._paused:
+            # Paused decoders at their starvation bound carry a token, before anything else.
+            budget = self._take_riders(riders, budget, now, None)
         # Partial prefills, in the order they started, then waiting sequences by priority.
         chunks: list[tuple[Sequence, int]] = []
         prefill_tokens = 0
         attention = 0.0
         preempted_now = bool(report.preempted)
-        for seq in list(self._prefilling):
+        batch_s = sched.chunk_target_s if sched is not None else 0.0
+        batch_chunked = False
+        # While holding, batch prefills at their starvation bound go before interactive ones:
+        # the bound is a promise, and the chunk cap keeps what it costs short.
+        order = sorted(self._prefilling, key=lambda s: s.interactive) if holding else list(
+            self._prefilling)
+        for seq in order:
             if budget <= 0:
                 break
             if seq.state != PREFILL:
                 continue
             chunk = min(seq.target - seq.computed, budget)
+            capped = sched is not None and not seq.interactive
+            if capped:
+                assert sched is not None
+                if holding and not starved(sched, seq.progress_step, seq.progress_s, k, now,
+                                           self._last_step_s):
+                    report.batch_paused += 1
+                    continue
+                if batch_chunked and batch_s <= 0:
+                    continue  # the cap is spent
+                chunk = self._batch_chunk(seq.computed, batch_s, chunk, batch_chunked)
+                if chunk == 0:
+                    continue
             extra = self._blocks_for(seq.computed + chunk) - seq.blocks
             while extra > self.free_blocks:
                 preempted_now = True
@@ -318,12 +400,33 @@ class Engine:
             budget -= chunk
             prefill_tokens += chunk
             attention += prefill_attention(seq.computed, chunk)
-        # vLLM admits no new request in a step that had to preempt.
-        while (budget > 0 and self._waiting and not preempted_now
-               and self.running < cfg.max_num_seqs):
+            if capped:
+                batch_s -= prefill_seconds(cfg.cost, seq.computed, chunk)
+                batch_chunked = True
+        while budget > 0 and self._waiting:
             seq = self._waiting[0][3]
+            # Under Backfill's scheduler interactive work may take room from batch; vLLM
+            # admits no new request in a step that had to preempt.
+            for_interactive = sched is not None and seq.interactive
+            if preempted_now and not for_interactive:
+                break
+            if self.running >= cfg.max_num_seqs and not (
+                for_interactive and self._preempt_batch(report)
+            ):
+                break
+            if self.running >= cfg.max_num_seqs:
+                continue
             chunk = min(seq.target, budget)
+            capped = sched is not None and not seq.interactive
+            if capped:
+                if holding:
+                    break
+                chunk = self._batch_chunk(0, batch_s, chunk, batch_chunked)
+                if chunk == 0:
+                    break
             blocks = self._blocks_for(chunk)
+            while blocks > self.free_blocks and for_interactive and self._preempt_batch(report):
+                pass
             if blocks > self.free_blocks:
                 break
             heapq.heappop(self._waiting)
@@ -333,16 +436,116 @@ class Engine:
             budget -= chunk
             prefill_tokens += chunk
             attention += prefill_attention(0, chunk)
+            if capped:
+                batch_s -= prefill_seconds(cfg.cost, 0, chunk)
+                batch_chunked = True
         n_decode = len(self._decoding)
-        if n_decode == 0 and not chunks:
+        if holding and sched is not None and sched.ride_along_share > 0 and self._paused:
+            # Batch decoders may ride along up to a share of what the step costs without them.
+            alive = [r for r in riders if r.state == PAUSED]
+            base = cfg.cost.step_seconds(StepWork(
+                prefill_tokens, attention, n_decode + len(alive),
+                self._decode_length_sum + n_decode * k + sum(r.computed for r in alive)))
+            budget = self._take_riders(riders, budget, now, sched.ride_along_share * base)
+        riders = [r for r in riders if r.state == PAUSED]
+        report.batch_paused += len(self._paused) - len(riders)
+        if n_decode == 0 and not chunks and not riders:
             self._decode_blocks_granted = False
             return report
-        context = self._decode_length_sum + n_decode * k
-        work = StepWork(prefill_tokens, attention, n_decode, context)
+        context = self._decode_length_sum + n_decode * k + sum(r.computed for r in riders)
+        work = StepWork(prefill_tokens, attention, n_decode + len(riders), context)
         report.seconds = cfg.cost.step_seconds(work)
+        self._last_step_s = report.seconds
         end = now + report.seconds
         self._finish_step(report, chunks, n_decode, end)
+        self._finish_riders(report, riders, end)
         return report
+
+    # -- Backfill's step-shaping scheduler ---------------------------------------------------
+
+    def _pause_batch(self, now: float) -> None:
+        """Batch decoders leave the aggregate and stay resident, carrying no tokens."""
+        k = self.step_index
+        for seq in [s for s in self._decoding.values() if not s.interactive]:
+            self._leave_aggregate(seq)
+            seq.state = PAUSED
+            # Every aggregate decoder got its last token in the step before this one.
+            seq.progress_step = k - 1
+            seq.progress_s = now
+            self._paused[seq.key] = seq
+
+    def _resume_batch(self) -> None:
+        k = self.step_index
+        for seq in self._paused.values():
+            self._join_aggregate(seq, k)
+        self._paused.clear()
+
+    def _take_riders(self, riders: list[Sequence], budget: int, now: float,
+                     allowance_s: float | None) -> int:
+        """Paused decoders, oldest progress first, that carry a token this step: with
+        ``allowance_s`` None those at their starvation bound, else as many as fit in that
+        much step time. Returns the token budget left."""
+        sched = self.config.step_schedule
+        assert sched is not None
+        cost = self.config.cost
+        k, bs = self.step_index, self.config.block_size
+        taken = {r.key for r in riders}
+        for seq in self._paused.values():
+            if budget <= 0:
+                break
+            if seq.key in taken:
+                continue
+            if allowance_s is None:
+                if not starved(sched, seq.progress_step, seq.progress_s, k, now,
+                               self._last_step_s):
+                    break
+            else:
+                price = decode_token_seconds(cost, seq.computed)
+                if price > allowance_s:
+                    break
+                allowance_s -= price
+            extra = 1 if seq.computed % bs == 0 else 0
+            if extra > self.free_blocks:
+                continue  # batch takes no block from a short pool
+            self._grant(seq, extra)
+            riders.append(seq)
+            budget -= 1
+        return budget
+
+    def _finish_riders(self, report: StepReport, riders: list[Sequence], end: float) -> None:
+        k = self.step_index - 1
+        for seq in riders:
+            seq.computed += 1
+            seq.generated += 1
+            seq.last_token_s = end
+            report.batch_output_tokens += 1
+            del self._paused[seq.key]
+            if seq.finished:
+                self.free_blocks += seq.blocks
+                seq.blocks = 0
+                self.running -= 1
+                seq.state = DONE
+                report.finished.append(seq)
+                continue
+            seq.progress_step = k
+            seq.progress_s = end
+            self._paused[seq.key] = seq  # to the end: the most recent progress
+
+    def _batch_chunk(self, start: int, seconds: float, limit: int, chunked: bool) -> int:
+        """A batch prefill chunk within the step time left to batch prefill; the first one
+        in a step gets at least one token, so batch always moves."""
+        n = chunk_tokens(self.config.cost, start, seconds, limit)
+        return n if n > 0 or chunked else min(1, limit)
+
+    def _preempt_batch(self, report: StepReport) -> bool:
+        """Interactive work is short of room: the latest batch sequence gives its blocks up
+        (recompute later). False when no batch sequence runs."""
+        victims = self._victims
+        while victims and victims[0][3].state not in (PREFILL, DECODE, PAUSED):
+            heapq.heappop(victims)
+        if not victims or victims[0][3].interactive:
+            return False
+        return self._preempt_one(report)
 
     def _grant(self, seq: Sequence, blocks: int) -> None:
         self.free_blocks -= blocks
@@ -377,6 +580,8 @@ class Engine:
             seq.computed += chunk
             if not seq.interactive:
                 self.batch_prefill_backlog -= chunk
+                seq.progress_step = k - 1
+                seq.progress_s = end
             if seq.computed < seq.target:
                 continue
             # The step that completes a prefill samples the next token.

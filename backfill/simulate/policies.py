@@ -13,6 +13,12 @@
               ``control_interval_s`` from the signals the worker reads (gateway waiting and
               in prefill, recent TTFTs, the engine's queue), enforced and preempting as the
               worker does.
+``backfill-step``  Backfill's engine scheduler class: the engine pauses batch inside the step
+              while interactive work waits or prefills, caps batch prefill per step in step
+              time, bounds starvation, and takes blocks from batch first
+              (:class:`~backfill.simulate.stepsched.StepSchedule`); in front of it the same
+              KV ledger and work budget as ``backfill-budget``, except that the budget no
+              longer preempts batch for TTFT (the engine pauses instead).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from backfill.policy import (
     overcommit_from_ratios,
 )
 from backfill.simulate.engine import DECODE, Engine, Sequence, StepReport
+from backfill.simulate.stepsched import StepSchedule
 from backfill.simulate.trace import TraceRequest
 from backfill.simulate.workload import BatchItem
 from backfill.work_budget import (
@@ -47,7 +54,8 @@ from backfill.work_budget import (
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10
 POLICY_NAMES = (
-    "fifo", "static", "priority", "backfill", "backfill-overcommit", "backfill-budget"
+    "fifo", "static", "priority", "backfill", "backfill-overcommit", "backfill-budget",
+    "backfill-step",
 )
 
 
@@ -75,6 +83,8 @@ class PolicyKnobs:
     control_interval_s: float = 0.25
     """backfill-budget: how often the controller steps (the worker's work_budget_interval_s);
     signals are as fresh as the last step, as in the worker."""
+    step_schedule: StepSchedule = field(default_factory=StepSchedule)
+    """backfill-step: the engine scheduler's settings."""
 
 
 @dataclass
@@ -126,6 +136,8 @@ class Frontend:
 
     name = "base"
     priority_scheduling = True
+    shapes_steps = False
+    """True: the engine runs Backfill's step-shaping scheduler (``knobs.step_schedule``)."""
 
     def __init__(self, engine: Engine, items: list[BatchItem], knobs: PolicyKnobs) -> None:
         self.engine = engine
@@ -410,6 +422,9 @@ class BackfillWorkBudget(Reserving):
     """Backfill + work budget: :func:`backfill.work_budget.step` decides, as in the worker."""
 
     name = "backfill-budget"
+    preempts_for_ttft = True
+    """The budget's TTFT preemptions are carried out (the worker in front of vLLM's stock
+    scheduler)."""
 
     def __init__(self, engine: Engine, items: list[BatchItem], knobs: PolicyKnobs) -> None:
         super().__init__(engine, items, knobs)
@@ -459,7 +474,7 @@ class BackfillWorkBudget(Reserving):
             self.knobs.work_budget,
         )
         self.budget = decision.budget
-        if decision.preempt:
+        if decision.preempt and self.preempts_for_ttft:
             for lease in budget_victims(self._victim_pool(), decision.preempt):
                 self.preempt_batch(lease.seq)
                 self.budget_preemptions += 1
@@ -489,9 +504,19 @@ class BackfillWorkBudget(Reserving):
         super().on_batch_gone(seq)
 
 
+class BackfillStep(BackfillWorkBudget):
+    """Backfill's engine scheduler behind the KV ledger and the work budget: the engine
+    pauses batch while interactive work is pending, so the budget only paces admission."""
+
+    name = "backfill-step"
+    shapes_steps = True
+    preempts_for_ttft = False
+
+
 POLICIES: dict[str, type[Frontend]] = {
     cls.name: cls
     for cls in (
-        Fifo, StaticPartition, PriorityOnly, Backfill, BackfillOvercommit, BackfillWorkBudget
+        Fifo, StaticPartition, PriorityOnly, Backfill, BackfillOvercommit, BackfillWorkBudget,
+        BackfillStep,
     )
 }

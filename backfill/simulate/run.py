@@ -42,6 +42,7 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
     engine_config = EngineConfig(
         config.num_blocks, config.block_size, config.cost, config.max_num_batched_tokens,
         config.max_num_seqs, priority_scheduling=policy_cls.priority_scheduling,
+        step_schedule=spec.knobs.step_schedule if policy_cls.shapes_steps else None,
     )
     engine = Engine(engine_config)
     policy = policy_cls(engine, list(spec.batch), spec.knobs)

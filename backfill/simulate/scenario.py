@@ -20,6 +20,7 @@ from backfill.presets import gpu_preset, model_preset
 from backfill.simulate import costmodel
 from backfill.simulate.engine import EngineConfig
 from backfill.simulate.policies import PolicyKnobs
+from backfill.simulate.stepsched import StepSchedule
 from backfill.simulate.trace import TraceOptions
 from backfill.simulate.workload import BatchWorkload
 
@@ -69,8 +70,9 @@ def h100_llama8b() -> Scenario:
         # Interactive alone meets 2 s for > 99% of this trace's requests on this engine; a
         # tighter target would be missed without any batch at all.
         ttft_slo_s=2.0,
+        # backfill-step: 10 ms of batch prefill per step (about 300 prompt tokens here).
         knobs=PolicyKnobs(batch_concurrency=64, reserve_fraction=0.25, busy_batch_seqs=32,
-                          max_batch_seqs=256),
+                          max_batch_seqs=256, step_schedule=StepSchedule(chunk_target_s=0.01)),
     )
 
 
@@ -86,8 +88,10 @@ def cpu_smollm2() -> Scenario:
                             max_output_tokens=64, first_deadline_s=1800, last_deadline_s=3600),
         duration_s=900.0,
         ttft_slo_s=6.0,
+        # backfill-step: 0.1 s of batch prefill per step (about 150 prompt tokens here; a
+        # step's overhead alone is 27 ms on this engine).
         knobs=PolicyKnobs(batch_concurrency=32, reserve_fraction=0.25, busy_batch_seqs=4,
-                          max_batch_seqs=64),
+                          max_batch_seqs=64, step_schedule=StepSchedule(chunk_target_s=0.1)),
         sample_every_s=5.0,
     )
 

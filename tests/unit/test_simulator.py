@@ -20,7 +20,7 @@ from backfill.simulate.costmodel import (
     prefill_attention,
     roofline,
 )
-from backfill.simulate.engine import DECODE, PREFILL, Engine, EngineConfig, Sequence
+from backfill.simulate.engine import DECODE, PAUSED, PREFILL, Engine, EngineConfig, Sequence
 from backfill.simulate.policies import POLICY_NAMES, Frontend, PolicyKnobs, Reserving
 from backfill.simulate.run import RunSpec, simulate
 from backfill.simulate.trace import TraceError, TraceOptions, TraceRequest, load_trace
@@ -42,6 +42,10 @@ def _check_pool(engine: Engine) -> None:
         if seq.state == DECODE:
             length = seq.entry_length + engine.step_index - seq.entry_step
             held += _blocks(length, cfg.block_size)
+        elif seq.state == PAUSED:
+            assert not seq.interactive
+            assert seq.blocks == _blocks(seq.computed, cfg.block_size)
+            held += seq.blocks
         else:
             assert seq.state == PREFILL
             held += seq.blocks

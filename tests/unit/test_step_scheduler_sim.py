@@ -1,0 +1,388 @@
+"""The simulator's ``backfill-step`` policy: Backfill's engine scheduler class modelled in the
+engine's step loop. Batch decoders pause (resident, no tokens, nothing recomputed) while
+interactive work waits or prefills; the starvation bound and the ride-along share let some
+through; batch prefill per step is capped in step time; interactive work short of blocks or of
+a sequence slot takes them from batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backfill.simulate.costmodel import CostModel, StepWork
+from backfill.simulate.engine import (
+    DECODE,
+    PAUSED,
+    Engine,
+    EngineConfig,
+    Sequence,
+    StepReport,
+)
+from backfill.simulate.policies import BackfillStep, BackfillWorkBudget, PolicyKnobs
+from backfill.simulate.run import simulate
+from backfill.simulate.stepsched import StepSchedule, chunk_tokens, prefill_seconds
+from backfill.simulate.trace import TraceRequest
+from backfill.simulate.workload import BatchItem, BatchWorkload, batch_items
+from backfill.work_budget import WorkBudgetPolicy
+from tests.unit.test_simulator import COST, _blocks, _check_pool, _spec
+
+BATCH, INTERACTIVE = 10, 0
+
+
+def _engine(schedule: StepSchedule | None = None, *, blocks: int = 1000, seqs: int = 64,
+            tokens: int = 256, cost: CostModel = COST) -> Engine:
+    return Engine(EngineConfig(num_blocks=blocks, block_size=16, cost=cost,
+                               max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                               step_schedule=schedule))
+
+
+def _decoding_batch(engine: Engine, n: int, prompt: int = 40, output: int = 500
+                    ) -> tuple[list[Sequence], float]:
+    """``n`` batch sequences, stepped until all decode; returns them and the clock."""
+    seqs = [Sequence(i, prompt, output, BATCH, interactive=False) for i in range(n)]
+    for s in seqs:
+        engine.add(s)
+    now = 0.0
+    while any(s.first_token_s < 0 for s in seqs):
+        now += engine.step(now).seconds
+    return seqs, now
+
+
+def _tokens(engine: Engine, seq: Sequence) -> int:
+    """Output tokens ``seq`` has now (exact also inside the decoding aggregate)."""
+    if seq.state != DECODE:
+        return seq.generated
+    return seq.generated + engine.step_index - seq.entry_step
+
+
+def _run_until_first_token(engine: Engine, seq: Sequence, now: float
+                           ) -> tuple[list[StepReport], float]:
+    reports = []
+    while seq.first_token_s < 0:
+        report = engine.step(now)
+        _check_pool(engine)
+        reports.append(report)
+        now += report.seconds
+    return reports, now
+
+
+def test_batch_decoders_pause_while_interactive_prefills_and_lose_nothing() -> None:
+    engine = _engine(StepSchedule(starvation_s=0))
+    batch, now = _decoding_batch(engine, 8)
+    before = [(_tokens(engine, s), s.entry_length + engine.step_index - s.entry_step)
+              for s in batch]
+    blocks = [_blocks(length, 16) for _, length in before]
+    # A prompt of 2,000 tokens takes eight steps of 256.
+    interactive = Sequence(100, 2000, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    reports, now = _run_until_first_token(engine, interactive, now)
+    assert len(reports) == 8
+    assert all(r.batch_output_tokens == 0 and r.batch_prefill_tokens == 0 for r in reports)
+    assert all(r.batch_paused == 8 for r in reports)
+    # Resident with their blocks and computed tokens; nothing aborted or recomputed.
+    assert all(s.state == PAUSED for s in batch)
+    assert [(s.generated, s.computed) for s in batch] == before
+    assert [s.blocks for s in batch] == blocks
+    assert engine.preemptions == 0
+    assert engine.recomputed_tokens == 0
+    # Once the interactive request has its first token, batch carries on where it was.
+    report = engine.step(now)
+    assert report.batch_output_tokens == 8
+    assert all(_tokens(engine, s) == t + 1 for s, (t, _) in zip(batch, before, strict=True))
+
+
+def test_the_stock_scheduler_lets_batch_decode_through_an_interactive_prefill() -> None:
+    # The peer: vLLM's own scheduler gives every decoder its token in every step, so the
+    # interactive prefill shares its steps with batch (what the pause removes).
+    engine = _engine(None)
+    _, now = _decoding_batch(engine, 8)
+    interactive = Sequence(100, 2000, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    reports, _ = _run_until_first_token(engine, interactive, now)
+    assert all(r.batch_output_tokens == 8 for r in reports)
+
+
+def test_waiting_batch_is_not_admitted_while_interactive_is_pending() -> None:
+    engine = _engine(StepSchedule(starvation_s=0))
+    interactive = Sequence(100, 2000, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    engine.add(Sequence(1, 40, 5, BATCH, interactive=False))
+    reports, now = _run_until_first_token(engine, interactive, 0.0)
+    assert sum(r.batch_prefill_tokens for r in reports) == 0
+    assert engine.step(now).batch_prefill_tokens == 40
+
+
+@pytest.mark.parametrize("bound", [3, 5])
+def test_a_paused_batch_sequence_progresses_within_the_step_bound(bound: int) -> None:
+    engine = _engine(StepSchedule(starvation_steps=bound, starvation_s=0), tokens=64)
+    batch, now = _decoding_batch(engine, 4)
+    last = {s.key: engine.step_index - 1 for s in batch}
+    gaps: list[int] = []
+    steps = 0
+    interactive = Sequence(100, 64 * 30, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    while interactive.first_token_s < 0:
+        steps += 1
+        step = engine.step_index
+        had = {s.key: _tokens(engine, s) for s in batch}
+        now += engine.step(now).seconds
+        _check_pool(engine)
+        for s in batch:
+            if _tokens(engine, s) > had[s.key]:
+                gaps.append(step - last[s.key])
+                last[s.key] = step
+    # About thirty steps of interactive prefill: every batch sequence got tokens, none waited
+    # more than the bound, and most steps carried no batch at all.
+    assert steps >= 30
+    assert all(engine.step_index - 1 - last[s.key] < bound for s in batch)
+    assert gaps
+    assert max(gaps) == bound
+    assert len(gaps) <= 4 * (steps // bound + 1)
+
+
+def test_a_paused_batch_sequence_progresses_within_the_time_bound() -> None:
+    bound_s = 0.2
+    engine = _engine(StepSchedule(starvation_s=bound_s), tokens=64)
+    batch, now = _decoding_batch(engine, 4)
+    last = {s.key: now for s in batch}
+    steps: list[float] = []
+    worst = 0.0
+    interactive = Sequence(100, 64 * 60, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    while interactive.first_token_s < 0:
+        had = {s.key: _tokens(engine, s) for s in batch}
+        report = engine.step(now)
+        steps.append(report.seconds)
+        now += report.seconds
+        for s in batch:
+            if _tokens(engine, s) > had[s.key]:
+                worst = max(worst, now - last[s.key])
+                last[s.key] = now
+    assert worst > 0, "batch never progressed"
+    # Within the bound, give or take how much a step's time differs from the one before it
+    # (the scheduler prices the coming step as the last one).
+    assert len(steps) >= 60
+    spread = max(steps) - min(steps)
+    assert worst <= bound_s + 2 * spread + 1e-9
+    assert worst > bound_s - max(steps)
+    assert all(now - t <= bound_s + 2 * spread + 1e-9 for t in last.values())
+
+
+def test_without_a_starvation_bound_batch_waits_out_the_whole_prefill() -> None:
+    engine = _engine(StepSchedule(starvation_steps=0, starvation_s=0), tokens=64)
+    batch, now = _decoding_batch(engine, 4)
+    had = [_tokens(engine, s) for s in batch]
+    interactive = Sequence(100, 64 * 30, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    reports, _ = _run_until_first_token(engine, interactive, now)
+    assert len(reports) == 30
+    assert [s.generated for s in batch] == had
+
+
+def test_a_paused_batch_prefill_gets_a_chunk_at_its_bound() -> None:
+    engine = _engine(StepSchedule(chunk_target_s=0.005, starvation_steps=4, starvation_s=0),
+                     tokens=128)
+    long_batch = Sequence(1, 1000, 5, BATCH, interactive=False)
+    engine.add(long_batch)
+    now = engine.step(0.0).seconds  # batch prefill under way
+    computed = [long_batch.computed]
+    interactive = Sequence(100, 128 * 20, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    while interactive.first_token_s < 0:
+        now += engine.step(now).seconds
+        computed.append(long_batch.computed)
+    moved = [i for i in range(1, len(computed)) if computed[i] > computed[i - 1]]
+    assert moved, "the paused prefill never moved"
+    assert all(b - a <= 4 for a, b in zip([0, *moved], moved, strict=False))
+    # Each of its chunks within the chunk target: 50 tokens at 1e-4 s each.
+    assert all(computed[i] - computed[i - 1] <= 50 for i in moved)
+
+
+def test_batch_prefill_per_step_stays_within_the_chunk_target() -> None:
+    target = 0.01  # 100 tokens at COST's 1e-4 s per prompt token
+    engine = _engine(StepSchedule(chunk_target_s=target), tokens=2048)
+    stock = _engine(None, tokens=2048)
+    for e in (engine, stock):
+        for i in range(6):
+            e.add(Sequence(i, 700, 20, BATCH, interactive=False))
+    capped: list[int] = []
+    uncapped: list[int] = []
+    for e, out in ((engine, capped), (stock, uncapped)):
+        now = 0.0
+        while not e.idle:
+            report = e.step(now)
+            _check_pool(e)
+            out.append(report.batch_prefill_tokens)
+            now += report.seconds
+    assert max(capped) == 100
+    assert sum(capped) == sum(uncapped) == 6 * 700
+    assert max(uncapped) > 1000
+
+
+def test_an_arriving_interactive_request_waits_at_most_one_short_step() -> None:
+    target = 0.01
+    engine = _engine(StepSchedule(chunk_target_s=target), tokens=2048)
+    for i in range(6):
+        engine.add(Sequence(i, 1500, 20, BATCH, interactive=False))
+    now = 0.0
+    for _ in range(5):  # mid batch prefill
+        now += engine.step(now).seconds
+    in_flight = engine.step(now)
+    arrival = now + in_flight.seconds / 2
+    now += in_flight.seconds
+    interactive = Sequence(100, 200, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    _run_until_first_token(engine, interactive, now)
+    alone = COST.step_seconds(StepWork(prefill_tokens=200))
+    # The step it arrived in is short (the overhead and at most `target` of batch prefill;
+    # nothing decodes yet), then its own prefill step runs with batch paused, as alone.
+    assert in_flight.batch_prefill_tokens == 100
+    assert in_flight.seconds <= COST.step_overhead_s + target + 1e-9
+    assert interactive.first_token_s - arrival == pytest.approx(in_flight.seconds / 2 + alone)
+
+
+def test_interactive_short_of_blocks_takes_them_from_batch_first() -> None:
+    # 40 blocks of 16 tokens; batch fills them, then an interactive request needs 20.
+    engine = _engine(StepSchedule(starvation_s=0), blocks=40, tokens=512)
+    _, now = _decoding_batch(engine, 6, prompt=90, output=400)
+    assert engine.free_blocks < 20
+    interactive = Sequence(100, 320, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    report = engine.step(now)
+    assert interactive.first_token_s > 0
+    assert report.preempted
+    assert all(not s.interactive for s in report.preempted)
+    # Preempted batch waits to recompute; the rest stays paused or decoding.
+    assert engine.recomputed_tokens > 0
+    _check_pool(engine)
+
+
+def test_interactive_takes_a_sequence_slot_from_batch() -> None:
+    engine = _engine(StepSchedule(starvation_s=0), seqs=4)
+    _, now = _decoding_batch(engine, 4)
+    interactive = Sequence(100, 100, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    report = engine.step(now)
+    assert interactive.first_token_s > 0
+    assert len(report.preempted) == 1
+    assert not report.preempted[0].interactive
+    assert engine.running == 4
+
+
+def test_ride_along_share_bounds_how_much_batch_lengthens_an_interactive_step() -> None:
+    share = 0.5
+    engine = _engine(StepSchedule(ride_along_share=share, starvation_s=0), tokens=256)
+    _, now = _decoding_batch(engine, 40)
+    interactive = Sequence(100, 100, 5, INTERACTIVE, interactive=True)
+    engine.add(interactive)
+    reports, _ = _run_until_first_token(engine, interactive, now)
+    # Without batch the step is 0.01 s + 100 tokens x 1e-4 s = 0.02 s; each rider adds 1e-3 s:
+    # ten of the forty paused decoders ride along, the others wait.
+    alone = COST.step_seconds(StepWork(prefill_tokens=100))
+    assert len(reports) == 1
+    assert reports[0].batch_output_tokens == 10
+    assert reports[0].batch_paused == 30
+    assert reports[0].seconds == pytest.approx((1 + share) * alone)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pool_accounting_survives_pauses_riders_and_preemption(seed: int) -> None:
+    rng = random.Random(seed)
+    schedule = StepSchedule(ride_along_share=rng.choice([0.0, 0.3, 2.0]),
+                            chunk_target_s=rng.choice([0.002, 0.01, 0.1]),
+                            starvation_steps=rng.choice([0, 2, 7]),
+                            starvation_s=rng.choice([0.0, 0.05, 1.0]))
+    bs = rng.choice([1, 4, 16])
+    engine = Engine(EngineConfig(num_blocks=rng.randint(30, 80) * 16 // bs + 4, block_size=bs,
+                                 cost=COST, max_num_batched_tokens=rng.choice([64, 256, 2048]),
+                                 max_num_seqs=rng.choice([4, 16, 64]), step_schedule=schedule))
+    # The step scheduler tells the classes apart by priority, as the real one does.
+    seqs = [Sequence(i, rng.randint(1, 300), rng.randint(1, 150), prio, interactive=prio == 0)
+            for i, prio in enumerate(rng.choice([0, 10, 10]) for _ in range(50))]
+    pending = list(seqs)
+    now = 0.0
+    for _ in range(100_000):
+        if pending and rng.random() < 0.3:
+            engine.add(pending.pop())
+        report = engine.step(now)
+        _check_pool(engine)
+        if report.seconds == 0 and not pending:
+            break
+        now += report.seconds or 0.01
+    assert all(s.generated == s.output_tokens for s in seqs)
+    assert engine.free_blocks == engine.config.num_blocks
+    assert engine.paused == 0
+
+
+def _budget_frontend(cls: type[BackfillWorkBudget]) -> BackfillWorkBudget:
+    """A frontend whose work budget sees an interactive request that has waited 1 s of a
+    0.1 s TTFT target while a batch prefill is under way, and has just stepped."""
+    engine = _engine(StepSchedule() if cls.shapes_steps else None, tokens=64)
+    item = BatchItem(key=1, job=0, prompt_tokens=1000, max_output_tokens=20, output_tokens=20,
+                     deadline_s=3600.0)
+    knobs = PolicyKnobs(work_budget=WorkBudgetPolicy(ttft_target_s=0.1))
+    frontend = cls(engine, [item], knobs)
+    frontend.before_step(0.0)
+    frontend.after_step(engine.step(0.0), 0.1)
+    assert frontend.batch_in_flight == 1  # mid prefill
+    frontend.on_interactive(TraceRequest(0.0, 500, 5), 0.1)
+    frontend.before_step(1.0)  # the controller steps
+    return frontend
+
+
+def test_the_work_budget_stops_preempting_when_the_engine_pauses() -> None:
+    stock = _budget_frontend(BackfillWorkBudget)
+    step = _budget_frontend(BackfillStep)
+    # In front of vLLM's own scheduler the budget aborts the batch prefill for the request;
+    # in front of Backfill's the engine pauses it instead, and nothing is recomputed.
+    assert stock.budget_preemptions == 1
+    assert stock.batch_in_flight == 0
+    assert step.budget_preemptions == 0
+    assert step.batch_in_flight == 1
+    assert step.policy_recomputed == 0
+    # The budget still paces admission: it shrank and holds new batch prefills.
+    assert step.budget.hold
+
+
+def test_backfill_step_protects_ttft_better_than_the_work_budget_with_as_much_batch() -> None:
+    # A backlog the run cannot finish, so batch throughput is the policy's, not the backlog's.
+    items = batch_items(BatchWorkload(items=2000, jobs=2, prompt_mean=300, prompt_min=32,
+                                      prompt_max=400, max_output_tokens=64,
+                                      first_deadline_s=60, last_deadline_s=200), seed=3)
+    spec = _spec(batch=items)
+    step = simulate(spec, "backfill-step")
+    budget = simulate(spec, "backfill-budget")
+    priority = simulate(spec, "priority")
+    assert step.ttft_p50_s < budget.ttft_p50_s
+    assert step.ttft_p50_s < priority.ttft_p50_s
+    assert step.ttft_p99_s <= budget.ttft_p99_s
+    assert step.batch_tokens_per_s >= 0.8 * budget.batch_tokens_per_s
+
+
+def test_chunk_tokens_is_the_largest_chunk_within_the_time() -> None:
+    cost = CostModel("q", step_overhead_s=0.01, per_prefill_token_s=1e-4,
+                     per_prefill_attention_s=1e-7, per_decode_token_s=1e-3,
+                     per_decode_context_s=0.0)
+    for start in (0, 100, 5000):
+        for seconds in (1e-5, 0.003, 0.05, 1.0):
+            n = chunk_tokens(cost, start, seconds, 10**6)
+            assert prefill_seconds(cost, start, n) <= seconds
+            assert prefill_seconds(cost, start, n + 1) > seconds
+    assert chunk_tokens(cost, 0, 1.0, 7) == 7
+    assert chunk_tokens(cost, 0, 0.0, 7) == 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"ride_along_share": -0.1}, {"ride_along_share": float("nan")}, {"chunk_target_s": 0},
+    {"starvation_steps": -1}, {"starvation_s": -1.0}, {"starvation_s": float("inf")},
+])
+def test_step_schedule_refuses_bad_settings(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        StepSchedule(**bad)  # type: ignore[arg-type]
+
+
+def test_the_step_scheduler_needs_priority_scheduling() -> None:
+    with pytest.raises(ValueError, match="priority"):
+        EngineConfig(num_blocks=10, block_size=16, cost=COST, priority_scheduling=False,
+                     step_schedule=StepSchedule())
