@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+from backfill.engine_scheduler import EngineScheduler, read_scheduler
 from backfill.errors import BackfillError
 from backfill.ledger import Ledger
 from backfill.repository import NodeRecord, Repository
@@ -29,6 +30,8 @@ class LedgerUsage:
     batch_slack: int
     work_budget: BudgetView | None = None
     """The node's batch work budget as its worker last published it."""
+    engine_scheduler: EngineScheduler | None = None
+    """The node's engine step scheduler as its worker last read it (None: vLLM's own)."""
 
 
 UsageSource = Callable[[NodeRecord], LedgerUsage | None]
@@ -48,10 +51,16 @@ def ledger_usage(ledger: Ledger) -> UsageSource:
         if snap is None:
             return None
         budget: BudgetView | None = None
-        # The budget is for people and dashboards: without it the capacity view still stands.
+        scheduler: EngineScheduler | None = None
+        # Budget and scheduler are for people and dashboards: without them the capacity view
+        # still stands.
         with contextlib.suppress(Exception):
             budget = read_budget(ledger.client, ledger.keys, node.name)
-        return LedgerUsage(snap.interactive_in_use, snap.batch_in_use, snap.slack, budget)
+        with contextlib.suppress(Exception):
+            scheduler = read_scheduler(ledger.client, ledger.keys, node.name)
+        return LedgerUsage(
+            snap.interactive_in_use, snap.batch_in_use, snap.slack, budget, scheduler
+        )
 
     return read
 
@@ -74,6 +83,7 @@ class NodeCapacity:
     """``"ledger"`` or ``"postgres"`` (no live interactive figure: slack ignores it)."""
     last_seen_at: datetime
     work_budget: BudgetView | None = None
+    engine_scheduler: EngineScheduler | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +122,7 @@ def capacity_report(repo: Repository, usage: UsageSource | None = None) -> Capac
                 source=source,
                 last_seen_at=node.last_seen_at,
                 work_budget=live.work_budget if live else None,
+                engine_scheduler=live.engine_scheduler if live else None,
             )
         )
     # Interactive requests are never queued in Postgres: the gateway admits or refuses them.

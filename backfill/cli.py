@@ -229,11 +229,27 @@ def worker(
     beat: Annotated[
         bool, typer.Option(help="Also schedule maintenance (one per deployment; dev mode).")
     ] = False,
+    scheduler_metrics_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Where the engine's step scheduler serves its metrics (backfill_vllm, "
+            "BACKFILL_SCHED_METRICS_PORT), e.g. http://127.0.0.1:8101/metrics; default "
+            "BACKFILL_ENGINE_SCHEDULER_METRICS_URL."
+        ),
+    ] = None,
 ) -> None:
     """Feed a node's vLLM engine from its batch slack (a Celery worker with the dispatcher)."""
     settings = _settings()
     if not engine_url.startswith(("http://", "https://")):
         raise CommandFailed(f"--engine-url must be an http(s) URL, got {engine_url!r}")
+    if scheduler_metrics_url is not None:
+        if not scheduler_metrics_url.startswith(("http://", "https://")):
+            raise CommandFailed(
+                f"--scheduler-metrics-url must be an http(s) URL, got {scheduler_metrics_url!r}"
+            )
+        settings = settings.model_copy(
+            update={"engine_scheduler_metrics_url": scheduler_metrics_url}
+        )
     from worker.run import run_worker  # noqa: PLC0415 - Celery loads only for this command
 
     run_worker(settings, node, engine_url, beat=beat)

@@ -205,6 +205,15 @@ def render_capacity(report: dict[str, Any]) -> RenderableType:
     )
     if not report.get("nodes"):
         return Group(Text("no nodes have registered yet"), footer)
+    engines = [
+        f"{node.get('name')}: {sched.get('name')} pauses batch for interactive work "
+        f"({int(sched.get('paused_steps') or 0):,} steps paused, longest pause "
+        f"{float(sched.get('longest_pause_s') or 0):.2f} s)"
+        for node in report.get("nodes") or []
+        if (sched := node.get("engine_scheduler"))
+    ]
+    if engines:
+        return Group(table, footer, Text("\n".join(["engine step scheduler:", *engines])))
     return Group(table, footer)
 
 

@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     # (no token prefilled or generated for anyone) is a hung engine: the attempt is stopped
     # as an engine error (requeued, the engine suspect until it answers). 0: never.
     batch_stream_stall_s: Annotated[float, Field(ge=0)] = 120.0
+    # Where the node's engine scheduler (backfill_vllm) serves its metrics: while they answer,
+    # the engine pauses batch in the steps interactive work needs, and the work budget stops
+    # preempting batch for interactive TTFT. None: the engine runs vLLM's own scheduler.
+    engine_scheduler_metrics_url: str | None = None
     # Prompts one completions line may carry (vLLM runs one sequence per prompt; each is
     # counted and reserved).
     batch_max_prompts_per_line: PositiveInt = 64

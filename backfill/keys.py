@@ -23,6 +23,9 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
     {ns}:work:budget:{node}          hash     worker process id -> its batch work budget now, its
                                               use and why it last changed, JSON; read as the
                                               node's sum; short TTL
+    {ns}:engine:scheduler:{node}     string   what the node's engine scheduler (``backfill_vllm``)
+                                              says of itself and did, JSON, as a worker last
+                                              read it; short TTL (``backfill.engine_scheduler``)
     {ns}:keys:revoked                channel  digests of API keys just revoked: every API
                                               process evicts them from its key cache
 
@@ -147,6 +150,9 @@ class LedgerKeys:
 
     def work_budget(self, node: str) -> str:
         return f"{self.namespace}:work:budget:{_check_node(node)}"
+
+    def engine_scheduler(self, node: str) -> str:
+        return f"{self.namespace}:engine:scheduler:{_check_node(node)}"
 
     def work_batch(self, node: str) -> str:
         # One field per worker of the node: its batch sequences awaiting a first token.

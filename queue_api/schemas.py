@@ -212,6 +212,18 @@ class WorkBudgetObject(BaseModel):
     )
 
 
+class EngineSchedulerObject(BaseModel):
+    name: str = Field(description="The step scheduler the engine runs, and its vLLM.")
+    batch_priority: int = Field(description="Requests at this priority or above are batch.")
+    paused_steps: int = Field(description="Steps in which resident batch carried no tokens.")
+    tokens_held: int = Field(description="Tokens paused batch would have carried then.")
+    pauses: int
+    relief: int = Field(description="Paused batch given tokens at the starvation bound.")
+    preemptions: int = Field(description="Batch preempted in the engine for interactive work.")
+    paused_now: int
+    longest_pause_s: float
+
+
 class NodeCapacityObject(BaseModel):
     name: str
     model: str | None
@@ -227,6 +239,11 @@ class NodeCapacityObject(BaseModel):
     last_seen_at: int
     work_budget: WorkBudgetObject | None = Field(
         default=None, description="The node's batch work budget; null when no worker runs one."
+    )
+    engine_scheduler: EngineSchedulerObject | None = Field(
+        default=None,
+        description="Backfill's step scheduler in the node's engine (it pauses batch in the "
+        "steps interactive work needs); null: the engine runs vLLM's own scheduler.",
     )
 
 
@@ -265,6 +282,19 @@ class CapacityObject(BaseModel):
                         batch_prefill_tokens=n.work_budget.prefill_tokens,
                         updated_at=n.work_budget.at_s,
                         workers=n.work_budget.workers,
+                    ),
+                    engine_scheduler=None
+                    if n.engine_scheduler is None
+                    else EngineSchedulerObject(
+                        name=n.engine_scheduler.name,
+                        batch_priority=n.engine_scheduler.batch_priority,
+                        paused_steps=n.engine_scheduler.paused_steps,
+                        tokens_held=n.engine_scheduler.tokens_held,
+                        pauses=n.engine_scheduler.pauses,
+                        relief=n.engine_scheduler.relief,
+                        preemptions=n.engine_scheduler.preemptions,
+                        paused_now=n.engine_scheduler.paused_now,
+                        longest_pause_s=n.engine_scheduler.longest_pause_s,
                     ),
                 )
                 for n in report.nodes

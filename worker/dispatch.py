@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backfill.clock import HostClock, SharedClock, redis_time
+from backfill.engine_scheduler import EngineScheduler, publish_scheduler
 from backfill.errors import (
     BackfillError,
     LedgerError,
@@ -77,6 +78,7 @@ from worker.engine import (
     EngineRejected,
     EngineUnavailable,
     count_prefill,
+    read_engine_scheduler,
 )
 from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
 
@@ -137,6 +139,10 @@ class DispatchConfig:
     """How often the work budget is stepped from fresh signals."""
     signal_ttl_s: float = 3.0
     """Gateway signals older than this are ignored (the gateway that wrote them is gone)."""
+    scheduler_metrics_url: str | None = None
+    """Where the engine's step scheduler (``backfill_vllm``) serves its metrics. While they
+    answer, the engine pauses batch itself and the work budget preempts nothing for TTFT."""
+    scheduler_poll_s: float = 5.0
     stall_timeout_s: float = 120.0
     """An attempt whose stream sent nothing for this long while its engine made no progress
     at all (no token prefilled or generated for anyone) is stopped as an engine error: a hung
@@ -252,6 +258,9 @@ class NodeDispatcher:
         # one item at a time is sent until one gets output again, so a hang spends the
         # attempts of one item per stall timeout, not of every item the node could hold.
         self._engine_suspect = False
+        # What the engine's step scheduler last said of itself; None: it runs none (or its
+        # metrics do not answer), and the work budget protects interactive alone.
+        self.engine_scheduler: EngineScheduler | None = None
         policy = config.work_budget
         self.work_budget: WorkBudget | None = (
             None if policy is None else WorkBudget.initial(policy, self.clock.now())
@@ -273,6 +282,8 @@ class NodeDispatcher:
             helpers.append(asyncio.create_task(self._control_budget(), name="work-budget"))
         if self.config.stall_timeout_s > 0:
             helpers.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
+        if self.config.scheduler_metrics_url:
+            helpers.append(asyncio.create_task(self._watch_scheduler(), name="scheduler-watch"))
         try:
             while not self._stopping.is_set():
                 try:
@@ -1130,6 +1141,34 @@ class NodeDispatcher:
             except Exception as exc:  # a missed report only leaves the last one standing
                 log.warning("node %s: engine use not observed: %s", cfg.node, exc)
 
+    async def _watch_scheduler(self) -> None:
+        """Read the engine scheduler's metrics: whether it runs (and so pauses batch), and
+        what it did, published for ``/v1/capacity``."""
+        cfg = self.config
+        url = cfg.scheduler_metrics_url
+        assert url is not None
+        while True:
+            seen = await read_engine_scheduler(url)
+            if (seen is None) != (self.engine_scheduler is None):
+                log.info(
+                    "node %s: %s",
+                    cfg.node,
+                    f"the engine runs {seen.name}: it pauses batch for interactive work"
+                    if seen is not None
+                    else f"no engine scheduler answers at {url}: the work budget preempts",
+                )
+            self.engine_scheduler = seen
+            if seen is not None:
+                with contextlib.suppress(Exception):
+                    await publish_scheduler(
+                        self.ledger.client,
+                        self.ledger.keys,
+                        cfg.node,
+                        seen,
+                        3 * cfg.scheduler_poll_s,
+                    )
+            await asyncio.sleep(cfg.scheduler_poll_s)
+
     async def _watch_stalls(self) -> None:
         """Stop the attempts a hung engine holds (see ``DispatchConfig.stall_timeout_s``)."""
         timeout = self.config.stall_timeout_s
@@ -1240,7 +1279,11 @@ class NodeDispatcher:
         budget = self.work_budget = decision.budget
         if decision.changed:
             log.info("node %s: work budget %s", cfg.node, describe(budget))
-        if decision.preempt:
+        if decision.preempt and self.engine_scheduler is not None:
+            # The engine pauses batch in the steps interactive work needs (its scheduler):
+            # preempting would only throw batch work away.
+            log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
+        elif decision.preempt:
             victims = budget_victims(
                 (_FlightVictim(f) for f in self._running()), decision.preempt
             )

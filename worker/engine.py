@@ -31,6 +31,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 import httpx
 
 from backfill.capacity import EngineLoad, EnginePool, parse_cache_config, parse_engine_load
+from backfill.engine_scheduler import EngineScheduler, parse_scheduler_metrics
 from backfill.errors import BackfillError
 from backfill.prefill import PrefillPlan, PromptCount
 from backfill.request_fields import as_integer
@@ -487,6 +488,24 @@ class HttpEngine:
                 raise EngineUnavailable(f"stream from {where} broke: {exc!r}") from exc
         finally:
             await response.aclose()
+
+
+async def read_engine_scheduler(
+    url: str, *, timeout_s: float = 5.0, client: httpx.AsyncClient | None = None
+) -> EngineScheduler | None:
+    """The engine's step scheduler as its metrics at ``url`` describe it; None when nothing
+    answers there, or what answers is not Backfill's scheduler."""
+    try:
+        if client is not None:
+            response = await client.get(url, timeout=timeout_s)
+        else:
+            async with httpx.AsyncClient(timeout=timeout_s) as own:
+                response = await own.get(url)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return parse_scheduler_metrics(response.text)
 
 
 async def count_prefill(engine: Engine, plan: PrefillPlan, model: str) -> PromptCount:

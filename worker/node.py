@@ -79,6 +79,7 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
         budget_interval_s=settings.work_budget_interval_s,
         signal_ttl_s=settings.work_signal_ttl_s,
         stall_timeout_s=settings.batch_stream_stall_s,
+        scheduler_metrics_url=settings.engine_scheduler_metrics_url,
     )
 
 
