@@ -54,6 +54,7 @@ from backfill.policy import ServiceClass
 from backfill.prefill import PromptCount, prefill_plan
 from backfill.refusals import InvalidRequest
 from backfill.repository import ClaimedItem, Finish, Repository, Start
+from backfill.results import http_error_record
 from backfill.states import ItemState
 from backfill.work_budget import (
     WorkBudget,
@@ -203,6 +204,11 @@ def _backoff_s(attempt: int) -> float:
 
 def _error_json(code: str, message: str) -> str:
     return json.dumps({"code": code, "message": message})
+
+
+def _refused_json(exc: EngineRejected, code: str = "engine_rejected") -> str:
+    """An engine's 4xx as the error file writes HTTP errors (its own error object kept)."""
+    return http_error_record(exc.status, code, exc.message, error=exc.error)
 
 
 class NodeDispatcher:
@@ -417,8 +423,12 @@ class NodeDispatcher:
         )
         ready: list[Prepared] = []
         for item, outcome in zip(claimed, prepared, strict=True):
-            if isinstance(outcome, EngineRejected | InvalidRequest):
-                await self._fail_claimed(item, _error_json("invalid_request", outcome.message))
+            if isinstance(outcome, EngineRejected):
+                await self._fail_claimed(item, _refused_json(outcome, "invalid_request"))
+                continue
+            if isinstance(outcome, InvalidRequest):
+                refusal = http_error_record(400, outcome.code, outcome.message, param=outcome.param)
+                await self._fail_claimed(item, refusal)
                 continue
             if isinstance(outcome, EngineUnavailable):
                 # The engine could not count (down, overloaded): give the item back untouched.
@@ -434,11 +444,11 @@ class NodeDispatcher:
                 continue
             refused = over_limit(outcome.count, outcome.max_output, self.max_sequence_tokens)
             if refused is not None:
-                await self._fail_claimed(item, _error_json("context_length_exceeded", refused))
+                await self._fail_claimed(
+                    item, http_error_record(400, "context_length_exceeded", refused)
+                )
                 continue
-            need_s = seconds_needed(
-                outcome, self.config.prefill_tokens_per_s, self._decode_rate
-            )
+            need_s = seconds_needed(outcome, self.config.prefill_tokens_per_s, self._decode_rate)
             left_s = item.deadline_left_s - (time.monotonic() - claiming)
             if need_s > left_s:
                 reason = (
@@ -735,9 +745,7 @@ class NodeDispatcher:
                         settled = flight.generated
                         await self._settle(flight)
         except EngineRejected as exc:
-            await self._finish(
-                flight, ItemState.FAILED, error=_error_json("engine_rejected", exc.message)
-            )
+            await self._finish(flight, ItemState.FAILED, error=_refused_json(exc))
             return
         except (EngineError, OSError) as exc:
             await self._engine_trouble(flight, exc)
@@ -1284,9 +1292,7 @@ class NodeDispatcher:
             # preempting would only throw batch work away.
             log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
         elif decision.preempt:
-            victims = budget_victims(
-                (_FlightVictim(f) for f in self._running()), decision.preempt
-            )
+            victims = budget_victims((_FlightVictim(f) for f in self._running()), decision.preempt)
             stopped = sum(self._cancel(victim.flight, "preempted") for victim in victims)
             self.stats.budget_preemptions += stopped
             if stopped:
