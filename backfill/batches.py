@@ -198,7 +198,9 @@ def create_batch(
     try:
         record = repo.get_file(tenant.id, request.input_file_id)
     except NotFound as exc:
-        raise NotFound(f"No such File object: {request.input_file_id}") from exc
+        raise NotFound(
+            f"No such File object: {request.input_file_id}", param="input_file_id"
+        ) from exc
     if record.purpose != INPUT_PURPOSE or record.job_id is not None:
         raise InvalidRequest(
             f"file {record.id} has purpose {record.purpose!r}; a batch needs a 'batch' file",

@@ -67,10 +67,12 @@ class EngineRejected(EngineError):
     """The engine refused the request (4xx): it is malformed, too long, or names an unknown
     model. Retrying it unchanged will fail the same way."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, error: dict[str, Any] | None = None) -> None:
         super().__init__(f"engine rejected the request ({status}): {message}")
         self.status = status
         self.message = message
+        self.error = error
+        """The engine's own error object (``{"message", "type", "param", "code"}``), if any."""
 
 
 class EngineFailed(EngineError):
@@ -264,8 +266,17 @@ def _raise_for_status(response: httpx.Response, message: str) -> None:
     if status in {502, 503, 504}:
         raise EngineUnavailable(f"engine answered {status}: {message}")
     if status < 500:
-        raise EngineRejected(status, message)
+        raise EngineRejected(status, message, _error_object(response))
     raise EngineFailed(status, message)
+
+
+def _error_object(response: httpx.Response) -> dict[str, Any] | None:
+    try:
+        payload = response.json()
+    except ValueError:
+        return None
+    inner = payload.get("error") if isinstance(payload, dict) else None
+    return inner if isinstance(inner, dict) else None
 
 
 def _usage(raw: object) -> Usage | None:
@@ -480,7 +491,9 @@ class HttpEngine:
                         code = err.get("code") if isinstance(err, dict) else None
                         status = code if isinstance(code, int) else 500
                         if 400 <= status < 500:
-                            raise EngineRejected(status, str(message))
+                            raise EngineRejected(
+                                status, str(message), err if isinstance(err, dict) else None
+                            )
                         raise EngineFailed(status, str(message))
                     yield _chunk(event)
             except httpx.TransportError as exc:

@@ -1,0 +1,127 @@
+"""What the unmodified openai SDK relies on beyond the happy path, against a live API: a
+request id on every answer, no retries of answers that cannot change, the param that names
+what was missing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from batch_api_support import (
+    LiveServer,
+    Tenant,
+    api_settings,
+    chat_file,
+    make_tenant,
+    run_worker,
+    serve,
+)
+
+from backfill.config import Settings
+from backfill.finalize import finalize_ready_jobs
+from backfill.repository import Repository
+
+
+@pytest.fixture
+def repo(database_url: str) -> Iterator[Repository]:
+    repository = Repository.connect(database_url)
+    yield repository
+    repository.close()
+
+
+@pytest.fixture
+def server(settings: Settings) -> Iterator[LiveServer]:
+    with serve(api_settings(settings)) as live:
+        yield live
+
+
+@pytest.fixture
+def acme(repo: Repository) -> Tenant:
+    return make_tenant(repo, "acme")
+
+
+def _is_request_id(value: str | None) -> bool:
+    return value is not None and value.startswith("req_") and len(value) == 36
+
+
+def test_every_answer_carries_its_own_request_id(server: LiveServer, acme: Tenant) -> None:
+    client = server.client(acme.key)
+    raw = client.files.with_raw_response.create(file=("in.jsonl", chat_file(1)), purpose="batch")
+    first = raw.headers.get("x-request-id")
+    assert _is_request_id(first)
+    again = client.files.with_raw_response.list()
+    assert _is_request_id(again.headers.get("x-request-id"))
+    assert again.headers.get("x-request-id") != first
+    # Errors too, those the edge answers before any route (no key) included; the SDK puts
+    # the id on the exception it raises.
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.batches.retrieve("batch_nope")
+    assert _is_request_id(missing.value.request_id)
+    with httpx.Client(base_url=server.base_url) as anonymous:
+        refused = anonymous.get("/v1/batches")
+    assert refused.status_code == 401
+    assert _is_request_id(refused.headers.get("x-request-id"))
+
+
+def test_a_conflict_tells_the_sdk_not_to_retry(
+    server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    # The SDK retries 409s by default; a batch that has ended will not become cancellable.
+    client = server.client(acme.key)
+    file_id = client.files.create(file=("in.jsonl", chat_file(1)), purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    run_worker(repo)
+    finalize_ready_jobs(repo)
+    sent: list[httpx.Request] = []
+    retrying = openai.OpenAI(
+        api_key=acme.key,
+        base_url=f"{server.base_url}/v1",
+        max_retries=3,
+        http_client=httpx.Client(event_hooks={"request": [sent.append]}),
+    )
+    with pytest.raises(openai.ConflictError) as caught:
+        retrying.batches.cancel(batch.id)
+    assert caught.value.response.headers.get("x-should-retry") == "false"
+    assert len(sent) == 1  # not retried
+
+
+def test_a_missing_input_file_names_input_file_id(server: LiveServer, acme: Tenant) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client(acme.key).batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert caught.value.param == "input_file_id"
+    assert caught.value.code == "not_found"
+
+
+def test_a_batch_without_max_tokens_runs_with_the_default_reserved(
+    server: LiveServer, acme: Tenant
+) -> None:
+    # OpenAI does not require max_tokens; before, such a file failed whole.
+    lines = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}]},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(3)
+    )
+    client = server.client(acme.key)
+    file_id = client.files.create(file=("in.jsonl", lines), purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status in ("validating", "in_progress")
+    body = json.loads(client.batches.with_raw_response.retrieve(batch.id).text)
+    assert body["status"] == "in_progress"
+    default = server.settings.batch_default_max_tokens
+    assert body["backfill"]["tokens"]["total"] == 3 * default
