@@ -3,6 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backfill ./backfill
+COPY backfill_cli ./backfill_cli
 COPY queue_api ./queue_api
 COPY worker ./worker
 COPY migrations ./migrations

@@ -12,7 +12,6 @@ import pytest
 from typer.testing import CliRunner
 
 from backfill.capacity import CapacityError, kv_bytes_per_token, parse_cache_config
-from backfill.cli import app
 from backfill.planner import (
     Hardware,
     check_against_engine,
@@ -22,6 +21,7 @@ from backfill.planner import (
 )
 from backfill.presets import GPUS, MODELS, model_preset
 from backfill.simulate.trace import TraceRequest
+from backfill_cli.app import app
 
 METRICS = (
     "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
