@@ -32,6 +32,8 @@ from starlette.types import Receive, Scope, Send
 
 from backfill.clock import HostClock, SharedClock, redis_time
 from backfill.config import Settings
+from backfill.engine.http import HttpEngine, sse_lines
+from backfill.engine.protocol import EngineError, EngineRejected, count_prefill
 from backfill.errors import BackfillError
 from backfill.gateway import (
     Admission,
@@ -60,7 +62,6 @@ from backfill.repository import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
 from queue_api.edge import load_json_body
-from worker.engine import EngineError, EngineRejected, HttpEngine, count_prefill, sse_lines
 
 log = logging.getLogger("backfill.gateway")
 

@@ -26,6 +26,7 @@ import pytest
 from sqlalchemy import text
 
 from backfill.config import Settings
+from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.policy import ServiceClass
@@ -35,7 +36,6 @@ from backfill.work_signals import read_budget, work_budget_policy
 from queue_api.gateway import InteractiveGateway
 from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import Engine
 
 NODE = "n-skew"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16

@@ -36,16 +36,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 """Top-level package -> the top-level packages none of its modules may import. The command
 line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""
 
-KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # The gateway proxies with the worker's vLLM client: the client moves into the core.
-        ("queue_api.gateway", "worker.engine"),
-    }
-)
-"""(module, imported module) pairs that break the rules today and are being moved away; the
-list only shrinks."""
-
-
 @dataclass(frozen=True)
 class Import:
     module: str
@@ -95,7 +85,7 @@ def violations(found: Iterator[Import]) -> list[str]:
     for imp in found:
         layer = imp.module.split(".")[0]
         top = imp.target.split(".")[0]
-        if top in FORBIDDEN.get(layer, ()) and (imp.module, imp.target) not in KNOWN_VIOLATIONS:
+        if top in FORBIDDEN.get(layer, ()):
             bad.append(f"{imp.module}:{imp.line} imports {imp.target}")
     return bad
 
@@ -105,12 +95,6 @@ def test_layers_import_only_what_they_may() -> None:
     assert any(i.module == "backfill.states" for i in found), "the core was not parsed"
     bad = violations(iter(found))
     assert not bad, "layering broken:\n" + "\n".join(bad)
-
-
-def test_known_violations_are_still_there() -> None:
-    # A violation moved away leaves the list: the list only shrinks.
-    found = {(i.module, i.target) for i in layer_imports()}
-    assert not KNOWN_VIOLATIONS - found, sorted(KNOWN_VIOLATIONS - found)
 
 
 def test_a_lazy_import_inside_a_function_counts() -> None:
