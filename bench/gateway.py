@@ -66,7 +66,7 @@ def ttft_s(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[s
 
 @contextmanager
 def api_process(env: dict[str, str], port: int) -> Iterator[str]:
-    cmd = [sys.executable, "-m", "backfill.cli", "api", "--port", str(port)]
+    cmd = [sys.executable, "-m", "backfill_cli", "api", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

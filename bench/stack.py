@@ -28,7 +28,7 @@ from backfill.config import get_settings, libpq_url
 from backfill.repository import Repository
 from bench.common import scratch_database
 
-BACKFILL = [sys.executable, "-m", "backfill.cli"]
+BACKFILL = [sys.executable, "-m", "backfill_cli"]
 BATCH_ENDED = {"completed", "failed", "expired", "cancelled"}
 
 

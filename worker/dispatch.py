@@ -32,6 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backfill.clock import HostClock, SharedClock, redis_time
+from backfill.engine.http import read_engine_scheduler
+from backfill.engine.protocol import (
+    Endpoint,
+    Engine,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    count_prefill,
+)
 from backfill.engine_scheduler import EngineScheduler, publish_scheduler
 from backfill.errors import (
     BackfillError,
@@ -70,15 +79,6 @@ from backfill.work_signals import (
     exchange_batch_awaiting,
     publish_budget,
     read_signals,
-)
-from worker.engine import (
-    Endpoint,
-    Engine,
-    EngineError,
-    EngineRejected,
-    EngineUnavailable,
-    count_prefill,
-    read_engine_scheduler,
 )
 from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
 from worker.response import ResponseAssembler

@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from backfill.gateway import (
+from backfill.gateway.decisions import (
     ContextLengthExceeded,
     GatewayRefusal,
     InteractiveEndpoint,

@@ -592,7 +592,7 @@ def test_sigterm_requeues_in_flight_work_and_releases_every_lease(
     cmd = [
         sys.executable,
         "-m",
-        "backfill.cli",
+        "backfill_cli",
         "worker",
         "--node",
         "n1",

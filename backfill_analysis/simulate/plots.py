@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backfill.simulate.metrics import PolicyResult
+from backfill_analysis.simulate.metrics import PolicyResult
 
 
 def _pyplot() -> Any:

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from backfill.simulate.metrics import PolicyResult
-from backfill.simulate.policies import POLICY_NAMES, PolicyKnobs
-from backfill.simulate.run import RunSpec, simulate
-from backfill.simulate.scenario import Scenario
-from backfill.simulate.trace import TraceRequest, load_trace
-from backfill.simulate.workload import BatchItem, batch_items
+from backfill_analysis.simulate.metrics import PolicyResult
+from backfill_analysis.simulate.policies import POLICY_NAMES, PolicyKnobs
+from backfill_analysis.simulate.run import RunSpec, simulate
+from backfill_analysis.simulate.scenario import Scenario
+from backfill_analysis.simulate.trace import TraceRequest, load_trace
+from backfill_analysis.simulate.workload import BatchItem, batch_items
 
 SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     # policy: (knob, values from most to least protective)

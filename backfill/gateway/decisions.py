@@ -1,6 +1,6 @@
 """The interactive admission gateway's decisions: request shape, size checks, routing, and the
-admission loop over the ledger. The HTTP side (``queue_api/gateway.py``) proxies; it decides
-nothing.
+admission loop over the ledger, as values and pure functions; :mod:`backfill.gateway.admission`
+carries them out, and the HTTP side (``queue_api/gateway.py``) proxies and decides nothing.
 
 The invariant applied to one interactive request, in this order:
 

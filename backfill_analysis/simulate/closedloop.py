@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backfill.simulate.engine import Engine, EngineConfig
-from backfill.simulate.engine import Sequence as EngineSequence
-from backfill.simulate.metrics import percentile
+from backfill_analysis.simulate.engine import Engine, EngineConfig
+from backfill_analysis.simulate.engine import Sequence as EngineSequence
+from backfill_analysis.simulate.metrics import percentile
 
 
 @dataclass(frozen=True)

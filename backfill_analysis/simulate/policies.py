@@ -16,7 +16,7 @@
 ``backfill-step``  Backfill's engine scheduler class: the engine pauses batch inside the step
               while interactive work waits or prefills, caps batch prefill per step in step
               time, bounds starvation, and takes blocks from batch first
-              (:class:`~backfill.simulate.stepsched.StepSchedule`); in front of it the same
+              (:class:`~backfill_analysis.simulate.stepsched.StepSchedule`); in front of it the same
               KV ledger and work budget as ``backfill-budget``, except that the budget no
               longer preempts batch for TTFT (the engine pauses instead).
 """
@@ -38,10 +38,6 @@ from backfill.policy import (
     decide,
     overcommit_from_ratios,
 )
-from backfill.simulate.engine import DECODE, Engine, Sequence, StepReport
-from backfill.simulate.stepsched import StepSchedule
-from backfill.simulate.trace import TraceRequest
-from backfill.simulate.workload import BatchItem
 from backfill.work_budget import (
     WorkBudget,
     WorkBudgetPolicy,
@@ -50,6 +46,10 @@ from backfill.work_budget import (
     budget_victims,
     step,
 )
+from backfill_analysis.simulate.engine import DECODE, Engine, Sequence, StepReport
+from backfill_analysis.simulate.stepsched import StepSchedule
+from backfill_analysis.simulate.trace import TraceRequest
+from backfill_analysis.simulate.workload import BatchItem
 
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10

@@ -19,6 +19,10 @@ from backfill.errors import BackfillError
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
+AZURE_CODE_TRACE = Path(__file__).resolve().parent.parent / "traces" / "azure_llm_2023_code.csv"
+"""The bundled trace: one hour of an Azure coding assistant's arrivals (``traces/README.md``),
+the default interactive load of the simulator and the benchmarks."""
+
 
 class TraceError(BackfillError):
     """A trace file that cannot be read as a request trace."""

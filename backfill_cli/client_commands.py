@@ -1,6 +1,6 @@
 """The tenant's commands of ``backfill``: submit, status, results, cancel, list, capacity.
 
-They talk to a running API over HTTP (:mod:`backfill.api_client`), never to Postgres or
+They talk to a running API over HTTP (:mod:`backfill_cli.api_client`), never to Postgres or
 Redis, so they work from any machine that can reach the API with a key. A failure is one
 line on stderr and exit code 1; Ctrl-C during ``--watch`` exits 130 without a traceback.
 """
@@ -24,7 +24,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from backfill.api_client import DEFAULT_API_URL, ApiClient, ApiError, summarisation_lines
+from backfill_cli.api_client import DEFAULT_API_URL, ApiClient, ApiError, summarisation_lines
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from backfill.simulate import plots
-from backfill.simulate.compare import Comparison, best_at_slo
-from backfill.simulate.metrics import PolicyResult
+from backfill_analysis.simulate import plots
+from backfill_analysis.simulate.compare import Comparison, best_at_slo
+from backfill_analysis.simulate.metrics import PolicyResult
 
 Curves = dict[str, list[tuple[float, PolicyResult]]]
 

@@ -23,8 +23,8 @@ from backfill.capacity import (
     plan_pool,
     round_up_to_block,
 )
-from backfill.presets import ModelPreset
-from backfill.simulate.trace import TraceRequest, concurrent_tokens, time_weighted_quantile
+from backfill_analysis.presets import ModelPreset
+from backfill_analysis.simulate.trace import TraceRequest, concurrent_tokens, time_weighted_quantile
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The ``backfill`` command: serve the API, migrate the database, manage tenants.
 
-FastAPI and uvicorn are imported inside ``api`` only, so the core stays importable (and the
-other commands fast) without them. Every failure is one line on stderr and a non-zero exit,
+Each layer is imported inside the commands that run it (FastAPI and uvicorn in ``api``,
+Celery in ``worker`` and ``beat``, the engine tooling in ``dev``), so every other command
+stays fast and works without them. Every failure is one line on stderr and a non-zero exit,
 never a traceback.
 """
 
@@ -16,9 +17,9 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from backfill import cli_capacity, cli_client
 from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
+from backfill_cli import capacity_commands, client_commands
 
 app = typer.Typer(
     help="Backfill: a batch LLM job queue that fills the KV-cache slack interactive traffic "
@@ -30,9 +31,9 @@ app = typer.Typer(
 tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
 # The tenant's commands (submit, status, results, ...) talk to the API over HTTP.
-cli_client.register(app)
+client_commands.register(app)
 # Capacity planning and the simulator: pure computation, no services.
-cli_capacity.register(app)
+capacity_commands.register(app)
 
 out = Console(highlight=False)
 

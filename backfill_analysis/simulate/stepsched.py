@@ -6,9 +6,9 @@ decoding sequences are *paused* (resident with their KV blocks and computed toke
 tokens; nothing is aborted or recomputed); batch prefill is capped per step so an arriving
 interactive request waits at most one short step; a starvation bound keeps paused batch moving;
 and when KV blocks run short for interactive work, batch gives them up first. The simulated
-engine (:mod:`backfill.simulate.engine`) carries these rules out in its step loop; this module
-holds the settings and the arithmetic that sizes them from the step-time model, which the real
-scheduler fits from measured step times and the simulator knows exactly.
+engine (:mod:`backfill_analysis.simulate.engine`) carries these rules out in its step loop;
+this module holds the settings and the arithmetic that sizes them from the step-time model, which
+the real scheduler fits from measured step times and the simulator knows exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from backfill.simulate.costmodel import CostModel
+from backfill_analysis.simulate.costmodel import CostModel
 
 
 @dataclass(frozen=True)

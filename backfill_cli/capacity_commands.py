@@ -1,10 +1,11 @@
 """``backfill plan`` and ``backfill simulate``: capacity planning and the trace-driven
-simulator from the command line. The logic is in :mod:`backfill.planner` and
-:mod:`backfill.simulate`; this module parses options and prints."""
+simulator from the command line. The logic is in :mod:`backfill_analysis.planner` and
+:mod:`backfill_analysis.simulate`; this module parses options and prints."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,8 +16,7 @@ import typer
 
 from backfill.capacity import parse_cache_config
 from backfill.errors import BackfillError
-
-DEFAULT_TRACE = Path("/work/shared/traces/azure_llm_2023_code.csv")
+from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 
 
 def _fail(message: str) -> typer.Exit:
@@ -72,8 +72,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Plan a node's KV pool: bytes per token, blocks, sequences per class, the reserve a
         trace needs; with --engine-url, compare with the pool the engine measured."""
-        from backfill import planner, presets  # noqa: PLC0415
-        from backfill.simulate.trace import TraceOptions, load_trace  # noqa: PLC0415
+        from backfill_analysis import planner, presets  # noqa: PLC0415
+        from backfill_analysis.simulate.trace import TraceOptions, load_trace  # noqa: PLC0415
 
         try:
             m = presets.model_preset(model)
@@ -119,7 +119,7 @@ def register(app: typer.Typer) -> None:
         scenario: Annotated[str, typer.Option(help="h100-llama-3.1-8b or cpu-smollm2.")] = (
             "h100-llama-3.1-8b"
         ),
-        trace: Annotated[Path, typer.Option(help="Interactive trace CSV.")] = DEFAULT_TRACE,
+        trace: Annotated[Path, typer.Option(help="Interactive trace CSV.")] = AZURE_CODE_TRACE,
         duration_s: Annotated[float | None, typer.Option(min=1.0)] = None,
         batch_items: Annotated[int | None, typer.Option(min=0)] = None,
         time_scale: Annotated[float | None, typer.Option(min=0.001)] = None,
@@ -139,9 +139,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Simulate the policies on an engine fed by an interactive trace and a batch backlog;
         print a table, write JSON and plots."""
-        from backfill.simulate import compare, report  # noqa: PLC0415
-        from backfill.simulate.scenario import scenario as make  # noqa: PLC0415
+        from backfill_analysis.simulate import compare, report  # noqa: PLC0415
+        from backfill_analysis.simulate.scenario import scenario as make  # noqa: PLC0415
 
+        if plots and importlib.util.find_spec("matplotlib") is None:
+            # Before minutes of simulation, not after them.
+            raise _fail("plots need matplotlib: pip install 'backfill[analysis]', or --no-plots")
         try:
             sc = make(scenario)
             changes: dict[str, Any] = {}

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from backfill.capacity import kv_bytes_per_token
-from backfill.planner import Hardware, plan
-from backfill.presets import gpu_preset, model_preset
-from backfill.simulate import costmodel
-from backfill.simulate.engine import EngineConfig
-from backfill.simulate.policies import PolicyKnobs
-from backfill.simulate.stepsched import StepSchedule
-from backfill.simulate.trace import TraceOptions
-from backfill.simulate.workload import BatchWorkload
+from backfill_analysis.planner import Hardware, plan
+from backfill_analysis.presets import gpu_preset, model_preset
+from backfill_analysis.simulate import costmodel
+from backfill_analysis.simulate.engine import EngineConfig
+from backfill_analysis.simulate.policies import PolicyKnobs
+from backfill_analysis.simulate.stepsched import StepSchedule
+from backfill_analysis.simulate.trace import TraceOptions
+from backfill_analysis.simulate.workload import BatchWorkload
 
 
 @dataclass(frozen=True)

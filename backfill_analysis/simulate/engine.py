@@ -8,8 +8,8 @@ sequence needs a block and none is free, the lowest-priority (latest) running se
 preempted by *recompute*: its blocks are freed and it waits to prefill prompt and output so
 far again.
 
-With a :class:`~backfill.simulate.stepsched.StepSchedule` (policy ``backfill-step``) the engine
-runs Backfill's step-shaping scheduler instead: while any interactive sequence waits or
+With a :class:`~backfill_analysis.simulate.stepsched.StepSchedule` (policy ``backfill-step``) the
+engine runs Backfill's step-shaping scheduler instead: while any interactive sequence waits or
 prefills, batch sequences carry no tokens (decoders are *paused*, resident with their blocks;
 partial batch prefills get no chunk; waiting batch is not admitted) except those the starvation
 bound or the ride-along share lets through; batch prefill per step is capped in step time; and a
@@ -30,8 +30,8 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from backfill.simulate.costmodel import CostModel, StepWork, prefill_attention
-from backfill.simulate.stepsched import (
+from backfill_analysis.simulate.costmodel import CostModel, StepWork, prefill_attention
+from backfill_analysis.simulate.stepsched import (
     StepSchedule,
     chunk_tokens,
     decode_token_seconds,

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from backfill.simulate.engine import Engine, EngineConfig
-from backfill.simulate.metrics import KvSample, PolicyResult, percentile
-from backfill.simulate.policies import POLICIES, Frontend, PolicyKnobs
-from backfill.simulate.trace import TraceRequest
-from backfill.simulate.workload import BatchItem
+from backfill_analysis.simulate.engine import Engine, EngineConfig
+from backfill_analysis.simulate.metrics import KvSample, PolicyResult, percentile
+from backfill_analysis.simulate.policies import POLICIES, Frontend, PolicyKnobs
+from backfill_analysis.simulate.trace import TraceRequest
+from backfill_analysis.simulate.workload import BatchItem
 
 
 @dataclass(frozen=True)
