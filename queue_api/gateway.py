@@ -56,7 +56,7 @@ from backfill.ledger import AsyncLedger, Lease
 from backfill.maintenance import pool_policy
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
-from backfill.repository import Repository, TenantRecord
+from backfill.store import Repository, TenantRecord
 from backfill.work_signals import InteractiveActivity, PendingInteractive, publish_signals
 from queue_api import gateway_metrics as m
 from queue_api.edge import load_json_body

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 from backfill.cli import app
 from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
-from backfill.repository import Repository
+from backfill.store import Repository
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

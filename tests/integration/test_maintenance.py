@@ -17,8 +17,8 @@ from backfill.config import Settings
 from backfill.ledger import Denial, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy, tick
 from backfill.policy import Reason
-from backfill.repository import NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository, Start
 from worker.engine import HttpEngine
 from worker.node import wait_for_engine
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from backfill.ledger import AsyncLedger
-from backfill.repository import ClaimedItem, Repository
+from backfill.store import ClaimedItem, Repository
 from worker.dispatch import DispatchConfig, NodeDispatcher
 from worker.engine import Engine
 
