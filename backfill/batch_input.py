@@ -29,8 +29,8 @@ import pydantic_core
 from backfill.config import Settings
 from backfill.prefill import CHAT, COMPLETIONS, completion_prompts, prefill_plan
 from backfill.refusals import InvalidRequest, PayloadTooLarge
-from backfill.repository import NewItem
 from backfill.request_fields import normalise_fields
+from backfill.store import NewItem
 
 PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt"}
 """Endpoints a batch may target, and the body field that carries each one's prompt."""

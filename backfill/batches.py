@@ -45,9 +45,9 @@ from backfill.refusals import (
     QuotaExceeded,
     Refusal,
 )
-from backfill.repository import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
+from backfill.store import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.windows import (
     DeadlinePlan,
     batch_throughput,

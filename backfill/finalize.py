@@ -19,9 +19,9 @@ from typing import Any
 
 from backfill.errors import NotFound, StaleWrite
 from backfill.refusals import NotCancellable
-from backfill.repository import ActiveLeaseRow, JobRecord, Repository
 from backfill.results import ERROR_STATES, OUTPUT_STATES, rendered_size
 from backfill.states import ItemState, JobState
+from backfill.store import ActiveLeaseRow, JobRecord, Repository
 
 OUTPUT_PURPOSE = "batch_output"
 

@@ -25,8 +25,8 @@ from backfill.config import Settings
 from backfill.errors import LedgerError
 from backfill.ledger import ActiveLease, LeaseRef, Ledger, NodePool, RebuildReport
 from backfill.policy import ClassLimits, PoolPolicy
-from backfill.repository import ActiveLeaseRow, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import ActiveLeaseRow, Repository
 
 log = logging.getLogger("backfill.maintenance")
 

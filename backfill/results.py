@@ -23,8 +23,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from backfill.refusals import InvalidRequest
-from backfill.repository import ItemRecord, Repository
 from backfill.states import ItemState
+from backfill.store import ItemRecord, Repository
 
 OUTPUT_STATES: tuple[ItemState, ...] = (ItemState.SUCCEEDED,)
 ERROR_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.EXPIRED, ItemState.CANCELLED)

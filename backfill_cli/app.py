@@ -126,7 +126,7 @@ def tenants_create(
     weight: WeightOpt = 1.0,
 ) -> None:
     """Create a tenant and its first API key; the key is printed once, on the last line."""
-    from backfill.repository import Repository, key_id  # noqa: PLC0415
+    from backfill.store import Repository, key_id  # noqa: PLC0415
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
@@ -156,7 +156,7 @@ def tenants_set_weight(
     weight: Annotated[float, typer.Argument(help="Its new weight (> 0; tenants start at 1).")],
 ) -> None:
     """Change a tenant's share of each node's batch capacity; claims follow it at once."""
-    from backfill.repository import Repository  # noqa: PLC0415
+    from backfill.store import Repository  # noqa: PLC0415
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
@@ -169,7 +169,7 @@ def tenants_set_weight(
 @tenants_app.command("keys")
 def tenants_keys(name: Annotated[str, typer.Argument(help="The tenant's name.")]) -> None:
     """List a tenant's API keys by id (the keys themselves are not kept)."""
-    from backfill.repository import Repository  # noqa: PLC0415
+    from backfill.store import Repository  # noqa: PLC0415
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
@@ -196,7 +196,7 @@ def tenants_revoke_key(
     import redis  # noqa: PLC0415
 
     from backfill.keycache import announce_revocation  # noqa: PLC0415
-    from backfill.repository import Repository  # noqa: PLC0415
+    from backfill.store import Repository  # noqa: PLC0415
 
     settings = _settings()
     repo = Repository.connect(settings.database_url, pool_size=1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import finish, parser, percentile, scratch_database, table
 
 NAME = "anonymous"

@@ -32,7 +32,7 @@ from backfill.capacity import parse_cache_config
 from backfill.config import get_settings
 from backfill.ledger import Ledger, NodePool
 from backfill.maintenance import pool_policy
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import finish, parser, percentile, scratch_database, table
 from worker import devengine
 

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from backfill.capacity import parse_engine_load
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import OUT_DIR, finish, machine, parser, scratch_database, table
 from worker import devengine
 from worker.dev import DOCS, PROMPT

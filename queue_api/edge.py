@@ -40,7 +40,7 @@ from backfill.errors import BackfillError
 from backfill.keycache import TenantKeyCache
 from backfill.ratelimit import RateLimiter
 from backfill.refusals import InvalidRequest, RateLimited
-from backfill.repository import TenantRecord
+from backfill.store import TenantRecord
 from queue_api import errors
 from queue_api.errors import Unauthorized
 

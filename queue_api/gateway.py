@@ -45,7 +45,7 @@ from backfill.gateway.decisions import (
 from backfill.gateway.leases import LeaseKeeper, used_tokens
 from backfill.gateway.nodes import ServingNode
 from backfill.refusals import InvalidRequest
-from backfill.repository import Repository, TenantRecord
+from backfill.store import Repository, TenantRecord
 from backfill.work_signals import PendingInteractive
 from queue_api import gateway_metrics as m
 from queue_api.edge import load_json_body

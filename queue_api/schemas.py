@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.capacity_view import CapacityReport
 from backfill.progress import Progress
-from backfill.repository import FileRecord, JobRecord
 from backfill.states import ItemState
+from backfill.store import FileRecord, JobRecord
 
 
 def unix(at: datetime | None) -> int | None:

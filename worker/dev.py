@@ -35,7 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.migrate import upgrade
-from backfill.repository import Repository, ensure_database
+from backfill.store import Repository, ensure_database
 from worker import devengine
 
 DOCS = Path(__file__).parent / "demo_docs"

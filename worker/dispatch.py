@@ -61,9 +61,9 @@ from backfill.observe import observed_non_batch
 from backfill.policy import ServiceClass
 from backfill.prefill import PromptCount, prefill_plan
 from backfill.refusals import InvalidRequest
-from backfill.repository import ClaimedItem, Finish, Repository, Start
 from backfill.results import http_error_record
 from backfill.states import ItemState
+from backfill.store import ClaimedItem, Finish, Repository, Start
 from backfill.work_budget import (
     WorkBudget,
     WorkBudgetPolicy,

@@ -43,7 +43,7 @@ from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.work_signals import PendingInteractive
 
 log = logging.getLogger("backfill.gateway")

@@ -31,8 +31,8 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger, PoolSnapshot
 from backfill.maintenance import pool_policy
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.integration.batch_api_support import LiveServer, Tenant, api_settings, make_tenant, serve
 from worker import devengine
 from worker.node import NodeThread

@@ -31,8 +31,8 @@ from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
-from backfill.repository import NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository, Start
 from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
 from worker import devengine
 from worker.enginespeed import EngineSpeed, measure_speed

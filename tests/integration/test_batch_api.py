@@ -25,8 +25,8 @@ from batch_api_support import (
 
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
-from backfill.repository import Finish, Repository
 from backfill.states import ItemState
+from backfill.store import Finish, Repository
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill_cli.app import app
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")

@@ -30,8 +30,8 @@ from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.policy import ServiceClass
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from backfill.work_signals import read_budget, work_budget_policy
 from queue_api.gateway import InteractiveGateway
 from tests.integration.standin_engine import StandInEngine

@@ -18,8 +18,8 @@ from backfill.config import Settings
 from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
 

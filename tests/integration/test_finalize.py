@@ -21,9 +21,9 @@ from backfill.finalize import (
     recover_stale_validating,
     settle_cancelling_jobs,
 )
-from backfill.repository import JobRecord, NewItem, Repository
 from backfill.results import ERROR_STATES, iter_result_lines
 from backfill.states import ItemState, JobState
+from backfill.store import JobRecord, NewItem, Repository
 
 
 @pytest.fixture

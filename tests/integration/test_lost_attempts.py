@@ -18,8 +18,8 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger
 from backfill.maintenance import TickReport, ensure_ledger, pool_policy, tick
-from backfill.repository import NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository, Start
 
 CAP = 3
 CAPACITY, BLOCK = 64 * 128, 128

@@ -22,7 +22,7 @@ from batch_api_support import (
 
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs
-from backfill.repository import Repository
+from backfill.store import Repository
 
 
 @pytest.fixture

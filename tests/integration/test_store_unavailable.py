@@ -26,8 +26,8 @@ from backfill.engine.protocol import Engine
 from backfill.errors import StoreUnavailable
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.repository import Finish, NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import Finish, NewItem, Repository, Start
 from queue_api.app import create_app
 from worker.dispatch import DispatchConfig, NodeDispatcher, _InFlight
 from worker.prepare import run_plan

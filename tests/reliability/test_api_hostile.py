@@ -40,7 +40,7 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.errors import InvalidInput
-from backfill.repository import Repository
+from backfill.store import Repository
 from tests.conftest import REDIS_URL
 from tests.integration.batch_api_support import (
     LiveServer,

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger
-from backfill.repository import ClaimedItem, Repository
+from backfill.store import ClaimedItem, Repository
 from worker.dispatch import DispatchConfig, NodeDispatcher
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from backfill.repository import ItemRecord
 from backfill.results import http_error_record, result_line
 from backfill.states import ItemState
+from backfill.store import ItemRecord
 
 
 def item(state: ItemState, *, result: str | None = None, error: str | None = None) -> ItemRecord:
