@@ -75,6 +75,16 @@ def _error_message(response: httpx.Response) -> str:
     return response.text[:1000]
 
 
+def _error_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The engine's error object of a refusal (``{"error": {...}}``), if it sent one."""
+    try:
+        payload = response.json()
+    except ValueError:
+        return None
+    inner = payload.get("error") if isinstance(payload, dict) else None
+    return inner if isinstance(inner, dict) else None
+
+
 def _raise_for_status(response: httpx.Response, message: str) -> None:
     status = response.status_code
     if status < 400:
@@ -82,7 +92,7 @@ def _raise_for_status(response: httpx.Response, message: str) -> None:
     if status in {502, 503, 504}:
         raise EngineUnavailable(f"engine answered {status}: {message}")
     if status < 500:
-        raise EngineRejected(status, message)
+        raise EngineRejected(status, message, _error_object(response))
     raise EngineFailed(status, message)
 
 
@@ -298,7 +308,9 @@ class HttpEngine:
                         code = err.get("code") if isinstance(err, dict) else None
                         status = code if isinstance(code, int) else 500
                         if 400 <= status < 500:
-                            raise EngineRejected(status, str(message))
+                            raise EngineRejected(
+                                status, str(message), err if isinstance(err, dict) else None
+                            )
                         raise EngineFailed(status, str(message))
                     yield _chunk(event)
             except httpx.TransportError as exc:

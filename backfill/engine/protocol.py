@@ -52,10 +52,12 @@ class EngineRejected(EngineError):
     """The engine refused the request (4xx): it is malformed, too long, or names an unknown
     model. Retrying it unchanged will fail the same way."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, error: dict[str, Any] | None = None) -> None:
         super().__init__(f"engine rejected the request ({status}): {message}")
         self.status = status
         self.message = message
+        self.error = error
+        """The engine's own error object (``{"message", "type", "param", "code"}``), if any."""
 
 
 class EngineFailed(EngineError):
