@@ -45,6 +45,7 @@ class FileObject(BaseModel):
             created_at=int(record.created_at.timestamp()),
             filename=record.filename,
             purpose=record.purpose,
+            expires_at=unix(record.expires_at),
         )
 
 
@@ -76,6 +77,7 @@ class CreateBatchBody(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Any] | None = None
+    output_expires_after: Any = None
 
 
 class BatchErrorEntry(BaseModel):

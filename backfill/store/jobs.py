@@ -127,8 +127,8 @@ def move_job(
 # A new job unless the tenant already made one with this idempotency key (then nothing).
 CREATE_JOB = (
     "INSERT INTO jobs (id, tenant_id, input_file_id, endpoint, model, "
-    "completion_window, state, deadline, metadata, idempotency_key) "
-    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k) "
+    "completion_window, state, deadline, metadata, idempotency_key, output_expires_after_s) "
+    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k, :x) "
     "ON CONFLICT (tenant_id, idempotency_key) "
     "WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING id"
 )
@@ -228,6 +228,7 @@ class Jobs(Store):
         idempotency_key: str | None = None,
         model: str | None = None,
         state: JobState = JobState.VALIDATING,
+        output_expires_after_s: int | None = None,
     ) -> JobRecord:
         """A new job with its counters row. Reusing an idempotency key returns the first job."""
         job_id = ids.new_job_id()
@@ -245,6 +246,7 @@ class Jobs(Store):
                     "d": deadline,
                     "md": Jsonb(metadata) if metadata is not None else None,
                     "k": idempotency_key,
+                    "x": output_expires_after_s,
                 },
             ).first()
             if inserted is None:

@@ -42,6 +42,7 @@ class FileRecord:
     size_bytes: int
     job_id: str | None
     created_at: datetime
+    expires_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
