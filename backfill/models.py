@@ -219,6 +219,8 @@ class JobCounters(Base):
     # Token totals for progress and ETA: the declared worst case, and what was produced.
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     max_output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Prompt tokens of the items that succeeded: the Batch object's usage.input_tokens.
+    input_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 

@@ -36,7 +36,7 @@ JOB_COLUMNS = (
     "j.created_at, j.in_progress_at, j.finalizing_at, j.completed_at, j.failed_at, "
     "j.expired_at, j.cancelling_at, j.cancelled_at, c.total, "
     + ", ".join(f"c.{s.value}" for s in COUNTED_STATES)
-    + ", c.prompt_tokens, c.max_output_tokens, c.output_tokens"
+    + ", c.prompt_tokens, c.max_output_tokens, c.output_tokens, c.input_tokens"
 )
 
 # Lock the job, move it if its state is a source of the target, return the state it left.
@@ -64,6 +64,7 @@ def job_from_row(row: Sequence[Any]) -> JobRecord:
         prompt_tokens=row[22 + n] or 0,
         max_output_tokens=row[23 + n] or 0,
         output_tokens=row[24 + n] or 0,
+        input_tokens=row[25 + n] or 0,
     )
     return JobRecord(
         id=row[0],

@@ -54,6 +54,8 @@ class JobCounts:
     prompt_tokens: int = 0
     max_output_tokens: int = 0
     output_tokens: int = 0
+    input_tokens: int = 0
+    """Prompt tokens of the requests that succeeded (the Batch object's usage)."""
 
     def count(self, state: ItemState) -> int:
         return self.by_state.get(state, 0)

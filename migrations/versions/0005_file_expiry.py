@@ -1,4 +1,5 @@
-"""files expire (OpenAI's expires_after and a batch's output_expires_after; issue 20)
+"""files expire (OpenAI's expires_after and a batch's output_expires_after), and the batch
+counts its usage (prompt tokens of the requests that succeeded); issue 20
 
 Revision ID: 0005_file_expiry
 Revises: 0004_file_chunks
@@ -28,9 +29,14 @@ def upgrade() -> None:
         postgresql_where=sa.text("expires_at IS NOT NULL"),
     )
     op.add_column("jobs", sa.Column("output_expires_after_s", sa.Integer(), nullable=True))
+    op.add_column(
+        "job_counters",
+        sa.Column("input_tokens", sa.BigInteger(), server_default="0", nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_column("job_counters", "input_tokens")
     op.drop_column("jobs", "output_expires_after_s")
     op.drop_index("ix_files_expires", table_name="files")
     op.drop_column("files", "expires_at")

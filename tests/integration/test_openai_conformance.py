@@ -220,3 +220,25 @@ def test_output_expires_after_dates_the_result_files(
             output_expires_after={"anchor": "created_at", "seconds": 10**9},
         )
     assert caught.value.param == "output_expires_after.seconds"
+
+
+def test_the_batch_object_carries_its_usage(
+    server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    client = server.client(acme.key)
+    file_id = client.files.create(file=("in.jsonl", chat_file(3)), purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.usage is not None
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (0, 0)
+    # run_worker's items have 16 prompt and 3 output tokens; the one that fails is not charged.
+    run_worker(repo, fail={"req-2"})
+    finalize_ready_jobs(repo)
+    done = client.batches.retrieve(batch.id)
+    assert done.usage is not None
+    assert done.usage.input_tokens == 2 * 16
+    assert done.usage.output_tokens == 2 * 3
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    assert done.usage.input_tokens_details.cached_tokens == 0
+    assert done.usage.output_tokens_details.reasoning_tokens == 0
