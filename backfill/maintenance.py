@@ -121,6 +121,7 @@ class TickReport:
     cancelled_in_flight: int = 0
     finalized: dict[str, JobState] = field(default_factory=dict)
     recovered: dict[str, JobState] = field(default_factory=dict)
+    expired_files: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -165,4 +166,6 @@ def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
     report.recovered = finalize.recover_stale_validating(
         repo, older_than_s=settings.stale_validating_s
     )
+    # Files past their expires_at already read as gone; here their rows and pieces go.
+    report.expired_files = repo.delete_expired_files()
     return report

@@ -29,6 +29,7 @@ COUNTER_COLUMNS = (
     "prompt_tokens",
     "max_output_tokens",
     "output_tokens",
+    "input_tokens",
 )
 
 # A job's counters are spread over a few shard rows (see add_to_counters); readers sum them.
@@ -71,6 +72,7 @@ CNT_FINISH = counters_cte(
         "succeeded": "count(*) FILTER (WHERE s = 'succeeded')",
         "failed": "count(*) FILTER (WHERE s = 'failed')",
         "output_tokens": "coalesce(sum(out), 0)",
+        "input_tokens": "coalesce(sum(pt) FILTER (WHERE s = 'succeeded'), 0)",
     }
 )
 

@@ -45,33 +45,56 @@ def _copy_pieces(conn: Connection, file_id: str, source: BinaryIO, chunk_bytes: 
     return size
 
 
-# A file row (size 0 until its pieces are stored); returns when it was made.
+# A file row (size 0 until its pieces are stored); returns when it was made and when it
+# expires: ``:x`` seconds after, or for a job's result file its ``output_expires_after_s``.
 CREATE_FILE = (
-    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, job_id) "
-    "VALUES (:i, :t, :p, :f, :b, :j) RETURNING created_at"
+    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, job_id, expires_at) "
+    "SELECT :i, :t, :p, :f, :b, CAST(:j AS varchar), now() + make_interval(secs => coalesce("
+    "CAST(:x AS double precision), "
+    "(SELECT output_expires_after_s FROM jobs WHERE id = CAST(:j AS varchar)))) "
+    "RETURNING created_at, expires_at"
 )
 
 # The bytes stored, once the COPY of the pieces is done.
 SET_FILE_SIZE = "UPDATE files SET bytes = :b WHERE id = :i"
 
+# Files that have not expired (an expired one is gone for its tenant before maintenance
+# deletes it).
+LIVE = "(expires_at IS NULL OR expires_at > now())"
+
 # One of the tenant's files (another tenant's is not found).
 GET_FILE = (
-    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at "
-    "FROM files WHERE id = :i AND tenant_id = :t"
+    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at "
+    f"FROM files WHERE id = :i AND tenant_id = :t AND {LIVE}"
 )
 
-# The tenant's files, of one purpose or all, newest first.
-LIST_FILES = (
-    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at "
-    "FROM files WHERE tenant_id = :t "
-    "AND (CAST(:p AS text) IS NULL OR purpose = :p) "
-    "ORDER BY created_at DESC, id DESC LIMIT :l"
+# A page of the tenant's files, of one purpose or all, newest (or oldest) first, after the
+# cursor file ``:a`` (keyset on created_at, id: any page of any size costs one index range;
+# a cursor that names no file of the tenant gives an empty page). One more than the page,
+# to tell whether there is more.
+LIST_FILES = {
+    order: (
+        "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at "
+        f"FROM files f WHERE tenant_id = :t AND {LIVE} "
+        "AND (CAST(:p AS text) IS NULL OR purpose = :p) "
+        "AND (CAST(:a AS text) IS NULL OR (f.created_at, f.id) "
+        f"{cmp} (SELECT c.created_at, c.id FROM files c WHERE c.id = :a AND c.tenant_id = :t)) "
+        f"ORDER BY created_at {order}, id {order} LIMIT :l"
+    )
+    for order, cmp in (("DESC", "<"), ("ASC", ">"))
+}
+
+# Files whose time is up, oldest first (maintenance deletes them; their pieces cascade).
+DELETE_EXPIRED_FILES = (
+    "DELETE FROM files WHERE id IN (SELECT id FROM files "
+    "WHERE expires_at IS NOT NULL AND expires_at <= now() ORDER BY expires_at LIMIT :l) "
+    "RETURNING id"
 )
 
 # Whether a file is stored in pieces, stored whole (from before pieces), or rendered.
 FILE_KIND = (
     "SELECT job_id IS NULL AND bytes > 0, content IS NOT NULL FROM files "
-    "WHERE id = :i AND tenant_id = :t"
+    f"WHERE id = :i AND tenant_id = :t AND {LIVE}"
 )
 
 # Drop one of the tenant's files (its pieces go with it, ON DELETE CASCADE).
@@ -91,6 +114,7 @@ class Files(Store):
         size_bytes: int | None = None,
         job_id: str | None = None,
         chunk_bytes: int = FILE_CHUNK_BYTES,
+        expires_after_s: int | None = None,
     ) -> FileRecord:
         """A file row; ``content`` (bytes, or a binary file read to its end) is stored in
         pieces of ``chunk_bytes`` by one binary COPY, so a file of any size costs one piece
@@ -101,14 +125,22 @@ class Files(Store):
         with self._tx() as conn:
             row = conn.execute(
                 text(CREATE_FILE),
-                {"i": file_id, "t": tenant_id, "p": purpose, "f": filename, "b": size, "j": job_id},
+                {
+                    "i": file_id,
+                    "t": tenant_id,
+                    "p": purpose,
+                    "f": filename,
+                    "b": size,
+                    "j": job_id,
+                    "x": expires_after_s,
+                },
             ).one()
             if source is not None:
                 size = _copy_pieces(conn, file_id, source, chunk_bytes)
                 conn.execute(
                     text(SET_FILE_SIZE), {"b": size, "i": file_id}
                 )
-        return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0])
+        return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0], row[1])
 
     def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
         with self._tx() as conn:
@@ -121,14 +153,27 @@ class Files(Store):
         return FileRecord(*row)
 
     def list_files(
-        self, tenant_id: str, *, purpose: str | None = None, limit: int = 100
-    ) -> list[FileRecord]:
+        self,
+        tenant_id: str,
+        *,
+        purpose: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+        ascending: bool = False,
+    ) -> tuple[list[FileRecord], bool]:
+        """A page of the tenant's files after the cursor ``after`` (a file id), and whether
+        there are more."""
         with self._tx() as conn:
             rows = conn.execute(
-                text(LIST_FILES),
-                {"t": tenant_id, "p": purpose, "l": limit},
+                text(LIST_FILES["ASC" if ascending else "DESC"]),
+                {"t": tenant_id, "p": purpose, "a": after, "l": limit + 1},
             ).all()
-        return [FileRecord(*r) for r in rows]
+        return [FileRecord(*r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_expired_files(self, limit: int = 1000) -> list[str]:
+        """Delete files past their ``expires_at`` (up to ``limit``); returns their ids."""
+        with self._tx() as conn:
+            return list(conn.execute(text(DELETE_EXPIRED_FILES), {"l": limit}).scalars())
 
     def file_pieces(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None:
         """A stored file's bytes, one piece per query (no connection is held between them),

@@ -31,7 +31,7 @@ FINISH = (
     "  lease_id = NULL, lease_expires_at = NULL, finished_at = now(), "
     "  updated_at = now() FROM v WHERE i.id = v.id AND i.attempt = v.a "
     "  AND i.fencing_token = v.f AND i.state = 'running' "
-    "  RETURNING i.id, i.job_id, i.attempt, v.s, v.out), "
+    "  RETURNING i.id, i.job_id, i.attempt, v.s, v.out, i.prompt_tokens AS pt), "
     f"{CNT_FINISH}, "
     "att AS (UPDATE attempts t SET ended_at = now(), outcome = m.s, "
     "  output_tokens = m.out FROM moved m "

@@ -36,7 +36,7 @@ JOB_COLUMNS = (
     "j.created_at, j.in_progress_at, j.finalizing_at, j.completed_at, j.failed_at, "
     "j.expired_at, j.cancelling_at, j.cancelled_at, c.total, "
     + ", ".join(f"c.{s.value}" for s in COUNTED_STATES)
-    + ", c.prompt_tokens, c.max_output_tokens, c.output_tokens"
+    + ", c.prompt_tokens, c.max_output_tokens, c.output_tokens, c.input_tokens"
 )
 
 # Lock the job, move it if its state is a source of the target, return the state it left.
@@ -64,6 +64,7 @@ def job_from_row(row: Sequence[Any]) -> JobRecord:
         prompt_tokens=row[22 + n] or 0,
         max_output_tokens=row[23 + n] or 0,
         output_tokens=row[24 + n] or 0,
+        input_tokens=row[25 + n] or 0,
     )
     return JobRecord(
         id=row[0],
@@ -127,8 +128,8 @@ def move_job(
 # A new job unless the tenant already made one with this idempotency key (then nothing).
 CREATE_JOB = (
     "INSERT INTO jobs (id, tenant_id, input_file_id, endpoint, model, "
-    "completion_window, state, deadline, metadata, idempotency_key) "
-    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k) "
+    "completion_window, state, deadline, metadata, idempotency_key, output_expires_after_s) "
+    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k, :x) "
     "ON CONFLICT (tenant_id, idempotency_key) "
     "WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING id"
 )
@@ -228,6 +229,7 @@ class Jobs(Store):
         idempotency_key: str | None = None,
         model: str | None = None,
         state: JobState = JobState.VALIDATING,
+        output_expires_after_s: int | None = None,
     ) -> JobRecord:
         """A new job with its counters row. Reusing an idempotency key returns the first job."""
         job_id = ids.new_job_id()
@@ -245,6 +247,7 @@ class Jobs(Store):
                     "d": deadline,
                     "md": Jsonb(metadata) if metadata is not None else None,
                     "k": idempotency_key,
+                    "x": output_expires_after_s,
                 },
             ).first()
             if inserted is None:

@@ -42,6 +42,7 @@ class FileRecord:
     size_bytes: int
     job_id: str | None
     created_at: datetime
+    expires_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class JobCounts:
     prompt_tokens: int = 0
     max_output_tokens: int = 0
     output_tokens: int = 0
+    input_tokens: int = 0
+    """Prompt tokens of the requests that succeeded (the Batch object's usage)."""
 
     def count(self, state: ItemState) -> int:
         return self.by_state.get(state, 0)

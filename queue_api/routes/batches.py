@@ -38,6 +38,7 @@ def create_batch(
         endpoint=body.endpoint,
         completion_window=body.completion_window,
         metadata=body.metadata,  # the core checks the shape
+        output_expires_after=body.output_expires_after,
         idempotency_key=idempotency_key or None,
     )
     return _render(batches.create_batch(repo, settings, tenant, request), settings, repo)
