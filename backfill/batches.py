@@ -42,6 +42,7 @@ from backfill.refusals import (
     IdempotencyMismatch,
     InvalidRequest,
     LimitReached,
+    ModelNotFound,
     QuotaExceeded,
     Refusal,
 )
@@ -264,6 +265,8 @@ def create_batch(
         repo, settings, tenant, forecast, now, window_s, tps, request.completion_window
     )
 
+    model = first_model(content())
+    _check_model_served(repo, settings, model)
     job = repo.create_job(
         tenant.id,
         record.id,
@@ -272,7 +275,7 @@ def create_batch(
         now + timedelta(seconds=window_s),
         metadata=metadata,
         idempotency_key=request.idempotency_key,
-        model=first_model(content()),
+        model=model,
         output_expires_after_s=output_expires_after_s,
     )
     if request.idempotency_key is not None and (
@@ -377,6 +380,22 @@ def _judge_tokens(
             estimated_completion=int(plan.estimated_completion.timestamp()),
         )
     return plan
+
+
+def _check_model_served(repo: Repository, settings: Settings, model: str | None) -> None:
+    """Refuse a batch whose model no live node serves, naming those served, unless batches
+    may wait for one (``batch_wait_for_model``) or no node is live at all (the fleet is
+    starting or down: the batch waits rather than being lost)."""
+    if model is None or settings.batch_wait_for_model:
+        return
+    served, any_live = repo.served_models(settings.node_live_s)
+    if not any_live or model in served:
+        return
+    raise ModelNotFound(
+        f"The model `{model}` is not served by any node; served: "
+        + ", ".join(f"`{m}`" for m in sorted(served)),
+        param="model",
+    )
 
 
 def first_model(content: bytes | Iterable[bytes]) -> str | None:

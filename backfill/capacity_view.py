@@ -87,10 +87,42 @@ class NodeCapacity:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPool:
+    """The nodes that serve one model, summed: batch of that model runs only there."""
+
+    nodes: tuple[str, ...]
+    capacity_tokens: int
+    slack_tokens: int
+    batch_in_use: int
+    interactive_in_use: int
+
+
+@dataclass(frozen=True, slots=True)
 class CapacityReport:
     nodes: list[NodeCapacity]
     queued_tokens: dict[str, int]
     """Worst-case tokens of unfinished work per service class."""
+
+    @property
+    def models(self) -> dict[str, ModelPool]:
+        """The pools per served model (nodes whose engine serves no known model are left out)."""
+        by_model: dict[str, list[NodeCapacity]] = defaultdict(list)
+        for node in self.nodes:
+            if node.model is not None:
+                by_model[node.model].append(node)
+        return {
+            model: ModelPool(
+                nodes=tuple(n.name for n in nodes),
+                capacity_tokens=sum(n.capacity_tokens for n in nodes),
+                slack_tokens=sum(n.slack_tokens for n in nodes),
+                batch_in_use=sum(
+                    n.batch_reserved_tokens if n.batch_in_use is None else n.batch_in_use
+                    for n in nodes
+                ),
+                interactive_in_use=sum(n.interactive_in_use or 0 for n in nodes),
+            )
+            for model, nodes in sorted(by_model.items())
+        }
 
 
 def capacity_report(repo: Repository, usage: UsageSource | None = None) -> CapacityReport:

@@ -132,6 +132,11 @@ class Settings(BaseSettings):
     # OpenAI does not require the field, Backfill must reserve a worst case, so it writes this
     # into the line (the engine gets exactly what is reserved).
     batch_default_max_tokens: PositiveInt = 2048
+    # A batch naming a model that no live node serves is refused (model_not_found, naming
+    # those served) while any node is live; true lets it wait for a node that serves it.
+    batch_wait_for_model: bool = False
+    # A node counts as live for that check if seen within this many seconds.
+    node_live_s: PositiveFloat = 600.0
 
     # API key -> tenant lookups (found or not) are remembered this long; 0 checks Postgres on
     # every request. A revocation evicts the key from every API process at once through

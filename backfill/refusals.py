@@ -6,7 +6,7 @@ The core raises these; it knows nothing of status codes. Each carries OpenAI's e
 
 from __future__ import annotations
 
-from backfill.errors import BackfillError, Conflict, InvalidInput
+from backfill.errors import BackfillError, Conflict, InvalidInput, NotFound
 
 
 class Refusal(BackfillError):
@@ -31,6 +31,12 @@ class Refusal(BackfillError):
 
 class InvalidRequest(Refusal, InvalidInput):
     """The request itself is wrong (bad parameter, wrong purpose, malformed value)."""
+
+
+class ModelNotFound(Refusal, NotFound):
+    """The batch names a model no live node serves."""
+
+    default_code = "model_not_found"
 
 
 class PayloadTooLarge(Refusal, InvalidInput):

@@ -26,6 +26,7 @@ from backfill.errors import (
 from backfill.refusals import (
     DeadlineInfeasible,
     LimitReached,
+    ModelNotFound,
     PayloadTooLarge,
     QuotaExceeded,
     RateLimited,
@@ -98,6 +99,8 @@ def _refusal(exc: Refusal) -> JSONResponse:
         )
     if isinstance(exc, Conflict):
         return _answer(409, exc.message, param=exc.param, code=exc.code, headers=_NO_RETRY)
+    if isinstance(exc, ModelNotFound):
+        return _answer(404, exc.message, param=exc.param, code=exc.code)
     return _answer(400, exc.message, param=exc.param, code=exc.code)
 
 

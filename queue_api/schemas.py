@@ -273,9 +273,20 @@ class NodeCapacityObject(BaseModel):
     )
 
 
+class ModelPoolObject(BaseModel):
+    nodes: list[str] = Field(description="The nodes whose engine serves the model.")
+    capacity_tokens: int
+    slack_tokens: int = Field(description="Batch slack over those nodes.")
+    batch_in_use: int
+    interactive_in_use: int
+
+
 class CapacityObject(BaseModel):
     object: Literal["capacity"] = "capacity"
     nodes: list[NodeCapacityObject]
+    models: dict[str, ModelPoolObject] = Field(
+        description="Pools per served model: a batch runs only on nodes serving its model."
+    )
     queued_tokens: dict[str, int]
 
     @classmethod
@@ -325,5 +336,15 @@ class CapacityObject(BaseModel):
                 )
                 for n in report.nodes
             ],
+            models={
+                model: ModelPoolObject(
+                    nodes=list(pool.nodes),
+                    capacity_tokens=pool.capacity_tokens,
+                    slack_tokens=pool.slack_tokens,
+                    batch_in_use=pool.batch_in_use,
+                    interactive_in_use=pool.interactive_in_use,
+                )
+                for model, pool in report.models.items()
+            },
             queued_tokens=report.queued_tokens,
         )

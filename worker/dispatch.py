@@ -400,7 +400,11 @@ class NodeDispatcher:
         if self._engine_down:
             return 0  # a stream broke while the snapshot was read: the engine may be gone
         claiming = time.monotonic()
-        claimed = await asyncio.to_thread(self.repo.claim, cfg.node, want, cfg.lease_ttl_s)
+        # Only work for the model this node's engine serves: a line's result must come from
+        # the model it names.
+        claimed = await asyncio.to_thread(
+            self.repo.claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
+        )
         if not claimed:
             return 0
         self.stats.claimed += len(claimed)

@@ -28,13 +28,18 @@ _CLAIMABLE_NOW = (
     "AND (not_before IS NULL OR not_before <= now()) "
     # Only a running job's items: never those of a job being validated, cancelled or
     # ended, whatever state its items were left in.
-    "AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id AND jb.state = 'in_progress')"
+    "AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id AND jb.state = 'in_progress' "
+    # ... of a model the claiming node's engine serves (NULL: any, for tools and tests).
+    "  AND (CAST(:models AS text[]) IS NULL OR jb.model IS NULL "
+    "       OR jb.model = ANY(CAST(:models AS text[]))))"
 )
 
 # The tenants with work (jobs in progress; one whose items are all held elsewhere passes its
 # slots on in the claim), their weights, and the batch sequences this node holds for each.
 _SHARE_VIEW = (
-    "WITH waiting AS (SELECT DISTINCT tenant_id FROM jobs WHERE state = 'in_progress'), "
+    "WITH waiting AS (SELECT DISTINCT tenant_id FROM jobs WHERE state = 'in_progress' "
+    "  AND (CAST(:models AS text[]) IS NULL OR model IS NULL "
+    "       OR model = ANY(CAST(:models AS text[])))), "
     "held AS (SELECT tenant_id, count(*) AS n FROM items "
     f"  WHERE node = :node AND state IN ({ACTIVE_SQL}) GROUP BY tenant_id) "
     "SELECT t.id, t.weight, coalesce(h.n, 0) FROM waiting w "
@@ -149,8 +154,18 @@ UNCLAIM = (
 class Claims(Store):
     """Claiming, starting, heartbeating and unclaiming items."""
 
-    def claim(self, node: str, limit: int, lease_ttl_s: float) -> list[ClaimedItem]:
+    def claim(
+        self,
+        node: str,
+        limit: int,
+        lease_ttl_s: float,
+        *,
+        models: Sequence[str] | None = None,
+    ) -> list[ClaimedItem]:
         """Hand up to ``limit`` claimable items to one attempt each, in the order to start them.
+
+        ``models``: only items of jobs naming one of these (the models the node's engine
+        serves), or naming none; None takes any.
 
         With fair share (the default) the node's share view is read first, in the same
         transaction, and ``fairshare.claim_order`` plans whose items to take; the claim
@@ -166,12 +181,21 @@ class Claims(Store):
         out any older attempt's writes.
         """
         sources = check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
-        params: dict[str, Any] = {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources}
+        wanted = list(models) if models is not None else None
+        params: dict[str, Any] = {
+            "n": limit,
+            "node": node,
+            "ttl": lease_ttl_s,
+            "src": sources,
+            "models": wanted,
+        }
         with self._tx(durable=False) as conn:
             if self.fair_share:
                 view = [
                     fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-                    for r in conn.execute(text(_SHARE_VIEW), {"node": node}).all()
+                    for r in conn.execute(
+                        text(_SHARE_VIEW), {"node": node, "models": wanted}
+                    ).all()
                 ]
                 # Spare slots only matter where a tenant short of items can pass its turn on.
                 spare = limit if len(view) > 1 else 0

@@ -18,6 +18,16 @@ UPSERT_NODE = (
     "last_seen_at = now()"
 )
 
+# The models live nodes serve (seen within :s seconds), and whether any node is live.
+SERVED_MODELS = (
+    "SELECT DISTINCT model FROM nodes "
+    "WHERE last_seen_at > now() - make_interval(secs => :s) AND model IS NOT NULL"
+)
+ANY_LIVE_NODE = (
+    "SELECT EXISTS (SELECT 1 FROM nodes "
+    "WHERE last_seen_at > now() - make_interval(secs => :s))"
+)
+
 # The node is alive (its last_seen_at is what the dashboard and the gateway trust).
 TOUCH_NODE = "UPDATE nodes SET last_seen_at = now() WHERE name = :n"
 
@@ -52,6 +62,14 @@ class Nodes(Store):
                     "r": interactive_reserve_tokens,
                 },
             )
+
+    def served_models(self, live_within_s: float) -> tuple[set[str], bool]:
+        """The models nodes seen in the last ``live_within_s`` seconds serve, and whether any
+        node was seen then at all."""
+        with self._tx() as conn:
+            models = set(conn.execute(text(SERVED_MODELS), {"s": live_within_s}).scalars())
+            live = bool(conn.execute(text(ANY_LIVE_NODE), {"s": live_within_s}).scalar())
+        return models, live
 
     def touch_node(self, name: str) -> None:
         with self._tx() as conn:

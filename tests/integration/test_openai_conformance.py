@@ -15,6 +15,7 @@ from batch_api_support import (
     Tenant,
     api_settings,
     chat_file,
+    chat_line,
     make_tenant,
     run_worker,
     serve,
@@ -242,3 +243,71 @@ def test_the_batch_object_carries_its_usage(
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     assert done.usage.input_tokens_details.cached_tokens == 0
     assert done.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def _lines(model: str, n: int) -> bytes:
+    return b"".join(
+        json.dumps(chat_line(f"{model}-{i}", model=model, max_tokens=8)).encode() + b"\n"
+        for i in range(n)
+    )
+
+
+def test_a_batch_for_a_model_no_live_node_serves_is_refused_naming_those_served(
+    server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    client = server.client(acme.key)
+    unserved = client.files.create(file=("a.jsonl", _lines("other-model", 1)), purpose="batch")
+    # No node is live yet (a fleet starting up): the batch is accepted and waits.
+    waiting = client.batches.create(
+        input_file_id=unserved.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert waiting.status == "in_progress"
+    repo.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
+    repo.upsert_node("n-b", "http://127.0.0.1:2", "model-b", 64, 16, 0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.batches.create(
+            input_file_id=unserved.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert caught.value.code == "model_not_found"
+    assert "`model-a`, `model-b`" in caught.value.message
+    with httpx.Client(base_url=server.base_url) as http:
+        capacity = http.get("/v1/capacity", headers={"Authorization": f"Bearer {acme.key}"}).json()
+    assert set(capacity["models"]) == {"model-a", "model-b"}
+    assert capacity["models"]["model-a"]["nodes"] == ["n-a"]
+    assert capacity["models"]["model-b"]["capacity_tokens"] == 64 * 16
+    served = client.files.create(file=("b.jsonl", _lines("model-b", 1)), purpose="batch")
+    ok = client.batches.create(
+        input_file_id=served.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert ok.status == "in_progress"
+
+
+def test_an_operator_may_let_batches_wait_for_a_model(
+    settings: Settings, acme: Tenant, repo: Repository
+) -> None:
+    repo.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
+    with serve(api_settings(settings, batch_wait_for_model=True)) as live:
+        client = live.client(acme.key)
+        upload = client.files.create(file=("a.jsonl", _lines("later-model", 1)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert batch.status == "in_progress"
+
+
+def test_nodes_claim_only_the_items_of_the_model_they_serve(
+    server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    client = server.client(acme.key)
+    jobs = {}
+    for model in ("model-a", "model-b"):
+        upload = client.files.create(file=(f"{model}.jsonl", _lines(model, 4)), purpose="batch")
+        jobs[model] = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+    for node, model in (("n-a", "model-a"), ("n-b", "model-b")):
+        claimed = repo.claim(node, 100, 30, models=[model])
+        assert {c.job_id for c in claimed} == {jobs[model]}, node
+        assert len(claimed) == 4
+        assert {json.loads(c.body)["model"] for c in claimed} == {model}
+    assert repo.claim("n-c", 100, 30, models=["model-c"]) == []
