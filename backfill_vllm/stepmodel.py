@@ -28,7 +28,8 @@ class StepFit:
 
     def tokens_within(self, seconds: float) -> int:
         """The most tokens whose marginal cost stays within ``seconds``."""
-        return max(0, math.floor(seconds / self.per_token_s))
+        # The epsilon keeps 0.01 s / 0.0005 s from flooring to 19.
+        return max(0, math.floor(seconds / self.per_token_s + 1e-9))
 
 
 class StepTimeModel:
