@@ -73,6 +73,7 @@ _BUILD_SCRIPTS = Path(__file__).resolve().parent / "model_build"
 # one). The dev engine puts this checkout's copy on the engine's path; an operator installs it
 # into the engine's environment instead (README, "Backfill's scheduler in your engine").
 SCHEDULER_CLS = "backfill_vllm.scheduler.BackfillScheduler"
+CPU_CHUNK_TARGET_S = "0.1"
 _SCHEDULER_PACKAGE = Path(__file__).resolve().parent.parent / "backfill_vllm"
 
 
@@ -595,7 +596,12 @@ def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dic
     if unknown:
         raise DevEngineError(f"scheduler settings are BACKFILL_SCHED_* variables, not {unknown}")
     env = {"BACKFILL_SCHED_METRICS_PORT": str(free_port(host)),
-           "BACKFILL_SCHED_METRICS_HOST": host, **settings}
+           "BACKFILL_SCHED_METRICS_HOST": host,
+           # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
+           # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
+           # simulator's CPU scenario uses 0.1 s.
+           "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
+           **settings}
     if (_SCHEDULER_PACKAGE / "scheduler.py").is_file():
         path = workdir / "scheduler-path"
         path.mkdir(exist_ok=True)
