@@ -206,19 +206,29 @@ class BackfillScheduler(Scheduler):
     # -- room for interactive work ---------------------------------------------------------
 
     def _make_room(self) -> None:
-        """Preempt running batch so waiting interactive requests get a sequence slot and the
-        KV blocks they need (vLLM preempts only for running requests)."""
+        """Preempt running batch so the waiting interactive requests this step can admit get
+        a sequence slot and the KV blocks they need (vLLM preempts only for running
+        requests). Only those the step's token budget reaches: a request that would wait
+        for budget anyway is no reason to throw batch work away yet."""
         waiting = [r for r in self._waiting_requests()
                    if not self.is_batch(r) and r.status in (RequestStatus.WAITING,
                                                             RequestStatus.PREEMPTED)]
         if not waiting:
             return
+        budget = self.max_num_scheduled_tokens - sum(
+            min(max(1, r.num_tokens - r.num_computed_tokens), self.max_num_scheduled_tokens)
+            for r in self.running if not self.is_batch(r))
+        reached: list[Request] = []
+        for request in waiting:
+            if budget <= 0:
+                break
+            reached.append(request)
+            budget -= max(1, request.num_tokens - request.num_computed_tokens)
         free_slots = (self.max_num_active_reqs - len(self.running)
                       - self.num_waiting_for_streaming_input)
-        victims = slot_victims(self._victims(), free_slots, len(waiting))
+        victims = slot_victims(self._victims(), free_slots, len(reached))
         self._preempt(victims, "seqs")
-        free_slots += len(victims)
-        admissible = waiting[: max(0, free_slots)]
+        admissible = reached[: max(0, free_slots + len(victims))]
         if not admissible:
             return
         manager = self.kv_cache_manager

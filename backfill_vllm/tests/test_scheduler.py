@@ -243,6 +243,18 @@ class PreemptForInteractive(unittest.TestCase):
         self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
 
 
+    def test_no_batch_is_preempted_for_interactive_work_the_token_budget_cannot_reach(self) -> None:
+        # Two slots, both batch; two interactive requests of 100 tokens and a budget of 64:
+        # only the first can start this step, so only one batch request gives up its slot.
+        s = make_scheduler(max_num_seqs=2, budget=64, settings=NO_BOUND)
+        decode_batch(s, 2, prompt=20, max_tokens=40)
+        for k in range(2):
+            s.add_request(make_request(f"i{k}", prompt=100, priority=INTERACTIVE, max_tokens=2))
+        out = run_step(s)
+        self.assertEqual(set(out.num_scheduled_tokens), {"i0"})
+        self.assertEqual(s.backfill_metrics.preemptions_seqs, 1)
+
+
 class Metrics(unittest.TestCase):
     def test_the_counters_are_served_as_prometheus_text(self) -> None:
         with socket.socket() as sock:
