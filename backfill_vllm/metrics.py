@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from backfill_vllm.stepmodel import StepFit
 
-logger = logging.getLogger("backfill_vllm")
+logger = logging.getLogger("vllm.backfill_vllm")  # vLLM's logging configuration applies
 
 
 @dataclass

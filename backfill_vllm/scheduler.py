@@ -61,7 +61,8 @@ from backfill_vllm.policy import (  # noqa: E402
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
 from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
 
-logger = init_logger("backfill_vllm")
+# Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
+logger = init_logger("vllm.backfill_vllm")
 
 # One metrics server per (host, port) in a process; a scheduler built later (tests, an engine
 # restarted in-process) takes it over.

@@ -8,6 +8,7 @@ import socket
 import unittest
 import urllib.request
 
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from backfill_vllm.compat import UnsupportedVllmError, check_vllm_version
@@ -16,6 +17,7 @@ from backfill_vllm.settings import SchedulerSettings
 from backfill_vllm.tests.helpers import (
     BATCH,
     INTERACTIVE,
+    TOKEN,
     blocks_of,
     make_request,
     make_scheduler,
@@ -142,6 +144,31 @@ class FinishWhilePaused(unittest.TestCase):
             self.assertNotIn("b1", out.num_scheduled_tokens)
         self.assertEqual(s.running, [])
         self.assertEqual(s.requests, {})
+
+    def test_a_batch_request_whose_last_token_lands_while_paused_finishes(self) -> None:
+        # Async scheduling: step N gives batch its last decode; before N's output is back,
+        # step N+1 pauses it for an interactive prefill; then N's token finishes it.
+        s = make_scheduler(budget=64, settings=NO_BOUND, async_scheduling=True)
+        batch = make_request("b", prompt=20, priority=BATCH, max_tokens=3)
+        s.add_request(batch)
+        while batch.num_output_tokens < 2:
+            run_step(s)
+        last = s.schedule()
+        self.assertIn("b", last.num_scheduled_tokens)
+        s.add_request(make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=2))
+        held = s.schedule()
+        self.assertEqual(set(held.num_scheduled_tokens), {"i"})
+        self.assertEqual(s.backfill_metrics.paused_now, 1)
+        s.update_from_output(last, ModelRunnerOutput(
+            req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[TOKEN]]))
+        self.assertTrue(batch.is_finished())
+        self.assertNotIn(batch, s.running)
+        self.assertNotIn("b", s._tracks)
+        s.update_from_output(held, ModelRunnerOutput(
+            req_ids=["i"], req_id_to_index={"i": 0}, sampled_token_ids=[[]]))
+        while s.has_unfinished_requests():
+            self.assertNotIn("b", run_step(s).num_scheduled_tokens)
+        self.assertEqual(batch.num_output_tokens, 3)
 
     def test_abort_of_a_waiting_batch_request_while_holding(self) -> None:
         s = make_scheduler(budget=64, settings=NO_BOUND)
