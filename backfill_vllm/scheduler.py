@@ -132,9 +132,20 @@ class BackfillScheduler(Scheduler):
     def is_batch(self, request: Request) -> bool:
         return bool(request.priority >= self.backfill.batch_priority)
 
-    def _waiting_requests(self) -> Iterator[Request]:
-        yield from self.kv_holding_waiting
-        yield from self.waiting
+    def _waiting_interactive(self) -> Iterator[Request]:
+        """Waiting interactive requests in the order vLLM admits them. Under the priority
+        policy the queues are ordered by priority, so this stops at the first batch request
+        instead of walking a long batch backlog every step."""
+        bar = self.backfill.batch_priority
+        ordered = self.policy == SchedulingPolicy.PRIORITY
+        for queue in (self.kv_holding_waiting, self.waiting):
+            if ordered and (not queue or queue.peek_request().priority >= bar):
+                continue
+            for request in queue:
+                if request.priority < bar:
+                    yield request
+                elif ordered:
+                    break
 
     # -- the step ------------------------------------------------------------------------
 
@@ -164,11 +175,17 @@ class BackfillScheduler(Scheduler):
         return output
 
     def _view(self, now: float) -> StepView:
+        """What the plan needs: nothing of batch unless interactive work is pending (the
+        common step costs one pass over ``running`` and a peek at the queues)."""
+        bar = self.backfill.batch_priority
+        waiting = list(self._waiting_interactive())
+        pending = bool(waiting) or any(
+            r.priority < bar and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
         sequences: list[SequenceView] = []
-        for request in self.running:
-            sequences.append(self._sequence(request, True))
-        for request in self._waiting_requests():
-            sequences.append(self._sequence(request, False))
+        if pending:
+            sequences = [self._sequence(r, True) for r in self.running]
+            sequences += [self._sequence(r, False) for r in waiting]
         return StepView(sequences, now, self._step_model.fit(), self._last_step_s,
                         self.max_num_scheduled_tokens)
 
@@ -211,9 +228,8 @@ class BackfillScheduler(Scheduler):
         a sequence slot and the KV blocks they need (vLLM preempts only for running
         requests). Only those the step's token budget reaches: a request that would wait
         for budget anyway is no reason to throw batch work away yet."""
-        waiting = [r for r in self._waiting_requests()
-                   if not self.is_batch(r) and r.status in (RequestStatus.WAITING,
-                                                            RequestStatus.PREEMPTED)]
+        waiting = [r for r in self._waiting_interactive()
+                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
         if not waiting:
             return
         budget = self.max_num_scheduled_tokens - sum(
@@ -282,25 +298,30 @@ class BackfillScheduler(Scheduler):
             m.steps += 1
             m.chunk_cap = plan.chunk_cap
             m.fit = self._step_model.fit()
-            paused_now = 0
-            for request in self.running:
-                track = self._tracks.get(request.request_id)
-                if track is None:
-                    continue
-                if request.request_id in scheduled:
+            for request_id in scheduled:
+                track = self._tracks.get(request_id)
+                if track is not None:
                     track.last_progress_s = now
+                    if track.pause_started_s is not None:
+                        track.paused_steps, track.pause_started_s = 0, None
+            paused_now = 0
+            for request_id in plan.paused:
+                track = self._tracks.get(request_id)
+                if track is None or request_id in scheduled:
+                    continue  # finished, or preempted and readmitted (not paused)
+                request = self.requests.get(request_id)
+                if request is None or request.status != RequestStatus.RUNNING:
                     track.paused_steps, track.pause_started_s = 0, None
-                elif request.request_id in plan.paused:
-                    paused_now += 1
-                    if track.pause_started_s is None:
-                        track.pause_started_s = now
-                        track.pauses += 1
-                        m.pauses += 1
-                        m.most_pauses_per_request = max(m.most_pauses_per_request,
-                                                        track.pauses)
-                    track.paused_steps += 1
-                    m.longest_pause_steps = max(m.longest_pause_steps, track.paused_steps)
-                    m.longest_pause_s = max(m.longest_pause_s, now - track.pause_started_s)
+                    continue  # preempted by vLLM in this step: waiting, not paused
+                paused_now += 1
+                if track.pause_started_s is None:
+                    track.pause_started_s = now
+                    track.pauses += 1
+                    m.pauses += 1
+                    m.most_pauses_per_request = max(m.most_pauses_per_request, track.pauses)
+                track.paused_steps += 1
+                m.longest_pause_steps = max(m.longest_pause_steps, track.paused_steps)
+                m.longest_pause_s = max(m.longest_pause_s, now - track.pause_started_s)
             m.paused_now = paused_now
             if paused_now:
                 m.paused_steps += 1
