@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,12 @@ _PID_FILE = "server.pid"
 _STALE_WORKDIR_S = 120.0
 _MODEL_MARKER = ".backfill-model"
 _BUILD_SCRIPTS = Path(__file__).resolve().parent / "model_build"
+# Backfill's step scheduler for vLLM (``backfill_vllm/``, a package of its own beside this
+# one). The dev engine puts this checkout's copy on the engine's path; an operator installs it
+# into the engine's environment instead (README, "Backfill's scheduler in your engine").
+SCHEDULER_CLS = "backfill_vllm.scheduler.BackfillScheduler"
+CPU_CHUNK_TARGET_S = "0.1"
+_SCHEDULER_PACKAGE = Path(__file__).resolve().parent.parent / "backfill_vllm"
 
 
 class DevEngineError(BackfillError):
@@ -395,6 +401,8 @@ class EngineServer:
     dtype: str = "auto"
     dtype_reason: str = ""
     ready_seconds: float = 0.0
+    scheduler_metrics_url: str | None = None
+    """Where Backfill's step scheduler serves its metrics; None: vLLM's stock scheduler."""
     _owns_workdir: bool = field(default=True, repr=False)
 
     @property
@@ -459,6 +467,8 @@ def start_engine(
     max_num_seqs: int | None = None,
     num_gpu_blocks_override: int | None = None,
     enable_log_requests: bool = False,
+    scheduler: bool = False,
+    scheduler_settings: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = READY_TIMEOUT_S,
     workdir: Path | None = None,
@@ -471,6 +481,10 @@ def start_engine(
     folder, removed on stop, unless given), and with ``die_with_parent`` is terminated by the
     kernel if this process dies first. Without ``dtype`` it serves the checkpoint's own dtype
     unless this CPU would emulate it (:func:`choose_dtype`).
+
+    With ``scheduler`` the engine runs Backfill's step scheduler (``--scheduler-cls``), taken
+    from this checkout, with ``scheduler_settings`` (``BACKFILL_SCHED_*`` variables) and its
+    metrics on a free port (:attr:`EngineServer.scheduler_metrics_url`).
     """
     python = python or venv_python(default_venv())
     if not python.exists():
@@ -508,8 +522,15 @@ def start_engine(
         argv += ["--num-gpu-blocks-override", str(num_gpu_blocks_override)]
     if enable_log_requests:
         argv.append("--enable-log-requests")
+    sched_env: dict[str, str] = {}
+    metrics_url = None
+    if scheduler:
+        argv += ["--scheduler-cls", SCHEDULER_CLS]
+        sched_env = _scheduler_env(workdir, host, scheduler_settings or {})
+        metrics_url = f"http://{host}:{sched_env['BACKFILL_SCHED_METRICS_PORT']}/metrics"
     argv += list(extra_args)
     env = _offline_env(
+        **sched_env,
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind()),
         VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
@@ -540,10 +561,13 @@ def start_engine(
         kv_cache_gib=kv_cache_gib,
         dtype=choice.dtype,
         dtype_reason=choice.reason,
+        scheduler_metrics_url=metrics_url,
         _owns_workdir=owns_workdir,
     )
     try:
         _wait_healthy(server, ready_timeout_s)
+        if metrics_url is not None:
+            _wait_scheduler_metrics(server, metrics_url)
     except BaseException as exc:
         # Keep the log for the error message, then clean up the process and its files.
         cause, tail = server.root_cause(), server.log_tail()
@@ -557,9 +581,52 @@ def start_engine(
     _say(
         f"vLLM ready at {server.url} in {server.ready_seconds:.1f} s "
         f"(pid {server.pid}, RSS {server.rss_bytes() / 2**30:.2f} GiB, "
-        f"dtype {server.dtype}: {server.dtype_reason})"
+        f"dtype {server.dtype}: {server.dtype_reason}"
+        + (f"; Backfill's step scheduler, metrics at {metrics_url}" if metrics_url else "")
+        + ")"
     )
     return server
+
+
+def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dict[str, str]:
+    """The engine's environment for Backfill's step scheduler: this checkout's package on its
+    path (through a folder holding only that package, so nothing else of the checkout can
+    shadow the engine's imports), the settings, and a free port for its metrics."""
+    unknown = sorted(k for k in settings if not k.startswith("BACKFILL_SCHED_"))
+    if unknown:
+        raise DevEngineError(f"scheduler settings are BACKFILL_SCHED_* variables, not {unknown}")
+    env = {"BACKFILL_SCHED_METRICS_PORT": str(free_port(host)),
+           "BACKFILL_SCHED_METRICS_HOST": host,
+           # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
+           # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
+           # simulator's CPU scenario uses 0.1 s.
+           "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
+           **settings}
+    if (_SCHEDULER_PACKAGE / "scheduler.py").is_file():
+        path = workdir / "scheduler-path"
+        path.mkdir(exist_ok=True)
+        link = path / "backfill_vllm"
+        if not link.exists():
+            link.symlink_to(_SCHEDULER_PACKAGE, target_is_directory=True)
+        env["PYTHONPATH"] = str(path)
+    # Else the package must be installed in the engine's venv (pip install ./backfill_vllm).
+    return env
+
+
+def _wait_scheduler_metrics(server: EngineServer, url: str, timeout_s: float = 30.0) -> None:
+    """The scheduler starts its metrics server before the engine answers /health; one that
+    does not answer means the engine runs without it (a port taken, an old package)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise DevEngineError(f"Backfill's step scheduler serves no metrics at {url}")
+            time.sleep(0.5)
 
 
 def _alive(pid: int) -> bool:
@@ -651,11 +718,14 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_log_requests=args.enable_log_requests,
+        scheduler=args.backfill_scheduler,
         ready_timeout_s=args.ready_timeout,
         dtype=args.dtype,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     )
     print(server.url, flush=True)
+    if server.scheduler_metrics_url:
+        print(f"scheduler metrics: {server.scheduler_metrics_url}", flush=True)
     stop_now = False
 
     def _on_signal(signum: int, frame: object) -> None:
@@ -694,6 +764,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--max-num-seqs", type=int, default=None)
     p_serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p_serve.add_argument("--enable-log-requests", action="store_true")
+    p_serve.add_argument(
+        "--backfill-scheduler", action="store_true",
+        help=f"run Backfill's step scheduler ({SCHEDULER_CLS}); its BACKFILL_SCHED_* settings "
+        "come from this environment",
+    )
     p_serve.add_argument(
         "--dtype", default=None, help="default: the model's own, float32 for bfloat16 models "
         "on a CPU without native bfloat16 (avx512_bf16, amx_bf16)"

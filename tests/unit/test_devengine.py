@@ -153,3 +153,16 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert devengine.checkpoint_dtype(tmp_path) == "auto"
     assert devengine.checkpoint_dtype(tmp_path / "missing") == "auto"
+
+
+def test_the_scheduler_env_puts_only_the_package_on_the_engines_path(tmp_path: Path) -> None:
+    settings = {"BACKFILL_SCHED_RIDE_ALONG_SHARE": "0.2"}
+    env = devengine._scheduler_env(tmp_path, "127.0.0.1", settings)
+    path = Path(env["PYTHONPATH"])
+    assert sorted(p.name for p in path.iterdir()) == ["backfill_vllm"]
+    assert (path / "backfill_vllm" / "scheduler.py").is_file()
+    assert int(env["BACKFILL_SCHED_METRICS_PORT"]) > 0
+    assert env["BACKFILL_SCHED_METRICS_HOST"] == "127.0.0.1"
+    assert env["BACKFILL_SCHED_RIDE_ALONG_SHARE"] == "0.2"
+    with pytest.raises(devengine.DevEngineError, match="BACKFILL_SCHED_"):
+        devengine._scheduler_env(tmp_path, "127.0.0.1", {"RIDE_ALONG": "1"})

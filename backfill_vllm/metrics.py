@@ -1,0 +1,148 @@
+"""What the step scheduler did, as Prometheus text on a small HTTP server in the engine core.
+
+vLLM's own ``/metrics`` lives in the API server process; the scheduler runs in the engine-core
+process, so it serves its counters itself (``BACKFILL_SCHED_METRICS_PORT``, bound to
+127.0.0.1 unless ``BACKFILL_SCHED_METRICS_HOST`` says otherwise). Backfill's worker reads them
+(``backfill.engine_scheduler.parse_scheduler_metrics``): the names here are that contract.
+Counters are written by the engine's step loop and read by the server thread under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from backfill_vllm.stepmodel import StepFit
+
+logger = logging.getLogger("vllm.backfill_vllm")  # vLLM's logging configuration applies
+
+
+@dataclass
+class SchedulerMetrics:
+    """Counters since the engine started; gauges as of the last step."""
+
+    version: str
+    vllm_version: str
+    batch_priority: int
+    steps: int = 0
+    paused_steps: int = 0
+    """Steps in which at least one resident batch sequence was paused."""
+    tokens_held: int = 0
+    """Tokens the paused batch sequences would have carried in those steps."""
+    pauses: int = 0
+    """Pauses begun (a batch sequence going from carrying tokens to paused)."""
+    relief: int = 0
+    """Paused batch sequences given tokens at the starvation bound."""
+    ride_along: int = 0
+    """Batch decode tokens that rode along in holding steps (the ride-along share)."""
+    preemptions_kv: int = 0
+    """Batch sequences preempted for interactive work's KV blocks (ours and vLLM's own)."""
+    preemptions_seqs: int = 0
+    """Batch sequences preempted so a waiting interactive request gets a sequence slot."""
+    batch_requests: int = 0
+    paused_now: int = 0
+    longest_pause_s: float = 0.0
+    longest_pause_steps: int = 0
+    most_pauses_per_request: int = 0
+    chunk_cap: int = 0
+    fit: StepFit | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def render(self) -> str:
+        with self._lock:
+            return self._render()
+
+    def _render(self) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, *samples: tuple[str, float]) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                out.append(f"{name}{labels} {float(value)!r}")
+
+        family(
+            "backfill_sched_info", "gauge", "The step scheduler's version and settings (1).",
+            (f'{{batch_priority="{self.batch_priority}",version="{self.version}",'
+             f'vllm_version="{self.vllm_version}"}}', 1),
+        )
+        counters = (
+            ("steps", "Steps scheduled.", self.steps),
+            ("batch_paused_steps", "Steps in which resident batch sequences were paused.",
+             self.paused_steps),
+            ("batch_tokens_held", "Tokens paused batch sequences would have carried.",
+             self.tokens_held),
+            ("batch_pauses", "Pauses begun by batch sequences.", self.pauses),
+            ("batch_relief", "Paused batch sequences given tokens at the starvation bound.",
+             self.relief),
+            ("batch_ride_along", "Batch decode tokens carried in holding steps.",
+             self.ride_along),
+            ("batch_requests", "Batch requests seen.", self.batch_requests),
+        )
+        for name, text, value in counters:
+            family(f"backfill_sched_{name}_total", "counter", text, ("", value))
+        family(
+            "backfill_sched_batch_preemptions_total", "counter",
+            "Batch sequences preempted for interactive work, by what ran short.",
+            ('{reason="kv"}', self.preemptions_kv), ('{reason="seqs"}', self.preemptions_seqs),
+        )
+        fit = self.fit
+        gauges: tuple[tuple[str, str, float], ...] = (
+            ("batch_paused", "Batch sequences paused now.", self.paused_now),
+            ("batch_longest_pause_seconds", "Longest pause of a batch sequence, seconds.",
+             self.longest_pause_s),
+            ("batch_longest_pause_steps", "Longest pause of a batch sequence, steps.",
+             self.longest_pause_steps),
+            ("batch_most_pauses_per_request", "Most pauses one batch request has had.",
+             self.most_pauses_per_request),
+            ("chunk_cap_tokens", "Batch prefill tokens a step may carry now.", self.chunk_cap),
+            ("step_model_base_seconds", "Fitted step time with no tokens.",
+             fit.base_s if fit else 0.0),
+            ("step_model_per_token_seconds", "Fitted step time each token adds.",
+             fit.per_token_s if fit else 0.0),
+            ("step_model_samples", "Steps the fit is made from.", fit.samples if fit else 0),
+        )
+        for name, text, gauge in gauges:
+            family(f"backfill_sched_{name}", "gauge", text, ("", gauge))
+        return "\n".join(out) + "\n"
+
+
+def serve_metrics(
+    render: Callable[[], str], host: str, port: int
+) -> ThreadingHTTPServer | None:
+    """Serve what ``render`` says at ``http://host:port/metrics`` from a daemon thread; None
+    (logged, the engine runs on) when the port cannot be bound."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = render().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # a scrape every few seconds is not news
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        logger.warning("backfill_vllm: cannot serve metrics on %s:%d: %s", host, port, exc)
+        return None
+    server.daemon_threads = True
+    thread = threading.Thread(
+        target=server.serve_forever, name="backfill-sched-metrics", daemon=True
+    )
+    thread.start()
+    return server

@@ -1,0 +1,210 @@
+"""The step scheduler's per-step decision, as pure functions over a view of the engine's queues.
+
+Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
+:class:`StepView`:
+
+- *holding*: while any interactive request waits or still has prompt tokens to prefill, batch
+  yields the step. Its resident sequences are **paused**: they keep their KV blocks, slot and
+  computed tokens and carry no tokens (nothing aborted, nothing recomputed), and no waiting
+  batch request is admitted;
+- *relief*: a paused sequence at its starvation bound (``starvation_steps`` steps or
+  ``starvation_s`` seconds without progress) carries tokens in this step anyway;
+- *ride-along*: with ``ride_along_share`` > 0, batch decoders carry tokens in a holding step up
+  to that share of the step's own time, priced by the fitted step-time model;
+- the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
+  model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
+  arriving mid-step waits at most one short step.
+
+:func:`slot_victims` and :func:`kv_victims` choose which running batch sequences to preempt
+when interactive work waits for a sequence slot or for KV blocks: vLLM's priority policy
+preempts only for a *running* request's next block, never to admit a waiting one, and never
+for a slot.
+
+The scheduler (``backfill_vllm.scheduler``) builds the view, carries the plan out and counts
+what it did. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backfill_vllm.settings import SchedulerSettings
+from backfill_vllm.stepmodel import StepFit
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """One request as the step plan sees it."""
+
+    request_id: str
+    batch: bool
+    resident: bool
+    """Running: it holds a sequence slot and its KV blocks (else it waits to be admitted)."""
+    prefill_tokens: int
+    """Tokens it must still compute before it decodes (its prompt, or prompt and output after
+    a preemption); 0 while decoding."""
+    paused_steps: int = 0
+    """Steps in a row it has been paused so far."""
+    last_progress_s: float | None = None
+    """When it last carried tokens (or arrived); what the starvation bound counts from."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    sequences: Sequence[SequenceView]
+    now: float
+    fit: StepFit | None
+    """The fitted step-time model; None before it has enough samples."""
+    last_step_s: float
+    """How long the previous step took (what the next is expected to take)."""
+    token_budget: int
+    """The most tokens vLLM schedules in one step."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    holding: bool
+    """Interactive work waits or prefills: batch yields this step."""
+    paused: frozenset[str]
+    """Resident batch sequences that carry no tokens this step."""
+    relieved: frozenset[str]
+    """Paused batch sequences at their starvation bound: they carry tokens this step."""
+    riding: frozenset[str]
+    """Batch decoders that ride along in this holding step (the ride-along share)."""
+    chunk_cap: int
+    """The batch prefill cap sized for this step."""
+    prefill_allowance: int
+    """Batch prefill tokens this step may carry, all batch sequences together."""
+    admit_batch: bool
+    """Whether waiting batch requests may be admitted this step."""
+    held_tokens: int
+    """Tokens the paused sequences would have carried this step."""
+
+
+def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
+    """Batch prefill tokens one step may carry: what the model says fits ``chunk_target_s``
+    (never under ``min_chunk_tokens``), ``chunk_tokens`` before it has a fit."""
+    if fit is None:
+        cap = settings.chunk_tokens
+    else:
+        cap = max(settings.min_chunk_tokens, fit.tokens_within(settings.chunk_target_s))
+    return max(1, min(cap, token_budget))
+
+
+def starved(settings: SchedulerSettings, seq: SequenceView, now: float, step_s: float) -> bool:
+    """Whether paused ``seq`` must progress in the step starting at ``now`` (expected to take
+    ``step_s``): waiting one more step would break a bound."""
+    n, t = settings.starvation_steps, settings.starvation_s
+    if n > 0 and seq.paused_steps + 1 >= n:
+        return True
+    if t > 0 and seq.last_progress_s is not None:
+        return now + 2 * step_s - seq.last_progress_s > t
+    return False
+
+
+def _held(seq: SequenceView, cap: int) -> int:
+    return min(seq.prefill_tokens, cap) if seq.prefill_tokens > 0 else 1
+
+
+def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
+    """What batch may do in the next step."""
+    cap = chunk_cap(settings, view.fit, view.token_budget)
+    interactive = [s for s in view.sequences if not s.batch]
+    holding = any(not s.resident or s.prefill_tokens > 0 for s in interactive)
+    if not holding:
+        return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0)
+
+    resident = [s for s in view.sequences if s.batch and s.resident]
+    step_s = view.last_step_s if view.last_step_s > 0 else settings.chunk_target_s
+    relieved = [s for s in resident if starved(settings, s, view.now, step_s)]
+    relieved_ids = {s.request_id for s in relieved}
+
+    riders: list[SequenceView] = []
+    if settings.ride_along_share > 0:
+        room = _ride_along_tokens(view, settings, interactive, cap)
+        candidates = sorted(
+            (s for s in resident if s.prefill_tokens == 0 and s.request_id not in relieved_ids),
+            key=lambda s: (-s.paused_steps, s.last_progress_s or 0.0, s.request_id),
+        )
+        riders = candidates[:room]
+    moving = relieved_ids | {s.request_id for s in riders}
+    paused = [s for s in resident if s.request_id not in moving]
+    # Relieved prefills share one capped chunk; nobody else gets batch prefill while holding.
+    allowance = cap if any(s.prefill_tokens > 0 for s in relieved) else 0
+    return StepPlan(
+        holding=True,
+        paused=frozenset(s.request_id for s in paused),
+        relieved=frozenset(relieved_ids),
+        riding=frozenset(s.request_id for s in riders),
+        chunk_cap=cap,
+        prefill_allowance=allowance,
+        admit_batch=False,
+        held_tokens=sum(_held(s, cap) for s in paused),
+    )
+
+
+def _ride_along_tokens(
+    view: StepView, settings: SchedulerSettings, interactive: Sequence[SequenceView], cap: int
+) -> int:
+    """Batch decode tokens that fit in ``ride_along_share`` of the step's time without them."""
+    work = sum(min(s.prefill_tokens, view.token_budget) if s.prefill_tokens else 1
+               for s in interactive)
+    work = min(work, view.token_budget)
+    if view.fit is None:
+        return math.floor(settings.ride_along_share * min(work, cap))
+    return math.floor(
+        settings.ride_along_share * view.fit.seconds(work) / view.fit.per_token_s
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VictimView:
+    """A running batch sequence that could be preempted."""
+
+    request_id: str
+    computed_tokens: int
+    """What preempting it throws away (recomputed when it resumes, less prefix-cache hits)."""
+    blocks: int
+    """KV blocks preempting it frees."""
+    arrival_s: float
+
+
+def _victim_order(candidates: Sequence[VictimView]) -> list[VictimView]:
+    # Lose the least work; among equals the newest goes first (as vLLM picks).
+    return sorted(candidates, key=lambda v: (v.computed_tokens, -v.arrival_s, v.request_id))
+
+
+def slot_victims(
+    candidates: Sequence[VictimView], free_slots: int, interactive_waiting: int
+) -> list[str]:
+    """Batch sequences to preempt so ``interactive_waiting`` requests find a sequence slot
+    (``free_slots`` are free now)."""
+    short = min(interactive_waiting, interactive_waiting - free_slots, len(candidates))
+    if short <= 0:
+        return []
+    return [v.request_id for v in _victim_order(candidates)[:short]]
+
+
+def kv_victims(
+    candidates: Sequence[VictimView], free_blocks: int, needs: Sequence[int]
+) -> list[str]:
+    """Batch sequences to preempt so the waiting interactive requests, in the order they are
+    admitted, find the KV blocks they need (``needs``, one figure each). Preempts only for the
+    requests it can make room for in full: freeing blocks that still leave the next request
+    short would throw batch work away for nothing."""
+    room = free_blocks + sum(v.blocks for v in candidates)
+    wanted = 0
+    for need in needs:
+        if wanted + need > room:
+            break
+        wanted += need
+    victims: list[str] = []
+    have = free_blocks
+    for victim in _victim_order(candidates):
+        if have >= wanted:
+            break
+        victims.append(victim.request_id)
+        have += victim.blocks
+    return victims

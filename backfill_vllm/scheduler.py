@@ -1,0 +1,352 @@
+"""``BackfillScheduler``: vLLM's V1 scheduler, with batch yielding inside the step.
+
+``vllm serve ... --scheduling-policy priority --scheduler-cls
+backfill_vllm.scheduler.BackfillScheduler``. Requests at ``BACKFILL_SCHED_BATCH_PRIORITY``
+(10, what Backfill's worker sends) or above are batch. Each step, before vLLM's own
+``schedule()`` runs, :func:`backfill_vllm.policy.plan_step` decides what batch may do; vLLM
+then schedules exactly as it always does, except that every batch request's tokens for the
+step pass through one cap (:meth:`BackfillScheduler._reserve_prefill_lookahead`, the hook
+vLLM calls for each request right before it allocates KV slots):
+
+- a *paused* sequence gets 0 tokens: it stays in ``running`` with its KV blocks, slot and
+  ``num_computed_tokens`` (vLLM already skips running requests that get no tokens in a step,
+  e.g. when the token budget runs out), so nothing is aborted or recomputed, and an abort or
+  finish while paused is vLLM's ordinary path;
+- batch prefill, all batch requests together, gets at most the step's chunk cap;
+- waiting batch is not admitted while interactive work is pending.
+
+Because paused batch stays in ``running``, vLLM's priority policy still preempts batch first
+when a running interactive request needs a KV block. What it does not do is closed here,
+before its ``schedule()``: it never preempts to *admit* a waiting request, so with the
+sequence slots (``--max-num-seqs``) or the KV blocks held by batch, interactive work would
+wait for batch to finish; the scheduler preempts batch for it (:func:`policy.slot_victims`,
+:func:`policy.kv_victims`).
+
+Under async scheduling (vLLM's default where the executor supports it) the class builds as
+``BackfillAsyncScheduler``, the same rules over vLLM's ``AsyncScheduler``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import __version__ as vllm_version
+
+from backfill_vllm import __version__
+from backfill_vllm.compat import check_vllm_version
+
+check_vllm_version(vllm_version)
+
+from vllm.logger import init_logger  # noqa: E402
+from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from backfill_vllm.metrics import SchedulerMetrics, serve_metrics  # noqa: E402
+from backfill_vllm.policy import (  # noqa: E402
+    SequenceView,
+    StepPlan,
+    StepView,
+    VictimView,
+    kv_victims,
+    plan_step,
+    slot_victims,
+)
+from backfill_vllm.settings import SchedulerSettings  # noqa: E402
+from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
+
+# Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
+logger = init_logger("vllm.backfill_vllm")
+
+# One metrics server per (host, port) in a process; a scheduler built later (tests, an engine
+# restarted in-process) takes it over.
+_served: dict[tuple[str, int], list[SchedulerMetrics]] = {}
+
+
+@dataclass
+class _BatchTrack:
+    """What the scheduler remembers of one batch request between steps."""
+
+    last_progress_s: float
+    paused_steps: int = 0
+    pause_started_s: float | None = None
+    pauses: int = 0
+
+
+class BackfillScheduler(Scheduler):
+    def __new__(cls, *args: Any, **kwargs: Any) -> BackfillScheduler:
+        chosen = cls
+        if cls is BackfillScheduler:
+            config = kwargs.get("vllm_config", args[0] if args else None)
+            if getattr(getattr(config, "scheduler_config", None), "async_scheduling", False):
+                chosen = BackfillAsyncScheduler
+        return super().__new__(chosen)
+
+    def __init__(self, *args: Any, settings: SchedulerSettings | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backfill = settings or SchedulerSettings.from_env()
+        s = self.backfill
+        if self.policy != SchedulingPolicy.PRIORITY:
+            logger.warning(
+                "backfill_vllm: the engine runs --scheduling-policy %s; batch is known by its "
+                "priority, so run --scheduling-policy priority (until then nothing is batch)",
+                self.policy.value,
+            )
+        self.backfill_metrics = SchedulerMetrics(__version__, vllm_version, s.batch_priority)
+        self._step_model = StepTimeModel(s.model_window, s.model_min_samples)
+        self._tracks: dict[str, _BatchTrack] = {}
+        self._plan: StepPlan | None = None
+        self._allowance_left = 0
+        self._preempt_reason: str | None = None
+        self._in_flight: dict[int, tuple[float, int]] = {}
+        self._last_update_s = 0.0
+        self._last_step_s = 0.0
+        where = "not served"
+        if s.metrics_port:
+            key = (s.metrics_host, s.metrics_port)
+            holder = _served.get(key)
+            if holder is not None:
+                holder[0] = self.backfill_metrics
+                where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
+            else:
+                holder = [self.backfill_metrics]
+                if serve_metrics(lambda: holder[0].render(), *key) is not None:  # noqa: PLW0108
+                    _served[key] = holder
+                    where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
+        logger.info(
+            "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s; ride-along "
+            "%.2f; starvation bound %d steps / %.2f s; metrics %s",
+            __version__, type(self).__name__, s.batch_priority, s.chunk_target_s,
+            s.ride_along_share, s.starvation_steps, s.starvation_s, where,
+        )
+
+    # -- classes -------------------------------------------------------------------------
+
+    def is_batch(self, request: Request) -> bool:
+        return bool(request.priority >= self.backfill.batch_priority)
+
+    def _waiting_interactive(self) -> Iterator[Request]:
+        """Waiting interactive requests in the order vLLM admits them. Under the priority
+        policy the queues are ordered by priority, so this stops at the first batch request
+        instead of walking a long batch backlog every step."""
+        bar = self.backfill.batch_priority
+        ordered = self.policy == SchedulingPolicy.PRIORITY
+        for queue in (self.kv_holding_waiting, self.waiting):
+            if ordered and (not queue or queue.peek_request().priority >= bar):
+                continue
+            for request in queue:
+                if request.priority < bar:
+                    yield request
+                elif ordered:
+                    break
+
+    # -- the step ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        known = request.request_id in self.requests
+        super().add_request(request)
+        if not known and self.is_batch(request):
+            self._tracks[request.request_id] = _BatchTrack(time.monotonic())
+            with self.backfill_metrics.lock:
+                self.backfill_metrics.batch_requests += 1
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        now = time.monotonic()
+        plan = plan_step(self._view(now), self.backfill)
+        if plan.holding:
+            self._make_room()
+        self._plan, self._allowance_left = plan, plan.prefill_allowance
+        try:
+            output = super().schedule(throttle_prefills)
+        finally:
+            self._plan = None
+        self._account(plan, output, now)
+        if output.total_num_scheduled_tokens > 0:
+            if len(self._in_flight) > 16:
+                self._in_flight.clear()  # outputs that never came back (engine reset)
+            self._in_flight[id(output)] = (time.monotonic(), output.total_num_scheduled_tokens)
+        return output
+
+    def _view(self, now: float) -> StepView:
+        """What the plan needs: nothing of batch unless interactive work is pending (the
+        common step costs one pass over ``running`` and a peek at the queues)."""
+        bar = self.backfill.batch_priority
+        waiting = list(self._waiting_interactive())
+        pending = bool(waiting) or any(
+            r.priority < bar and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
+        sequences: list[SequenceView] = []
+        if pending:
+            sequences = [self._sequence(r, True) for r in self.running]
+            sequences += [self._sequence(r, False) for r in waiting]
+        return StepView(sequences, now, self._step_model.fit(), self._last_step_s,
+                        self.max_num_scheduled_tokens)
+
+    def _sequence(self, request: Request, resident: bool) -> SequenceView:
+        batch = self.is_batch(request)
+        # Decoding: everything but the last sampled token is computed (or, under async
+        # scheduling, the in-flight placeholder is counted as computed already).
+        left = request.num_tokens - request.num_computed_tokens
+        prefill = max(0, left - 1) if resident else max(1, left)
+        track = self._tracks.get(request.request_id) if batch else None
+        return SequenceView(
+            request.request_id, batch, resident, prefill,
+            track.paused_steps if track else 0, track.last_progress_s if track else None,
+        )
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        """vLLM asks this of every request it is about to give tokens, running and waiting,
+        right before allocating their KV slots: the one place batch's tokens are capped."""
+        granted = super()._reserve_prefill_lookahead(request, num_computed_tokens,
+                                                     num_new_tokens)
+        plan = self._plan
+        if plan is None or granted <= 0 or not self.is_batch(request):
+            return int(granted)
+        if request.request_id in plan.paused:
+            return 0
+        if request.status != RequestStatus.RUNNING and not plan.admit_batch:
+            return 0
+        if request.num_tokens - num_computed_tokens <= 1:
+            return int(granted)  # a decode token
+        granted = min(granted, self._allowance_left)
+        self._allowance_left -= granted
+        return int(granted)
+
+    # -- room for interactive work ---------------------------------------------------------
+
+    def _make_room(self) -> None:
+        """Preempt running batch so the waiting interactive requests this step can admit get
+        a sequence slot and the KV blocks they need (vLLM preempts only for running
+        requests). Only those the step's token budget reaches: a request that would wait
+        for budget anyway is no reason to throw batch work away yet."""
+        waiting = [r for r in self._waiting_interactive()
+                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        if not waiting:
+            return
+        budget = self.max_num_scheduled_tokens - sum(
+            min(max(1, r.num_tokens - r.num_computed_tokens), self.max_num_scheduled_tokens)
+            for r in self.running if not self.is_batch(r))
+        reached: list[Request] = []
+        for request in waiting:
+            if budget <= 0:
+                break
+            reached.append(request)
+            budget -= max(1, request.num_tokens - request.num_computed_tokens)
+        free_slots = (self.max_num_active_reqs - len(self.running)
+                      - self.num_waiting_for_streaming_input)
+        victims = slot_victims(self._victims(), free_slots, len(reached))
+        self._preempt(victims, "seqs")
+        admissible = reached[: max(0, free_slots + len(victims))]
+        if not admissible:
+            return
+        manager = self.kv_cache_manager
+        needs = [cdiv(min(r.num_tokens, self.max_model_len) + 1, self.block_size)
+                 for r in admissible]
+        if self.running:
+            needs[0] += manager.watermark_blocks
+        self._preempt(kv_victims(self._victims(), manager.block_pool.get_num_free_blocks(),
+                                 needs), "kv")
+
+    def _victims(self) -> list[VictimView]:
+        return [
+            VictimView(r.request_id, r.num_computed_tokens,
+                       cdiv(r.num_computed_tokens, self.block_size), r.arrival_time)
+            for r in self.running
+            if self.is_batch(r) and r.status == RequestStatus.RUNNING
+        ]
+
+    def _preempt(self, request_ids: Iterable[str], reason: str) -> None:
+        timestamp = time.monotonic()
+        for request_id in request_ids:
+            request = self.requests[request_id]
+            self.running.remove(request)
+            self._preempt_reason = reason
+            try:
+                self._preempt_request(request, timestamp)
+            finally:
+                self._preempt_reason = None
+
+    def _preempt_request(self, request: Request, timestamp: float,
+                         drop_stale_output: bool = False) -> None:
+        if self.is_batch(request):
+            reason = self._preempt_reason or "kv"
+            with self.backfill_metrics.lock:
+                if reason == "seqs":
+                    self.backfill_metrics.preemptions_seqs += 1
+                else:
+                    self.backfill_metrics.preemptions_kv += 1
+            track = self._tracks.get(request.request_id)
+            if track is not None:
+                track.paused_steps, track.pause_started_s = 0, None
+        super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
+
+    # -- what happened -------------------------------------------------------------------
+
+    def _account(self, plan: StepPlan, output: SchedulerOutput, now: float) -> None:
+        scheduled = output.num_scheduled_tokens
+        m = self.backfill_metrics
+        with m.lock:
+            m.steps += 1
+            m.chunk_cap = plan.chunk_cap
+            m.fit = self._step_model.fit()
+            for request_id in scheduled:
+                track = self._tracks.get(request_id)
+                if track is not None:
+                    track.last_progress_s = now
+                    if track.pause_started_s is not None:
+                        track.paused_steps, track.pause_started_s = 0, None
+            paused_now = 0
+            for request_id in plan.paused:
+                track = self._tracks.get(request_id)
+                if track is None or request_id in scheduled:
+                    continue  # finished, or preempted and readmitted (not paused)
+                request = self.requests.get(request_id)
+                if request is None or request.status != RequestStatus.RUNNING:
+                    track.paused_steps, track.pause_started_s = 0, None
+                    continue  # preempted by vLLM in this step: waiting, not paused
+                paused_now += 1
+                if track.pause_started_s is None:
+                    track.pause_started_s = now
+                    track.pauses += 1
+                    m.pauses += 1
+                    m.most_pauses_per_request = max(m.most_pauses_per_request, track.pauses)
+                track.paused_steps += 1
+                m.longest_pause_steps = max(m.longest_pause_steps, track.paused_steps)
+                m.longest_pause_s = max(m.longest_pause_s, now - track.pause_started_s)
+            m.paused_now = paused_now
+            if paused_now:
+                m.paused_steps += 1
+                m.tokens_held += plan.held_tokens
+            m.relief += sum(1 for r in plan.relieved if r in scheduled)
+            m.ride_along += sum(1 for r in plan.riding if r in scheduled)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> Any:
+        now = time.monotonic()
+        sent = self._in_flight.pop(id(scheduler_output), None)
+        if sent is not None:
+            # The step ran from when it was scheduled, or from when the one before it came
+            # back if it was queued behind that one (async scheduling).
+            seconds = now - max(sent[0], self._last_update_s)
+            self._step_model.observe(sent[1], seconds)
+            self._last_step_s = seconds
+        self._last_update_s = now
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        self._tracks.pop(request.request_id, None)
+        return super()._free_request(request, delay_free_blocks=delay_free_blocks)
+
+
+class BackfillAsyncScheduler(BackfillScheduler, AsyncScheduler):
+    """The same scheduler over vLLM's ``AsyncScheduler`` (chosen by ``BackfillScheduler``
+    itself when the engine runs with async scheduling)."""

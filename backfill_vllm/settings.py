@@ -1,0 +1,104 @@
+"""The step scheduler's settings, from ``BACKFILL_SCHED_*`` environment variables.
+
+vLLM builds the scheduler class itself (``--scheduler-cls``) and passes it no options of ours,
+so the engine process's environment is where an operator sets them. A bad value stops the
+engine at start with one line naming the variable, never a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+PREFIX = "BACKFILL_SCHED_"
+
+
+class SettingsError(ValueError):
+    """A ``BACKFILL_SCHED_*`` variable holds a value the scheduler cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    """What the step scheduler does, per setting; the defaults match the simulator's
+    ``backfill-step`` (``backfill.simulate.stepsched.StepSchedule``)."""
+
+    batch_priority: int = 10
+    """Requests at this vLLM priority or above are batch (Backfill's worker sends 10, its
+    gateway 0)."""
+    chunk_target_s: float = 0.01
+    """Batch prefill one step may carry, in step time priced by the fitted step-time model:
+    an interactive request arriving mid-step waits at most about this long for the step in
+    flight."""
+    chunk_tokens: int = 256
+    """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
+    min_chunk_tokens: int = 16
+    """The cap never goes below this (a slope fitted on a noisy machine can be huge)."""
+    ride_along_share: float = 0.0
+    """While interactive work waits or prefills, batch decode tokens may ride along up to this
+    share of the step's own time (0: every batch sequence pauses)."""
+    starvation_steps: int = 0
+    """A paused batch sequence carries tokens at least once every this many steps (0: no
+    bound in steps)."""
+    starvation_s: float = 1.0
+    """... and within this many seconds of its last progress (0: no bound in seconds)."""
+    model_window: int = 256
+    """Step-time samples the model keeps (the most recent)."""
+    model_min_samples: int = 16
+    """Samples before the fitted model sizes the chunk cap."""
+    metrics_port: int = 0
+    """Port of the scheduler's Prometheus text (``/metrics``); 0: not served."""
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise SettingsError(
+                    f"{PREFIX}{name.upper()}={getattr(self, name)!r}: must be {what}"
+                )
+
+        for name in ("chunk_target_s", "ride_along_share", "starvation_s"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value >= 0, name, "a number >= 0")
+        need(self.chunk_target_s > 0, "chunk_target_s", "> 0 seconds")
+        need(self.ride_along_share <= 1, "ride_along_share", "between 0 and 1")
+        need(self.chunk_tokens >= 1, "chunk_tokens", "at least 1")
+        need(self.min_chunk_tokens >= 1, "min_chunk_tokens", "at least 1")
+        need(self.starvation_steps >= 0, "starvation_steps", ">= 0 (0: no bound in steps)")
+        need(self.model_window >= 2, "model_window", "at least 2")
+        need(
+            2 <= self.model_min_samples <= self.model_window,
+            "model_min_samples",
+            f"between 2 and the model window ({self.model_window})",
+        )
+        need(0 <= self.metrics_port <= 65535, "metrics_port", "a port (0: not served)")
+        need(bool(self.metrics_host), "metrics_host", "a host name or address")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SchedulerSettings:
+        """The settings the ``BACKFILL_SCHED_*`` variables in ``environ`` (default: this
+        process's) give; unset or empty variables keep their defaults."""
+        env = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(
+            k for k in env if k.startswith(PREFIX) and k[len(PREFIX) :].lower() not in known
+        )
+        if unknown:
+            raise SettingsError(
+                f"unknown setting {unknown[0]} (known: "
+                f"{', '.join(PREFIX + n.upper() for n in known)})"
+            )
+        defaults = cls()
+        values: dict[str, object] = {}
+        for name in known:
+            raw = env.get(PREFIX + name.upper(), "").strip()
+            if not raw:
+                continue
+            kind = type(getattr(defaults, name))
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                what = {int: "an integer", float: "a number"}.get(kind, "text")
+                raise SettingsError(f"{PREFIX}{name.upper()}={raw!r}: must be {what}") from None
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,308 @@
+"""BackfillScheduler driven with synthetic requests and no model (vLLM's own scheduler code
+runs; a stand-in samples the tokens). Run with the engine venv's python:
+``python -m unittest discover -s backfill_vllm/tests -t .`` (or pytest, where installed)."""
+
+from __future__ import annotations
+
+import socket
+import unittest
+import urllib.request
+
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from backfill_vllm.compat import UnsupportedVllmError, check_vllm_version
+from backfill_vllm.scheduler import BackfillAsyncScheduler, BackfillScheduler
+from backfill_vllm.settings import SchedulerSettings
+from backfill_vllm.tests.helpers import (
+    BATCH,
+    INTERACTIVE,
+    TOKEN,
+    blocks_of,
+    make_request,
+    make_scheduler,
+    run_step,
+)
+
+NO_BOUND = SchedulerSettings(starvation_steps=0, starvation_s=0)
+
+
+def decode_batch(scheduler, n: int, *, prompt: int = 40, max_tokens: int = 50) -> list:
+    """``n`` batch requests, run until each is decoding."""
+    requests = [make_request(f"b{i}", prompt=prompt, priority=BATCH, max_tokens=max_tokens)
+                for i in range(n)]
+    for r in requests:
+        scheduler.add_request(r)
+    for _ in range(50):
+        if all(r.num_output_tokens >= 2 for r in requests):
+            return requests
+        run_step(scheduler)
+    raise AssertionError("batch never started decoding")
+
+
+class ClassDetection(unittest.TestCase):
+    def test_batch_is_the_workers_priority_or_above(self) -> None:
+        s = make_scheduler()
+        self.assertTrue(s.is_batch(make_request("b", prompt=4, priority=10)))
+        self.assertTrue(s.is_batch(make_request("b2", prompt=4, priority=12)))
+        self.assertFalse(s.is_batch(make_request("i", prompt=4, priority=0)))
+        s5 = make_scheduler(settings=SchedulerSettings(batch_priority=5))
+        self.assertTrue(s5.is_batch(make_request("b5", prompt=4, priority=5)))
+
+    def test_async_scheduling_gets_the_async_variant(self) -> None:
+        self.assertIsInstance(make_scheduler(async_scheduling=True), BackfillAsyncScheduler)
+        self.assertNotIsInstance(make_scheduler(), BackfillAsyncScheduler)
+
+    def test_an_untested_vllm_is_refused_in_one_line(self) -> None:
+        check_vllm_version("0.32.0+cpu", {})
+        with self.assertRaises(UnsupportedVllmError) as err:
+            check_vllm_version("0.31.2", {})
+        said = str(err.exception)
+        self.assertIn("supports vLLM 0.32.0 only; this engine runs vLLM 0.31.2", said)
+        self.assertNotIn("\n", said)
+        check_vllm_version("0.31.2", {"BACKFILL_ALLOW_UNTESTED_VLLM": "1"})
+
+
+class PauseAndResume(unittest.TestCase):
+    def check_pause_keeps_state(self, async_scheduling: bool) -> None:
+        s = make_scheduler(budget=64, settings=NO_BOUND, async_scheduling=async_scheduling)
+        batch = decode_batch(s, 3)
+        before = {r.request_id: (r.num_computed_tokens, blocks_of(s, r.request_id))
+                  for r in batch}
+        # An interactive prompt of 300 tokens prefills over 5 steps of 64.
+        inter = make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=4)
+        s.add_request(inter)
+        holding_steps = 0
+        while inter.num_computed_tokens < inter.num_prompt_tokens:
+            out = run_step(s)
+            holding_steps += 1
+            self.assertEqual(set(out.num_scheduled_tokens), {"i"})
+            for r in batch:
+                self.assertIn(r, s.running)
+                self.assertEqual(r.status, RequestStatus.RUNNING)
+                self.assertEqual((r.num_computed_tokens, blocks_of(s, r.request_id)),
+                                 before[r.request_id])
+        self.assertEqual(holding_steps, 5)
+        out = run_step(s)  # interactive decodes now; batch resumes where it was
+        self.assertEqual(set(out.num_scheduled_tokens), {"i", "b0", "b1", "b2"})
+        while s.has_unfinished_requests():
+            run_step(s)
+        for r in batch:
+            self.assertEqual(r.num_preemptions, 0)
+            self.assertEqual(r.num_output_tokens, 50)
+        m = s.backfill_metrics
+        self.assertEqual(m.paused_steps, 5)
+        self.assertEqual(m.pauses, 3)
+        self.assertEqual(m.tokens_held, 5 * 3)
+        self.assertEqual(m.longest_pause_steps, 5)
+        self.assertEqual(m.preemptions_kv + m.preemptions_seqs, 0)
+        self.assertEqual(m.paused_now, 0)
+
+    def test_paused_batch_keeps_its_blocks_and_computed_tokens(self) -> None:
+        self.check_pause_keeps_state(async_scheduling=False)
+
+    def test_paused_batch_keeps_its_blocks_and_computed_tokens_under_async(self) -> None:
+        self.check_pause_keeps_state(async_scheduling=True)
+
+    def test_waiting_batch_is_not_admitted_while_interactive_prefills(self) -> None:
+        s = make_scheduler(budget=64, settings=NO_BOUND)
+        s.add_request(make_request("i", prompt=200, priority=INTERACTIVE))
+        s.add_request(make_request("b", prompt=10, priority=BATCH))
+        for _ in range(4):  # 64 + 64 + 64 + 8 prompt tokens
+            self.assertEqual(set(run_step(s).num_scheduled_tokens), {"i"})
+        self.assertIn("b", set(run_step(s).num_scheduled_tokens))  # prefill done: admitted
+
+    def test_with_no_batch_the_steps_are_vllms_own(self) -> None:
+        ours, stock = make_scheduler(budget=64), make_scheduler(budget=64, stock=True)
+        for s in (ours, stock):
+            for i, prompt in enumerate((100, 30, 7, 250)):
+                s.add_request(make_request(f"i{i}", prompt=prompt, priority=INTERACTIVE,
+                                           max_tokens=5, arrival=float(i)))
+        for _ in range(40):
+            self.assertEqual(run_step(ours).num_scheduled_tokens,
+                             run_step(stock).num_scheduled_tokens)
+
+
+class FinishWhilePaused(unittest.TestCase):
+    def test_abort_while_paused_frees_everything_and_the_engine_runs_on(self) -> None:
+        s = make_scheduler(budget=64, settings=NO_BOUND)
+        batch = decode_batch(s, 2)
+        s.add_request(make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=4))
+        run_step(s)
+        self.assertEqual(s.backfill_metrics.paused_now, 2)
+        free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+        held = len(blocks_of(s, "b0"))
+        s.finish_requests("b0", RequestStatus.FINISHED_ABORTED)
+        self.assertNotIn(batch[0], s.running)
+        self.assertNotIn("b0", s.requests)
+        self.assertEqual(s.kv_cache_manager.block_pool.get_num_free_blocks(), free + held)
+        # Stopped from outside (a stop string the API server found) while paused.
+        s.finish_requests("b1", RequestStatus.FINISHED_STOPPED)
+        while s.has_unfinished_requests():
+            out = run_step(s)
+            self.assertNotIn("b0", out.num_scheduled_tokens)
+            self.assertNotIn("b1", out.num_scheduled_tokens)
+        self.assertEqual(s.running, [])
+        self.assertEqual(s.requests, {})
+
+    def test_a_batch_request_whose_last_token_lands_while_paused_finishes(self) -> None:
+        # Async scheduling: step N gives batch its last decode; before N's output is back,
+        # step N+1 pauses it for an interactive prefill; then N's token finishes it.
+        s = make_scheduler(budget=64, settings=NO_BOUND, async_scheduling=True)
+        batch = make_request("b", prompt=20, priority=BATCH, max_tokens=3)
+        s.add_request(batch)
+        while batch.num_output_tokens < 2:
+            run_step(s)
+        last = s.schedule()
+        self.assertIn("b", last.num_scheduled_tokens)
+        s.add_request(make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=2))
+        held = s.schedule()
+        self.assertEqual(set(held.num_scheduled_tokens), {"i"})
+        self.assertEqual(s.backfill_metrics.paused_now, 1)
+        s.update_from_output(last, ModelRunnerOutput(
+            req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[TOKEN]]))
+        self.assertTrue(batch.is_finished())
+        self.assertNotIn(batch, s.running)
+        self.assertNotIn("b", s._tracks)
+        s.update_from_output(held, ModelRunnerOutput(
+            req_ids=["i"], req_id_to_index={"i": 0}, sampled_token_ids=[[]]))
+        while s.has_unfinished_requests():
+            self.assertNotIn("b", run_step(s).num_scheduled_tokens)
+        self.assertEqual(batch.num_output_tokens, 3)
+
+    def test_abort_of_a_waiting_batch_request_while_holding(self) -> None:
+        s = make_scheduler(budget=64, settings=NO_BOUND)
+        s.add_request(make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=2))
+        s.add_request(make_request("b", prompt=20, priority=BATCH))
+        run_step(s)
+        s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        while s.has_unfinished_requests():
+            self.assertNotIn("b", run_step(s).num_scheduled_tokens)
+
+
+class ChunkCap(unittest.TestCase):
+    def test_batch_prefill_shares_one_capped_chunk_per_step(self) -> None:
+        s = make_scheduler(budget=512, settings=SchedulerSettings(chunk_tokens=48))
+        for i in range(3):
+            s.add_request(make_request(f"b{i}", prompt=100, priority=BATCH))
+        firsts = [run_step(s).num_scheduled_tokens for _ in range(3)]
+        self.assertEqual(firsts[0], {"b0": 48})
+        self.assertEqual(firsts[1], {"b0": 48})
+        self.assertEqual(firsts[2], {"b0": 4, "b1": 44})
+        # Decodes are not counted against the cap.
+        for _ in range(10):
+            out = run_step(s).num_scheduled_tokens
+            prefill = sum(n for r, n in out.items() if n > 1)
+            self.assertLessEqual(prefill, 48)
+
+    def test_the_cap_follows_the_fitted_step_time(self) -> None:
+        settings = SchedulerSettings(chunk_target_s=0.01, model_min_samples=4,
+                                     min_chunk_tokens=8)
+        s = make_scheduler(budget=512, settings=settings)
+        for tokens in (10, 100, 200, 400, 50, 300):
+            s._step_model.observe(tokens, 0.002 + 0.0005 * tokens)  # 20 tokens per 10 ms
+        s.add_request(make_request("b", prompt=200, priority=BATCH))
+        self.assertEqual(s.schedule().num_scheduled_tokens, {"b": 20})
+        self.assertEqual(s.backfill_metrics.chunk_cap, 20)
+
+    def test_interactive_prefill_is_not_capped(self) -> None:
+        s = make_scheduler(budget=512, settings=SchedulerSettings(chunk_tokens=16))
+        s.add_request(make_request("i", prompt=300, priority=INTERACTIVE))
+        self.assertEqual(run_step(s).num_scheduled_tokens, {"i": 300})
+
+
+class StarvationBound(unittest.TestCase):
+    def test_a_paused_sequence_progresses_within_the_bound_in_steps(self) -> None:
+        s = make_scheduler(budget=32, settings=SchedulerSettings(starvation_steps=4,
+                                                                 starvation_s=0))
+        decode_batch(s, 2)
+        s.add_request(make_request("i", prompt=640, priority=INTERACTIVE, max_tokens=2))
+        gaps: list[int] = []
+        since = 0
+        for _ in range(20):  # 640 / 32 steps of interactive prefill
+            out = run_step(s).num_scheduled_tokens
+            since += 1
+            if "b0" in out:
+                gaps.append(since)
+                since = 0
+        self.assertTrue(gaps)
+        self.assertLessEqual(max(gaps), 4)
+        self.assertGreater(s.backfill_metrics.relief, 0)
+        self.assertLessEqual(s.backfill_metrics.longest_pause_steps, 3)
+
+    def test_a_paused_sequence_progresses_within_the_bound_in_seconds(self) -> None:
+        s = make_scheduler(budget=32, settings=SchedulerSettings(starvation_steps=0,
+                                                                 starvation_s=1e-9))
+        decode_batch(s, 1)
+        s.add_request(make_request("i", prompt=320, priority=INTERACTIVE, max_tokens=2))
+        outs = [run_step(s).num_scheduled_tokens for _ in range(5)]
+        self.assertTrue(all("b0" in o for o in outs))
+
+
+class PreemptForInteractive(unittest.TestCase):
+    def test_a_full_sequence_limit_preempts_batch_for_waiting_interactive(self) -> None:
+        s = make_scheduler(max_num_seqs=2, budget=256, settings=NO_BOUND)
+        batch = decode_batch(s, 2, prompt=20, max_tokens=30)
+        s.add_request(make_request("i", prompt=30, priority=INTERACTIVE, max_tokens=3))
+        out = run_step(s)
+        self.assertIn("i", out.num_scheduled_tokens)
+        self.assertEqual(len(out.preempted_req_ids), 1)
+        self.assertEqual(s.backfill_metrics.preemptions_seqs, 1)
+        self.assertLessEqual(len(s.running), 2)
+        while s.has_unfinished_requests():
+            run_step(s)
+        self.assertEqual([r.num_output_tokens for r in batch], [30, 30])
+
+    def test_kv_held_by_batch_is_given_up_for_a_waiting_interactive_request(self) -> None:
+        # 20 blocks; two batch requests hold 16 of them (8 each); interactive needs 8.
+        s = make_scheduler(num_blocks=21, budget=256, settings=NO_BOUND)
+        batch = decode_batch(s, 2, prompt=120, max_tokens=8)
+        s.add_request(make_request("i", prompt=120, priority=INTERACTIVE, max_tokens=2))
+        stock = make_scheduler(num_blocks=21, budget=256, stock=True)
+        decode_batch(stock, 2, prompt=120, max_tokens=8)
+        stock.add_request(make_request("i", prompt=120, priority=INTERACTIVE, max_tokens=2))
+        self.assertNotIn("i", run_step(stock).num_scheduled_tokens)  # vLLM waits for batch
+        out = run_step(s)
+        self.assertIn("i", out.num_scheduled_tokens)
+        self.assertEqual(s.backfill_metrics.preemptions_kv, 1)
+        while s.has_unfinished_requests():
+            run_step(s)
+        self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
+
+
+    def test_no_batch_is_preempted_for_interactive_work_the_token_budget_cannot_reach(self) -> None:
+        # Two slots, both batch; two interactive requests of 100 tokens and a budget of 64:
+        # only the first can start this step, so only one batch request gives up its slot.
+        s = make_scheduler(max_num_seqs=2, budget=64, settings=NO_BOUND)
+        decode_batch(s, 2, prompt=20, max_tokens=40)
+        for k in range(2):
+            s.add_request(make_request(f"i{k}", prompt=100, priority=INTERACTIVE, max_tokens=2))
+        out = run_step(s)
+        self.assertEqual(set(out.num_scheduled_tokens), {"i0"})
+        self.assertEqual(s.backfill_metrics.preemptions_seqs, 1)
+
+
+class Metrics(unittest.TestCase):
+    def test_the_counters_are_served_as_prometheus_text(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        s = make_scheduler(budget=64, settings=SchedulerSettings(metrics_port=port))
+        self.assertIsInstance(s, BackfillScheduler)
+        decode_batch(s, 1)
+        s.add_request(make_request("i", prompt=200, priority=INTERACTIVE))
+        run_step(s)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        self.assertIn('backfill_sched_info{batch_priority="10",version="0.1.0"', text)
+        self.assertIn("backfill_sched_batch_paused_steps_total 1.0", text)
+        self.assertIn("backfill_sched_batch_paused 1.0", text)
+        # A second scheduler in this process takes the port over.
+        s2 = make_scheduler(settings=SchedulerSettings(metrics_port=port))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            self.assertIn("backfill_sched_batch_paused_steps_total 0.0", r.read().decode())
+        del s2
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,202 @@
+"""The engine step scheduler's pure parts (``backfill_vllm``): settings, step-time model,
+per-step plan and victim choice. No vLLM needed; the scheduler itself is tested in the
+engine's venv (``backfill_vllm/tests``, run by tests/e2e/test_step_scheduler_unit.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backfill_vllm.policy import (
+    SequenceView,
+    StepView,
+    VictimView,
+    chunk_cap,
+    kv_victims,
+    plan_step,
+    slot_victims,
+)
+from backfill_vllm.settings import SchedulerSettings, SettingsError
+from backfill_vllm.stepmodel import StepFit, StepTimeModel
+
+DEFAULTS = SchedulerSettings()
+
+
+def seq(rid: str, *, batch: bool = True, resident: bool = True, prefill: int = 0,
+        paused: int = 0, progress: float | None = 0.0) -> SequenceView:
+    return SequenceView(rid, batch, resident, prefill, paused, progress)
+
+
+def view(*seqs: SequenceView, now: float = 0.0, fit: StepFit | None = None,
+         last_step_s: float = 0.01, budget: int = 2048) -> StepView:
+    return StepView(seqs, now, fit, last_step_s, budget)
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_settings_come_from_the_environment_with_defaults_for_the_rest() -> None:
+    got = SchedulerSettings.from_env({
+        "BACKFILL_SCHED_BATCH_PRIORITY": "5",
+        "BACKFILL_SCHED_CHUNK_TARGET_S": "0.1",
+        "BACKFILL_SCHED_METRICS_PORT": "8101",
+        "BACKFILL_SCHED_RIDE_ALONG_SHARE": "",
+        "UNRELATED": "x",
+    })
+    assert got.batch_priority == 5
+    assert got.chunk_target_s == 0.1
+    assert got.metrics_port == 8101
+    assert got.ride_along_share == DEFAULTS.ride_along_share
+    assert SchedulerSettings.from_env({}) == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"BACKFILL_SCHED_CHUNK_TARGET_S": "soon"},
+         "BACKFILL_SCHED_CHUNK_TARGET_S='soon': must be a number"),
+        ({"BACKFILL_SCHED_CHUNK_TARGET_S": "0"}, "BACKFILL_SCHED_CHUNK_TARGET_S=0.0: must be > 0"),
+        ({"BACKFILL_SCHED_BATCH_PRIORITY": "1.5"}, "must be an integer"),
+        ({"BACKFILL_SCHED_RIDE_ALONG_SHARE": "2"}, "between 0 and 1"),
+        ({"BACKFILL_SCHED_STARVATION_S": "nan"}, "a number >= 0"),
+        ({"BACKFILL_SCHED_METRICS_PORT": "70000"}, "a port"),
+        ({"BACKFILL_SCHED_CHUNK_TOKEN": "9"}, "unknown setting BACKFILL_SCHED_CHUNK_TOKEN"),
+    ],
+)
+def test_a_bad_setting_is_refused_with_its_name(env: dict[str, str], says: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        SchedulerSettings.from_env(env)
+    assert says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+# -- step-time model ---------------------------------------------------------------------
+
+
+def test_the_model_recovers_a_line_from_noisy_steps() -> None:
+    model = StepTimeModel(window=64, min_samples=8)
+    for i in range(200):
+        tokens = 1 + (i * 37) % 512
+        noise = 0.0005 * ((i * 7919) % 11 - 5) / 5
+        model.observe(tokens, 0.004 + 0.0001 * tokens + noise)
+    fit = model.fit()
+    assert fit is not None
+    assert len(model) == 64
+    assert fit.base_s == pytest.approx(0.004, abs=0.0005)
+    assert fit.per_token_s == pytest.approx(0.0001, rel=0.05)
+    assert fit.tokens_within(0.01) == pytest.approx(100, abs=6)
+
+
+def test_the_model_has_no_fit_before_enough_steps_and_ignores_empty_ones() -> None:
+    model = StepTimeModel(window=16, min_samples=4)
+    for _ in range(3):
+        model.observe(100, 0.01)
+    model.observe(0, 0.5)
+    model.observe(10, float("nan"))
+    assert model.fit() is None
+    model.observe(100, 0.01)
+    fit = model.fit()
+    # One token count only: no slope to fit, so time is taken as proportional to tokens.
+    assert fit == StepFit(0.0, pytest.approx(0.0001), 4)  # type: ignore[arg-type]
+
+
+def test_the_model_follows_the_machine_as_it_slows_down() -> None:
+    model = StepTimeModel(window=32, min_samples=8)
+    for i in range(100):
+        model.observe(10 + i % 50, 0.001 * (10 + i % 50))
+    for i in range(32):
+        model.observe(10 + i % 50, 0.004 * (10 + i % 50))
+    fit = model.fit()
+    assert fit is not None
+    assert fit.per_token_s == pytest.approx(0.004, rel=0.01)
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+
+def test_without_interactive_work_pending_batch_runs_under_the_chunk_cap() -> None:
+    plan = plan_step(view(seq("b1"), seq("b2", prefill=900), seq("i1", batch=False)), DEFAULTS)
+    assert not plan.holding
+    assert plan.paused == frozenset()
+    assert plan.admit_batch
+    assert plan.prefill_allowance == DEFAULTS.chunk_tokens == plan.chunk_cap
+
+
+def test_an_interactive_request_waiting_pauses_every_resident_batch_sequence() -> None:
+    plan = plan_step(
+        view(seq("b1"), seq("b2", prefill=900), seq("i1", batch=False, resident=False)),
+        DEFAULTS,
+    )
+    assert plan.holding
+    assert plan.paused == {"b1", "b2"}
+    assert not plan.admit_batch
+    assert plan.prefill_allowance == 0
+    assert plan.held_tokens == 1 + DEFAULTS.chunk_tokens
+
+
+def test_an_interactive_request_still_prefilling_holds_batch_too() -> None:
+    plan = plan_step(view(seq("b1"), seq("i1", batch=False, prefill=40)), DEFAULTS)
+    assert plan.holding
+    assert plan.paused == {"b1"}
+
+
+def test_the_chunk_cap_is_sized_from_the_fitted_step_time() -> None:
+    fit = StepFit(base_s=0.02, per_token_s=0.0002, samples=50)
+    settings = SchedulerSettings(chunk_target_s=0.01)
+    assert chunk_cap(settings, fit, 2048) == 50
+    assert chunk_cap(settings, None, 2048) == settings.chunk_tokens
+    # A machine so slow one token blows the target still moves: the floor holds.
+    assert chunk_cap(settings, StepFit(0.0, 1.0, 50), 2048) == settings.min_chunk_tokens
+    assert chunk_cap(settings, StepFit(0.0, 1e-9, 50), 2048) == 2048
+
+
+def test_a_sequence_at_its_starvation_bound_in_steps_is_relieved() -> None:
+    settings = SchedulerSettings(starvation_steps=4, starvation_s=0)
+    pending = seq("i1", batch=False, resident=False)
+    plan = plan_step(view(seq("b1", paused=2), seq("b2", paused=3), pending), settings)
+    assert plan.relieved == {"b2"}
+    assert plan.paused == {"b1"}
+
+
+def test_a_sequence_at_its_starvation_bound_in_seconds_is_relieved_one_step_early() -> None:
+    settings = SchedulerSettings(starvation_steps=0, starvation_s=1.0)
+    pending = seq("i1", batch=False, resident=False)
+    # Progress at 0; the step starting at 0.85 ends at about 0.95, the next at 1.05: too late.
+    plan = plan_step(view(seq("b1", prefill=500), pending, now=0.85, last_step_s=0.1), settings)
+    assert plan.relieved == {"b1"}
+    assert plan.prefill_allowance == plan.chunk_cap
+    plan = plan_step(view(seq("b1"), pending, now=0.7, last_step_s=0.1), settings)
+    assert plan.relieved == frozenset()
+
+
+def test_batch_decoders_ride_along_up_to_their_share_of_the_step() -> None:
+    fit = StepFit(base_s=0.01, per_token_s=0.001, samples=50)
+    settings = SchedulerSettings(ride_along_share=0.5)
+    batch = [seq(f"b{i}", paused=i) for i in range(20)]
+    pending = seq("i1", batch=False, resident=False, prefill=10)
+    plan = plan_step(view(*batch, seq("b-pre", prefill=300), pending, fit=fit), settings)
+    # The step costs 0.01 + 10 * 0.001 = 0.02 s without batch; half is 10 decode tokens,
+    # given to the longest paused first. A batch prefill never rides.
+    assert plan.riding == {f"b{i}" for i in range(10, 20)}
+    assert plan.paused == {f"b{i}" for i in range(10)} | {"b-pre"}
+
+
+# -- victims -----------------------------------------------------------------------------
+
+
+def test_slot_victims_free_a_slot_per_waiting_interactive_request_losing_least_work() -> None:
+    running = [VictimView("old", 900, 60, 1.0), VictimView("young", 20, 2, 2.0),
+               VictimView("mid", 300, 20, 3.0)]
+    assert slot_victims(running, free_slots=0, interactive_waiting=2) == ["young", "mid"]
+    assert slot_victims(running, free_slots=1, interactive_waiting=2) == ["young"]
+    assert slot_victims(running, free_slots=2, interactive_waiting=2) == []
+    assert slot_victims(running, free_slots=0, interactive_waiting=9) == ["young", "mid", "old"]
+
+
+def test_kv_victims_free_blocks_only_for_requests_they_can_make_room_for() -> None:
+    running = [VictimView("a", 100, 10, 1.0), VictimView("b", 50, 5, 2.0)]
+    assert kv_victims(running, free_blocks=2, needs=[4]) == ["b"]
+    assert kv_victims(running, free_blocks=2, needs=[4, 8]) == ["b", "a"]
+    assert kv_victims(running, free_blocks=9, needs=[4]) == []
+    # 2 free + 15 from batch cannot hold 30: nothing is thrown away for it.
+    assert kv_victims(running, free_blocks=2, needs=[30]) == []
+    assert kv_victims(running, free_blocks=2, needs=[4, 30]) == ["b"]
