@@ -22,7 +22,7 @@ class SettingsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
     """What the step scheduler does, per setting; the defaults match the simulator's
-    ``backfill-step`` (``backfill.simulate.stepsched.StepSchedule``)."""
+    ``backfill-step`` (``backfill_analysis.simulate.stepsched.StepSchedule``)."""
 
     batch_priority: int = 10
     """Requests at this vLLM priority or above are batch (Backfill's worker sends 10, its

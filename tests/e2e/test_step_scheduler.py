@@ -27,8 +27,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backfill.engine.http import HttpEngine, sse_lines
+from backfill.engine.protocol import Endpoint, EngineError
 from worker import devengine
-from worker.engine import Endpoint, EngineError, HttpEngine, sse_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
