@@ -25,8 +25,8 @@ Backfill scenarios (``gateway``, ``batch-backfill``, ``a``) and ``alone-sched`` 
 server of their own started with ``--scheduler-cls NAME``, the others on the stock one.
 Each batch scenario first lets the batch load run for a warm-up, then the measured window is
 the interactive replay (or, for batch alone, the same length of time). Batch output tokens/s
-is the engine's ``vllm:generation_tokens_total`` over the window less the interactive requests' own tokens,
-so every scenario is counted the same way.
+is the engine's ``vllm:generation_tokens_total`` over the window less the interactive
+requests' own tokens, so every scenario is counted the same way.
 
 ``a`` runs once per ``--variant NAME:KEY=VALUE,...`` (settings overrides given to the API and
 the worker as ``BACKFILL_*`` variables; the first variant is the headline), so a sweep of

@@ -379,7 +379,13 @@ class NodeDispatcher:
         # node does not churn items through claim -> deferred.
         want = min(room, cfg.claim_batch)
         if self._typical_reservation:
-            want = max(1, min(want, snap.slack // self._typical_reservation))
+            fit = snap.slack // self._typical_reservation
+            if fit == 0 and self._in_flight:
+                # Less slack than one typical reservation while leases are held: the claim
+                # would be deferred at reserve time (a retry delay for the item, writes for
+                # Postgres) and requeued. A lease ending frees slack and wakes the loop.
+                return 0
+            want = max(1, min(want, fit))
         if budget is not None and self._typical_prompt:
             # Nor more than the work budget's prefill room could start: a claim it cuts short
             # goes back to the queue, and claiming it again costs Postgres writes each time.
@@ -622,7 +628,10 @@ class NodeDispatcher:
         used = 0
         for prepared in ready:
             need = prepared.reservation(self.block_size)
-            if used + need > slack and fits:
+            # The first item goes to the ledger even when it looks too big only if the node
+            # holds nothing (the slack may have grown; a denial then says why); with leases
+            # held it goes back to the queue at once instead of being deferred.
+            if used + need > slack and (fits or self._in_flight):
                 break
             fits.append(prepared)
             used += need
