@@ -92,6 +92,11 @@ RESULT_RETRY_MAX_S = 10.0
 _COUNTED_KEPT = 65_536
 
 
+ENGINE_GAUGE_LAG_S = 2.0
+"""How stale the engine's ``num_requests_waiting`` may be against this worker's own view of its
+batch (one engine step on a loaded CPU, plus the metrics read)."""
+
+
 def _prefilling(active: list[_InFlight]) -> int:
     """Prompt tokens of the items still awaiting their first token: what counts against the
     work budget's prefill room."""
@@ -1250,6 +1255,7 @@ class NodeDispatcher:
         except Exception as exc:  # Redis trouble: judge by the engine's queue alone
             log.debug("node %s: no gateway signals: %s", cfg.node, exc)
             seen = InteractiveSignals()
+        read_at = time.monotonic()
         try:
             engine_waiting: int | None = (await self.engine.load()).num_requests_waiting
         except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
@@ -1257,6 +1263,13 @@ class NodeDispatcher:
             engine_waiting = None
         active = self._active()
         awaiting = [f for f in active if f.first_token_at is None]
+        # The gauge is as old as the engine's last step, and the read itself takes a while:
+        # batch whose first token came since may still be counted in it as waiting.
+        started_since_read = sum(
+            1
+            for f in active
+            if f.first_token_at is not None and f.first_token_at >= read_at - ENGINE_GAUGE_LAG_S
+        )
         try:
             others_awaiting = await exchange_batch_awaiting(
                 self.ledger.client,
@@ -1282,6 +1295,7 @@ class NodeDispatcher:
                 batch_in_flight=len(active),
                 batch_awaiting_first_token=len(awaiting),
                 other_batch_awaiting_first_token=others_awaiting,
+                batch_started_since_engine_read=started_since_read,
             ),
             policy,
         )

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from worker.dev import repeated_lines
 from worker.steprun import StepFailed, StepOutput, describe, run_step
 
 _SLOW_PIP = """
@@ -57,10 +56,3 @@ def test_the_heartbeat_keeps_the_last_activity_through_other_lines() -> None:
         output.add(line)
     assert describe("s", 12.4, output) == "s: 12 s, 1 packages resolved; now Collecting a"
     assert describe("s", 3, StepOutput()) == "s: 3 s; working"
-
-
-def test_repeated_lines_counts_lines_and_sentences_a_summary_repeats() -> None:
-    assert repeated_lines("A poem about a tyger. It asks who made it.") == 0
-    looping = "The Tyger\nThe Tyger.\n\nthe tyger\nA poem. A poem!"
-    assert repeated_lines(looping) == 3
-    assert repeated_lines("") == 0
