@@ -13,11 +13,13 @@ import pytest
 
 from backfill.simulate.trace import TraceOptions, TraceRequest, load_trace
 from bench.protection import (
+    HEADERS,
     TRACE,
     ScenarioResult,
     closing_verdict,
     parse_variant,
     plot,
+    rows,
     scheduler_policy,
     tradeoff_points,
     verdicts,
@@ -76,6 +78,10 @@ def test_batch_tokens_are_the_engine_count_less_interactive_tokens() -> None:
     assert result.ttfts == [0.5, 0.7]
     summary = result.summary()
     assert summary["interactive_rejected"] == 1
+    assert summary["batch_tokens_processed"] == 1016 - 16 - 200  # less interactive's 2 x 100
+    assert summary["batch_tokens_processed_per_s"] == pytest.approx(80.0)
+    (row,) = rows([summary])
+    assert len(row) == len(HEADERS)
     assert summary["requests"][2]["ttft_s"] is None
 
 
