@@ -155,6 +155,10 @@ class WorkSignals:
     engine): the engine's waiting queue holds at most these of its batch."""
     other_batch_awaiting_first_token: int = 0
     """The same for the node's other workers (they share the engine and its queue)."""
+    batch_started_since_engine_read: int = 0
+    """This worker's batch sequences whose first token came while (or shortly before)
+    ``engine_waiting`` was read: the gauge may still count them as waiting, though they no
+    longer count as awaiting a first token."""
 
     @property
     def node_batch_awaiting_first_token(self) -> int:
@@ -163,10 +167,14 @@ class WorkSignals:
     @property
     def engine_other_waiting(self) -> int:
         """Engine-queued requests that cannot be batch's (any worker's): interactive traffic,
-        including any that bypassed the gateway."""
+        including any that bypassed the gateway. Batch that got its first token since the
+        gauge was read is batch's too: read as interactive, it shrank and held the budget in
+        batch alone (``2 in the engine's queue beside 21 batch prefill(s)`` with no
+        interactive traffic at all)."""
         if self.engine_waiting is None:
             return 0
-        return max(0, self.engine_waiting - self.node_batch_awaiting_first_token)
+        batch = self.node_batch_awaiting_first_token + self.batch_started_since_engine_read
+        return max(0, self.engine_waiting - batch)
 
     @property
     def oldest_pending_s(self) -> float:

@@ -75,15 +75,19 @@ def finish(
     op: str,
     target: float,
     details: dict[str, Any],
+    *,
+    reason: str | None = None,
 ) -> bool:
-    """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held."""
-    ok = bool(_OPS[op](value, target))
+    """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held.
+    With ``reason`` the run gives no verdict: the line says ``short`` and why."""
+    ok = reason is None and bool(_OPS[op](value, target))
     record = {
         "name": name,
         "figure": figure,
         "value": value,
         "goal": f"{op} {target}",
         "ok": ok,
+        "reason": reason,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "details": details,
@@ -91,7 +95,8 @@ def finish(
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))
     shown = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    print(f"{name}: {figure}={shown} (goal {op} {target}) {'ok' if ok else 'short'}")
+    said = "ok" if ok else "short" + (f" ({reason})" if reason else "")
+    print(f"{name}: {figure}={shown} (goal {op} {target}) {said}")
     return ok
 
 

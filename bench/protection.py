@@ -2,9 +2,14 @@
 Backfill against vLLM's own priority scheduling and against fcfs, all in one run.
 
 Interactive load: a request trace (``TIMESTAMP,ContextTokens,GeneratedTokens``; by default
-the Azure code trace from row 200, arrivals stretched x70, prompts clipped to 1,500 tokens,
-outputs to 64 exactly) replayed open loop, streaming, at priority 0. Batch load: summarisation
-chat requests (~475 prompt tokens, 64 out) that keep the engine busy. Scenarios:
+``bench/data/azure_code_2023_slice.csv``, 2,000 rows of the Azure code trace; prompts clipped
+to 1,500 tokens, outputs to 64 exactly) replayed open loop, streaming, at priority 0. Its
+arrivals are stretched so that interactive alone keeps the engine ~30% busy on *this* machine:
+a short probe measures the engine's prefill and decode speed first, and the stretch is sized
+from it (:mod:`bench.protection_plan`; ``--time-scale`` fixes it instead). The share of the
+window interactive alone kept the engine busy is printed; when interactive alone was itself
+overloaded the run gives no verdict. Batch load: summarisation chat requests (~475 prompt
+tokens, 64 out) that keep the engine busy. Scenarios:
 
 ``alone``           interactive straight to vLLM, nothing else (the baseline)
 ``gateway``         interactive through Backfill's gateway, nothing else
@@ -13,12 +18,15 @@ chat requests (~475 prompt tokens, 64 out) that keep the engine busy. Scenarios:
 ``a``               Backfill: interactive through the gateway + the Backfill batch job
 ``b``               batch straight (concurrency 32, priority 10) + interactive straight
 ``c``               as ``b`` on a second server started with ``--scheduling-policy fcfs``
+``alone-sched``     as ``alone`` on the Backfill engine, with ``--scheduler-cls`` only
 
-One priority server serves every scenario but ``c``. Each batch scenario first lets the batch
-load run for a warm-up, then the measured window is the interactive replay (or, for batch
-alone, the same length of time). Batch output tokens/s is the engine's
-``vllm:generation_tokens_total`` over the window less the interactive requests' own tokens,
-so every scenario is counted the same way.
+One priority server serves every scenario but ``c``; with ``--scheduler-cls NAME`` the
+Backfill scenarios (``gateway``, ``batch-backfill``, ``a``) and ``alone-sched`` run on a
+server of their own started with ``--scheduler-cls NAME``, the others on the stock one.
+Each batch scenario first lets the batch load run for a warm-up, then the measured window is
+the interactive replay (or, for batch alone, the same length of time). Batch output tokens/s
+is the engine's ``vllm:generation_tokens_total`` over the window less the interactive
+requests' own tokens, so every scenario is counted the same way.
 
 ``a`` runs once per ``--variant NAME:KEY=VALUE,...`` (settings overrides given to the API and
 the worker as ``BACKFILL_*`` variables; the first variant is the headline), so a sweep of
@@ -31,6 +39,11 @@ admission settings gives a curve of batch throughput against interactive TTFT p9
 Each variant gets a fresh API, worker, scratch database and ledger namespace on the same
 engine; ``goals`` in ``bench/out/protection.json`` has each variant's TTFT p99 ratio and the
 share of standalone batch throughput it kept.
+
+The closing line judges the headline ``a`` on all three goals at once: TTFT p50 and p99 <=
+1.1x of interactive alone and batch kept >= 0.6 of Backfill's batch alone; its figure is the
+worst of p50/1.1, p99/1.1 and 0.6/kept (ok at <= 1). Beside it: recomputed batch tokens as a
+share of the batch tokens the engine processed, and interactive ITL p99 against alone.
 """
 
 from __future__ import annotations
@@ -52,17 +65,20 @@ from typing import Any
 import httpx
 
 from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_trace
+from bench import protection_plan as plan
 from bench.common import OUT_DIR, finish, machine, parser, percentile, table
 from bench.replay import FloodStats, InteractiveResult, Target, flood, replay, summarisation_body
 from bench.stack import BackfillStack, counters
 from worker import devengine
+from worker.enginespeed import EngineSpeed, measure_speed
 
 NAME = "protection"
-TRACE = Path("/work/shared/traces/azure_llm_2023_code.csv")
+TRACE = Path(__file__).parent / "data" / "azure_code_2023_slice.csv"
 PLOT = Path(__file__).parent / "protection.png"
-GOAL_TTFT_RATIO = 1.25
-GOAL_BATCH_KEPT = 0.6
-SCENARIOS = ("alone", "gateway", "batch-straight", "batch-backfill", "a", "b", "c")
+GOAL_TTFT_RATIO = plan.GOAL_TTFT_RATIO
+GOAL_BATCH_KEPT = plan.GOAL_BATCH_KEPT
+SCENARIOS = ("alone", "gateway", "batch-straight", "batch-backfill", "a", "b", "c", "alone-sched")
+BACKFILL_ENGINE_SCENARIOS = frozenset({"gateway", "batch-backfill", "a", "alone-sched"})
 ENGINE_COUNTERS = (
     "vllm:num_preemptions_total",
     "vllm:generation_tokens_total",
@@ -82,6 +98,13 @@ class Config:
     batch_prompt_chars: int
     batch_max_tokens: int
     kv_cache_gib: int
+    duration_s: float = 90.0
+    """Seconds of (stretched) trace per scenario."""
+    time_scale: float | None = None
+    """A fixed stretch; None sizes it from the probed engine."""
+    target_busy: float = plan.TARGET_BUSY
+    scheduler_cls: str | None = None
+    """vLLM ``--scheduler-cls`` for the engine the Backfill scenarios run on."""
     batch_window_s: float = 90.0
     """Batch alone is measured at least this long."""
     drain_timeout_s: float = 180.0
@@ -132,6 +155,29 @@ class ScenarioResult:
         return sum(r.output_tokens or len(r.chunk_times) for r in self.interactive or ())
 
     @property
+    def interactive_prompt_tokens(self) -> int:
+        """Prompt tokens of the interactive requests the engine accepted."""
+        return sum(r.prompt_tokens for r in self.interactive or () if r.status == 200)
+
+    @property
+    def batch_tokens_processed(self) -> float:
+        """Batch prompt and output tokens the engine processed in the window."""
+        counted = self.engine["vllm:prompt_tokens_total"]
+        counted += self.engine["vllm:generation_tokens_total"]
+        return counted - self.interactive_prompt_tokens - self.interactive_output_tokens
+
+    @property
+    def interactive_busy(self) -> float | None:
+        """The share of the window with an interactive request in the engine (sent to last
+        token)."""
+        replayed = [r for r in self.interactive or () if r.status == 200 and r.chunk_times]
+        if not self.interactive:
+            return None
+        start = min(r.sent for r in self.interactive)
+        spans = [(r.sent, r.chunk_times[-1]) for r in replayed]
+        return plan.busy_share(spans, start, start + self.window_s)
+
+    @property
     def batch_output_tokens(self) -> float:
         return self.engine["vllm:generation_tokens_total"] - self.interactive_output_tokens
 
@@ -160,7 +206,14 @@ class ScenarioResult:
             "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
             "itl_p50_s": percentile(itls, 50) if itls else None,
             "itl_p99_s": percentile(itls, 99) if itls else None,
+            "interactive_busy": self.interactive_busy,
             "batch_output_tokens_per_s": self.batch_tps,
+            "batch_tokens_processed": self.batch_tokens_processed if self.batch else None,
+            "batch_tokens_processed_per_s": (
+                self.batch_tokens_processed / self.window_s
+                if self.batch and self.window_s > 0
+                else None
+            ),
             "engine_preemptions": self.engine["vllm:num_preemptions_total"],
             "engine_prefix_cache_hits": self.engine["vllm:prefix_cache_hits_total"],
             "engine_prompt_tokens": self.engine["vllm:prompt_tokens_total"],
@@ -362,23 +415,81 @@ def gateway_target(stack: BackfillStack, model: str) -> Target:
     return Target(stack.base, model, headers=stack.auth, priority=None)
 
 
+@dataclass(frozen=True)
+class Load:
+    """The interactive load of this run, sized once on the first engine started."""
+
+    speed: EngineSpeed
+    stretch: plan.Stretch
+
+    @property
+    def requests(self) -> list[TraceRequest]:
+        return self.stretch.requests
+
+    def median_prefill_s(self) -> float:
+        prompts = sorted(r.prompt_tokens for r in self.requests) or [0]
+        return prompts[len(prompts) // 2] / self.speed.prefill_tokens_per_s
+
+
+def size_load(server: devengine.EngineServer, cfg: Config, trace: Sequence[TraceRequest]) -> Load:
+    """Probe the engine (a few seconds) and stretch ``trace`` to the planned busy share."""
+    speed = measure_speed(server.url, server.served_model_name)
+    stretch = plan.size_stretch(
+        trace,
+        speed.seconds_for,
+        cfg.duration_s,
+        target_busy=cfg.target_busy,
+        time_scale=cfg.time_scale,
+    )
+    how = "sized" if stretch.sized else "given"
+    _say(
+        f"engine: {speed}; time stretch x{stretch.time_scale:.3g} ({how}): "
+        f"{len(stretch.requests)} interactive requests in {cfg.duration_s:.0f} s, planned "
+        f"busy {stretch.planned_busy:.0%} (target {cfg.target_busy:.0%})"
+    )
+    if not stretch.requests:
+        raise SystemExit("no interactive requests in the window: a longer --duration?")
+    if len(stretch.requests) < 10:
+        _say(
+            f"only {len(stretch.requests)} interactive requests fit this engine's window: "
+            "its percentiles are a few requests' (a longer --duration gives more)"
+        )
+    return Load(speed, stretch)
+
+
+def scheduler_policy(scheduler_cls: str) -> str:
+    """How the table names an engine started with ``--scheduler-cls``."""
+    return f"priority+{scheduler_cls.rpartition('.')[2] or scheduler_cls}"
+
+
 def run_all(
     cfg: Config,
-    requests: Sequence[TraceRequest],
+    trace: Sequence[TraceRequest],
     wanted: Sequence[str],
     variants: Sequence[Variant],
     logs: Path,
-) -> tuple[list[ScenarioResult], dict[str, float]]:
+) -> tuple[list[ScenarioResult], dict[str, float], Load]:
     results: list[ScenarioResult] = []
     starts: dict[str, float] = {}
-    needs_stack = {"gateway", "batch-backfill", "a"} & set(wanted)
-    priority_scenarios = [s for s in wanted if s != "c"]
-    if priority_scenarios:
+    loads: list[Load] = []
+
+    def load_on(server: devengine.EngineServer) -> Load:
+        if not loads:
+            loads.append(size_load(server, cfg, trace))
+        return loads[0]
+
+    def own_engine(name: str) -> bool:
+        return cfg.scheduler_cls is not None and name in BACKFILL_ENGINE_SCENARIOS
+
+    if "alone-sched" in wanted and cfg.scheduler_cls is None:
+        _say("alone-sched needs --scheduler-cls: left out")
+    stock = [s for s in wanted if s not in ("c", "alone-sched") and not own_engine(s)]
+    if stock:
         server = devengine.start_model(cfg.model, kv_cache_gib=cfg.kv_cache_gib)
         starts["priority"] = server.ready_seconds
         try:
-            model = server.served_model_name
-            straight = Target(server.url, model, priority=0)
+            requests = load_on(server).requests
+            straight = Target(server.url, server.served_model_name, priority=0)
 
             def one(name: str, **kw: Any) -> None:
                 results.append(
@@ -391,27 +502,30 @@ def run_all(
                 one("b", interactive=straight, batch="straight")
             if "batch-straight" in wanted:
                 one("batch-straight", interactive=None, batch="straight")
-            if needs_stack:
-                for i, variant in enumerate(variants):
-                    stack_logs = logs / f"backfill-{variant.name}"
-                    with BackfillStack(server.url, stack_logs, variant.overrides).running() as st:
-                        _say(f"Backfill up for variant {variant.name}: {st.base}")
-                        gw = gateway_target(st, model)
-                        label = "a" if i == 0 else f"a:{variant.name}"
-                        if i == 0 and "gateway" in wanted:
-                            one("gateway", interactive=gw, batch=None, stack=st)
-                        if i == 0 and "batch-backfill" in wanted:
-                            one("batch-backfill", interactive=None, batch="backfill", stack=st)
-                        if "a" in wanted:
-                            one(
-                                label,
-                                interactive=gw,
-                                batch="backfill",
-                                stack=st,
-                                overrides=variant.overrides,
-                            )
-                    if "a" not in wanted:
-                        break
+            if cfg.scheduler_cls is None:
+                _backfill_scenarios(one, server, wanted, variants, logs)
+        finally:
+            server.stop()
+    if cfg.scheduler_cls is not None and any(own_engine(s) for s in wanted):
+        policy = scheduler_policy(cfg.scheduler_cls)
+        server = devengine.start_model(
+            cfg.model,
+            kv_cache_gib=cfg.kv_cache_gib,
+            extra_args=["--scheduler-cls", cfg.scheduler_cls],
+        )
+        starts[policy] = server.ready_seconds
+        try:
+            requests = load_on(server).requests
+
+            def on_own(name: str, **kw: Any) -> None:
+                results.append(
+                    asyncio.run(run_scenario(name, server, policy, cfg, requests, **kw))
+                )
+
+            if "alone-sched" in wanted:
+                straight = Target(server.url, server.served_model_name, priority=0)
+                on_own("alone-sched", interactive=straight, batch=None)
+            _backfill_scenarios(on_own, server, wanted, variants, logs)
         finally:
             server.stop()
     if "c" in wanted:
@@ -423,6 +537,7 @@ def run_all(
         )
         starts["fcfs"] = server.ready_seconds
         try:
+            requests = load_on(server).requests
             straight = Target(server.url, server.served_model_name, priority=0)
             results.append(
                 asyncio.run(
@@ -433,7 +548,35 @@ def run_all(
             )
         finally:
             server.stop()
-    return results, starts
+    if not loads:
+        raise SystemExit("no scenario ran")
+    return results, starts, loads[0]
+
+
+def _backfill_scenarios(
+    one: Any,
+    server: devengine.EngineServer,
+    wanted: Sequence[str],
+    variants: Sequence[Variant],
+    logs: Path,
+) -> None:
+    """``gateway``, ``batch-backfill`` and ``a`` (once per variant) on ``server``."""
+    if not {"gateway", "batch-backfill", "a"} & set(wanted):
+        return
+    for i, variant in enumerate(variants):
+        stack_logs = logs / f"backfill-{variant.name}"
+        with BackfillStack(server.url, stack_logs, variant.overrides).running() as st:
+            _say(f"Backfill up for variant {variant.name}: {st.base}")
+            gw = gateway_target(st, server.served_model_name)
+            label = "a" if i == 0 else f"a:{variant.name}"
+            if i == 0 and "gateway" in wanted:
+                one("gateway", interactive=gw, batch=None, stack=st)
+            if i == 0 and "batch-backfill" in wanted:
+                one("batch-backfill", interactive=None, batch="backfill", stack=st)
+            if "a" in wanted:
+                one(label, interactive=gw, batch="backfill", stack=st, overrides=variant.overrides)
+        if "a" not in wanted:
+            break
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,10 +601,14 @@ def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
                 else "—",
                 f"{_fmt(s['ttft_p50_s'])} / {_fmt(s['ttft_p99_s'])}",
                 _fmt(s["itl_p99_s"], 3),
+                f"{s['interactive_busy']:.0%}" if s.get("interactive_busy") is not None else "—",
                 f"{s['interactive_rejected']} / {s['interactive_failed']}"
                 if s["interactive_requests"]
                 else "—",
                 _fmt(s["batch_output_tokens_per_s"], 1),
+                _fmt(s.get("batch_tokens_processed_per_s"), 0),
+                f"{s['engine_load']['running_mean']:.0f}" if "running_mean" in s["engine_load"]
+                else "—",
                 int(s["engine_preemptions"]),
                 int(bf["backfill_gateway_batch_preemptions_total"]) if bf else "—",
                 int(bf["recomputed_tokens_on_resume"]) if bf else "—",
@@ -472,8 +619,9 @@ def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 
 HEADERS = [
-    "scenario", "engine", "batch", "int ok", "TTFT p50 / p99 s", "ITL p99 s", "rejected / failed",
-    "batch out tok/s", "engine preempt", "Backfill preempt", "recomputed tok", "load 1m",
+    "scenario", "engine", "batch", "int ok", "TTFT p50 / p99 s", "ITL p99 s", "int busy",
+    "rejected / failed", "batch out tok/s", "batch all tok/s", "running", "engine preempt",
+    "Backfill preempt", "recomputed tok", "load 1m",
 ]  # fmt: skip
 
 
@@ -591,8 +739,15 @@ def verdicts(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         v = by.get(name, {}).get(key)
         return float(v) if v is not None else None
 
+    def ratio(num: float | None, den: float | None) -> float | None:
+        return num / den if num is not None and den else None
+
     alone, a = get("alone", "ttft_p99_s"), get("a", "ttft_p99_s")
-    out: dict[str, Any] = {"ttft_p99_ratio": a / alone if a is not None and alone else None}
+    out: dict[str, Any] = {
+        "ttft_p50_ratio": ratio(get("a", "ttft_p50_s"), get("alone", "ttft_p50_s")),
+        "ttft_p99_ratio": ratio(a, alone),
+        "itl_p99_ratio": ratio(get("a", "itl_p99_s"), get("alone", "itl_p99_s")),
+    }
     for peer in ("b", "c"):
         theirs = get(peer, "ttft_p99_s")
         out[f"a_ttft_p99_below_{peer}"] = a < theirs if a is not None and theirs else None
@@ -600,11 +755,27 @@ def verdicts(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         get("batch-backfill", "batch_output_tokens_per_s"),
         get("a", "batch_output_tokens_per_s"),
     )
-    out["batch_kept_a"] = bf_a / bf_alone if bf_a is not None and bf_alone else None
+    out["batch_kept_a"] = ratio(bf_a, bf_alone)
+    a_row = by.get("a", {})
+    recomputed = (a_row.get("backfill") or {}).get("recomputed_tokens_on_resume")
+    out["recomputed_share_a"] = ratio(
+        float(recomputed) if recomputed is not None else None, get("a", "batch_tokens_processed")
+    )
     straight = get("batch-straight", "batch_output_tokens_per_s")
+    out["batch_backfill_vs_straight"] = ratio(bf_alone, straight)
+    # Prompt and output tokens together: a window shorter than a few of straight's waves
+    # (all prefill, then all decode) catches one phase, and output tokens alone then judge
+    # the phase rather than the work done.
+    out["batch_backfill_vs_straight_all_tokens"] = ratio(
+        get("batch-backfill", "batch_tokens_processed_per_s"),
+        get("batch-straight", "batch_tokens_processed_per_s"),
+    )
     for name in ("b", "c"):
-        v = get(name, "batch_output_tokens_per_s")
-        out[f"batch_kept_{name}"] = v / straight if v is not None and straight else None
+        out[f"batch_kept_{name}"] = ratio(get(name, "batch_output_tokens_per_s"), straight)
+    out["alone_sched_ttft_p50_ratio"] = ratio(
+        get("alone-sched", "ttft_p50_s"), get("alone", "ttft_p50_s")
+    )
+    out["alone_sched_ttft_p99_ratio"] = ratio(get("alone-sched", "ttft_p99_s"), alone)
     for s in summaries:
         if s["scenario"].startswith("a:") and alone:
             p99 = s["ttft_p99_s"]
@@ -612,6 +783,20 @@ def verdicts(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[f"{s['scenario']}_ttft_p99_ratio"] = p99 / alone if p99 is not None else None
             out[f"{s['scenario']}_batch_kept"] = tps / bf_alone if tps and bf_alone else None
     return out
+
+
+def closing_verdict(
+    summaries: Sequence[dict[str, Any]], goals: dict[str, Any], median_prefill_s: float
+) -> plan.Verdict:
+    """The headline ``a`` judged on TTFT p50, p99 and batch kept together, or no verdict
+    when interactive alone was itself overloaded."""
+    alone = _by_name(summaries).get("alone", {})
+    overloaded = plan.overload_reason(
+        alone.get("interactive_busy"), alone.get("ttft_p50_s"), median_prefill_s
+    )
+    return plan.verdict(
+        goals["ttft_p50_ratio"], goals["ttft_p99_ratio"], goals["batch_kept_a"], overloaded
+    )
 
 
 def parse_variant(text: str) -> Variant:
@@ -633,9 +818,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (smoke test)")
     p.add_argument("--trace", type=Path, default=TRACE, help="a TIMESTAMP,ContextTokens,"
-                   "GeneratedTokens CSV")  # fmt: skip
-    p.add_argument("--skip", type=int, default=200, help="trace rows to skip (default 200)")
-    p.add_argument("--time-scale", type=float, default=70.0, help="stretch arrivals (70)")
+                   f"GeneratedTokens CSV (default bench/data/{TRACE.name})")  # fmt: skip
+    p.add_argument("--skip", type=int, default=0, help="trace rows to skip (default 0)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="stretch arrivals by this much (default: sized from the probed engine so that "
+        "interactive alone keeps it --target-busy busy)",
+    )
+    p.add_argument(
+        "--target-busy",
+        type=float,
+        default=plan.TARGET_BUSY,
+        help=f"share of the window interactive alone keeps the engine busy ({plan.TARGET_BUSY})",
+    )
     p.add_argument("--max-prompt", type=int, default=1500, help="clip prompts (1500 tokens)")
     p.add_argument("--max-output", type=int, default=64, help="clip outputs (64 tokens)")
     p.add_argument(
@@ -653,9 +850,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="straight batch concurrency")
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument(
+        "--scheduler-cls",
+        default=None,
+        metavar="NAME",
+        help="vLLM --scheduler-cls for the engine the Backfill scenarios (and alone-sched) "
+        "run on; the others stay on the stock engine",
+    )
+    p.add_argument(
         "--scenarios",
-        default=",".join(SCENARIOS),
-        help=f"comma-separated subset of {','.join(SCENARIOS)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all; alone-sched "
+        "only with --scheduler-cls)",
     )
     p.add_argument(
         "--variant",
@@ -675,21 +880,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGTERM unwinds like Ctrl-C, so the engines, the API and worker processes, the scratch
     # database and the ledger keys are all cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    default_scenarios = [s for s in SCENARIOS if s != "alone-sched" or args.scheduler_cls]
+    chosen = args.scenarios or ",".join(default_scenarios)
+    wanted = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = set(wanted) - set(SCENARIOS)
     if unknown:
         raise SystemExit(f"unknown scenarios: {', '.join(sorted(unknown))}")
     variants = [parse_variant(v) for v in args.variant] or [Variant("default", {})]
     duration = args.duration or (30.0 if args.quick else 90.0)
+    # Unstretched and unwindowed: the stretch is sized once the engine's speed is known.
     options = TraceOptions(
-        time_scale=args.time_scale,
-        max_prompt_tokens=args.max_prompt,
-        max_output_tokens=args.max_output,
-        duration_s=duration,
-        skip=args.skip,
+        max_prompt_tokens=args.max_prompt, max_output_tokens=args.max_output, skip=args.skip
     )
-    requests = load_trace(args.trace, options)
-    if not requests:
+    trace = load_trace(args.trace, options)
+    if not trace:
         raise SystemExit(f"no requests in {args.trace} with {options}")
     cfg = Config(
         model=args.model,
@@ -701,39 +905,63 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch_prompt_chars=1700,
         batch_max_tokens=64,
         kv_cache_gib=args.kv_cache_gib,
+        duration_s=duration,
+        time_scale=args.time_scale,
+        target_busy=args.target_busy,
+        scheduler_cls=args.scheduler_cls,
         batch_window_s=60.0 if args.quick else 90.0,
     )
     _say(
-        f"{len(requests)} interactive requests in {requests[-1].arrival_s:.1f} s, mean prompt "
-        f"{statistics.fmean(r.prompt_tokens for r in requests):.0f}, mean output "
-        f"{statistics.fmean(r.output_tokens for r in requests):.1f} tokens"
+        f"trace {args.trace.name}: {len(trace)} requests over {trace[-1].arrival_s:.0f} s, "
+        f"mean prompt {statistics.fmean(r.prompt_tokens for r in trace):.0f}, mean output "
+        f"{statistics.fmean(r.output_tokens for r in trace):.1f} tokens (clipped)"
     )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     logs = OUT_DIR / "protection-logs"
-    results, starts = run_all(cfg, requests, wanted, variants, logs)
+    results, starts, load = run_all(cfg, trace, wanted, variants, logs)
     summaries = [r.summary() for r in results]
     print(table(HEADERS, rows(summaries)))
     goals = verdicts(summaries)
     for key, value in goals.items():
         print(f"{key}: {_fmt(value, 3) if isinstance(value, float) else value}")
+    alone = _by_name(summaries).get("alone", {})
+    busy = alone.get("interactive_busy")
+    print(
+        f"interactive load: x{load.stretch.time_scale:.3g} stretch, "
+        f"{len(load.requests)} requests, planned busy {load.stretch.planned_busy:.0%}, reached "
+        + (f"{busy:.0%}" if busy is not None else "— (alone not run)")
+        + f" (engine: {load.speed})"
+    )
     plot_path = args.plot or (PLOT if not args.quick else OUT_DIR / "protection-quick.png")
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(
         summaries,
         plot_path,
         f"Interactive protection, {cfg.model} on vLLM CPU, {duration:.0f} s of trace per "
-        f"scenario, {machine()}",
+        f"scenario (x{load.stretch.time_scale:.3g}), {machine()}",
     )
     print(f"plot: {plot_path}")
     command = "python -m bench.protection " + " ".join(sys.argv[1:] if argv is None else argv)
-    ratio = goals["ttft_p99_ratio"]
+    judged = closing_verdict(summaries, goals, load.median_prefill_s())
+    print(
+        "goals (a): TTFT p50 and p99 <= "
+        f"{GOAL_TTFT_RATIO}x alone, batch kept >= {GOAL_BATCH_KEPT}: p50 "
+        f"{_fmt(goals['ttft_p50_ratio'])}x, p99 {_fmt(goals['ttft_p99_ratio'])}x, kept "
+        f"{_fmt(goals['batch_kept_a'])}; beside: recomputed "
+        + (
+            f"{goals['recomputed_share_a']:.1%}"
+            if goals["recomputed_share_a"] is not None
+            else "—"
+        )
+        + f" of batch tokens processed, ITL p99 {_fmt(goals['itl_p99_ratio'])}x alone"
+    )
     finish(
         NAME,
-        "ttft_p99_ratio",
-        ratio if ratio is not None else math.nan,
+        "worst_goal_share",
+        judged.worst,
         "<=",
-        GOAL_TTFT_RATIO,
+        1.0,
         {
             "command": command.strip(),
             "started": started,
@@ -741,14 +969,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             "loadavg_at_end": os.getloadavg(),
             "engine_ready_seconds": starts,
             "config": asdict(cfg) | {"trace_path": str(cfg.trace_path)},
+            "engine_speed": asdict(load.speed),
+            "time_scale": load.stretch.time_scale,
+            "time_scale_sized": load.stretch.sized,
+            "planned_busy": load.stretch.planned_busy,
+            "reached_busy": busy,
             "variants": [asdict(v) for v in variants],
-            "interactive_requests": len(requests),
+            "interactive_requests": len(load.requests),
             "goals": goals,
+            "verdict": asdict(judged),
+            "goal_ttft_ratio": GOAL_TTFT_RATIO,
             "goal_batch_kept": GOAL_BATCH_KEPT,
             "tradeoff": tradeoff_points(summaries),
             "plot": str(plot_path),
             "scenarios": summaries,
         },
+        reason=judged.reason,
     )
 
 

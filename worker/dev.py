@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,9 +41,14 @@ from worker import devengine
 
 DOCS = Path(__file__).parent / "demo_docs"
 PROMPT = (
-    "Summarise the following document in two or three sentences. Say what it is and what "
-    "it says.\n\n{text}"
+    "Summarise the following document in two or three sentences of your own. Say what it "
+    "is and what it says; do not copy its lines.\n\nDocument:\n{text}"
 )
+# SmolLM2-135M decoding greedily with no penalty copied a document's title or refrain several
+# times (a poem's title line four times). A mild repetition penalty and a little temperature
+# keep the bundled documents' summaries free of repeated lines (checked on all of them by
+# scripts/check_demo_summaries.py); the seed keeps a run repeatable.
+SAMPLING: dict[str, float | int] = {"temperature": 0.3, "repetition_penalty": 1.1, "seed": 0}
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 DATABASE_ENV = "BACKFILL_DATABASE_URL"
 REDIS_ENV = "BACKFILL_REDIS_URL"
@@ -133,13 +139,37 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def repeated_lines(text: str) -> int:
+    """How many of ``text``'s non-empty lines (or sentences, in one-line text) repeat an
+    earlier one, ignoring case and punctuation at the ends: a summary that loops scores > 0."""
+    seen: set[str] = set()
+    repeats = 0
+    for key in _line_keys(text):
+        repeats += key in seen
+        seen.add(key)
+    return repeats
+
+
+def copied_lines(summary: str, document: str) -> int:
+    """How many of ``summary``'s lines (or sentences) are one of ``document``'s lines word for
+    word (its title, a refrain): a summary should say it in its own words."""
+    source = set(_line_keys(document))
+    return sum(1 for key in _line_keys(summary) if key in source)
+
+
+def _line_keys(text: str) -> list[str]:
+    parts = [p for line in text.splitlines() for p in re.split(r"(?<=[.!?])\s+", line)]
+    keys = (part.strip().strip(".,;:!?\"'*#-").strip().lower() for part in parts)
+    return [key for key in keys if key]
+
+
 def batch_lines(docs: Path, model: str, max_tokens: int) -> bytes:
     lines = []
     for path in sorted(docs.glob("*.txt")):
         body = {
             "model": model,
             "max_tokens": max_tokens,
-            "temperature": 0,
+            **SAMPLING,
             "messages": [{"role": "user", "content": PROMPT.format(text=path.read_text().strip())}],
         }
         lines.append(
@@ -278,8 +308,9 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             created.raise_for_status()
             batch = created.json()
             batch_id = batch["id"]
+            submitted = time.monotonic()
             batch = _watch(client, batch_id, n)
-            _report(client, batch, key, base, time.monotonic() - t0)
+            _report(client, batch, key, base, time.monotonic() - submitted, submitted - t0)
             return 0 if batch["status"] == "completed" else 1
 
 
@@ -311,10 +342,18 @@ def _watch(client: httpx.Client, batch_id: str, n: int) -> dict[str, object]:
 
 
 def _report(
-    client: httpx.Client, batch: dict[str, object], key: str, base: str, elapsed: float
+    client: httpx.Client,
+    batch: dict[str, object],
+    key: str,
+    base: str,
+    batch_s: float,
+    setup_s: float,
 ) -> None:
     counts = batch.get("request_counts")
-    console.print(f"\nbatch {batch['id']} {batch['status']} in {elapsed:.0f} s: {counts}")
+    console.print(
+        f"\nbatch {batch['id']} {batch['status']} in {batch_s:.0f} s from submission: {counts}"
+        f"\n(setup before it: {setup_s:.0f} s: database, engine, API and worker)"
+    )
     out = batch.get("output_file_id")
     if isinstance(out, str):
         lines = client.get(f"/v1/files/{out}/content").text.splitlines()

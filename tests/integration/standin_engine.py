@@ -2,10 +2,12 @@
 output is not what is tested: every prompt counts 5 tokens, every request answers one token
 at once, and the engine makes progress at every load read (the stall watch stays quiet).
 ``fail_after`` makes every stream raise an error of the worker's own (not an engine error)
-after that many chunks: a fault no real engine can be made to produce."""
+after that many chunks: a fault no real engine can be made to produce. ``hold_s`` keeps each
+stream open that long before its answer, so that leases stay held while others are claimed."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -14,9 +16,17 @@ from backfill.engine.protocol import ChoiceDelta, CompletionStream, ModelInfo, S
 
 
 class StandInEngine:
-    def __init__(self, *, blocks: int = 64, block: int = 16, fail_after: int | None = None):
+    def __init__(
+        self,
+        *,
+        blocks: int = 64,
+        block: int = 16,
+        fail_after: int | None = None,
+        hold_s: float = 0.0,
+    ):
         self.blocks, self.block = blocks, block
         self.fail_after = fail_after
+        self.hold_s = hold_s
         self.streamed: list[str] = []
         """Request ids, one per stream started."""
         self._progress = 0
@@ -46,9 +56,11 @@ class StandInEngine:
         stream_interval: int = 1,
     ) -> CompletionStream:
         self.streamed.append(request_id)
-        fail_after = self.fail_after
+        fail_after, hold_s = self.fail_after, self.hold_s
 
         async def chunks() -> AsyncIterator[StreamChunk]:
+            if hold_s:
+                await asyncio.sleep(hold_s)
             answer = [
                 StreamChunk("c", (ChoiceDelta(0, "ok", "stop"),), None, {}),
                 StreamChunk("c", (), Usage(5, 1, 6), {}),

@@ -11,10 +11,23 @@ from typing import Any
 import httpx
 import pytest
 
-from backfill_analysis.simulate.trace import TraceRequest
-from bench.protection import ScenarioResult, parse_variant, plot, tradeoff_points, verdicts
+from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_trace
+from bench.protection import (
+    HEADERS,
+    TRACE,
+    ScenarioResult,
+    closing_verdict,
+    parse_variant,
+    plot,
+    rows,
+    scheduler_policy,
+    tradeoff_points,
+    verdicts,
+)
+from bench.protection_plan import TARGET_BUSY, busy_share, overload_reason, size_stretch, verdict
 from bench.replay import InteractiveResult, Target, interactive_body, sse_data
 from bench.stack import counters, settings_env
+from worker.enginespeed import EngineSpeed
 
 
 def _engine(generated: float) -> dict[str, float]:
@@ -65,6 +78,10 @@ def test_batch_tokens_are_the_engine_count_less_interactive_tokens() -> None:
     assert result.ttfts == [0.5, 0.7]
     summary = result.summary()
     assert summary["interactive_rejected"] == 1
+    assert summary["batch_tokens_processed"] == 1016 - 16 - 200  # less interactive's 2 x 100
+    assert summary["batch_tokens_processed_per_s"] == pytest.approx(80.0)
+    (row,) = rows([summary])
+    assert len(row) == len(HEADERS)
     assert summary["requests"][2]["ttft_s"] is None
 
 
@@ -156,3 +173,135 @@ def test_stream_events_are_split_on_newlines_only() -> None:
         return [d async for d in sse_data(response)]
 
     assert asyncio.run(read()) == ['{"text": "a\u2028b\x85c"}', "[DONE]"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing the load from the engine's speed, and the verdict
+
+
+def _trace(n: int, gap_s: float, prompt: int = 100, output: int = 10) -> list[TraceRequest]:
+    return [TraceRequest(i * gap_s, prompt, output) for i in range(n)]
+
+
+def test_the_stretch_keeps_the_engine_about_the_target_busy_on_a_fast_and_a_slow_engine() -> None:
+    trace = _trace(1000, 0.1)  # 10 requests a trace second
+    fast = EngineSpeed(prefill_tokens_per_s=10_000, decode_tokens_per_s=100)  # 0.11 s each
+    slow = EngineSpeed(prefill_tokens_per_s=100, decode_tokens_per_s=10)  # 2 s each
+    at_fast = size_stretch(trace, fast.seconds_for, 60.0)
+    at_slow = size_stretch(trace, slow.seconds_for, 60.0)
+    for sized, cost in ((at_fast, 0.11), (at_slow, 2.0)):
+        assert sized.sized
+        assert TARGET_BUSY - cost / 60 <= sized.planned_busy <= TARGET_BUSY
+        assert sized.planned_busy == pytest.approx(len(sized.requests) * cost / 60)
+        assert all(r.arrival_s < 60.0 for r in sized.requests)
+    # The slow engine gets a longer stretch: fewer requests in the same window.
+    assert at_slow.time_scale > 10 * at_fast.time_scale
+    assert len(at_slow.requests) == 9  # 9 x 2 s = 18 s = 30% of 60 s
+
+
+def test_a_given_stretch_is_kept_and_its_load_reported() -> None:
+    trace = _trace(100, 1.0)
+    given = size_stretch(trace, lambda p, o: 1.0, 30.0, time_scale=2.0)
+    assert not given.sized
+    assert given.time_scale == 2.0
+    assert len(given.requests) == 15  # arrivals 0, 2, ..., 28
+    assert given.planned_busy == pytest.approx(0.5)
+
+
+def test_a_light_trace_is_replayed_whole_inside_the_window() -> None:
+    trace = _trace(5, 10.0)  # spans 40 s
+    sized = size_stretch(trace, lambda p, o: 0.1, 60.0)
+    assert len(sized.requests) == 5
+    assert sized.requests[-1].arrival_s < 60.0
+    assert sized.planned_busy == pytest.approx(0.5 / 60)
+
+
+def test_any_trace_of_the_same_columns_is_sized(tmp_path: Path) -> None:
+    csv = tmp_path / "other.csv"
+    rows = [f"{i * 0.5:.3f},{200 + i},{5 + i % 3}" for i in range(400)]
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    trace = load_trace(csv, TraceOptions(max_prompt_tokens=1500, max_output_tokens=64))
+    sized = size_stretch(trace, EngineSpeed(1000, 50).seconds_for, 30.0)
+    assert 0.2 < sized.planned_busy <= TARGET_BUSY
+    bundled = load_trace(TRACE, TraceOptions(max_prompt_tokens=1500, max_output_tokens=64))
+    assert len(bundled) == 2000
+    assert size_stretch(bundled, EngineSpeed(1000, 50).seconds_for, 30.0).requests
+
+
+def test_busy_share_counts_overlapping_requests_once_and_only_inside_the_window() -> None:
+    assert busy_share([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)
+    assert busy_share([(8, 15)], 0, 10) == pytest.approx(0.2)
+    assert busy_share([], 0, 10) == 0.0
+
+
+def test_interactive_busy_is_measured_from_the_replayed_requests() -> None:
+    result = ScenarioResult(
+        name="alone",
+        policy="priority",
+        interactive=[_request(0, 0.5, 6), _request(1, 0.5, 6), _request(5, 0.2, 1)],
+        batch=None,
+        window_s=10.0,
+        engine=_engine(13.0),
+    )
+    # Spans: 0-1.0, 1-2.0, 5-5.2 (sent to last chunk)
+    assert result.interactive_busy == pytest.approx(0.22)
+    assert result.summary()["interactive_busy"] == pytest.approx(0.22)
+
+
+def test_overloaded_interactive_alone_gives_no_verdict() -> None:
+    assert overload_reason(0.35, 0.4, 0.3) is None
+    busy = overload_reason(0.9, 0.4, 0.3)
+    assert busy is not None
+    assert busy.startswith("interactive alone overloaded")
+    queued = overload_reason(0.4, 94.0, 1.4)  # the AVX2 machine at x70
+    assert queued is not None
+    assert "TTFT p50 94.00 s" in queued
+    judged = verdict(1.0, 1.0, 0.9, busy)
+    assert not judged.ok
+    assert judged.reason == busy
+
+
+def test_the_verdict_needs_p50_p99_and_batch_kept_together() -> None:
+    assert verdict(1.05, 1.08, 0.62, None).ok
+    assert verdict(1.05, 1.08, 0.62, None).worst == pytest.approx(1.08 / 1.1)
+    p99_alone_is_not_enough = verdict(1.77, 1.05, 0.7, None)  # p50 far off
+    assert not p99_alone_is_not_enough.ok
+    assert p99_alone_is_not_enough.worst == pytest.approx(1.77 / 1.1)
+    kept_too_little = verdict(1.0, 1.0, 0.16, None)  # the AVX2 run that said ok on p99
+    assert not kept_too_little.ok
+    assert kept_too_little.worst == pytest.approx(0.6 / 0.16)
+    missing = verdict(None, 1.0, 0.7, None)
+    assert not missing.ok
+    assert missing.reason == "not measured: ttft_p50_ratio"
+
+
+def test_the_closing_verdict_judges_a_against_alone_and_batch_backfill() -> None:
+    def s(name: str, **kw: Any) -> dict[str, Any]:
+        row: dict[str, Any] = {"scenario": name, "ttft_p50_s": None, "ttft_p99_s": None,
+                               "itl_p99_s": None, "batch_output_tokens_per_s": None,
+                               "interactive_busy": None, "batch_tokens_processed": None,
+                               "backfill": {}}  # fmt: skip
+        row.update(kw)
+        return row
+
+    summaries = [
+        s("alone", ttft_p50_s=0.5, ttft_p99_s=1.0, itl_p99_s=0.05, interactive_busy=0.3),
+        s("batch-backfill", batch_output_tokens_per_s=100.0),
+        s("batch-straight", batch_output_tokens_per_s=125.0),
+        s("a", ttft_p50_s=0.52, ttft_p99_s=1.05, itl_p99_s=0.1, batch_output_tokens_per_s=65.0,
+          batch_tokens_processed=40_000.0, backfill={"recomputed_tokens_on_resume": 1000}),
+    ]  # fmt: skip
+    goals = verdicts(summaries)
+    assert goals["ttft_p50_ratio"] == pytest.approx(1.04)
+    assert goals["itl_p99_ratio"] == pytest.approx(2.0)
+    assert goals["recomputed_share_a"] == pytest.approx(0.025)
+    assert goals["batch_backfill_vs_straight"] == pytest.approx(0.8)
+    assert closing_verdict(summaries, goals, 0.2).ok
+    summaries[0]["interactive_busy"] = 0.8
+    overloaded = closing_verdict(summaries, goals, 0.2)
+    assert not overloaded.ok
+    assert overloaded.reason is not None
+
+
+def test_the_scheduler_class_names_the_engine_in_the_table() -> None:
+    assert scheduler_policy("backfill_vllm.scheduler.StepScheduler") == "priority+StepScheduler"

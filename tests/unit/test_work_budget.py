@@ -92,6 +92,26 @@ def test_other_workers_batch_in_the_shared_engine_queue_is_not_interactive() -> 
     assert "1 in the engine's queue beside 6 batch prefill(s)" in s.reason
 
 
+def test_batch_that_got_its_first_token_since_the_gauge_was_read_is_not_interactive() -> None:
+    b = WorkBudget.initial(POLICY)
+    # Batch alone, measured: the engine's gauge said 23 waiting while the worker counted 21
+    # of its own awaiting a first token; the other 2 had just got theirs. Read as interactive
+    # waiting, it halved the budget and held new prefills with no interactive traffic at all.
+    raced = WorkSignals(
+        now_s=1.0,
+        engine_waiting=23,
+        batch_in_flight=50,
+        batch_awaiting_first_token=21,
+        batch_started_since_engine_read=2,
+    )
+    assert raced.engine_other_waiting == 0
+    assert step(b, raced, POLICY).code is BudgetReason.STEADY
+    # One more than that is interactive.
+    s = step(b, replace(raced, engine_waiting=24), POLICY)
+    assert s.code is BudgetReason.INTERACTIVE_WAITING
+    assert "1 in the engine's queue" in s.reason
+
+
 def test_a_worker_preempts_only_its_own_prefills_at_risk() -> None:
     b = WorkBudget.initial(POLICY)
     s = step(

@@ -1,0 +1,29 @@
+"""``backfill dev``'s demo: what it submits, and how its summaries are judged."""
+
+from __future__ import annotations
+
+import json
+
+from worker.dev import DOCS, SAMPLING, batch_lines, copied_lines, repeated_lines
+
+
+def test_repeated_lines_counts_lines_and_sentences_a_summary_repeats() -> None:
+    assert repeated_lines("A poem about a tyger. It asks who made it.") == 0
+    looping = "The Tyger\nThe Tyger.\n\nthe tyger\nA poem. A poem!"
+    assert repeated_lines(looping) == 3
+    assert repeated_lines("") == 0
+
+
+def test_copied_lines_counts_summary_lines_taken_word_for_word_from_the_document() -> None:
+    doc = "The Tyger\nWilliam Blake\n\nTyger Tyger, burning bright,\nIn the forests of the night;"
+    assert copied_lines("The Tyger.\nA poem asking who made the tiger.", doc) == 1
+    assert copied_lines("A poem asking who made the tiger.", doc) == 0
+
+
+def test_every_bundled_document_is_submitted_with_the_demo_sampling() -> None:
+    lines = batch_lines(DOCS, "smollm2", 96).decode().splitlines()
+    assert len(lines) == len(list(DOCS.glob("*.txt"))) == 26
+    for line in lines:
+        body = json.loads(line)["body"]
+        assert {k: body[k] for k in SAMPLING} == SAMPLING
+        assert body["repetition_penalty"] > 1.0
