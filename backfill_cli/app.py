@@ -291,12 +291,25 @@ def dev(
             "(the configured servers)."
         ),
     ] = DevServices.AUTO,
+    backfill_scheduler: Annotated[
+        bool,
+        typer.Option(
+            help="Run the engine with Backfill's step scheduler (backfill_vllm: batch pauses "
+            "in the steps interactive work needs); --no-backfill-scheduler: vLLM's own."
+        ),
+    ] = True,
 ) -> None:
     """Run everything on this machine and a real bulk summarisation job end to end."""
     settings = _settings()
     from worker.dev import DevOptions, run_dev  # noqa: PLC0415 - engine tooling loads here
 
-    options = DevOptions(model=model, port=port, max_tokens=max_tokens, services=services.value)
+    options = DevOptions(
+        model=model,
+        port=port,
+        max_tokens=max_tokens,
+        services=services.value,
+        scheduler=backfill_scheduler,
+    )
     code = run_dev(settings, options)
     raise typer.Exit(code)
 

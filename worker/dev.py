@@ -68,6 +68,9 @@ class DevOptions:
     # auto: embedded PostgreSQL / Redis for whichever of BACKFILL_DATABASE_URL /
     # BACKFILL_REDIS_URL is not set; embedded: both embedded; external: the configured ones.
     services: str = "auto"
+    # Backfill's step scheduler in the engine (backfill_vllm): batch pauses in the steps
+    # interactive work needs. False: vLLM's own scheduler, the work budget preempts instead.
+    scheduler: bool = True
 
 
 def dev_database_url(settings: Settings, *, named: bool) -> str:
@@ -248,11 +251,21 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             f"[bold]2/5[/] engine: vLLM CPU with {options.model} "
             "(first run installs and converts: a few minutes)"
         )
-        server = devengine.start_model(options.model, kv_cache_gib=1)
+        server = devengine.start_model(
+            options.model, kv_cache_gib=1, scheduler=options.scheduler
+        )
         stack.callback(server.stop)
+        if server.scheduler_metrics_url is not None:
+            # The worker reads what the engine's scheduler does (and leaves TTFT to it).
+            env["BACKFILL_ENGINE_SCHEDULER_METRICS_URL"] = server.scheduler_metrics_url
         console.print(
             f"      engine ready at {server.url} in {server.ready_seconds:.0f} s, "
-            f"dtype {server.dtype} ({server.dtype_reason})"
+            f"dtype {server.dtype} ({server.dtype_reason}), "
+            + (
+                "Backfill's step scheduler"
+                if server.scheduler_metrics_url
+                else "vLLM's own scheduler"
+            )
         )
 
         console.print(f"[bold]3/5[/] API on http://127.0.0.1:{options.port}, worker {options.node}")

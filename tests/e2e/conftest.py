@@ -62,7 +62,8 @@ def engine() -> Iterator[EngineUnderTest]:
         yield _describe(url.rstrip("/"), None)
         return
     try:
-        server = devengine.start_model("tiny", kv_cache_gib=KV_CACHE_GIB)
+        # As `backfill dev` runs it: with Backfill's step scheduler.
+        server = devengine.start_model("tiny", kv_cache_gib=KV_CACHE_GIB, scheduler=True)
     except devengine.DevEngineError as exc:
         pytest.fail(f"could not provision a vLLM engine for the e2e tests: {exc}", pytrace=False)
     try:
