@@ -241,13 +241,13 @@ class InteractiveGateway:
         tenant: TenantRecord,
         received: float,
     ) -> Response:
-        wanted = await self.admission.wanted(endpoint, load_json_body(await request.body()))
+        parsed = await self.admission.parse(endpoint, load_json_body(await request.body()))
         asked = _float_header(request, MAX_WAIT_HEADER)
         budget = self.admission.wait_budget(asked, _float_header(request, CLIENT_TIMEOUT_HEADER))
         if asked is not None and budget < asked:
             request.state.backfill_headers = {MAX_WAIT_APPLIED_HEADER: f"{budget:g}"}
         admitted = await self.admission.admit(
-            wanted,
+            parsed,
             owner=f"gateway/{tenant.id}",
             max_wait_s=budget,
             disconnected=request.is_disconnected,
@@ -256,7 +256,7 @@ class InteractiveGateway:
         keeper, pending = admitted.keeper, admitted.pending
         try:
             payload = upstream_body(
-                wanted.body, shape, sizing, self.settings.interactive_priority
+                parsed.body, shape, sizing, self.settings.interactive_priority
             )
             overhead = (admitted.counted_at - received) + (
                 time.perf_counter() - admitted.admitted_at

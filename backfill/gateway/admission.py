@@ -53,7 +53,7 @@ OVERHEAD_CACHE_SIZE = 1024
 
 
 @dataclass(frozen=True)
-class Wanted:
+class InteractiveRequest:
     """A parsed request and the nodes that serve its model."""
 
     shape: RequestShape
@@ -123,7 +123,7 @@ class InteractiveAdmission:
         await self.directory.aclose()
         await self.ledger.aclose()
 
-    async def wanted(self, endpoint: InteractiveEndpoint, body: Any) -> Wanted:
+    async def parse(self, endpoint: InteractiveEndpoint, body: Any) -> InteractiveRequest:
         """Parse ``body`` (a decoded JSON body) and find the nodes serving its model; refuses
         what is not a request, what no node serves and more sequences than the cap."""
         shape = parse_request(endpoint, body)
@@ -136,7 +136,7 @@ class InteractiveAdmission:
                     param="model",
                 )
             raise GatewayUnavailable("no inference node is registered yet", retry_after_s=5.0)
-        return Wanted(shape, body, nodes)
+        return InteractiveRequest(shape, body, nodes)
 
     def wait_budget(self, asked_s: float | None, client_read_timeout_s: float | None) -> float:
         """Seconds the request may wait for room (see :func:`wait_budget_s`)."""
@@ -146,16 +146,16 @@ class InteractiveAdmission:
 
     async def admit(
         self,
-        wanted: Wanted,
+        request: InteractiveRequest,
         *,
         owner: str,
         max_wait_s: float,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> Admitted:
-        """Admit ``wanted`` on a bound of its prompt where that is safe and room is there at
+        """Admit ``request`` on a bound of its prompt where that is safe and room is there at
         once, else on the engine's exact count, waiting up to ``max_wait_s``; the lease is
         kept (heartbeats) from then on, until the caller ends it."""
-        shape, body, nodes = wanted.shape, wanted.body, wanted.nodes
+        shape, body, nodes = request.shape, request.body, request.nodes
         limit = self._limit(nodes)
         cap = self.caps.max_request_tokens
         check_bound(shape, limit, self.settings.max_bytes_per_token, cap)
