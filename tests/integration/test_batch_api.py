@@ -293,7 +293,10 @@ def test_completion_windows_other_than_24h_are_accepted(
     batch = submit(server.client(acme.key), chat_file(1), window=window)
     assert batch.status == "in_progress"
     assert batch.completion_window == window
-    assert batch.expires_at == pytest.approx(batch.created_at + seconds, abs=2)
+    # The deadline is the window from when the create began; the job row is stamped a
+    # moment later (seconds on a loaded machine), never before.
+    assert batch.expires_at is not None
+    assert batch.created_at + seconds - 30 <= batch.expires_at <= batch.created_at + seconds + 1
 
 
 # ---------------------------------------------------------------------------------------------
