@@ -3,7 +3,7 @@
 KV slack (``backfill.policy``) bounds what batch may *store*; it says nothing about the compute
 batch takes from every engine step. On these engines batch prefill and decode share each step
 with interactive work, and that alone raised interactive time to first token 1.7x with KV to
-spare (``notes/peers.md``). So batch also gets a work budget per node:
+spare (the peer runs in ``bench/RESULTS.md``). So batch also gets a work budget per node:
 
     max_seqs            batch sequences in flight at most
     max_prefill_tokens  batch prompt tokens in prefill at once at most (an item is in prefill

@@ -105,7 +105,7 @@ MODELS: dict[str, ModelSpec] = {
 
 # x86 flags (/proc/cpuinfo) of CPUs that compute bfloat16 natively. Elsewhere torch emulates
 # it: SmolLM2-135M prefilled ~5x slower in bfloat16 than in float32 on an AVX2 EPYC
-# (notes/vllm-cpu.md, "Machines differ").
+# (machines of one kind differ in it from one day to the next).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 

