@@ -6,8 +6,8 @@ defaults (8,192 batched tokens, 256 sequences). The Azure code trace is a whole 
 traffic; one node of a four-node deployment sees every fourth request.
 
 ``cpu-smollm2``: this machine. SmolLM2-135M on vLLM's CPU backend with 1 GiB of KV (364
-blocks of 128), step times from the cost model fitted to it; the trace as the peer runs in ``bench/RESULTS.md``
-replays it (from row 200, arrivals x70, prompts <= 1,500, outputs <= 64).
+blocks of 128), step times from the cost model fitted to it; the trace as the peer runs
+in ``bench/RESULTS.md`` replay it (from row 200, arrivals x70, prompts <= 1,500, outputs <= 64).
 """
 
 from __future__ import annotations
