@@ -5,7 +5,8 @@ tokens through the model once. Its time grows with what it processes, which is h
 slows interactive work even when KV space is plentiful (the peer runs in
 ``bench/RESULTS.md``: engine priority alone left interactive TTFT 1.7x and inter-token
 time ~7x worse). The model is linear in five features, so it can be fitted by least squares
-to measurements of a real engine (:func:`fit_cost_model`) or derived from a GPU's published peak figures (:func:`roofline`).
+to measurements of a real engine (:func:`fit_cost_model`) or derived from a GPU's published
+peak figures (:func:`roofline`).
 """
 
 from __future__ import annotations
