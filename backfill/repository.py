@@ -55,6 +55,7 @@ from backfill.states import (
     ItemState,
     JobState,
 )
+from backfill.webhooks.outbox import enqueue_batch_event
 
 COUNTED_STATES: tuple[ItemState, ...] = tuple(ItemState)
 # ``not_before`` from a delay in seconds (``:retry``, NULL: none), on Postgres' own clock: a
@@ -1751,6 +1752,7 @@ def _move_job(
         ),
         {"i": job_id, "f": row[0], "t": target.value, "r": reason},
     )
+    enqueue_batch_event(conn, job_id, target)
     return JobState(row[0])
 
 
