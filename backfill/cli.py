@@ -16,7 +16,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from backfill import cli_capacity, cli_client
+from backfill import cli_capacity, cli_client, cli_webhooks
 from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
 
@@ -31,6 +31,7 @@ tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=Tr
 app.add_typer(tenants_app, name="tenants")
 # The tenant's commands (submit, status, results, ...) talk to the API over HTTP.
 cli_client.register(app)
+cli_webhooks.register(app)
 # Capacity planning and the simulator: pure computation, no services.
 cli_capacity.register(app)
 

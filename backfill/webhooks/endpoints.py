@@ -47,11 +47,14 @@ def add_endpoint(
     resolve: Resolver = system_resolver,
 ) -> tuple[EndpointRecord, str]:
     """A checked endpoint and its secret (shown once): all batch events when none named."""
+    # The cheap checks first; the URL's costs a DNS lookup.
+    wanted = _event_types(event_types)
+    named = _name(name, url)
     return store.create_endpoint(
         tenant_id,
-        name=_name(name, url),
+        name=named,
         url=_url(url, settings, resolve),
-        event_types=_event_types(event_types),
+        event_types=wanted,
         limit=settings.webhooks_max_endpoints,
     )
 
@@ -67,10 +70,12 @@ def update_endpoint(
     name: str | None = None,
     resolve: Resolver = system_resolver,
 ) -> EndpointRecord:
+    wanted = None if event_types is None else _event_types(event_types)
+    named = None if name is None else _name(name, url or "")
     return store.update_endpoint(
         tenant_id,
         endpoint_id,
-        name=None if name is None else _name(name, url or ""),
+        name=named,
         url=None if url is None else _url(url, settings, resolve),
-        event_types=None if event_types is None else _event_types(event_types),
+        event_types=wanted,
     )

@@ -394,14 +394,16 @@ class WebhookStore:
                     "last_error = :err, next_attempt_at = CASE WHEN CAST(:retry AS float8) "
                     "IS NULL THEN next_attempt_at "
                     "ELSE now() + make_interval(secs => CAST(:retry AS float8)) END, "
-                    "delivered_at = CASE WHEN :state = 'delivered' THEN now() END, "
-                    "failed_at = CASE WHEN :state = 'failed' THEN now() END "
+                    "delivered_at = CASE WHEN :delivered THEN now() END, "
+                    "failed_at = CASE WHEN :failed THEN now() END "
                     "WHERE id = :id AND attempts = :attempt AND state = 'pending'"
                 ),
                 {
                     "id": claimed.delivery_id,
                     "attempt": claimed.attempt,
                     "state": after.state.value,
+                    "delivered": after.state is DeliveryState.DELIVERED,
+                    "failed": after.state is DeliveryState.FAILED,
                     "code": result.status_code,
                     "err": error,
                     "retry": after.retry_in_s,

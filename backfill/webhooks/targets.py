@@ -101,7 +101,7 @@ def address_refusal(address: str, *, allow_private: bool) -> str | None:
 def system_resolver(host: str, port: int) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+    except (OSError, UnicodeError, ValueError) as exc:
         raise TargetRefused(f"{host} does not resolve: {exc}") from None
     seen: list[str] = []
     for info in infos:
