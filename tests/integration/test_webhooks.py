@@ -37,7 +37,7 @@ from backfill.finalize import finalize_ready_jobs
 from backfill.refusals import InvalidRequest
 from backfill.repository import JobRecord, Repository, _move_job
 from backfill.states import JobState
-from backfill.webhooks.delivery import RoundReport, Sender
+from backfill.webhooks.delivery import RoundReport, Sender, SenderThread
 from backfill.webhooks.endpoints import add_endpoint
 from backfill.webhooks.outbox import WebhookStore
 from backfill.webhooks.retry import DeliveryState
@@ -506,3 +506,19 @@ def test_removing_an_endpoint_stops_its_deliveries(
     with listening(receiver):
         assert sender.run_round().claimed == 0
     assert receiver.received == []
+
+
+def test_the_sender_thread_of_the_beat_process_delivers_until_stopped(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    tenant = make_tenant(repo, "acme")
+    add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
+    thread = SenderThread(hook_settings).start()
+    try:
+        with listening(receiver):
+            job_id = complete(repo, hook_settings, tenant)
+            assert receiver.got_one.wait(20)
+    finally:
+        thread.stop()
+    [got] = receiver.received
+    assert got.body.count(job_id.encode()) == 1
