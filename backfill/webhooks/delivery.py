@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -100,7 +101,11 @@ class Sender:
         resolve: Resolver = system_resolver,
         clock: Callable[[], float] = time.time,
         jitter: Callable[[], float] = random.random,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: how https targets' certificates are checked (the system's trust
+        store by default; tests pass their own authority). They are checked against the
+        URL's host name, not the address connected to."""
         self.store = store
         self.settings = settings
         self.policy = retry_policy(settings)
@@ -115,6 +120,7 @@ class Sender:
             follow_redirects=False,
             trust_env=False,
             limits=httpx.Limits(max_keepalive_connections=0),
+            verify=verify,
         )
         self._pool = ThreadPoolExecutor(
             max_workers=settings.webhooks_claim_batch, thread_name_prefix="webhook-send"

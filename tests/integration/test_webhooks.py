@@ -5,12 +5,15 @@ a sender killed mid-send, the API restarted, several senders at once)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -522,3 +525,71 @@ def test_the_sender_thread_of_the_beat_process_delivers_until_stopped(
         thread.stop()
     [got] = receiver.received
     assert got.body.count(job_id.encode()) == 1
+
+
+def test_an_https_target_is_reached_at_its_checked_address_and_verified_by_its_name(
+    repo: Repository,
+    store: WebhookStore,
+    hook_settings: Settings,
+    receiver: Receiver,
+    tmp_path: Path,
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hooks.test",
+            "-addext",
+            "subjectAltName=DNS:hooks.test",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    looked_up: list[str] = []
+
+    def resolve(host: str, port: int) -> list[str]:
+        looked_up.append(host)
+        return ["127.0.0.1"] if host == "hooks.test" else []
+
+    tenant = make_tenant(repo, "acme")
+    url = f"https://hooks.test:{receiver.port}/in"
+    _, secret = add_endpoint(store, hook_settings, tenant.id, url=url, resolve=resolve)
+    # The certificate names hooks.test, not 127.0.0.1: only a send that connects to the
+    # address but checks the name (TLS SNI and hostname) gets through.
+    sender = Sender(store, hook_settings, resolve=resolve, verify=trusted)
+    untrusting = Sender(store, hook_settings, resolve=resolve)
+    try:
+        complete(repo, hook_settings, tenant)
+        with listening(receiver, tls=server_tls):
+            refused = untrusting.run_round()
+            assert refused.retrying == 1
+            time.sleep(hook_settings.webhooks_retry_max_delay_s)
+            rounds_until(sender, delivered)
+    finally:
+        sender.close()
+        untrusting.close()
+    assert set(looked_up) == {"hooks.test"}
+    [got] = receiver.received
+    assert got.headers["host"] == f"hooks.test:{receiver.port}"
+    OpenAI(api_key="unused").webhooks.verify_signature(got.body, got.headers, secret=secret)
+    [done] = store.deliveries(tenant.id)
+    assert done.attempts == 2

@@ -3,6 +3,7 @@ records every request it gets and answers what the test tells it to."""
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,9 +73,12 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def listening(receiver: Receiver) -> Iterator[Receiver]:
-    """The endpoint up on ``receiver.port`` for the block (down, refusing, outside it)."""
+def listening(receiver: Receiver, tls: ssl.SSLContext | None = None) -> Iterator[Receiver]:
+    """The endpoint up on ``receiver.port`` for the block (down, refusing, outside it);
+    with ``tls``, it speaks https."""
     server = ThreadingHTTPServer(("127.0.0.1", receiver.port), _handler(receiver))
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
