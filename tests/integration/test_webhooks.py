@@ -593,3 +593,30 @@ def test_an_https_target_is_reached_at_its_checked_address_and_verified_by_its_n
     OpenAI(api_key="unused").webhooks.verify_signature(got.body, got.headers, secret=secret)
     [done] = store.deliveries(tenant.id)
     assert done.attempts == 2
+
+
+def test_after_a_rotation_that_keeps_the_old_secret_both_secrets_verify_a_delivery(
+    repo: Repository,
+    store: WebhookStore,
+    hook_settings: Settings,
+    sender: Sender,
+    receiver: Receiver,
+) -> None:
+    tenant = make_tenant(repo, "acme")
+    endpoint, old = add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
+    _, new = store.rotate_secret(tenant.id, endpoint.id, keep_old_for_s=3600)
+    complete(repo, hook_settings, tenant)
+    with listening(receiver):
+        rounds_until(sender, delivered)
+    [got] = receiver.received
+    for secret in (old, new):
+        OpenAI(api_key="unused").webhooks.verify_signature(got.body, got.headers, secret=secret)
+    # Rotated without keeping it: the old secret no longer verifies.
+    _, newest = store.rotate_secret(tenant.id, endpoint.id)
+    complete(repo, hook_settings, tenant)
+    with listening(receiver):
+        rounds_until(sender, delivered)
+    last = receiver.received[-1]
+    OpenAI(api_key="unused").webhooks.verify_signature(last.body, last.headers, secret=newest)
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        OpenAI(api_key="unused").webhooks.verify_signature(last.body, last.headers, secret=new)
