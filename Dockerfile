@@ -3,6 +3,8 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY backfill ./backfill
+COPY backfill_cli ./backfill_cli
+COPY backfill_analysis ./backfill_analysis
 COPY queue_api ./queue_api
 COPY worker ./worker
 COPY migrations ./migrations

@@ -1,4 +1,5 @@
-"""Backfill core: settings, states, the domain model, the repository, the KV-token ledger,
-the admission policy and the capacity model. Imports no FastAPI, Celery or vLLM."""
-
-__version__ = "0.1.0"
+"""Backfill core: the domain and its rules. Settings, states, the domain model, the store
+(the only SQL), the KV-token ledger, the admission policy, the capacity model, the work
+budget, interactive admission (``gateway/``) and the engine protocol with its vLLM HTTP client
+(``engine/``). Imports no web framework, Celery, vLLM, worker, API, command line or analysis
+tool (``tests/unit/test_import_boundaries.py``)."""

@@ -29,8 +29,8 @@ import pydantic_core
 from backfill.config import Settings
 from backfill.prefill import CHAT, COMPLETIONS, completion_prompts, prefill_plan
 from backfill.refusals import InvalidRequest, PayloadTooLarge
-from backfill.repository import NewItem
 from backfill.request_fields import normalise_fields
+from backfill.store import NewItem
 
 PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt"}
 """Endpoints a batch may target, and the body field that carries each one's prompt."""
@@ -52,6 +52,8 @@ class InputLimits:
     max_sequence_tokens: int
     max_bytes_per_token: int
     max_prompts_per_line: int = 64
+    default_max_tokens: int = 2048
+    """What a line without ``max_tokens`` gets (written into its body, so it is reserved)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InputLimits:
@@ -62,6 +64,7 @@ class InputLimits:
             max_sequence_tokens=settings.batch_max_sequence_tokens,
             max_bytes_per_token=settings.max_bytes_per_token,
             max_prompts_per_line=settings.batch_max_prompts_per_line,
+            default_max_tokens=settings.batch_default_max_tokens,
         )
 
 
@@ -422,16 +425,15 @@ def _checked_lines(
             yield LineError(code, message, number, f"body.{param}")
             continue
 
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            yield LineError(
-                "missing_max_tokens",
-                "body.max_tokens (or max_completion_tokens) is required: "
-                "Backfill reserves the declared worst case",
-                number,
-                "body.max_tokens",
-            )
-            continue
+        for budget_field in ("max_completion_tokens", "max_tokens"):
+            if budget_field in body and body[budget_field] is None:
+                del body[budget_field]  # null means "not given", as at OpenAI
+        defaulted = "max_completion_tokens" not in body and "max_tokens" not in body
+        if defaulted:
+            # Optional, as at OpenAI; the worst case Backfill reserves is the default, and the
+            # engine is held to it.
+            body["max_tokens"] = limits.default_max_tokens
+        max_tokens: Any = body.get("max_completion_tokens", body.get("max_tokens"))
         if not _is_positive_int(max_tokens) or (
             "max_tokens" in body and not _is_positive_int(body["max_tokens"])
         ):
@@ -474,7 +476,9 @@ def _checked_lines(
             yield LineError(
                 "request_too_long",
                 f"the prompt is at least {least_prompt_tokens} tokens; "
-                f"with max_tokens {max_tokens} it exceeds the batch limit of {limit}",
+                f"with max_tokens {max_tokens}"
+                + (" (the default, BACKFILL_BATCH_DEFAULT_MAX_TOKENS)" if defaulted else "")
+                + f" it exceeds the batch limit of {limit}",
                 number,
                 f"body.{prompt_field}",
             )

@@ -45,9 +45,9 @@ from backfill.refusals import (
     QuotaExceeded,
     Refusal,
 )
-from backfill.repository import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
+from backfill.store import FileRecord, JobRecord, NewItem, Repository, TenantRecord
 from backfill.windows import (
     DeadlinePlan,
     batch_throughput,
@@ -70,6 +70,35 @@ class BatchRequest:
     completion_window: str
     metadata: dict[str, str] | None = None
     idempotency_key: str | None = None
+    output_expires_after: Any = None
+    """OpenAI's ``output_expires_after`` as sent (checked by :func:`check_expires_after`)."""
+
+
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
+
+
+def check_expires_after(value: Any, param: str) -> int | None:
+    """OpenAI's expiration policy (``{"anchor": "created_at", "seconds": N}``, N from an
+    hour to 30 days) as seconds after the file's creation; None when not given."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{param} must be an object with anchor and seconds", param=param)
+    if value.get("anchor") != "created_at":
+        raise InvalidRequest(
+            f"{param}.anchor must be 'created_at'", param=f"{param}.anchor"
+        )
+    seconds = value.get("seconds")
+    if isinstance(seconds, str) and seconds.strip().isdigit():
+        seconds = int(seconds)  # multipart form values arrive as text
+    if type(seconds) is not int or not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
+        raise InvalidRequest(
+            f"{param}.seconds must be an integer from {MIN_EXPIRES_AFTER_S} to "
+            f"{MAX_EXPIRES_AFTER_S} (1 hour to 30 days)",
+            param=f"{param}.seconds",
+        )
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:
@@ -107,15 +136,17 @@ def upload_file(
     filename: str,
     purpose: str,
     content: bytes | BinaryIO,
+    expires_after: Any = None,
 ) -> FileRecord:
     """Store an input file after the cheap checks (size, lines, line length). A file object
     (seekable: an upload spooled by the server) is read twice, a piece at a time: once to
-    check it, once into storage."""
+    check it, once into storage. ``expires_after`` is OpenAI's expiration policy."""
     if purpose != INPUT_PURPOSE:
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
             param="purpose",
         )
+    expires_after_s = check_expires_after(expires_after, "expires_after")
     source = io.BytesIO(content) if isinstance(content, bytes) else content
     start = source.tell()
     check_upload(source, InputLimits.from_settings(settings))
@@ -126,6 +157,7 @@ def upload_file(
         filename or "upload.jsonl",
         source,
         chunk_bytes=settings.file_chunk_bytes,
+        expires_after_s=expires_after_s,
     )
 
 
@@ -190,6 +222,9 @@ def create_batch(
         settings.max_completion_window_s,
     )
     metadata = check_metadata(request.metadata)
+    output_expires_after_s = check_expires_after(
+        request.output_expires_after, "output_expires_after"
+    )
     if request.idempotency_key is not None:
         first = repo.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
         if first is not None:
@@ -198,7 +233,9 @@ def create_batch(
     try:
         record = repo.get_file(tenant.id, request.input_file_id)
     except NotFound as exc:
-        raise NotFound(f"No such File object: {request.input_file_id}") from exc
+        raise NotFound(
+            f"No such File object: {request.input_file_id}", param="input_file_id"
+        ) from exc
     if record.purpose != INPUT_PURPOSE or record.job_id is not None:
         raise InvalidRequest(
             f"file {record.id} has purpose {record.purpose!r}; a batch needs a 'batch' file",
@@ -236,6 +273,7 @@ def create_batch(
         metadata=metadata,
         idempotency_key=request.idempotency_key,
         model=first_model(content()),
+        output_expires_after_s=output_expires_after_s,
     )
     if request.idempotency_key is not None and (
         job.state is not JobState.VALIDATING or not _same_request(job, request)

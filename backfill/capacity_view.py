@@ -17,7 +17,7 @@ from datetime import datetime
 from backfill.engine_scheduler import EngineScheduler, read_scheduler
 from backfill.errors import BackfillError
 from backfill.ledger import Ledger
-from backfill.repository import NodeRecord, Repository
+from backfill.store import NodeRecord, Repository
 from backfill.work_signals import BudgetView, read_budget
 
 

@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     # Prompts one completions line may carry (vLLM runs one sequence per prompt; each is
     # counted and reserved).
     batch_max_prompts_per_line: PositiveInt = 64
+    # Output tokens a batch line without max_tokens (or max_completion_tokens) may generate:
+    # OpenAI does not require the field, Backfill must reserve a worst case, so it writes this
+    # into the line (the engine gets exactly what is reserved).
+    batch_default_max_tokens: PositiveInt = 2048
 
     # API key -> tenant lookups (found or not) are remembered this long; 0 checks Postgres on
     # every request. A revocation evicts the key from every API process at once through

@@ -8,7 +8,13 @@ class BackfillError(Exception):
 
 
 class NotFound(BackfillError):
-    """The object does not exist (or belongs to another tenant: the caller cannot tell)."""
+    """The object does not exist (or belongs to another tenant: the caller cannot tell).
+
+    ``param`` names the request field that pointed at it (``input_file_id``), when one did."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Conflict(BackfillError):

@@ -4,8 +4,10 @@ Each function is safe to call again and from several processes at once (Celery b
 it on two workers): every state change is a guarded transition, and a caller that loses a
 race sees ``StaleWrite`` internally and steps back, leaving the job to the winner.
 
-A job never reads "completed" with zero results: when nothing succeeded and something
-failed, it ends ``failed`` with an error entry saying so, and the error file holds the why.
+A job whose items all ended reads as OpenAI's would: ``completed`` when its requests ran
+(whatever share of them failed: ``request_counts`` and the error file say which and why),
+``expired`` when its deadline passed first or none of it could finish in time; ``failed`` is
+only for a batch that could not start.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any
 
 from backfill.errors import NotFound, StaleWrite
 from backfill.refusals import NotCancellable
-from backfill.repository import ActiveLeaseRow, JobRecord, Repository
 from backfill.results import ERROR_STATES, OUTPUT_STATES, rendered_size
 from backfill.states import ItemState, JobState
+from backfill.store import ActiveLeaseRow, JobRecord, Repository
 
 OUTPUT_PURPOSE = "batch_output"
 
@@ -81,10 +83,33 @@ def _end_with_files(
     return True
 
 
+def finished_state(job: JobRecord) -> tuple[JobState, str]:
+    """The state a job whose items have all ended goes to, and why (OpenAI's meanings).
+
+    ``completed`` whenever its requests ran, even if every one failed (``request_counts``
+    says how many; the error file says why for each); ``expired`` only when none ran because
+    none could finish by the deadline. ``failed`` is for a batch that could not start
+    (validation), never decided here."""
+    counts = job.counts
+    succeeded = counts.count(ItemState.SUCCEEDED)
+    failed = counts.count(ItemState.FAILED)
+    expired = counts.count(ItemState.EXPIRED)
+    if expired and not (succeeded or failed):
+        return JobState.EXPIRED, (
+            f"none of {counts.total} requests could finish by the deadline, so none was started"
+        )
+    parts = [f"{succeeded} of {counts.total} requests succeeded"]
+    if failed:
+        parts.append(f"{failed} failed")
+    if expired:
+        parts.append(f"{expired} were not started: they could not finish by the deadline")
+    return JobState.COMPLETED, "; ".join(parts)
+
+
 def finalize_job(repo: Repository, job_id: str) -> JobState | None:
-    """Close a job whose items are all finished: finalizing, then completed (expired when
-    some expired, failed when none succeeded). Returns the state it ended in, or None if it
-    was not ready or another caller took it."""
+    """Close a job whose items are all finished: finalizing, then the state
+    :func:`finished_state` gives. Returns the state it ended in, or None if it was not ready
+    or another caller took it."""
     job = repo.get_job(None, job_id)
     if job.state not in (JobState.IN_PROGRESS, JobState.FINALIZING) or job.counts.unfinished:
         return None
@@ -94,33 +119,8 @@ def finalize_job(repo: Repository, job_id: str) -> JobState | None:
         except StaleWrite:
             return None
         job = repo.get_job(None, job_id)
-    succeeded = job.counts.count(ItemState.SUCCEEDED)
-    expired = job.counts.count(ItemState.EXPIRED)
-    if expired:
-        # Items the worker did not start because they could not finish by the deadline end
-        # before it: the job ends as it would at its deadline, expired, results kept.
-        target, errors = JobState.EXPIRED, None
-        reason = (
-            f"{expired} of {job.counts.total} requests could not finish by the deadline; "
-            f"{succeeded} results kept"
-        )
-    elif succeeded:
-        target, errors = JobState.COMPLETED, None
-        reason = f"{succeeded} of {job.counts.total} requests succeeded"
-    else:
-        target = JobState.FAILED
-        reason = f"none of {job.counts.total} requests succeeded"
-        errors = [
-            _error(
-                "no_successful_requests",
-                f"none of the batch's {job.counts.total} requests succeeded "
-                f"({job.counts.count(ItemState.FAILED)} failed, "
-                f"{job.counts.count(ItemState.EXPIRED)} expired, "
-                f"{job.counts.count(ItemState.CANCELLED)} cancelled); "
-                "the error file says why for each",
-            )
-        ]
-    if _end_with_files(repo, job, target, reason=reason, errors=errors):
+    target, reason = finished_state(job)
+    if _end_with_files(repo, job, target, reason=reason):
         return target
     return None
 

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from backfill.keys import key_revocations_channel
-from backfill.repository import TenantRecord, key_digest
+from backfill.store import TenantRecord, key_digest
 
 log = logging.getLogger(__name__)
 

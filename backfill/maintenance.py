@@ -25,8 +25,8 @@ from backfill.config import Settings
 from backfill.errors import LedgerError
 from backfill.ledger import ActiveLease, LeaseRef, Ledger, NodePool, RebuildReport
 from backfill.policy import ClassLimits, PoolPolicy
-from backfill.repository import ActiveLeaseRow, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import ActiveLeaseRow, Repository
 
 log = logging.getLogger("backfill.maintenance")
 
@@ -121,6 +121,7 @@ class TickReport:
     cancelled_in_flight: int = 0
     finalized: dict[str, JobState] = field(default_factory=dict)
     recovered: dict[str, JobState] = field(default_factory=dict)
+    expired_files: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -165,4 +166,6 @@ def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
     report.recovered = finalize.recover_stale_validating(
         repo, older_than_s=settings.stale_validating_s
     )
+    # Files past their expires_at already read as gone; here their rows and pieces go.
+    report.expired_files = repo.delete_expired_files()
     return report

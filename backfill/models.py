@@ -104,8 +104,14 @@ class File(Base):
     content: Mapped[bytes | None] = mapped_column(LargeBinary)
     job_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # OpenAI's ``expires_after`` (uploads) / the batch's ``output_expires_after`` (results):
+    # from then the file is gone (reads 404, maintenance deletes it). None: kept.
+    expires_at: Mapped[datetime | None] = mapped_column(TZ)
 
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", "created_at"),
+        Index("ix_files_expires", "expires_at", postgresql_where=text("expires_at IS NOT NULL")),
+    )
 
 
 class FileChunk(Base):
@@ -152,6 +158,8 @@ class Job(Base):
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSONB)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    # The batch's ``output_expires_after`` (seconds from their creation) for its result files.
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
     output_file_id: Mapped[str | None] = mapped_column(String(40))
     error_file_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
@@ -211,6 +219,8 @@ class JobCounters(Base):
     # Token totals for progress and ETA: the declared worst case, and what was produced.
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     max_output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Prompt tokens of the items that succeeded: the Batch object's usage.input_tokens.
+    input_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     output_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 

@@ -19,7 +19,8 @@ Fields pass through verbatim where ``/tokenize`` takes them, so the engine inter
 exactly as it will when it runs the request; the few it does not take are folded into
 ``chat_template_kwargs`` the way vLLM's chat endpoint folds them.
 
-Pure: no I/O. The engine adapter carries the plan out (``worker.engine.count_prefill``).
+Pure: no I/O. The engine client carries the plan out
+(``backfill.engine.protocol.count_prefill``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from backfill.repository import JobRecord
 from backfill.states import ItemState, JobState
+from backfill.store import JobRecord
 
 
 @dataclass(frozen=True, slots=True)

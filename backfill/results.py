@@ -9,6 +9,11 @@ Line shape (OpenAI's)::
     {"id": "batch_req_...", "custom_id": "...",
      "response": {"status_code": 200, "request_id": "...", "body": {...}} | null,
      "error": {"code": "...", "message": "..."} | null}
+
+A request refused as an HTTP request (the engine's 4xx, or Backfill's own refusal of what the
+engine would refuse, e.g. a prompt over the context) is written as OpenAI writes HTTP errors:
+``response: {status_code, request_id, body: {error: {...}}}``, ``error: null``. Requests that
+never got an answer (expired, cancelled, retries exhausted) have ``error`` instead.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from backfill.refusals import InvalidRequest
-from backfill.repository import ItemRecord, Repository
 from backfill.states import ItemState
+from backfill.store import ItemRecord, Repository
 
 OUTPUT_STATES: tuple[ItemState, ...] = (ItemState.SUCCEEDED,)
 ERROR_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.EXPIRED, ItemState.CANCELLED)
@@ -51,6 +56,35 @@ def parse_result_states(values: Iterable[str] | None) -> list[ItemState]:
     return [finished[n] for n in dict.fromkeys(names)]
 
 
+def http_error_record(
+    status: int,
+    code: str | None,
+    message: str,
+    *,
+    param: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> str:
+    """What the worker stores for a request refused with an HTTP error: ``error`` is the
+    engine's own error object when it sent one (kept as it was), else one is made in OpenAI's
+    shape from the rest."""
+    body = dict(error) if error else {}
+    body.setdefault("message", message)
+    body.setdefault("type", "invalid_request_error" if status < 500 else "server_error")
+    body.setdefault("param", param)
+    body.setdefault("code", code)
+    return json.dumps({"code": code, "message": message, "status_code": status, "error": body})
+
+
+def _http_error(detail: Any) -> tuple[int, dict[str, Any]] | None:
+    """(status, error object) of a stored HTTP error record, None for any other error."""
+    if not isinstance(detail, dict):
+        return None
+    status, error = detail.get("status_code"), detail.get("error")
+    if type(status) is int and isinstance(error, dict):
+        return status, error
+    return None
+
+
 def _json_or_text(value: str | None) -> Any:
     """A stored result or error is JSON text from the worker; anything else travels as text."""
     if value is None:
@@ -79,11 +113,21 @@ def _error_object(item: ItemRecord) -> dict[str, Any]:
 def result_line(item: ItemRecord) -> str:
     """One finished item as a line of the output file (succeeded) or error file (the rest)."""
     line: dict[str, Any] = {"id": f"batch_req_{item.id}", "custom_id": item.custom_id}
+    request_id = f"req_{item.job_id}_{item.line_no}_{item.attempt}"
+    refused = _http_error(_json_or_text(item.error)) if item.state is ItemState.FAILED else None
     if item.state is ItemState.SUCCEEDED:
         line["response"] = {
             "status_code": 200,
-            "request_id": f"req_{item.job_id}_{item.line_no}_{item.attempt}",
+            "request_id": request_id,
             "body": _json_or_text(item.result),
+        }
+        line["error"] = None
+    elif refused is not None:
+        status, error = refused
+        line["response"] = {
+            "status_code": status,
+            "request_id": request_id,
+            "body": {"error": error},
         }
         line["error"] = None
     else:

@@ -27,8 +27,8 @@ from prometheus_client.core import (
 )
 
 from backfill.ledger import Ledger
-from backfill.repository import Repository
 from backfill.states import ITEM_TERMINAL, ItemState, JobState
+from backfill.store import Repository
 from backfill.work_signals import read_budget
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ too (the caller acts, choosing victims with :func:`budget_victims`).
 
 :func:`step` returns a :class:`BudgetStep` (the new budget, what to preempt, and why);
 :func:`admissible` says how many candidate prefills the budget lets start. The worker's
-dispatcher and the simulator (``backfill.simulate``) run these same functions.
+dispatcher and the simulator (``backfill_analysis.simulate``) run these same functions.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import finish, parser, percentile, scratch_database, table
 
 NAME = "anonymous"
@@ -51,7 +51,7 @@ def start_api(url: str, namespace: str, port: int) -> subprocess.Popen[bytes]:
         "BACKFILL_ANONYMOUS_RATE_LIMIT_BURST": "100000",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "backfill.cli", "api", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "backfill_cli", "api", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -6,7 +6,7 @@ Starts the engine (``worker.devengine``) unless given one; measures its speed
 (:mod:`worker.enginespeed`); measures prefill steps (one prompt at a time) and decode steps
 (many sequences decoding together, short and long contexts); fits
 ``step = a + b*prefill + d*prefill_attention + c*decodes + e*context`` plus a per-request
-overhead (:func:`backfill.simulate.costmodel.fit_cost_model`); then replays a held-back
+overhead (:func:`backfill_analysis.simulate.costmodel.fit_cost_model`); then replays a held-back
 closed-loop workload against the engine and the simulator and compares output tokens/s and
 median time to first token (goal: within 15%), also for the stored fit. ``--quick`` runs a
 short workload sized from the measured speed to about a minute of engine time. ``--write``
@@ -32,10 +32,15 @@ from typing import Any
 import httpx
 
 from backfill.capacity import parse_cache_config
-from backfill.simulate import costmodel
-from backfill.simulate.closedloop import closed_loop
-from backfill.simulate.costmodel import CALIBRATION_DIR, CostModel, Observation, fit_cost_model
-from backfill.simulate.engine import EngineConfig
+from backfill_analysis.simulate import costmodel
+from backfill_analysis.simulate.closedloop import closed_loop
+from backfill_analysis.simulate.costmodel import (
+    CALIBRATION_DIR,
+    CostModel,
+    Observation,
+    fit_cost_model,
+)
+from backfill_analysis.simulate.engine import EngineConfig
 from bench.common import finish, parser, table
 from bench.engine_probe import Probe, decode_observations, prefill_observations, warm_up
 from worker.enginespeed import EngineSpeed, measure_speed

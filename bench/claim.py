@@ -17,8 +17,8 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 
 from backfill.config import libpq_url
-from backfill.repository import Finish, NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import Finish, NewItem, Repository, Start
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 
 NAME = "claim"

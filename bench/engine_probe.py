@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from backfill.simulate.costmodel import Observation, StepWork, prefill_attention
+from backfill_analysis.simulate.costmodel import Observation, StepWork, prefill_attention
 
 # Token ids inside both SmolLM2's (49,152) and the tiny model's (1,024) vocabularies, clear
 # of their special tokens; vLLM refuses an id outside the vocabulary (400).

@@ -43,7 +43,7 @@ import psycopg
 
 from backfill.capacity import parse_engine_load
 from backfill.config import libpq_url
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
 from bench.throughput import Workload, cpu_seconds, request_lines

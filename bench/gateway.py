@@ -32,7 +32,7 @@ from backfill.capacity import parse_cache_config
 from backfill.config import get_settings
 from backfill.ledger import Ledger, NodePool
 from backfill.maintenance import pool_policy
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import finish, parser, percentile, scratch_database, table
 from worker import devengine
 
@@ -66,7 +66,7 @@ def ttft_s(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[s
 
 @contextmanager
 def api_process(env: dict[str, str], port: int) -> Iterator[str]:
-    cmd = [sys.executable, "-m", "backfill.cli", "api", "--port", str(port)]
+    cmd = [sys.executable, "-m", "backfill_cli", "api", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

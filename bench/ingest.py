@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 
 from backfill.config import libpq_url
-from backfill.repository import NewItem, Repository
+from backfill.store import NewItem, Repository
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 
 NAME = "ingest"

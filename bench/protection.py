@@ -51,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from backfill.simulate.trace import TraceOptions, TraceRequest, load_trace
+from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_trace
 from bench.common import OUT_DIR, finish, machine, parser, percentile, table
 from bench.replay import FloodStats, InteractiveResult, Target, flood, replay, summarisation_body
 from bench.stack import BackfillStack, counters

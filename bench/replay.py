@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from backfill.simulate.trace import TraceRequest
+from backfill_analysis.simulate.trace import TraceRequest
 from worker.dev import DOCS, PROMPT
 
 # Token ids inside the tiny model's vocabulary (1,024) and SmolLM2's (49,152), clear of the

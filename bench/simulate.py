@@ -15,11 +15,12 @@ import dataclasses
 import math
 import sys
 
-from backfill.simulate import compare, report
-from backfill.simulate.scenario import scenario
+from backfill_analysis.simulate import compare, report
+from backfill_analysis.simulate.scenario import scenario
+from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 from bench.common import OUT_DIR, Stopwatch, finish, machine, parser
 
-TRACE = "/work/shared/traces/azure_llm_2023_code.csv"
+TRACE = str(AZURE_CODE_TRACE)
 GOAL_S = 60.0
 
 

@@ -25,10 +25,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.config import get_settings, libpq_url
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import scratch_database
 
-BACKFILL = [sys.executable, "-m", "backfill.cli"]
+BACKFILL = [sys.executable, "-m", "backfill_cli"]
 BATCH_ENDED = {"completed", "failed", "expired", "cancelled"}
 
 

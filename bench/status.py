@@ -17,8 +17,8 @@ import httpx
 import redis
 from sqlalchemy import text
 
-from backfill.repository import NewItem, Repository
 from backfill.states import JobState
+from backfill.store import NewItem, Repository
 from bench.common import Stopwatch, finish, parser, percentile, scratch_database, table
 from bench.submit import start_api
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 from bench.ingest import make_bodies, raw_copy
 

@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from backfill.capacity import parse_engine_load
-from backfill.repository import Repository
+from backfill.store import Repository
 from bench.common import OUT_DIR, finish, machine, parser, scratch_database, table
 from worker import devengine
 from worker.dev import DOCS, PROMPT
@@ -56,7 +56,7 @@ NAME = "throughput"
 GOAL = 0.9
 TINY_GOAL = 0.75
 PLOT = Path(__file__).parent / "throughput.png"
-BACKFILL = [sys.executable, "-m", "backfill.cli"]
+BACKFILL = [sys.executable, "-m", "backfill_cli"]
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048
 """vLLM's CPU defaults, passed explicitly so the server and run-batch surely agree."""

@@ -26,14 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backfill.simulate import compare
-from backfill.simulate.metrics import PolicyResult
-from backfill.simulate.run import simulate
-from backfill.simulate.scenario import scenario
+from backfill_analysis.simulate import compare
+from backfill_analysis.simulate.metrics import PolicyResult
+from backfill_analysis.simulate.run import simulate
+from backfill_analysis.simulate.scenario import scenario
+from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 from bench.common import OUT_DIR
 from bench.protection import plot_tradeoff
 
-TRACE = "/work/shared/traces/azure_llm_2023_code.csv"
+TRACE = str(AZURE_CODE_TRACE)
 PLOT = Path(__file__).parent / "work_budget_tradeoff.png"
 DEFAULT_SCENARIO = "h100-llama-3.1-8b"
 TARGETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)

@@ -14,7 +14,7 @@ from backfill.config import Settings, get_settings
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.webhooks.outbox import WebhookStore
 from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 
 from backfill.capacity_view import UsageSource
 from backfill.config import Settings
-from backfill.repository import Repository, TenantRecord
+from backfill.store import Repository, TenantRecord
 from backfill.webhooks.outbox import WebhookStore
 from queue_api.edge import TENANT_STATE, Gate, client_address
 

@@ -15,6 +15,9 @@ Per route (:func:`route_rules`, a pure function of method and path):
   client address, and so is every key lookup that only Postgres can answer (a key not in the
   key cache), so guessing keys costs the guesser, not the database.
 
+- **A request id** on every answer (``x-request-id: req_...``, as OpenAI's), refusals of the
+  edge included; routes find it in the request's state (``REQUEST_ID_STATE``) for logs.
+
 The address is the connection's peer as the server reports it (``--proxy-headers`` in
 uvicorn makes that the client's behind a trusted proxy; otherwise every caller behind a
 proxy shares one bucket).
@@ -23,6 +26,7 @@ proxy shares one bucket).
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +40,7 @@ from backfill.errors import BackfillError
 from backfill.keycache import TenantKeyCache
 from backfill.ratelimit import RateLimiter
 from backfill.refusals import InvalidRequest, RateLimited
-from backfill.repository import TenantRecord
+from backfill.store import TenantRecord
 from queue_api import errors
 from queue_api.errors import Unauthorized
 
@@ -45,6 +49,9 @@ MULTIPART_OVERHEAD = 64 * 1024
 
 TENANT_STATE = "backfill.tenant"
 """Where the edge leaves the authenticated tenant in the request's state."""
+
+REQUEST_ID_STATE = "backfill.request_id"
+"""Where the edge leaves the request's id (also sent back as ``x-request-id``)."""
 
 UPLOAD_PATH = "/v1/files"
 INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -166,6 +173,9 @@ class RequestEdge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request_id = new_request_id()
+        scope.setdefault("state", {})[REQUEST_ID_STATE] = request_id
+        send = _with_request_id(send, request_id)
         rules = route_rules(scope["method"], scope["path"], self.limits)
         headers = Headers(scope=scope)
         declared = _declared_length(headers)
@@ -189,6 +199,23 @@ class RequestEdge:
             if tenant is not None:
                 scope.setdefault("state", {})[TENANT_STATE] = tenant
         await self.app(scope, _limited(receive, rules), send)
+
+
+def new_request_id() -> str:
+    """A request id in OpenAI's shape (``req_`` and 32 hex digits)."""
+    return f"req_{secrets.token_hex(16)}"
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    raw = (b"x-request-id", request_id.encode("ascii"))
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != raw[0]]
+            message = {**message, "headers": [*headers, raw]}
+        await send(message)
+
+    return sending
 
 
 def _pass(gate: Gate, rules: RouteRules, authorization: str, address: str) -> TenantRecord | None:

@@ -97,7 +97,7 @@ def _refusal(exc: Refusal) -> JSONResponse:
             },
         )
     if isinstance(exc, Conflict):
-        return _answer(409, exc.message, param=exc.param, code=exc.code)
+        return _answer(409, exc.message, param=exc.param, code=exc.code, headers=_NO_RETRY)
     return _answer(400, exc.message, param=exc.param, code=exc.code)
 
 
@@ -113,9 +113,10 @@ def backfill_error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, Unauthorized):
         return _answer(401, str(exc), code=exc.code)
     if isinstance(exc, NotFound):
-        return _answer(404, str(exc), code="not_found")
+        return _answer(404, str(exc), param=exc.param, code="not_found")
     if isinstance(exc, StaleWrite | Conflict):
-        return _answer(409, str(exc), code="conflict")
+        # The same request would clash again: the openai SDK retries 409s unless told not to.
+        return _answer(409, str(exc), code="conflict", headers=_NO_RETRY)
     if isinstance(exc, InvalidInput):
         return _answer(400, str(exc), code="invalid_request")
     if isinstance(exc, StoreUnavailable):

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from backfill.ledger import Ledger
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.telemetry import BackfillCollector
 
 router = APIRouter(tags=["metrics"])

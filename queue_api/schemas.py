@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.capacity_view import CapacityReport
 from backfill.progress import Progress
-from backfill.repository import FileRecord, JobRecord
 from backfill.states import ItemState
+from backfill.store import FileRecord, JobRecord
 
 
 def unix(at: datetime | None) -> int | None:
@@ -45,6 +45,7 @@ class FileObject(BaseModel):
             created_at=int(record.created_at.timestamp()),
             filename=record.filename,
             purpose=record.purpose,
+            expires_at=unix(record.expires_at),
         )
 
 
@@ -76,6 +77,7 @@ class CreateBatchBody(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Any] | None = None
+    output_expires_after: Any = None
 
 
 class BatchErrorEntry(BaseModel):
@@ -116,6 +118,24 @@ class BackfillExtras(BaseModel):
     at_risk: bool = Field(description="The ETA is past the deadline.")
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """OpenAI's Batch ``usage``: tokens of the requests that succeeded so far."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -137,6 +157,7 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts
+    usage: BatchUsage
     metadata: dict[str, Any] | None = None
     backfill: BackfillExtras
 
@@ -165,6 +186,11 @@ class BatchObject(BaseModel):
                 total=counts.total,
                 completed=counts.count(ItemState.SUCCEEDED),
                 failed=not_succeeded,
+            ),
+            usage=BatchUsage(
+                input_tokens=counts.input_tokens,
+                output_tokens=counts.output_tokens,
+                total_tokens=counts.input_tokens + counts.output_tokens,
             ),
             metadata=job.metadata,
             backfill=BackfillExtras(

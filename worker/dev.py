@@ -35,7 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.migrate import upgrade
-from backfill.repository import Repository, ensure_database
+from backfill.store import Repository, ensure_database
 from worker import devengine
 
 DOCS = Path(__file__).parent / "demo_docs"
@@ -229,7 +229,7 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         api_log = (logs / "api.log").open("wb")
         stack.callback(api_log.close)
         api = subprocess.Popen(  # noqa: S603 - our own CLI with fixed arguments
-            [sys.executable, "-m", "backfill.cli", "api", "--port", str(options.port)],
+            [sys.executable, "-m", "backfill_cli", "api", "--port", str(options.port)],
             env=env,
             stdout=api_log,
             stderr=subprocess.STDOUT,
@@ -241,7 +241,7 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             [
                 sys.executable,
                 "-m",
-                "backfill.cli",
+                "backfill_cli",
                 "worker",
                 "--node",
                 options.node,

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 from backfill.capacity import EnginePool
 from backfill.config import Settings
+from backfill.engine.http import HttpEngine
+from backfill.engine.protocol import EngineError, ModelInfo
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.work_signals import work_budget_policy
 from worker.dispatch import DispatchConfig, DispatchStats, NodeDispatcher
-from worker.engine import EngineError, HttpEngine, ModelInfo
 
 log = logging.getLogger("backfill.worker")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from backfill.policy import reservation_tokens
 from backfill.prefill import PromptCount
-from backfill.repository import ClaimedItem
+from backfill.store import ClaimedItem
 from worker.engine import ResumeUnsupported, resume_request
 
 

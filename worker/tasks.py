@@ -8,7 +8,7 @@ from functools import cache
 from backfill.config import get_settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
-from backfill.repository import Repository
+from backfill.store import Repository
 from worker.celery_app import app
 
 log = logging.getLogger("backfill.maintenance")

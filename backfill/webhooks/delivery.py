@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import httpx
 from sqlalchemy import create_engine
 
-from backfill import __version__
 from backfill.config import Settings
 from backfill.errors import StoreUnavailable
 from backfill.webhooks.events import event_body
@@ -44,7 +43,7 @@ from backfill.webhooks.targets import Resolver, Target, TargetRefused, check_tar
 
 log = logging.getLogger("backfill.webhooks")
 
-USER_AGENT = f"Backfill-Webhooks/{__version__}"
+USER_AGENT = "Backfill-Webhooks/1"
 
 
 @dataclass(frozen=True, slots=True)

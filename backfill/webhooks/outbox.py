@@ -1,7 +1,7 @@
 """Every statement about webhook endpoints, batch events and their deliveries.
 
 - :func:`enqueue_batch_event` runs inside the transaction that moves a job to a terminal
-  state (``backfill.repository._move_job`` calls it): the event and one delivery per
+  state (``backfill.store.jobs.move_job`` calls it): the event and one delivery per
   subscribed endpoint commit with the job's end or not at all.
 - A sender claims due deliveries with ``FOR UPDATE SKIP LOCKED`` and moves each one's
   ``next_attempt_at`` past a lease in the same statement (and counts the attempt): several

@@ -1,4 +1,4 @@
-// Capacity lab: plays a trace the server computed. Both worlds come from backfill.lab, so the
+// Capacity lab: plays a trace the server computed. Both worlds come from backfill_analysis.lab, so the
 // KV mode shows decisions of the real admission policy, not a JavaScript imitation of it;
 // this page only draws one step at a time.
 "use strict";

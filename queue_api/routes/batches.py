@@ -10,8 +10,8 @@ from fastapi.responses import StreamingResponse
 from backfill import batches, finalize
 from backfill.config import Settings
 from backfill.progress import job_progress
-from backfill.repository import JobRecord, Repository
 from backfill.results import iter_result_lines, parse_result_states
+from backfill.store import JobRecord, Repository
 from backfill.windows import batch_throughput
 from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
@@ -38,6 +38,7 @@ def create_batch(
         endpoint=body.endpoint,
         completion_window=body.completion_window,
         metadata=body.metadata,  # the core checks the shape
+        output_expires_after=body.output_expires_after,
         idempotency_key=idempotency_key or None,
     )
     return _render(batches.create_batch(repo, settings, tenant, request), settings, repo)

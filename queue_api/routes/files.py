@@ -23,6 +23,8 @@ def upload_file(
     settings: SettingsDep,
     file: Annotated[UploadFile, File()],
     purpose: Annotated[str, Form()],
+    expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[str | None, Form(alias="expires_after[seconds]")] = None,
 ) -> FileObject:
     # The server spooled the upload (to disk past 1 MB; the request edge capped its size):
     # it is checked and stored from there a piece at a time, never read whole.
@@ -32,6 +34,9 @@ def upload_file(
         tenant.id,
         filename=file.filename or "upload.jsonl",
         purpose=purpose,
+        expires_after=None
+        if expires_anchor is None and expires_seconds is None
+        else {"anchor": expires_anchor, "seconds": expires_seconds},
         content=file.file,
     )
     return FileObject.of(record)
@@ -46,19 +51,15 @@ def list_files(
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> FileList:
-    records = repo.list_files(tenant.id, purpose=purpose, limit=MAX_LIST)
-    if order == "asc":
-        records.reverse()
-    if after is not None:
-        ids = [r.id for r in records]
-        records = records[ids.index(after) + 1 :] if after in ids else []
-    page = records[:limit]
+    page, more = repo.list_files(
+        tenant.id, purpose=purpose, limit=limit, after=after, ascending=order == "asc"
+    )
     data = [FileObject.of(r) for r in page]
     return FileList(
         data=data,
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
-        has_more=len(records) > limit,
+        has_more=more,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from backfill.gateway import (
+from backfill.gateway.decisions import (
     ContextLengthExceeded,
     GatewayRefusal,
     InteractiveEndpoint,
@@ -54,9 +54,10 @@ def _refusal(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayRefusal)
     headers = answer_headers(request)
     type_ = "invalid_request_error"
-    if isinstance(exc, OverRequestCap):
+    if isinstance(exc, OverRequestCap | ContextLengthExceeded):
+        # As at OpenAI: a prompt over the context is a 400 the SDK raises as BadRequestError.
         status = 400
-    elif isinstance(exc, ContextLengthExceeded | ReservationTooLarge):
+    elif isinstance(exc, ReservationTooLarge):
         status = 413
     elif isinstance(exc, ModelNotServed):
         status = 404

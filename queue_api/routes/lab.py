@@ -21,8 +21,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from backfill import lab
 from backfill.errors import InvalidInput
+from backfill_analysis import lab
 
 router = APIRouter(prefix="/lab", tags=["lab"])
 

@@ -19,13 +19,9 @@ from typing import Any, Protocol, TypeVar
 import pytest
 
 from backfill.capacity import EngineLoad, ModelArchitecture, kv_bytes_per_token, plan_pool
-from worker.engine import (
-    Endpoint,
-    EngineRejected,
-    HttpEngine,
-    StreamChunk,
-    resume_request,
-)
+from backfill.engine.http import HttpEngine
+from backfill.engine.protocol import Endpoint, EngineRejected, StreamChunk
+from worker.engine import resume_request
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,7 @@
 """The interactive gateway against a real vLLM server: the openai SDK works through it (chat
-and completions, stream and not); oversized requests are refused with 413 before tokenizing or
-after counting exactly; an interactive request preempts running batch (which still completes
+and completions, stream and not); oversized requests are refused before tokenizing or after
+counting exactly, as OpenAI refuses them (400 context_length_exceeded, the SDK's
+BadRequestError); an interactive request preempts running batch (which still completes
 exactly once); a request that cannot get room is refused with Retry-After; a client that
 disconnects mid-stream frees its lease and its engine request; traffic that bypasses the
 gateway narrows batch slack.
@@ -30,8 +31,8 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger, PoolSnapshot
 from backfill.maintenance import pool_policy
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.integration.batch_api_support import LiveServer, Tenant, api_settings, make_tenant, serve
 from worker import devengine
 from worker.node import NodeThread
@@ -250,9 +251,9 @@ def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
 
 def test_an_obviously_huge_prompt_is_refused_before_tokenizing(gw: Gateway) -> None:
     before = gw.metric("backfill_gateway_rejections_total", reason="context_length_bound")
-    with pytest.raises(openai.APIStatusError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:
         gw.sdk().completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=4)
-    assert caught.value.status_code == 413
+    assert caught.value.status_code == 400
     error = caught.value.body
     assert isinstance(error, dict)
     assert error["code"] == "context_length_exceeded"
@@ -276,9 +277,10 @@ def test_a_borderline_prompt_is_counted_exactly_and_refused_only_when_over(gw: G
     assert fits.usage.completion_tokens == CONTEXT - tokens
 
     before = gw.metric("backfill_gateway_rejections_total", reason="context_length_exact")
-    with pytest.raises(openai.APIStatusError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=CONTEXT - tokens + 1)
-    assert caught.value.status_code == 413
+    assert caught.value.status_code == 400
+    assert caught.value.code == "context_length_exceeded"
     assert str(tokens) in caught.value.message
     after = gw.metric("backfill_gateway_rejections_total", reason="context_length_exact")
     assert after - before == 1

@@ -27,8 +27,8 @@ from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.policy import round_up
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.integration.batch_api_support import (
     LiveServer,
     Tenant,

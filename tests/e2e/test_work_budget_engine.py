@@ -22,8 +22,8 @@ from backfill.capacity_view import capacity_report, ledger_usage
 from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from backfill.work_budget import BudgetReason
 from backfill.work_signals import InteractiveSignals
 from worker import devengine

@@ -21,8 +21,8 @@ import uvicorn
 from openai import OpenAI
 
 from backfill.config import Settings
-from backfill.repository import Finish, Repository
 from backfill.states import ItemState
+from backfill.store import Finish, Repository
 from queue_api.app import create_app
 
 CHAT = "/v1/chat/completions"

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from backfill.capacity import EngineLoad, EnginePool
-from worker.engine import ChoiceDelta, CompletionStream, ModelInfo, StreamChunk, Usage
+from backfill.engine.protocol import ChoiceDelta, CompletionStream, ModelInfo, StreamChunk, Usage
 
 
 class StandInEngine:

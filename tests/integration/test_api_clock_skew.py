@@ -27,8 +27,8 @@ import backfill.finalize
 import queue_api.routes.batches
 from backfill.config import Settings
 from backfill.finalize import recover_stale_validating
-from backfill.repository import Finish, NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import Finish, NewItem, Repository, Start
 
 SKEWS = [pytest.param(60.0, id="ahead-60s"), pytest.param(-60.0, id="behind-60s")]
 HostSkew = Callable[[float], Callable[[], float]]

@@ -23,8 +23,8 @@ from backfill.config import Settings
 from backfill.finalize import cancel_job, recover_stale_validating
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
-from backfill.repository import JobRecord, NewItem, Repository, TenantRecord
 from backfill.states import ITEM_CLAIMABLE, ItemState, JobState
+from backfill.store import JobRecord, NewItem, Repository, TenantRecord
 
 LINES = 20_000
 PAUSE_AFTER = 5_000

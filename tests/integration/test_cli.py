@@ -15,7 +15,7 @@ from batch_api_support import free_port
 from openai import OpenAI
 from sqlalchemy import text
 
-from backfill.repository import Repository, key_id
+from backfill.store import Repository, key_id
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

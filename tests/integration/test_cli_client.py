@@ -27,10 +27,10 @@ from batch_api_support import (
 )
 from typer.testing import CliRunner
 
-from backfill.cli import app
 from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
-from backfill.repository import Repository
+from backfill.store import Repository
+from backfill_cli.app import app
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

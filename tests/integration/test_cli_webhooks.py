@@ -11,11 +11,11 @@ from openai import OpenAI
 from typer.testing import CliRunner
 from webhook_receiver import Receiver, listening, new_receiver
 
-from backfill.cli import app
 from backfill.config import Settings
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.webhooks.delivery import Sender
 from backfill.webhooks.outbox import WebhookStore
+from backfill_cli.app import app
 
 
 @pytest.fixture

@@ -26,16 +26,16 @@ import pytest
 from sqlalchemy import text
 
 from backfill.config import Settings
+from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.policy import ServiceClass
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from backfill.work_signals import read_budget, work_budget_policy
 from queue_api.gateway import InteractiveGateway
 from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import Engine
 
 NODE = "n-skew"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
@@ -256,11 +256,11 @@ def test_gateway_signals_from_a_skewed_host_are_fresh_while_written_and_stale_af
         try:
             # As a request does: the publisher starts (its clock anchored), then the request
             # arrives. The live gateway has one in prefill all along: its entry keeps the hash.
-            await live_gw._start_publisher()
-            prefilling = live_gw.activity.arrived([NODE])
+            await live_gw.admission.signals.start()
+            prefilling = live_gw.admission.signals.activity.arrived([NODE])
             prefilling.admitted(NODE)
-            await skewed_gw._start_publisher()
-            waiting = skewed_gw.activity.arrived([NODE])
+            await skewed_gw.admission.signals.start()
+            waiting = skewed_gw.admission.signals.activity.arrived([NODE])
             runner = asyncio.create_task(dispatcher.run())
             try:
 
@@ -269,10 +269,10 @@ def test_gateway_signals_from_a_skewed_host_are_fresh_while_written_and_stale_af
 
                 held["while_waiting"] = await _eventually(budget_held, 5.0)
                 # The skewed gateway dies with its request still waiting: no cleanup.
-                assert skewed_gw._publisher is not None
-                skewed_gw._publisher.cancel()
+                assert skewed_gw.admission.signals._publisher is not None
+                skewed_gw.admission.signals._publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await skewed_gw._publisher
+                    await skewed_gw.admission.signals._publisher
                 del waiting
                 held["after_death"] = not await _eventually(
                     lambda: not budget_held(), 5 * ttl + 2.0

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 
 from backfill.errors import StaleWrite
-from backfill.repository import ClaimedItem, Finish, NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import ClaimedItem, Finish, NewItem, Repository
 
 OPS = st.sampled_from(
     [

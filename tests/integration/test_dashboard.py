@@ -30,7 +30,7 @@ from batch_api_support import (
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
 from backfill.ledger import Ledger, NodePool
-from backfill.repository import Repository
+from backfill.store import Repository
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -15,13 +15,13 @@ from datetime import UTC, datetime, timedelta
 from typing import cast
 
 from backfill.config import Settings
+from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.integration.standin_engine import StandInEngine
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import Engine
 
 NODE = "n-fail"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16

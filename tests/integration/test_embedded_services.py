@@ -17,7 +17,7 @@ import redis
 
 from backfill.config import Settings, libpq_url
 from backfill.migrate import upgrade
-from backfill.repository import Repository, ensure_database
+from backfill.store import Repository, ensure_database
 from tests.conftest import REDIS_URL
 from worker.dev import start_services
 from worker.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis

@@ -21,8 +21,8 @@ from backfill import batches
 from backfill.batch_input import forecast_tokens_upper_bound
 from backfill.config import Settings
 from backfill.refusals import DeadlineInfeasible
-from backfill.repository import ClaimedItem, JobRecord, NewItem, Repository, Start
 from backfill.states import JobState
+from backfill.store import ClaimedItem, JobRecord, NewItem, Repository, Start
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from batch_api_support import LiveServer, Tenant, api_settings, make_tenant, peak_growth, serve
 
 from backfill.config import Settings
-from backfill.repository import Repository
+from backfill.store import Repository
 
 CHUNK = 256 * 1024
 MAX_LINE = 64 * 1024

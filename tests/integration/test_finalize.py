@@ -21,9 +21,9 @@ from backfill.finalize import (
     recover_stale_validating,
     settle_cancelling_jobs,
 )
-from backfill.repository import JobRecord, NewItem, Repository
 from backfill.results import ERROR_STATES, iter_result_lines
 from backfill.states import ItemState, JobState
+from backfill.store import JobRecord, NewItem, Repository
 
 
 @pytest.fixture
@@ -163,3 +163,24 @@ def test_a_job_whose_items_the_worker_expired_before_the_deadline_ends_expired(
     lines = list(iter_result_lines(repo, job.id, ERROR_STATES))
     assert len(lines) == 3
     assert all("5 s left before the deadline" in line for line in lines)
+
+
+def test_a_job_that_ran_and_expired_the_rest_early_completes_in_its_window(
+    repo: Repository, settings: Settings
+) -> None:
+    # The worker expired two requests instead of starting them (they could not finish by the
+    # deadline) and ran the third. All ended before the deadline: completed, as at OpenAI,
+    # with the two counted failed and written to the error file.
+    job = submit(repo, settings, 3)
+    claimed = repo.claim("n-mixed", 2, 30)
+    assert len(claimed) == 2
+    for item in claimed:
+        repo.expire_claimed(item.id, item.attempt, "needs 40 s; 5 s left before the deadline")
+    run_worker(repo)
+    assert finalize_ready_jobs(repo) == {job.id: JobState.COMPLETED}
+    ended = repo.get_job(None, job.id)
+    assert ended.counts.count(ItemState.SUCCEEDED) == 1
+    assert ended.counts.count(ItemState.EXPIRED) == 2
+    assert ended.output_file_id is not None
+    assert ended.error_file_id is not None
+    assert not ended.errors

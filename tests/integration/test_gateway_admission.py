@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from backfill.errors import BackfillError
-from backfill.gateway import (
+from backfill.gateway.decisions import (
     Admission,
     AdmissionTiming,
     ClientGone,

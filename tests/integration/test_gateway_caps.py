@@ -27,7 +27,7 @@ from backfill.config import Settings
 from backfill.ledger import Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.policy import ServiceClass
-from backfill.repository import Repository
+from backfill.store import Repository
 
 NODE = "n-caps"
 BLOCK = 16

@@ -18,7 +18,7 @@ from batch_api_support import LiveServer, api_settings, make_tenant, serve
 from backfill.config import Settings
 from backfill.keycache import RevocationListener, TenantKeyCache, announce_revocation
 from backfill.keys import key_revocations_channel
-from backfill.repository import Repository, TenantRecord, key_digest, key_id
+from backfill.store import Repository, TenantRecord, key_digest, key_id
 from tests.conftest import REDIS_URL
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")

@@ -14,12 +14,12 @@ import redis
 from sqlalchemy import text
 
 from backfill.config import Settings
+from backfill.engine.http import HttpEngine
 from backfill.ledger import Denial, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy, tick
 from backfill.policy import Reason
-from backfill.repository import NewItem, Repository, Start
 from backfill.states import ItemState, JobState
-from worker.engine import HttpEngine
+from backfill.store import NewItem, Repository, Start
 from worker.node import wait_for_engine
 
 CAPACITY, BLOCK = 64 * 128, 128

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
-from backfill.repository import Repository
+from backfill.store import Repository
 from backfill.telemetry import BackfillCollector
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -13,8 +13,8 @@ from sqlalchemy import text
 
 from backfill.config import libpq_url
 from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
-from backfill.repository import Finish, JobRecord, NewItem, Repository, Start, key_digest
 from backfill.states import ItemState, JobState
+from backfill.store import Finish, JobRecord, NewItem, Repository, Start, key_digest
 
 
 @pytest.fixture

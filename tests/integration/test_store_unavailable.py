@@ -22,14 +22,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
 from backfill.config import Settings, libpq_url
+from backfill.engine.protocol import Engine
 from backfill.errors import StoreUnavailable
 from backfill.ledger import AsyncLedger, Lease, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.repository import Finish, NewItem, Repository, Start
 from backfill.states import ItemState, JobState
+from backfill.store import Finish, NewItem, Repository, Start
 from queue_api.app import create_app
 from worker.dispatch import DispatchConfig, NodeDispatcher, _InFlight
-from worker.engine import Engine
 from worker.prepare import run_plan
 
 CAPACITY, BLOCK = 64 * 128, 128

@@ -38,8 +38,9 @@ from backfill.config import Settings
 from backfill.errors import StaleWrite
 from backfill.finalize import finalize_ready_jobs
 from backfill.refusals import InvalidRequest
-from backfill.repository import JobRecord, Repository, _move_job
 from backfill.states import JobState
+from backfill.store import JobRecord, Repository
+from backfill.store.jobs import move_job as _move_job
 from backfill.webhooks.delivery import RoundReport, Sender, SenderThread
 from backfill.webhooks.endpoints import add_endpoint
 from backfill.webhooks.outbox import WebhookStore

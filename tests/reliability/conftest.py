@@ -21,7 +21,7 @@ import pytest
 from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
-from backfill.repository import Repository
+from backfill.store import Repository
 from tests.reliability.support import Deployment
 from worker import devengine
 

@@ -245,7 +245,7 @@ class WorkerProcess:
     def start(self) -> None:
         self._log_start = self.log.stat().st_size if self.log.exists() else 0
         argv = [
-            sys.executable, "-m", "backfill.cli", "worker", "--node", self.node,
+            sys.executable, "-m", "backfill_cli", "worker", "--node", self.node,
             "--engine-url", self.engine_url,
         ]  # fmt: skip
         if self.beat:

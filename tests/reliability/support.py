@@ -21,8 +21,8 @@ from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
-from backfill.repository import NewItem, Repository
 from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
 from tests.reliability.services import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

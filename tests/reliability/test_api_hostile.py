@@ -40,7 +40,7 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.errors import InvalidInput
-from backfill.repository import Repository
+from backfill.store import Repository
 from tests.conftest import REDIS_URL
 from tests.integration.batch_api_support import (
     LiveServer,
@@ -346,6 +346,8 @@ def test_a_nul_byte_in_a_query_parameter_is_a_400_not_a_500(api: Api) -> None:
             assert r.status_code < 500
     with pytest.raises(InvalidInput):
         api.repo.list_files(api.a.id, purpose="a\x00b")
+    with pytest.raises(InvalidInput):
+        api.repo.list_files(api.a.id, after="x\x00y")
 
 
 # ---------------------------------------------------------------------------------------------

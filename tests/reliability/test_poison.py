@@ -101,12 +101,16 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
         error = json.loads(item.error or "{}")
         assert error["code"] == "engine_rejected"
         assert "logprobs" in error["message"]
+        # Written as OpenAI writes HTTP errors: the engine's status and its error object.
+        assert error["status_code"] == 400
+        assert "logprobs" in error["error"]["message"]
     for line in UNCOUNTABLE:
         item = items[line]
         assert item.state is ItemState.FAILED, item
         error = json.loads(item.error or "{}")
         assert error["code"] == "invalid_request", error
         assert "prompt" in error["message"]
+        assert 400 <= error["status_code"] < 500
         assert item.attempt == 1  # the same every time: no retry spent on it
     for line in BROKEN:
         item = items[line]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from backfill.repository import Finish
 from backfill.states import ItemState
+from backfill.store import Finish
 from tests.reliability.conftest import LEASE_TTL_S, REAPER_S
 from tests.reliability.support import Deployment, maintenance, report, sampling
 from tests.reliability.test_worker_kill import deployment_workers

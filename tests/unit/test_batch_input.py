@@ -43,6 +43,29 @@ def encode(*lines: dict[str, Any] | str) -> bytes:
     return b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
 
 
+def test_a_line_without_max_tokens_gets_the_default_written_into_it() -> None:
+    # Optional as at OpenAI; Backfill reserves the default and the engine is held to it.
+    limits = dataclasses.replace(LIMITS, default_max_tokens=300)
+    bare = line("a")
+    del bare["body"]["max_tokens"]
+    result = validate_batch_input(encode(bare, line("b", max_tokens=None)), CHAT, limits)
+    assert isinstance(result, ValidatedBatch)
+    assert [i.max_output_tokens for i in result.items] == [300, 300]
+    assert [json.loads(i.body)["max_tokens"] for i in result.items] == [300, 300]
+    assert result.max_output_tokens == 600
+
+
+def test_a_default_max_tokens_that_cannot_fit_is_a_line_error_naming_it() -> None:
+    limits = dataclasses.replace(LIMITS, default_max_tokens=4000)
+    bare = line("a", messages=[{"role": "user", "content": "x" * 4_000}])
+    del bare["body"]["max_tokens"]
+    result = validate_batch_input(encode(bare), CHAT, limits)
+    assert isinstance(result, InvalidBatch)
+    (error,) = result.errors
+    assert error.code == "request_too_long"
+    assert "BACKFILL_BATCH_DEFAULT_MAX_TOKENS" in error.message
+
+
 def test_a_valid_file_becomes_items_in_line_order() -> None:
     result = validate_batch_input(
         encode(line("a"), "", line("b", max_completion_tokens=20)), CHAT, LIMITS
@@ -96,7 +119,6 @@ CASES: list[tuple[str, dict[str, Any] | str, str, str | None]] = [
         "invalid_messages",
         "body.messages",
     ),
-    ("max_tokens missing", line(max_tokens=None), "missing_max_tokens", "body.max_tokens"),
     ("max_tokens negative", line(max_tokens=-1), "invalid_max_tokens", "body.max_tokens"),
     ("max_tokens bool", line(max_tokens=True), "invalid_max_tokens", "body.max_tokens"),
     ("max_tokens float", line(max_tokens=1.5), "invalid_max_tokens", "body.max_tokens"),

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backfill.simulate.trace import TraceRequest
+from backfill_analysis.simulate.trace import TraceRequest
 from bench.protection import ScenarioResult, parse_variant, plot, tradeoff_points, verdicts
 from bench.replay import InteractiveResult, Target, interactive_body, sse_data
 from bench.stack import counters, settings_env

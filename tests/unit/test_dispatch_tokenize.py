@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger
-from backfill.repository import ClaimedItem, Repository
+from backfill.store import ClaimedItem, Repository
 from worker.dispatch import DispatchConfig, NodeDispatcher
-from worker.engine import Engine
 
 
 class CountingEngine:

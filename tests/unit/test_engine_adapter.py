@@ -11,19 +11,17 @@ from typing import Any
 import httpx
 import pytest
 
-from backfill.errors import BackfillError
-from worker.engine import (
+from backfill.engine.http import HttpEngine, sse_lines
+from backfill.engine.protocol import (
     Endpoint,
     Engine,
     EngineFailed,
     EngineRejected,
     EngineUnavailable,
-    HttpEngine,
-    ResumeUnsupported,
     StreamChunk,
-    resume_request,
-    sse_lines,
 )
+from backfill.errors import BackfillError
+from worker.engine import ResumeUnsupported, resume_request
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

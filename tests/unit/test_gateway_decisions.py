@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backfill.gateway import (
+from backfill.gateway.decisions import (
     BOUND_MARGIN_PER_SEGMENT,
     ContextLengthExceeded,
     InteractiveEndpoint,

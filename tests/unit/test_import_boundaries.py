@@ -1,24 +1,135 @@
-"""The core package imports no FastAPI, Celery or vLLM (checked in a fresh interpreter)."""
+"""The layers import only downwards (docs/ARCHITECTURE.md, "Layers").
+
+Every module of every layer is parsed, and every import counts: at the top, inside a function
+(the lazy imports of the command line), under ``TYPE_CHECKING``. A second check imports the
+whole core in a fresh interpreter and looks for frameworks pulled in indirectly.
+"""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import backfill
 
-FORBIDDEN = ("fastapi", "starlette", "celery", "kombu", "vllm", "uvicorn")
+ROOT = Path(__file__).resolve().parents[2]
+
+FRAMEWORKS = ("fastapi", "starlette", "celery", "kombu", "vllm", "uvicorn")
+"""What the core never imports: it must run (and be tested) without a web server, a task
+queue or an inference engine."""
+
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # The domain and its rules: depends on nothing above it.
+    "backfill": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli", "backfill_analysis"),
+    # The API talks to engines through the core's engine client, never through the worker.
+    "queue_api": ("worker", "backfill_cli"),
+    # The worker talks to the API's state through Postgres and Redis only.
+    "worker": ("queue_api", "backfill_cli"),
+    # Analysis tools (simulator, planner, lab) sit on the core; the API may use them (/lab).
+    "backfill_analysis": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli"),
+}
+"""Top-level package -> the top-level packages none of its modules may import. The command
+line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The importing module, dotted."""
+    target: str
+    """The imported module, dotted and absolute."""
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, *, is_package: bool = False) -> Iterator[Import]:
+    """Every import statement in ``source`` (the module ``module``), anywhere in it."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Import(module, alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            yield Import(module, target, node.lineno)
+
+
+def layer_imports() -> Iterator[Import]:
+    for layer in FORBIDDEN:
+        folder = ROOT / layer
+        for path in sorted(folder.rglob("*.py")):
+            yield from imports_of(
+                path.read_text(encoding="utf-8"),
+                _module_name(path),
+                is_package=path.name == "__init__.py",
+            )
+
+
+def violations(found: Iterator[Import]) -> list[str]:
+    bad = []
+    for imp in found:
+        layer = imp.module.split(".")[0]
+        top = imp.target.split(".")[0]
+        if top in FORBIDDEN.get(layer, ()):
+            bad.append(f"{imp.module}:{imp.line} imports {imp.target}")
+    return bad
+
+
+def test_layers_import_only_what_they_may() -> None:
+    found = list(layer_imports())
+    assert any(i.module == "backfill.states" for i in found), "the core was not parsed"
+    bad = violations(iter(found))
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def test_a_lazy_import_inside_a_function_counts() -> None:
+    source = (
+        "from __future__ import annotations\n"
+        "def serve() -> None:\n"
+        "    from worker.run import run_worker\n"
+        "    import fastapi.responses\n"
+        "    from . import sibling\n"
+    )
+    found = list(imports_of(source, "backfill.somewhere"))
+    assert violations(iter(found)) == [
+        "backfill.somewhere:3 imports worker.run",
+        "backfill.somewhere:4 imports fastapi.responses",
+    ]
+    assert Import("backfill.somewhere", "backfill", 5) in found
+
+
+def test_relative_imports_resolve_against_their_package() -> None:
+    found = list(imports_of("from ..worker import x\n", "queue_api.routes.y"))
+    assert found == [Import("queue_api.routes.y", "queue_api.worker", 1)]
+    found = list(imports_of("from .engine import x\n", "backfill.sub", is_package=True))
+    assert found == [Import("backfill.sub", "backfill.sub.engine", 1)]
 
 
 def test_core_modules_pull_in_no_framework() -> None:
-    # Every module, the CLI included: it imports servers lazily, inside its commands.
-    modules = [f"backfill.{m.name}" for m in pkgutil.iter_modules(backfill.__path__)]
-    assert "backfill.repository" in modules
+    # Importing every core module loads no framework, not even through a dependency.
+    modules = [
+        m.name for m in pkgutil.walk_packages(backfill.__path__, prefix="backfill.")
+    ]
+    assert "backfill.states" in modules
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r})\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run(

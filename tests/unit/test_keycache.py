@@ -4,7 +4,7 @@ revocation, bounded in size."""
 from __future__ import annotations
 
 from backfill.keycache import TenantKeyCache
-from backfill.repository import TenantRecord, key_digest
+from backfill.store import TenantRecord, key_digest
 
 ACME = TenantRecord("tnt_1", "acme", None)
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backfill.lab import (
+from backfill.policy import ServiceClass
+from backfill_analysis.lab import (
     BLOCK_SIZE,
     MAX_REQUESTS,
     EventKind,
@@ -17,7 +18,6 @@ from backfill.lab import (
     simulate_kv,
     simulate_lru,
 )
-from backfill.policy import ServiceClass
 
 
 def test_the_stream_is_round_robin_over_the_working_set() -> None:

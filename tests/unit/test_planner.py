@@ -12,16 +12,16 @@ import pytest
 from typer.testing import CliRunner
 
 from backfill.capacity import CapacityError, kv_bytes_per_token, parse_cache_config
-from backfill.cli import app
-from backfill.planner import (
+from backfill_analysis.planner import (
     Hardware,
     check_against_engine,
     interactive_reserve_from_trace,
     plan,
     shard,
 )
-from backfill.presets import GPUS, MODELS, model_preset
-from backfill.simulate.trace import TraceRequest
+from backfill_analysis.presets import GPUS, MODELS, model_preset
+from backfill_analysis.simulate.trace import TraceRequest
+from backfill_cli.app import app
 
 METRICS = (
     "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"

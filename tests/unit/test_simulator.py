@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from backfill.policy import PoolState, batch_slack
-from backfill.simulate.closedloop import closed_loop
-from backfill.simulate.costmodel import (
+from backfill_analysis.simulate.closedloop import closed_loop
+from backfill_analysis.simulate.costmodel import (
     CostModel,
     Observation,
     StepWork,
@@ -20,11 +20,18 @@ from backfill.simulate.costmodel import (
     prefill_attention,
     roofline,
 )
-from backfill.simulate.engine import DECODE, PAUSED, PREFILL, Engine, EngineConfig, Sequence
-from backfill.simulate.policies import POLICY_NAMES, Frontend, PolicyKnobs, Reserving
-from backfill.simulate.run import RunSpec, simulate
-from backfill.simulate.trace import TraceError, TraceOptions, TraceRequest, load_trace
-from backfill.simulate.workload import BatchWorkload, batch_items
+from backfill_analysis.simulate.engine import (
+    DECODE,
+    PAUSED,
+    PREFILL,
+    Engine,
+    EngineConfig,
+    Sequence,
+)
+from backfill_analysis.simulate.policies import POLICY_NAMES, Frontend, PolicyKnobs, Reserving
+from backfill_analysis.simulate.run import RunSpec, simulate
+from backfill_analysis.simulate.trace import TraceError, TraceOptions, TraceRequest, load_trace
+from backfill_analysis.simulate.workload import BatchWorkload, batch_items
 
 COST = CostModel("test", step_overhead_s=0.01, per_prefill_token_s=1e-4,
                  per_prefill_attention_s=0.0, per_decode_token_s=1e-3, per_decode_context_s=0.0)

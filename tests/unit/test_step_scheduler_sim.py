@@ -10,8 +10,9 @@ import random
 
 import pytest
 
-from backfill.simulate.costmodel import CostModel, StepWork
-from backfill.simulate.engine import (
+from backfill.work_budget import WorkBudgetPolicy
+from backfill_analysis.simulate.costmodel import CostModel, StepWork
+from backfill_analysis.simulate.engine import (
     DECODE,
     PAUSED,
     Engine,
@@ -19,12 +20,11 @@ from backfill.simulate.engine import (
     Sequence,
     StepReport,
 )
-from backfill.simulate.policies import BackfillStep, BackfillWorkBudget, PolicyKnobs
-from backfill.simulate.run import simulate
-from backfill.simulate.stepsched import StepSchedule, chunk_tokens, prefill_seconds
-from backfill.simulate.trace import TraceRequest
-from backfill.simulate.workload import BatchItem, BatchWorkload, batch_items
-from backfill.work_budget import WorkBudgetPolicy
+from backfill_analysis.simulate.policies import BackfillStep, BackfillWorkBudget, PolicyKnobs
+from backfill_analysis.simulate.run import simulate
+from backfill_analysis.simulate.stepsched import StepSchedule, chunk_tokens, prefill_seconds
+from backfill_analysis.simulate.trace import TraceRequest
+from backfill_analysis.simulate.workload import BatchItem, BatchWorkload, batch_items
 from tests.unit.test_simulator import COST, _blocks, _check_pool, _spec
 
 BATCH, INTERACTIVE = 10, 0

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from backfill.simulate.engine import Engine
-from backfill.simulate.policies import BackfillWorkBudget, Frontend
-from backfill.simulate.run import RunSpec, simulate
 from backfill.work_budget import WorkBudgetPolicy
+from backfill_analysis.simulate.engine import Engine
+from backfill_analysis.simulate.policies import BackfillWorkBudget, Frontend
+from backfill_analysis.simulate.run import RunSpec, simulate
 from tests.unit.test_simulator import _spec
 
 

@@ -1,0 +1,134 @@
+"""The ledger over ``redis.asyncio`` (the asyncio worker and gateway): the same operations
+as :class:`~backfill.ledger.Ledger`, the same scripts and values, each step awaited."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+from redis.exceptions import NoScriptError
+
+from backfill import keys as lk
+from backfill.ledger import operations
+from backfill.ledger.binding import awaiting
+from backfill.ledger.calls import LedgerCalls
+from backfill.ledger.listeners import AsyncPreemptionListener
+from backfill.ledger.rebuild import rebuild as rebuild_plan
+from backfill.ledger.scripts import SCRIPTS, script_source
+from backfill.ledger.steps import Command, Plan, ScriptCall, Step, translate
+from backfill.policy import PoolPolicy
+
+T = TypeVar("T")
+
+
+class AsyncLedger:
+    """The ledger over ``redis.asyncio``."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        namespace: str,
+        policy: PoolPolicy | None = None,
+        lease_ttl_ms: int = 30_000,
+    ) -> None:
+        self._client = client
+        self._calls = LedgerCalls(namespace, policy or PoolPolicy(), lease_ttl_ms)
+        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPTS}
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str, policy: PoolPolicy | None = None,
+                 lease_ttl_ms: int = 30_000) -> AsyncLedger:
+        return cls(redis.asyncio.Redis.from_url(url), namespace, policy, lease_ttl_ms)
+
+    @property
+    def calls(self) -> LedgerCalls:
+        return self._calls
+
+    @property
+    def keys(self) -> lk.LedgerKeys:
+        return self._calls.keys
+
+    @property
+    def policy(self) -> PoolPolicy:
+        return self._calls.policy
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        """The Redis client, for the small non-ledger keys used beside it (work budget)."""
+        return self._client
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # -- the operations (documented in backfill.ledger.operations)
+
+    register_pool = awaiting(operations.register_pool)
+    observe = awaiting(operations.observe)
+    snapshot = awaiting(operations.snapshot)
+    counters = awaiting(operations.counters)
+    nodes = awaiting(operations.nodes)
+    is_ready = awaiting(operations.is_ready)
+    reserve = awaiting(operations.reserve)
+    reserve_many = awaiting(operations.reserve_many)
+    settle = awaiting(operations.settle)
+    heartbeat = awaiting(operations.heartbeat)
+    release = awaiting(operations.release)
+    release_many = awaiting(operations.release_many)
+    preempt = awaiting(operations.preempt)
+    reap = awaiting(operations.reap)
+    rebuild = awaiting(rebuild_plan)
+
+    async def listen_preemptions(self, node: str) -> AsyncPreemptionListener:
+        """A subscription to ``node``'s preempt channel, already subscribed when returned."""
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.keys.preempt_channel(node))
+        except redis.RedisError as exc:
+            raise translate(exc) from exc
+        return AsyncPreemptionListener(pubsub)
+
+    # -- carrying plans out
+
+    async def drive(self, plan: Plan[T]) -> T:
+        """Run ``plan``'s steps in turn, awaiting each; returns what it returns."""
+        try:
+            step = next(plan)
+            while True:
+                step = plan.send(await self._carry_out(step))
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
+    async def _carry_out(self, step: Step) -> Any:
+        try:
+            if isinstance(step, ScriptCall):
+                reply = await self._scripts[step.script](keys=step.keys, args=step.args)
+            elif isinstance(step, Command):
+                reply = await self._client.execute_command(*step.args)  # type: ignore[no-untyped-call]
+            else:
+                reply = await self._pipeline_retrying(step.calls)
+        except redis.RedisError as exc:
+            raise translate(exc) from exc
+        return step.parse(reply)
+
+    async def _pipeline_retrying(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
+        if not calls:
+            return []
+        replies = await self._pipeline(calls)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            # NOSCRIPT refuses a call before it runs, so running those again is safe.
+            for name in {calls[i].script for i in missing}:
+                await self._client.script_load(script_source(name))
+            again = await self._pipeline([calls[i] for i in missing])
+            for i, r in zip(missing, again, strict=True):
+                replies[i] = r
+        return replies
+
+    async def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for c in calls:
+            pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+        return list(await pipe.execute(raise_on_error=False))

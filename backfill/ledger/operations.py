@@ -1,0 +1,165 @@
+"""Every ledger operation, written once: a plan of steps that either ledger carries out.
+
+Each function takes the namespace's :class:`~backfill.ledger.calls.LedgerCalls` first and
+then the operation's own arguments, exactly as :class:`~backfill.ledger.Ledger` and
+:class:`~backfill.ledger.AsyncLedger` expose it (see :mod:`backfill.ledger.binding`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backfill import keys as lk
+from backfill.ledger.calls import LedgerCalls, decoded
+from backfill.ledger.steps import Command, Pipelined, Plan, by_node
+from backfill.ledger.values import (
+    Denial,
+    HeartbeatResult,
+    HeldLease,
+    Lease,
+    LeaseStatus,
+    PoolCounters,
+    PoolSnapshot,
+    PreemptResult,
+    ReserveRequest,
+    SettleResult,
+)
+from backfill.policy import PoolPolicy, ServiceClass
+
+# ---------------------------------------------------------------------------------------------
+# Pools
+
+
+def register_pool(calls: LedgerCalls, node: str, capacity_tokens: int, block_size: int, *,
+                  policy: PoolPolicy | None = None, epoch: int | None = None,
+                  reserve_tokens: int | None = None) -> Plan[int]:
+    """Create or update ``node``'s pool; returns its epoch (0: none until a rebuild)."""
+    epoch_now: int = yield calls.register_pool(
+        node, capacity_tokens, block_size, policy, epoch, reserve_tokens)
+    return epoch_now
+
+
+def observe(calls: LedgerCalls, node: str, observed_tokens: int, *,
+            now_ms: int | None = None) -> Plan[int | None]:
+    """Record engine-observed non-batch use; returns the new batch slack (None: no pool)."""
+    slack: int | None = yield calls.observe(node, observed_tokens, now_ms)
+    return slack
+
+
+def snapshot(calls: LedgerCalls, node: str, *,
+             now_ms: int | None = None) -> Plan[PoolSnapshot | None]:
+    """``node``'s pool and live leases at one instant (None: no pool)."""
+    found: PoolSnapshot | None = yield calls.snapshot(node, now_ms)
+    return found
+
+
+def counters(calls: LedgerCalls, node: str) -> Plan[PoolCounters]:
+    """The node's denial and preemption counts (zeros for a node without a pool)."""
+    raw = yield Command(("HGETALL", calls.keys.pool(node)), dict)
+    fields = {decoded(name): decoded(value) for name, value in raw.items()}
+    denials: dict[tuple[str, str], int] = {}
+    for name, value in fields.items():
+        if name.startswith("denied:"):
+            _, service_class, reason = name.split(":", 2)
+            denials[(service_class, reason)] = int(value)
+    return PoolCounters(denials, int(fields.get("preemptions", "0")))
+
+
+def nodes(calls: LedgerCalls) -> Plan[list[str]]:
+    """Every node with a pool in this namespace."""
+    found: list[str] = []
+    cursor = 0
+    while True:
+        cursor, page = yield Command(
+            ("SCAN", cursor, "MATCH", calls.keys.pool_pattern, "COUNT", 1000), tuple)
+        found += (decoded(k) for k in page)
+        if int(cursor) == 0:
+            return sorted(calls.keys.node_from_pool_key(k) for k in found)
+
+
+def is_ready(calls: LedgerCalls) -> Plan[bool]:
+    """False after Redis lost its data, until a rebuild finishes."""
+    ready: bool = yield Command(("EXISTS", calls.keys.ready), bool)
+    return ready
+
+
+# ---------------------------------------------------------------------------------------------
+# Leases
+
+
+def reserve(calls: LedgerCalls, node: str, service_class: ServiceClass | str,
+            prompt_tokens: int, max_output_tokens: int, *, n: int = 1,
+            lease_id: str | None = None, owner: str = "", preemptible: bool = True,
+            deadline_ms: int | None = None, allow_preemption: bool = True,
+            ttl_ms: int | None = None, now_ms: int | None = None) -> Plan[Lease | Denial]:
+    """Reserve on ``node`` per the policy, or say why not."""
+    req = ReserveRequest(
+        node, ServiceClass(service_class), prompt_tokens, max_output_tokens, n=n,
+        owner=owner, preemptible=preemptible, deadline_ms=deadline_ms,
+        allow_preemption=allow_preemption, ttl_ms=ttl_ms,
+        **({"lease_id": lease_id} if lease_id else {}),
+    )
+    [result] = yield calls.reserve(node, [req], now_ms)
+    decided: Lease | Denial = result
+    return decided
+
+
+def reserve_many(calls: LedgerCalls, requests: Sequence[ReserveRequest], *,
+                 now_ms: int | None = None) -> Plan[list[Lease | Denial]]:
+    """Reserve several in one round trip: one script call per node (and per chunk), each
+    deciding its requests in order, atomically. Results come in request order."""
+    groups = by_node(requests, lambda r: r.node)
+    decided: list[Lease | Denial] = yield Pipelined[Lease | Denial](
+        [calls.reserve(node, [requests[i] for i in idx], now_ms) for node, idx in groups],
+        groups, len(requests))
+    return decided
+
+
+def settle(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int,
+           generated_tokens: int, *, reservation_tokens: int | None = None,
+           now_ms: int | None = None) -> Plan[SettleResult]:
+    """Record tokens generated so far; optionally shrink (never grow) the reservation."""
+    result: SettleResult = yield calls.settle(
+        node, lease_id, fencing_token, generated_tokens, reservation_tokens, now_ms)
+    return result
+
+
+def heartbeat(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int, *,
+              ttl_ms: int | None = None, now_ms: int | None = None) -> Plan[HeartbeatResult]:
+    """Extend the lease by ``ttl_ms`` (the ledger's lease TTL when None), or say why not."""
+    result: HeartbeatResult = yield calls.heartbeat(node, lease_id, fencing_token, ttl_ms,
+                                                    now_ms)
+    return result
+
+
+def release(calls: LedgerCalls, held: HeldLease, *,
+            now_ms: int | None = None) -> Plan[LeaseStatus]:
+    """Give the lease's tokens back (idempotent; a stale holder changes nothing)."""
+    [status] = yield calls.release(held.node, [held], now_ms)
+    released: LeaseStatus = status
+    return released
+
+
+def release_many(calls: LedgerCalls, held: Sequence[HeldLease], *,
+                 now_ms: int | None = None) -> Plan[list[LeaseStatus]]:
+    """Release several in one round trip; statuses come in the order given."""
+    groups = by_node(held, lambda h: h.node)
+    statuses: list[LeaseStatus] = yield Pipelined[LeaseStatus](
+        [calls.release(node, [held[i] for i in idx], now_ms) for node, idx in groups],
+        groups, len(held))
+    return statuses
+
+
+def preempt(calls: LedgerCalls, node: str, tokens_needed: int, *,
+            victims: Sequence[str] | None = None,
+            now_ms: int | None = None) -> Plan[PreemptResult]:
+    """Preempt batch on ``node`` to free ``tokens_needed`` and notify the victims."""
+    result: PreemptResult = yield calls.preempt(node, tokens_needed, victims, now_ms)
+    return result
+
+
+def reap(calls: LedgerCalls, node: str, *, limit: int = lk.REAP_BATCH,
+         now_ms: int | None = None) -> Plan[list[str]]:
+    """Reclaim expired leases on ``node``; returns their ids."""
+    reaped: list[str] = yield calls.reap(node, limit, now_ms)
+    return reaped

@@ -1,0 +1,67 @@
+"""Rebuilding the ledger after Redis lost its data, from the records Postgres keeps.
+
+Redis is not durable. When it loses its data the ready marker goes with it, batch admission
+closes (denial reason ``ledger_rebuilding``), and :func:`rebuild` restores the pools and the
+live batch leases, then reopens admission.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backfill import keys as lk
+from backfill.errors import LedgerError
+from backfill.ledger import operations
+from backfill.ledger.calls import LedgerCalls
+from backfill.ledger.steps import Command, Plan, chunks
+from backfill.ledger.values import ActiveLease, NodePool, RebuildReport
+
+
+def rebuild(calls: LedgerCalls, nodes: Sequence[NodePool], active_leases: Sequence[ActiveLease],
+            epoch: int, *, now_ms: int | None = None) -> Plan[RebuildReport]:
+    """Restore pools and live batch leases from Postgres records, then reopen batch.
+
+    Batch admission is closed first and stays closed until every lease is back, so no
+    batch lease is admitted against a ledger that is missing some. Interactive may use its
+    reserve meanwhile. ``epoch`` must be larger than any epoch used before (the caller
+    keeps it in Postgres); the epoch actually used is returned, possibly larger.
+    """
+    unknown = {a.node for a in active_leases} - {n.name for n in nodes}
+    if unknown:
+        raise LedgerError(f"active leases on nodes with no pool record: {sorted(unknown)}")
+    yield Command(("DEL", calls.keys.ready), int)
+    current: list[int] = []
+    for n in nodes:
+        found = yield Command(("HGET", calls.keys.pool(n.name), "epoch"), _same)
+        if found is not None:
+            current.append(int(found))
+    chosen = rebuild_epoch(epoch, active_leases, current)
+    for n in nodes:
+        yield from operations.register_pool(
+            calls, n.name, n.capacity_tokens, n.block_size, epoch=chosen,
+            reserve_tokens=n.interactive_reserve_tokens)
+    restored = skipped = 0
+    for n in nodes:
+        mine = [a for a in active_leases if a.node == n.name]
+        for chunk in chunks(mine, lk.RESTORE_CHUNK):
+            r, s = yield calls.restore(n.name, chunk, now_ms)
+            restored += r
+            skipped += s
+    yield Command(("SET", calls.keys.ready, str(chosen)), bool)
+    return RebuildReport(chosen, restored, skipped)
+
+
+def rebuild_epoch(epoch: int, active: Sequence[ActiveLease], current: Sequence[int]) -> int:
+    """The epoch a rebuild uses: at least ``epoch``, and past every epoch already used."""
+    # Fences handed out after the rebuild must exceed every fence handed out before it: those
+    # Postgres recorded, and those of epochs Redis advanced to on its own (counter overflow).
+    highest = max([a.fencing_token // lk.FENCE_EPOCH_SHIFT for a in active] + list(current),
+                  default=0)
+    chosen = max(epoch, highest + 1)
+    if chosen > lk.MAX_EPOCH:
+        raise LedgerError(f"epoch {chosen} exceeds {lk.MAX_EPOCH}")
+    return chosen
+
+
+def _same(reply: object) -> object:
+    return reply

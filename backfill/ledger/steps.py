@@ -1,0 +1,110 @@
+"""What a ledger operation asks of Redis, as values, so one operation serves both ledgers.
+
+An operation (:mod:`backfill.ledger.operations`) is a generator: it yields steps and
+receives each step's parsed reply, then returns its result. A step is one script call, a
+batch of script calls pipelined in one round trip, or a plain Redis command. The
+synchronous and the asyncio ledger differ only in how they carry a step out.
+
+Redis errors become :class:`~backfill.errors.LedgerUnavailable` and script refusals
+:class:`~backfill.errors.LedgerError` (:func:`translate`), in the ledgers and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import redis
+from redis.exceptions import ResponseError
+
+from backfill import keys as lk
+from backfill.errors import LedgerError, LedgerUnavailable
+from backfill.ledger.values import PartialBatchError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ScriptCall(Generic[T]):
+    """One call of a ledger script, atomic in Redis, and how to read its reply."""
+
+    script: str
+    keys: list[str]
+    args: list[str]
+    parse: Callable[[Any], T]
+
+
+@dataclass(frozen=True)
+class Pipelined(Generic[T]):
+    """Script calls sent in one round trip. Call ``k`` answers for the requests at
+    ``groups[k]``'s indices; the results come back scattered into request order."""
+
+    calls: list[ScriptCall[list[Any]]]
+    groups: list[tuple[str, list[int]]]
+    size: int
+
+    def parse(self, replies: Sequence[Any]) -> list[T]:
+        return parse_all(self.calls, replies, self.groups, self.size)
+
+
+@dataclass(frozen=True)
+class Command(Generic[T]):
+    """A plain Redis command (readiness marker, pool counters, the pool list)."""
+
+    args: tuple[str | int, ...]
+    parse: Callable[[Any], T]
+
+
+Step = ScriptCall[Any] | Pipelined[Any] | Command[Any]
+Plan = Generator[Step, Any, T]
+"""An operation: yields steps, is sent each step's parsed reply, returns its result."""
+
+
+def translate(exc: redis.RedisError) -> LedgerError | LedgerUnavailable:
+    if isinstance(exc, ResponseError):
+        message = str(exc).split(" script: ", 1)[0]
+        return LedgerError(message)
+    return LedgerUnavailable(f"Redis is unavailable: {exc}")
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def by_node(items: Sequence[T], node_of: Callable[[T], str]) -> list[tuple[str, list[int]]]:
+    """Indices of ``items`` grouped by node (in order of first appearance), in chunks that keep
+    each script call short."""
+    groups: dict[str, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(node_of(item), []).append(i)
+    return [(node, list(chunk)) for node, idx in groups.items()
+            for chunk in chunks(idx, lk.BATCH_CHUNK)]
+
+
+def scatter(size: int, groups: list[tuple[str, list[int]]], results: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * size
+    for (_, idx), result in zip(groups, results, strict=True):
+        for j, i in enumerate(idx):
+            out[i] = result if isinstance(result, Exception) else result[j]
+    return out
+
+
+def parse_all(calls: Sequence[ScriptCall[list[Any]]], replies: Sequence[Any],
+              groups: list[tuple[str, list[int]]], size: int) -> list[Any]:
+    """Each call's parsed results, scattered back to request order; raises
+    :class:`PartialBatchError` (with every request's result or error) if any call failed."""
+    per_call: list[Any] = []
+    failed = 0
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, redis.RedisError):
+            per_call.append(translate(reply))
+            failed += 1
+        else:
+            per_call.append(call.parse(reply))
+    results = scatter(size, groups, per_call)
+    if failed:
+        first = next(r for r in per_call if isinstance(r, Exception))
+        raise PartialBatchError(f"{failed} of {len(calls)} calls failed; first: {first}", results)
+    return results

@@ -1,0 +1,75 @@
+"""The store: the one gateway for SQL. Every statement Backfill sends to Postgres is in this
+package, each a named query beside the code that runs it.
+
+Rules it keeps:
+- Every state change is a guarded ``UPDATE ... WHERE state = ANY(sources)`` checked against
+  ``backfill.states``; writes of a worker attempt also name the attempt number (and, once the
+  item runs, the ledger's fencing token), so a stale attempt's late write matches no row.
+  A single-item write that matches no row raises ``StaleWrite``; batch writes return the ids
+  that applied.
+- Per-job counters change in the same transaction as the items they count, and counter rows
+  are always locked last and in job-id order, so concurrent writers cannot deadlock on them.
+- Hot paths move rows in batches: COPY for ingest, ``FOR UPDATE SKIP LOCKED`` claims of many
+  items at once, array-parameter updates for results.
+- Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
+  statement carries the plan out), earliest deadline first within a tenant.
+
+Where things are: :mod:`~backfill.store.records` (the values it returns),
+:mod:`~backfill.store.database` (pool, transactions, error translation, Postgres' clock),
+:mod:`~backfill.store.tenants`, :mod:`~backfill.store.files`, :mod:`~backfill.store.nodes`,
+:mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`, :mod:`~backfill.store.claims`,
+:mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
+single-item move), :mod:`~backfill.store.counters`, :mod:`~backfill.store.recovery` (ledger
+rebuild rows, the reaper), :mod:`~backfill.store.stats`, and
+:class:`~backfill.store.repository.Repository`, all of them on one engine.
+"""
+
+from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
+from backfill.store.database import Store, ensure_database
+from backfill.store.files import FILE_CHUNK_BYTES
+from backfill.store.records import (
+    ActiveLeaseRow,
+    ApiKeyRecord,
+    ClaimedItem,
+    FileRecord,
+    Finish,
+    FinishedTokenStats,
+    ItemRecord,
+    JobCounts,
+    JobRecord,
+    LostItem,
+    NewItem,
+    NodeRecord,
+    RevokedKey,
+    Start,
+    TenantRecord,
+)
+from backfill.store.repository import Repository
+from backfill.store.tenants import KEY_ID_CHARS, key_digest, key_id
+
+__all__ = [
+    "COUNTED_STATES",
+    "COUNTER_SHARDS",
+    "FILE_CHUNK_BYTES",
+    "KEY_ID_CHARS",
+    "ActiveLeaseRow",
+    "ApiKeyRecord",
+    "ClaimedItem",
+    "FileRecord",
+    "Finish",
+    "FinishedTokenStats",
+    "ItemRecord",
+    "JobCounts",
+    "JobRecord",
+    "LostItem",
+    "NewItem",
+    "NodeRecord",
+    "Repository",
+    "RevokedKey",
+    "Start",
+    "Store",
+    "TenantRecord",
+    "ensure_database",
+    "key_digest",
+    "key_id",
+]

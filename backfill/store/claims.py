@@ -1,0 +1,262 @@
+"""Claims: the worker's path from a claimable item to a running attempt, and back when unstarted.
+
+Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
+statement carries the plan out), earliest deadline first within a tenant. ``FOR UPDATE SKIP
+LOCKED`` lets many claimers run at once without handing one item to two; each claim bumps
+the item's attempt number, which fences out any older attempt's writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import text
+
+from backfill import fairshare
+from backfill.errors import StaleWrite
+from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
+from backfill.states import ITEM_CLAIMABLE, ItemState
+from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
+from backfill.store.database import Store
+from backfill.store.moves import check_moves, decode_partial
+from backfill.store.records import ClaimedItem, Start
+
+# The condition an item must meet to be claimed now (a WHERE clause over items).
+_CLAIMABLE_NOW = (
+    f"state IN ({CLAIMABLE_SQL}) AND deadline > now() "
+    "AND (not_before IS NULL OR not_before <= now()) "
+    # Only a running job's items: never those of a job being validated, cancelled or
+    # ended, whatever state its items were left in.
+    "AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id AND jb.state = 'in_progress')"
+)
+
+# The tenants with work (jobs in progress; one whose items are all held elsewhere passes its
+# slots on in the claim), their weights, and the batch sequences this node holds for each.
+_SHARE_VIEW = (
+    "WITH waiting AS (SELECT DISTINCT tenant_id FROM jobs WHERE state = 'in_progress'), "
+    "held AS (SELECT tenant_id, count(*) AS n FROM items "
+    f"  WHERE node = :node AND state IN ({ACTIVE_SQL}) GROUP BY tenant_id) "
+    "SELECT t.id, t.weight, coalesce(h.n, 0) FROM waiting w "
+    "JOIN tenants t ON t.id = w.tenant_id LEFT JOIN held h ON h.tenant_id = w.tenant_id"
+)
+
+# Moves the ``picked`` items to ``reserved`` for this attempt, counts them, and returns them
+# in ``picked.ord`` order.
+_CLAIM_MOVE = (
+    "moved AS ("
+    "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
+    "    node = :node, lease_id = NULL, fencing_token = NULL, not_before = NULL, "
+    "    lease_expires_at = now() + make_interval(secs => :ttl), "
+    "    updated_at = now() "
+    "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
+    "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
+    "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
+    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
+    "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
+    f"), {CNT_CLAIM} "
+    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id ORDER BY m.ord"
+)
+
+# Claim without fair share: the earliest deadlines across every tenant.
+_CLAIM_EDF = (
+    "WITH picked AS ("
+    "  SELECT id, state, row_number() OVER (ORDER BY deadline, id) AS ord FROM ("
+    f"    SELECT id, state, deadline FROM items WHERE {_CLAIMABLE_NOW}"
+    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), "
+    + _CLAIM_MOVE
+)
+
+# ``:slots`` is the plan: the tenant of each slot, in order. The k-th slot of a tenant takes
+# its k-th earliest-deadline item; the first ``:n`` slots that found one are the claim, and
+# any shortfall is filled earliest deadline first across all tenants (``rest``). Items locked
+# for slots past the first ``:n`` are not claimed and unlock at commit.
+_CLAIM_FAIR = (
+    "WITH slots AS ("
+    "  SELECT s.tenant_id, s.ord, "
+    "    row_number() OVER (PARTITION BY s.tenant_id ORDER BY s.ord) AS k "
+    "  FROM unnest(CAST(:slots AS text[])) WITH ORDINALITY AS s(tenant_id, ord)), "
+    "quota AS (SELECT tenant_id, count(*) AS n FROM slots GROUP BY tenant_id), "
+    "taken AS ("
+    "  SELECT q.tenant_id, c.id, c.state, "
+    "    row_number() OVER (PARTITION BY q.tenant_id ORDER BY c.deadline, c.id) AS k "
+    "  FROM quota q CROSS JOIN LATERAL ("
+    "    SELECT id, state, deadline FROM items"
+    f"    WHERE tenant_id = q.tenant_id AND {_CLAIMABLE_NOW}"
+    "    ORDER BY deadline, id LIMIT q.n FOR UPDATE SKIP LOCKED) c), "
+    "fair AS ("
+    "  SELECT t.id, t.state, s.ord FROM taken t "
+    "  JOIN slots s ON s.tenant_id = t.tenant_id AND s.k = t.k ORDER BY s.ord LIMIT :n), "
+    "rest AS ("
+    "  SELECT id, state, deadline FROM items"
+    f"  WHERE {_CLAIMABLE_NOW} AND id <> ALL (ARRAY(SELECT id FROM taken))"
+    "  ORDER BY deadline, id LIMIT greatest(0, :n - (SELECT count(*) FROM fair))"
+    "  FOR UPDATE SKIP LOCKED), "
+    "picked AS ("
+    "  SELECT id, state, ord FROM fair UNION ALL "
+    "  SELECT id, state, CAST(:n AS bigint) * 2 + row_number() OVER (ORDER BY deadline, id) "
+    "  FROM rest), "
+    + _CLAIM_MOVE
+)
+
+# reserved -> running for many claims at once, each with its lease and fencing token; opens their
+# attempt rows and moves the counters.
+START_MANY = (
+    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+    "CAST(:att AS int[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), "
+    "CAST(:res AS int[]), CAST(:pt AS int[])) AS v(id, a, l, f, r, p)), "
+    "moved AS (UPDATE items i SET state = 'running', lease_id = v.l, "
+    "  fencing_token = v.f, reservation_tokens = v.r, prompt_tokens = v.p, "
+    "  lease_expires_at = now() + make_interval(secs => :ttl), "
+    "  started_at = coalesce(i.started_at, now()), updated_at = now() "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+    "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p), "
+    f"{CNT_START}, "
+    "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, "
+    "  fencing_token, reserved_tokens, prompt_tokens) "
+    "  SELECT id, attempt, node, l, f, r, p FROM moved "
+    "  ON CONFLICT (item_id, attempt) DO UPDATE SET lease_id = EXCLUDED.lease_id, "
+    "  fencing_token = EXCLUDED.fencing_token, "
+    "  reserved_tokens = EXCLUDED.reserved_tokens, "
+    "  prompt_tokens = EXCLUDED.prompt_tokens) "
+    "SELECT id, job_id FROM moved"
+)
+
+# Extend the claim of many (item, attempt) pairs still active; returns those still held.
+HEARTBEAT = (
+    "UPDATE items i SET lease_expires_at = now() + make_interval(secs => :t) "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[])) AS v(id, a) "
+    f"WHERE i.id = v.id AND i.attempt = v.a AND i.state IN ({ACTIVE_SQL}) "
+    "RETURNING i.id"
+)
+
+# reserved -> queued for many claims given back unstarted, with their attempt rows and counters.
+UNCLAIM = (
+    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+    "CAST(:att AS int[])) AS v(id, a)), "
+    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
+    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+    "  RETURNING i.id, i.job_id, i.attempt, i.node), "
+    f"{CNT_UNCLAIM}, "
+    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "
+    "  detail) SELECT id, attempt, coalesce(node, ''), now(), 'released', :d "
+    "  FROM moved ON CONFLICT (item_id, attempt) DO NOTHING) "
+    "SELECT id FROM moved"
+)
+
+
+class Claims(Store):
+    """Claiming, starting, heartbeating and unclaiming items."""
+
+    def claim(self, node: str, limit: int, lease_ttl_s: float) -> list[ClaimedItem]:
+        """Hand up to ``limit`` claimable items to one attempt each, in the order to start them.
+
+        With fair share (the default) the node's share view is read first, in the same
+        transaction, and ``fairshare.claim_order`` plans whose items to take; the claim
+        statement then takes each tenant's quota earliest deadline first, in the plan's
+        order. With several tenants the plan asks for twice ``limit`` slots, so a tenant that
+        has fewer items than its slots (all held by other nodes, or not due yet) passes its
+        turn to the next tenant in fair order, and whatever is still short is filled earliest
+        deadline first from every tenant: no claim comes back short while items wait.
+        Without fair share, the earliest deadlines across all tenants.
+
+        ``FOR UPDATE SKIP LOCKED`` lets many claimers run at once without ever handing one
+        item to two of them; each claimed item's attempt number goes up by one, which fences
+        out any older attempt's writes.
+        """
+        sources = check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
+        params: dict[str, Any] = {"n": limit, "node": node, "ttl": lease_ttl_s, "src": sources}
+        with self._tx(durable=False) as conn:
+            if self.fair_share:
+                view = [
+                    fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
+                    for r in conn.execute(text(_SHARE_VIEW), {"node": node}).all()
+                ]
+                # Spare slots only matter where a tenant short of items can pass its turn on.
+                spare = limit if len(view) > 1 else 0
+                params["slots"] = list(fairshare.claim_order(view, limit + spare))
+                rows = conn.execute(text(_CLAIM_FAIR), params).all()
+            else:
+                rows = conn.execute(text(_CLAIM_EDF), params).all()
+        return [
+            ClaimedItem(
+                id=r.id,
+                job_id=r.job_id,
+                attempt=r.attempt,
+                custom_id=r.custom_id,
+                body=r.body,
+                deadline=r.deadline,
+                prompt_tokens=r.prompt_tokens,
+                max_output_tokens=r.max_output_tokens,
+                reservation_tokens=r.reservation_tokens,
+                preemptions=r.preemptions,
+                partial_output=decode_partial(r.partial_output),
+                partial_tokens=r.partial_tokens,
+                endpoint=r.endpoint,
+                deadline_left_s=r.deadline_left_s,
+            )
+            for r in rows
+        ]
+
+    def start(
+        self,
+        item_id: int,
+        attempt: int,
+        *,
+        lease_id: str,
+        fencing_token: int,
+        reservation_tokens: int,
+        prompt_tokens: int,
+        lease_ttl_s: float,
+    ) -> None:
+        """reserved -> running for one item; ``StaleWrite`` if its claim moved on."""
+        start = Start(item_id, attempt, lease_id, fencing_token, reservation_tokens, prompt_tokens)
+        if not self.start_many([start], lease_ttl_s):
+            raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
+
+    def start_many(self, starts: Sequence[Start], lease_ttl_s: float) -> list[int]:
+        """reserved -> running, once each attempt holds a ledger lease that fits; returns the
+        ids that applied (the others' claims moved on: their leases must be released)."""
+        check_moves([ItemState.RESERVED], ItemState.RUNNING)
+        if not starts:
+            return []
+        with self._tx(durable=False) as conn:
+            rows = conn.execute(
+                text(START_MANY),
+                {
+                    "ids": [x.item_id for x in starts],
+                    "att": [x.attempt for x in starts],
+                    "lid": [x.lease_id for x in starts],
+                    "fen": [x.fencing_token for x in starts],
+                    "res": [x.reservation_tokens for x in starts],
+                    "pt": [x.prompt_tokens for x in starts],
+                    "ttl": lease_ttl_s,
+                },
+            ).all()
+        return [r.id for r in rows]
+
+    def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
+        """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
+        if not held:
+            return []
+        with self._tx() as conn:
+            return list(
+                conn.execute(
+                    text(HEARTBEAT),
+                    {"t": lease_ttl_s, "ids": [h[0] for h in held], "att": [h[1] for h in held]},
+                ).scalars()
+            )
+
+    def unclaim(self, held: Sequence[tuple[int, int]], detail: str) -> list[int]:
+        """reserved -> queued for many (item_id, attempt) claims given back unstarted (the
+        slack could not take them); returns the ids that applied."""
+        check_moves([ItemState.RESERVED], ItemState.QUEUED)
+        if not held:
+            return []
+        with self._tx(durable=False) as conn:
+            rows = conn.execute(
+                text(UNCLAIM),
+                {"ids": [h[0] for h in held], "att": [h[1] for h in held], "d": detail},
+            ).all()
+        return [r.id for r in rows]

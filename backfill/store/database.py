@@ -1,0 +1,139 @@
+"""The store's connection to Postgres: a pooled engine, transactions that turn driver errors
+into Backfill's own, and Postgres' clock. Every aggregate of the store builds on :class:`Store`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, Self
+
+import psycopg
+from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from backfill.clock import HostClock, SharedClock
+from backfill.errors import Conflict, InvalidInput, StoreUnavailable
+
+# Whether the server answers (health checks).
+PING = "SELECT 1"
+# The database's own clock, not the transaction's start: what stored timestamps are judged by.
+DATABASE_TIME = "SELECT EXTRACT(EPOCH FROM clock_timestamp())"
+# Whether a database exists (the dev command creates it when not).
+DATABASE_EXISTS = "SELECT 1 FROM pg_database WHERE datname = %s"
+
+
+def ensure_database(server_url: str, name: str) -> str:
+    """Create database ``name`` on the server of ``server_url`` unless it exists; returns its
+    URL (SQLAlchemy form). For the dev command and tools, not for request paths."""
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"database name must be letters, digits and underscores: {name!r}")
+    with psycopg.connect(_libpq(server_url), autocommit=True) as conn:
+        if conn.execute(DATABASE_EXISTS, (name,)).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{server_url.rpartition('/')[0]}/{name}"
+
+
+def _libpq(url: str) -> str:
+    return "postgresql://" + url.partition("://")[2]
+
+
+class Store:
+    """Postgres access shared by every part of the store. Thread-safe (a pooled SQLAlchemy
+    engine).
+
+    ``fair_share`` is how claims order tenants: by weighted fair share of the node (the
+    default), or, when False, earliest deadline first across all tenants (the order before
+    tenants were shared; kept to compare against).
+    """
+
+    def __init__(
+        self, engine: Engine, *, fair_share: bool = True, host_clock: HostClock = time.time
+    ) -> None:
+        self.engine = engine
+        self.fair_share = fair_share
+        # Postgres' clock, read here: stored timestamps are judged, and new ones computed, on
+        # it (this host's clock, ``host_clock``, may be off).
+        self._clock = SharedClock(host=host_clock)
+
+    @classmethod
+    def connect(
+        cls, database_url: str, *, pool_size: int = 5, fair_share: bool = True
+    ) -> Self:
+        engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
+        return cls(engine, fair_share=fair_share)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self, *, durable: bool = True) -> Iterator[Connection]:
+        """One transaction; driver errors leave as Backfill's own types.
+
+        ``durable=False`` commits without waiting for the WAL flush. Only for writes whose
+        loss in a Postgres crash is harmless by design: a lost claim or start leaves the item
+        claimable again (or rescued by the reaper), and the worker's fenced writes then fail
+        as stale instead of doing harm. Results are always written durably.
+        """
+        try:
+            with self.engine.begin() as conn:
+                if not durable:
+                    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+                yield conn
+        except IntegrityError as exc:
+            raise Conflict(str(exc.orig)) from exc
+        except OperationalError as exc:
+            raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
+        except DataError as exc:
+            # A value Postgres cannot hold (a NUL byte in text, a number out of range) that
+            # came from outside: the caller's input, not a fault of the store.
+            raise InvalidInput(f"value refused: {exc.orig}") from exc
+        except psycopg.DataError as exc:
+            # The same, from the driver directly (COPY and binary reads bypass SQLAlchemy).
+            raise InvalidInput(f"value refused: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            # A connection lost under a driver-level call (COPY, binary reads).
+            raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
+        except PoolTimeout as exc:
+            # Every pooled connection is busy: the store is there but has no room for this
+            # caller now, which a retry a little later may find.
+            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
+            raise
+
+    def _read_binary(self, query: str, params: tuple[Any, ...]) -> bytes | None:
+        """One bytea value read in binary format: a text-format read hex-encodes it,
+        doubling what crosses the wire and costing seconds to decode for 100 MB."""
+        with self._tx() as conn:
+            raw = conn.connection.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            with raw.cursor(binary=True) as cur:
+                found = cur.execute(query, params).fetchone()
+        return None if found is None or found[0] is None else bytes(found[0])
+
+    def ping(self) -> None:
+        with self._tx() as conn:
+            conn.execute(text(PING))
+
+    def now(self) -> datetime:
+        """The time on Postgres' clock, without a round trip (re-anchored every few seconds):
+        what a process judges stored timestamps by and computes new ones from. Postgres out
+        of reach: the last anchor goes on (``StoreUnavailable`` if there is none yet)."""
+        if self._clock.due():
+            try:
+                self._clock.sync_blocking(self._database_time)
+            except StoreUnavailable:
+                if not self._clock.anchored:
+                    raise
+        return datetime.fromtimestamp(self._clock.now(), UTC)
+
+    def _database_time(self) -> float:
+        with self._tx() as conn:
+            return float(
+                conn.execute(text(DATABASE_TIME)).scalar_one()
+            )

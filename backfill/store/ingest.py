@@ -1,0 +1,144 @@
+"""Ingest: a validating job's items stored by binary COPY, and exact prompt tokens recorded
+after tokenization, with the counters moved in the same transaction.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+import psycopg
+from sqlalchemy import text
+
+from backfill.errors import NotFound, StaleWrite
+from backfill.states import JobState
+from backfill.store.counters import add_to_counters
+from backfill.store.database import Store
+from backfill.store.jobs import move_job
+from backfill.store.records import NewItem
+
+# Stream a job's items into items, binary (bodies are not escaped).
+COPY_ITEMS = (
+    "COPY items (job_id, tenant_id, line_no, custom_id, body, "
+    "max_output_tokens, prompt_tokens, reservation_tokens, deadline) "
+    "FROM STDIN (FORMAT BINARY)"
+)
+
+# The job being stored into, held FOR KEY SHARE: moves of the job still go ahead, the recovery of
+# stale creates skips it.
+JOB_FOR_INGEST = "SELECT deadline, state, tenant_id FROM jobs WHERE id = :i FOR KEY SHARE"
+
+# Whether the job is still validating once the items are in (locked so no move slips in before
+# commit).
+JOB_STATE_LOCKED = "SELECT state FROM jobs WHERE id = :i FOR NO KEY UPDATE"
+
+# Exact prompt tokens and reservations for many items; returns each job's prompt-token delta for
+# the counters.
+SET_PROMPT_TOKENS = (
+    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
+    "CAST(:p AS int[]), CAST(:r AS int[])) AS v(id, p, r)), "
+    "old AS (SELECT i.id, i.job_id, coalesce(i.prompt_tokens, 0) AS old_p "
+    "FROM items i JOIN v ON v.id = i.id FOR UPDATE OF i) "
+    "UPDATE items i SET prompt_tokens = v.p, reservation_tokens = v.r "
+    "FROM v, old WHERE i.id = v.id AND old.id = v.id "
+    "RETURNING i.job_id, v.p - old.old_p"
+)
+
+
+class Ingest(Store):
+    """Storing a job's items."""
+
+    def insert_items(
+        self,
+        job_id: str,
+        items: Iterable[NewItem],
+        *,
+        start_reason: Callable[[int], str] | None = None,
+    ) -> int:
+        """Store a ``validating`` job's items with binary COPY; counters move in the same
+        transaction. With ``start_reason`` (the event's reason, given the count) the job moves
+        to ``in_progress`` in that transaction too, so its items become claimable exactly when
+        the job runs.
+
+        The job row is held ``FOR KEY SHARE`` while the items stream in: a cancel, an expiry
+        or a failure still moves the job at once (they lock ``FOR NO KEY UPDATE``), and the
+        recovery of stale creates sees that this one is alive (it locks ``FOR UPDATE SKIP
+        LOCKED``). At the end the job must still be validating, or nothing is stored and
+        ``StaleWrite`` says so: no item of a job that ended meanwhile ever exists.
+        """
+        with self._tx() as conn:
+            row = conn.execute(
+                text(JOB_FOR_INGEST),
+                {"i": job_id},
+            ).first()
+            if row is None:
+                raise NotFound(f"No such Batch object: {job_id}")
+            deadline, tenant_id = row[0], row[2]
+            if row[1] != JobState.VALIDATING.value:
+                raise StaleWrite(f"job {job_id} is {row[1]}; its items are no longer wanted")
+            raw = conn.connection.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            n = prompt_sum = max_out_sum = 0
+            with (
+                raw.cursor() as cur,
+                cur.copy(COPY_ITEMS) as copy,
+            ):
+                copy.set_types(
+                    ["text", "text", "int4", "text", "text", "int4", "int4", "int4", "timestamptz"]
+                )
+                for it in items:
+                    copy.write_row(
+                        (
+                            job_id,
+                            tenant_id,
+                            it.line_no,
+                            it.custom_id,
+                            it.body,
+                            it.max_output_tokens,
+                            it.prompt_tokens,
+                            it.reservation_tokens,
+                            deadline,
+                        )
+                    )
+                    n += 1
+                    prompt_sum += it.prompt_tokens or 0
+                    max_out_sum += it.max_output_tokens
+            add_to_counters(
+                conn,
+                {
+                    job_id: {
+                        "total": n,
+                        "queued": n,
+                        "prompt_tokens": prompt_sum,
+                        "max_output_tokens": max_out_sum,
+                    }
+                },
+            )
+            if start_reason is not None:
+                move_job(conn, job_id, JobState.IN_PROGRESS, reason=start_reason(n))
+            else:
+                state = conn.execute(
+                    text(JOB_STATE_LOCKED),
+                    {"i": job_id},
+                ).scalar_one()
+                if state != JobState.VALIDATING.value:
+                    raise StaleWrite(f"job {job_id} is {state}; its items are no longer wanted")
+        return n
+
+    def set_prompt_tokens(self, counts: Sequence[tuple[int, int, int]]) -> None:
+        """Record exact (item_id, prompt_tokens, reservation_tokens) after tokenization."""
+        if not counts:
+            return
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(SET_PROMPT_TOKENS),
+                {
+                    "ids": [c[0] for c in counts],
+                    "p": [c[1] for c in counts],
+                    "r": [c[2] for c in counts],
+                },
+            ).all()
+            deltas: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+            for job_id, delta in rows:
+                deltas[job_id]["prompt_tokens"] += delta
+            add_to_counters(conn, deltas)

@@ -1,0 +1,91 @@
+"""The step-shaping scheduler's settings and its pure sizing rules (policy ``backfill-step``).
+
+Backfill's engine scheduler class decides inside the engine which tokens each step carries:
+while any interactive request waits or still prefills, batch gets no new prefill tokens and its
+decoding sequences are *paused* (resident with their KV blocks and computed tokens, carrying no
+tokens; nothing is aborted or recomputed); batch prefill is capped per step so an arriving
+interactive request waits at most one short step; a starvation bound keeps paused batch moving;
+and when KV blocks run short for interactive work, batch gives them up first. The simulated
+engine (:mod:`backfill_analysis.simulate.engine`) carries these rules out in its step loop;
+this module holds the settings and the arithmetic that sizes them from the step-time model, which
+the real scheduler fits from measured step times and the simulator knows exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from backfill_analysis.simulate.costmodel import CostModel
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """The settings of ``backfill-step``."""
+
+    ride_along_share: float = 0.0
+    """While interactive work is pending, batch decode tokens may still ride along in a step
+    up to this share of the step's time without them (priced by the step-time model): 0, the
+    default, pauses every batch sequence; 0.25 lets batch lengthen such a step by a quarter."""
+    chunk_target_s: float = 0.01
+    """Batch prefill a step may carry, in step time (marginal, priced by the model): bounds how
+    long an interactive request arriving mid-step waits for the step in flight."""
+    starvation_steps: int = 0
+    """A paused batch sequence carries a token (or gets a prefill chunk) at least once every
+    this many steps; 0: no bound in steps."""
+    starvation_s: float = 1.0
+    """... and within this long of its last progress: it progresses in the last step expected
+    to end inside the bound (a step priced as the one before it); 0: no bound in seconds."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ride_along_share) and self.ride_along_share >= 0):
+            raise ValueError("ride_along_share must be a number >= 0")
+        if not (math.isfinite(self.chunk_target_s) and self.chunk_target_s > 0):
+            raise ValueError("chunk_target_s must be a positive number of seconds")
+        if self.starvation_steps < 0:
+            raise ValueError("starvation_steps must be >= 0 (0: no bound in steps)")
+        if not (math.isfinite(self.starvation_s) and self.starvation_s >= 0):
+            raise ValueError("starvation_s must be >= 0 seconds (0: no bound in seconds)")
+
+
+def starved(schedule: StepSchedule, progress_step: int, progress_s: float, step: int,
+            now: float, step_s: float) -> bool:
+    """Whether a paused batch sequence whose last progress was in step ``progress_step``,
+    ending at ``progress_s``, must progress in step ``step``, which starts at ``now`` and is
+    expected to take ``step_s``: waiting one more step would miss a bound."""
+    n, t = schedule.starvation_steps, schedule.starvation_s
+    return (n > 0 and step - progress_step >= n) or (
+        t > 0 and now + 2 * step_s - progress_s > t
+    )
+
+
+def prefill_seconds(cost: CostModel, start: int, tokens: int) -> float:
+    """The step time a prompt chunk of ``tokens`` from position ``start`` adds."""
+    attention = tokens * start + tokens * (tokens + 1) / 2
+    return cost.per_prefill_token_s * tokens + cost.per_prefill_attention_s * attention
+
+
+def chunk_tokens(cost: CostModel, start: int, seconds: float, limit: int) -> int:
+    """The most prompt tokens (up to ``limit``) from position ``start`` whose prefill adds at
+    most ``seconds`` to a step."""
+    if seconds <= 0 or limit <= 0:
+        return 0
+    b, d = cost.per_prefill_token_s, cost.per_prefill_attention_s
+    if d > 0:
+        # d/2 n^2 + (b + d*start + d/2) n <= seconds
+        lin = b + d * start + d / 2
+        n = int((-lin + math.sqrt(lin * lin + 2 * d * seconds)) / d)
+    elif b > 0:
+        n = int(seconds / b)
+    else:
+        return limit
+    n = min(max(n, 0), limit)
+    # Float rounding at the boundary: step back until it fits.
+    while n > 0 and prefill_seconds(cost, start, n) > seconds * (1 + 1e-12):
+        n -= 1
+    return n
+
+
+def decode_token_seconds(cost: CostModel, context: int) -> float:
+    """The step time one more decoding sequence of ``context`` tokens adds."""
+    return cost.per_decode_token_s + cost.per_decode_context_s * context
