@@ -371,6 +371,9 @@ class Jobs(Store):
                 text(RECOVER_VALIDATING),
                 {"before": created_before, "l": limit, "errors": Jsonb(errors)},
             ).all()
+            for job_id, state in rows:
+                # A failed batch is an end its webhooks hear of, in this same transaction.
+                enqueue_batch_event(conn, job_id, JobState(state))
         return {r[0]: JobState(r[1]) for r in rows}
 
     def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from webhook_receiver import Receiver, listening, new_receiver
 from backfill import batches
 from backfill.config import Settings
 from backfill.errors import StaleWrite
-from backfill.finalize import finalize_ready_jobs
+from backfill.finalize import finalize_ready_jobs, recover_stale_validating
 from backfill.refusals import InvalidRequest
 from backfill.states import JobState
 from backfill.store import JobRecord, Repository
@@ -621,3 +622,22 @@ def test_after_a_rotation_that_keeps_the_old_secret_both_secrets_verify_a_delive
     OpenAI(api_key="unused").webhooks.verify_signature(last.body, last.headers, secret=newest)
     with pytest.raises(openai.InvalidWebhookSignatureError):
         OpenAI(api_key="unused").webhooks.verify_signature(last.body, last.headers, secret=new)
+
+
+def test_a_batch_failed_by_the_stale_validating_recovery_is_an_event_too(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    # An API that died mid-create leaves the batch validating with no items; maintenance
+    # fails it in its own statement, and its webhooks must hear of that end like any other.
+    tenant = make_tenant(repo, "acme")
+    add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
+    upload = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, upload.id, "/v1/chat/completions", "24h", repo.now() + timedelta(hours=1)
+    )
+    recovered = recover_stale_validating(
+        repo, older_than_s=0, now=repo.now() + timedelta(seconds=1)
+    )
+    assert recovered == {job.id: JobState.FAILED}
+    log = store.deliveries(tenant.id)
+    assert [(d.event_type, d.batch_id) for d in log] == [("batch.failed", job.id)]
