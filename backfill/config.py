@@ -193,6 +193,23 @@ class Settings(BaseSettings):
     work_budget_interval_s: PositiveFloat = 0.25
     work_signal_ttl_s: PositiveFloat = 3.0
 
+    # Webhooks (``backfill.webhooks``): targets on loopback, private, link-local or metadata
+    # addresses are refused unless allowed here (a deployment posting to its own network, or
+    # tests); how long one delivery may take; the retry schedule (exponential from the base,
+    # each delay capped, with jitter, for this long after the event, then failed); how often
+    # the sender looks for due deliveries, how many it takes at once, how long a taken one
+    # stays its (another sender takes it after that: a sender that died mid-send is
+    # redelivered, with the same webhook-id); and the endpoints a tenant may have.
+    webhooks_allow_private: bool = False
+    webhooks_timeout_s: PositiveFloat = 10.0
+    webhooks_retry_base_s: PositiveFloat = 5.0
+    webhooks_retry_max_delay_s: PositiveFloat = 3600.0
+    webhooks_retry_for_s: PositiveFloat = 24 * 3600.0
+    webhooks_poll_s: PositiveFloat = 1.0
+    webhooks_claim_batch: PositiveInt = 16
+    webhooks_lease_s: PositiveFloat = 60.0
+    webhooks_max_endpoints: PositiveInt = 16
+
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str) -> str:
@@ -232,6 +249,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "BACKFILL_GATEWAY_MAX_WAIT_S must not exceed BACKFILL_GATEWAY_MAX_WAIT_CAP_S "
                 f"(got {self.gateway_max_wait_s} and {self.gateway_max_wait_cap_s})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _webhook_lease(self) -> Settings:
+        # A sender must finish a send (connect, TLS, answer) well inside its lease, or a
+        # second sender takes the delivery while the first is still at it.
+        if self.webhooks_timeout_s * 2 >= self.webhooks_lease_s:
+            raise ValueError(
+                "BACKFILL_WEBHOOKS_TIMEOUT_S must be less than half of BACKFILL_WEBHOOKS_LEASE_S "
+                f"(got {self.webhooks_timeout_s} and {self.webhooks_lease_s})"
             )
         return self
 

@@ -29,7 +29,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
@@ -351,3 +351,74 @@ class LedgerEpoch(Base):
 
     id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
+
+
+class WebhookEndpoint(Base):
+    """A tenant's URL that hears of its batches' ends (``backfill.webhooks``)."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2048))
+    event_types: Mapped[list[str]] = mapped_column(ARRAY(String(32)))
+    # The signing secret (the HMAC key must be at hand to sign, so it is kept as it is);
+    # a rotated-out secret keeps signing beside the new one until ``previous_secret_until``.
+    secret: Mapped[str] = mapped_column(String(100))
+    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    previous_secret_until: Mapped[datetime | None] = mapped_column(TZ)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at"),)
+
+
+class WebhookEvent(Base):
+    """The outbox: one row per batch end that some endpoint wants, written in the
+    transaction that ended the batch."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index("ix_webhook_events_job", "job_id"),)
+
+
+class WebhookDelivery(Base):
+    """One event's delivery to one endpoint: its ``webhook-id`` (the same on every attempt),
+    where it stands, and its last attempt (the delivery log)."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(String(40))
+    webhook_id: Mapped[str] = mapped_column(String(40), unique=True)
+    state: Mapped[str] = mapped_column(String(16), server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Due from then; while a sender holds it, the end of the sender's lease.
+    next_attempt_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_attempt_at: Mapped[datetime | None] = mapped_column(TZ)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    delivered_at: Mapped[datetime | None] = mapped_column(TZ)
+    failed_at: Mapped[datetime | None] = mapped_column(TZ)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint("state IN ('delivered', 'failed', 'pending')", name="state"),
+        UniqueConstraint("event_id", "endpoint_id"),
+        Index(
+            "ix_webhook_deliveries_due",
+            "next_attempt_at",
+            postgresql_where=text("state = 'pending'"),
+        ),
+        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+        Index("ix_webhook_deliveries_tenant", "tenant_id", "id"),
+    )

@@ -149,6 +149,43 @@ class ApiClient:
     def capacity(self) -> dict[str, Any]:
         return self._json("GET", "/v1/capacity")
 
+    def create_webhook_endpoint(
+        self, url: str, event_types: list[str] | None = None, name: str | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"url": url}
+        if event_types:
+            body["event_types"] = event_types
+        if name:
+            body["name"] = name
+        return self._json("POST", "/v1/webhook_endpoints", json=body)
+
+    def webhook_endpoints(self, limit: int = 100, after: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        if after:
+            params["after"] = after
+        return self._json("GET", "/v1/webhook_endpoints", params=params)
+
+    def delete_webhook_endpoint(self, endpoint_id: str) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/webhook_endpoints/{endpoint_id}")
+
+    def webhook_deliveries(
+        self,
+        *,
+        endpoint_id: str | None = None,
+        batch_id: str | None = None,
+        limit: int = 20,
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        for name, value in (
+            ("webhook_endpoint_id", endpoint_id),
+            ("batch_id", batch_id),
+            ("after", after),
+        ):
+            if value:
+                params[name] = value
+        return self._json("GET", "/v1/webhook_deliveries", params=params)
+
     def results(self, batch_id: str, states: Iterable[str] = ()) -> Iterator[bytes]:
         """Finished results as JSONL lines (each ending in a newline), as the API streams
         them: a large batch is never held in memory."""

@@ -15,10 +15,11 @@ from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.store import Repository
+from backfill.webhooks.outbox import WebhookStore
 from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway
-from queue_api.routes import batches, capacity, dashboard, files
+from queue_api.routes import batches, capacity, dashboard, files, webhooks
 from queue_api.routes import gateway as gateway_routes
 from queue_api.routes import lab as lab_routes
 
@@ -44,6 +45,7 @@ def create_app(
         )
         app.state.settings = settings
         app.state.repository = repo
+        app.state.webhooks = WebhookStore(repo.engine)
         keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
         app.state.gate = Gate(
@@ -85,6 +87,7 @@ def create_app(
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(capacity.router)
+    app.include_router(webhooks.router)
     gateway_routes.install(app)
     app.include_router(metrics.router)
     dashboard.mount(app)

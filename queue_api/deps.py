@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from backfill.capacity_view import UsageSource
 from backfill.config import Settings
 from backfill.store import Repository, TenantRecord
+from backfill.webhooks.outbox import WebhookStore
 from queue_api.edge import TENANT_STATE, Gate, client_address
 
 
@@ -23,6 +24,11 @@ async def get_repository(request: Request) -> Repository:
     return repo
 
 
+async def get_webhook_store(request: Request) -> WebhookStore:
+    store: WebhookStore = request.app.state.webhooks
+    return store
+
+
 async def get_usage_source(request: Request) -> UsageSource | None:
     source: UsageSource | None = request.app.state.usage_source
     return source
@@ -30,6 +36,7 @@ async def get_usage_source(request: Request) -> UsageSource | None:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RepositoryDep = Annotated[Repository, Depends(get_repository)]
+WebhookStoreDep = Annotated[WebhookStore, Depends(get_webhook_store)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from celery import signals
 
 from backfill.config import Settings
+from backfill.webhooks.delivery import SenderThread
 from worker.celery_app import maintenance_queue, make_app
 from worker.node import NodeThread
 
@@ -26,12 +27,20 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
     app = make_app(settings)
     thread = NodeThread(settings, node, engine_url)
 
+    # The process that schedules maintenance also delivers webhooks (several may: deliveries
+    # are claimed in Postgres).
+    webhooks = SenderThread(settings) if beat else None
+
     def on_ready(**_: Any) -> None:
         thread.start()
+        if webhooks is not None:
+            webhooks.start()
 
     def on_shutting_down(**_: Any) -> None:
         log.info("node %s: stopping (grace %.0f s)", node, settings.shutdown_grace_s)
         thread.stop()
+        if webhooks is not None:
+            webhooks.stop()
 
     def on_shutdown(**_: Any) -> None:
         thread.join(settings.shutdown_grace_s + 30)
@@ -73,10 +82,21 @@ def _configure_logging() -> None:
 
 
 def run_beat(settings: Settings) -> None:
-    """Celery beat: schedules the maintenance tick (run exactly one per deployment)."""
+    """Celery beat: schedules the maintenance tick (run exactly one per deployment), and
+    delivers webhooks on a thread beside it."""
     _configure_logging()
     app = make_app(settings)
     schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
-    app.start(
-        ["beat", "--schedule", schedule, "--loglevel", os.environ.get("BACKFILL_LOG_LEVEL", "INFO")]
-    )
+    webhooks = SenderThread(settings).start()
+    try:
+        app.start(
+            [
+                "beat",
+                "--schedule",
+                schedule,
+                "--loglevel",
+                os.environ.get("BACKFILL_LOG_LEVEL", "INFO"),
+            ]
+        )
+    finally:
+        webhooks.stop()

@@ -17,6 +17,7 @@ from backfill.states import ITEM_TERMINAL, JOB_TRANSITIONS, ItemState, JobState
 from backfill.store.counters import COUNTED_STATES, COUNTERS_JOIN
 from backfill.store.database import Store
 from backfill.store.records import JobCounts, JobRecord
+from backfill.webhooks.outbox import enqueue_batch_event
 
 # The column each job state stamps when a job enters it.
 JOB_TIMESTAMP = {
@@ -123,6 +124,7 @@ def move_job(
             raise NotFound(f"No such Batch object: {job_id}")
         raise StaleWrite(f"job {job_id} is {current}; cannot move to {target}")
     conn.execute(text(JOB_EVENT), {"i": job_id, "f": row[0], "t": target.value, "r": reason})
+    enqueue_batch_event(conn, job_id, target)
     return JobState(row[0])
 
 # A new job unless the tenant already made one with this idempotency key (then nothing).
@@ -369,6 +371,9 @@ class Jobs(Store):
                 text(RECOVER_VALIDATING),
                 {"before": created_before, "l": limit, "errors": Jsonb(errors)},
             ).all()
+            for job_id, state in rows:
+                # A failed batch is an end its webhooks hear of, in this same transaction.
+                enqueue_batch_event(conn, job_id, JobState(state))
         return {r[0]: JobState(r[1]) for r in rows}
 
     def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None:

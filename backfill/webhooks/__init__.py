@@ -1,0 +1,10 @@
+"""Webhooks: a tenant's endpoints hear when its batches end, as OpenAI's webhooks say it.
+
+- ``events``: the event types and the bytes of an event (pure).
+- ``signing``: secrets and Standard Webhooks signatures as OpenAI makes them (pure).
+- ``targets``: which URLs and addresses a delivery may go to.
+- ``outbox``: every statement about endpoints, events and deliveries (the outbox is written
+  in the transaction that ends the batch, so an event exists exactly when the end committed).
+- ``retry``: when a failed delivery is tried again, and when it is given up (pure).
+- ``delivery``: the sender, a thin loop that carries those plans out.
+"""

@@ -1,0 +1,45 @@
+"""``python -m backfill.webhooks``: the webhook sender alone, until SIGTERM or Ctrl-C.
+
+(``backfill beat`` and ``backfill worker --beat`` run one on a thread already; this is for a
+deployment that wants it apart, or more than one.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+from sqlalchemy import create_engine
+
+from backfill.config import get_settings
+from backfill.webhooks.delivery import Sender
+from backfill.webhooks.outbox import WebhookStore
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=os.environ.get("BACKFILL_LOG_LEVEL", "INFO").upper(),
+        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+    )
+    settings = get_settings()
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    engine = create_engine(settings.database_url, pool_size=2, max_overflow=2)
+    sender = Sender(WebhookStore(engine), settings)
+    try:
+        sender.run(stop)
+    finally:
+        sender.close()
+        engine.dispose()
+
+
+if __name__ == "__main__":
+    main()

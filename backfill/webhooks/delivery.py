@@ -1,0 +1,246 @@
+"""The sender: claims due deliveries, posts each signed event, records what came of it.
+
+Decide apart from act: :func:`prepare` (pure) turns a claimed delivery into the request to
+send, ``backfill.webhooks.retry.after_attempt`` (pure) says what follows an attempt; the
+:class:`Sender` only claims, sends and records. A round's sends run side by side, each
+bounded by ``webhooks_timeout_s``, well inside the claim's lease.
+
+Delivery is at least once: a sender that dies after the endpoint answered but before the
+result was written leaves the delivery due again when its lease ends, and the next attempt
+carries the same ``webhook-id`` (receivers drop duplicates by it).
+
+It runs in the process that schedules maintenance (``backfill beat``, or ``backfill worker
+--beat``), or alone (``python -m backfill.webhooks``); any number may run at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+from sqlalchemy import create_engine
+
+from backfill.config import Settings
+from backfill.errors import StoreUnavailable
+from backfill.webhooks.events import event_body
+from backfill.webhooks.outbox import ClaimedDelivery, WebhookStore
+from backfill.webhooks.retry import (
+    AfterAttempt,
+    AttemptResult,
+    DeliveryState,
+    RetryPolicy,
+    after_attempt,
+)
+from backfill.webhooks.signing import signed_headers
+from backfill.webhooks.targets import Resolver, Target, TargetRefused, check_target, system_resolver
+
+log = logging.getLogger("backfill.webhooks")
+
+USER_AGENT = "Backfill-Webhooks/1"
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingRequest:
+    """One attempt, ready to send: where to connect and what to say."""
+
+    target: Target
+    headers: dict[str, str]
+    body: bytes
+
+
+def prepare(claimed: ClaimedDelivery, target: Target, now: int) -> OutgoingRequest:
+    """The request of one attempt at ``now`` (unix seconds: the signed timestamp)."""
+    body = event_body(
+        claimed.event_id, claimed.event_type, claimed.event_created_at, claimed.batch_id
+    )
+    headers = {
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+        "host": target.host_header,
+        **signed_headers(claimed.secrets, claimed.webhook_id, now, body),
+    }
+    return OutgoingRequest(target, headers, body)
+
+
+def retry_policy(settings: Settings) -> RetryPolicy:
+    return RetryPolicy(
+        base_s=settings.webhooks_retry_base_s,
+        max_delay_s=settings.webhooks_retry_max_delay_s,
+        retry_for_s=settings.webhooks_retry_for_s,
+    )
+
+
+@dataclass
+class RoundReport:
+    claimed: int = 0
+    delivered: int = 0
+    retrying: int = 0
+    failed: int = 0
+    stale: int = 0
+    """Results not written: the claim's lease had run out (or its endpoint was deleted)."""
+    outcomes: dict[str, DeliveryState] = field(default_factory=dict)
+    """webhook-id -> state after this round's attempt."""
+
+
+class Sender:
+    """Delivers due webhook events; :meth:`run_round` once, :meth:`run` until stopped."""
+
+    def __init__(
+        self,
+        store: WebhookStore,
+        settings: Settings,
+        *,
+        resolve: Resolver = system_resolver,
+        clock: Callable[[], float] = time.time,
+        jitter: Callable[[], float] = random.random,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        """``verify``: how https targets' certificates are checked (the system's trust
+        store by default; tests pass their own authority). They are checked against the
+        URL's host name, not the address connected to."""
+        self.store = store
+        self.settings = settings
+        self.policy = retry_policy(settings)
+        self._resolve = resolve
+        self._clock = clock
+        self._jitter = jitter
+        # No pooled connections: a pooled one would be reused by address, with another
+        # host's TLS name. No proxies from the environment: the send must reach the
+        # address that was checked. No redirects: a 3xx is a failed attempt.
+        self._http = httpx.Client(
+            timeout=settings.webhooks_timeout_s,
+            follow_redirects=False,
+            trust_env=False,
+            limits=httpx.Limits(max_keepalive_connections=0),
+            verify=verify,
+        )
+        self._pool = ThreadPoolExecutor(
+            max_workers=settings.webhooks_claim_batch, thread_name_prefix="webhook-send"
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def run_round(self) -> RoundReport:
+        claimed = self.store.claim_due(
+            self.settings.webhooks_claim_batch, self.settings.webhooks_lease_s
+        )
+        report = RoundReport(claimed=len(claimed))
+        for delivery, after, applied in self._pool.map(self._attempt, claimed):
+            if not applied:
+                report.stale += 1
+                continue
+            report.outcomes[delivery.webhook_id] = after.state
+            if after.state is DeliveryState.DELIVERED:
+                report.delivered += 1
+            elif after.state is DeliveryState.FAILED:
+                report.failed += 1
+            else:
+                report.retrying += 1
+        return report
+
+    def _attempt(self, claimed: ClaimedDelivery) -> tuple[ClaimedDelivery, AfterAttempt, bool]:
+        result = self.send(claimed)
+        after = after_attempt(
+            result,
+            attempts=claimed.attempt,
+            age_s=claimed.age_s,
+            policy=self.policy,
+            jitter=self._jitter(),
+        )
+        if after.state is DeliveryState.FAILED:
+            log.warning(
+                "webhook %s to %s failed for good after %s attempts: %s",
+                claimed.webhook_id,
+                claimed.url,
+                claimed.attempt,
+                result.error or f"status {result.status_code}",
+            )
+        return claimed, after, self.store.record_attempt(claimed, result, after)
+
+    def send(self, claimed: ClaimedDelivery) -> AttemptResult:
+        """One attempt; never raises (whatever went wrong is the attempt's error)."""
+        try:
+            target = check_target(
+                claimed.url,
+                allow_private=self.settings.webhooks_allow_private,
+                resolve=self._resolve,
+            )
+        except TargetRefused as exc:
+            return AttemptResult(error=str(exc))
+        request = prepare(claimed, target, int(self._clock()))
+        extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+        try:
+            with self._http.stream(
+                "POST",
+                target.connect_url,
+                content=request.body,
+                headers=request.headers,
+                extensions=extensions,
+            ) as response:
+                # The answer's body is not wanted (and may be large): only its status.
+                return AttemptResult(status_code=response.status_code)
+        except httpx.TimeoutException:
+            return AttemptResult(error=f"no answer within {self.settings.webhooks_timeout_s:g} s")
+        except httpx.HTTPError as exc:
+            return AttemptResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+    def run(self, stop: threading.Event) -> None:
+        """Rounds until ``stop`` is set: at once again after a round that found work, else
+        after ``webhooks_poll_s``."""
+        while not stop.is_set():
+            try:
+                report = self.run_round()
+            except StoreUnavailable as exc:
+                log.warning("webhook sender: %s", exc)
+                stop.wait(self.settings.webhooks_poll_s)
+                continue
+            except Exception:
+                log.exception("webhook sender round failed")
+                stop.wait(self.settings.webhooks_poll_s)
+                continue
+            if report.claimed:
+                log.info(
+                    "webhooks: %s delivered, %s to retry, %s failed",
+                    report.delivered,
+                    report.retrying,
+                    report.failed,
+                )
+            else:
+                stop.wait(self.settings.webhooks_poll_s)
+
+
+class SenderThread:
+    """The sender on a daemon thread of a process that does other things (beat)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> SenderThread:
+        self._thread = threading.Thread(target=self._main, name="webhook-sender", daemon=True)
+        self._thread.start()
+        return self
+
+    def _main(self) -> None:
+        engine = create_engine(self.settings.database_url, pool_size=2, max_overflow=2)
+        sender = Sender(WebhookStore(engine), self.settings)
+        try:
+            sender.run(self._stop)
+        finally:
+            sender.close()
+            engine.dispose()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

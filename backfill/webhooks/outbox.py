@@ -1,0 +1,412 @@
+"""Every statement about webhook endpoints, batch events and their deliveries.
+
+- :func:`enqueue_batch_event` runs inside the transaction that moves a job to a terminal
+  state (``backfill.store.jobs.move_job`` calls it): the event and one delivery per
+  subscribed endpoint commit with the job's end or not at all.
+- A sender claims due deliveries with ``FOR UPDATE SKIP LOCKED`` and moves each one's
+  ``next_attempt_at`` past a lease in the same statement (and counts the attempt): several
+  senders never take one delivery at the same moment, and one that dies mid-send leaves it
+  due again once the lease ends. Its result is written only while the attempt number is
+  still the one it claimed, so a sender whose lease ran out cannot overwrite a newer try.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from backfill.errors import Conflict, InvalidInput, NotFound, StoreUnavailable
+from backfill.refusals import InvalidRequest
+from backfill.states import JobState
+from backfill.webhooks.events import EVENT_OF_STATE, new_event_id, new_webhook_id
+from backfill.webhooks.retry import AfterAttempt, AttemptResult, DeliveryState
+from backfill.webhooks.signing import new_secret, secret_hint
+
+MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRecord:
+    id: str
+    tenant_id: str
+    name: str
+    url: str
+    event_types: list[str]
+    created_at: datetime
+    updated_at: datetime
+    signing_secret_hint: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """One line of the delivery log."""
+
+    webhook_id: str
+    endpoint_id: str
+    event_id: str
+    event_type: str
+    batch_id: str
+    state: DeliveryState
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    last_attempt_at: datetime | None
+    next_attempt_at: datetime | None
+    delivered_at: datetime | None
+    failed_at: datetime | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedDelivery:
+    """A delivery a sender holds for one attempt (number ``attempt``) until its lease ends."""
+
+    delivery_id: int
+    attempt: int
+    webhook_id: str
+    event_id: str
+    event_type: str
+    batch_id: str
+    event_created_at: int
+    """Unix seconds, as the event's ``created_at``."""
+    age_s: float
+    """Seconds from the event to this claim, on Postgres' clock."""
+    url: str
+    secrets: tuple[str, ...]
+
+
+class EndpointLimitReached(InvalidRequest):
+    default_code = "webhook_endpoint_limit_reached"
+
+
+def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
+    """In the caller's transaction: the event of ``job_id`` reaching ``target`` and its
+    deliveries, if ``target`` sends one and an endpoint of the job's tenant wants it.
+    Returns the deliveries written."""
+    event_type = EVENT_OF_STATE.get(target)
+    if event_type is None:
+        return 0
+    endpoints = conn.execute(
+        text(
+            "SELECT e.id, e.tenant_id FROM webhook_endpoints e JOIN jobs j "
+            "ON j.tenant_id = e.tenant_id WHERE j.id = :job AND :type = ANY(e.event_types)"
+        ),
+        {"job": job_id, "type": event_type.value},
+    ).all()
+    if not endpoints:
+        return 0
+    event_id = new_event_id()
+    conn.execute(
+        text(
+            "INSERT INTO webhook_events (id, tenant_id, job_id, type) "
+            "VALUES (:id, :tenant, :job, :type)"
+        ),
+        {"id": event_id, "tenant": endpoints[0][1], "job": job_id, "type": event_type.value},
+    )
+    conn.execute(
+        text(
+            "INSERT INTO webhook_deliveries (event_id, endpoint_id, tenant_id, webhook_id) "
+            "SELECT :event, e, :tenant, w FROM unnest(CAST(:endpoints AS text[]), "
+            "CAST(:webhook_ids AS text[])) AS v(e, w)"
+        ),
+        {
+            "event": event_id,
+            "tenant": endpoints[0][1],
+            "endpoints": [row[0] for row in endpoints],
+            "webhook_ids": [new_webhook_id() for _ in endpoints],
+        },
+    )
+    return len(endpoints)
+
+
+_ENDPOINT_COLUMNS = "id, tenant_id, name, url, event_types, created_at, updated_at, secret"
+
+_DELIVERY_COLUMNS = (
+    "d.webhook_id, d.endpoint_id, d.event_id, e.type, e.job_id, d.state, d.attempts, "
+    "d.last_status_code, d.last_error, d.last_attempt_at, d.next_attempt_at, d.delivered_at, "
+    "d.failed_at, d.created_at"
+)
+
+
+def _endpoint(row: Any) -> EndpointRecord:
+    return EndpointRecord(
+        id=row[0],
+        tenant_id=row[1],
+        name=row[2],
+        url=row[3],
+        event_types=list(row[4]),
+        created_at=row[5],
+        updated_at=row[6],
+        signing_secret_hint=secret_hint(row[7]),
+    )
+
+
+def _delivery(row: Any) -> DeliveryRecord:
+    state = DeliveryState(row[5])
+    return DeliveryRecord(
+        webhook_id=row[0],
+        endpoint_id=row[1],
+        event_id=row[2],
+        event_type=row[3],
+        batch_id=row[4],
+        state=state,
+        attempts=row[6],
+        last_status_code=row[7],
+        last_error=row[8],
+        last_attempt_at=row[9],
+        next_attempt_at=row[10] if state is DeliveryState.PENDING else None,
+        delivered_at=row[11],
+        failed_at=row[12],
+        created_at=row[13],
+    )
+
+
+def new_endpoint_id() -> str:
+    return f"we_{secrets.token_hex(12)}"
+
+
+class WebhookStore:
+    """Postgres access for webhooks, over the deployment's engine (thread-safe)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except IntegrityError as exc:
+            raise Conflict(str(exc.orig)) from exc
+        except OperationalError as exc:
+            raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
+        except DataError as exc:
+            raise InvalidInput(f"value refused: {exc.orig}") from exc
+        except PoolTimeout as exc:
+            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    def create_endpoint(
+        self, tenant_id: str, *, name: str, url: str, event_types: list[str], limit: int
+    ) -> tuple[EndpointRecord, str]:
+        """A new endpoint and its signing secret (returned only here)."""
+        secret = new_secret()
+        with self._tx() as conn:
+            # The tenant's row orders concurrent creates, so the limit holds under races.
+            conn.execute(
+                text("SELECT 1 FROM tenants WHERE id = :t FOR NO KEY UPDATE"), {"t": tenant_id}
+            )
+            count = conn.execute(
+                text("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = :t"),
+                {"t": tenant_id},
+            ).scalar_one()
+            if count >= limit:
+                raise EndpointLimitReached(
+                    f"a tenant may have {limit} webhook endpoints; delete one first"
+                )
+            row = conn.execute(
+                text(
+                    "INSERT INTO webhook_endpoints (id, tenant_id, name, url, event_types, "
+                    "secret) VALUES (:id, :t, :n, :u, :e, :s) "
+                    f"RETURNING {_ENDPOINT_COLUMNS}"
+                ),
+                {
+                    "id": new_endpoint_id(),
+                    "t": tenant_id,
+                    "n": name,
+                    "u": url,
+                    "e": event_types,
+                    "s": secret,
+                },
+            ).one()
+        return _endpoint(row), secret
+
+    def endpoint(self, tenant_id: str, endpoint_id: str) -> EndpointRecord:
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    f"SELECT {_ENDPOINT_COLUMNS} FROM webhook_endpoints "
+                    "WHERE id = :i AND tenant_id = :t"
+                ),
+                {"i": endpoint_id, "t": tenant_id},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+        return _endpoint(row)
+
+    def endpoints(
+        self, tenant_id: str, *, after: str | None = None, limit: int = 20
+    ) -> list[EndpointRecord]:
+        """Newest first; ``after`` an endpoint id of the previous page."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE tenant_id = :t "
+                    "AND (CAST(:after AS text) IS NULL OR (created_at, id) < (SELECT "
+                    "created_at, id FROM webhook_endpoints WHERE id = :after AND tenant_id = :t))"
+                    " ORDER BY created_at DESC, id DESC LIMIT :l"
+                ),
+                {"t": tenant_id, "after": after, "l": limit},
+            ).all()
+        return [_endpoint(r) for r in rows]
+
+    def update_endpoint(
+        self,
+        tenant_id: str,
+        endpoint_id: str,
+        *,
+        name: str | None = None,
+        url: str | None = None,
+        event_types: list[str] | None = None,
+    ) -> EndpointRecord:
+        """Change what is given; ``updated_at`` moves only when something changed. Pending
+        deliveries go to the new URL."""
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE webhook_endpoints w SET name = coalesce(:n, w.name), "
+                    "url = coalesce(:u, w.url), event_types = coalesce(:e, w.event_types), "
+                    "updated_at = CASE WHEN (coalesce(:n, w.name), coalesce(:u, w.url), "
+                    "coalesce(:e, w.event_types)) IS DISTINCT FROM (w.name, w.url, "
+                    "w.event_types) THEN now() ELSE w.updated_at END "
+                    f"WHERE id = :i AND tenant_id = :t RETURNING {_ENDPOINT_COLUMNS}"
+                ),
+                {"i": endpoint_id, "t": tenant_id, "n": name, "u": url, "e": event_types},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+        return _endpoint(row)
+
+    def rotate_secret(
+        self, tenant_id: str, endpoint_id: str, *, keep_old_for_s: float = 0.0
+    ) -> tuple[EndpointRecord, str]:
+        """A new signing secret; the old one keeps signing beside it for ``keep_old_for_s``."""
+        secret = new_secret()
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "UPDATE webhook_endpoints SET previous_secret = CASE WHEN :keep > 0 "
+                    "THEN secret END, previous_secret_until = CASE WHEN :keep > 0 THEN "
+                    "now() + make_interval(secs => CAST(:keep AS float8)) END, "
+                    "secret = :s, updated_at = now() "
+                    f"WHERE id = :i AND tenant_id = :t RETURNING {_ENDPOINT_COLUMNS}"
+                ),
+                {"i": endpoint_id, "t": tenant_id, "s": secret, "keep": keep_old_for_s},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+        return _endpoint(row), secret
+
+    def delete_endpoint(self, tenant_id: str, endpoint_id: str) -> None:
+        """The endpoint and its delivery log; a send in flight to it records nothing."""
+        with self._tx() as conn:
+            deleted = conn.execute(
+                text("DELETE FROM webhook_endpoints WHERE id = :i AND tenant_id = :t"),
+                {"i": endpoint_id, "t": tenant_id},
+            ).rowcount
+        if not deleted:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+
+    # -- the delivery log ---------------------------------------------------------------------
+
+    def deliveries(
+        self,
+        tenant_id: str,
+        *,
+        endpoint_id: str | None = None,
+        batch_id: str | None = None,
+        after: str | None = None,
+        limit: int = 20,
+    ) -> list[DeliveryRecord]:
+        """Newest first; ``after`` a webhook id of the previous page."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_DELIVERY_COLUMNS} FROM webhook_deliveries d "
+                    "JOIN webhook_events e ON e.id = d.event_id WHERE d.tenant_id = :t "
+                    "AND (CAST(:ep AS text) IS NULL OR d.endpoint_id = :ep) "
+                    "AND (CAST(:b AS text) IS NULL OR e.job_id = :b) "
+                    "AND (CAST(:after AS text) IS NULL OR d.id < (SELECT id FROM "
+                    "webhook_deliveries WHERE webhook_id = :after AND tenant_id = :t)) "
+                    "ORDER BY d.id DESC LIMIT :l"
+                ),
+                {"t": tenant_id, "ep": endpoint_id, "b": batch_id, "after": after, "l": limit},
+            ).all()
+        return [_delivery(r) for r in rows]
+
+    # -- the sender ---------------------------------------------------------------------------
+
+    def claim_due(self, limit: int, lease_s: float) -> list[ClaimedDelivery]:
+        """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "WITH due AS (SELECT id FROM webhook_deliveries "
+                    "  WHERE state = 'pending' AND next_attempt_at <= now() "
+                    "  ORDER BY next_attempt_at LIMIT :l FOR UPDATE SKIP LOCKED) "
+                    "UPDATE webhook_deliveries d SET attempts = d.attempts + 1, "
+                    "  last_attempt_at = now(), "
+                    "  next_attempt_at = now() + make_interval(secs => CAST(:lease AS float8)) "
+                    "FROM due, webhook_events e, webhook_endpoints p "
+                    "WHERE d.id = due.id AND e.id = d.event_id AND p.id = d.endpoint_id "
+                    "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, e.job_id, "
+                    "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
+                    "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
+                    "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END"
+                ),
+                {"l": limit, "lease": lease_s},
+            ).all()
+        return [
+            ClaimedDelivery(
+                delivery_id=r[0],
+                attempt=r[1],
+                webhook_id=r[2],
+                event_id=r[3],
+                event_type=r[4],
+                batch_id=r[5],
+                event_created_at=int(r[6]),
+                age_s=float(r[7]),
+                url=r[8],
+                secrets=(r[9],) if r[10] is None else (r[9], r[10]),
+            )
+            for r in rows
+        ]
+
+    def record_attempt(
+        self, claimed: ClaimedDelivery, result: AttemptResult, after: AfterAttempt
+    ) -> bool:
+        """Write an attempt's result and what follows; False when the claim is stale (its
+        lease ran out and another sender tried again, or the endpoint was deleted)."""
+        error = None if result.error is None else result.error[:MAX_ERROR_CHARS]
+        with self._tx() as conn:
+            applied = conn.execute(
+                text(
+                    "UPDATE webhook_deliveries SET state = :state, last_status_code = :code, "
+                    "last_error = :err, next_attempt_at = CASE WHEN CAST(:retry AS float8) "
+                    "IS NULL THEN next_attempt_at "
+                    "ELSE now() + make_interval(secs => CAST(:retry AS float8)) END, "
+                    "delivered_at = CASE WHEN :delivered THEN now() END, "
+                    "failed_at = CASE WHEN :failed THEN now() END "
+                    "WHERE id = :id AND attempts = :attempt AND state = 'pending'"
+                ),
+                {
+                    "id": claimed.delivery_id,
+                    "attempt": claimed.attempt,
+                    "state": after.state.value,
+                    "delivered": after.state is DeliveryState.DELIVERED,
+                    "failed": after.state is DeliveryState.FAILED,
+                    "code": result.status_code,
+                    "err": error,
+                    "retry": after.retry_in_s,
+                },
+            ).rowcount
+        return bool(applied)
