@@ -242,3 +242,60 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     for item in done:
         usage = json.loads(item.result or "{}")["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.fixture(scope="module")
+def scheduler_engine() -> Iterator[devengine.EngineServer]:
+    try:
+        server = devengine.start_model(
+            "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1, scheduler=True
+        )
+    except devengine.DevEngineError as exc:
+        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_ttft(
+    budget_settings: Settings,
+    stores: tuple[Repository, Ledger, redis.Redis],
+    scheduler_engine: devengine.EngineServer,
+) -> None:
+    # The same at-risk signal that makes the worker preempt batch on a stock engine (the test
+    # above): with the step scheduler in the engine, which pauses batch in the steps
+    # interactive work needs, the worker detects it and throws no batch work away.
+    repo, _, client = stores
+    assert scheduler_engine.scheduler_metrics_url is not None
+    s = budget_settings.model_copy(
+        update={"engine_scheduler_metrics_url": scheduler_engine.scheduler_metrics_url}
+    )
+    thread = NodeThread(s, NODE, scheduler_engine.url)
+    thread.start()
+    try:
+        assert thread.started.wait(60), f"node did not start: {thread.error}"
+        d = _dispatcher(thread)
+        _wait(lambda: d.engine_scheduler is not None, 30, "the engine's scheduler detected")
+        gateway = FakeGateway(client, s)
+        job = _submit(repo, 30, max_tokens=MAX_TOKENS)
+        _wait(lambda: d.in_flight >= 8, 60, "batch in flight")
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            gateway.publish(
+                InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5)
+            )
+            time.sleep(0.1)
+        assert d.stats.budget_preemptions == 0
+        assert d.stats.preempted == 0
+        gateway.clear()
+        _wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
+        done = repo.items(job, states=[ItemState.SUCCEEDED])
+        assert all(i.preemptions == 0 for i in done)
+        report = capacity_report(repo, ledger_usage(stores[1]))
+        [view] = [n for n in report.nodes if n.name == NODE]
+        assert view.engine_scheduler is not None
+    finally:
+        thread.stop()
+        thread.join(30)
+    assert thread.error is None

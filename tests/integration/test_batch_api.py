@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,29 +26,6 @@ from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
 from backfill.states import ItemState
 from backfill.store import Finish, Repository
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
-
-
-@pytest.fixture
-def acme(repo: Repository) -> Tenant:
-    return make_tenant(repo, "acme")
-
-
-@pytest.fixture
-def other(repo: Repository) -> Tenant:
-    return make_tenant(repo, "other")
 
 
 def upload(client: openai.OpenAI, content: bytes, name: str = "input.jsonl") -> str:

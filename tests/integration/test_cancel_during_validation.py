@@ -54,13 +54,6 @@ class PausingRepository(Repository):
 
 
 @pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
 def pausing(database_url: str) -> Iterator[PausingRepository]:
     repository = PausingRepository(Repository.connect(database_url).engine)
     yield repository

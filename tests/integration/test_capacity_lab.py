@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from batch_api_support import LiveServer, api_settings, serve
+from batch_api_support import LiveServer
 from chromium_cdp import CHROMIUM, Chromium
-
-from backfill.config import Settings
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
 
 
 def test_the_lab_is_linked_from_the_dashboards_navigation(server: LiveServer) -> None:

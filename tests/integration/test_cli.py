@@ -6,11 +6,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 from batch_api_support import free_port
 from openai import OpenAI
 from sqlalchemy import text
@@ -33,13 +31,6 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
 
 
 def test_migrate_brings_an_empty_database_to_the_schema(empty_database_url: str) -> None:

@@ -10,20 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from batch_api_support import (
     LiveServer,
     Tenant,
-    api_settings,
     chat_file,
     free_port,
-    make_tenant,
     result_lines,
     run_worker,
-    serve,
 )
 from typer.testing import CliRunner
 
@@ -33,24 +28,6 @@ from backfill.store import Repository
 from backfill_cli.app import app
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
-
-
-@pytest.fixture
-def acme(repo: Repository) -> Tenant:
-    return make_tenant(repo, "acme")
 
 
 def cli(server: LiveServer, key: str | None, *args: str) -> tuple[int, str, str]:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,11 +19,9 @@ import pytest
 from batch_api_support import (
     LiveServer,
     Tenant,
-    api_settings,
     chat_file,
     make_tenant,
     run_worker,
-    serve,
 )
 
 from backfill.config import Settings
@@ -51,19 +48,6 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=False
     )
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
 
 
 def submit(server: LiveServer, key: str, n: int, window: str = "2h") -> str:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from batch_api_support import LiveServer, Tenant, api_settings, make_tenant, peak_growth, serve
+from batch_api_support import LiveServer, Tenant, api_settings, peak_growth, serve
 
 from backfill.config import Settings
-from backfill.store import Repository
 
 CHUNK = 256 * 1024
 MAX_LINE = 64 * 1024
@@ -29,22 +28,10 @@ FILE_BYTES = 32 * 1024 * 1024
 
 
 @pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
 def server(settings: Settings) -> Iterator[LiveServer]:
     limited = api_settings(settings, file_chunk_bytes=CHUNK, max_line_bytes=MAX_LINE)
     with serve(limited) as live:
         yield live
-
-
-@pytest.fixture
-def acme(repo: Repository) -> Tenant:
-    return make_tenant(repo, "acme")
 
 
 def _big_input(path: Path) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -24,13 +23,6 @@ from backfill.finalize import (
 from backfill.results import ERROR_STATES, iter_result_lines
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, NewItem, Repository
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
 
 
 def submit(repo: Repository, settings: Settings, lines: int, window: str = "24h") -> JobRecord:

@@ -7,11 +7,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 import redis
 from batch_api_support import LiveServer, api_settings, make_tenant, serve
 
@@ -23,13 +21,6 @@ from tests.conftest import REDIS_URL
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 ACME = TenantRecord("tnt_1", "acme", None)
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
 
 
 def _wait_for_listeners(client: redis.Redis, channel: str, n: int = 1) -> None:

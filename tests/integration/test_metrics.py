@@ -9,11 +9,8 @@ import pytest
 from batch_api_support import (
     LiveServer,
     Tenant,
-    api_settings,
     chat_file,
-    make_tenant,
     run_worker,
-    serve,
 )
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,28 +36,10 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
 def ledger(settings: Settings) -> Iterator[Ledger]:
     led = Ledger.from_url(settings.redis_url, settings.redis_namespace)
     yield led
     led.close()
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
-
-
-@pytest.fixture
-def acme(repo: Repository) -> Tenant:
-    return make_tenant(repo, "acme")
 
 
 def submit(server: LiveServer, key: str, n: int) -> str:

@@ -5,7 +5,6 @@ what was missing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -16,7 +15,6 @@ from batch_api_support import (
     api_settings,
     chat_file,
     chat_line,
-    make_tenant,
     run_worker,
     serve,
 )
@@ -25,24 +23,6 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs
 from backfill.store import Repository
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
-def server(settings: Settings) -> Iterator[LiveServer]:
-    with serve(api_settings(settings)) as live:
-        yield live
-
-
-@pytest.fixture
-def acme(repo: Repository) -> Tenant:
-    return make_tenant(repo, "acme")
 
 
 def _is_request_id(value: str | None) -> bool:
