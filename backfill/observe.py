@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from backfill.capacity import round_up_to_block
 from backfill.ledger import Lease
-from backfill.policy import ServiceClass, round_up
+from backfill.policy import ServiceClass
 
 
 def allocated_tokens(kv_usage_fraction: float, capacity_tokens: int, block_size: int) -> int:
@@ -44,7 +45,10 @@ def batch_physical_tokens(
         if lease.service_class is not ServiceClass.BATCH:
             continue
         known = in_engine.get(lease.lease_id)
-        total += lease.tokens if known is None else min(lease.tokens, round_up(known, block_size))
+        if known is None:
+            total += lease.tokens
+        else:
+            total += min(lease.tokens, round_up_to_block(known, block_size))
     return total
 
 

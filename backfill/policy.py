@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, TypeVar
 
+from backfill.capacity import round_up_to_block
+
 
 class ServiceClass(StrEnum):
     """Traffic classes sharing one engine's KV pool."""
@@ -195,10 +197,6 @@ class PoolState:
         return max(self.interactive_in_use, self.observed_non_batch)
 
 
-def round_up(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size) * block_size
-
-
 def reservation_tokens(
     prompt_tokens: int, max_output_tokens: int, block_size: int, n: int = 1
 ) -> int:
@@ -211,7 +209,7 @@ def reservation_tokens(
     """
     if prompt_tokens < 0 or max_output_tokens < 1 or n < 1 or block_size < 1:
         raise ValueError("need prompt_tokens >= 0, max_output_tokens >= 1, n >= 1, block_size >= 1")
-    return n * round_up(prompt_tokens + max_output_tokens, block_size)
+    return n * round_up_to_block(prompt_tokens + max_output_tokens, block_size)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from backfill.capacity import blocks_for
 from backfill_analysis.simulate.costmodel import CostModel, StepWork, prefill_attention
 from backfill_analysis.simulate.stepsched import (
     StepSchedule,
@@ -252,7 +253,7 @@ class Engine:
             self.batch_prefill_backlog -= seq.target - seq.computed
 
     def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
+        return blocks_for(tokens, self.config.block_size)
 
     def _leave_aggregate(self, seq: Sequence) -> None:
         """Take a decoder out of the aggregate, making its ``computed``, ``generated`` and

@@ -23,10 +23,10 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
-from backfill.policy import round_up
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from tests.integration.batch_api_support import (
@@ -225,7 +225,7 @@ def test_batch_reservations_cover_what_the_engine_prefills_and_generates(stack: 
         # The engine's usage sums the prompts of a list; each sequence holds its own prompt
         # and up to max_tokens of output (one sequence: in whole blocks).
         held = stack.engine_prompt_tokens(line["url"], line["body"]) + n * max_tokens
-        need = round_up(held, BLOCK) if n == 1 else held
+        need = round_up_to_block(held, BLOCK) if n == 1 else held
         if reserved[name] < need:
             shortfalls[name] = (reserved[name], need)
     assert not shortfalls, f"reserved less than the engine holds (reserved, held): {shortfalls}"
@@ -256,7 +256,7 @@ def test_interactive_reservations_cover_what_the_engine_prefills(stack: Stack) -
                 snap = stack.ledger.snapshot(NODE)
                 if snap is not None:
                     peak = max(peak, snap.interactive_in_use)
-        if peak < round_up(held, BLOCK):
+        if peak < round_up_to_block(held, BLOCK):
             shortfalls[name] = (peak, held)
     assert not shortfalls, f"reserved less than the engine holds (reserved, held): {shortfalls}"
 

@@ -26,6 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from backfill.capacity import round_up_to_block
 from backfill.ledger import ActiveLease, Denial, Lease, LeaseRef, LeaseStatus, Ledger, NodePool
 from backfill.policy import (
     AdmissionRequest,
@@ -37,7 +38,6 @@ from backfill.policy import (
     ServiceClass,
     choose_victims,
     decide,
-    round_up,
 )
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -202,7 +202,8 @@ class LedgerMachine(RuleBasedStateMachine):
         assert result.status is expected, (result, expected)
         if expected is LeaseStatus.OK:
             held = self.live[lease.lease_id]
-            tokens = held.tokens if shrink is None else min(held.tokens, round_up(shrink, BLOCK))
+            rounded = None if shrink is None else round_up_to_block(shrink, BLOCK)
+            tokens = held.tokens if rounded is None else min(held.tokens, rounded)
             self.live[lease.lease_id] = replace(held, tokens=tokens,
                                                 generated=max(held.generated, generated))
             assert (result.tokens, result.generated_tokens) == (tokens, max(held.generated,
