@@ -41,6 +41,7 @@ from backfill_vllm.compat import check_vllm_version
 check_vllm_version(vllm_version)
 
 from vllm.logger import init_logger  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
@@ -60,6 +61,14 @@ from backfill_vllm.policy import (  # noqa: E402
 )
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
 from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
+
+def _unsplittable(request: Request) -> bool:
+    """A request whose prefill the chunk cap must not split: on CPU, one with a seed (vLLM
+    0.32's CPU runner rewinds a seeded request's generator after a partial prefill, which
+    torch's CPU generator refuses: "CPU Generator does not use offset", and the engine dies)."""
+    params = request.sampling_params
+    return params is not None and params.seed is not None and current_platform.is_cpu()
+
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
 logger = init_logger("vllm.backfill_vllm")
@@ -217,6 +226,12 @@ class BackfillScheduler(Scheduler):
             return 0
         if request.num_tokens - num_computed_tokens <= 1:
             return int(granted)  # a decode token
+        if granted > self._allowance_left and _unsplittable(request):
+            # Its prefill must not be cut by the cap: whole, as the step's first batch
+            # prefill, or not in this step.
+            whole = self._allowance_left == plan.prefill_allowance
+            self._allowance_left = 0
+            return int(granted) if whole else 0
         granted = min(granted, self._allowance_left)
         self._allowance_left -= granted
         return int(granted)

@@ -90,13 +90,13 @@ _seq = iter(range(1, 1 << 30))
 
 
 def make_request(request_id: str, *, prompt: int, priority: int, max_tokens: int = 8,
-                 arrival: float | None = None) -> Request:
+                 arrival: float | None = None, seed: int | None = None) -> Request:
     """A request whose prompt no other request shares (no prefix-cache hits between them)."""
     salt = next(_seq)
     return Request(
         request_id=request_id,
         prompt_token_ids=[(salt * 31 + i) % 1000 + 1 for i in range(prompt)],
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed),
         pooling_params=None,
         arrival_time=arrival if arrival is not None else float(salt),
         priority=priority,

@@ -195,6 +195,16 @@ class ChunkCap(unittest.TestCase):
             prefill = sum(n for r, n in out.items() if n > 1)
             self.assertLessEqual(prefill, 48)
 
+    def test_a_seeded_batch_prefill_is_never_split_by_the_cap_on_cpu(self) -> None:
+        # vLLM 0.32's CPU runner dies on a seeded request's partial prefill ("CPU Generator
+        # does not use offset", found running backfill dev): such a prefill runs whole, as
+        # the step's first batch prefill, or waits for the next step.
+        s = make_scheduler(budget=512, settings=SchedulerSettings(chunk_tokens=48))
+        for i in range(2):
+            s.add_request(make_request(f"s{i}", prompt=100, priority=BATCH, seed=7))
+        self.assertEqual(run_step(s).num_scheduled_tokens, {"s0": 100})
+        self.assertEqual(run_step(s).num_scheduled_tokens, {"s0": 1, "s1": 100})
+
     def test_the_cap_follows_the_fitted_step_time(self) -> None:
         settings = SchedulerSettings(chunk_target_s=0.01, model_min_samples=4,
                                      min_chunk_tokens=8)
