@@ -62,6 +62,7 @@ from backfill_vllm.policy import (  # noqa: E402
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
 from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
 
+
 def _unsplittable(request: Request) -> bool:
     """A request whose prefill the chunk cap must not split: on CPU, one with a seed (vLLM
     0.32's CPU runner rewinds a seeded request's generator after a partial prefill, which
