@@ -75,9 +75,12 @@ def finish(
     op: str,
     target: float,
     details: dict[str, Any],
+    *,
+    holds: bool = True,
 ) -> bool:
-    """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held."""
-    ok = bool(_OPS[op](value, target))
+    """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held.
+    ``holds`` False marks it short whatever the figure (a condition of the goal failed)."""
+    ok = bool(_OPS[op](value, target)) and holds
     record = {
         "name": name,
         "figure": figure,
