@@ -47,7 +47,15 @@ from backfill.work_signals import work_budget_policy
 from backfill_analysis.simulate.scenario import h100_llama8b
 from bench.common import finish, machine, parser, scratch_database, table
 from bench.fleet_model import h100_node
-from bench.fleet_node import BackfillPlane, NodeConfig, Plane, RawPlane, Recorder, SimNode
+from bench.fleet_node import (
+    BackfillPlane,
+    NodeConfig,
+    Plane,
+    RawPlane,
+    Recorder,
+    SimNode,
+    cancel_all,
+)
 from bench.fleet_stats import (
     Histogram,
     cpu_delta,
@@ -197,7 +205,7 @@ async def _serve(share: Share) -> dict[str, Any]:
     repo: Repository | None = None
     raw: RawPlane | None = None
     if share.side == "raw":
-        raw = RawPlane(libpq_url(share.url), client, keys, THREADS_PER_PROC)
+        raw = RawPlane(libpq_url(share.url), client, keys, THREADS_PER_PROC, listen_client)
         await raw.load_scripts()
         plane = raw
     else:
@@ -231,19 +239,9 @@ async def _serve(share: Share) -> dict[str, Any]:
         "cpu_s": cpu1 - cpu0,
         "hist": {k: h.to_json() for k, h in rec.hist.items()},
     }
-    # A cancellation can reach a node inside a Redis call, which turns it into a connection
-    # error the node survives: stop them first, then cancel until they are gone.
     for n in nodes:
         n.stop(drain=False)
-    rec_tasks = list(tasks)
-    for t in rec_tasks:
-        t.cancel()
-    for t in rec_tasks:
-        for _ in range(20):
-            done, _pending = await asyncio.wait({t}, timeout=1.0)
-            if done:
-                break
-            t.cancel()
+    await cancel_all(tasks)
     if raw is not None:
         raw.close()
     if repo is not None:
@@ -396,7 +394,33 @@ def report(points: Sequence[Point]) -> str:
     calls_head = ["nodes", "path", *(f"{c}/s" for c in (
         "claim", "start", "reserve", "settle", "hb", "hb_pg", "finish", "release", "snapshot",
         "observe", "budget")), "tick p50/p99 ms"]
-    return table(head, rows) + "\n\ncalls per second\n" + table(calls_head, calls)
+    per_item = []
+    for p in points:
+        redis_calls = sum(p.rate(c) for c in REDIS_CALLS)
+        items = max(p.items_per_s, 1e-9)
+        per_item.append((
+            p.nodes, p.side, round(offered_items_per_s(p.nodes)), round(p.items_per_s),
+            f"{redis_calls / items:.1f}",
+            f"{p.redis_cpu / max(redis_calls, 1e-9) * 1e6:.0f}",
+            f"{p.pg_cpu / items * 1000:.2f}", f"{p.redis_cpu / items * 1000:.2f}",
+            f"{p.harness_cpu / items * 1000:.2f}"))
+    per_item_head = ["nodes", "path", "offered items/s", "items/s", "redis calls/item",
+                     "redis cpu us/call", "pg cpu ms/item", "redis cpu ms/item",
+                     "harness cpu ms/item"]
+    return (table(head, rows) + "\n\ncalls per second\n" + table(calls_head, calls)
+            + "\n\ncost per item (CPU of one core)\n" + table(per_item_head, per_item))
+
+
+REDIS_CALLS = ("reserve", "settle", "heartbeat", "release", "snapshot", "observe")
+"""Ledger round trips (the work budget's 4 commands a step come on top)."""
+
+
+def offered_items_per_s(nodes: int) -> float:
+    """What the nodes' engines could finish (the timing model at full batch, prefill aside)."""
+    per_node = NodeConfig().max_in_flight / (
+        OUTPUT_TOKENS * h100_node().decode_step_s(NodeConfig().max_in_flight,
+                                                  PROMPT_TOKENS + OUTPUT_TOKENS // 2))
+    return nodes * per_node
 
 
 def plot(points: Sequence[Point], path: Path) -> None:
@@ -406,7 +430,7 @@ def plot(points: Sequence[Point], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for side, style in (("backfill", "o-"), ("raw", "s--"), ("batched", "^-")):
+    for side, style in (("backfill", "o-"), ("raw", "s--"), ("per-item settle", "^:")):
         ps = [p for p in points if p.side == side]
         if not ps:
             continue
@@ -440,8 +464,8 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--procs", type=int, default=None, help="harness processes (1 or 2)")
     p.add_argument("--no-peer", action="store_true", help="skip the raw floor")
-    p.add_argument("--batched-settle", action="store_true",
-                   help="also run Backfill with settles batched per node (settle_many)")
+    p.add_argument("--per-item-settle", action="store_true",
+                   help="also run Backfill settling per item per 32 tokens (before settle_many)")
     p.add_argument("--max-items", type=int, default=150_000)
     args = p.parse_args()
     sizes: Sequence[int] = SWEEP if args.sweep else ((10,) if args.quick else (args.nodes,))
@@ -458,12 +482,12 @@ def main() -> None:
         for side in sides:
             points.append(run_point(n, side, duration, warmup, procs, cfg, max_items))
             print(f"  N={n} {side}: {points[-1].items_per_s:,.0f} items/s", flush=True)
-        if args.batched_settle:
+        if args.per_item_settle:
             pt = run_point(n, "backfill", duration, warmup, procs,
-                           replace(cfg, settle_batched=True), max_items)
-            pt.side = "batched"
+                           replace(cfg, settle_batched=False), max_items)
+            pt.side = "per-item settle"
             points.append(pt)
-            print(f"  N={n} batched settle: {pt.items_per_s:,.0f} items/s", flush=True)
+            print(f"  N={n} per-item settle: {pt.items_per_s:,.0f} items/s", flush=True)
     print(report(points))
     ratios = {}
     for n in sizes:
