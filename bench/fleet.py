@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -302,7 +303,9 @@ def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: 
     per_node_rate = 128 / (OUTPUT_TOKENS * h100_node().decode_step_s(128, PROMPT_TOKENS + 150))
     want_items = int(nodes * per_node_rate * (warmup_s + duration_s) * 1.3) + nodes * 128
     count = max(2_000, min(max_items, want_items))
-    with scratch_database("bffleet") as url:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(_drop_namespace, redis_url, namespace)
+        url = cleanup.enter_context(scratch_database("bffleet"))
         _load_items(url, count)
         _register(url, redis_url, namespace, names)
         maint = Maintenance(url, redis_url, namespace, settings.reaper_interval_s) \
@@ -346,7 +349,6 @@ def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: 
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             row = conn.execute("SELECT count(*) FROM items WHERE state = 'queued'").fetchone()
             queued_left = int(row[0]) if row else 0
-    _drop_namespace(redis_url, namespace)
     hist = merged({k: Histogram.from_json(v) for k, v in r["hist"].items()} for r in results)
     if maint is not None and maint.hist.total:
         hist["tick"] = maint.hist
