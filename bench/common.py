@@ -77,10 +77,12 @@ def finish(
     details: dict[str, Any],
     *,
     reason: str | None = None,
+    holds: bool = True,
 ) -> bool:
     """Write ``bench/out/NAME.json`` and print the closing line; returns whether the goal held.
-    With ``reason`` the run gives no verdict: the line says ``short`` and why."""
-    ok = reason is None and bool(_OPS[op](value, target))
+    With ``reason`` the run gives no verdict: the line says ``short`` and why. ``holds`` False
+    marks it short whatever the figure (a condition of the goal failed)."""
+    ok = reason is None and holds and bool(_OPS[op](value, target))
     record = {
         "name": name,
         "figure": figure,

@@ -73,6 +73,7 @@ class AsyncLedger:
     reserve = awaiting(operations.reserve)
     reserve_many = awaiting(operations.reserve_many)
     settle = awaiting(operations.settle)
+    settle_many = awaiting(operations.settle_many)
     heartbeat = awaiting(operations.heartbeat)
     release = awaiting(operations.release)
     release_many = awaiting(operations.release_many)

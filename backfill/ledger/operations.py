@@ -8,10 +8,11 @@ then the operation's own arguments, exactly as :class:`~backfill.ledger.Ledger` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from backfill import keys as lk
 from backfill.ledger.calls import LedgerCalls, decoded
-from backfill.ledger.steps import Command, Pipelined, Plan, by_node
+from backfill.ledger.steps import Command, Pipelined, Plan, ScriptCall, by_node
 from backfill.ledger.values import (
     Denial,
     HeartbeatResult,
@@ -25,6 +26,8 @@ from backfill.ledger.values import (
     SettleResult,
 )
 from backfill.policy import PoolPolicy, ServiceClass
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------------
 # Pools
@@ -122,6 +125,27 @@ def settle(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int,
     result: SettleResult = yield calls.settle(
         node, lease_id, fencing_token, generated_tokens, reservation_tokens, now_ms)
     return result
+
+
+def _as_batch(call: ScriptCall[T]) -> ScriptCall[list[T]]:
+    """A one-result call as a pipelined batch's call (whose replies parse to lists)."""
+    def parse(reply: object) -> list[T]:
+        return [call.parse(reply)]
+    return ScriptCall(call.script, call.keys, call.args, parse)
+
+
+def settle_many(calls: LedgerCalls, node: str, progress: Sequence[tuple[str, int, int]], *,
+                now_ms: int | None = None) -> Plan[list[SettleResult]]:
+    """Record the progress of several of ``node``'s leases, each ``(lease_id, fencing_token,
+    generated_tokens)``, in one round trip: one ``settle`` call per lease, pipelined, so a
+    worker reports its node's progress once per interval instead of once per lease per few
+    tokens. Results come in ``progress`` order; a failed call raises ``PartialBatchError``."""
+    calls_one = [calls.settle(node, lease_id, fence, generated, None, now_ms)
+                 for lease_id, fence, generated in progress]
+    batched = [_as_batch(c) for c in calls_one]
+    settled: list[SettleResult] = yield Pipelined[SettleResult](
+        batched, [(node, [i]) for i in range(len(batched))], len(batched))
+    return settled
 
 
 def heartbeat(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int, *,

@@ -72,6 +72,7 @@ class Ledger:
     reserve = blocking(operations.reserve)
     reserve_many = blocking(operations.reserve_many)
     settle = blocking(operations.settle)
+    settle_many = blocking(operations.settle_many)
     heartbeat = blocking(operations.heartbeat)
     release = blocking(operations.release)
     release_many = blocking(operations.release_many)

@@ -211,6 +211,27 @@ def test_settle_records_use_and_never_grows_the_reservation(ledger: Ledger) -> N
     assert snap.batch_in_use == 160
 
 
+def test_settle_many_settles_each_lease_in_order_and_refuses_a_stale_holder(
+    ledger: Ledger,
+) -> None:
+    open_pool(ledger)
+    a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
+    b = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
+    results = ledger.settle_many(
+        "n1",
+        [(a.lease_id, a.fencing_token, 40), (b.lease_id, b.fencing_token + 99, 70),
+         (b.lease_id, b.fencing_token, 64)],
+        now_ms=T0,
+    )
+    assert [(r.status, r.generated_tokens) for r in results] == [
+        (LeaseStatus.OK, 40), (LeaseStatus.FENCED, None), (LeaseStatus.OK, 64)]
+    snap = ledger.snapshot("n1", now_ms=T0)
+    assert snap is not None
+    assert {lease.lease_id: lease.generated_tokens for lease in snap.leases} == {
+        a.lease_id: 40, b.lease_id: 64}
+    assert ledger.settle_many("n1", [], now_ms=T0) == []
+
+
 def test_heartbeat_extends_a_live_lease(ledger: Ledger) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))

@@ -1,0 +1,683 @@
+"""One simulated GPU node of ``bench.fleet``: a worker's control plane, its engine a schedule.
+
+:class:`SimNode` makes the calls ``worker.dispatch.NodeDispatcher`` makes, in its order and
+batching, and with its pacing:
+
+- fill (``_fill``): ledger snapshot; claim ``min(room, claim_batch)``, fewer when the slack
+  judged by recent reservations is short; snapshot again and give back what the slack cannot
+  take (``_fit_to_slack``: one ``unclaim``); ``reserve_many`` for the rest (one round trip);
+  denials given back one by one (deferred); ``start_many``; orphans released. The prompts are
+  not counted on an engine (there is none): items carry their counts, as items do after a
+  first attempt. A claim that started something is followed at once by the next; otherwise
+  the loop waits ``idle_poll_s`` or until an item leaves (the dispatcher's room event).
+- generation (``_run``): a ledger ``settle`` each time an item's output grew by
+  ``settle_every_tokens``, each awaited on its own (one task per item in the dispatcher);
+  tokens come when the timing model (``bench.fleet_model``) says.
+- results (``_write_results``): finished items queue to one writer that waits
+  ``result_flush_s``, takes up to 256, ``finish``es them in one statement, then
+  ``release_many``.
+- heartbeat (``_heartbeat``) every ``heartbeat_interval_s``: one Postgres heartbeat of every
+  held item, then one ledger heartbeat per lease, in turn.
+- observe (``_observe``) every second: snapshot + observe; work budget (``_step_budget``) every
+  ``budget_interval_s``: Redis' clock, the gateway signals, the batch exchange, the publish.
+- a preemption listener (one pub/sub subscription) per node.
+
+:class:`BackfillPlane` carries those calls out with Backfill's ``Repository`` and
+``AsyncLedger``; :class:`RawPlane` with the bare statements and Redis calls of the same shape,
+without Backfill's logic: the floor the benchmark compares with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import json
+import queue
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import psycopg
+import redis.asyncio
+
+from backfill.clock import redis_time
+from backfill.errors import BackfillError, StaleWrite
+from backfill.keys import LedgerKeys
+from backfill.ledger import AsyncLedger, Denial, Lease, PartialBatchError, ReserveRequest
+from backfill.policy import ServiceClass
+from backfill.states import ItemState
+from backfill.store import ClaimedItem, Finish, Repository, Start
+from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
+from backfill.work_signals import (
+    BudgetView,
+    exchange_batch_awaiting,
+    publish_budget,
+    read_signals,
+)
+from bench.fleet_model import NodeModel, Timeline
+from bench.fleet_stats import Histogram
+
+T = TypeVar("T")
+
+RESULT = json.dumps(
+    {"id": "bf-0", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "x" * 1200},
+         "finish_reason": "stop"}],
+     "usage": {"prompt_tokens": 1000, "completion_tokens": 300, "total_tokens": 1300}}
+)
+"""A summary's result body (~1.3 KB)."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The dispatcher settings that shape control-plane traffic (``DispatchConfig``'s
+    defaults, with the ``Settings`` a worker runs with)."""
+
+    claim_batch: int = 64
+    max_in_flight: int = 128
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    idle_poll_s: float = 0.5
+    result_flush_s: float = 0.05
+    settle_every_tokens: int = 32
+    observe_interval_s: float = 1.0
+    budget_interval_s: float = 0.25
+    signal_ttl_s: float = 3.0
+    block_size: int = 16
+    max_preemptions: int = 3
+    settle_interval_s: float = 1.0
+    settle_batched: bool = True
+    """As the dispatcher does now: each node's progress in one ``settle_many`` per
+    ``settle_interval_s``. False: one ``settle`` per item per ``settle_every_tokens``, as it
+    did before (``--per-item-settle``, the before of the fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    item_id: int
+    attempt: int
+    prompt_tokens: int
+    max_output_tokens: int
+    deadline_ms: int
+    lease: Any = None
+
+
+class Plane(Protocol):
+    """The calls a node makes, whoever carries them out."""
+
+    async def snapshot(self, node: str) -> int: ...
+    async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]: ...
+    async def unclaim(self, held: Sequence[Held]) -> None: ...
+    async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]: ...
+    async def give_back(self, held: Held) -> None: ...
+    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
+    async def settle(self, node: str, held: Held, generated: int) -> None: ...
+    async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None: ...
+    async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
+    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None: ...
+    async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]: ...
+    async def release(self, held: Sequence[Held]) -> None: ...
+    async def observe(self, node: str) -> None: ...
+    async def listen(self, node: str) -> None: ...
+    @property
+    def client(self) -> redis.asyncio.Redis: ...
+    @property
+    def keys(self) -> LedgerKeys: ...
+
+
+class BackfillPlane:
+    """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``."""
+
+    def __init__(self, repo: Repository, ledger: AsyncLedger, cfg: NodeConfig,
+                 listen_ledger: AsyncLedger | None = None) -> None:
+        self.repo, self.ledger, self.cfg = repo, ledger, cfg
+        # Each subscription holds a connection: not from the calls' bounded pool.
+        self.listen_ledger = listen_ledger or ledger
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        return self.ledger.client
+
+    @property
+    def keys(self) -> LedgerKeys:
+        return self.ledger.keys
+
+    async def snapshot(self, node: str) -> int:
+        snap = await self.ledger.snapshot(node)
+        return 0 if snap is None or not snap.ready else snap.slack
+
+    async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
+        claimed: list[ClaimedItem] = await asyncio.to_thread(self.repo.claim, node, want, ttl_s)
+        return [
+            Held(c.id, c.attempt, c.prompt_tokens or 0, c.max_output_tokens,
+                 int(c.deadline.timestamp() * 1000))
+            for c in claimed
+        ]
+
+    async def unclaim(self, held: Sequence[Held]) -> None:
+        await asyncio.to_thread(
+            self.repo.unclaim, [(h.item_id, h.attempt) for h in held], "slack full")
+
+    async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
+        requests = [
+            ReserveRequest(
+                node=node, service_class=ServiceClass.BATCH, prompt_tokens=h.prompt_tokens,
+                max_output_tokens=h.max_output_tokens, n=1,
+                owner=f"{node}/{h.item_id}/{h.attempt}",
+                preemptible=True, deadline_ms=h.deadline_ms,
+                ttl_ms=int(self.cfg.lease_ttl_s * 1000),
+            )
+            for h in held
+        ]
+        try:
+            return list(await self.ledger.reserve_many(requests))
+        except PartialBatchError as exc:
+            return list(exc.results)
+
+    async def give_back(self, held: Held) -> None:
+        with contextlib.suppress(StaleWrite):
+            await asyncio.to_thread(
+                self.repo.give_back, held.item_id, held.attempt, ItemState.DEFERRED,
+                retry_after_s=1.0, detail="no slack")
+
+    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        starts = [Start(h.item_id, h.attempt, h.lease.lease_id, h.lease.fencing_token,
+                        h.lease.tokens, h.prompt_tokens) for h in held]
+        return set(await asyncio.to_thread(self.repo.start_many, starts, ttl_s))
+
+    async def settle(self, node: str, held: Held, generated: int) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.settle(node, held.lease.lease_id, held.lease.fencing_token,
+                                     generated)
+
+    async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.settle_many(
+                node, [(h.lease.lease_id, h.lease.fencing_token, g) for h, g in progress])
+
+    async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        return set(await asyncio.to_thread(
+            self.repo.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s))
+
+    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.heartbeat(node, held.lease.lease_id, held.lease.fencing_token,
+                                        ttl_ms=int(ttl_s * 1000))
+
+    async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
+        fins = [Finish(h.item_id, h.attempt, h.lease.fencing_token, ItemState.SUCCEEDED,
+                       result=RESULT, output_tokens=out, prompt_tokens=h.prompt_tokens)
+                for h, out in done]
+        return set(await asyncio.to_thread(self.repo.finish, fins))
+
+    async def release(self, held: Sequence[Held]) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release_many([h.lease for h in held])
+
+    async def observe(self, node: str) -> None:
+        await self.ledger.snapshot(node)
+        await self.ledger.observe(node, 0)
+
+    async def listen(self, node: str) -> None:
+        async with await self.listen_ledger.listen_preemptions(node) as listener:
+            async for _ in listener:
+                pass
+
+
+RAW_RESERVE = """
+local used = redis.call('HINCRBY', KEYS[1], 'used', ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return used
+"""
+RAW_RELEASE = """
+local tokens = redis.call('HGET', KEYS[2], ARGV[1])
+if not tokens then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return redis.call('HINCRBY', KEYS[1], 'used', -tonumber(tokens))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RawLease:
+    lease_id: str
+    tokens: int
+    node: str
+
+
+class RawPlane:
+    """The floor: the same calls as bare SQL (one statement each, autocommit) and bare Redis
+    commands (a two-line Lua reserve and release, HSET/ZADD for settle and heartbeat)."""
+
+    CLAIM = (
+        "UPDATE items SET state = 'reserved', node = %s, attempt = attempt + 1, "
+        "lease_expires_at = now() + make_interval(secs => %s) WHERE id IN ("
+        "SELECT id FROM items WHERE state = 'queued' ORDER BY deadline, id "
+        "LIMIT %s FOR UPDATE SKIP LOCKED) "
+        "RETURNING id, attempt, prompt_tokens, max_output_tokens, deadline")
+
+    def __init__(self, libpq: str, client: redis.asyncio.Redis, keys: LedgerKeys,
+                 connections: int, listen_client: redis.asyncio.Redis | None = None) -> None:
+        # Each subscription holds a connection: not from the calls' bounded pool.
+        self._listen_client = listen_client or client
+        self._conns: queue.Queue[psycopg.Connection[Any]] = queue.Queue()
+        for _ in range(connections):
+            self._conns.put(psycopg.connect(libpq, autocommit=True))
+        self._client, self._keys = client, keys
+        self._reserve = ""
+        self._release = ""
+        self._ids = itertools.count()
+
+    async def load_scripts(self) -> None:
+        self._reserve = await self._client.script_load(RAW_RESERVE)
+        self._release = await self._client.script_load(RAW_RELEASE)
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        return self._client
+
+    @property
+    def keys(self) -> LedgerKeys:
+        return self._keys
+
+    def close(self) -> None:
+        while not self._conns.empty():
+            self._conns.get().close()
+
+    def _sql(self, query: str, params: Sequence[Any]) -> list[Any]:
+        conn = self._conns.get()
+        try:
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else []
+        finally:
+            self._conns.put(conn)
+
+    async def _run(self, query: str, *params: Any) -> list[Any]:
+        return await asyncio.to_thread(self._sql, query, params)
+
+    def _k(self, node: str) -> tuple[str, str]:
+        return f"{self._keys.namespace}:raw:{node}:pool", f"{self._keys.namespace}:raw:{node}:l"
+
+    async def snapshot(self, node: str) -> int:
+        used = await self._client.hget(self._k(node)[0], "used")
+        return 10**9 - int(used or 0)
+
+    async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
+        rows = await self._run(self.CLAIM, node, ttl_s, want)
+        return [Held(r[0], r[1], r[2] or 0, r[3], int(r[4].timestamp() * 1000)) for r in rows]
+
+    async def unclaim(self, held: Sequence[Held]) -> None:
+        await self._run("UPDATE items SET state = 'queued' WHERE id = ANY(%s)",
+                        [h.item_id for h in held])
+
+    async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
+        pool, leases = self._k(node)
+        pipe = self._client.pipeline(transaction=False)
+        out = []
+        for h in held:
+            lease = RawLease(f"r{next(self._ids)}", h.prompt_tokens + h.max_output_tokens, node)
+            pipe.evalsha(self._reserve, 2, pool, leases, lease.lease_id, lease.tokens)
+            out.append(lease)
+        await pipe.execute()
+        return out
+
+    async def give_back(self, held: Held) -> None:
+        await self._run("UPDATE items SET state = 'deferred' WHERE id = %s", held.item_id)
+
+    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        rows = await self._run(
+            "UPDATE items SET state = 'running' WHERE id = ANY(%s) RETURNING id",
+            [h.item_id for h in held])
+        return {r[0] for r in rows}
+
+    async def settle(self, node: str, held: Held, generated: int) -> None:
+        await self._client.hset(self._k(node)[1] + ":gen", held.lease.lease_id, generated)
+
+    async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None:
+        await self._client.hset(self._k(node)[1] + ":gen",
+                                mapping={h.lease.lease_id: g for h, g in progress})
+
+    async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        rows = await self._run(
+            "UPDATE items SET lease_expires_at = now() + make_interval(secs => %s) "
+            "WHERE id = ANY(%s) RETURNING id", ttl_s, [h.item_id for h in held])
+        return {r[0] for r in rows}
+
+    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
+        await self._client.zadd(self._k(node)[1] + ":exp",
+                                {held.lease.lease_id: time.time() + ttl_s})
+
+    async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
+        rows = await self._run(
+            "UPDATE items SET state = 'succeeded', result = %s, output_tokens = %s "
+            "WHERE id = ANY(%s) RETURNING id", RESULT, done[0][1], [h.item_id for h, _ in done])
+        return {r[0] for r in rows}
+
+    async def release(self, held: Sequence[Held]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for h in held:
+            pipe.evalsha(self._release, 2, *self._k(h.lease.node), h.lease.lease_id)
+        await pipe.execute()
+
+    async def observe(self, node: str) -> None:
+        await self.snapshot(node)
+        await self._client.hset(self._k(node)[0], "observed", 0)
+
+    async def listen(self, node: str) -> None:
+        pubsub = self._listen_client.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(f"{self._keys.namespace}:raw:preempt:{node}")
+        try:
+            while True:
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+@dataclass
+class NodeCounters:
+    started: int = 0
+    finished: int = 0
+    output_tokens: int = 0
+    claims: int = 0
+    claimed: int = 0
+    unclaimed: int = 0
+    deferred: int = 0
+
+
+@dataclass
+class _Flight:
+    held: Held
+    timeline: Timeline
+    generated: int = 0
+
+
+@dataclass
+class Recorder:
+    """Latency histograms of one process's calls, by name."""
+
+    hist: dict[str, Histogram] = field(default_factory=dict)
+    measuring: bool = False
+
+    async def timed(self, name: str, call: Awaitable[T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return await call
+        finally:
+            if self.measuring:
+                h = self.hist.get(name)
+                if h is None:
+                    h = self.hist[name] = Histogram()
+                h.add(time.perf_counter() - t0)
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]], attempts: int = 50) -> None:
+    """Cancel ``tasks`` until they are done: a cancellation that lands inside a Redis call
+    comes out as a connection error, which the loops here survive, so one may not be enough."""
+    for _ in range(attempts):
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            return
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=0.2)
+
+
+class SimNode:
+    """One node's dispatcher loop against ``plane``, its tokens timed by ``model``."""
+
+    def __init__(self, name: str, plane: Plane, model: NodeModel, cfg: NodeConfig,
+                 rec: Recorder, budget_policy: WorkBudgetPolicy | None,
+                 output_tokens: int) -> None:
+        self.name, self.plane, self.model, self.cfg, self.rec = name, plane, model, cfg, rec
+        self.budget_policy = budget_policy
+        self.output_tokens = output_tokens
+        self.counters = NodeCounters()
+        self._flights: dict[int, _Flight] = {}
+        self._events: list[tuple[float, int, int, _Flight]] = []
+        self._seq = itertools.count()
+        self._wake_engine = asyncio.Event()
+        self._room = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._results: asyncio.Queue[tuple[Held, int]] = asyncio.Queue()
+        self._typical_reservation = 0
+        self._worker_id = uuid.uuid4().hex
+        self._progress: dict[int, tuple[Held, int]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drain = True
+
+    def stop(self, *, drain: bool = True) -> None:
+        """Stop claiming; with ``drain``, what runs finishes first (a worker's grace)."""
+        self._drain = drain
+        self._stopping.set()
+        self._room.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    async def run(self) -> None:
+        helpers = [
+            asyncio.create_task(self._engine()),
+            asyncio.create_task(self._write_results()),
+            asyncio.create_task(self._every(self.cfg.heartbeat_interval_s, self._heartbeat)),
+            asyncio.create_task(self._every(self.cfg.observe_interval_s, self._observe)),
+            asyncio.create_task(self._listen()),
+        ]
+        if self.budget_policy is not None:
+            helpers.append(asyncio.create_task(
+                self._every(self.cfg.budget_interval_s, self._step_budget)))
+        if self.cfg.settle_batched:
+            helpers.append(asyncio.create_task(
+                self._every(self.cfg.settle_interval_s, self._settle_progress)))
+        try:
+            while not self._stopping.is_set():
+                try:
+                    started = await self._fill()
+                except BackfillError:
+                    started = 0
+                    await asyncio.sleep(1.0)
+                if started == 0:
+                    await self._sleep(self.cfg.idle_poll_s)
+            # Drain: what runs finishes (a real worker's grace period).
+            while self._flights and self._drain:
+                await asyncio.sleep(0.1)
+        finally:
+            await cancel_all(helpers)
+
+    async def _sleep(self, seconds: float) -> None:
+        self._room.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), seconds)
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        # Nodes start at random phases, as a fleet's do.
+        await asyncio.sleep(random.uniform(0, interval))
+        while not self._stopping.is_set():
+            with contextlib.suppress(BackfillError):
+                await job()
+            await asyncio.sleep(interval)
+
+    # -- fill: NodeDispatcher._fill, _fit_to_slack, _reserve_and_start
+
+    async def _fill(self) -> int:
+        cfg, rec = self.cfg, self.rec
+        room = cfg.max_in_flight - len(self._flights)
+        if room <= 0:
+            return 0
+        slack = await rec.timed("snapshot", self.plane.snapshot(self.name))
+        if slack < cfg.block_size:
+            return 0
+        want = min(room, cfg.claim_batch)
+        if self._typical_reservation:
+            want = max(1, min(want, slack // self._typical_reservation))
+        claimed = await rec.timed("claim", self.plane.claim(self.name, want, cfg.lease_ttl_s))
+        self.counters.claims += 1
+        if not claimed:
+            return 0
+        self.counters.claimed += len(claimed)
+        slack = await rec.timed("snapshot", self.plane.snapshot(self.name))
+        fits: list[Held] = []
+        used = 0
+        for h in claimed:
+            need = -(-(h.prompt_tokens + h.max_output_tokens) // cfg.block_size) * cfg.block_size
+            if used + need > slack and fits:
+                break
+            fits.append(h)
+            used += need
+        rest = claimed[len(fits):]
+        if rest:
+            self.counters.unclaimed += len(rest)
+            await rec.timed("unclaim", self.plane.unclaim(rest))
+        outcomes = await rec.timed("reserve", self.plane.reserve_many(self.name, fits))
+        leased: list[Held] = []
+        for h, outcome in zip(fits, outcomes, strict=True):
+            if isinstance(outcome, Denial | BaseException):
+                self.counters.deferred += 1
+                await rec.timed("give_back", self.plane.give_back(h))
+                continue
+            lease: Lease | RawLease = outcome
+            self._typical_reservation = (
+                lease.tokens if not self._typical_reservation
+                else (3 * self._typical_reservation + lease.tokens) // 4)
+            leased.append(Held(h.item_id, h.attempt, h.prompt_tokens, h.max_output_tokens,
+                               h.deadline_ms, lease))
+        if not leased:
+            return 0
+        applied = await rec.timed("start", self.plane.start_many(leased, cfg.lease_ttl_s))
+        orphans = [h for h in leased if h.item_id not in applied]
+        if orphans:
+            await rec.timed("release", self.plane.release(orphans))
+        started = [h for h in leased if h.item_id in applied]
+        self._schedule(started)
+        self.counters.started += len(started)
+        return len(started)
+
+    def _schedule(self, started: Sequence[Held]) -> None:
+        outputs = [min(self.output_tokens, h.max_output_tokens) for h in started]
+        timelines = self.model.start(
+            time.monotonic(), [h.prompt_tokens for h in started], outputs,
+            len(self._flights), self.cfg.settle_every_tokens)
+        for h, tl in zip(started, timelines, strict=True):
+            flight = _Flight(h, tl)
+            self._flights[h.item_id] = flight
+            if not self.cfg.settle_batched:
+                for when, generated in tl.settles():
+                    heapq.heappush(self._events, (when, next(self._seq), generated, flight))
+            heapq.heappush(self._events, (tl.done_at, next(self._seq), -1, flight))
+        self._wake_engine.set()
+
+    # -- the engine: tokens when the timing model says
+
+    async def _engine(self) -> None:
+        while True:
+            if not self._events:
+                self._wake_engine.clear()
+                await self._wake_engine.wait()
+                continue
+            delay = self._events[0][0] - time.monotonic()
+            if delay > 0:
+                self._wake_engine.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake_engine.wait(), delay)
+                continue
+            now = time.monotonic()
+            settles: list[tuple[_Flight, int]] = []
+            while self._events and self._events[0][0] <= now:
+                _, _, generated, flight = heapq.heappop(self._events)
+                if generated < 0:
+                    flight.generated = flight.timeline.output_tokens
+                    self._progress.pop(flight.held.item_id, None)
+                    self._results.put_nowait((flight.held, flight.generated))
+                else:
+                    flight.generated = generated
+                    settles.append((flight, generated))
+            for flight, generated in settles:
+                # Each item's task awaits its own settle in the dispatcher.
+                t = asyncio.create_task(self.rec.timed(
+                    "settle", self.plane.settle(self.name, flight.held, generated)))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+
+    async def _settle_progress(self) -> None:
+        """The batched form: every running item's progress in one call per interval."""
+        now = time.monotonic()
+        progress = []
+        for f in self._flights.values():
+            tl = f.timeline
+            if now < tl.first_token_at or now >= tl.done_at:
+                continue
+            generated = 1 + int((now - tl.first_token_at) / tl.token_s)
+            if generated - f.generated >= self.cfg.settle_every_tokens:
+                f.generated = generated
+                progress.append((f.held, generated))
+        if progress:
+            await self.rec.timed("settle", self.plane.settle_many(self.name, progress))
+
+    # -- results: NodeDispatcher._write_results, _commit_results
+
+    async def _write_results(self) -> None:
+        while not self._stopping.is_set() or not self._results.empty():
+            first = await self._results.get()
+            batch = [first]
+            await asyncio.sleep(self.cfg.result_flush_s)
+            while not self._results.empty() and len(batch) < 256:
+                batch.append(self._results.get_nowait())
+            applied = await self.rec.timed("finish", self.plane.finish(batch))
+            for held, out in batch:
+                if held.item_id in applied:
+                    self.counters.finished += 1
+                    self.counters.output_tokens += out
+                self._flights.pop(held.item_id, None)
+            self._room.set()
+            await self.rec.timed("release", self.plane.release([h for h, _ in batch]))
+
+    # -- heartbeats, observe, work budget, preemption notices
+
+    async def _heartbeat(self) -> None:
+        flights = list(self._flights.values())
+        if not flights:
+            return
+        held = [f.held for f in flights]
+        await self.rec.timed("heartbeat_pg",
+                             self.plane.heartbeat_claims(held, self.cfg.lease_ttl_s))
+        for h in held:
+            await self.rec.timed("heartbeat",
+                                 self.plane.heartbeat_lease(self.name, h, self.cfg.lease_ttl_s))
+
+    async def _observe(self) -> None:
+        await self.rec.timed("observe", self.plane.observe(self.name))
+
+    async def _step_budget(self) -> None:
+        policy = self.budget_policy
+        assert policy is not None
+        client, keys = self.plane.client, self.plane.keys
+        t0 = time.perf_counter()
+        now = await redis_time(client)()
+        seen = await read_signals(client, keys, self.name, self.cfg.signal_ttl_s, now)
+        awaiting = sum(1 for f in self._flights.values()
+                       if time.monotonic() < f.timeline.first_token_at)
+        others = await exchange_batch_awaiting(client, keys, self.name, self._worker_id,
+                                               awaiting, max(1.0, 4 * self.cfg.budget_interval_s),
+                                               now)
+        decision = step(
+            WorkBudget.initial(policy, now),
+            WorkSignals(now_s=now, interactive_waiting=seen.waiting,
+                        interactive_prefilling=seen.prefilling,
+                        oldest_pending_since_s=seen.oldest_pending_since_s, ttfts=seen.ttfts,
+                        engine_waiting=0, batch_in_flight=len(self._flights),
+                        batch_awaiting_first_token=awaiting,
+                        other_batch_awaiting_first_token=others),
+            policy)
+        view = BudgetView.of(decision.budget, len(self._flights), 0, now)
+        await publish_budget(client, keys, self.name, self._worker_id, view,
+                             max(5.0, self.cfg.signal_ttl_s))
+        if self.rec.measuring:
+            self.rec.hist.setdefault("work_budget", Histogram()).add(time.perf_counter() - t0)
+
+    async def _listen(self) -> None:
+        with contextlib.suppress(BackfillError, redis.RedisError):
+            await self.plane.listen(self.name)

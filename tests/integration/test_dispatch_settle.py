@@ -1,0 +1,146 @@
+"""A node reports its items' progress to the ledger in one round trip per settle interval, not
+one per item per ``settle_every_tokens`` (which was ~9 Redis calls per 300-token item: the
+largest share of a fleet's Redis traffic, ``bench.fleet``), and every item's lease still
+learns how far it got.
+
+Real Postgres and Redis; the engine is the stand-in, streaming a long answer token by token.
+The ledger is the real one, counting the round trips that carry settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from backfill.config import Settings
+from backfill.engine.protocol import ChoiceDelta, CompletionStream, Engine, StreamChunk, Usage
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.ledger.steps import Pipelined, ScriptCall, Step
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
+from tests.integration.standin_engine import StandInEngine
+from worker.dispatch import DispatchConfig, NodeDispatcher
+
+NODE = "n-settle"
+BLOCK = 16
+ITEMS = 6
+TOKENS = 160
+
+
+class SlowStream:
+    def __init__(self, tokens: int, gap_s: float) -> None:
+        self.tokens, self.gap_s = tokens, gap_s
+
+    async def __aenter__(self) -> SlowStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def _chunks(self) -> AsyncIterator[StreamChunk]:
+        for i in range(self.tokens):
+            await asyncio.sleep(self.gap_s)
+            last = i == self.tokens - 1
+            yield StreamChunk("c", (ChoiceDelta(0, "w", "length" if last else None),), None, {})
+        yield StreamChunk("c", (), Usage(5, self.tokens, 5 + self.tokens), {})
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._chunks()
+
+
+class LongAnswers(StandInEngine):
+    def stream_completion(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        priority: int,
+        request_id: str,
+        stream_interval: int = 1,
+    ) -> CompletionStream:
+        self.streamed.append(request_id)
+        return cast(CompletionStream, SlowStream(TOKENS, 0.003))
+
+
+class CountingLedger(AsyncLedger):
+    """The real ledger; it counts the round trips that carry settles and what they said."""
+
+    settle_trips = 0
+    reported: dict[str, int]
+
+    async def _carry_out(self, step: Step) -> Any:
+        settles: list[ScriptCall[Any]] = []
+        if isinstance(step, ScriptCall) and step.script == "settle":
+            settles = [step]
+        elif isinstance(step, Pipelined):
+            settles = [c for c in step.calls if c.script == "settle"]
+        if settles:
+            self.settle_trips += 1
+            for call in settles:
+                lease_id, generated = call.args[1], int(call.args[3])
+                self.reported[lease_id] = max(self.reported.get(lease_id, 0), generated)
+        return await super()._carry_out(step)
+
+
+def _submit(repo: Repository) -> str:
+    tenant = repo.create_tenant("t-settle")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": TOKENS})
+    repo.insert_items(job.id, [NewItem(i, f"r{i}", body, TOKENS) for i in range(ITEMS)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def test_progress_is_settled_once_per_interval_for_the_whole_node(settings: Settings) -> None:
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = CountingLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger.reported = {}
+    engine = LongAnswers(blocks=256, block=BLOCK)
+    try:
+        repo.upsert_node(NODE, "http://stand-in", "m", 256, BLOCK, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        job = _submit(repo)
+        dispatcher = NodeDispatcher(
+            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0,
+                           settle_interval_s=0.1, work_budget=None),
+            cast(Engine, engine),
+            repo,
+            aledger,
+            model="m",
+            block_size=BLOCK,
+            max_sequence_tokens=1024,
+        )
+
+        async def run_until_done() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                for _ in range(400):
+                    await asyncio.sleep(0.05)
+                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS:
+                        break
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(run_until_done())
+
+        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
+        # Every lease heard of its progress past the first settle step...
+        assert len(aledger.reported) == ITEMS, aledger.reported
+        assert all(g >= 32 for g in aledger.reported.values()), aledger.reported
+        # ...in a handful of round trips for the node (one per 0.1 s while items run), where
+        # one per item per 32 tokens took ITEMS * TOKENS / 32 = 30.
+        assert aledger.settle_trips <= 12, aledger.settle_trips
+    finally:
+        ledger.close()
+        repo.close()
