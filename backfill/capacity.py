@@ -297,12 +297,21 @@ class _Sample:
 
 
 def _only(metrics_text: str, names: frozenset[str]) -> str:
-    """The exposition text with only the samples named ``names`` (and every comment line):
-    vLLM's ``/metrics`` is mostly histogram buckets, and parsing all of them on every control
-    step cost the worker more CPU than the rest of its loop."""
+    """The exposition text with only the samples named ``names`` and their families' HELP and
+    TYPE lines: vLLM's ``/metrics`` is mostly histogram buckets, and parsing all of them on
+    every control step cost the worker more CPU than the rest of its loop. The other
+    families' comment lines go too: kept, they were ~180 of the ~200 lines left and most of
+    the parse (a real 52 kB page from vLLM 0.32: 3.7-5.4 ms a read with them, 0.9-2.0 ms
+    without, interleaved on a loaded machine; the worker reads it ~5 times a second, on the
+    cores the engine runs on)."""
+    families = names | {n.removesuffix("_total") for n in names}
     kept = []
     for line in metrics_text.splitlines():
-        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] in names:
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) > 2 and parts[1] in ("HELP", "TYPE") and parts[2] in families:
+                kept.append(line)
+        elif line.split("{", 1)[0].split(" ", 1)[0] in names:
             kept.append(line)
     kept.append("")
     return "\n".join(kept)

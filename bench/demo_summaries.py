@@ -46,7 +46,9 @@ def bodies(model: str, max_tokens: int, *, old: bool) -> list[tuple[str, dict[st
 
 async def summarise(url: str, work: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, str]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        sem = asyncio.Semaphore(8)
+        # All at once, as the batch reaches the engine through Backfill: chunked prefills and
+        # a full running batch are what the engine has to survive.
+        sem = asyncio.Semaphore(len(work))
 
         async def one(doc: str, body: dict[str, Any]) -> tuple[str, str]:
             async with sem:

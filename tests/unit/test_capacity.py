@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from backfill.capacity import (
+    _LOAD_SAMPLES,
     CapacityError,
     EngineLoad,
     MetricMalformed,
     MetricMissing,
     MetricsError,
     ModelArchitecture,
+    _only,
     blocks_for,
     dtype_bytes,
     gpu_kv_budget_bytes,
@@ -359,6 +361,20 @@ def test_load_ignores_samples_it_does_not_need_even_malformed_ones() -> None:
     assert parse_engine_load(broken_bucket) == parse_engine_load(REAL_METRICS)
     with pytest.raises(MetricMalformed):
         parse_engine_load(REAL_METRICS + "vllm:num_requests_running{engine=\"1\"} nope\n")
+
+
+def test_load_parses_only_the_families_it_reads() -> None:
+    other_families = "".join(
+        f"# HELP vllm:other_{i}_seconds Something the load does not read.\n"
+        f"# TYPE vllm:other_{i}_seconds histogram\n"
+        f'vllm:other_{i}_seconds_bucket{{le="1.0"}} 1.0\n'
+        for i in range(50)
+    )
+    text = REAL_METRICS + other_families
+    kept = _only(text, _LOAD_SAMPLES)
+    assert "vllm:other_" not in kept  # comment lines of other families were kept before
+    assert "# TYPE vllm:prompt_tokens_total counter" in kept
+    assert parse_engine_load(text) == parse_engine_load(REAL_METRICS)
 
 
 def test_load_accepts_the_older_usage_gauge_name() -> None:
