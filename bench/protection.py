@@ -20,9 +20,11 @@ tokens, 64 out) that keep the engine busy. Scenarios:
 ``c``               as ``b`` on a second server started with ``--scheduling-policy fcfs``
 ``alone-sched``     as ``alone`` on the Backfill engine, with ``--scheduler-cls`` only
 
-One priority server serves every scenario but ``c``; with ``--scheduler-cls NAME`` the
-Backfill scenarios (``gateway``, ``batch-backfill``, ``a``) and ``alone-sched`` run on a
-server of their own started with ``--scheduler-cls NAME``, the others on the stock one.
+The peers (``alone``, ``b``, ``batch-straight``) run on a stock priority server, ``c`` on an
+fcfs one; the Backfill scenarios (``gateway``, ``batch-backfill``, ``a``) and ``alone-sched``
+run on a server of their own with Backfill's step scheduler (its metrics handed to the
+worker), or with ``--scheduler-cls NAME``; ``--scheduler-cls none`` runs them on the stock
+server too (the work budget then preempts for TTFT, as before the scheduler).
 Each batch scenario first lets the batch load run for a warm-up, then the measured window is
 the interactive replay (or, for batch alone, the same length of time). Batch output tokens/s
 is the engine's ``vllm:generation_tokens_total`` over the window less the interactive
@@ -508,10 +510,14 @@ def run_all(
             server.stop()
     if cfg.scheduler_cls is not None and any(own_engine(s) for s in wanted):
         policy = scheduler_policy(cfg.scheduler_cls)
+        ours = cfg.scheduler_cls == devengine.SCHEDULER_CLS
         server = devengine.start_model(
             cfg.model,
             kv_cache_gib=cfg.kv_cache_gib,
-            extra_args=["--scheduler-cls", cfg.scheduler_cls],
+            # Backfill's own: its package on the engine's path and its metrics on a port the
+            # worker is told of; another class is passed through as it is.
+            scheduler=ours,
+            extra_args=[] if ours else ["--scheduler-cls", cfg.scheduler_cls],
         )
         starts[policy] = server.ready_seconds
         try:
@@ -565,7 +571,11 @@ def _backfill_scenarios(
         return
     for i, variant in enumerate(variants):
         stack_logs = logs / f"backfill-{variant.name}"
-        with BackfillStack(server.url, stack_logs, variant.overrides).running() as st:
+        overrides = dict(variant.overrides)
+        if server.scheduler_metrics_url is not None:
+            # The worker reads the engine's scheduler and leaves interactive TTFT to it.
+            overrides.setdefault("engine_scheduler_metrics_url", server.scheduler_metrics_url)
+        with BackfillStack(server.url, stack_logs, overrides).running() as st:
             _say(f"Backfill up for variant {variant.name}: {st.base}")
             gw = gateway_target(st, server.served_model_name)
             label = "a" if i == 0 else f"a:{variant.name}"
@@ -851,10 +861,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument(
         "--scheduler-cls",
-        default=None,
+        default=devengine.SCHEDULER_CLS,
         metavar="NAME",
         help="vLLM --scheduler-cls for the engine the Backfill scenarios (and alone-sched) "
-        "run on; the others stay on the stock engine",
+        "run on; the others stay on the stock engine (default: Backfill's step scheduler, "
+        "its metrics handed to the worker; 'none': the stock engine for all)",
     )
     p.add_argument(
         "--scenarios",
@@ -880,7 +891,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGTERM unwinds like Ctrl-C, so the engines, the API and worker processes, the scratch
     # database and the ledger keys are all cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    default_scenarios = [s for s in SCENARIOS if s != "alone-sched" or args.scheduler_cls]
+    default_scenarios = [
+        s for s in SCENARIOS if s != "alone-sched" or args.scheduler_cls not in (None, "none")
+    ]
     chosen = args.scenarios or ",".join(default_scenarios)
     wanted = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = set(wanted) - set(SCENARIOS)
@@ -908,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         duration_s=duration,
         time_scale=args.time_scale,
         target_busy=args.target_busy,
-        scheduler_cls=args.scheduler_cls,
+        scheduler_cls=None if args.scheduler_cls in (None, "none") else args.scheduler_cls,
         batch_window_s=60.0 if args.quick else 90.0,
     )
     _say(
