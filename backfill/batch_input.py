@@ -283,9 +283,7 @@ out)."""
 
 
 def _rendered_chars(body: dict[str, Any]) -> int:
-    return sum(
-        len(_dumps({key: body[key]})) for key in _RENDERED_BESIDE_MESSAGES if body.get(key)
-    )
+    return sum(len(_dumps({key: body[key]})) for key in _RENDERED_BESIDE_MESSAGES if body.get(key))
 
 
 @dataclass(slots=True)

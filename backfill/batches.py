@@ -87,9 +87,7 @@ def check_expires_after(value: Any, param: str) -> int | None:
     if not isinstance(value, dict):
         raise InvalidRequest(f"{param} must be an object with anchor and seconds", param=param)
     if value.get("anchor") != "created_at":
-        raise InvalidRequest(
-            f"{param}.anchor must be 'created_at'", param=f"{param}.anchor"
-        )
+        raise InvalidRequest(f"{param}.anchor must be 'created_at'", param=f"{param}.anchor")
     seconds = value.get("seconds")
     if isinstance(seconds, str) and seconds.strip().isdigit():
         seconds = int(seconds)  # multipart form values arrive as text
@@ -358,8 +356,7 @@ def _judge_tokens(
     if settings.fair_share:
         # Its tenant's backlog at its share, with the other tenants' work done meanwhile.
         ahead = (
-            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, tokens)
-            - tokens
+            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, tokens) - tokens
         )
     else:
         ahead = repo.backlog_tokens()

@@ -99,11 +99,7 @@ class PromptCount:
 
 
 def _is_token_ids(value: object) -> bool:
-    return (
-        type(value) is list
-        and bool(value)
-        and all(type(t) is int and t >= 0 for t in value)
-    )
+    return type(value) is list and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
 def _sequences_per_prompt(body: Mapping[str, Any]) -> int:
@@ -140,9 +136,7 @@ def chat_tokenize_body(body: Mapping[str, Any]) -> dict[str, Any]:
             request[key] = body[key]
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise InvalidRequest(
-            "chat_template_kwargs must be an object", param="chat_template_kwargs"
-        )
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     merged: dict[str, Any] = dict(kwargs or {})
     for key in _CHAT_TEMPLATE_ARGUMENTS:
         value = body.get(key)

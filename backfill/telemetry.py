@@ -147,9 +147,7 @@ class BackfillCollector:
         for state in sorted(ITEM_TERMINAL):
             finished.add_metric([state.value], items[state])
 
-        job_gauge = GaugeMetricFamily(
-            "backfill_jobs", "Batch jobs by state.", labels=["state"]
-        )
+        job_gauge = GaugeMetricFamily("backfill_jobs", "Batch jobs by state.", labels=["state"])
         for job_state in JobState:
             job_gauge.add_metric([job_state.value], jobs[job_state])
 
@@ -181,9 +179,7 @@ class BackfillCollector:
         useful.add_metric([f"{window:g}"], done / window)
 
         self._histograms.advance(repo, self.lookback_s, self.lag_s)
-        return [
-            finished, job_gauge, misses, queued, useful, *self._histograms.families()
-        ]
+        return [finished, job_gauge, misses, queued, useful, *self._histograms.families()]
 
     # -- ledger
 

@@ -287,9 +287,7 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
         calm_for = math.inf if last_pressure is None else now - last_pressure
         if calm_for >= policy.quiet_s:
             seqs = min(policy.ceiling_seqs, seqs + policy.increase_seqs)
-            prefill = min(
-                policy.ceiling_prefill_tokens, prefill + policy.increase_prefill_tokens
-            )
+            prefill = min(policy.ceiling_prefill_tokens, prefill + policy.increase_prefill_tokens)
             grew = (seqs, prefill) != (budget.max_seqs, budget.max_prefill_tokens)
             if grew:
                 what = "interactive quiet" if code is BudgetReason.QUIET else why
@@ -385,4 +383,3 @@ def describe(budget: WorkBudget) -> str:
         f"{budget.max_seqs} sequences / {budget.max_prefill_tokens} prefill tokens{hold} "
         f"({budget.code}: {budget.reason})"
     )
-

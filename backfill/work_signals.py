@@ -312,9 +312,7 @@ class BudgetView:
     """How many workers' budgets this view sums (one, as a worker publishes it)."""
 
     @classmethod
-    def of(
-        cls, budget: WorkBudget, in_flight: int, prefill_tokens: int, at_s: float
-    ) -> BudgetView:
+    def of(cls, budget: WorkBudget, in_flight: int, prefill_tokens: int, at_s: float) -> BudgetView:
         return cls(
             budget.max_seqs,
             budget.max_prefill_tokens,
@@ -342,13 +340,9 @@ class BudgetView:
         }
 
     @classmethod
-    def from_mapping(
-        cls, raw: Mapping[bytes, bytes] | Mapping[str, str]
-    ) -> BudgetView | None:
+    def from_mapping(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> BudgetView | None:
         d = {
-            (k.decode() if isinstance(k, bytes) else k): (
-                v.decode() if isinstance(v, bytes) else v
-            )
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
         }
         try:

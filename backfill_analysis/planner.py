@@ -103,9 +103,11 @@ def interactive_reserve_from_trace(
     """The tokens the trace's requests hold at once: (time-weighted quantile, peak), each
     request charged its whole ``prompt + output`` rounded to blocks while it runs."""
     blocked = [
-        TraceRequest(r.arrival_s, round_up_to_block(r.prompt_tokens + r.output_tokens,
-                                                    block_size) - r.output_tokens,
-                     r.output_tokens)
+        TraceRequest(
+            r.arrival_s,
+            round_up_to_block(r.prompt_tokens + r.output_tokens, block_size) - r.output_tokens,
+            r.output_tokens,
+        )
         for r in requests
     ]
     levels = concurrent_tokens(blocked, decode_tokens_per_s, prefill_tokens_per_s)
@@ -143,8 +145,10 @@ def plan(
     p99 = peak = None
     if reserve_tokens is None and trace is not None:
         p99, peak = interactive_reserve_from_trace(
-            trace, decode_tokens_per_s=decode_tokens_per_s,
-            prefill_tokens_per_s=prefill_tokens_per_s, block_size=hardware.block_size,
+            trace,
+            decode_tokens_per_s=decode_tokens_per_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            block_size=hardware.block_size,
         )
         reserve_tokens = p99
     if reserve_tokens is None:

@@ -41,30 +41,92 @@ HF = "https://huggingface.co/{}/blob/main/config.json"
 MODELS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-3.1-8b", _gqa(32, 8, 128), 8.03e9, 8.03e9, 32, 2,
-                    HF.format("meta-llama/Llama-3.1-8B")),
-        ModelPreset("llama-3.1-70b", _gqa(80, 8, 128), 70.6e9, 70.6e9, 64, 2,
-                    HF.format("meta-llama/Llama-3.1-70B")),
-        ModelPreset("qwen2.5-7b", _gqa(28, 4, 128), 7.62e9, 7.62e9, 28, 2,
-                    HF.format("Qwen/Qwen2.5-7B-Instruct") + " (use_sliding_window: false)"),
-        ModelPreset("qwen2.5-72b", _gqa(80, 8, 128), 72.7e9, 72.7e9, 64, 2,
-                    HF.format("Qwen/Qwen2.5-72B-Instruct") + " (use_sliding_window: false)"),
-        ModelPreset("mistral-7b", _gqa(32, 8, 128), 7.25e9, 7.25e9, 32, 2,
-                    HF.format("mistralai/Mistral-7B-Instruct-v0.3") + " (v0.3: no sliding window)"),
-        ModelPreset("mixtral-8x7b", _gqa(32, 8, 128), 46.7e9, 12.9e9, 32, 2,
-                    HF.format("mistralai/Mixtral-8x7B-Instruct-v0.1")),
+        ModelPreset(
+            "llama-3.1-8b",
+            _gqa(32, 8, 128),
+            8.03e9,
+            8.03e9,
+            32,
+            2,
+            HF.format("meta-llama/Llama-3.1-8B"),
+        ),
+        ModelPreset(
+            "llama-3.1-70b",
+            _gqa(80, 8, 128),
+            70.6e9,
+            70.6e9,
+            64,
+            2,
+            HF.format("meta-llama/Llama-3.1-70B"),
+        ),
+        ModelPreset(
+            "qwen2.5-7b",
+            _gqa(28, 4, 128),
+            7.62e9,
+            7.62e9,
+            28,
+            2,
+            HF.format("Qwen/Qwen2.5-7B-Instruct") + " (use_sliding_window: false)",
+        ),
+        ModelPreset(
+            "qwen2.5-72b",
+            _gqa(80, 8, 128),
+            72.7e9,
+            72.7e9,
+            64,
+            2,
+            HF.format("Qwen/Qwen2.5-72B-Instruct") + " (use_sliding_window: false)",
+        ),
+        ModelPreset(
+            "mistral-7b",
+            _gqa(32, 8, 128),
+            7.25e9,
+            7.25e9,
+            32,
+            2,
+            HF.format("mistralai/Mistral-7B-Instruct-v0.3") + " (v0.3: no sliding window)",
+        ),
+        ModelPreset(
+            "mixtral-8x7b",
+            _gqa(32, 8, 128),
+            46.7e9,
+            12.9e9,
+            32,
+            2,
+            HF.format("mistralai/Mixtral-8x7B-Instruct-v0.1"),
+        ),
         # MLA: one latent of kv_lora_rank plus the decoupled RoPE key per layer and token;
         # weights ship in FP8 (1 byte), the KV cache in bf16.
-        ModelPreset("deepseek-v3",
-                    ModelArchitecture(num_layers=61, num_kv_heads=1, head_dim=1,
-                                      kv_lora_rank=512, qk_rope_head_dim=64),
-                    671e9, 37e9, 128, 1, HF.format("deepseek-ai/DeepSeek-V3")),
+        ModelPreset(
+            "deepseek-v3",
+            ModelArchitecture(
+                num_layers=61, num_kv_heads=1, head_dim=1, kv_lora_rank=512, qk_rope_head_dim=64
+            ),
+            671e9,
+            37e9,
+            128,
+            1,
+            HF.format("deepseek-ai/DeepSeek-V3"),
+        ),
         # Alternating local (window 4,096) and global attention layers: 21 of 42 sliding.
-        ModelPreset("gemma-2-9b",
-                    _gqa(42, 8, 256, sliding_window=4096, num_sliding_layers=21),
-                    9.24e9, 9.24e9, 16, 2, HF.format("google/gemma-2-9b")),
-        ModelPreset("smollm2-135m", _gqa(30, 3, 64), 134.5e6, 134.5e6, 9, 2,
-                    HF.format("HuggingFaceTB/SmolLM2-135M-Instruct")),
+        ModelPreset(
+            "gemma-2-9b",
+            _gqa(42, 8, 256, sliding_window=4096, num_sliding_layers=21),
+            9.24e9,
+            9.24e9,
+            16,
+            2,
+            HF.format("google/gemma-2-9b"),
+        ),
+        ModelPreset(
+            "smollm2-135m",
+            _gqa(30, 3, 64),
+            134.5e6,
+            134.5e6,
+            9,
+            2,
+            HF.format("HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ),
     )
 }
 
@@ -84,13 +146,28 @@ class GpuPreset:
 GPUS: dict[str, GpuPreset] = {
     g.name: g
     for g in (
-        GpuPreset("h100", 80 * 2**30, 989e12, 3.35e12,
-                  "NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 3.35 TB/s, "
-                  "989 TFLOPS BF16 dense (1,979 with sparsity)"),
-        GpuPreset("h200", 141 * 10**9, 989e12, 4.8e12,
-                  "NVIDIA H200 datasheet, SXM: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"),
-        GpuPreset("a100", 80 * 2**30, 312e12, 2.039e12,
-                  "NVIDIA A100 datasheet, 80 GB SXM: 2,039 GB/s, 312 TFLOPS BF16 dense"),
+        GpuPreset(
+            "h100",
+            80 * 2**30,
+            989e12,
+            3.35e12,
+            "NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 3.35 TB/s, "
+            "989 TFLOPS BF16 dense (1,979 with sparsity)",
+        ),
+        GpuPreset(
+            "h200",
+            141 * 10**9,
+            989e12,
+            4.8e12,
+            "NVIDIA H200 datasheet, SXM: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense",
+        ),
+        GpuPreset(
+            "a100",
+            80 * 2**30,
+            312e12,
+            2.039e12,
+            "NVIDIA A100 datasheet, 80 GB SXM: 2,039 GB/s, 312 TFLOPS BF16 dense",
+        ),
     )
 }
 

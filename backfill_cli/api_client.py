@@ -217,8 +217,12 @@ def summarisation_lines(
         }
         lines.append(
             json.dumps(
-                {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                 "body": body}
+                {
+                    "custom_id": custom_id,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
             )
         )
     return ("\n".join(lines) + "\n").encode() if lines else b""

@@ -35,11 +35,16 @@ def _plan_rows(p: Any) -> list[tuple[str, str]]:
         ("interactive reserve", f"{p.interactive_reserve_tokens:,} tokens"),
     ]
     if p.trace_p99_tokens is not None:
-        rows.append(("trace demand p99 / peak", f"{p.trace_p99_tokens:,} / "
-                     f"{p.trace_peak_tokens:,} tokens"))
+        rows.append(
+            ("trace demand p99 / peak", f"{p.trace_p99_tokens:,} / {p.trace_peak_tokens:,} tokens")
+        )
     for fit in p.fits:
-        rows.append((f"{fit.service_class} sequences of {fit.sequence_tokens:,}",
-                     f"{fit.sequences:,} (in {fit.pool_tokens:,} tokens)"))
+        rows.append(
+            (
+                f"{fit.service_class} sequences of {fit.sequence_tokens:,}",
+                f"{fit.sequences:,} (in {fit.pool_tokens:,} tokens)",
+            )
+        )
     return rows
 
 
@@ -77,10 +82,14 @@ def register(app: typer.Typer) -> None:
 
         try:
             m = presets.model_preset(model)
-            memory = (int(gpu_memory_gib * 2**30) if gpu_memory_gib is not None
-                      else presets.gpu_preset(gpu).memory_bytes)
+            memory = (
+                int(gpu_memory_gib * 2**30)
+                if gpu_memory_gib is not None
+                else presets.gpu_preset(gpu).memory_bytes
+            )
             hw = planner.Hardware(
-                gpu_memory_bytes=memory, tensor_parallel=tensor_parallel,
+                gpu_memory_bytes=memory,
+                tensor_parallel=tensor_parallel,
                 gpu_memory_utilization=gpu_memory_utilization,
                 activation_peak_bytes=int(activation_gib * 2**30),
                 kv_budget_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
@@ -88,9 +97,13 @@ def register(app: typer.Typer) -> None:
             )
             requests = load_trace(trace, TraceOptions(every=trace_every)) if trace else None
             result = planner.plan(
-                m, hw, lengths=(("interactive", interactive_tokens), ("batch", batch_tokens)),
-                reserve_fraction=reserve_fraction, trace=requests,
-                decode_tokens_per_s=decode_rate, prefill_tokens_per_s=prefill_rate,
+                m,
+                hw,
+                lengths=(("interactive", interactive_tokens), ("batch", batch_tokens)),
+                reserve_fraction=reserve_fraction,
+                trace=requests,
+                decode_tokens_per_s=decode_rate,
+                prefill_tokens_per_s=prefill_rate,
             )
             check = None
             if engine_url:
@@ -110,9 +123,11 @@ def register(app: typer.Typer) -> None:
         print(f"{'source':<36} {m.source}")
         if check is not None:
             verdict = "matches" if check.measured_blocks == check.planned_blocks else "differs"
-            print(f"{'engine pool (measured)':<36} {check.measured_blocks:,} blocks = "
-                  f"{check.measured_tokens:,} tokens; plan {verdict} "
-                  f"(measured/planned {check.ratio:.3f})")
+            print(
+                f"{'engine pool (measured)':<36} {check.measured_blocks:,} blocks = "
+                f"{check.measured_tokens:,} tokens; plan {verdict} "
+                f"(measured/planned {check.ratio:.3f})"
+            )
 
     @app.command()
     def simulate(
@@ -132,9 +147,7 @@ def register(app: typer.Typer) -> None:
             "fifo,static,priority,backfill,backfill-overcommit"
         ),
         sweep: Annotated[bool, typer.Option(help="Also sweep each policy's knob.")] = False,
-        out: Annotated[Path, typer.Option(help="Folder for JSON and PNGs.")] = Path(
-            "simulate-out"
-        ),
+        out: Annotated[Path, typer.Option(help="Folder for JSON and PNGs.")] = Path("simulate-out"),
         plots: Annotated[bool, typer.Option(help="Draw PNGs.")] = True,
     ) -> None:
         """Simulate the policies on an engine fed by an interactive trace and a batch backlog;
@@ -148,16 +161,21 @@ def register(app: typer.Typer) -> None:
         try:
             sc = make(scenario)
             changes: dict[str, Any] = {}
-            for key, value in (("time_scale", time_scale), ("every", trace_every),
-                               ("max_prompt_tokens", max_prompt),
-                               ("max_output_tokens", max_output)):
+            for key, value in (
+                ("time_scale", time_scale),
+                ("every", trace_every),
+                ("max_prompt_tokens", max_prompt),
+                ("max_output_tokens", max_output),
+            ):
                 if value is not None:
                     changes[key] = value
             sc = dataclasses.replace(
-                sc, trace=dataclasses.replace(sc.trace, **changes),
+                sc,
+                trace=dataclasses.replace(sc.trace, **changes),
                 duration_s=duration_s or sc.duration_s,
                 ttft_slo_s=ttft_slo_s or sc.ttft_slo_s,
-                batch=sc.batch if batch_items is None
+                batch=sc.batch
+                if batch_items is None
                 else dataclasses.replace(sc.batch, items=batch_items),
             )
             names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -166,8 +184,10 @@ def register(app: typer.Typer) -> None:
             paths = report.write(result, out, curves=curves, plot=plots)
         except (BackfillError, ValueError, OSError) as exc:
             raise _fail(str(exc).splitlines()[0]) from exc
-        print(f"{sc.name}: {result.interactive} interactive requests, {result.batch_items:,} "
-              f"batch items, {sc.duration_s:,.0f} s, TTFT target {sc.ttft_slo_s:g} s")
+        print(
+            f"{sc.name}: {result.interactive} interactive requests, {result.batch_items:,} "
+            f"batch items, {sc.duration_s:,.0f} s, TTFT target {sc.ttft_slo_s:g} s"
+        )
         print(report.table(report.results_rows(result)))
         if curves:
             print("best at >= 99% SLO attainment:")

@@ -31,8 +31,15 @@ R = TypeVar("R")
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 ITEM_STATES = (
-    "queued", "deferred", "reserved", "running", "preempted",
-    "succeeded", "failed", "expired", "cancelled",
+    "queued",
+    "deferred",
+    "reserved",
+    "running",
+    "preempted",
+    "succeeded",
+    "failed",
+    "expired",
+    "cancelled",
 )
 RESULT_STATES = ("succeeded", "failed", "expired", "cancelled")
 SUMMARY_PROMPT = (
@@ -117,7 +124,9 @@ def render_status(batch: dict[str, Any], now: float | None = None) -> Renderable
     extra = batch.get("backfill") or {}
     done, total = _done_total(batch)
     header = Text.assemble(
-        (str(batch.get("id")), "bold"), "  ", (str(batch.get("status")), "cyan"),
+        (str(batch.get("id")), "bold"),
+        "  ",
+        (str(batch.get("status")), "cyan"),
         f"  model {extra.get('model') or batch.get('model') or '-'}",
     )
     bar = Table.grid(padding=(0, 1))
@@ -133,9 +142,7 @@ def render_status(batch: dict[str, Any], now: float | None = None) -> Renderable
     states.add_row(*(str(items.get(s, 0)) for s in shown))
     tokens = extra.get("tokens") or {}
     facts = Table.grid(padding=(0, 2))
-    facts.add_row(
-        "output tokens", f"{tokens.get('done', 0)} of at most {tokens.get('total', 0)}"
-    )
+    facts.add_row("output tokens", f"{tokens.get('done', 0)} of at most {tokens.get('total', 0)}")
     facts.add_row("prompt tokens", str(tokens.get("prompt", 0)))
     eta = extra.get("eta")
     basis = f" ({extra['eta_basis']})" if extra.get("eta_basis") else ""
@@ -168,7 +175,9 @@ def _pool_bar(node: dict[str, Any], width: int = 16) -> Text:
 def render_capacity(report: dict[str, Any]) -> RenderableType:
     """Each node's pool: who holds it and what batch may still take."""
     table = Table(
-        title="KV pools (tokens)", title_justify="left", header_style="bold",
+        title="KV pools (tokens)",
+        title_justify="left",
+        header_style="bold",
         box=box.SIMPLE_HEAD,
     )
     for column in ("node", "pool", "reserve", "interactive", "batch", "slack", "use"):
@@ -197,8 +206,15 @@ def render_capacity(report: dict[str, Any]) -> RenderableType:
         )
     queued = report.get("queued_tokens") or {}
     footer = Text.assemble(
-        "use: ", ("█", "magenta"), " interactive ", ("█", "cyan"), " batch ",
-        ("█", "green"), " slack ", ("░", "grey50"), " held back",
+        "use: ",
+        ("█", "magenta"),
+        " interactive ",
+        ("█", "cyan"),
+        " batch ",
+        ("█", "green"),
+        " slack ",
+        ("░", "grey50"),
+        " held back",
         "   (* no live ledger figures: Postgres's view)\n",
         "queued work (worst-case tokens): ",
         ", ".join(f"{cls} {int(n):,}" for cls, n in sorted(queued.items())),
@@ -274,9 +290,7 @@ def submit(
     ],
     api: ApiOpt = DEFAULT_API_URL,
     key: KeyOpt = None,
-    window: Annotated[
-        str, typer.Option(help="Completion window, e.g. 30m, 2h, 24h, 7d.")
-    ] = "24h",
+    window: Annotated[str, typer.Option(help="Completion window, e.g. 30m, 2h, 24h, 7d.")] = "24h",
     model: Annotated[
         str | None, typer.Option(help="Model for a folder of documents.", show_default=False)
     ] = None,
@@ -353,15 +367,15 @@ def results(
         list[str] | None,
         typer.Option(
             "--state",
-            help="Only these finished states (repeatable): succeeded, failed, expired, "
-            "cancelled.",
+            help="Only these finished states (repeatable): succeeded, failed, expired, cancelled.",
             show_default=False,
         ),
     ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Write to this file instead of stdout.",
-                     show_default=False),
+        typer.Option(
+            "--output", "-o", help="Write to this file instead of stdout.", show_default=False
+        ),
     ] = None,
 ) -> None:
     """Stream a batch's finished results as JSONL (while it runs, too)."""

@@ -69,44 +69,74 @@ class SchedulerMetrics:
                 out.append(f"{name}{labels} {float(value)!r}")
 
         family(
-            "backfill_sched_info", "gauge", "The step scheduler's version and settings (1).",
-            (f'{{batch_priority="{self.batch_priority}",version="{self.version}",'
-             f'vllm_version="{self.vllm_version}"}}', 1),
+            "backfill_sched_info",
+            "gauge",
+            "The step scheduler's version and settings (1).",
+            (
+                f'{{batch_priority="{self.batch_priority}",version="{self.version}",'
+                f'vllm_version="{self.vllm_version}"}}',
+                1,
+            ),
         )
         counters = (
             ("steps", "Steps scheduled.", self.steps),
-            ("batch_paused_steps", "Steps in which resident batch sequences were paused.",
-             self.paused_steps),
-            ("batch_tokens_held", "Tokens paused batch sequences would have carried.",
-             self.tokens_held),
+            (
+                "batch_paused_steps",
+                "Steps in which resident batch sequences were paused.",
+                self.paused_steps,
+            ),
+            (
+                "batch_tokens_held",
+                "Tokens paused batch sequences would have carried.",
+                self.tokens_held,
+            ),
             ("batch_pauses", "Pauses begun by batch sequences.", self.pauses),
-            ("batch_relief", "Paused batch sequences given tokens at the starvation bound.",
-             self.relief),
-            ("batch_ride_along", "Batch decode tokens carried in holding steps.",
-             self.ride_along),
+            (
+                "batch_relief",
+                "Paused batch sequences given tokens at the starvation bound.",
+                self.relief,
+            ),
+            ("batch_ride_along", "Batch decode tokens carried in holding steps.", self.ride_along),
             ("batch_requests", "Batch requests seen.", self.batch_requests),
         )
         for name, text, value in counters:
             family(f"backfill_sched_{name}_total", "counter", text, ("", value))
         family(
-            "backfill_sched_batch_preemptions_total", "counter",
+            "backfill_sched_batch_preemptions_total",
+            "counter",
             "Batch sequences preempted for interactive work, by what ran short.",
-            ('{reason="kv"}', self.preemptions_kv), ('{reason="seqs"}', self.preemptions_seqs),
+            ('{reason="kv"}', self.preemptions_kv),
+            ('{reason="seqs"}', self.preemptions_seqs),
         )
         fit = self.fit
         gauges: tuple[tuple[str, str, float], ...] = (
             ("batch_paused", "Batch sequences paused now.", self.paused_now),
-            ("batch_longest_pause_seconds", "Longest pause of a batch sequence, seconds.",
-             self.longest_pause_s),
-            ("batch_longest_pause_steps", "Longest pause of a batch sequence, steps.",
-             self.longest_pause_steps),
-            ("batch_most_pauses_per_request", "Most pauses one batch request has had.",
-             self.most_pauses_per_request),
+            (
+                "batch_longest_pause_seconds",
+                "Longest pause of a batch sequence, seconds.",
+                self.longest_pause_s,
+            ),
+            (
+                "batch_longest_pause_steps",
+                "Longest pause of a batch sequence, steps.",
+                self.longest_pause_steps,
+            ),
+            (
+                "batch_most_pauses_per_request",
+                "Most pauses one batch request has had.",
+                self.most_pauses_per_request,
+            ),
             ("chunk_cap_tokens", "Batch prefill tokens a step may carry now.", self.chunk_cap),
-            ("step_model_base_seconds", "Fitted step time with no tokens.",
-             fit.base_s if fit else 0.0),
-            ("step_model_per_token_seconds", "Fitted step time each token adds.",
-             fit.per_token_s if fit else 0.0),
+            (
+                "step_model_base_seconds",
+                "Fitted step time with no tokens.",
+                fit.base_s if fit else 0.0,
+            ),
+            (
+                "step_model_per_token_seconds",
+                "Fitted step time each token adds.",
+                fit.per_token_s if fit else 0.0,
+            ),
             ("step_model_samples", "Steps the fit is made from.", fit.samples if fit else 0),
         )
         for name, text, gauge in gauges:
@@ -114,9 +144,7 @@ class SchedulerMetrics:
         return "\n".join(out) + "\n"
 
 
-def serve_metrics(
-    render: Callable[[], str], host: str, port: int
-) -> ThreadingHTTPServer | None:
+def serve_metrics(render: Callable[[], str], host: str, port: int) -> ThreadingHTTPServer | None:
     """Serve what ``render`` says at ``http://host:port/metrics`` from a daemon thread; None
     (logged, the engine runs on) when the port cannot be bound."""
 

@@ -149,14 +149,13 @@ def _ride_along_tokens(
     view: StepView, settings: SchedulerSettings, interactive: Sequence[SequenceView], cap: int
 ) -> int:
     """Batch decode tokens that fit in ``ride_along_share`` of the step's time without them."""
-    work = sum(min(s.prefill_tokens, view.token_budget) if s.prefill_tokens else 1
-               for s in interactive)
+    work = sum(
+        min(s.prefill_tokens, view.token_budget) if s.prefill_tokens else 1 for s in interactive
+    )
     work = min(work, view.token_budget)
     if view.fit is None:
         return math.floor(settings.ride_along_share * min(work, cap))
-    return math.floor(
-        settings.ride_along_share * view.fit.seconds(work) / view.fit.per_token_s
-    )
+    return math.floor(settings.ride_along_share * view.fit.seconds(work) / view.fit.per_token_s)
 
 
 @dataclass(frozen=True, slots=True)

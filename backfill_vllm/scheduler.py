@@ -98,8 +98,9 @@ class BackfillScheduler(Scheduler):
                 chosen = BackfillAsyncScheduler
         return super().__new__(chosen)
 
-    def __init__(self, *args: Any, settings: SchedulerSettings | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, settings: SchedulerSettings | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.backfill = settings or SchedulerSettings.from_env()
         s = self.backfill
@@ -133,8 +134,14 @@ class BackfillScheduler(Scheduler):
         logger.info(
             "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s; ride-along "
             "%.2f; starvation bound %d steps / %.2f s; metrics %s",
-            __version__, type(self).__name__, s.batch_priority, s.chunk_target_s,
-            s.ride_along_share, s.starvation_steps, s.starvation_s, where,
+            __version__,
+            type(self).__name__,
+            s.batch_priority,
+            s.chunk_target_s,
+            s.ride_along_share,
+            s.starvation_steps,
+            s.starvation_s,
+            where,
         )
 
     # -- classes -------------------------------------------------------------------------
@@ -196,8 +203,9 @@ class BackfillScheduler(Scheduler):
         if pending:
             sequences = [self._sequence(r, True) for r in self.running]
             sequences += [self._sequence(r, False) for r in waiting]
-        return StepView(sequences, now, self._step_model.fit(), self._last_step_s,
-                        self.max_num_scheduled_tokens)
+        return StepView(
+            sequences, now, self._step_model.fit(), self._last_step_s, self.max_num_scheduled_tokens
+        )
 
     def _sequence(self, request: Request, resident: bool) -> SequenceView:
         batch = self.is_batch(request)
@@ -207,8 +215,12 @@ class BackfillScheduler(Scheduler):
         prefill = max(0, left - 1) if resident else max(1, left)
         track = self._tracks.get(request.request_id) if batch else None
         return SequenceView(
-            request.request_id, batch, resident, prefill,
-            track.paused_steps if track else 0, track.last_progress_s if track else None,
+            request.request_id,
+            batch,
+            resident,
+            prefill,
+            track.paused_steps if track else 0,
+            track.last_progress_s if track else None,
         )
 
     def _reserve_prefill_lookahead(
@@ -216,8 +228,7 @@ class BackfillScheduler(Scheduler):
     ) -> int:
         """vLLM asks this of every request it is about to give tokens, running and waiting,
         right before allocating their KV slots: the one place batch's tokens are capped."""
-        granted = super()._reserve_prefill_lookahead(request, num_computed_tokens,
-                                                     num_new_tokens)
+        granted = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         plan = self._plan
         if plan is None or granted <= 0 or not self.is_batch(request):
             return int(granted)
@@ -244,38 +255,50 @@ class BackfillScheduler(Scheduler):
         a sequence slot and the KV blocks they need (vLLM preempts only for running
         requests). Only those the step's token budget reaches: a request that would wait
         for budget anyway is no reason to throw batch work away yet."""
-        waiting = [r for r in self._waiting_interactive()
-                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        waiting = [
+            r
+            for r in self._waiting_interactive()
+            if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        ]
         if not waiting:
             return
         budget = self.max_num_scheduled_tokens - sum(
             min(max(1, r.num_tokens - r.num_computed_tokens), self.max_num_scheduled_tokens)
-            for r in self.running if not self.is_batch(r))
+            for r in self.running
+            if not self.is_batch(r)
+        )
         reached: list[Request] = []
         for request in waiting:
             if budget <= 0:
                 break
             reached.append(request)
             budget -= max(1, request.num_tokens - request.num_computed_tokens)
-        free_slots = (self.max_num_active_reqs - len(self.running)
-                      - self.num_waiting_for_streaming_input)
+        free_slots = (
+            self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input
+        )
         victims = slot_victims(self._victims(), free_slots, len(reached))
         self._preempt(victims, "seqs")
         admissible = reached[: max(0, free_slots + len(victims))]
         if not admissible:
             return
         manager = self.kv_cache_manager
-        needs = [cdiv(min(r.num_tokens, self.max_model_len) + 1, self.block_size)
-                 for r in admissible]
+        needs = [
+            cdiv(min(r.num_tokens, self.max_model_len) + 1, self.block_size) for r in admissible
+        ]
         if self.running:
             needs[0] += manager.watermark_blocks
-        self._preempt(kv_victims(self._victims(), manager.block_pool.get_num_free_blocks(),
-                                 needs), "kv")
+        self._preempt(
+            kv_victims(self._victims(), manager.block_pool.get_num_free_blocks(), needs), "kv"
+        )
 
     def _victims(self) -> list[VictimView]:
         return [
-            VictimView(r.request_id, r.num_computed_tokens,
-                       cdiv(r.num_computed_tokens, self.block_size), r.arrival_time)
+            VictimView(
+                r.request_id,
+                r.num_computed_tokens,
+                cdiv(r.num_computed_tokens, self.block_size),
+                r.arrival_time,
+            )
             for r in self.running
             if self.is_batch(r) and r.status == RequestStatus.RUNNING
         ]
@@ -291,8 +314,9 @@ class BackfillScheduler(Scheduler):
             finally:
                 self._preempt_reason = None
 
-    def _preempt_request(self, request: Request, timestamp: float,
-                         drop_stale_output: bool = False) -> None:
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False
+    ) -> None:
         if self.is_batch(request):
             reason = self._preempt_reason or "kv"
             with self.backfill_metrics.lock:
@@ -345,8 +369,9 @@ class BackfillScheduler(Scheduler):
             m.relief += sum(1 for r in plan.relieved if r in scheduled)
             m.ride_along += sum(1 for r in plan.riding if r in scheduled)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: Any) -> Any:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: Any
+    ) -> Any:
         now = time.monotonic()
         sent = self._in_flight.pop(id(scheduler_output), None)
         if sent is not None:

@@ -82,8 +82,9 @@ class Workload:
         takes ~4x one's)."""
         prefill = self.repeats * sum(speed.seconds_for(p, 1) for p in self.prefill_lengths)
         decode = sum(speed.seconds_for(n * p, o) for n, p, o in self.decode_cases)
-        held = speed.seconds_for(sum(p for p, _ in self.held_back),
-                                 sum(o for _, o in self.held_back) / self.concurrency)
+        held = speed.seconds_for(
+            sum(p for p, _ in self.held_back), sum(o for _, o in self.held_back) / self.concurrency
+        )
         return prefill + decode + held
 
     def with_prompts_scaled(self, factor: float) -> Workload:
@@ -101,8 +102,14 @@ class Workload:
 FULL = Workload(
     prefill_lengths=(32, 256, 512, 1024, 1536, 1984),
     repeats=3,
-    decode_cases=((1, 16, 64), (8, 16, 64), (32, 16, 64), (64, 16, 64), (8, 1024, 64),
-                  (16, 512, 64)),
+    decode_cases=(
+        (1, 16, 64),
+        (8, 16, 64),
+        (32, 16, 64),
+        (64, 16, 64),
+        (8, 1024, 64),
+        (16, 512, 64),
+    ),
     held_back=held_back_shapes(),
     concurrency=16,
 )
@@ -160,30 +167,39 @@ class HeldBack:
     real_ttft_p50_s: float
 
     def against(self, model: CostModel) -> Comparison:
-        config = EngineConfig(self.num_blocks, self.block_size, model, CPU_BATCHED_TOKENS,
-                              CPU_MAX_SEQS)
+        config = EngineConfig(
+            self.num_blocks, self.block_size, model, CPU_BATCHED_TOKENS, CPU_MAX_SEQS
+        )
         sim = closed_loop(config, self.shapes, self.concurrency)
-        return Comparison(self.real_tokens_per_s, sim.output_tokens_per_s,
-                          self.real_ttft_p50_s, sim.ttft_p50_s)
+        return Comparison(
+            self.real_tokens_per_s, sim.output_tokens_per_s, self.real_ttft_p50_s, sim.ttft_p50_s
+        )
 
 
-async def measure(url: str, model: str, workload: Workload = FULL
-                  ) -> tuple[list[Observation], HeldBack]:
+async def measure(
+    url: str, model: str, workload: Workload = FULL
+) -> tuple[list[Observation], HeldBack]:
     """The fitting observations (medians over the repeats) and the held-back workload."""
     probe = Probe(url, model)
     try:
         pool = parse_cache_config((await probe.client.get(f"{probe.url}/metrics")).text)
         await warm_up(probe)
         observations: list[Observation] = []
-        runs = [await prefill_observations(probe, workload.prefill_lengths, 1)
-                for _ in range(workload.repeats)]
+        runs = [
+            await prefill_observations(probe, workload.prefill_lengths, 1)
+            for _ in range(workload.repeats)
+        ]
         for same in zip(*runs, strict=True):
-            observations.append(min(same, key=lambda o: abs(
-                o.seconds - statistics.median(x.seconds for x in same))))
+            observations.append(
+                min(same, key=lambda o: abs(o.seconds - statistics.median(x.seconds for x in same)))
+            )
         observations += await decode_observations(probe, workload.decode_cases)
         timings, span = await probe.closed_loop(workload.held_back, workload.concurrency)
         held = HeldBack(
-            workload.held_back, workload.concurrency, pool.num_blocks, pool.block_size,
+            workload.held_back,
+            workload.concurrency,
+            pool.num_blocks,
+            pool.block_size,
             real_tokens_per_s=sum(t.output_tokens for t in timings) / span,
             real_ttft_p50_s=statistics.median(t.ttft for t in timings),
         )
@@ -195,15 +211,23 @@ async def measure(url: str, model: str, workload: Workload = FULL
 def fit(observations: list[Observation], model: str, dtype: str = "") -> tuple[CostModel, float]:
     served = f", {dtype}" if dtype else ""
     return fit_cost_model(
-        observations, name=f"vllm-cpu-{model}",
+        observations,
+        name=f"vllm-cpu-{model}",
         source=f"fitted by python -m bench.calibrate_simulator --model {model} to vLLM 0.32 "
         f"(vllm-cpu) on {os.cpu_count()} CPU cores{served}, --enforce-eager, 2,048 batched "
         "tokens",
     )
 
 
-def record(model: CostModel, rms: float, observations: list[Observation], held: HeldBack,
-           check: Comparison, dtype: str, speed: EngineSpeed) -> dict[str, Any]:
+def record(
+    model: CostModel,
+    rms: float,
+    observations: list[Observation],
+    held: HeldBack,
+    check: Comparison,
+    dtype: str,
+    speed: EngineSpeed,
+) -> dict[str, Any]:
     return {
         "model": model.to_json(),
         "fit_rms_relative_error": rms,
@@ -213,8 +237,12 @@ def record(model: CostModel, rms: float, observations: list[Observation], held: 
         "engine_speed": asdict(speed),
         "how": __doc__,
         "observations": [asdict(o) for o in observations],
-        "held_back": {**asdict(check), "requests": len(held.shapes),
-                      "concurrency": held.concurrency, "num_blocks": held.num_blocks},
+        "held_back": {
+            **asdict(check),
+            "requests": len(held.shapes),
+            "concurrency": held.concurrency,
+            "num_blocks": held.num_blocks,
+        },
     }
 
 
@@ -244,9 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         speed = measure_speed(url, args.model)
         workload = sized_to(SHORT, speed, QUICK_ENGINE_S) if args.quick else FULL
-        print(f"engine: {args.model}, {dtype}, {speed}; this workload: ~"
-              f"{workload.estimated_seconds(speed):.0f} s of engine time at most; load "
-              f"average {load_before:.2f}", flush=True)
+        print(
+            f"engine: {args.model}, {dtype}, {speed}; this workload: ~"
+            f"{workload.estimated_seconds(speed):.0f} s of engine time at most; load "
+            f"average {load_before:.2f}",
+            flush=True,
+        )
         observations, held = asyncio.run(measure(url, args.model, workload))
     except httpx.HTTPError as exc:
         print(f"the engine at {url} failed: {exc!r}", file=sys.stderr)
@@ -258,48 +289,88 @@ def main(argv: list[str] | None = None) -> int:
         model, rms = fit(observations, args.model, "" if server is None else dtype)
     except ValueError as exc:
         print(f"no fit from {len(observations)} observations: {exc}")
-        finish(NAME, "held_back_error", math.nan, "<=", GOAL, {
-            "model": args.model, "quick": args.quick, "fit_error": str(exc),
-            "observations": [asdict(o) for o in observations]})
+        finish(
+            NAME,
+            "held_back_error",
+            math.nan,
+            "<=",
+            GOAL,
+            {
+                "model": args.model,
+                "quick": args.quick,
+                "fit_error": str(exc),
+                "observations": [asdict(o) for o in observations],
+            },
+        )
         return 1
     check = held.against(model)
     stored_model = _stored(args.model)
     stored = None if stored_model is None else held.against(stored_model)
     rows: list[tuple[Any, ...]] = [
-        ("output tok/s", "this fit", check.real_tokens_per_s, check.sim_tokens_per_s,
-         f"{check.throughput_error:.1%}"),
-        ("TTFT p50 (s)", "this fit", check.real_ttft_p50_s, check.sim_ttft_p50_s,
-         f"{check.ttft_error:.1%}"),
+        (
+            "output tok/s",
+            "this fit",
+            check.real_tokens_per_s,
+            check.sim_tokens_per_s,
+            f"{check.throughput_error:.1%}",
+        ),
+        (
+            "TTFT p50 (s)",
+            "this fit",
+            check.real_ttft_p50_s,
+            check.sim_ttft_p50_s,
+            f"{check.ttft_error:.1%}",
+        ),
     ]
     if stored is not None:
         rows += [
-            ("output tok/s", "stored fit", stored.real_tokens_per_s, stored.sim_tokens_per_s,
-             f"{stored.throughput_error:.1%}"),
-            ("TTFT p50 (s)", "stored fit", stored.real_ttft_p50_s, stored.sim_ttft_p50_s,
-             f"{stored.ttft_error:.1%}"),
+            (
+                "output tok/s",
+                "stored fit",
+                stored.real_tokens_per_s,
+                stored.sim_tokens_per_s,
+                f"{stored.throughput_error:.1%}",
+            ),
+            (
+                "TTFT p50 (s)",
+                "stored fit",
+                stored.real_ttft_p50_s,
+                stored.sim_ttft_p50_s,
+                f"{stored.ttft_error:.1%}",
+            ),
         ]
     print(json.dumps(model.to_json(), indent=2))
-    print(f"fit RMS relative error {rms:.1%} over {len(observations)} observations; held back: "
-          f"{len(held.shapes)} requests, {held.concurrency} at a time, pool {held.num_blocks} x "
-          f"{held.block_size}; load average {load_before:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after")
+    print(
+        f"fit RMS relative error {rms:.1%} over {len(observations)} observations; held back: "
+        f"{len(held.shapes)} requests, {held.concurrency} at a time, pool {held.num_blocks} x "
+        f"{held.block_size}; load average {load_before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after"
+    )
     print(table(("held back", "model", "real", "simulated", "error"), rows))
     if args.write:
         path = CALIBRATION_DIR / f"vllm-cpu-{args.model}.json"
-        path.write_text(json.dumps(
-            record(model, rms, observations, held, check, dtype, speed), indent=2) + "\n")
+        path.write_text(
+            json.dumps(record(model, rms, observations, held, check, dtype, speed), indent=2) + "\n"
+        )
         print(f"wrote {path}")
-    ok = finish(NAME, "held_back_error", check.error, "<=", GOAL, {
-        "model": args.model,
-        "dtype": dtype,
-        "quick": args.quick,
-        "engine_speed": asdict(speed),
-        "fit": model.to_json(),
-        "fit_rms_relative_error": rms,
-        "held_back": asdict(check),
-        "stored_fit_held_back": None if stored is None else asdict(stored),
-        "load_average_1m": [load_before, os.getloadavg()[0]],
-    })
+    ok = finish(
+        NAME,
+        "held_back_error",
+        check.error,
+        "<=",
+        GOAL,
+        {
+            "model": args.model,
+            "dtype": dtype,
+            "quick": args.quick,
+            "engine_speed": asdict(speed),
+            "fit": model.to_json(),
+            "fit_rms_relative_error": rms,
+            "held_back": asdict(check),
+            "stored_fit_held_back": None if stored is None else asdict(stored),
+            "load_average_1m": [load_before, os.getloadavg()[0]],
+        },
+    )
     return 0 if ok else 1
 
 

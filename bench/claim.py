@@ -150,7 +150,11 @@ def main() -> None:
                 (
                     "Backfill claim + start_many + finish"
                     + (" (plain EDF)" if args.plain_edf else " (fair share)"),
-                    n, args.tenants, CLAIMERS, PER_CLAIM, repo,
+                    n,
+                    args.tenants,
+                    CLAIMERS,
+                    PER_CLAIM,
+                    repo,
                 ),
             ],
         )

@@ -53,8 +53,10 @@ class Probe:
         self.url = url.rstrip("/")
         self.model = model
         self.rng = random.Random(time.time_ns() if seed is None else seed)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(
-            max_connections=512, max_keepalive_connections=512))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
+        )
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -145,8 +147,10 @@ async def decode_observations(
         if not gaps:
             continue
         done = sum(sum(1 for x in t.token_times if x < start) for t in timings) / n
-        work = StepWork(decode_tokens=n, decode_context=int(n * (prompt + done + (
-            len(timings[0].token_times) - done) / 2)))
+        work = StepWork(
+            decode_tokens=n,
+            decode_context=int(n * (prompt + done + (len(timings[0].token_times) - done) / 2)),
+        )
         out.append(Observation(work, statistics.median(gaps)))
     return out
 

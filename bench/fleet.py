@@ -74,11 +74,29 @@ GOAL_RESERVE_P99_S = 0.005
 SWEEP = (10, 100, 300, 1000)
 PROMPT_TOKENS = 1000
 OUTPUT_TOKENS = 300
-BODY = json.dumps({"model": "m", "max_tokens": OUTPUT_TOKENS, "messages": [
-    {"role": "user", "content": "Summarise: " + "lorem ipsum " * 80}]})
+BODY = json.dumps(
+    {
+        "model": "m",
+        "max_tokens": OUTPUT_TOKENS,
+        "messages": [{"role": "user", "content": "Summarise: " + "lorem ipsum " * 80}],
+    }
+)
 """A ~1 KB request body (a 1,000-token prompt would be ~4 KB; smaller keeps the load short)."""
-CALLS = ("claim", "start", "reserve", "settle", "heartbeat", "heartbeat_pg", "finish",
-         "release", "snapshot", "observe", "work_budget", "unclaim", "tick")
+CALLS = (
+    "claim",
+    "start",
+    "reserve",
+    "settle",
+    "heartbeat",
+    "heartbeat_pg",
+    "finish",
+    "release",
+    "snapshot",
+    "observe",
+    "work_budget",
+    "unclaim",
+    "tick",
+)
 THREADS_PER_PROC = 16
 PLOT = Path(__file__).parent / "fleet.png"
 
@@ -122,11 +140,18 @@ def _load_items(url: str, count: int) -> None:
         f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
         per_job = 50_000
         for j in range(0, count, per_job):
-            job = repo.create_job(tenant.id, f.id, "/v1/chat/completions", "24h",
-                                  datetime.now(UTC) + timedelta(days=1, seconds=j))
+            job = repo.create_job(
+                tenant.id,
+                f.id,
+                "/v1/chat/completions",
+                "24h",
+                datetime.now(UTC) + timedelta(days=1, seconds=j),
+            )
             n = min(per_job, count - j)
-            repo.insert_items(job.id, (
-                NewItem(i, f"r{i}", BODY, OUTPUT_TOKENS, PROMPT_TOKENS, None) for i in range(n)))
+            repo.insert_items(
+                job.id,
+                (NewItem(i, f"r{i}", BODY, OUTPUT_TOKENS, PROMPT_TOKENS, None) for i in range(n)),
+            )
             repo.move_job(job.id, JobState.IN_PROGRESS)
     finally:
         repo.close()
@@ -145,8 +170,14 @@ def _register(url: str, redis_url: str, namespace: str, nodes: Sequence[str]) ->
     ledger = Ledger.from_url(redis_url, namespace, policy)
     try:
         for node in nodes:
-            repo.upsert_node(node, "http://sim", "m", engine.num_blocks, engine.block_size,
-                             policy.reserve_tokens(capacity))
+            repo.upsert_node(
+                node,
+                "http://sim",
+                "m",
+                engine.num_blocks,
+                engine.block_size,
+                policy.reserve_tokens(capacity),
+            )
         ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)
     finally:
         repo.close()
@@ -197,8 +228,11 @@ async def _serve(share: Share) -> dict[str, Any]:
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(THREADS_PER_PROC))
     settings = get_settings()
     policy = pool_policy(settings)
-    client = redis.asyncio.Redis(connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
-        share.redis_url, max_connections=64, timeout=30))
+    client = redis.asyncio.Redis(
+        connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+            share.redis_url, max_connections=64, timeout=30
+        )
+    )
     # Each node's preemption subscription holds a connection of its own.
     listen_client = redis.asyncio.Redis.from_url(share.redis_url)
     keys = LedgerKeys(share.namespace)
@@ -210,18 +244,22 @@ async def _serve(share: Share) -> dict[str, Any]:
         await raw.load_scripts()
         plane = raw
     else:
-        repo = Repository.connect(share.url, pool_size=THREADS_PER_PROC // 2,
-                                  fair_share=settings.fair_share)
-        ledger = AsyncLedger(client, share.namespace, policy,
-                             lease_ttl_ms=int(share.cfg.lease_ttl_s * 1000))
+        repo = Repository.connect(
+            share.url, pool_size=THREADS_PER_PROC // 2, fair_share=settings.fair_share
+        )
+        ledger = AsyncLedger(
+            client, share.namespace, policy, lease_ttl_ms=int(share.cfg.lease_ttl_s * 1000)
+        )
         listen_ledger = AsyncLedger(listen_client, share.namespace, policy)
         plane = BackfillPlane(repo, ledger, share.cfg, listen_ledger)
     rec = Recorder()
     model = h100_node()
-    budget = work_budget_policy(settings, share.cfg.max_in_flight) \
-        if settings.work_budget_enabled else None
-    nodes = [SimNode(n, plane, model, share.cfg, rec, budget, OUTPUT_TOKENS)
-             for n in share.nodes]
+    budget = (
+        work_budget_policy(settings, share.cfg.max_in_flight)
+        if settings.work_budget_enabled
+        else None
+    )
+    nodes = [SimNode(n, plane, model, share.cfg, rec, budget, OUTPUT_TOKENS) for n in share.nodes]
     tasks = [asyncio.create_task(n.run()) for n in nodes]
     await asyncio.sleep(max(0.0, share.measure_from - time.time()))
     rec.measuring = True
@@ -260,7 +298,11 @@ class Maintenance(threading.Thread):
     def __init__(self, url: str, redis_url: str, namespace: str, interval_s: float) -> None:
         super().__init__(daemon=True)
         self.url, self.redis_url, self.namespace, self.interval_s = (
-            url, redis_url, namespace, interval_s)
+            url,
+            redis_url,
+            namespace,
+            interval_s,
+        )
         self.stop = threading.Event()
         self.hist = Histogram()
         self.measuring = False
@@ -289,13 +331,22 @@ def _our_postgres_pids(url: str) -> list[int]:
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         rows = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = %s OR backend_type <> "
-            "'client backend'", (dbname,)).fetchall()
+            "'client backend'",
+            (dbname,),
+        ).fetchall()
     mine = os.getpid()
     return [r[0] for r in rows if r[0] != mine]
 
 
-def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: int,
-              cfg: NodeConfig, max_items: int) -> Point:
+def run_point(
+    nodes: int,
+    side: str,
+    duration_s: float,
+    warmup_s: float,
+    procs: int,
+    cfg: NodeConfig,
+    max_items: int,
+) -> Point:
     settings = get_settings()
     redis_url = settings.redis_url
     namespace = f"bffleet-{secrets.token_hex(4)}"
@@ -308,18 +359,35 @@ def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: 
         url = cleanup.enter_context(scratch_database("bffleet"))
         _load_items(url, count)
         _register(url, redis_url, namespace, names)
-        maint = Maintenance(url, redis_url, namespace, settings.reaper_interval_s) \
-            if side == "backfill" else None
+        maint = (
+            Maintenance(url, redis_url, namespace, settings.reaper_interval_s)
+            if side == "backfill"
+            else None
+        )
         try:
             t_start = time.time() + 2.0  # the children's start-up
             share_of = [tuple(names[i::procs]) for i in range(procs)]
             ctx = mp.get_context("fork")
             out = ctx.Queue()
             children = [
-                ctx.Process(target=_child, args=(Share(side, url, redis_url, namespace, s, cfg,
-                                                       t_start + warmup_s,
-                                                       t_start + warmup_s + duration_s), out))
-                for s in share_of if s
+                ctx.Process(
+                    target=_child,
+                    args=(
+                        Share(
+                            side,
+                            url,
+                            redis_url,
+                            namespace,
+                            s,
+                            cfg,
+                            t_start + warmup_s,
+                            t_start + warmup_s + duration_s,
+                        ),
+                        out,
+                    ),
+                )
+                for s in share_of
+                if s
             ]
             for c in children:
                 c.start()
@@ -353,7 +421,9 @@ def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: 
     if maint is not None and maint.hist.total:
         hist["tick"] = maint.hist
     return Point(
-        nodes=nodes, side=side, duration_s=duration_s,
+        nodes=nodes,
+        side=side,
+        duration_s=duration_s,
         items_per_s=sum(r["finished"] for r in results) / duration_s,
         started=sum(r["started"] for r in results),
         claims=sum(r["claims"] for r in results),
@@ -363,8 +433,11 @@ def run_point(nodes: int, side: str, duration_s: float, warmup_s: float, procs: 
         redis_cpu=cpu_delta(rd0, rd1) / duration_s,
         harness_cpu=sum(r["cpu_s"] for r in results) / duration_s,
         machine_busy=(busy1[0] - busy0[0]) / max(busy1[1] - busy0[1], 1e-9) * (os.cpu_count() or 1),
-        extra={"items_loaded": count, "in_flight_at_end": sum(r["in_flight"] for r in results),
-               "procs": len(children)},
+        extra={
+            "items_loaded": count,
+            "in_flight_at_end": sum(r["in_flight"] for r in results),
+            "procs": len(children),
+        },
     )
 
 
@@ -379,38 +452,125 @@ def _ms(v: float) -> str:
 def report(points: Sequence[Point]) -> str:
     rows = []
     for p in points:
-        rows.append((p.nodes, p.side, round(p.items_per_s), p.queued_left,
-                     *(f"{_ms(p.p(c, 50))}/{_ms(p.p(c, 99))}" for c in
-                       ("claim", "start", "reserve", "settle", "heartbeat", "finish", "release")),
-                     f"{p.pg_cpu:.2f}", f"{p.redis_cpu:.2f}", f"{p.harness_cpu:.2f}",
-                     f"{p.machine_busy:.2f}"))
-    head = ["nodes", "path", "items/s", "queued left", *(f"{c} p50/p99 ms" for c in (
-        "claim", "start", "reserve", "settle", "heartbeat", "finish", "release")),
-        "pg cpu", "redis cpu", "harness cpu", "machine busy"]
+        rows.append(
+            (
+                p.nodes,
+                p.side,
+                round(p.items_per_s),
+                p.queued_left,
+                *(
+                    f"{_ms(p.p(c, 50))}/{_ms(p.p(c, 99))}"
+                    for c in (
+                        "claim",
+                        "start",
+                        "reserve",
+                        "settle",
+                        "heartbeat",
+                        "finish",
+                        "release",
+                    )
+                ),
+                f"{p.pg_cpu:.2f}",
+                f"{p.redis_cpu:.2f}",
+                f"{p.harness_cpu:.2f}",
+                f"{p.machine_busy:.2f}",
+            )
+        )
+    head = [
+        "nodes",
+        "path",
+        "items/s",
+        "queued left",
+        *(
+            f"{c} p50/p99 ms"
+            for c in ("claim", "start", "reserve", "settle", "heartbeat", "finish", "release")
+        ),
+        "pg cpu",
+        "redis cpu",
+        "harness cpu",
+        "machine busy",
+    ]
     calls = []
     for p in points:
-        calls.append((p.nodes, p.side, *(round(p.rate(c)) for c in (
-            "claim", "start", "reserve", "settle", "heartbeat", "heartbeat_pg", "finish",
-            "release", "snapshot", "observe", "work_budget")),
-            _ms(p.p("tick", 50)) + "/" + _ms(p.p("tick", 99))))
-    calls_head = ["nodes", "path", *(f"{c}/s" for c in (
-        "claim", "start", "reserve", "settle", "hb", "hb_pg", "finish", "release", "snapshot",
-        "observe", "budget")), "tick p50/p99 ms"]
+        calls.append(
+            (
+                p.nodes,
+                p.side,
+                *(
+                    round(p.rate(c))
+                    for c in (
+                        "claim",
+                        "start",
+                        "reserve",
+                        "settle",
+                        "heartbeat",
+                        "heartbeat_pg",
+                        "finish",
+                        "release",
+                        "snapshot",
+                        "observe",
+                        "work_budget",
+                    )
+                ),
+                _ms(p.p("tick", 50)) + "/" + _ms(p.p("tick", 99)),
+            )
+        )
+    calls_head = [
+        "nodes",
+        "path",
+        *(
+            f"{c}/s"
+            for c in (
+                "claim",
+                "start",
+                "reserve",
+                "settle",
+                "hb",
+                "hb_pg",
+                "finish",
+                "release",
+                "snapshot",
+                "observe",
+                "budget",
+            )
+        ),
+        "tick p50/p99 ms",
+    ]
     per_item = []
     for p in points:
         redis_calls = sum(p.rate(c) for c in REDIS_CALLS)
         items = max(p.items_per_s, 1e-9)
-        per_item.append((
-            p.nodes, p.side, round(offered_items_per_s(p.nodes)), round(p.items_per_s),
-            f"{redis_calls / items:.1f}",
-            f"{p.redis_cpu / max(redis_calls, 1e-9) * 1e6:.0f}",
-            f"{p.pg_cpu / items * 1000:.2f}", f"{p.redis_cpu / items * 1000:.2f}",
-            f"{p.harness_cpu / items * 1000:.2f}"))
-    per_item_head = ["nodes", "path", "offered items/s", "items/s", "redis calls/item",
-                     "redis cpu us/call", "pg cpu ms/item", "redis cpu ms/item",
-                     "harness cpu ms/item"]
-    return (table(head, rows) + "\n\ncalls per second\n" + table(calls_head, calls)
-            + "\n\ncost per item (CPU of one core)\n" + table(per_item_head, per_item))
+        per_item.append(
+            (
+                p.nodes,
+                p.side,
+                round(offered_items_per_s(p.nodes)),
+                round(p.items_per_s),
+                f"{redis_calls / items:.1f}",
+                f"{p.redis_cpu / max(redis_calls, 1e-9) * 1e6:.0f}",
+                f"{p.pg_cpu / items * 1000:.2f}",
+                f"{p.redis_cpu / items * 1000:.2f}",
+                f"{p.harness_cpu / items * 1000:.2f}",
+            )
+        )
+    per_item_head = [
+        "nodes",
+        "path",
+        "offered items/s",
+        "items/s",
+        "redis calls/item",
+        "redis cpu us/call",
+        "pg cpu ms/item",
+        "redis cpu ms/item",
+        "harness cpu ms/item",
+    ]
+    return (
+        table(head, rows)
+        + "\n\ncalls per second\n"
+        + table(calls_head, calls)
+        + "\n\ncost per item (CPU of one core)\n"
+        + table(per_item_head, per_item)
+    )
 
 
 REDIS_CALLS = ("reserve", "settle", "heartbeat", "release", "snapshot", "observe")
@@ -420,8 +580,9 @@ REDIS_CALLS = ("reserve", "settle", "heartbeat", "release", "snapshot", "observe
 def offered_items_per_s(nodes: int) -> float:
     """What the nodes' engines could finish (the timing model at full batch, prefill aside)."""
     per_node = NodeConfig().max_in_flight / (
-        OUTPUT_TOKENS * h100_node().decode_step_s(NodeConfig().max_in_flight,
-                                                  PROMPT_TOKENS + OUTPUT_TOKENS // 2))
+        OUTPUT_TOKENS
+        * h100_node().decode_step_s(NodeConfig().max_in_flight, PROMPT_TOKENS + OUTPUT_TOKENS // 2)
+    )
     return nodes * per_node
 
 
@@ -438,10 +599,10 @@ def plot(points: Sequence[Point], path: Path) -> None:
             continue
         xs = [p.nodes for p in ps]
         a.plot(xs, [p.items_per_s for p in ps], style, label=side)
-        for call, color in (("claim", "C0"), ("reserve", "C1"), ("settle", "C2"),
-                            ("finish", "C3")):
-            b.plot(xs, [p.p(call, 99) * 1000 for p in ps], style, color=color,
-                   label=f"{call} ({side})")
+        for call, color in (("claim", "C0"), ("reserve", "C1"), ("settle", "C2"), ("finish", "C3")):
+            b.plot(
+                xs, [p.p(call, 99) * 1000 for p in ps], style, color=color, label=f"{call} ({side})"
+            )
     a.axhline(GOAL_ITEMS_PER_S, color="grey", lw=0.8, ls=":", label="goal")
     for ax in (a, b):
         ax.set_xscale("log")
@@ -466,8 +627,11 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--procs", type=int, default=None, help="harness processes (1 or 2)")
     p.add_argument("--no-peer", action="store_true", help="skip the raw floor")
-    p.add_argument("--per-item-settle", action="store_true",
-                   help="also run Backfill settling per item per 32 tokens (before settle_many)")
+    p.add_argument(
+        "--per-item-settle",
+        action="store_true",
+        help="also run Backfill settling per item per 32 tokens (before settle_many)",
+    )
     p.add_argument("--max-items", type=int, default=150_000)
     args = p.parse_args()
     sizes: Sequence[int] = SWEEP if args.sweep else ((10,) if args.quick else (args.nodes,))
@@ -475,8 +639,11 @@ def main() -> None:
     warmup = args.warmup or (6.0 if args.quick else 15.0)
     max_items = 20_000 if args.quick else args.max_items
     cfg = NodeConfig()
-    print(f"bench.fleet: {machine()}; load average {os.getloadavg()[0]:.1f} at start; "
-          f"{duration:.0f} s measured after {warmup:.0f} s warm-up per point", flush=True)
+    print(
+        f"bench.fleet: {machine()}; load average {os.getloadavg()[0]:.1f} at start; "
+        f"{duration:.0f} s measured after {warmup:.0f} s warm-up per point",
+        flush=True,
+    )
     points: list[Point] = []
     for n in sizes:
         procs = args.procs or (1 if n <= 100 else 2)
@@ -485,8 +652,15 @@ def main() -> None:
             points.append(run_point(n, side, duration, warmup, procs, cfg, max_items))
             print(f"  N={n} {side}: {points[-1].items_per_s:,.0f} items/s", flush=True)
         if args.per_item_settle:
-            pt = run_point(n, "backfill", duration, warmup, procs,
-                           replace(cfg, settle_batched=False), max_items)
+            pt = run_point(
+                n,
+                "backfill",
+                duration,
+                warmup,
+                procs,
+                replace(cfg, settle_batched=False),
+                max_items,
+            )
             pt.side = "per-item settle"
             points.append(pt)
             print(f"  N={n} per-item settle: {pt.items_per_s:,.0f} items/s", flush=True)
@@ -498,26 +672,40 @@ def main() -> None:
         if bf and raw and raw[0].items_per_s:
             ratios[n] = bf[0].items_per_s / raw[0].items_per_s
     if ratios:
-        print("Backfill / raw floor, items/s: " + ", ".join(
-            f"N={n}: {r:.2f}x" for n, r in ratios.items()))
+        print(
+            "Backfill / raw floor, items/s: "
+            + ", ".join(f"N={n}: {r:.2f}x" for n, r in ratios.items())
+        )
     if len(sizes) > 1:
         plot(points, PLOT)
         print(f"plot: {PLOT}")
     top = max((p for p in points if p.side == "backfill"), key=lambda p: p.nodes)
-    ok_latency = (top.p("claim", 99) <= GOAL_CLAIM_P99_S
-                  and top.p("reserve", 99) <= GOAL_RESERVE_P99_S)
+    ok_latency = (
+        top.p("claim", 99) <= GOAL_CLAIM_P99_S and top.p("reserve", 99) <= GOAL_RESERVE_P99_S
+    )
     details = {
-        "points": [{**{k: v for k, v in p.__dict__.items() if k != "hist"},
-                    "p50_ms": {c: p.p(c, 50) * 1000 for c in CALLS if c in p.hist},
-                    "p99_ms": {c: p.p(c, 99) * 1000 for c in CALLS if c in p.hist},
-                    "calls_per_s": {c: p.rate(c) for c in CALLS if c in p.hist}}
-                   for p in points],
+        "points": [
+            {
+                **{k: v for k, v in p.__dict__.items() if k != "hist"},
+                "p50_ms": {c: p.p(c, 50) * 1000 for c in CALLS if c in p.hist},
+                "p99_ms": {c: p.p(c, 99) * 1000 for c in CALLS if c in p.hist},
+                "calls_per_s": {c: p.rate(c) for c in CALLS if c in p.hist},
+            }
+            for p in points
+        ],
         "ratios_backfill_over_raw": ratios,
         "latency_goals_met_at_top": ok_latency,
     }
     # The goal is at 1,000 nodes with both latency bounds; a smaller run cannot meet it.
-    finish(NAME, "items_per_s", top.items_per_s, ">=", GOAL_ITEMS_PER_S, details,
-           holds=top.nodes >= 1000 and ok_latency)
+    finish(
+        NAME,
+        "items_per_s",
+        top.items_per_s,
+        ">=",
+        GOAL_ITEMS_PER_S,
+        details,
+        holds=top.nodes >= 1000 and ok_latency,
+    )
 
 
 if __name__ == "__main__":

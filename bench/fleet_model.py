@@ -75,8 +75,9 @@ class NodeModel:
         if not prompts:
             return []
         batch = decoding + len(prompts)
-        mean_context = int(sum(p + o / 2 for p, o in zip(prompts, outputs, strict=True))
-                           / len(prompts))
+        mean_context = int(
+            sum(p + o / 2 for p, o in zip(prompts, outputs, strict=True)) / len(prompts)
+        )
         token_s = self.decode_step_s(batch, mean_context)
         # Chunked prefill: each step carries up to max_batched_tokens of prompt, in order; a
         # prompt is ready (its first token out) when the step carrying its last chunk ends.

@@ -65,10 +65,18 @@ from bench.fleet_stats import Histogram
 T = TypeVar("T")
 
 RESULT = json.dumps(
-    {"id": "bf-0", "object": "chat.completion", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "x" * 1200},
-         "finish_reason": "stop"}],
-     "usage": {"prompt_tokens": 1000, "completion_tokens": 300, "total_tokens": 1300}}
+    {
+        "id": "bf-0",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x" * 1200},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 300, "total_tokens": 1300},
+    }
 )
 """A summary's result body (~1.3 KB)."""
 
@@ -133,8 +141,13 @@ class Plane(Protocol):
 class BackfillPlane:
     """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``."""
 
-    def __init__(self, repo: Repository, ledger: AsyncLedger, cfg: NodeConfig,
-                 listen_ledger: AsyncLedger | None = None) -> None:
+    def __init__(
+        self,
+        repo: Repository,
+        ledger: AsyncLedger,
+        cfg: NodeConfig,
+        listen_ledger: AsyncLedger | None = None,
+    ) -> None:
         self.repo, self.ledger, self.cfg = repo, ledger, cfg
         # Each subscription holds a connection: not from the calls' bounded pool.
         self.listen_ledger = listen_ledger or ledger
@@ -154,22 +167,32 @@ class BackfillPlane:
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
         claimed: list[ClaimedItem] = await asyncio.to_thread(self.repo.claim, node, want, ttl_s)
         return [
-            Held(c.id, c.attempt, c.prompt_tokens or 0, c.max_output_tokens,
-                 int(c.deadline.timestamp() * 1000))
+            Held(
+                c.id,
+                c.attempt,
+                c.prompt_tokens or 0,
+                c.max_output_tokens,
+                int(c.deadline.timestamp() * 1000),
+            )
             for c in claimed
         ]
 
     async def unclaim(self, held: Sequence[Held]) -> None:
         await asyncio.to_thread(
-            self.repo.unclaim, [(h.item_id, h.attempt) for h in held], "slack full")
+            self.repo.unclaim, [(h.item_id, h.attempt) for h in held], "slack full"
+        )
 
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
         requests = [
             ReserveRequest(
-                node=node, service_class=ServiceClass.BATCH, prompt_tokens=h.prompt_tokens,
-                max_output_tokens=h.max_output_tokens, n=1,
+                node=node,
+                service_class=ServiceClass.BATCH,
+                prompt_tokens=h.prompt_tokens,
+                max_output_tokens=h.max_output_tokens,
+                n=1,
                 owner=f"{node}/{h.item_id}/{h.attempt}",
-                preemptible=True, deadline_ms=h.deadline_ms,
+                preemptible=True,
+                deadline_ms=h.deadline_ms,
                 ttl_ms=int(self.cfg.lease_ttl_s * 1000),
             )
             for h in held
@@ -182,37 +205,64 @@ class BackfillPlane:
     async def give_back(self, held: Held) -> None:
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
-                self.repo.give_back, held.item_id, held.attempt, ItemState.DEFERRED,
-                retry_after_s=1.0, detail="no slack")
+                self.repo.give_back,
+                held.item_id,
+                held.attempt,
+                ItemState.DEFERRED,
+                retry_after_s=1.0,
+                detail="no slack",
+            )
 
     async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
-        starts = [Start(h.item_id, h.attempt, h.lease.lease_id, h.lease.fencing_token,
-                        h.lease.tokens, h.prompt_tokens) for h in held]
+        starts = [
+            Start(
+                h.item_id,
+                h.attempt,
+                h.lease.lease_id,
+                h.lease.fencing_token,
+                h.lease.tokens,
+                h.prompt_tokens,
+            )
+            for h in held
+        ]
         return set(await asyncio.to_thread(self.repo.start_many, starts, ttl_s))
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         with contextlib.suppress(BackfillError):
-            await self.ledger.settle(node, held.lease.lease_id, held.lease.fencing_token,
-                                     generated)
+            await self.ledger.settle(node, held.lease.lease_id, held.lease.fencing_token, generated)
 
     async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None:
         with contextlib.suppress(BackfillError):
             await self.ledger.settle_many(
-                node, [(h.lease.lease_id, h.lease.fencing_token, g) for h, g in progress])
+                node, [(h.lease.lease_id, h.lease.fencing_token, g) for h, g in progress]
+            )
 
     async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
-        return set(await asyncio.to_thread(
-            self.repo.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s))
+        return set(
+            await asyncio.to_thread(
+                self.repo.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s
+            )
+        )
 
     async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
         with contextlib.suppress(BackfillError):
-            await self.ledger.heartbeat(node, held.lease.lease_id, held.lease.fencing_token,
-                                        ttl_ms=int(ttl_s * 1000))
+            await self.ledger.heartbeat(
+                node, held.lease.lease_id, held.lease.fencing_token, ttl_ms=int(ttl_s * 1000)
+            )
 
     async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
-        fins = [Finish(h.item_id, h.attempt, h.lease.fencing_token, ItemState.SUCCEEDED,
-                       result=RESULT, output_tokens=out, prompt_tokens=h.prompt_tokens)
-                for h, out in done]
+        fins = [
+            Finish(
+                h.item_id,
+                h.attempt,
+                h.lease.fencing_token,
+                ItemState.SUCCEEDED,
+                result=RESULT,
+                output_tokens=out,
+                prompt_tokens=h.prompt_tokens,
+            )
+            for h, out in done
+        ]
         return set(await asyncio.to_thread(self.repo.finish, fins))
 
     async def release(self, held: Sequence[Held]) -> None:
@@ -258,10 +308,17 @@ class RawPlane:
         "lease_expires_at = now() + make_interval(secs => %s) WHERE id IN ("
         "SELECT id FROM items WHERE state = 'queued' ORDER BY deadline, id "
         "LIMIT %s FOR UPDATE SKIP LOCKED) "
-        "RETURNING id, attempt, prompt_tokens, max_output_tokens, deadline")
+        "RETURNING id, attempt, prompt_tokens, max_output_tokens, deadline"
+    )
 
-    def __init__(self, libpq: str, client: redis.asyncio.Redis, keys: LedgerKeys,
-                 connections: int, listen_client: redis.asyncio.Redis | None = None) -> None:
+    def __init__(
+        self,
+        libpq: str,
+        client: redis.asyncio.Redis,
+        keys: LedgerKeys,
+        connections: int,
+        listen_client: redis.asyncio.Redis | None = None,
+    ) -> None:
         # Each subscription holds a connection: not from the calls' bounded pool.
         self._listen_client = listen_client or client
         self._conns: queue.Queue[psycopg.Connection[Any]] = queue.Queue()
@@ -311,8 +368,9 @@ class RawPlane:
         return [Held(r[0], r[1], r[2] or 0, r[3], int(r[4].timestamp() * 1000)) for r in rows]
 
     async def unclaim(self, held: Sequence[Held]) -> None:
-        await self._run("UPDATE items SET state = 'queued' WHERE id = ANY(%s)",
-                        [h.item_id for h in held])
+        await self._run(
+            "UPDATE items SET state = 'queued' WHERE id = ANY(%s)", [h.item_id for h in held]
+        )
 
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
         pool, leases = self._k(node)
@@ -331,30 +389,40 @@ class RawPlane:
     async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
         rows = await self._run(
             "UPDATE items SET state = 'running' WHERE id = ANY(%s) RETURNING id",
-            [h.item_id for h in held])
+            [h.item_id for h in held],
+        )
         return {r[0] for r in rows}
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         await self._client.hset(self._k(node)[1] + ":gen", held.lease.lease_id, generated)
 
     async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None:
-        await self._client.hset(self._k(node)[1] + ":gen",
-                                mapping={h.lease.lease_id: g for h, g in progress})
+        await self._client.hset(
+            self._k(node)[1] + ":gen", mapping={h.lease.lease_id: g for h, g in progress}
+        )
 
     async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
         rows = await self._run(
             "UPDATE items SET lease_expires_at = now() + make_interval(secs => %s) "
-            "WHERE id = ANY(%s) RETURNING id", ttl_s, [h.item_id for h in held])
+            "WHERE id = ANY(%s) RETURNING id",
+            ttl_s,
+            [h.item_id for h in held],
+        )
         return {r[0] for r in rows}
 
     async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
-        await self._client.zadd(self._k(node)[1] + ":exp",
-                                {held.lease.lease_id: time.time() + ttl_s})
+        await self._client.zadd(
+            self._k(node)[1] + ":exp", {held.lease.lease_id: time.time() + ttl_s}
+        )
 
     async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
         rows = await self._run(
             "UPDATE items SET state = 'succeeded', result = %s, output_tokens = %s "
-            "WHERE id = ANY(%s) RETURNING id", RESULT, done[0][1], [h.item_id for h, _ in done])
+            "WHERE id = ANY(%s) RETURNING id",
+            RESULT,
+            done[0][1],
+            [h.item_id for h, _ in done],
+        )
         return {r[0] for r in rows}
 
     async def release(self, held: Sequence[Held]) -> None:
@@ -429,9 +497,16 @@ async def cancel_all(tasks: Sequence[asyncio.Task[Any]], attempts: int = 50) -> 
 class SimNode:
     """One node's dispatcher loop against ``plane``, its tokens timed by ``model``."""
 
-    def __init__(self, name: str, plane: Plane, model: NodeModel, cfg: NodeConfig,
-                 rec: Recorder, budget_policy: WorkBudgetPolicy | None,
-                 output_tokens: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        plane: Plane,
+        model: NodeModel,
+        cfg: NodeConfig,
+        rec: Recorder,
+        budget_policy: WorkBudgetPolicy | None,
+        output_tokens: int,
+    ) -> None:
         self.name, self.plane, self.model, self.cfg, self.rec = name, plane, model, cfg, rec
         self.budget_policy = budget_policy
         self.output_tokens = output_tokens
@@ -468,11 +543,13 @@ class SimNode:
             asyncio.create_task(self._listen()),
         ]
         if self.budget_policy is not None:
-            helpers.append(asyncio.create_task(
-                self._every(self.cfg.budget_interval_s, self._step_budget)))
+            helpers.append(
+                asyncio.create_task(self._every(self.cfg.budget_interval_s, self._step_budget))
+            )
         if self.cfg.settle_batched:
-            helpers.append(asyncio.create_task(
-                self._every(self.cfg.settle_interval_s, self._settle_progress)))
+            helpers.append(
+                asyncio.create_task(self._every(self.cfg.settle_interval_s, self._settle_progress))
+            )
         try:
             while not self._stopping.is_set():
                 try:
@@ -528,7 +605,7 @@ class SimNode:
                 break
             fits.append(h)
             used += need
-        rest = claimed[len(fits):]
+        rest = claimed[len(fits) :]
         if rest:
             self.counters.unclaimed += len(rest)
             await rec.timed("unclaim", self.plane.unclaim(rest))
@@ -541,10 +618,15 @@ class SimNode:
                 continue
             lease: Lease | RawLease = outcome
             self._typical_reservation = (
-                lease.tokens if not self._typical_reservation
-                else (3 * self._typical_reservation + lease.tokens) // 4)
-            leased.append(Held(h.item_id, h.attempt, h.prompt_tokens, h.max_output_tokens,
-                               h.deadline_ms, lease))
+                lease.tokens
+                if not self._typical_reservation
+                else (3 * self._typical_reservation + lease.tokens) // 4
+            )
+            leased.append(
+                Held(
+                    h.item_id, h.attempt, h.prompt_tokens, h.max_output_tokens, h.deadline_ms, lease
+                )
+            )
         if not leased:
             return 0
         applied = await rec.timed("start", self.plane.start_many(leased, cfg.lease_ttl_s))
@@ -559,8 +641,12 @@ class SimNode:
     def _schedule(self, started: Sequence[Held]) -> None:
         outputs = [min(self.output_tokens, h.max_output_tokens) for h in started]
         timelines = self.model.start(
-            time.monotonic(), [h.prompt_tokens for h in started], outputs,
-            len(self._flights), self.cfg.settle_every_tokens)
+            time.monotonic(),
+            [h.prompt_tokens for h in started],
+            outputs,
+            len(self._flights),
+            self.cfg.settle_every_tokens,
+        )
         for h, tl in zip(started, timelines, strict=True):
             flight = _Flight(h, tl)
             self._flights[h.item_id] = flight
@@ -597,8 +683,9 @@ class SimNode:
                     settles.append((flight, generated))
             for flight, generated in settles:
                 # Each item's task awaits its own settle in the dispatcher.
-                t = asyncio.create_task(self.rec.timed(
-                    "settle", self.plane.settle(self.name, flight.held, generated)))
+                t = asyncio.create_task(
+                    self.rec.timed("settle", self.plane.settle(self.name, flight.held, generated))
+                )
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
 
@@ -642,11 +729,13 @@ class SimNode:
         if not flights:
             return
         held = [f.held for f in flights]
-        await self.rec.timed("heartbeat_pg",
-                             self.plane.heartbeat_claims(held, self.cfg.lease_ttl_s))
+        await self.rec.timed(
+            "heartbeat_pg", self.plane.heartbeat_claims(held, self.cfg.lease_ttl_s)
+        )
         for h in held:
-            await self.rec.timed("heartbeat",
-                                 self.plane.heartbeat_lease(self.name, h, self.cfg.lease_ttl_s))
+            await self.rec.timed(
+                "heartbeat", self.plane.heartbeat_lease(self.name, h, self.cfg.lease_ttl_s)
+            )
 
     async def _observe(self) -> None:
         await self.rec.timed("observe", self.plane.observe(self.name))
@@ -658,23 +747,37 @@ class SimNode:
         t0 = time.perf_counter()
         now = await redis_time(client)()
         seen = await read_signals(client, keys, self.name, self.cfg.signal_ttl_s, now)
-        awaiting = sum(1 for f in self._flights.values()
-                       if time.monotonic() < f.timeline.first_token_at)
-        others = await exchange_batch_awaiting(client, keys, self.name, self._worker_id,
-                                               awaiting, max(1.0, 4 * self.cfg.budget_interval_s),
-                                               now)
+        awaiting = sum(
+            1 for f in self._flights.values() if time.monotonic() < f.timeline.first_token_at
+        )
+        others = await exchange_batch_awaiting(
+            client,
+            keys,
+            self.name,
+            self._worker_id,
+            awaiting,
+            max(1.0, 4 * self.cfg.budget_interval_s),
+            now,
+        )
         decision = step(
             WorkBudget.initial(policy, now),
-            WorkSignals(now_s=now, interactive_waiting=seen.waiting,
-                        interactive_prefilling=seen.prefilling,
-                        oldest_pending_since_s=seen.oldest_pending_since_s, ttfts=seen.ttfts,
-                        engine_waiting=0, batch_in_flight=len(self._flights),
-                        batch_awaiting_first_token=awaiting,
-                        other_batch_awaiting_first_token=others),
-            policy)
+            WorkSignals(
+                now_s=now,
+                interactive_waiting=seen.waiting,
+                interactive_prefilling=seen.prefilling,
+                oldest_pending_since_s=seen.oldest_pending_since_s,
+                ttfts=seen.ttfts,
+                engine_waiting=0,
+                batch_in_flight=len(self._flights),
+                batch_awaiting_first_token=awaiting,
+                other_batch_awaiting_first_token=others,
+            ),
+            policy,
+        )
         view = BudgetView.of(decision.budget, len(self._flights), 0, now)
-        await publish_budget(client, keys, self.name, self._worker_id, view,
-                             max(5.0, self.cfg.signal_ttl_s))
+        await publish_budget(
+            client, keys, self.name, self._worker_id, view, max(5.0, self.cfg.signal_ttl_s)
+        )
         if self.rec.measuring:
             self.rec.hist.setdefault("work_budget", Histogram()).add(time.perf_counter() - t0)
 

@@ -59,8 +59,11 @@ class Histogram:
         raise AssertionError("unreachable: ranks are within the total")
 
     def to_json(self) -> dict[str, object]:
-        return {"counts": {str(k): v for k, v in self.counts.items()}, "total": self.total,
-                "sum_s": self.sum_s}
+        return {
+            "counts": {str(k): v for k, v in self.counts.items()},
+            "total": self.total,
+            "sum_s": self.sum_s,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> Histogram:
@@ -91,7 +94,7 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     # The command may hold spaces and parentheses: fields start after the last ')'.
-    fields = raw[raw.rindex(")") + 2:].split()
+    fields = raw[raw.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 

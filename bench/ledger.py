@@ -49,7 +49,7 @@ def raw_pairs(client: redis.Redis, ns: str, pairs: int, pipelined: bool) -> floa
     t0 = time.perf_counter()
     if pipelined:
         for start in range(0, pairs, BATCH):
-            chunk = ids[start:start + BATCH]
+            chunk = ids[start : start + BATCH]
             pipe = client.pipeline(transaction=False)
             for lease_id in chunk:
                 pipe.evalsha(reserve, 2, *keys, lease_id, "208")
@@ -65,13 +65,15 @@ def raw_pairs(client: redis.Redis, ns: str, pairs: int, pipelined: bool) -> floa
     return pairs / (time.perf_counter() - t0)
 
 
-def ledger_pairs(ledger: Ledger, pairs: int, pipelined: bool,
-                 latencies: list[float] | None = None) -> float:
+def ledger_pairs(
+    ledger: Ledger, pairs: int, pipelined: bool, latencies: list[float] | None = None
+) -> float:
     t0 = time.perf_counter()
     if pipelined:
         for _ in range(0, pairs, BATCH):
             results = ledger.reserve_many(
-                [ReserveRequest(NODE, ServiceClass.BATCH, 100, 100) for _ in range(BATCH)])
+                [ReserveRequest(NODE, ServiceClass.BATCH, 100, 100) for _ in range(BATCH)]
+            )
             leases = [r for r in results if isinstance(r, Lease)]
             assert len(leases) == BATCH, "the bench pool must admit every request"
             ledger.release_many(leases)
@@ -97,8 +99,11 @@ def main() -> None:
     settings = get_settings()
     client = redis.Redis.from_url(settings.redis_url)
     ns = f"bfbench{secrets.token_hex(4)}"
-    policy = PoolPolicy(interactive=ClassLimits(1 << 20), batch=ClassLimits(1 << 20),
-                        interactive_reserve_fraction=0.2)
+    policy = PoolPolicy(
+        interactive=ClassLimits(1 << 20),
+        batch=ClassLimits(1 << 20),
+        interactive_reserve_fraction=0.2,
+    )
     ledger = Ledger(client, ns, policy, lease_ttl_ms=60_000)
     try:
         ledger.rebuild([NodePool(NODE, 1 << 40, 16)], [], epoch=1)
@@ -127,22 +132,35 @@ def main() -> None:
     ]
     print(table(["path", "mode", "pairs/s (best)", "ratio"], rows))
     print()
-    print(table(["Ledger.reserve latency", "ms"],
-                [("p50", p50), ("p99", p99), ("samples", len(latencies))]))
-    print(f"single admission p50 {p50:.3f} ms (goal <= {LATENCY_GOAL_MS} ms) "
-          f"{'ok' if p50 <= LATENCY_GOAL_MS else 'short'}")
-    finish(NAME, "ratio_pipelined", led_pipe / raw_pipe, ">=", GOAL, {
-        "pairs_per_run": pairs,
-        "runs": runs,
-        "raw_sequential_pairs_per_s": raw_seq,
-        "ledger_sequential_pairs_per_s": led_seq,
-        "ratio_sequential": led_seq / raw_seq,
-        "raw_pipelined_pairs_per_s": raw_pipe,
-        "ledger_pipelined_pairs_per_s": led_pipe,
-        "reserve_p50_ms": p50,
-        "reserve_p99_ms": p99,
-        "reserve_p50_goal_ms": LATENCY_GOAL_MS,
-    })
+    print(
+        table(
+            ["Ledger.reserve latency", "ms"],
+            [("p50", p50), ("p99", p99), ("samples", len(latencies))],
+        )
+    )
+    print(
+        f"single admission p50 {p50:.3f} ms (goal <= {LATENCY_GOAL_MS} ms) "
+        f"{'ok' if p50 <= LATENCY_GOAL_MS else 'short'}"
+    )
+    finish(
+        NAME,
+        "ratio_pipelined",
+        led_pipe / raw_pipe,
+        ">=",
+        GOAL,
+        {
+            "pairs_per_run": pairs,
+            "runs": runs,
+            "raw_sequential_pairs_per_s": raw_seq,
+            "ledger_sequential_pairs_per_s": led_seq,
+            "ratio_sequential": led_seq / raw_seq,
+            "raw_pipelined_pairs_per_s": raw_pipe,
+            "ledger_pipelined_pairs_per_s": led_pipe,
+            "reserve_p50_ms": p50,
+            "reserve_p99_ms": p99,
+            "reserve_p50_goal_ms": LATENCY_GOAL_MS,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -524,9 +524,7 @@ def run_all(
             requests = load_on(server).requests
 
             def on_own(name: str, **kw: Any) -> None:
-                results.append(
-                    asyncio.run(run_scenario(name, server, policy, cfg, requests, **kw))
-                )
+                results.append(asyncio.run(run_scenario(name, server, policy, cfg, requests, **kw)))
 
             if "alone-sched" in wanted:
                 straight = Target(server.url, server.served_model_name, priority=0)
@@ -617,7 +615,8 @@ def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
                 else "—",
                 _fmt(s["batch_output_tokens_per_s"], 1),
                 _fmt(s.get("batch_tokens_processed_per_s"), 0),
-                f"{s['engine_load']['running_mean']:.0f}" if "running_mean" in s["engine_load"]
+                f"{s['engine_load']['running_mean']:.0f}"
+                if "running_mean" in s["engine_load"]
                 else "—",
                 int(s["engine_preemptions"]),
                 int(bf["backfill_gateway_batch_preemptions_total"]) if bf else "—",
@@ -680,13 +679,23 @@ def plot_tradeoff(ax: Any, points: Sequence[dict[str, Any]]) -> None:
     ours = sorted((p for p in points if p["batch"] == "backfill"), key=lambda p: p["batch_kept"])
     peers = [p for p in points if p["batch"] != "backfill"]
     if ours:
-        ax.plot([p["batch_kept"] for p in ours], [p["ttft_p99_ratio"] for p in ours], "o-",
-                color="#2b6cb0", label="Backfill (settings swept)")
+        ax.plot(
+            [p["batch_kept"] for p in ours],
+            [p["ttft_p99_ratio"] for p in ours],
+            "o-",
+            color="#2b6cb0",
+            label="Backfill (settings swept)",
+        )
     for p in peers:
         ax.plot([p["batch_kept"]], [p["ttft_p99_ratio"]], "s", color="#a0aec0")
     for p in points:
-        ax.annotate(p["label"], (p["batch_kept"], p["ttft_p99_ratio"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(
+            p["label"],
+            (p["batch_kept"], p["ttft_p99_ratio"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+        )
     ax.axhline(1.0, color="black", lw=0.6)
     ax.axhline(GOAL_TTFT_RATIO, color="grey", ls="--", lw=0.8, label="TTFT goal (issue 7)")
     ax.axhline(1.1, color="grey", ls=":", lw=0.8, label="TTFT goal (issue 12)")
@@ -962,11 +971,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{GOAL_TTFT_RATIO}x alone, batch kept >= {GOAL_BATCH_KEPT}: p50 "
         f"{_fmt(goals['ttft_p50_ratio'])}x, p99 {_fmt(goals['ttft_p99_ratio'])}x, kept "
         f"{_fmt(goals['batch_kept_a'])}; beside: recomputed "
-        + (
-            f"{goals['recomputed_share_a']:.1%}"
-            if goals["recomputed_share_a"] is not None
-            else "—"
-        )
+        + (f"{goals['recomputed_share_a']:.1%}" if goals["recomputed_share_a"] is not None else "—")
         + f" of batch tokens processed, ITL p99 {_fmt(goals['itl_p99_ratio'])}x alone"
     )
     finish(

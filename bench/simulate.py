@@ -31,20 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sc = scenario("h100-llama-3.1-8b")
     if args.quick:
-        sc = dataclasses.replace(sc, duration_s=600.0,
-                                 batch=dataclasses.replace(sc.batch, items=16_667))
+        sc = dataclasses.replace(
+            sc, duration_s=600.0, batch=dataclasses.replace(sc.batch, items=16_667)
+        )
     print(f"machine: {machine()}")
     with Stopwatch() as sw:
         result = compare.compare(sc, args.trace)
-    print(f"{sc.name}: {result.interactive} interactive requests, {result.batch_items:,} batch "
-          f"items, {sc.duration_s:,.0f} s simulated, TTFT target {sc.ttft_slo_s:g} s")
+    print(
+        f"{sc.name}: {result.interactive} interactive requests, {result.batch_items:,} batch "
+        f"items, {sc.duration_s:,.0f} s simulated, TTFT target {sc.ttft_slo_s:g} s"
+    )
     print(report.table(report.results_rows(result)))
     base = result.baselines
-    print(f"baselines: interactive alone TTFT p99 {base.interactive_alone.ttft_p99_s:.3f} s, "
-          f"SLO {base.interactive_alone.slo_attainment:.2%}, busy "
-          f"{base.interactive_alone.busy_s / sc.duration_s:.1%}; batch alone "
-          f"{base.batch_alone.batch_tokens_per_s:,.0f} tok/s; slack capacity "
-          f"{base.slack_tokens_per_s:,.0f} tok/s")
+    print(
+        f"baselines: interactive alone TTFT p99 {base.interactive_alone.ttft_p99_s:.3f} s, "
+        f"SLO {base.interactive_alone.slo_attainment:.2%}, busy "
+        f"{base.interactive_alone.busy_s / sc.duration_s:.1%}; batch alone "
+        f"{base.batch_alone.batch_tokens_per_s:,.0f} tok/s; slack capacity "
+        f"{base.slack_tokens_per_s:,.0f} tok/s"
+    )
     curves = None
     tight = math.ceil(base.interactive_alone.ttft_p99_s * 10) / 10
     equal: dict[str, list[dict[str, object]]] = {}

@@ -84,8 +84,15 @@ def simulated(name: str, duration_s: float, items: int) -> dict[str, Any]:
     for series, knob, value in step_settings(sc.knobs.step_schedule.chunk_target_s):
         knobs = compare._with_knob(sc.knobs, knob, value)
         r = simulate(compare._spec(sc, trace, batch, knobs), "backfill-step")
-        step.append({"series": series, "settings": dataclasses.asdict(knobs.step_schedule),
-                     "knob": knob, "value": value, **_point(r, alone, flat)})
+        step.append(
+            {
+                "series": series,
+                "settings": dataclasses.asdict(knobs.step_schedule),
+                "knob": knob,
+                "value": value,
+                **_point(r, alone, flat),
+            }
+        )
     others = {}
     for policy in PEERS:
         r = simulate(compare._spec(sc, trace, batch), policy)
@@ -117,32 +124,62 @@ def measured() -> list[dict[str, Any]]:
     return points
 
 
-_PEER_LABELS = {"priority": "vLLM priority (batch concurrency {c})",
-                "fifo": "vLLM fcfs (batch concurrency {c})",
-                "backfill": "Backfill, KV slack only"}
-_STEP_STYLE = {"chunk target": ("D-", "#c05621", (4, -9)),
-               "ride-along share": ("v--", "#805ad5", (-20, -3)),
-               "starvation bound": ("^:", "#2f855a", (5, -3))}
+_PEER_LABELS = {
+    "priority": "vLLM priority (batch concurrency {c})",
+    "fifo": "vLLM fcfs (batch concurrency {c})",
+    "backfill": "Backfill, KV slack only",
+}
+_STEP_STYLE = {
+    "chunk target": ("D-", "#c05621", (4, -9)),
+    "ride-along share": ("v--", "#805ad5", (-20, -3)),
+    "starvation bound": ("^:", "#2f855a", (5, -3)),
+}
 
 
 def _panel(ax: Any, sim: dict[str, Any], metric: str) -> None:
     pts = sim["budget"]
-    ax.plot([p["batch_kept"] for p in pts], [p[metric] for p in pts], "o-", color="#2b6cb0",
-            label="work budget (TTFT target swept)")
+    ax.plot(
+        [p["batch_kept"] for p in pts],
+        [p[metric] for p in pts],
+        "o-",
+        color="#2b6cb0",
+        label="work budget (TTFT target swept)",
+    )
     for p in pts:
-        ax.annotate(f"{p['ttft_target_s']:g}s", (p["batch_kept"], p[metric]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=7, color="#2b6cb0")
+        ax.annotate(
+            f"{p['ttft_target_s']:g}s",
+            (p["batch_kept"], p[metric]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=7,
+            color="#2b6cb0",
+        )
     for series, (style, color, offset) in _STEP_STYLE.items():
         line = [p for p in sim["step"] if p["series"] == series]
         if not line:
             continue
-        ax.plot([p["batch_kept"] for p in line], [p[metric] for p in line], style, color=color,
-                label=f"backfill-step ({series} swept)", ms=4)
+        ax.plot(
+            [p["batch_kept"] for p in line],
+            [p[metric] for p in line],
+            style,
+            color=color,
+            label=f"backfill-step ({series} swept)",
+            ms=4,
+        )
         for p in line:
-            text = f"{p['value'] * 1000:g}ms" if p["knob"] == "chunk_target_s" else (
-                f"{p['value']:g}" + ("s" if p["knob"] == "starvation_s" else ""))
-            ax.annotate(text, (p["batch_kept"], p[metric]), textcoords="offset points",
-                        xytext=offset, fontsize=7, color=color)
+            text = (
+                f"{p['value'] * 1000:g}ms"
+                if p["knob"] == "chunk_target_s"
+                else (f"{p['value']:g}" + ("s" if p["knob"] == "starvation_s" else ""))
+            )
+            ax.annotate(
+                text,
+                (p["batch_kept"], p[metric]),
+                textcoords="offset points",
+                xytext=offset,
+                fontsize=7,
+                color=color,
+            )
     # The axis spans the swept curves; a peer beyond it sits on the top edge, its value said.
     ours = [p[metric] for p in (*pts, *sim["step"])]
     top = max(ours) + 0.2
@@ -150,11 +187,22 @@ def _panel(ax: Any, sim: dict[str, Any], metric: str) -> None:
     markers = itertools.cycle(("s", "P", "X"))
     for name, o in sim["others"].items():
         y = min(o[metric], top - 0.04)
-        ax.plot([o["batch_kept"]], [y], next(markers), color="#4a5568", ms=7,
-                label=_PEER_LABELS.get(name, name).format(c=sim["batch_concurrency"]))
+        ax.plot(
+            [o["batch_kept"]],
+            [y],
+            next(markers),
+            color="#4a5568",
+            ms=7,
+            label=_PEER_LABELS.get(name, name).format(c=sim["batch_concurrency"]),
+        )
         if o[metric] > y:
-            ax.annotate(f"x{o[metric]:.2f} (off scale)", (o["batch_kept"], y),
-                        textcoords="offset points", xytext=(-30, -14), fontsize=7)
+            ax.annotate(
+                f"x{o[metric]:.2f} (off scale)",
+                (o["batch_kept"], y),
+                textcoords="offset points",
+                xytext=(-30, -14),
+                fontsize=7,
+            )
     ax.axhline(1.0, color="black", lw=0.6)
     ax.axhline(1.1, color="grey", ls="--", lw=0.8, label="1.1x (issue 12)")
     ax.axvline(0.6, color="grey", ls="-.", lw=0.8, label="60% kept")
@@ -172,38 +220,49 @@ def plot(sim: dict[str, Any], real: Sequence[dict[str, Any]], path: Path) -> Non
 
     panels = 3 if real else 2
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.8), squeeze=False)
-    where = (f"Simulated: {sim['scenario']}, {sim['duration_s']:g} s of trace "
-             f"({sim['interactive_requests']} interactive)")
+    where = (
+        f"Simulated: {sim['scenario']}, {sim['duration_s']:g} s of trace "
+        f"({sim['interactive_requests']} interactive)"
+    )
     for ax, metric in zip(axes[0], ("ttft_p99_ratio", "ttft_p50_ratio"), strict=False):
         _panel(ax, sim, metric)
-        ax.set_title(f"{where}: TTFT {'p99' if metric == 'ttft_p99_ratio' else 'p50'}",
-                     fontsize=9)
+        ax.set_title(f"{where}: TTFT {'p99' if metric == 'ttft_p99_ratio' else 'p50'}", fontsize=9)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     if real:
         # The same panel bench.protection draws, from its recorded points.
         plot_tradeoff(axes[0][2], real)
-        axes[0][2].set_title("Measured: bench.protection, vLLM CPU (grey: vLLM alone)",
-                             fontsize=9)
+        axes[0][2].set_title("Measured: bench.protection, vLLM CPU (grey: vLLM alone)", fontsize=9)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def _line(label: str, p: dict[str, Any]) -> str:
-    return (f"{label}: TTFT p50 x{p['ttft_p50_ratio']:.2f} p99 x{p['ttft_p99_ratio']:.2f}, "
-            f"batch kept {p['batch_kept']:.0%}, {p['preemptions']} preemptions, "
-            f"{p['recomputed_tokens']:,} tokens recomputed")
+    return (
+        f"{label}: TTFT p50 x{p['ttft_p50_ratio']:.2f} p99 x{p['ttft_p99_ratio']:.2f}, "
+        f"batch kept {p['batch_kept']:.0%}, {p['preemptions']} preemptions, "
+        f"{p['recomputed_tokens']:,} tokens recomputed"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--scenario", default=DEFAULT_SCENARIO)
-    p.add_argument("--duration", type=float, default=None,
-                   help="seconds of trace (default: the scenario's, 300 with --quick)")
-    p.add_argument("--items", type=int, default=None,
-                   help="batch items (default: the scenario's, 8,000 with --quick)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of trace (default: the scenario's, 300 with --quick)",
+    )
+    p.add_argument(
+        "--items",
+        type=int,
+        default=None,
+        help="batch items (default: the scenario's, 8,000 with --quick)",
+    )
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     sc = scenario(args.scenario)
@@ -211,10 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     items = args.items or (8000 if args.quick else sc.batch.items)
     sim = simulated(args.scenario, duration, items)
     real = measured()
-    print(f"{sim['scenario']}: {duration:g} s, {sim['interactive_requests']} interactive "
-          f"requests, {sim['batch_items']:,} batch items; interactive alone TTFT p50 "
-          f"{sim['alone_ttft_p50_s']:.3f} s p99 {sim['alone_ttft_p99_s']:.3f} s, batch alone "
-          f"{sim['batch_alone_tokens_per_s']:,.0f} tok/s")
+    print(
+        f"{sim['scenario']}: {duration:g} s, {sim['interactive_requests']} interactive "
+        f"requests, {sim['batch_items']:,} batch items; interactive alone TTFT p50 "
+        f"{sim['alone_ttft_p50_s']:.3f} s p99 {sim['alone_ttft_p99_s']:.3f} s, batch alone "
+        f"{sim['batch_alone_tokens_per_s']:,.0f} tok/s"
+    )
     for pt in sim["budget"]:
         print(_line(f"work budget, target {pt['ttft_target_s']:g} s", pt))
     for pt in sim["step"]:

@@ -119,9 +119,7 @@ class Gate:
     limits, and the per-address limit of anonymous work. Blocking (Postgres on a cache
     miss, Redis): call it from a worker thread."""
 
-    def __init__(
-        self, keys: TenantKeyCache, tenants: RateLimiter, anonymous: RateLimiter
-    ) -> None:
+    def __init__(self, keys: TenantKeyCache, tenants: RateLimiter, anonymous: RateLimiter) -> None:
         self.keys = keys
         self.tenants = tenants
         self.anonymous = anonymous

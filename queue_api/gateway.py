@@ -255,9 +255,7 @@ class InteractiveGateway:
         shape, sizing, node = admitted.shape, admitted.sizing, admitted.node
         keeper, pending = admitted.keeper, admitted.pending
         try:
-            payload = upstream_body(
-                parsed.body, shape, sizing, self.settings.interactive_priority
-            )
+            payload = upstream_body(parsed.body, shape, sizing, self.settings.interactive_priority)
             overhead = (admitted.counted_at - received) + (
                 time.perf_counter() - admitted.admitted_at
             )

@@ -21,5 +21,6 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

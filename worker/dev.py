@@ -253,9 +253,7 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             f"[bold]2/5[/] engine: vLLM CPU with {options.model} "
             "(first run installs and converts: a few minutes)"
         )
-        server = devengine.start_model(
-            options.model, kv_cache_gib=1, scheduler=options.scheduler
-        )
+        server = devengine.start_model(options.model, kv_cache_gib=1, scheduler=options.scheduler)
         stack.callback(server.stop)
         if server.scheduler_metrics_url is not None:
             # The worker reads what the engine's scheduler does (and leaves TTFT to it).

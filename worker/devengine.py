@@ -595,13 +595,15 @@ def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dic
     unknown = sorted(k for k in settings if not k.startswith("BACKFILL_SCHED_"))
     if unknown:
         raise DevEngineError(f"scheduler settings are BACKFILL_SCHED_* variables, not {unknown}")
-    env = {"BACKFILL_SCHED_METRICS_PORT": str(free_port(host)),
-           "BACKFILL_SCHED_METRICS_HOST": host,
-           # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
-           # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
-           # simulator's CPU scenario uses 0.1 s.
-           "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
-           **settings}
+    env = {
+        "BACKFILL_SCHED_METRICS_PORT": str(free_port(host)),
+        "BACKFILL_SCHED_METRICS_HOST": host,
+        # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
+        # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
+        # simulator's CPU scenario uses 0.1 s.
+        "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
+        **settings,
+    }
     if (_SCHEDULER_PACKAGE / "scheduler.py").is_file():
         path = workdir / "scheduler-path"
         path.mkdir(exist_ok=True)
@@ -765,13 +767,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p_serve.add_argument("--enable-log-requests", action="store_true")
     p_serve.add_argument(
-        "--backfill-scheduler", action="store_true",
+        "--backfill-scheduler",
+        action="store_true",
         help=f"run Backfill's step scheduler ({SCHEDULER_CLS}); its BACKFILL_SCHED_* settings "
         "come from this environment",
     )
     p_serve.add_argument(
-        "--dtype", default=None, help="default: the model's own, float32 for bfloat16 models "
-        "on a CPU without native bfloat16 (avx512_bf16, amx_bf16)"
+        "--dtype",
+        default=None,
+        help="default: the model's own, float32 for bfloat16 models "
+        "on a CPU without native bfloat16 (avx512_bf16, amx_bf16)",
     )
     p_serve.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     args = parser.parse_args(argv)

@@ -37,9 +37,7 @@ class EngineSpeed:
 
     def seconds_for(self, prompt_tokens: float, output_tokens: float) -> float:
         """One request alone, start to end: an upper bound for it on an idle engine."""
-        return (
-            prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
-        )
+        return prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
 
     def seconds_for_batch(
         self, requests: int, prompt_tokens: int, output_tokens: int, at_once: int

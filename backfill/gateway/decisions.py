@@ -307,11 +307,7 @@ def prompt_upper_bound(shape: RequestShape, overhead_tokens: int) -> int:
     aside, and those only shorten), plus what the tokenizer or chat template adds around the
     text (``overhead_tokens``, measured once on the same shape with empty text), plus a
     margin per piece of text."""
-    return (
-        shape.longest_prompt_bytes
-        + overhead_tokens
-        + BOUND_MARGIN_PER_SEGMENT * shape.segments
-    )
+    return shape.longest_prompt_bytes + overhead_tokens + BOUND_MARGIN_PER_SEGMENT * shape.segments
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,9 +372,7 @@ def check_sequences(shape: RequestShape, max_sequences: int) -> None:
     """Refuse, before anything is counted, a request of more sequences than the cap."""
     if shape.sequences <= max_sequences:
         return
-    what = (
-        f"{shape.prompts} prompts x n={shape.n}" if shape.prompts > 1 else f"n={shape.n}"
-    )
+    what = f"{shape.prompts} prompts x n={shape.n}" if shape.prompts > 1 else f"n={shape.n}"
     raise OverRequestCap(
         f"This request asks for {shape.sequences} sequences ({what}); an interactive request "
         f"may run at most {max_sequences}. Lower n (or send fewer prompts), or submit the "

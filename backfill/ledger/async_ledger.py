@@ -38,8 +38,9 @@ class AsyncLedger:
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPTS}
 
     @classmethod
-    def from_url(cls, url: str, namespace: str, policy: PoolPolicy | None = None,
-                 lease_ttl_ms: int = 30_000) -> AsyncLedger:
+    def from_url(
+        cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
+    ) -> AsyncLedger:
         return cls(redis.asyncio.Redis.from_url(url), namespace, policy, lease_ttl_ms)
 
     @property

@@ -48,9 +48,7 @@ class blocking(Generic[P, T]):  # noqa: N801 (used like a decorator)
     def __get__(self, ledger: None, owner: type[Any]) -> Self: ...
     @overload
     def __get__(self, ledger: BlockingDriver, owner: type[Any]) -> Callable[P, T]: ...
-    def __get__(
-        self, ledger: BlockingDriver | None, owner: type[Any]
-    ) -> Self | Callable[P, T]:
+    def __get__(self, ledger: BlockingDriver | None, owner: type[Any]) -> Self | Callable[P, T]:
         if ledger is None:
             return self
         operation = self.operation

@@ -64,8 +64,8 @@ class AsyncPreemptionListener:
         try:
             while True:
                 message = await self._pubsub.get_message(
-                    ignore_subscribe_messages=True,
-                    timeout=max(0.0, deadline - time.monotonic()))
+                    ignore_subscribe_messages=True, timeout=max(0.0, deadline - time.monotonic())
+                )
                 if message is not None:
                     return decoded(message["data"])
                 if time.monotonic() >= deadline:

@@ -33,24 +33,34 @@ T = TypeVar("T")
 # Pools
 
 
-def register_pool(calls: LedgerCalls, node: str, capacity_tokens: int, block_size: int, *,
-                  policy: PoolPolicy | None = None, epoch: int | None = None,
-                  reserve_tokens: int | None = None) -> Plan[int]:
+def register_pool(
+    calls: LedgerCalls,
+    node: str,
+    capacity_tokens: int,
+    block_size: int,
+    *,
+    policy: PoolPolicy | None = None,
+    epoch: int | None = None,
+    reserve_tokens: int | None = None,
+) -> Plan[int]:
     """Create or update ``node``'s pool; returns its epoch (0: none until a rebuild)."""
     epoch_now: int = yield calls.register_pool(
-        node, capacity_tokens, block_size, policy, epoch, reserve_tokens)
+        node, capacity_tokens, block_size, policy, epoch, reserve_tokens
+    )
     return epoch_now
 
 
-def observe(calls: LedgerCalls, node: str, observed_tokens: int, *,
-            now_ms: int | None = None) -> Plan[int | None]:
+def observe(
+    calls: LedgerCalls, node: str, observed_tokens: int, *, now_ms: int | None = None
+) -> Plan[int | None]:
     """Record engine-observed non-batch use; returns the new batch slack (None: no pool)."""
     slack: int | None = yield calls.observe(node, observed_tokens, now_ms)
     return slack
 
 
-def snapshot(calls: LedgerCalls, node: str, *,
-             now_ms: int | None = None) -> Plan[PoolSnapshot | None]:
+def snapshot(
+    calls: LedgerCalls, node: str, *, now_ms: int | None = None
+) -> Plan[PoolSnapshot | None]:
     """``node``'s pool and live leases at one instant (None: no pool)."""
     found: PoolSnapshot | None = yield calls.snapshot(node, now_ms)
     return found
@@ -74,7 +84,8 @@ def nodes(calls: LedgerCalls) -> Plan[list[str]]:
     cursor = 0
     while True:
         cursor, page = yield Command(
-            ("SCAN", cursor, "MATCH", calls.keys.pool_pattern, "COUNT", 1000), tuple)
+            ("SCAN", cursor, "MATCH", calls.keys.pool_pattern, "COUNT", 1000), tuple
+        )
         found += (decoded(k) for k in page)
         if int(cursor) == 0:
             return sorted(calls.keys.node_from_pool_key(k) for k in found)
@@ -90,16 +101,34 @@ def is_ready(calls: LedgerCalls) -> Plan[bool]:
 # Leases
 
 
-def reserve(calls: LedgerCalls, node: str, service_class: ServiceClass | str,
-            prompt_tokens: int, max_output_tokens: int, *, n: int = 1,
-            lease_id: str | None = None, owner: str = "", preemptible: bool = True,
-            deadline_ms: int | None = None, allow_preemption: bool = True,
-            ttl_ms: int | None = None, now_ms: int | None = None) -> Plan[Lease | Denial]:
+def reserve(
+    calls: LedgerCalls,
+    node: str,
+    service_class: ServiceClass | str,
+    prompt_tokens: int,
+    max_output_tokens: int,
+    *,
+    n: int = 1,
+    lease_id: str | None = None,
+    owner: str = "",
+    preemptible: bool = True,
+    deadline_ms: int | None = None,
+    allow_preemption: bool = True,
+    ttl_ms: int | None = None,
+    now_ms: int | None = None,
+) -> Plan[Lease | Denial]:
     """Reserve on ``node`` per the policy, or say why not."""
     req = ReserveRequest(
-        node, ServiceClass(service_class), prompt_tokens, max_output_tokens, n=n,
-        owner=owner, preemptible=preemptible, deadline_ms=deadline_ms,
-        allow_preemption=allow_preemption, ttl_ms=ttl_ms,
+        node,
+        ServiceClass(service_class),
+        prompt_tokens,
+        max_output_tokens,
+        n=n,
+        owner=owner,
+        preemptible=preemptible,
+        deadline_ms=deadline_ms,
+        allow_preemption=allow_preemption,
+        ttl_ms=ttl_ms,
         **({"lease_id": lease_id} if lease_id else {}),
     )
     [result] = yield calls.reserve(node, [req], now_ms)
@@ -107,83 +136,118 @@ def reserve(calls: LedgerCalls, node: str, service_class: ServiceClass | str,
     return decided
 
 
-def reserve_many(calls: LedgerCalls, requests: Sequence[ReserveRequest], *,
-                 now_ms: int | None = None) -> Plan[list[Lease | Denial]]:
+def reserve_many(
+    calls: LedgerCalls, requests: Sequence[ReserveRequest], *, now_ms: int | None = None
+) -> Plan[list[Lease | Denial]]:
     """Reserve several in one round trip: one script call per node (and per chunk), each
     deciding its requests in order, atomically. Results come in request order."""
     groups = by_node(requests, lambda r: r.node)
     decided: list[Lease | Denial] = yield Pipelined[Lease | Denial](
         [calls.reserve(node, [requests[i] for i in idx], now_ms) for node, idx in groups],
-        groups, len(requests))
+        groups,
+        len(requests),
+    )
     return decided
 
 
-def settle(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int,
-           generated_tokens: int, *, reservation_tokens: int | None = None,
-           now_ms: int | None = None) -> Plan[SettleResult]:
+def settle(
+    calls: LedgerCalls,
+    node: str,
+    lease_id: str,
+    fencing_token: int,
+    generated_tokens: int,
+    *,
+    reservation_tokens: int | None = None,
+    now_ms: int | None = None,
+) -> Plan[SettleResult]:
     """Record tokens generated so far; optionally shrink (never grow) the reservation."""
     result: SettleResult = yield calls.settle(
-        node, lease_id, fencing_token, generated_tokens, reservation_tokens, now_ms)
+        node, lease_id, fencing_token, generated_tokens, reservation_tokens, now_ms
+    )
     return result
 
 
 def _as_batch(call: ScriptCall[T]) -> ScriptCall[list[T]]:
     """A one-result call as a pipelined batch's call (whose replies parse to lists)."""
+
     def parse(reply: object) -> list[T]:
         return [call.parse(reply)]
+
     return ScriptCall(call.script, call.keys, call.args, parse)
 
 
-def settle_many(calls: LedgerCalls, node: str, progress: Sequence[tuple[str, int, int]], *,
-                now_ms: int | None = None) -> Plan[list[SettleResult]]:
+def settle_many(
+    calls: LedgerCalls,
+    node: str,
+    progress: Sequence[tuple[str, int, int]],
+    *,
+    now_ms: int | None = None,
+) -> Plan[list[SettleResult]]:
     """Record the progress of several of ``node``'s leases, each ``(lease_id, fencing_token,
     generated_tokens)``, in one round trip: one ``settle`` call per lease, pipelined, so a
     worker reports its node's progress once per interval instead of once per lease per few
     tokens. Results come in ``progress`` order; a failed call raises ``PartialBatchError``."""
-    calls_one = [calls.settle(node, lease_id, fence, generated, None, now_ms)
-                 for lease_id, fence, generated in progress]
+    calls_one = [
+        calls.settle(node, lease_id, fence, generated, None, now_ms)
+        for lease_id, fence, generated in progress
+    ]
     batched = [_as_batch(c) for c in calls_one]
     settled: list[SettleResult] = yield Pipelined[SettleResult](
-        batched, [(node, [i]) for i in range(len(batched))], len(batched))
+        batched, [(node, [i]) for i in range(len(batched))], len(batched)
+    )
     return settled
 
 
-def heartbeat(calls: LedgerCalls, node: str, lease_id: str, fencing_token: int, *,
-              ttl_ms: int | None = None, now_ms: int | None = None) -> Plan[HeartbeatResult]:
+def heartbeat(
+    calls: LedgerCalls,
+    node: str,
+    lease_id: str,
+    fencing_token: int,
+    *,
+    ttl_ms: int | None = None,
+    now_ms: int | None = None,
+) -> Plan[HeartbeatResult]:
     """Extend the lease by ``ttl_ms`` (the ledger's lease TTL when None), or say why not."""
-    result: HeartbeatResult = yield calls.heartbeat(node, lease_id, fencing_token, ttl_ms,
-                                                    now_ms)
+    result: HeartbeatResult = yield calls.heartbeat(node, lease_id, fencing_token, ttl_ms, now_ms)
     return result
 
 
-def release(calls: LedgerCalls, held: HeldLease, *,
-            now_ms: int | None = None) -> Plan[LeaseStatus]:
+def release(calls: LedgerCalls, held: HeldLease, *, now_ms: int | None = None) -> Plan[LeaseStatus]:
     """Give the lease's tokens back (idempotent; a stale holder changes nothing)."""
     [status] = yield calls.release(held.node, [held], now_ms)
     released: LeaseStatus = status
     return released
 
 
-def release_many(calls: LedgerCalls, held: Sequence[HeldLease], *,
-                 now_ms: int | None = None) -> Plan[list[LeaseStatus]]:
+def release_many(
+    calls: LedgerCalls, held: Sequence[HeldLease], *, now_ms: int | None = None
+) -> Plan[list[LeaseStatus]]:
     """Release several in one round trip; statuses come in the order given."""
     groups = by_node(held, lambda h: h.node)
     statuses: list[LeaseStatus] = yield Pipelined[LeaseStatus](
         [calls.release(node, [held[i] for i in idx], now_ms) for node, idx in groups],
-        groups, len(held))
+        groups,
+        len(held),
+    )
     return statuses
 
 
-def preempt(calls: LedgerCalls, node: str, tokens_needed: int, *,
-            victims: Sequence[str] | None = None,
-            now_ms: int | None = None) -> Plan[PreemptResult]:
+def preempt(
+    calls: LedgerCalls,
+    node: str,
+    tokens_needed: int,
+    *,
+    victims: Sequence[str] | None = None,
+    now_ms: int | None = None,
+) -> Plan[PreemptResult]:
     """Preempt batch on ``node`` to free ``tokens_needed`` and notify the victims."""
     result: PreemptResult = yield calls.preempt(node, tokens_needed, victims, now_ms)
     return result
 
 
-def reap(calls: LedgerCalls, node: str, *, limit: int = lk.REAP_BATCH,
-         now_ms: int | None = None) -> Plan[list[str]]:
+def reap(
+    calls: LedgerCalls, node: str, *, limit: int = lk.REAP_BATCH, now_ms: int | None = None
+) -> Plan[list[str]]:
     """Reclaim expired leases on ``node``; returns their ids."""
     reaped: list[str] = yield calls.reap(node, limit, now_ms)
     return reaped

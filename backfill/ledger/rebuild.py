@@ -17,8 +17,14 @@ from backfill.ledger.steps import Command, Plan, chunks
 from backfill.ledger.values import ActiveLease, NodePool, RebuildReport
 
 
-def rebuild(calls: LedgerCalls, nodes: Sequence[NodePool], active_leases: Sequence[ActiveLease],
-            epoch: int, *, now_ms: int | None = None) -> Plan[RebuildReport]:
+def rebuild(
+    calls: LedgerCalls,
+    nodes: Sequence[NodePool],
+    active_leases: Sequence[ActiveLease],
+    epoch: int,
+    *,
+    now_ms: int | None = None,
+) -> Plan[RebuildReport]:
     """Restore pools and live batch leases from Postgres records, then reopen batch.
 
     Batch admission is closed first and stays closed until every lease is back, so no
@@ -38,8 +44,13 @@ def rebuild(calls: LedgerCalls, nodes: Sequence[NodePool], active_leases: Sequen
     chosen = rebuild_epoch(epoch, active_leases, current)
     for n in nodes:
         yield from operations.register_pool(
-            calls, n.name, n.capacity_tokens, n.block_size, epoch=chosen,
-            reserve_tokens=n.interactive_reserve_tokens)
+            calls,
+            n.name,
+            n.capacity_tokens,
+            n.block_size,
+            epoch=chosen,
+            reserve_tokens=n.interactive_reserve_tokens,
+        )
     restored = skipped = 0
     for n in nodes:
         mine = [a for a in active_leases if a.node == n.name]
@@ -55,8 +66,9 @@ def rebuild_epoch(epoch: int, active: Sequence[ActiveLease], current: Sequence[i
     """The epoch a rebuild uses: at least ``epoch``, and past every epoch already used."""
     # Fences handed out after the rebuild must exceed every fence handed out before it: those
     # Postgres recorded, and those of epochs Redis advanced to on its own (counter overflow).
-    highest = max([a.fencing_token // lk.FENCE_EPOCH_SHIFT for a in active] + list(current),
-                  default=0)
+    highest = max(
+        [a.fencing_token // lk.FENCE_EPOCH_SHIFT for a in active] + list(current), default=0
+    )
     chosen = max(epoch, highest + 1)
     if chosen > lk.MAX_EPOCH:
         raise LedgerError(f"epoch {chosen} exceeds {lk.MAX_EPOCH}")

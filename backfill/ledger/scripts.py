@@ -12,8 +12,16 @@ from importlib import resources
 from backfill import keys as lk
 
 SCRIPTS = (
-    "register_pool", "reserve", "settle", "heartbeat", "release", "preempt", "reap",
-    "snapshot", "observe", "restore",
+    "register_pool",
+    "reserve",
+    "settle",
+    "heartbeat",
+    "release",
+    "preempt",
+    "reap",
+    "snapshot",
+    "observe",
+    "restore",
 )
 
 

@@ -70,7 +70,7 @@ def translate(exc: redis.RedisError) -> LedgerError | LedgerUnavailable:
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 def by_node(items: Sequence[T], node_of: Callable[[T], str]) -> list[tuple[str, list[int]]]:
@@ -79,8 +79,9 @@ def by_node(items: Sequence[T], node_of: Callable[[T], str]) -> list[tuple[str, 
     groups: dict[str, list[int]] = {}
     for i, item in enumerate(items):
         groups.setdefault(node_of(item), []).append(i)
-    return [(node, list(chunk)) for node, idx in groups.items()
-            for chunk in chunks(idx, lk.BATCH_CHUNK)]
+    return [
+        (node, list(chunk)) for node, idx in groups.items() for chunk in chunks(idx, lk.BATCH_CHUNK)
+    ]
 
 
 def scatter(size: int, groups: list[tuple[str, list[int]]], results: list[Any]) -> list[Any]:
@@ -91,8 +92,12 @@ def scatter(size: int, groups: list[tuple[str, list[int]]], results: list[Any]) 
     return out
 
 
-def parse_all(calls: Sequence[ScriptCall[list[Any]]], replies: Sequence[Any],
-              groups: list[tuple[str, list[int]]], size: int) -> list[Any]:
+def parse_all(
+    calls: Sequence[ScriptCall[list[Any]]],
+    replies: Sequence[Any],
+    groups: list[tuple[str, list[int]]],
+    size: int,
+) -> list[Any]:
     """Each call's parsed results, scattered back to request order; raises
     :class:`PartialBatchError` (with every request's result or error) if any call failed."""
     per_call: list[Any] = []

@@ -37,8 +37,9 @@ class Ledger:
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPTS}
 
     @classmethod
-    def from_url(cls, url: str, namespace: str, policy: PoolPolicy | None = None,
-                 lease_ttl_ms: int = 30_000) -> Ledger:
+    def from_url(
+        cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
+    ) -> Ledger:
         return cls(redis.Redis.from_url(url), namespace, policy, lease_ttl_ms)
 
     @property

@@ -235,4 +235,3 @@ class PartialBatchError(LedgerError):
     def __init__(self, message: str, results: list[object]) -> None:
         super().__init__(message)
         self.results = results
-

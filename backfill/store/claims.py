@@ -68,8 +68,7 @@ _CLAIM_EDF = (
     "WITH picked AS ("
     "  SELECT id, state, row_number() OVER (ORDER BY deadline, id) AS ord FROM ("
     f"    SELECT id, state, deadline FROM items WHERE {_CLAIMABLE_NOW}"
-    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), "
-    + _CLAIM_MOVE
+    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), " + _CLAIM_MOVE
 )
 
 # ``:slots`` is the plan: the tenant of each slot, in order. The k-th slot of a tenant takes
@@ -100,8 +99,7 @@ _CLAIM_FAIR = (
     "picked AS ("
     "  SELECT id, state, ord FROM fair UNION ALL "
     "  SELECT id, state, CAST(:n AS bigint) * 2 + row_number() OVER (ORDER BY deadline, id) "
-    "  FROM rest), "
-    + _CLAIM_MOVE
+    "  FROM rest), " + _CLAIM_MOVE
 )
 
 # reserved -> running for many claims at once, each with its lease and fencing token; opens their
@@ -193,9 +191,7 @@ class Claims(Store):
             if self.fair_share:
                 view = [
                     fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-                    for r in conn.execute(
-                        text(_SHARE_VIEW), {"node": node, "models": wanted}
-                    ).all()
+                    for r in conn.execute(text(_SHARE_VIEW), {"node": node, "models": wanted}).all()
                 ]
                 # Spare slots only matter where a tenant short of items can pass its turn on.
                 spare = limit if len(view) > 1 else 0

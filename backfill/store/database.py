@@ -60,9 +60,7 @@ class Store:
         self._clock = SharedClock(host=host_clock)
 
     @classmethod
-    def connect(
-        cls, database_url: str, *, pool_size: int = 5, fair_share: bool = True
-    ) -> Self:
+    def connect(cls, database_url: str, *, pool_size: int = 5, fair_share: bool = True) -> Self:
         engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
         return cls(engine, fair_share=fair_share)
 
@@ -134,6 +132,4 @@ class Store:
 
     def _database_time(self) -> float:
         with self._tx() as conn:
-            return float(
-                conn.execute(text(DATABASE_TIME)).scalar_one()
-            )
+            return float(conn.execute(text(DATABASE_TIME)).scalar_one())

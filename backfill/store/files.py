@@ -137,9 +137,7 @@ class Files(Store):
             ).one()
             if source is not None:
                 size = _copy_pieces(conn, file_id, source, chunk_bytes)
-                conn.execute(
-                    text(SET_FILE_SIZE), {"b": size, "i": file_id}
-                )
+                conn.execute(text(SET_FILE_SIZE), {"b": size, "i": file_id})
         return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0], row[1])
 
     def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
@@ -199,9 +197,7 @@ class Files(Store):
                 yield whole
             return
         seq = 0
-        while (
-            piece := self._read_binary(PIECE, (file_id, seq))
-        ) is not None:
+        while (piece := self._read_binary(PIECE, (file_id, seq))) is not None:
             yield piece
             seq += 1
 

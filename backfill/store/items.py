@@ -74,27 +74,55 @@ _GONE = "lease_id = NULL, lease_expires_at = NULL"
 _PROGRESS = "partial_output = :partial_output, partial_tokens = :partial_tokens"
 
 # The engine request was aborted for interactive work: count it, keep its progress.
-PREEMPT = ItemMove(ItemState.RUNNING, ItemState.PREEMPTED, AttemptOutcome.PREEMPTED,
-                   f"preemptions = preemptions + 1, {_PROGRESS}, {_GONE}")
+PREEMPT = ItemMove(
+    ItemState.RUNNING,
+    ItemState.PREEMPTED,
+    AttemptOutcome.PREEMPTED,
+    f"preemptions = preemptions + 1, {_PROGRESS}, {_GONE}",
+)
 # A claim the node had no slack for: claimable again after ``:retry`` seconds.
-DEFER = ItemMove(ItemState.RESERVED, ItemState.DEFERRED, AttemptOutcome.DEFERRED,
-                 f"not_before = {NOT_BEFORE}, {_GONE}, fencing_token = NULL")
+DEFER = ItemMove(
+    ItemState.RESERVED,
+    ItemState.DEFERRED,
+    AttemptOutcome.DEFERRED,
+    f"not_before = {NOT_BEFORE}, {_GONE}, fencing_token = NULL",
+)
 # A claim given back unstarted (the worker stops, or will not start it): queued again.
-RELEASE_UNSTARTED = ItemMove(ItemState.RESERVED, ItemState.QUEUED, AttemptOutcome.RELEASED,
-                             f"not_before = {NOT_BEFORE}, {_GONE}, fencing_token = NULL")
+RELEASE_UNSTARTED = ItemMove(
+    ItemState.RESERVED,
+    ItemState.QUEUED,
+    AttemptOutcome.RELEASED,
+    f"not_before = {NOT_BEFORE}, {_GONE}, fencing_token = NULL",
+)
 # A claimed item that cannot run at all (bad request): failed with ``:error``.
-FAIL_CLAIMED = ItemMove(ItemState.RESERVED, ItemState.FAILED, AttemptOutcome.FAILED,
-                        f"error = :error, {_GONE}, finished_at = now()")
+FAIL_CLAIMED = ItemMove(
+    ItemState.RESERVED,
+    ItemState.FAILED,
+    AttemptOutcome.FAILED,
+    f"error = :error, {_GONE}, finished_at = now()",
+)
 # A running item that failed for good (retry cap reached): failed with ``:error``.
-FAIL_RUNNING = ItemMove(ItemState.RUNNING, ItemState.FAILED, AttemptOutcome.FAILED,
-                        f"error = :error, {_GONE}, finished_at = now()")
+FAIL_RUNNING = ItemMove(
+    ItemState.RUNNING,
+    ItemState.FAILED,
+    AttemptOutcome.FAILED,
+    f"error = :error, {_GONE}, finished_at = now()",
+)
 # A running attempt stopped short (engine down, shutdown, lease lost): queued again after
 # ``:retry`` seconds with its progress kept for the next attempt.
-REQUEUE = ItemMove(ItemState.RUNNING, ItemState.QUEUED, AttemptOutcome.RELEASED,
-                   f"{_PROGRESS}, {_GONE}, fencing_token = NULL, not_before = {NOT_BEFORE}")
+REQUEUE = ItemMove(
+    ItemState.RUNNING,
+    ItemState.QUEUED,
+    AttemptOutcome.RELEASED,
+    f"{_PROGRESS}, {_GONE}, fencing_token = NULL, not_before = {NOT_BEFORE}",
+)
 # A claimed item that cannot finish before its deadline: expired unstarted, with ``:error``.
-EXPIRE_CLAIMED = ItemMove(ItemState.RESERVED, ItemState.EXPIRED, AttemptOutcome.EXPIRED,
-                          f"error = :error, {_GONE}, finished_at = now()")
+EXPIRE_CLAIMED = ItemMove(
+    ItemState.RESERVED,
+    ItemState.EXPIRED,
+    AttemptOutcome.EXPIRED,
+    f"error = :error, {_GONE}, finished_at = now()",
+)
 
 
 class Items(Store):
@@ -137,11 +165,20 @@ class Items(Store):
         partial_tokens: int,
     ) -> None:
         """running -> preempted: the engine request was aborted; keep its progress."""
-        progress = {"partial_output": encode_partial(partial_output),
-                    "partial_tokens": partial_tokens}
+        progress = {
+            "partial_output": encode_partial(partial_output),
+            "partial_tokens": partial_tokens,
+        }
         with self._tx() as conn:
-            move_item(conn, PREEMPT, item_id, attempt, fencing_token=fencing_token,
-                      values=progress, output_tokens=partial_tokens)
+            move_item(
+                conn,
+                PREEMPT,
+                item_id,
+                attempt,
+                fencing_token=fencing_token,
+                values=progress,
+                output_tokens=partial_tokens,
+            )
 
     def give_back(
         self,
@@ -158,8 +195,14 @@ class Items(Store):
         if target not in moves:
             raise IllegalTransition(f"give_back() moves to deferred or queued, not {target}")
         with self._tx() as conn:
-            move_item(conn, moves[target], item_id, attempt, values={"retry": retry_after_s},
-                      detail=detail)
+            move_item(
+                conn,
+                moves[target],
+                item_id,
+                attempt,
+                values={"retry": retry_after_s},
+                detail=detail,
+            )
 
     def fail(
         self, item_id: int, attempt: int, error: str, *, fencing_token: int | None = None
@@ -168,8 +211,15 @@ class Items(Store):
         without a fencing token, a running one under its token."""
         move = FAIL_CLAIMED if fencing_token is None else FAIL_RUNNING
         with self._tx() as conn:
-            move_item(conn, move, item_id, attempt, fencing_token=fencing_token,
-                      values={"error": error}, detail=error)
+            move_item(
+                conn,
+                move,
+                item_id,
+                attempt,
+                fencing_token=fencing_token,
+                values={"error": error},
+                detail=error,
+            )
 
     def requeue(
         self,
@@ -185,18 +235,30 @@ class Items(Store):
         """running -> queued: the attempt stopped (engine down, worker shutting down, lease
         lost, a worker error); its progress is kept for the next attempt, which waits
         ``retry_after_s`` from now (Postgres' clock) when given."""
-        values = {"partial_output": encode_partial(partial_output),
-                  "partial_tokens": partial_tokens, "retry": retry_after_s}
+        values = {
+            "partial_output": encode_partial(partial_output),
+            "partial_tokens": partial_tokens,
+            "retry": retry_after_s,
+        }
         with self._tx() as conn:
-            move_item(conn, REQUEUE, item_id, attempt, fencing_token=fencing_token,
-                      values=values, output_tokens=partial_tokens, detail=detail)
+            move_item(
+                conn,
+                REQUEUE,
+                item_id,
+                attempt,
+                fencing_token=fencing_token,
+                values=values,
+                output_tokens=partial_tokens,
+                detail=detail,
+            )
 
     def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None:
         """reserved -> expired: the item cannot finish before its deadline, so it is not
         started at all (no prefill is spent on it)."""
         with self._tx() as conn:
-            move_item(conn, EXPIRE_CLAIMED, item_id, attempt, values={"error": reason},
-                      detail=reason)
+            move_item(
+                conn, EXPIRE_CLAIMED, item_id, attempt, values={"error": reason}, detail=reason
+            )
 
     def end_items(
         self, job_id: str, target: ItemState, *, only_unstarted: bool = False

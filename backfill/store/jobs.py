@@ -50,10 +50,7 @@ MOVE_JOB = (
 # The state a refused move found (NULL: no such job).
 JOB_STATE = "SELECT state FROM jobs WHERE id = :i"
 # The event of one job move, with its reason.
-JOB_EVENT = (
-    "INSERT INTO job_events (job_id, from_state, to_state, reason) "
-    "VALUES (:i, :f, :t, :r)"
-)
+JOB_EVENT = "INSERT INTO job_events (job_id, from_state, to_state, reason) VALUES (:i, :f, :t, :r)"
 
 
 def job_from_row(row: Sequence[Any]) -> JobRecord:
@@ -127,6 +124,7 @@ def move_job(
     enqueue_batch_event(conn, job_id, target)
     return JobState(row[0])
 
+
 # A new job unless the tenant already made one with this idempotency key (then nothing).
 CREATE_JOB = (
     "INSERT INTO jobs (id, tenant_id, input_file_id, endpoint, model, "
@@ -173,10 +171,7 @@ ENQUEUED_TOKENS = (
 )
 
 # A job's audit trail, in order.
-JOB_EVENTS = (
-    "SELECT from_state, to_state, reason FROM job_events WHERE job_id = :i "
-    "ORDER BY id"
-)
+JOB_EVENTS = "SELECT from_state, to_state, reason FROM job_events WHERE job_id = :i ORDER BY id"
 
 # Jobs in one state, earliest deadline first (maintenance passes).
 JOBS_IN_STATE = "SELECT id FROM jobs WHERE state = :s ORDER BY deadline LIMIT :l"

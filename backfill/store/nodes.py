@@ -24,8 +24,7 @@ SERVED_MODELS = (
     "WHERE last_seen_at > now() - make_interval(secs => :s) AND model IS NOT NULL"
 )
 ANY_LIVE_NODE = (
-    "SELECT EXISTS (SELECT 1 FROM nodes "
-    "WHERE last_seen_at > now() - make_interval(secs => :s))"
+    "SELECT EXISTS (SELECT 1 FROM nodes WHERE last_seen_at > now() - make_interval(secs => :s))"
 )
 
 # The node is alive (its last_seen_at is what the dashboard and the gateway trust).
@@ -77,7 +76,5 @@ class Nodes(Store):
 
     def nodes(self) -> list[NodeRecord]:
         with self._tx() as conn:
-            rows = conn.execute(
-                text(ALL_NODES)
-            ).all()
+            rows = conn.execute(text(ALL_NODES)).all()
         return [NodeRecord(*r) for r in rows]

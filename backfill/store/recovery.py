@@ -35,6 +35,7 @@ def active_fields(r: Any) -> dict[str, Any]:
 def active_row(r: Any) -> ActiveLeaseRow:
     return ActiveLeaseRow(**active_fields(r))
 
+
 # A ledger epoch larger than any before (one row, bumped per rebuild).
 NEXT_LEDGER_EPOCH = (
     "INSERT INTO ledger_epochs (id, epoch) VALUES (1, 1) ON CONFLICT (id) "
@@ -91,15 +92,9 @@ class Recovery(Store):
         """A ledger epoch larger than any handed out before (fencing tokens stay monotonic
         across a Redis data loss: each rebuild starts a new epoch)."""
         with self._tx() as conn:
-            return int(
-                conn.execute(
-                    text(NEXT_LEDGER_EPOCH)
-                ).scalar_one()
-            )
+            return int(conn.execute(text(NEXT_LEDGER_EPOCH)).scalar_one())
 
-    def reap_lost(
-        self, limit: int = 1000, *, max_lost_runs: int | None = None
-    ) -> list[LostItem]:
+    def reap_lost(self, limit: int = 1000, *, max_lost_runs: int | None = None) -> list[LostItem]:
         """Take back items whose attempt stopped heartbeating; returns them (to release their
         leases).
 
@@ -132,7 +127,5 @@ class Recovery(Store):
     def active_leases(self) -> list[ActiveLeaseRow]:
         """Every item a live attempt holds: what the ledger is rebuilt from."""
         with self._tx() as conn:
-            rows = conn.execute(
-                text(ACTIVE_LEASES)
-            ).all()
+            rows = conn.execute(text(ACTIVE_LEASES)).all()
         return [ActiveLeaseRow(*r) for r in rows]

@@ -60,19 +60,13 @@ class Stats(Store):
     def backlog_tokens(self) -> int:
         """Worst-case tokens (prompt + max output) of every item not yet finished."""
         with self._tx() as conn:
-            return int(
-                conn.execute(
-                    text(BACKLOG_TOKENS)
-                ).scalar_one()
-            )
+            return int(conn.execute(text(BACKLOG_TOKENS)).scalar_one())
 
     def backlog_by_tenant(self) -> list[fairshare.TenantBacklog]:
         """:meth:`backlog_tokens` per tenant, with each tenant's weight (tenants with none
         are left out)."""
         with self._tx() as conn:
-            rows = conn.execute(
-                text(BACKLOG_BY_TENANT)
-            ).all()
+            rows = conn.execute(text(BACKLOG_BY_TENANT)).all()
         return [fairshare.TenantBacklog(r[0], float(r[1]), int(r[2])) for r in rows]
 
     def item_state_totals(self) -> dict[ItemState, int]:

@@ -29,23 +29,20 @@ def key_digest(key: str) -> str:
     """The stored form of an API key: its SHA-256 (keys are random, so no salt is needed)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
+
 # The columns of a TenantRecord, in its order (tenants aliased t).
 TENANT_COLUMNS = "t.id, t.name, t.enqueued_token_quota, t.weight"
 
 # A new tenant with its quota and weight (the id is made here).
 CREATE_TENANT = (
-    "INSERT INTO tenants (id, name, enqueued_token_quota, weight) "
-    "VALUES (:i, :n, :q, :w)"
+    "INSERT INTO tenants (id, name, enqueued_token_quota, weight) VALUES (:i, :n, :q, :w)"
 )
 
 # One tenant by its unique name.
 TENANT_BY_NAME = f"SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.name = :n"
 
 # Change a tenant's share of the nodes; returns the tenant as it is now.
-SET_TENANT_WEIGHT = (
-    "UPDATE tenants t SET weight = :w WHERE t.name = :n "
-    f"RETURNING {TENANT_COLUMNS}"
-)
+SET_TENANT_WEIGHT = f"UPDATE tenants t SET weight = :w WHERE t.name = :n RETURNING {TENANT_COLUMNS}"
 
 # A new key, stored by digest; its prefix (the key's id) in clear.
 CREATE_API_KEY = "INSERT INTO api_keys (tenant_id, digest, prefix) VALUES (:t, :d, :p)"
@@ -92,9 +89,7 @@ class Tenants(Store):
 
     def tenant_by_name(self, name: str) -> TenantRecord:
         with self._tx() as conn:
-            row = conn.execute(
-                text(TENANT_BY_NAME), {"n": name}
-            ).first()
+            row = conn.execute(text(TENANT_BY_NAME), {"n": name}).first()
         if row is None:
             raise NotFound(f"no tenant named {name!r}")
         return TenantRecord(row[0], row[1], row[2], row[3])
@@ -147,9 +142,7 @@ class Tenants(Store):
                     f"{len(rows)} live keys have the id {key_or_id}; revoke by the whole key"
                 )
             [(row_id, digest, prefix, tenant)] = rows
-            conn.execute(
-                text(REVOKE_KEY), {"i": row_id}
-            )
+            conn.execute(text(REVOKE_KEY), {"i": row_id})
         return RevokedKey(prefix, digest, tenant)
 
     def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:

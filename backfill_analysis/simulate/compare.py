@@ -50,8 +50,11 @@ class Baselines:
         """All tokens computed (prompt and output, both classes) over interactive alone's:
         the "overall throughput vs online-only" ratio HyGen and ConServe report."""
         alone = self.interactive_alone.interactive_tokens_per_s
-        total = (result.interactive_tokens_per_s + result.batch_tokens_per_s
-                 + result.batch_prompt_tokens_per_s)
+        total = (
+            result.interactive_tokens_per_s
+            + result.batch_tokens_per_s
+            + result.batch_prompt_tokens_per_s
+        )
         return total / alone if alone > 0 else 0.0
 
     def harvest(self, result: PolicyResult) -> float:
@@ -68,40 +71,58 @@ class Comparison:
     batch_items: int
 
 
-def workload(scenario: Scenario, trace_path: Path | str, seed: int
-             ) -> tuple[list[TraceRequest], list[BatchItem]]:
-    trace = load_trace(trace_path, dataclasses.replace(scenario.trace,
-                                                       duration_s=scenario.duration_s))
+def workload(
+    scenario: Scenario, trace_path: Path | str, seed: int
+) -> tuple[list[TraceRequest], list[BatchItem]]:
+    trace = load_trace(
+        trace_path, dataclasses.replace(scenario.trace, duration_s=scenario.duration_s)
+    )
     return trace, batch_items(scenario.batch, seed)
 
 
-def _spec(scenario: Scenario, trace: Sequence[TraceRequest], items: Sequence[BatchItem],
-          knobs: PolicyKnobs | None = None) -> RunSpec:
-    return RunSpec(scenario.engine, trace, items, scenario.duration_s, scenario.ttft_slo_s,
-                   knobs or scenario.knobs, scenario.sample_every_s)
+def _spec(
+    scenario: Scenario,
+    trace: Sequence[TraceRequest],
+    items: Sequence[BatchItem],
+    knobs: PolicyKnobs | None = None,
+) -> RunSpec:
+    return RunSpec(
+        scenario.engine,
+        trace,
+        items,
+        scenario.duration_s,
+        scenario.ttft_slo_s,
+        knobs or scenario.knobs,
+        scenario.sample_every_s,
+    )
 
 
-def baselines(scenario: Scenario, trace: Sequence[TraceRequest], items: Sequence[BatchItem]
-              ) -> Baselines:
+def baselines(
+    scenario: Scenario, trace: Sequence[TraceRequest], items: Sequence[BatchItem]
+) -> Baselines:
     alone = simulate(_spec(scenario, trace, []), "priority")
-    flat_out = dataclasses.replace(scenario.knobs,
-                                   batch_concurrency=scenario.engine.max_num_seqs)
+    flat_out = dataclasses.replace(scenario.knobs, batch_concurrency=scenario.engine.max_num_seqs)
     batch = simulate(_spec(scenario, [], items, flat_out), "priority")
     return Baselines(alone, batch)
 
 
 def compare(
-    scenario: Scenario, trace_path: Path | str, *, seed: int = 0,
+    scenario: Scenario,
+    trace_path: Path | str,
+    *,
+    seed: int = 0,
     policies: Sequence[str] = POLICY_NAMES,
 ) -> Comparison:
     trace, items = workload(scenario, trace_path, seed)
     results = [simulate(_spec(scenario, trace, items), p) for p in policies]
-    return Comparison(scenario, results, baselines(scenario, trace, items), len(trace),
-                      len(items))
+    return Comparison(scenario, results, baselines(scenario, trace, items), len(trace), len(items))
 
 
 def sweep(
-    scenario: Scenario, trace_path: Path | str, *, seed: int = 0,
+    scenario: Scenario,
+    trace_path: Path | str,
+    *,
+    seed: int = 0,
     policies: Sequence[str] = POLICY_NAMES,
 ) -> dict[str, list[tuple[float, PolicyResult]]]:
     """Each policy across its knob (:data:`SWEEPS`)."""
@@ -129,24 +150,33 @@ def _with_knob(knobs: PolicyKnobs, knob: str, value: float) -> PolicyKnobs:
         return dataclasses.replace(knobs, work_budget=budget)
     step = knobs.step_schedule
     if knob == "chunk_target_s":
-        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
-            step, chunk_target_s=value))
+        return dataclasses.replace(
+            knobs, step_schedule=dataclasses.replace(step, chunk_target_s=value)
+        )
     if knob == "ride_along_share":
-        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
-            step, ride_along_share=value))
+        return dataclasses.replace(
+            knobs, step_schedule=dataclasses.replace(step, ride_along_share=value)
+        )
     if knob == "starvation_s":
-        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
-            step, starvation_s=value))
+        return dataclasses.replace(
+            knobs, step_schedule=dataclasses.replace(step, starvation_s=value)
+        )
     if knob == "starvation_steps":
-        return dataclasses.replace(knobs, step_schedule=dataclasses.replace(
-            step, starvation_steps=int(value)))
+        return dataclasses.replace(
+            knobs, step_schedule=dataclasses.replace(step, starvation_steps=int(value))
+        )
     raise ValueError(f"no knob {knob!r}")
 
 
-def best_at_slo(points: Sequence[tuple[float, PolicyResult]], target: float,
-                ttft_target_s: float | None = None) -> tuple[float, PolicyResult] | None:
+def best_at_slo(
+    points: Sequence[tuple[float, PolicyResult]], target: float, ttft_target_s: float | None = None
+) -> tuple[float, PolicyResult] | None:
     """The knob setting with the most batch throughput among those whose interactive SLO
     attainment (at ``ttft_target_s``, default the run's own target) is at least ``target``."""
-    meeting = [p for p in points if (p[1].slo_attainment if ttft_target_s is None
-                                     else p[1].attainment(ttft_target_s)) >= target]
+    meeting = [
+        p
+        for p in points
+        if (p[1].slo_attainment if ttft_target_s is None else p[1].attainment(ttft_target_s))
+        >= target
+    ]
     return max(meeting, key=lambda p: p[1].batch_tokens_per_s) if meeting else None

@@ -36,8 +36,13 @@ class StepWork:
     """Sum of the decoding sequences' context lengths (KV read per step)."""
 
 
-FEATURES = ("step_overhead_s", "per_prefill_token_s", "per_prefill_attention_s",
-            "per_decode_token_s", "per_decode_context_s")
+FEATURES = (
+    "step_overhead_s",
+    "per_prefill_token_s",
+    "per_prefill_attention_s",
+    "per_decode_token_s",
+    "per_decode_context_s",
+)
 
 
 @dataclass(frozen=True)

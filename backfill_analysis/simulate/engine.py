@@ -56,12 +56,16 @@ class EngineConfig:
     """Backfill's step-shaping scheduler (``backfill-step``); None: vLLM's stock scheduler."""
 
     def __post_init__(self) -> None:
-        if min(self.num_blocks, self.block_size, self.max_num_batched_tokens,
-               self.max_num_seqs) <= 0:
+        if (
+            min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs)
+            <= 0
+        ):
             raise ValueError(f"engine limits must be positive: {self}")
         if self.step_schedule is not None and not self.priority_scheduling:
-            raise ValueError("the step-shaping scheduler tells batch from interactive by "
-                             "priority: it needs priority scheduling")
+            raise ValueError(
+                "the step-shaping scheduler tells batch from interactive by "
+                "priority: it needs priority scheduling"
+            )
 
     @property
     def capacity_tokens(self) -> int:
@@ -77,15 +81,39 @@ tokens kept) while interactive work is pending; ``computed`` and ``generated`` a
 class Sequence:
     """One request inside the engine (mutable; the engine owns its state)."""
 
-    __slots__ = ("arrival_order", "blocks", "computed", "entry_length", "entry_step",
-                 "first_token_s", "generated", "interactive", "key", "last_token_s",
-                 "output_tokens", "owner", "preemptions", "priority", "progress_s",
-                 "progress_step", "prompt_tokens", "recomputed", "residue", "state",
-                 "target")
+    __slots__ = (
+        "arrival_order",
+        "blocks",
+        "computed",
+        "entry_length",
+        "entry_step",
+        "first_token_s",
+        "generated",
+        "interactive",
+        "key",
+        "last_token_s",
+        "output_tokens",
+        "owner",
+        "preemptions",
+        "priority",
+        "progress_s",
+        "progress_step",
+        "prompt_tokens",
+        "recomputed",
+        "residue",
+        "state",
+        "target",
+    )
 
     def __init__(
-        self, key: int, prompt_tokens: int, output_tokens: int, priority: int,
-        interactive: bool, owner: object = None, generated: int = 0,
+        self,
+        key: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        priority: int,
+        interactive: bool,
+        owner: object = None,
+        generated: int = 0,
     ) -> None:
         self.key = key
         self.prompt_tokens = prompt_tokens
@@ -369,8 +397,11 @@ class Engine:
         batch_chunked = False
         # While holding, batch prefills at their starvation bound go before interactive ones:
         # the bound is a promise, and the chunk cap keeps what it costs short.
-        order = sorted(self._prefilling, key=lambda s: s.interactive) if holding else list(
-            self._prefilling)
+        order = (
+            sorted(self._prefilling, key=lambda s: s.interactive)
+            if holding
+            else list(self._prefilling)
+        )
         for seq in order:
             if budget <= 0:
                 break
@@ -380,8 +411,9 @@ class Engine:
             capped = sched is not None and not seq.interactive
             if capped:
                 assert sched is not None
-                if holding and not starved(sched, seq.progress_step, seq.progress_s, k, now,
-                                           self._last_step_s):
+                if holding and not starved(
+                    sched, seq.progress_step, seq.progress_s, k, now, self._last_step_s
+                ):
                     report.batch_paused += 1
                     continue
                 if batch_chunked and batch_s <= 0:
@@ -444,9 +476,14 @@ class Engine:
         if holding and sched is not None and sched.ride_along_share > 0 and self._paused:
             # Batch decoders may ride along up to a share of what the step costs without them.
             alive = [r for r in riders if r.state == PAUSED]
-            base = cfg.cost.step_seconds(StepWork(
-                prefill_tokens, attention, n_decode + len(alive),
-                self._decode_length_sum + n_decode * k + sum(r.computed for r in alive)))
+            base = cfg.cost.step_seconds(
+                StepWork(
+                    prefill_tokens,
+                    attention,
+                    n_decode + len(alive),
+                    self._decode_length_sum + n_decode * k + sum(r.computed for r in alive),
+                )
+            )
             budget = self._take_riders(riders, budget, now, sched.ride_along_share * base)
         riders = [r for r in riders if r.state == PAUSED]
         report.batch_paused += len(self._paused) - len(riders)
@@ -481,8 +518,9 @@ class Engine:
             self._join_aggregate(seq, k)
         self._paused.clear()
 
-    def _take_riders(self, riders: list[Sequence], budget: int, now: float,
-                     allowance_s: float | None) -> int:
+    def _take_riders(
+        self, riders: list[Sequence], budget: int, now: float, allowance_s: float | None
+    ) -> int:
         """Paused decoders, oldest progress first, that carry a token this step: with
         ``allowance_s`` None those at their starvation bound, else as many as fit in that
         much step time. Returns the token budget left."""
@@ -497,8 +535,7 @@ class Engine:
             if seq.key in taken:
                 continue
             if allowance_s is None:
-                if not starved(sched, seq.progress_step, seq.progress_s, k, now,
-                               self._last_step_s):
+                if not starved(sched, seq.progress_step, seq.progress_s, k, now, self._last_step_s):
                     break
             else:
                 price = decode_token_seconds(cost, seq.computed)

@@ -87,5 +87,7 @@ class PolicyResult:
         data: dict[str, object] = {
             k: v for k, v in self.__dict__.items() if k not in {"kv_timeline", "ttfts"}
         }
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in data.items()}
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in data.items()
+        }

@@ -26,14 +26,21 @@ def _pyplot() -> Any:
 def kv_over_time(results: Sequence[PolicyResult], num_blocks: int, path: Path) -> Path:
     """The pool over time, stacked by class, one panel per policy."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 * len(results)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(results), 1, figsize=(10, 2.2 * len(results)), sharex=True, squeeze=False
+    )
     for ax, result in zip(axes[:, 0], results, strict=True):
         t = [s.t / 60 for s in result.kv_timeline]
         inter = [s.interactive / num_blocks for s in result.kv_timeline]
         batch = [s.batch / num_blocks for s in result.kv_timeline]
-        ax.stackplot(t, inter, batch, labels=["interactive", "batch"],
-                     colors=["#d62728", "#1f77b4"], alpha=0.8)
+        ax.stackplot(
+            t,
+            inter,
+            batch,
+            labels=["interactive", "batch"],
+            colors=["#d62728", "#1f77b4"],
+            alpha=0.8,
+        )
         ax.set_ylim(0, 1)
         ax.set_ylabel("pool share")
         ax.set_title(result.policy, fontsize=9, loc="left")
@@ -54,8 +61,9 @@ def ttft_cdf(results: Sequence[PolicyResult], slo_s: float, path: Path) -> Path:
         if not values:
             continue
         n = len(result.ttfts)
-        ax.step(values, [(i + 1) / n for i in range(len(values))], where="post",
-                label=result.policy)
+        ax.step(
+            values, [(i + 1) / n for i in range(len(values))], where="post", label=result.policy
+        )
     ax.axvline(slo_s, color="grey", linestyle="--", label=f"TTFT target {slo_s:g} s")
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s)")
@@ -70,7 +78,9 @@ def ttft_cdf(results: Sequence[PolicyResult], slo_s: float, path: Path) -> Path:
 
 
 def throughput_vs_slo(
-    curves: dict[str, list[tuple[float, PolicyResult]]], target: float, path: Path,
+    curves: dict[str, list[tuple[float, PolicyResult]]],
+    target: float,
+    path: Path,
     ttft_target_s: float | None = None,
 ) -> Path:
     """Batch throughput against interactive SLO attainment (at ``ttft_target_s``, default
@@ -79,8 +89,7 @@ def throughput_vs_slo(
     fig, ax = plt.subplots(figsize=(7, 4.5))
 
     def slo(result: PolicyResult) -> float:
-        return (result.slo_attainment if ttft_target_s is None
-                else result.attainment(ttft_target_s))
+        return result.slo_attainment if ttft_target_s is None else result.attainment(ttft_target_s)
 
     for name, points in curves.items():
         ordered = sorted(points, key=lambda p: slo(p[1]))

@@ -54,7 +54,12 @@ from backfill_analysis.simulate.workload import BatchItem
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10
 POLICY_NAMES = (
-    "fifo", "static", "priority", "backfill", "backfill-overcommit", "backfill-budget",
+    "fifo",
+    "static",
+    "priority",
+    "backfill",
+    "backfill-overcommit",
+    "backfill-budget",
     "backfill-step",
 )
 
@@ -111,8 +116,16 @@ class Lease:
         "tokens",
     )
 
-    def __init__(self, seq: Sequence, engine: Engine, service_class: ServiceClass, tokens: int,
-                 started_s: float, deadline_s: float | None, preemptible: bool) -> None:
+    def __init__(
+        self,
+        seq: Sequence,
+        engine: Engine,
+        service_class: ServiceClass,
+        tokens: int,
+        started_s: float,
+        deadline_s: float | None,
+        preemptible: bool,
+    ) -> None:
         self.seq = seq
         self._engine = engine
         self.lease_id = str(seq.key)
@@ -184,8 +197,13 @@ class Frontend:
         item = work.item
         # A resumed item continues from its stored output: the prompt grows by it.
         seq = Sequence(
-            item.key, item.prompt_tokens, item.output_tokens, BATCH_PRIORITY, False,
-            owner=work, generated=work.generated,
+            item.key,
+            item.prompt_tokens,
+            item.output_tokens,
+            BATCH_PRIORITY,
+            False,
+            owner=work,
+            generated=work.generated,
         )
         work.started_s = now
         self.engine.add(seq)
@@ -194,8 +212,9 @@ class Frontend:
 
     def submit_interactive(self, req: TraceRequest) -> Sequence:
         self._keys += 1
-        seq = Sequence(self._keys, req.prompt_tokens, req.output_tokens, INTERACTIVE_PRIORITY,
-                       True, owner=req)
+        seq = Sequence(
+            self._keys, req.prompt_tokens, req.output_tokens, INTERACTIVE_PRIORITY, True, owner=req
+        )
         self.engine.add(seq)
         return seq
 
@@ -275,7 +294,8 @@ class Reserving(Frontend):
         self.capacity = cfg.capacity_tokens
         self.block_size = cfg.block_size
         self.pool_policy = PoolPolicy(
-            interactive=ClassLimits(self.capacity), batch=ClassLimits(self.capacity),
+            interactive=ClassLimits(self.capacity),
+            batch=ClassLimits(self.capacity),
             interactive_reserve_fraction=knobs.reserve_fraction,
             headroom_tokens=knobs.headroom_tokens,
         )
@@ -286,8 +306,7 @@ class Reserving(Frontend):
         self._deferred: tuple[object, ...] | None = None
 
     def state(self) -> PoolState:
-        return PoolState(self.capacity, self.block_size, self.interactive_in_use,
-                         self.batch_in_use)
+        return PoolState(self.capacity, self.block_size, self.interactive_in_use, self.batch_in_use)
 
     def on_interactive(self, req: TraceRequest, now: float) -> None:
         self.gateway.append(req)
@@ -296,8 +315,9 @@ class Reserving(Frontend):
     def _admit_interactive(self, now: float) -> None:
         while self.gateway:
             req = self.gateway[0]
-            request = AdmissionRequest(ServiceClass.INTERACTIVE, req.prompt_tokens,
-                                       req.output_tokens)
+            request = AdmissionRequest(
+                ServiceClass.INTERACTIVE, req.prompt_tokens, req.output_tokens
+            )
             decision = decide(request, self.state(), self.pool_policy, self._victim_pool())
             if decision.kind is DecisionKind.REJECT:
                 self.gateway.popleft()
@@ -310,8 +330,9 @@ class Reserving(Frontend):
             self.gateway.popleft()
             seq = self.submit_interactive(req)
             self.interactive_in_use += decision.tokens
-            self.leases[seq.key] = Lease(seq, self.engine, ServiceClass.INTERACTIVE,
-                                         decision.tokens, now, None, False)
+            self.leases[seq.key] = Lease(
+                seq, self.engine, ServiceClass.INTERACTIVE, decision.tokens, now, None, False
+            )
 
     def _victim_pool(self) -> list[Lease]:
         return [x for x in self.leases.values() if x.service_class is ServiceClass.BATCH]
@@ -337,7 +358,9 @@ class Reserving(Frontend):
                 return
             remaining = item.max_output_tokens - work.generated
             request = AdmissionRequest(
-                ServiceClass.BATCH, item.prompt_tokens + work.generated, max(1, remaining),
+                ServiceClass.BATCH,
+                item.prompt_tokens + work.generated,
+                max(1, remaining),
                 preemptible=work.preemptions < self.knobs.max_preemptions_per_item,
             )
             decision = decide(request, state, self.pool_policy)
@@ -350,8 +373,15 @@ class Reserving(Frontend):
                 return
             seq = self.submit_batch(work, now)
             self.batch_in_use += decision.tokens
-            self.leases[seq.key] = Lease(seq, self.engine, ServiceClass.BATCH, decision.tokens,
-                                         now, item.deadline_s, request.preemptible)
+            self.leases[seq.key] = Lease(
+                seq,
+                self.engine,
+                ServiceClass.BATCH,
+                decision.tokens,
+                now,
+                item.deadline_s,
+                request.preemptible,
+            )
 
     def after_step(self, report: StepReport, now: float) -> None:
         # Sequences the engine preempted itself (an overcommitted pool) keep their leases:
@@ -412,7 +442,7 @@ class BackfillOvercommit(Backfill):
         super().after_step(report, now)
         done = len(self.completed)
         if done // self._refit_every > before // self._refit_every:
-            recent = self.completed[-self._window:]
+            recent = self.completed[-self._window :]
             ratios = (w.item.output_tokens / w.item.max_output_tokens for w, _ in recent)
             overcommit = overcommit_from_ratios(ratios, self.knobs.overcommit_quantile)
             self.pool_policy = dataclasses.replace(self.pool_policy, batch_overcommit=overcommit)
@@ -516,7 +546,12 @@ class BackfillStep(BackfillWorkBudget):
 POLICIES: dict[str, type[Frontend]] = {
     cls.name: cls
     for cls in (
-        Fifo, StaticPartition, PriorityOnly, Backfill, BackfillOvercommit, BackfillWorkBudget,
+        Fifo,
+        StaticPartition,
+        PriorityOnly,
+        Backfill,
+        BackfillOvercommit,
+        BackfillWorkBudget,
         BackfillStep,
     )
 }

@@ -40,8 +40,12 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         raise ValueError(f"unknown policy {policy_name!r}; one of {', '.join(POLICIES)}") from None
     config = spec.engine
     engine_config = EngineConfig(
-        config.num_blocks, config.block_size, config.cost, config.max_num_batched_tokens,
-        config.max_num_seqs, priority_scheduling=policy_cls.priority_scheduling,
+        config.num_blocks,
+        config.block_size,
+        config.cost,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        priority_scheduling=policy_cls.priority_scheduling,
         step_schedule=spec.knobs.step_schedule if policy_cls.shapes_steps else None,
     )
     engine = Engine(engine_config)
@@ -89,8 +93,9 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         if now <= horizon:
             batch_tokens += report.batch_output_tokens
             batch_prompt += report.batch_prefill_tokens
-            interactive_tokens += (report.interactive_prefill_tokens
-                                   + report.interactive_output_tokens)
+            interactive_tokens += (
+                report.interactive_prefill_tokens + report.interactive_output_tokens
+            )
         for seq in report.first_tokens:
             if seq.interactive:
                 req = seq.owner

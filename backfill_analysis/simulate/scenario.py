@@ -37,8 +37,9 @@ class Scenario:
     sample_every_s: float = 10.0
 
 
-def h100_cost(model: str = "llama-3.1-8b", gpu: str = "h100", tensor_parallel: int = 1
-              ) -> costmodel.CostModel:
+def h100_cost(
+    model: str = "llama-3.1-8b", gpu: str = "h100", tensor_parallel: int = 1
+) -> costmodel.CostModel:
     m, g = model_preset(model), gpu_preset(gpu)
     return costmodel.roofline(
         name=f"{g.name}-{m.name}-roofline",
@@ -56,42 +57,68 @@ def h100_cost(model: str = "llama-3.1-8b", gpu: str = "h100", tensor_parallel: i
 
 
 def h100_llama8b() -> Scenario:
-    pool = plan(model_preset("llama-3.1-8b"), Hardware(gpu_memory_bytes=gpu_preset("h100")
-                .memory_bytes, block_size=16))
-    engine = EngineConfig(pool.num_blocks, pool.block_size, h100_cost(),
-                          max_num_batched_tokens=8192, max_num_seqs=256)
+    pool = plan(
+        model_preset("llama-3.1-8b"),
+        Hardware(gpu_memory_bytes=gpu_preset("h100").memory_bytes, block_size=16),
+    )
+    engine = EngineConfig(
+        pool.num_blocks, pool.block_size, h100_cost(), max_num_batched_tokens=8192, max_num_seqs=256
+    )
     return Scenario(
         name="h100-llama-3.1-8b",
         engine=engine,
         trace=TraceOptions(every=4),
-        batch=BatchWorkload(items=100_000, prompt_mean=1000, prompt_max=4000,
-                            max_output_tokens=512, first_deadline_s=900, last_deadline_s=5400),
+        batch=BatchWorkload(
+            items=100_000,
+            prompt_mean=1000,
+            prompt_max=4000,
+            max_output_tokens=512,
+            first_deadline_s=900,
+            last_deadline_s=5400,
+        ),
         duration_s=3600.0,
         # Interactive alone meets 2 s for > 99% of this trace's requests on this engine; a
         # tighter target would be missed without any batch at all.
         ttft_slo_s=2.0,
         # backfill-step: 10 ms of batch prefill per step (about 300 prompt tokens here).
-        knobs=PolicyKnobs(batch_concurrency=64, reserve_fraction=0.25, busy_batch_seqs=32,
-                          max_batch_seqs=256, step_schedule=StepSchedule(chunk_target_s=0.01)),
+        knobs=PolicyKnobs(
+            batch_concurrency=64,
+            reserve_fraction=0.25,
+            busy_batch_seqs=32,
+            max_batch_seqs=256,
+            step_schedule=StepSchedule(chunk_target_s=0.01),
+        ),
     )
 
 
 def cpu_smollm2() -> Scenario:
-    engine = EngineConfig(364, 128, costmodel.load("vllm-cpu-smollm2"),
-                          max_num_batched_tokens=2048, max_num_seqs=128)
+    engine = EngineConfig(
+        364, 128, costmodel.load("vllm-cpu-smollm2"), max_num_batched_tokens=2048, max_num_seqs=128
+    )
     return Scenario(
         name="cpu-smollm2",
         engine=engine,
-        trace=TraceOptions(skip=200, time_scale=70.0, max_prompt_tokens=1500,
-                           max_output_tokens=64),
-        batch=BatchWorkload(items=2_000, jobs=4, prompt_mean=475, prompt_max=1500,
-                            max_output_tokens=64, first_deadline_s=1800, last_deadline_s=3600),
+        trace=TraceOptions(skip=200, time_scale=70.0, max_prompt_tokens=1500, max_output_tokens=64),
+        batch=BatchWorkload(
+            items=2_000,
+            jobs=4,
+            prompt_mean=475,
+            prompt_max=1500,
+            max_output_tokens=64,
+            first_deadline_s=1800,
+            last_deadline_s=3600,
+        ),
         duration_s=900.0,
         ttft_slo_s=6.0,
         # backfill-step: 0.1 s of batch prefill per step (about 150 prompt tokens here; a
         # step's overhead alone is 27 ms on this engine).
-        knobs=PolicyKnobs(batch_concurrency=32, reserve_fraction=0.25, busy_batch_seqs=4,
-                          max_batch_seqs=64, step_schedule=StepSchedule(chunk_target_s=0.1)),
+        knobs=PolicyKnobs(
+            batch_concurrency=32,
+            reserve_fraction=0.25,
+            busy_batch_seqs=4,
+            max_batch_seqs=64,
+            step_schedule=StepSchedule(chunk_target_s=0.1),
+        ),
         sample_every_s=5.0,
     )
 

@@ -48,15 +48,19 @@ class StepSchedule:
             raise ValueError("starvation_s must be >= 0 seconds (0: no bound in seconds)")
 
 
-def starved(schedule: StepSchedule, progress_step: int, progress_s: float, step: int,
-            now: float, step_s: float) -> bool:
+def starved(
+    schedule: StepSchedule,
+    progress_step: int,
+    progress_s: float,
+    step: int,
+    now: float,
+    step_s: float,
+) -> bool:
     """Whether a paused batch sequence whose last progress was in step ``progress_step``,
     ending at ``progress_s``, must progress in step ``step``, which starts at ``now`` and is
     expected to take ``step_s``: waiting one more step would miss a bound."""
     n, t = schedule.starvation_steps, schedule.starvation_s
-    return (n > 0 and step - progress_step >= n) or (
-        t > 0 and now + 2 * step_s - progress_s > t
-    )
+    return (n > 0 and step - progress_step >= n) or (t > 0 and now + 2 * step_s - progress_s > t)
 
 
 def prefill_seconds(cost: CostModel, start: int, tokens: int) -> float:

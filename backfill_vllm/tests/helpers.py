@@ -35,12 +35,22 @@ init_none_hash(_HASH)
 @functools.cache
 def _model_dir() -> str:
     folder = Path(tempfile.mkdtemp(prefix="backfill-vllm-test-"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-        "torch_dtype": "float32",
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1024,
+                "max_position_embeddings": 4096,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return str(folder)
 
 
@@ -60,25 +70,39 @@ def make_scheduler(
 ) -> Any:
     """A ``BackfillScheduler`` (or with ``stock`` vLLM's own) over ``num_blocks`` KV blocks."""
     scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=2048,
-        enable_chunked_prefill=True, policy="priority", async_scheduling=async_scheduling,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        policy="priority",
+        async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
-    cache_config = CacheConfig(block_size=BLOCK, cache_dtype="auto",
-                               enable_prefix_caching=True)
-    config = VllmConfig(scheduler_config=scheduler_config, model_config=_model_config(),
-                        cache_config=cache_config)
+    cache_config = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
+    config = VllmConfig(
+        scheduler_config=scheduler_config, model_config=_model_config(), cache_config=cache_config
+    )
     # VllmConfig turns async scheduling off where the executor lacks it (this CPU); the
     # scheduler under test only needs the flag.
     config.scheduler_config.async_scheduling = async_scheduling
     kv = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))],
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
     )
     cache_config.num_gpu_blocks = num_blocks
     kwargs: dict[str, Any] = dict(
-        vllm_config=config, kv_cache_config=kv, block_size=BLOCK, log_stats=True,
+        vllm_config=config,
+        kv_cache_config=kv,
+        block_size=BLOCK,
+        log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
     )
     if stock:
@@ -89,8 +113,15 @@ def make_scheduler(
 _seq = iter(range(1, 1 << 30))
 
 
-def make_request(request_id: str, *, prompt: int, priority: int, max_tokens: int = 8,
-                 arrival: float | None = None, seed: int | None = None) -> Request:
+def make_request(
+    request_id: str,
+    *,
+    prompt: int,
+    priority: int,
+    max_tokens: int = 8,
+    arrival: float | None = None,
+    seed: int | None = None,
+) -> Request:
     """A request whose prompt no other request shares (no prefix-cache hits between them)."""
     salt = next(_seq)
     return Request(
@@ -110,10 +141,14 @@ def run_step(scheduler: Any) -> SchedulerOutput:
     output = scheduler.schedule()
     ids = list(output.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[i].is_prefill_chunk else [TOKEN] for i in ids]
-    scheduler.update_from_output(output, ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: n for n, r in enumerate(ids)},
-        sampled_token_ids=sampled,
-    ))
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: n for n, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        ),
+    )
     return output
 
 

@@ -29,8 +29,10 @@ NO_BOUND = SchedulerSettings(starvation_steps=0, starvation_s=0)
 
 def decode_batch(scheduler, n: int, *, prompt: int = 40, max_tokens: int = 50) -> list:
     """``n`` batch requests, run until each is decoding."""
-    requests = [make_request(f"b{i}", prompt=prompt, priority=BATCH, max_tokens=max_tokens)
-                for i in range(n)]
+    requests = [
+        make_request(f"b{i}", prompt=prompt, priority=BATCH, max_tokens=max_tokens)
+        for i in range(n)
+    ]
     for r in requests:
         scheduler.add_request(r)
     for _ in range(50):
@@ -67,8 +69,7 @@ class PauseAndResume(unittest.TestCase):
     def check_pause_keeps_state(self, async_scheduling: bool) -> None:
         s = make_scheduler(budget=64, settings=NO_BOUND, async_scheduling=async_scheduling)
         batch = decode_batch(s, 3)
-        before = {r.request_id: (r.num_computed_tokens, blocks_of(s, r.request_id))
-                  for r in batch}
+        before = {r.request_id: (r.num_computed_tokens, blocks_of(s, r.request_id)) for r in batch}
         # An interactive prompt of 300 tokens prefills over 5 steps of 64.
         inter = make_request("i", prompt=300, priority=INTERACTIVE, max_tokens=4)
         s.add_request(inter)
@@ -80,8 +81,9 @@ class PauseAndResume(unittest.TestCase):
             for r in batch:
                 self.assertIn(r, s.running)
                 self.assertEqual(r.status, RequestStatus.RUNNING)
-                self.assertEqual((r.num_computed_tokens, blocks_of(s, r.request_id)),
-                                 before[r.request_id])
+                self.assertEqual(
+                    (r.num_computed_tokens, blocks_of(s, r.request_id)), before[r.request_id]
+                )
         self.assertEqual(holding_steps, 5)
         out = run_step(s)  # interactive decodes now; batch resumes where it was
         self.assertEqual(set(out.num_scheduled_tokens), {"i", "b0", "b1", "b2"})
@@ -116,11 +118,15 @@ class PauseAndResume(unittest.TestCase):
         ours, stock = make_scheduler(budget=64), make_scheduler(budget=64, stock=True)
         for s in (ours, stock):
             for i, prompt in enumerate((100, 30, 7, 250)):
-                s.add_request(make_request(f"i{i}", prompt=prompt, priority=INTERACTIVE,
-                                           max_tokens=5, arrival=float(i)))
+                s.add_request(
+                    make_request(
+                        f"i{i}", prompt=prompt, priority=INTERACTIVE, max_tokens=5, arrival=float(i)
+                    )
+                )
         for _ in range(40):
-            self.assertEqual(run_step(ours).num_scheduled_tokens,
-                             run_step(stock).num_scheduled_tokens)
+            self.assertEqual(
+                run_step(ours).num_scheduled_tokens, run_step(stock).num_scheduled_tokens
+            )
 
 
 class FinishWhilePaused(unittest.TestCase):
@@ -159,13 +165,16 @@ class FinishWhilePaused(unittest.TestCase):
         held = s.schedule()
         self.assertEqual(set(held.num_scheduled_tokens), {"i"})
         self.assertEqual(s.backfill_metrics.paused_now, 1)
-        s.update_from_output(last, ModelRunnerOutput(
-            req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[TOKEN]]))
+        s.update_from_output(
+            last,
+            ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[TOKEN]]),
+        )
         self.assertTrue(batch.is_finished())
         self.assertNotIn(batch, s.running)
         self.assertNotIn("b", s._tracks)
-        s.update_from_output(held, ModelRunnerOutput(
-            req_ids=["i"], req_id_to_index={"i": 0}, sampled_token_ids=[[]]))
+        s.update_from_output(
+            held, ModelRunnerOutput(req_ids=["i"], req_id_to_index={"i": 0}, sampled_token_ids=[[]])
+        )
         while s.has_unfinished_requests():
             self.assertNotIn("b", run_step(s).num_scheduled_tokens)
         self.assertEqual(batch.num_output_tokens, 3)
@@ -206,8 +215,7 @@ class ChunkCap(unittest.TestCase):
         self.assertEqual(run_step(s).num_scheduled_tokens, {"s0": 1, "s1": 100})
 
     def test_the_cap_follows_the_fitted_step_time(self) -> None:
-        settings = SchedulerSettings(chunk_target_s=0.01, model_min_samples=4,
-                                     min_chunk_tokens=8)
+        settings = SchedulerSettings(chunk_target_s=0.01, model_min_samples=4, min_chunk_tokens=8)
         s = make_scheduler(budget=512, settings=settings)
         for tokens in (10, 100, 200, 400, 50, 300):
             s._step_model.observe(tokens, 0.002 + 0.0005 * tokens)  # 20 tokens per 10 ms
@@ -223,8 +231,9 @@ class ChunkCap(unittest.TestCase):
 
 class StarvationBound(unittest.TestCase):
     def test_a_paused_sequence_progresses_within_the_bound_in_steps(self) -> None:
-        s = make_scheduler(budget=32, settings=SchedulerSettings(starvation_steps=4,
-                                                                 starvation_s=0))
+        s = make_scheduler(
+            budget=32, settings=SchedulerSettings(starvation_steps=4, starvation_s=0)
+        )
         decode_batch(s, 2)
         s.add_request(make_request("i", prompt=640, priority=INTERACTIVE, max_tokens=2))
         gaps: list[int] = []
@@ -241,8 +250,9 @@ class StarvationBound(unittest.TestCase):
         self.assertLessEqual(s.backfill_metrics.longest_pause_steps, 3)
 
     def test_a_paused_sequence_progresses_within_the_bound_in_seconds(self) -> None:
-        s = make_scheduler(budget=32, settings=SchedulerSettings(starvation_steps=0,
-                                                                 starvation_s=1e-9))
+        s = make_scheduler(
+            budget=32, settings=SchedulerSettings(starvation_steps=0, starvation_s=1e-9)
+        )
         decode_batch(s, 1)
         s.add_request(make_request("i", prompt=320, priority=INTERACTIVE, max_tokens=2))
         outs = [run_step(s).num_scheduled_tokens for _ in range(5)]
@@ -278,7 +288,6 @@ class PreemptForInteractive(unittest.TestCase):
         while s.has_unfinished_requests():
             run_step(s)
         self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
-
 
     def test_no_batch_is_preempted_for_interactive_work_the_token_budget_cannot_reach(self) -> None:
         # Two slots, both batch; two interactive requests of 100 tokens and a budget of 64:

@@ -53,9 +53,7 @@ def _json(trace: lab.LruTrace | lab.KvTrace) -> bytes:
     return pydantic_core.to_json({**fields, "hits": trace.hits})
 
 
-async def _answer(
-    request: Request, compute: Callable[[], lab.LruTrace | lab.KvTrace]
-) -> Response:
+async def _answer(request: Request, compute: Callable[[], lab.LruTrace | lab.KvTrace]) -> Response:
     limiter: anyio.CapacityLimiter = request.app.state.lab_limiter
     body = await anyio.to_thread.run_sync(lambda: _json(compute()), limiter=limiter)
     return Response(body, media_type="application/json")
@@ -66,7 +64,7 @@ async def lru(params: LruParams, request: Request) -> Response:
     """The stream through an LRU cache: eviction is automatic and free."""
     return await _answer(
         request,
-        lambda: lab.simulate_lru(params.capacity_slots, params.working_set, params.requests)
+        lambda: lab.simulate_lru(params.capacity_slots, params.working_set, params.requests),
     )
 
 

@@ -532,4 +532,3 @@ def test_traffic_that_bypasses_the_gateway_narrows_batch_slack(gw: Gateway) -> N
     assert lowest < quiet.slack
     assert gw.snapshot().interactive_in_use == 0
     wait(lambda: gw.snapshot().observed_non_batch == 0, 10, "observed use to fall back")
-

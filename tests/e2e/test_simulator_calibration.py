@@ -52,8 +52,10 @@ def test_a_cost_model_is_fitted_to_every_term_and_replays_a_held_back_workload(
             failures.append(f"round {round_}: {exc}; observations {observations}")
             print(failures[-1])
             continue
-        print(f"round {round_}: {len(observations)} observations, fit RMS {rms:.1%}, load "
-              f"average {os.getloadavg()[0]:.1f}")
+        print(
+            f"round {round_}: {len(observations)} observations, fit RMS {rms:.1%}, load "
+            f"average {os.getloadavg()[0]:.1f}"
+        )
         if rms <= MAX_FIT_ERROR:
             break
         failures.append(f"round {round_}: fit RMS {rms:.1%}: {model}; {observations}")
@@ -67,10 +69,12 @@ def test_a_cost_model_is_fitted_to_every_term_and_replays_a_held_back_workload(
     assert model.step_seconds(longest.work) > model.step_seconds(shortest.work), model
 
     check = held.against(model)
-    print(f"held back ({len(held.shapes)} requests, {held.concurrency} at a time): output tok/s "
-          f"real {check.real_tokens_per_s:.1f} sim {check.sim_tokens_per_s:.1f}; TTFT p50 real "
-          f"{check.real_ttft_p50_s:.3f} s sim {check.sim_ttft_p50_s:.3f} s (not asserted: "
-          "accuracy is the benchmark's)")
+    print(
+        f"held back ({len(held.shapes)} requests, {held.concurrency} at a time): output tok/s "
+        f"real {check.real_tokens_per_s:.1f} sim {check.sim_tokens_per_s:.1f}; TTFT p50 real "
+        f"{check.real_ttft_p50_s:.3f} s sim {check.sim_ttft_p50_s:.3f} s (not asserted: "
+        "accuracy is the benchmark's)"
+    )
     assert held.num_blocks > 0
     for value in (check.sim_tokens_per_s, check.sim_ttft_p50_s, check.real_tokens_per_s):
         assert math.isfinite(value), check

@@ -42,7 +42,10 @@ LONG_PROMPT = 1900
 def sched_engine() -> Iterator[devengine.EngineServer]:
     try:
         server = devengine.start_model(
-            "tiny", kv_cache_gib=1, max_num_seqs=32, scheduler=True,
+            "tiny",
+            kv_cache_gib=1,
+            max_num_seqs=32,
+            scheduler=True,
             extra_args=["--max-num-batched-tokens", str(STEP_TOKENS)],
         )
     except devengine.DevEngineError as exc:
@@ -93,15 +96,28 @@ class Outcome:
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def generate(engine: HttpEngine, model: str, tokens: int, max_tokens: int, priority: int,
-                   rid: str, outcome: Outcome) -> Outcome:
+async def generate(
+    engine: HttpEngine,
+    model: str,
+    tokens: int,
+    max_tokens: int,
+    priority: int,
+    rid: str,
+    outcome: Outcome,
+) -> Outcome:
     """One streaming completion the worker's way (``HttpEngine``), recorded in ``outcome``."""
-    body = {"model": model, "prompt": prompt(tokens), "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0}
+    body = {
+        "model": model,
+        "prompt": prompt(tokens),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     sent = time.monotonic()
     try:
-        async with engine.stream_completion(Endpoint.COMPLETIONS, body, priority=priority,
-                                            request_id=rid) as stream:
+        async with engine.stream_completion(
+            Endpoint.COMPLETIONS, body, priority=priority, request_id=rid
+        ) as stream:
             async for chunk in stream:
                 # Counted by usage, not text: the tiny model's greedy tokens are often special
                 # tokens, which stream as empty text.
@@ -116,8 +132,9 @@ async def generate(engine: HttpEngine, model: str, tokens: int, max_tokens: int,
     return outcome
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float,
-                every_s: float = 0.02) -> bool:
+async def until(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, every_s: float = 0.02
+) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if await check():
@@ -133,14 +150,16 @@ class Flood:
         self.outcomes = [Outcome() for _ in range(n)]
         self.max_tokens = max_tokens
         self.tasks = [
-            asyncio.create_task(generate(engine, model, 120, max_tokens, BATCH,
-                                         f"flood-{next(_salt)}", o))
+            asyncio.create_task(
+                generate(engine, model, 120, max_tokens, BATCH, f"flood-{next(_salt)}", o)
+            )
             for o in self.outcomes
         ]
 
     async def resident(self, timeout_s: float = 300) -> None:
-        await asyncio.wait_for(asyncio.gather(*(o.started.wait() for o in self.outcomes)),
-                               timeout_s)
+        await asyncio.wait_for(
+            asyncio.gather(*(o.started.wait() for o in self.outcomes)), timeout_s
+        )
 
     async def finished(self, timeout_s: float = 900) -> list[Outcome]:
         return list(await asyncio.wait_for(asyncio.gather(*self.tasks), timeout_s))
@@ -153,7 +172,8 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
     # The engine core built Backfill's class (it says so in its log), not vLLM's own.
     log = server.log_path.read_text(errors="replace")
     assert "backfill_vllm 0.1.0 (BackfillScheduler" in log or (
-        "backfill_vllm 0.1.0 (BackfillAsyncScheduler" in log), server.log_tail()
+        "backfill_vllm 0.1.0 (BackfillAsyncScheduler" in log
+    ), server.log_tail()
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=30) as client, HttpEngine(server.url) as engine:
@@ -162,23 +182,30 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
             before = await counters(client, server)
             flood = Flood(engine, model, 12, max_tokens=200)
             await flood.resident()
-            inter = [await generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"i{k}",
-                                    Outcome()) for k in range(2)]
+            inter = [
+                await generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"i{k}", Outcome())
+                for k in range(2)
+            ]
             during = await counters(client, server)
             done = await flood.finished()
             after = await counters(client, server)
 
-        print(f"\n[step-sched] TTFT alone {alone.ttft_s:.2f} s, with 12 batch resident "
-              f"{[round(o.ttft_s or -1, 2) for o in inter]} s (machine shared: indicative)")
+        print(
+            f"\n[step-sched] TTFT alone {alone.ttft_s:.2f} s, with 12 batch resident "
+            f"{[round(o.ttft_s or -1, 2) for o in inter]} s (machine shared: indicative)"
+        )
         for o in (alone, *inter):
             assert o.error is None, o
             assert o.completion_tokens == 4, o
+
         # Batch was paused during the interactive prefills, and nothing was preempted.
         def delta(name: str, at: dict[str, float] = after) -> float:
             return at.get(name, 0.0) - before.get(name, 0.0)
 
-        assert delta("backfill_sched_batch_paused_steps_total", during) >= 2 * (
-            LONG_PROMPT // STEP_TOKENS) * 0.5
+        assert (
+            delta("backfill_sched_batch_paused_steps_total", during)
+            >= 2 * (LONG_PROMPT // STEP_TOKENS) * 0.5
+        )
         assert delta("backfill_sched_batch_pauses_total", during) >= 12
         assert delta("backfill_sched_batch_tokens_held_total", during) > 0
         assert delta("backfill_sched_batch_preemptions_total") == 0
@@ -207,16 +234,25 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
             victim_stream = engine.stream_completion(
                 Endpoint.COMPLETIONS,
                 {"model": model, "prompt": prompt(120), "max_tokens": 400, "ignore_eos": True},
-                priority=BATCH, request_id="victim-abort")
+                priority=BATCH,
+                request_id="victim-abort",
+            )
             # A client that vanishes mid-stream (its task cancelled with the connection open).
             vanished_first = asyncio.Event()
 
             async def vanishing() -> None:
-                body = {"model": model, "prompt": prompt(120), "max_tokens": 400,
-                        "ignore_eos": True, "stream": True, "priority": BATCH}
-                async with httpx.AsyncClient(timeout=None) as own, own.stream(
-                    "POST", f"{server.url}/v1/completions", json=body
-                ) as response:
+                body = {
+                    "model": model,
+                    "prompt": prompt(120),
+                    "max_tokens": 400,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "priority": BATCH,
+                }
+                async with (
+                    httpx.AsyncClient(timeout=None) as own,
+                    own.stream("POST", f"{server.url}/v1/completions", json=body) as response,
+                ):
                     async for line in sse_lines(response):
                         if line.startswith("data:"):
                             vanished_first.set()
@@ -227,9 +263,12 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
             await asyncio.wait_for(vanished_first.wait(), 300)
             await flood.resident()
             before = await counters(client, server)
-            inter_tasks = [asyncio.create_task(
-                generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"ia{k}", Outcome()))
-                for k in range(3)]
+            inter_tasks = [
+                asyncio.create_task(
+                    generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"ia{k}", Outcome())
+                )
+                for k in range(3)
+            ]
 
             async def paused() -> bool:
                 return await paused_now(client, server) > 0
@@ -259,7 +298,8 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
         assert again.completion_tokens == 3
         assert idle, "aborted requests still count as running"
         assert after.get("backfill_sched_batch_pauses_total", 0) > before.get(
-            "backfill_sched_batch_pauses_total", 0)
+            "backfill_sched_batch_pauses_total", 0
+        )
         assert after.get("backfill_sched_batch_paused", 0) == 0
 
     asyncio.run(scenario())
@@ -277,7 +317,8 @@ def test_engine_shutdown_while_batch_is_paused_ends_every_stream_and_exits_clean
             flood = Flood(engine, model, 6, max_tokens=1000)
             await flood.resident()
             inter = asyncio.create_task(
-                generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, "is", Outcome()))
+                generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, "is", Outcome())
+            )
 
             async def paused() -> bool:
                 return await paused_now(client, server) > 0
@@ -300,8 +341,13 @@ def test_engine_shutdown_while_batch_is_paused_ends_every_stream_and_exits_clean
     for o, asked in zip(outcomes, [4] + [1000] * 6, strict=True):
         if o.finish_reason == "length":
             assert o.completion_tokens == asked, o
-    print(f"\n[step-sched] engine exit code {code} after SIGTERM; outcomes "
-          f"{[(o.completion_tokens, o.finish_reason, bool(o.error)) for o in outcomes]}")
-    bad = [line for line in log.splitlines() if "backfill_vllm" in line and (
-        "Error" in line or "Traceback" in line)]
+    print(
+        f"\n[step-sched] engine exit code {code} after SIGTERM; outcomes "
+        f"{[(o.completion_tokens, o.finish_reason, bool(o.error)) for o in outcomes]}"
+    )
+    bad = [
+        line
+        for line in log.splitlines()
+        if "backfill_vllm" in line and ("Error" in line or "Traceback" in line)
+    ]
     assert bad == [], bad

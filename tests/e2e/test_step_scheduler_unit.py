@@ -23,11 +23,19 @@ def test_the_scheduler_passes_its_synthetic_request_tests_in_the_engine_venv() -
         python = devengine.install().path
     except devengine.DevEngineError as exc:
         pytest.fail(f"could not provision the engine venv: {exc}", pytrace=False)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("BACKFILL_SCHED_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("BACKFILL_SCHED_")
+    }
     proc = subprocess.run(
         [str(python), "-m", "unittest", "discover", "-s", "backfill_vllm/tests", "-t", "."],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     report = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     assert proc.returncode == 0, f"backfill_vllm's tests failed:\n{report}"

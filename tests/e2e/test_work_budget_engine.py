@@ -106,8 +106,12 @@ def _submit(repo: Repository, n: int, max_tokens: int) -> str:
             i,
             f"req-{i}",
             json.dumps(
-                {"model": "tiny", "prompt": f"doc {i}: the fox", "max_tokens": max_tokens,
-                 "ignore_eos": True}
+                {
+                    "model": "tiny",
+                    "prompt": f"doc {i}: the fox",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                }
             ),
             max_tokens,
         )
@@ -229,9 +233,7 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     # kept fresh, as a gateway would while the request is still pending.
     end = time.monotonic() + 15
     while d.stats.budget_preemptions == 0 and time.monotonic() < end:
-        gateway.publish(
-            InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5)
-        )
+        gateway.publish(InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5))
         time.sleep(0.1)
     assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
     assert _code(d) is BudgetReason.TTFT_AT_RISK

@@ -23,9 +23,16 @@ from typing import Any
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--hide-scrollbars", "--remote-debugging-pipe",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--remote-debugging-pipe",
 )
 
 
@@ -50,8 +57,15 @@ class Chromium:
         env = {**os.environ, "BF_CDP_IN": str(to_browser_r), "BF_CDP_OUT": str(from_browser_w)}
         self.process = subprocess.Popen(
             [
-                "bash", "-c", script, "chromium", CHROMIUM, *FLAGS,
-                f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank",
+                "bash",
+                "-c",
+                script,
+                "chromium",
+                CHROMIUM,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "about:blank",
             ],
             pass_fds=(to_browser_r, from_browser_w),
             env=env,
@@ -139,14 +153,18 @@ class Chromium:
                     raise CdpError("Chromium opened no page")
                 time.sleep(0.1)
         attached = self._send(
-            "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True},
+            "Target.attachToTarget",
+            {"targetId": target["targetId"], "flatten": True},
             session=False,
         )
         self._session = attached["sessionId"]
         self.send("Page.enable")
         self.send(
             "Emulation.setDeviceMetricsOverride",
-            width=self.width, height=self.height, deviceScaleFactor=1, mobile=False,
+            width=self.width,
+            height=self.height,
+            deviceScaleFactor=1,
+            mobile=False,
         )
         self.send("Page.navigate", url=url)
         self.wait_for("document.readyState === 'complete' && location.href !== 'about:blank'")
@@ -179,9 +197,7 @@ class Chromium:
         x, y = box["x"], box["y"]
         self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
         for kind in ("mousePressed", "mouseReleased"):
-            self.send(
-                "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
-            )
+            self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def type_into(self, selector: str, text: str) -> None:
         """Click the field, select what is there, and type over it."""

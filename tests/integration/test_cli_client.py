@@ -79,8 +79,16 @@ def test_submit_a_folder_turns_each_document_into_a_summary_request(
     (docs / "odyssey.txt").write_text("A king sails home for ten years.")
     (docs / "notes.md").write_text("not a document")
     code, stdout, stderr = cli(
-        server, acme.key, "submit", str(docs), "--model", "tiny-model", "--max-tokens", "40",
-        "--window", "1h",
+        server,
+        acme.key,
+        "submit",
+        str(docs),
+        "--model",
+        "tiny-model",
+        "--max-tokens",
+        "40",
+        "--window",
+        "1h",
     )
     assert code == 0, stderr
     batch_id = stdout.strip()
@@ -212,7 +220,11 @@ def test_an_unreachable_api_is_one_line_from_the_real_command() -> None:
         "BACKFILL_API_KEY": "bf-x",
     }
     result = subprocess.run(
-        [BACKFILL, "status", "batch_x"], env=env, capture_output=True, text=True, timeout=60,
+        [BACKFILL, "status", "batch_x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
     )
     line = one_line_error(result.returncode, result.stderr)

@@ -146,9 +146,7 @@ def test_an_item_with_30s_left_is_judged_on_the_databases_clock(
     400 (about 40 s) is expired unstarted, whichever way the worker's clock is off."""
     job = services.submit([8, 400], deadline_in_s=30.0)
     engine = StandInEngine()
-    dispatcher, aledger = services.dispatcher(
-        engine, skewed(skew_s), decode_tokens_per_s=10.0
-    )
+    dispatcher, aledger = services.dispatcher(engine, skewed(skew_s), decode_tokens_per_s=10.0)
 
     def settled() -> bool:
         counts = services.repo.counted_states(job)

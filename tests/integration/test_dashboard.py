@@ -41,9 +41,17 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     profile = tmp_path / "profile"
     profile.mkdir(exist_ok=True)
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--hide-scrollbars", "--window-size=1280,1000",
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--hide-scrollbars",
+        "--window-size=1280,1000",
     ]
     return subprocess.run(
         [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=False

@@ -110,8 +110,13 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(settings: Sett
         ensure_ledger(repo, ledger, max_preemptions=3)
         job = _submit(repo)
         dispatcher = NodeDispatcher(
-            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0,
-                           settle_interval_s=0.1, work_budget=None),
+            DispatchConfig(
+                node=NODE,
+                idle_poll_s=0.05,
+                observe_interval_s=0,
+                settle_interval_s=0.1,
+                work_budget=None,
+            ),
             cast(Engine, engine),
             repo,
             aledger,

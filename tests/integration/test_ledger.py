@@ -48,9 +48,13 @@ from backfill.policy import (
 
 T0 = 1_700_000_000_000
 TTL = 10_000
-POLICY = PoolPolicy(interactive=ClassLimits(8192), batch=ClassLimits(8192),
-                    interactive_reserve_tokens=2000, headroom_tokens=256,
-                    safety_margin_tokens=64)
+POLICY = PoolPolicy(
+    interactive=ClassLimits(8192),
+    batch=ClassLimits(8192),
+    interactive_reserve_tokens=2000,
+    headroom_tokens=256,
+    safety_margin_tokens=64,
+)
 BATCH = ServiceClass.BATCH
 INTERACTIVE = ServiceClass.INTERACTIVE
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -170,8 +174,11 @@ def test_reserve_denies_with_the_policy_reason(ledger: Ledger) -> None:
     assert (huge.reason, huge.permanent, huge.tokens) == (Reason.LARGER_THAN_POOL, True, 8000)
     admitted(ledger.reserve("n1", BATCH, 3000, 3000, now_ms=T0))
     full = denied(ledger.reserve("n1", BATCH, 1000, 1000, now_ms=T0))
-    assert (full.reason, full.permanent, full.slack) == (Reason.NO_SLACK, False, 10_000 - 2000
-                                                         - 6000 - 64)
+    assert (full.reason, full.permanent, full.slack) == (
+        Reason.NO_SLACK,
+        False,
+        10_000 - 2000 - 6000 - 64,
+    )
     assert full.retry_after_s == POLICY.defer_retry_after_s
 
 
@@ -185,8 +192,9 @@ def test_observed_non_batch_use_narrows_batch_slack(ledger: Ledger) -> None:
 def test_overcommit_charges_preemptible_batch_the_measured_share(
     redis_client: redis.Redis, redis_namespace: str
 ) -> None:
-    policy = PoolPolicy(interactive_reserve_tokens=2000,
-                        batch_overcommit=BatchOvercommit.from_ratio(0.25))
+    policy = PoolPolicy(
+        interactive_reserve_tokens=2000, batch_overcommit=BatchOvercommit.from_ratio(0.25)
+    )
     ledger = Ledger(redis_client, redis_namespace, policy, lease_ttl_ms=TTL)
     open_pool(ledger)
     assert admitted(ledger.reserve("n1", BATCH, 96, 1000, now_ms=T0)).tokens == 352
@@ -201,8 +209,7 @@ def test_overcommit_charges_preemptible_batch_the_measured_share(
 def test_settle_records_use_and_never_grows_the_reservation(ledger: Ledger) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
-    r = ledger.settle("n1", a.lease_id, a.fencing_token, 50, reservation_tokens=10_000,
-                      now_ms=T0)
+    r = ledger.settle("n1", a.lease_id, a.fencing_token, 50, reservation_tokens=10_000, now_ms=T0)
     assert (r.status, r.tokens, r.generated_tokens) == (LeaseStatus.OK, 208, 50)
     r = ledger.settle("n1", a.lease_id, a.fencing_token, 30, reservation_tokens=150, now_ms=T0)
     assert (r.tokens, r.generated_tokens) == (160, 50)  # rounded to blocks; generated kept
@@ -219,16 +226,24 @@ def test_settle_many_settles_each_lease_in_order_and_refuses_a_stale_holder(
     b = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     results = ledger.settle_many(
         "n1",
-        [(a.lease_id, a.fencing_token, 40), (b.lease_id, b.fencing_token + 99, 70),
-         (b.lease_id, b.fencing_token, 64)],
+        [
+            (a.lease_id, a.fencing_token, 40),
+            (b.lease_id, b.fencing_token + 99, 70),
+            (b.lease_id, b.fencing_token, 64),
+        ],
         now_ms=T0,
     )
     assert [(r.status, r.generated_tokens) for r in results] == [
-        (LeaseStatus.OK, 40), (LeaseStatus.FENCED, None), (LeaseStatus.OK, 64)]
+        (LeaseStatus.OK, 40),
+        (LeaseStatus.FENCED, None),
+        (LeaseStatus.OK, 64),
+    ]
     snap = ledger.snapshot("n1", now_ms=T0)
     assert snap is not None
     assert {lease.lease_id: lease.generated_tokens for lease in snap.leases} == {
-        a.lease_id: 40, b.lease_id: 64}
+        a.lease_id: 40,
+        b.lease_id: 64,
+    }
     assert ledger.settle_many("n1", [], now_ms=T0) == []
 
 
@@ -262,8 +277,12 @@ def test_a_stale_holder_changes_nothing(ledger: Ledger, redis_client: redis.Redi
     before = dump(redis_client, ledger.keys.namespace)
     stale = LeaseRef("n1", a.lease_id, a.fencing_token - 1)
     assert ledger.release(stale, now_ms=T0) is LeaseStatus.FENCED
-    assert ledger.settle("n1", a.lease_id, a.fencing_token + 1, 5, reservation_tokens=16,
-                         now_ms=T0).status is LeaseStatus.FENCED
+    assert (
+        ledger.settle(
+            "n1", a.lease_id, a.fencing_token + 1, 5, reservation_tokens=16, now_ms=T0
+        ).status
+        is LeaseStatus.FENCED
+    )
     assert ledger.heartbeat("n1", a.lease_id, 7, now_ms=T0).status is LeaseStatus.FENCED
     assert dump(redis_client, ledger.keys.namespace) == before
 
@@ -273,16 +292,22 @@ def test_an_expired_lease_is_lost_to_its_holder(ledger: Ledger, redis_client: re
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     before = dump(redis_client, ledger.keys.namespace)
     late = T0 + TTL
-    assert ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status \
+    assert (
+        ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status
         is LeaseStatus.EXPIRED
-    assert ledger.settle("n1", a.lease_id, a.fencing_token, 1, now_ms=late).status \
+    )
+    assert (
+        ledger.settle("n1", a.lease_id, a.fencing_token, 1, now_ms=late).status
         is LeaseStatus.EXPIRED
+    )
     assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
     assert dump(redis_client, ledger.keys.namespace) == before
     assert ledger.reap("n1", now_ms=late) == [a.lease_id]
     assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
-    assert ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status \
+    assert (
+        ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status
         is LeaseStatus.EXPIRED
+    )
 
 
 def test_reap_reclaims_only_leases_past_their_ttl(ledger: Ledger) -> None:
@@ -328,15 +353,119 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", ""]),
     ("reserve", ["ch", "", "0"]),
     # the second request of a batch is malformed: the first is not admitted either
-    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
-                 "ls_y", "batch", "1", "1", "1", "100", "", "1", "", "2"]),
-    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
-                 "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
+    (
+        "reserve",
+        [
+            "ch",
+            "",
+            "2",
+            "ls_x",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+            "ls_y",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "2",
+        ],
+    ),
+    (
+        "reserve",
+        [
+            "ch",
+            "",
+            "2",
+            "ls_x",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+            "ls_x",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+        ],
+    ),
     # ls_a is a live batch lease; ls_b ended
-    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
-                 "ls_a", "interactive", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "2", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1",
-                 "ls_b", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
+    (
+        "reserve",
+        [
+            "ch",
+            "",
+            "2",
+            "ls_x",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+            "ls_a",
+            "interactive",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+        ],
+    ),
+    (
+        "reserve",
+        [
+            "ch",
+            "",
+            "2",
+            "ls_x",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+            "ls_b",
+            "batch",
+            "1",
+            "1",
+            "1",
+            "100",
+            "",
+            "1",
+            "",
+            "1",
+        ],
+    ),
     ("settle", ["", "ls_a", "nan", "5", ""]),
     ("settle", ["", "ls_a", "1", "-5", ""]),
     ("settle", ["", "ls_a", "1", "5", "abc"]),
@@ -360,8 +489,10 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("restore", ["", "1", "ls_r", "10", "5", str(T0 + 1), "", "1", "0", "0"]),  # 8 of 9
     ("restore", ["", "1", "ls_r", "10", "-5", str(T0 + 1), "", "1", "0", "0", ""]),
     # a fencing token of the current epoch cannot be restored
-    ("restore", ["", "1", "ls_r", "10", str(3 * FENCE_EPOCH_SHIFT), str(T0 + 1), "", "1", "0",
-                 "0", ""]),
+    (
+        "restore",
+        ["", "1", "ls_r", "10", str(3 * FENCE_EPOCH_SHIFT), str(T0 + 1), "", "1", "0", "0", ""],
+    ),
 ]
 
 
@@ -372,8 +503,9 @@ def test_malformed_arguments_change_no_key(
     ledger.rebuild([NodePool("n1", 10_000, 16)], [], epoch=3, now_ms=T0)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, lease_id="ls_a", now_ms=T0))
     admitted(ledger.reserve("n1", INTERACTIVE, 100, 100, now_ms=T0))
-    ledger.release(admitted(ledger.reserve("n1", BATCH, 1, 1, lease_id="ls_b", now_ms=T0)),
-                   now_ms=T0)
+    ledger.release(
+        admitted(ledger.reserve("n1", BATCH, 1, 1, lease_id="ls_b", now_ms=T0)), now_ms=T0
+    )
     assert a.fencing_token > 0
     before = dump(redis_client, ledger.keys.namespace)
     raw = redis_client.register_script(script_source(script))
@@ -419,8 +551,10 @@ def test_interactive_preempts_batch_frees_its_tokens_and_tells_its_worker(
         assert snap is not None
         assert (snap.interactive_in_use, snap.batch_in_use) == (4000, old.tokens)
         assert ledger.release(new, now_ms=T0 + 4) is LeaseStatus.PREEMPTED
-        assert ledger.heartbeat("n1", new.lease_id, new.fencing_token, now_ms=T0 + 4).status \
+        assert (
+            ledger.heartbeat("n1", new.lease_id, new.fencing_token, now_ms=T0 + 4).status
             is LeaseStatus.PREEMPTED
+        )
     finally:
         listener.close()
 
@@ -447,8 +581,9 @@ def test_preempt_of_named_victims_skips_those_no_longer_live(ledger: Ledger) -> 
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     b = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     ledger.release(a, now_ms=T0)
-    result = ledger.preempt("n1", 400, victims=[a.lease_id, b.lease_id, b.lease_id, "ls_zz"],
-                            now_ms=T0)
+    result = ledger.preempt(
+        "n1", 400, victims=[a.lease_id, b.lease_id, b.lease_id, "ls_zz"], now_ms=T0
+    )
     assert (result.victims, result.freed_tokens) == ((b.lease_id,), b.tokens)
     snap = ledger.snapshot("n1", now_ms=T0)
     assert snap is not None
@@ -465,19 +600,29 @@ def test_rebuild_restores_live_batch_leases_and_reopens_batch(
     a = admitted(ledger.reserve("n1", BATCH, 1000, 1000, now_ms=T0, deadline_ms=T0 + 99))
     b = admitted(ledger.reserve("n1", BATCH, 500, 500, now_ms=T0))
     ledger.settle("n1", a.lease_id, a.fencing_token, 40, now_ms=T0)
-    records = [ActiveLease(x.lease_id, "n1", x.tokens, x.fencing_token, at(x.expires_at_ms),
-                           generated_tokens=40 if x is a else 0, started_at=at(T0),
-                           deadline=at(T0 + 99) if x is a else None)
-               for x in (a, b)]
+    records = [
+        ActiveLease(
+            x.lease_id,
+            "n1",
+            x.tokens,
+            x.fencing_token,
+            at(x.expires_at_ms),
+            generated_tokens=40 if x is a else 0,
+            started_at=at(T0),
+            deadline=at(T0 + 99) if x is a else None,
+        )
+        for x in (a, b)
+    ]
     for key in redis_client.scan_iter(match=f"{ledger.keys.namespace}:*"):
         redis_client.delete(key)  # Redis lost its data
     assert not ledger.is_ready()
-    assert denied(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)).reason \
-        is Reason.LEDGER_REBUILDING
+    assert denied(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)).reason is Reason.LEDGER_REBUILDING
     # The worker re-registers its pool before the rebuild: still closed, no epoch.
     assert ledger.register_pool("n1", 10_000, 16) == 0
-    assert denied(ledger.reserve("n1", INTERACTIVE, 1, 1, now_ms=T0)).reason \
+    assert (
+        denied(ledger.reserve("n1", INTERACTIVE, 1, 1, now_ms=T0)).reason
         is Reason.LEDGER_REBUILDING
+    )
     report = ledger.rebuild([NodePool("n1", 10_000, 16)], records, epoch=2, now_ms=T0 + 1)
     assert (report.epoch, report.restored, report.skipped) == (2, 2, 0)
     assert ledger.is_ready()
@@ -499,8 +644,7 @@ def test_between_its_phases_a_rebuild_keeps_batch_closed_and_interactive_in_the_
     # Phase one of a rebuild: the pool is back with its new epoch, the leases are not yet.
     ledger.register_pool("n1", 10_000, 16, epoch=5)
     assert not ledger.is_ready()
-    assert denied(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)).reason \
-        is Reason.LEDGER_REBUILDING
+    assert denied(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)).reason is Reason.LEDGER_REBUILDING
     admitted(ledger.reserve("n1", INTERACTIVE, 999, 1000, now_ms=T0))  # 2000 = the reserve
     d = denied(ledger.reserve("n1", INTERACTIVE, 1, 1, now_ms=T0))
     assert d.reason is Reason.LEDGER_REBUILDING
@@ -513,8 +657,9 @@ def test_rebuild_counts_no_lease_twice_and_resurrects_no_ended_one(ledger: Ledge
     gone = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     ledger.release(gone, now_ms=T0)
     # Postgres was read before `gone` was released, and also lists a lease already expired.
-    records = [ActiveLease(x.lease_id, "n1", x.tokens, x.fencing_token, at(T0 + TTL))
-               for x in (live, gone)]
+    records = [
+        ActiveLease(x.lease_id, "n1", x.tokens, x.fencing_token, at(T0 + TTL)) for x in (live, gone)
+    ]
     records.append(ActiveLease("ls_old", "n1", 5000, 9, at(T0 - 1)))
     report = ledger.rebuild([NodePool("n1", 10_000, 16)], records, epoch=1, now_ms=T0)
     assert (report.restored, report.skipped) == (0, 3)
@@ -571,8 +716,10 @@ def test_a_batch_across_nodes_comes_back_in_request_order(ledger: Ledger) -> Non
     results = ledger.reserve_many(requests, now_ms=T0)
     assert [admitted(r).node for r in results] == ["n1", "n2", "n1", "n2"]
     assert [admitted(r).lease_id for r in results] == [r.lease_id for r in requests]
-    assert ledger.release_many([admitted(r) for r in reversed(results)], now_ms=T0) == \
-        [LeaseStatus.RELEASED] * 4
+    assert (
+        ledger.release_many([admitted(r) for r in reversed(results)], now_ms=T0)
+        == [LeaseStatus.RELEASED] * 4
+    )
 
 
 def test_a_failed_part_of_a_batch_reports_what_the_rest_admitted(ledger: Ledger) -> None:
@@ -601,8 +748,10 @@ def test_the_async_ledger_runs_the_same_scripts(ledger: Ledger, redis_namespace:
             assert chat.preempted == (a.lease_id,)
             assert await listener.get(timeout=2.0) == a.lease_id
             many = await aledger.reserve_many([ReserveRequest("n1", BATCH, 1, 1)], now_ms=T0)
-            assert await aledger.release_many([admitted(many[0]), chat], now_ms=T0) == \
-                [LeaseStatus.RELEASED] * 2
+            assert (
+                await aledger.release_many([admitted(many[0]), chat], now_ms=T0)
+                == [LeaseStatus.RELEASED] * 2
+            )
             snap = await aledger.snapshot("n1", now_ms=T0)
             assert snap is not None
             assert snap.reserved == 0
@@ -618,8 +767,9 @@ def test_the_async_ledger_runs_the_same_scripts(ledger: Ledger, redis_namespace:
 _examples = itertools.count()
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     data=st.data(),
     block=st.sampled_from([1, 16, 32]),
@@ -627,8 +777,12 @@ _examples = itertools.count()
     overcommit=st.one_of(st.none(), st.integers(1, 1_000_000)),
 )
 def test_lua_and_policy_agree_on_random_states(
-    redis_client: redis.Redis, redis_namespace: str, data: st.DataObject, block: int,
-    blocks: int, overcommit: int | None,
+    redis_client: redis.Redis,
+    redis_namespace: str,
+    data: st.DataObject,
+    block: int,
+    blocks: int,
+    overcommit: int | None,
 ) -> None:
     capacity = blocks * block
 
@@ -639,26 +793,54 @@ def test_lua_and_policy_agree_on_random_states(
     policy = PoolPolicy(
         interactive=ClassLimits(max(64, share(0.1, 0.5, 2))),
         batch=ClassLimits(max(64, share(0.1, 0.5, 2))),
-        interactive_reserve_tokens=share(0, 0.1, 0.3, 0.6), headroom_tokens=share(0, 0.05, 0.3),
+        interactive_reserve_tokens=share(0, 0.1, 0.3, 0.6),
+        headroom_tokens=share(0, 0.05, 0.3),
         safety_margin_tokens=share(0, 0.01, 0.1),
         batch_overcommit=None if overcommit is None else BatchOvercommit(overcommit),
     )
     ledger = Ledger(redis_client, redis_namespace, policy, lease_ttl_ms=TTL)
     node = f"n{next(_examples)}"
-    lease_specs = data.draw(st.lists(st.tuples(
-        st.sampled_from([0, 1, capacity // 20, capacity // 8, capacity // 3]),
-        st.integers(0, 50), st.booleans(),
-        st.integers(0, 5), st.one_of(st.none(), st.integers(1, 5))), max_size=8))
-    records = [ActiveLease(f"ls_{i:02x}", node, t, i + 1, at(T0 + TTL), preemptible=p,
-                           generated_tokens=g, started_at=at(T0 - s * 1000),
-                           deadline=None if d is None else at(T0 + d * 1000))
-               for i, (t, g, p, s, d) in enumerate(lease_specs)]
+    lease_specs = data.draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from([0, 1, capacity // 20, capacity // 8, capacity // 3]),
+                st.integers(0, 50),
+                st.booleans(),
+                st.integers(0, 5),
+                st.one_of(st.none(), st.integers(1, 5)),
+            ),
+            max_size=8,
+        )
+    )
+    records = [
+        ActiveLease(
+            f"ls_{i:02x}",
+            node,
+            t,
+            i + 1,
+            at(T0 + TTL),
+            preemptible=p,
+            generated_tokens=g,
+            started_at=at(T0 - s * 1000),
+            deadline=None if d is None else at(T0 + d * 1000),
+        )
+        for i, (t, g, p, s, d) in enumerate(lease_specs)
+    ]
     ledger.rebuild([NodePool(node, capacity, block)], records, epoch=1, now_ms=T0)
     room = max(0, capacity - sum(r.tokens for r in records))
     interactive_blocks = data.draw(st.integers(0, room // block))
     if interactive_blocks:
-        admitted(ledger.reserve(node, INTERACTIVE, block - 1, 1, n=interactive_blocks,
-                                allow_preemption=False, now_ms=T0))
+        admitted(
+            ledger.reserve(
+                node,
+                INTERACTIVE,
+                block - 1,
+                1,
+                n=interactive_blocks,
+                allow_preemption=False,
+                now_ms=T0,
+            )
+        )
     ledger.observe(node, data.draw(st.integers(0, capacity)), now_ms=T0)
 
     snap = ledger.snapshot(node, now_ms=T0)
@@ -668,16 +850,25 @@ def test_lua_and_policy_agree_on_random_states(
 
     sizes = (0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.45)
     request = AdmissionRequest(
-        data.draw(st.sampled_from(list(ServiceClass))), share(*sizes), max(1, share(*sizes)),
+        data.draw(st.sampled_from(list(ServiceClass))),
+        share(*sizes),
+        max(1, share(*sizes)),
         n=data.draw(st.integers(1, 3)),
-        preemptible=data.draw(st.booleans()), allow_preemption=data.draw(st.booleans()),
+        preemptible=data.draw(st.booleans()),
+        allow_preemption=data.draw(st.booleans()),
     )
     expected = decide(request, snap.state, policy, snap.leases)
     event(f"{request.service_class} {expected.kind} {expected.code}")
-    result = ledger.reserve(node, request.service_class, request.prompt_tokens,
-                            request.max_output_tokens, n=request.n,
-                            preemptible=request.preemptible,
-                            allow_preemption=request.allow_preemption, now_ms=T0)
+    result = ledger.reserve(
+        node,
+        request.service_class,
+        request.prompt_tokens,
+        request.max_output_tokens,
+        n=request.n,
+        preemptible=request.preemptible,
+        allow_preemption=request.allow_preemption,
+        now_ms=T0,
+    )
     if expected.admitted:
         lease = admitted(result)
         assert lease.tokens == expected.tokens
@@ -691,24 +882,44 @@ def test_lua_and_policy_agree_on_random_states(
         assert denial.permanent == (expected.kind is DecisionKind.REJECT)
 
 
-@settings(max_examples=100, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
-    specs=st.lists(st.tuples(st.integers(1, 500), st.integers(0, 20), st.booleans(),
-                             st.integers(0, 3), st.one_of(st.none(), st.integers(1, 3))),
-                   max_size=10),
+    specs=st.lists(
+        st.tuples(
+            st.integers(1, 500),
+            st.integers(0, 20),
+            st.booleans(),
+            st.integers(0, 3),
+            st.one_of(st.none(), st.integers(1, 3)),
+        ),
+        max_size=10,
+    ),
     needed=st.integers(0, 3000),
 )
 def test_lua_chooses_the_victims_policy_chooses(
-    redis_client: redis.Redis, redis_namespace: str,
-    specs: list[tuple[int, int, bool, int, int | None]], needed: int,
+    redis_client: redis.Redis,
+    redis_namespace: str,
+    specs: list[tuple[int, int, bool, int, int | None]],
+    needed: int,
 ) -> None:
     ledger = Ledger(redis_client, redis_namespace, POLICY, lease_ttl_ms=TTL)
     node = f"v{next(_examples)}"
-    records = [ActiveLease(f"ls_{i:02x}", node, t, i + 1, at(T0 + TTL), preemptible=p,
-                           generated_tokens=g, started_at=at(T0 - s),
-                           deadline=None if d is None else at(T0 + d))
-               for i, (t, g, p, s, d) in enumerate(specs)]
+    records = [
+        ActiveLease(
+            f"ls_{i:02x}",
+            node,
+            t,
+            i + 1,
+            at(T0 + TTL),
+            preemptible=p,
+            generated_tokens=g,
+            started_at=at(T0 - s),
+            deadline=None if d is None else at(T0 + d),
+        )
+        for i, (t, g, p, s, d) in enumerate(specs)
+    ]
     ledger.rebuild([NodePool(node, 100_000, 1)], records, epoch=1, now_ms=T0)
     snap = ledger.snapshot(node, now_ms=T0)
     assert snap is not None

@@ -17,13 +17,26 @@ from backfill.ledger import ActiveLease, AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
 from tests.integration.test_ledger import REDIS_URL, T0, at, dump
 
-POLICY = PoolPolicy(interactive=ClassLimits(8192), batch=ClassLimits(8192),
-                    interactive_reserve_tokens=2000, headroom_tokens=256)
+POLICY = PoolPolicy(
+    interactive=ClassLimits(8192),
+    batch=ClassLimits(8192),
+    interactive_reserve_tokens=2000,
+    headroom_tokens=256,
+)
 NODES = [NodePool("n1", 10_000, 16), NodePool("n2", 20_000, 16, interactive_reserve_tokens=500)]
-LIVE = [ActiveLease("ls_a", "n1", 320, 3 * FENCE_EPOCH_SHIFT + 5, at(T0 + 60_000), owner="w1",
-                    generated_tokens=12, started_at=at(T0)),
-        ActiveLease("ls_b", "n2", 160, 3 * FENCE_EPOCH_SHIFT + 6, at(T0 + 60_000),
-                    preemptible=False)]
+LIVE = [
+    ActiveLease(
+        "ls_a",
+        "n1",
+        320,
+        3 * FENCE_EPOCH_SHIFT + 5,
+        at(T0 + 60_000),
+        owner="w1",
+        generated_tokens=12,
+        started_at=at(T0),
+    ),
+    ActiveLease("ls_b", "n2", 160, 3 * FENCE_EPOCH_SHIFT + 6, at(T0 + 60_000), preemptible=False),
+]
 
 
 @pytest.fixture
@@ -49,8 +62,12 @@ def test_both_ledgers_rebuild_to_the_same_redis_state(
         ledger = AsyncLedger.from_url(REDIS_URL, async_ns, POLICY)
         try:
             report = await ledger.rebuild(NODES, LIVE, 2, now_ms=T0)
-            return report, await ledger.nodes(), await ledger.counters("n1"), \
-                await ledger.is_ready()
+            return (
+                report,
+                await ledger.nodes(),
+                await ledger.counters("n1"),
+                await ledger.is_ready(),
+            )
         finally:
             await ledger.aclose()
 
@@ -59,7 +76,8 @@ def test_both_ledgers_rebuild_to_the_same_redis_state(
     assert sync_report.epoch == 4  # past the epoch of every fencing token seen
     assert sync_report.restored == 2
     assert without_namespace(dump(redis_client, sync_ns), sync_ns) == without_namespace(
-        dump(redis_client, async_ns), async_ns)
+        dump(redis_client, async_ns), async_ns
+    )
     sync_ledger = Ledger(redis_client, sync_ns, POLICY)
     assert async_nodes == sync_ledger.nodes() == ["n1", "n2"]
     assert async_counters == sync_ledger.counters("n1")

@@ -46,9 +46,13 @@ CAPACITY = 4096
 BLOCK = 16
 TTL = 10_000
 T0 = 1_700_000_000_000
-POLICY = PoolPolicy(interactive=ClassLimits(2048), batch=ClassLimits(2048),
-                    interactive_reserve_tokens=1024, headroom_tokens=256,
-                    safety_margin_tokens=256)
+POLICY = PoolPolicy(
+    interactive=ClassLimits(2048),
+    batch=ClassLimits(2048),
+    interactive_reserve_tokens=1024,
+    headroom_tokens=256,
+    safety_margin_tokens=256,
+)
 RESERVE = POLICY.reserve_tokens(CAPACITY)
 
 READY, FLUSHED, PHASE_ONE = "ready", "flushed", "phase one"
@@ -119,8 +123,14 @@ class LedgerMachine(RuleBasedStateMachine):
         return sum(h.tokens for h in self.live.values() if h.service_class is cls)
 
     def state(self) -> PoolState:
-        return PoolState(CAPACITY, BLOCK, self.used(ServiceClass.INTERACTIVE),
-                         self.used(ServiceClass.BATCH), self.observed, self.phase == READY)
+        return PoolState(
+            CAPACITY,
+            BLOCK,
+            self.used(ServiceClass.INTERACTIVE),
+            self.used(ServiceClass.BATCH),
+            self.observed,
+            self.phase == READY,
+        )
 
     def end(self, lease_id: str, reason: str) -> None:
         held = self.live.pop(lease_id)
@@ -149,28 +159,53 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # -- rules
 
-    @rule(target=leases, cls=st.sampled_from(list(ServiceClass)),
-          prompt=st.integers(0, 700), out=st.integers(1, 700), n=st.integers(1, 2),
-          preemptible=st.booleans(), allow_preemption=st.booleans(),
-          deadline=st.sampled_from([None, 1, 2, 3]))
-    def reserve(self, cls: ServiceClass, prompt: int, out: int, n: int, preemptible: bool,
-                allow_preemption: bool, deadline: int | None) -> Lease | None:
+    @rule(
+        target=leases,
+        cls=st.sampled_from(list(ServiceClass)),
+        prompt=st.integers(0, 700),
+        out=st.integers(1, 700),
+        n=st.integers(1, 2),
+        preemptible=st.booleans(),
+        allow_preemption=st.booleans(),
+        deadline=st.sampled_from([None, 1, 2, 3]),
+    )
+    def reserve(
+        self,
+        cls: ServiceClass,
+        prompt: int,
+        out: int,
+        n: int,
+        preemptible: bool,
+        allow_preemption: bool,
+        deadline: int | None,
+    ) -> Lease | None:
         request = AdmissionRequest(cls, prompt, out, n, preemptible, allow_preemption)
         if self.phase != FLUSHED:
             self.reap_model()  # reserve reclaims expired leases first
         before = self.state()
         expected = decide(request, before, POLICY, list(self.live.values()))
         deadline_ms = None if deadline is None else T0 + deadline * 1000
-        result = self.ledger.reserve(NODE, cls, prompt, out, n=n, preemptible=preemptible,
-                                     allow_preemption=allow_preemption,
-                                     deadline_ms=deadline_ms, now_ms=self.now)
+        result = self.ledger.reserve(
+            NODE,
+            cls,
+            prompt,
+            out,
+            n=n,
+            preemptible=preemptible,
+            allow_preemption=allow_preemption,
+            deadline_ms=deadline_ms,
+            now_ms=self.now,
+        )
         if self.phase == FLUSHED:
             assert isinstance(result, Denial)
             assert result.reason is Reason.LEDGER_REBUILDING
             return None
-        within_reserve = (cls is ServiceClass.INTERACTIVE and expected.tokens > 0
-                          and before.interactive_in_use + expected.tokens <= RESERVE
-                          and expected.code is not Reason.OVER_CLASS_LIMIT)
+        within_reserve = (
+            cls is ServiceClass.INTERACTIVE
+            and expected.tokens > 0
+            and before.interactive_in_use + expected.tokens <= RESERVE
+            and expected.code is not Reason.OVER_CLASS_LIMIT
+        )
         if within_reserve:
             assert isinstance(result, Lease), f"interactive within the reserve denied: {result}"
         if not expected.admitted:
@@ -187,35 +222,47 @@ class LedgerMachine(RuleBasedStateMachine):
         if cls is ServiceClass.BATCH:
             guarded = max(RESERVE, before.interactive_effective + POLICY.headroom_tokens)
             assert before.batch_in_use + result.tokens <= (
-                CAPACITY - guarded - POLICY.safety_margin_tokens), "batch beyond its slack"
+                CAPACITY - guarded - POLICY.safety_margin_tokens
+            ), "batch beyond its slack"
         self.live[result.lease_id] = Held(result, result.tokens, result.expires_at_ms)
         return result
 
-    @rule(lease=leases, generated=st.integers(0, 900),
-          shrink=st.one_of(st.none(), st.integers(0, 1500)))
+    @rule(
+        lease=leases,
+        generated=st.integers(0, 900),
+        shrink=st.one_of(st.none(), st.integers(0, 1500)),
+    )
     def settle(self, lease: Lease | None, generated: int, shrink: int | None) -> None:
         if lease is None:
             return
         expected = self.expected_status(lease, lease.fencing_token)
-        result = self.ledger.settle(NODE, lease.lease_id, lease.fencing_token, generated,
-                                    reservation_tokens=shrink, now_ms=self.now)
+        result = self.ledger.settle(
+            NODE,
+            lease.lease_id,
+            lease.fencing_token,
+            generated,
+            reservation_tokens=shrink,
+            now_ms=self.now,
+        )
         assert result.status is expected, (result, expected)
         if expected is LeaseStatus.OK:
             held = self.live[lease.lease_id]
             rounded = None if shrink is None else round_up_to_block(shrink, BLOCK)
             tokens = held.tokens if rounded is None else min(held.tokens, rounded)
-            self.live[lease.lease_id] = replace(held, tokens=tokens,
-                                                generated=max(held.generated, generated))
-            assert (result.tokens, result.generated_tokens) == (tokens, max(held.generated,
-                                                                             generated))
+            self.live[lease.lease_id] = replace(
+                held, tokens=tokens, generated=max(held.generated, generated)
+            )
+            assert (result.tokens, result.generated_tokens) == (
+                tokens,
+                max(held.generated, generated),
+            )
 
     @rule(lease=leases)
     def heartbeat(self, lease: Lease | None) -> None:
         if lease is None:
             return
         expected = self.expected_status(lease, lease.fencing_token)
-        result = self.ledger.heartbeat(NODE, lease.lease_id, lease.fencing_token,
-                                       now_ms=self.now)
+        result = self.ledger.heartbeat(NODE, lease.lease_id, lease.fencing_token, now_ms=self.now)
         assert result.status is expected
         if expected is LeaseStatus.OK:
             held = self.live[lease.lease_id]
@@ -282,8 +329,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for key in self.client.scan_iter(match=f"{self.namespace}:*"):
             self.client.delete(key)
         # Postgres still holds the batch leases; interactive leases lived only in Redis.
-        self.records = {i: h for i, h in self.live.items()
-                        if h.service_class is ServiceClass.BATCH}
+        self.records = {i: h for i, h in self.live.items() if h.service_class is ServiceClass.BATCH}
         self.live = {}
         self.ended = {}
         self.observed = 0
@@ -301,13 +347,23 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.phase != READY)
     @rule()
     def rebuild(self) -> None:
-        records = [ActiveLease(h.lease_id, NODE, h.tokens, h.lease.fencing_token,
-                               at(h.expires_at_ms), preemptible=h.preemptible,
-                               generated_tokens=h.generated, started_at=at(h.started_at_ms),
-                               deadline=None if h.deadline_ms is None else at(h.deadline_ms))
-                   for h in self.records.values()]
-        report = self.ledger.rebuild([NodePool(NODE, CAPACITY, BLOCK)], records,
-                                     epoch=self.epoch + 1, now_ms=self.now)
+        records = [
+            ActiveLease(
+                h.lease_id,
+                NODE,
+                h.tokens,
+                h.lease.fencing_token,
+                at(h.expires_at_ms),
+                preemptible=h.preemptible,
+                generated_tokens=h.generated,
+                started_at=at(h.started_at_ms),
+                deadline=None if h.deadline_ms is None else at(h.deadline_ms),
+            )
+            for h in self.records.values()
+        ]
+        report = self.ledger.rebuild(
+            [NodePool(NODE, CAPACITY, BLOCK)], records, epoch=self.epoch + 1, now_ms=self.now
+        )
         assert report.epoch > self.epoch
         self.epoch = report.epoch
         restored = 0
@@ -330,13 +386,16 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         assert snap is not None
         assert snap.ready == (self.phase == READY)
-        by_class = {cls: sum(x.tokens for x in snap.leases if x.service_class is cls)
-                    for cls in ServiceClass}
+        by_class = {
+            cls: sum(x.tokens for x in snap.leases if x.service_class is cls)
+            for cls in ServiceClass
+        }
         assert snap.interactive_in_use == by_class[ServiceClass.INTERACTIVE]
         assert snap.batch_in_use == by_class[ServiceClass.BATCH]
         assert 0 <= snap.reserved <= CAPACITY
-        assert {x.lease_id: (x.tokens, x.expires_at_ms, x.generated_tokens) for x in snap.leases} \
-            == {i: (h.tokens, h.expires_at_ms, h.generated) for i, h in self.live.items()}
+        assert {
+            x.lease_id: (x.tokens, x.expires_at_ms, x.generated_tokens) for x in snap.leases
+        } == {i: (h.tokens, h.expires_at_ms, h.generated) for i, h in self.live.items()}
 
     def teardown(self) -> None:
         try:
@@ -373,7 +432,6 @@ def test_decide_kinds_are_all_reachable_in_the_machine_pool() -> None:
         decide(AdmissionRequest(ServiceClass.BATCH, 100, 100), empty, POLICY).kind,
         decide(AdmissionRequest(ServiceClass.BATCH, 700, 700), busy, POLICY).kind,
         decide(AdmissionRequest(ServiceClass.BATCH, 2000, 700), empty, POLICY).kind,
-        decide(AdmissionRequest(ServiceClass.INTERACTIVE, 300, 100), busy, POLICY,
-               [victim]).kind,
+        decide(AdmissionRequest(ServiceClass.INTERACTIVE, 300, 100), busy, POLICY, [victim]).kind,
     }
     assert kinds == set(DecisionKind)

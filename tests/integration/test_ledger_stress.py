@@ -20,9 +20,13 @@ NODE = "gpu0"
 CAPACITY = 16_384
 PROCESSES = 4
 PAIRS = 1_500
-POLICY = PoolPolicy(interactive=ClassLimits(4096), batch=ClassLimits(4096),
-                    interactive_reserve_tokens=4096, headroom_tokens=512,
-                    safety_margin_tokens=256)
+POLICY = PoolPolicy(
+    interactive=ClassLimits(4096),
+    batch=ClassLimits(4096),
+    interactive_reserve_tokens=4096,
+    headroom_tokens=512,
+    safety_margin_tokens=256,
+)
 
 
 def _holder(namespace: str, seed: int, results: Queue[tuple[int, int, int, list[str]]]) -> None:
@@ -43,8 +47,14 @@ def _holder(namespace: str, seed: int, results: Queue[tuple[int, int, int, list[
 
     for _ in range(PAIRS):
         cls = ServiceClass.INTERACTIVE if rng.random() < 0.3 else ServiceClass.BATCH
-        result = ledger.reserve(NODE, cls, rng.randint(0, 1500), rng.randint(1, 1500),
-                                preemptible=rng.random() < 0.9, owner=f"p{seed}")
+        result = ledger.reserve(
+            NODE,
+            cls,
+            rng.randint(0, 1500),
+            rng.randint(1, 1500),
+            preemptible=rng.random() < 0.9,
+            owner=f"p{seed}",
+        )
         if isinstance(result, Lease):
             admitted += 1
             held.append(result)
@@ -84,8 +94,10 @@ def test_concurrent_holders_never_overcommit_and_end_at_zero(
     monitor_results: Queue[tuple[int, list[str]]] = ctx.Queue()
     stop = ctx.Event()
     monitor = ctx.Process(target=_monitor, args=(redis_namespace, stop, monitor_results))
-    holders = [ctx.Process(target=_holder, args=(redis_namespace, seed, holder_results))
-               for seed in range(PROCESSES)]
+    holders = [
+        ctx.Process(target=_holder, args=(redis_namespace, seed, holder_results))
+        for seed in range(PROCESSES)
+    ]
     monitor.start()
     for p in holders:
         p.start()

@@ -98,10 +98,22 @@ def test_metrics_need_no_key_and_report_queue_jobs_and_pools(
     assert value(s, "backfill_kv_tokens", kind="engine_observed_non_batch", **node) == 0
     assert value(s, "backfill_kv_tokens", kind="slack", **node) == 16_000 - 4000 - 3008
     assert value(s, "backfill_leases", **{"class": "batch"}, **node) == 1
-    assert value(s, "backfill_allocation_denials_total", reason="no_slack",
-                 **{"class": "batch"}, **node) == 1
-    assert value(s, "backfill_allocation_denials_total", reason="over_class_limit",
-                 **{"class": "batch"}, **node) == 1
+    assert (
+        value(
+            s, "backfill_allocation_denials_total", reason="no_slack", **{"class": "batch"}, **node
+        )
+        == 1
+    )
+    assert (
+        value(
+            s,
+            "backfill_allocation_denials_total",
+            reason="over_class_limit",
+            **{"class": "batch"},
+            **node,
+        )
+        == 1
+    )
     assert value(s, "backfill_preemptions_total", **node) == 1
     assert value(s, "backfill_useful_tokens_per_second", window_s="60") == pytest.approx(3 / 60)
     # Histograms exist from the first scrape (their window trails now by a moment).

@@ -108,9 +108,7 @@ def _running_item(repo: Repository, ledger: Ledger) -> tuple[_InFlight, Finish]:
     assert isinstance(lease, Lease)
     start = Start(item.id, item.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
     assert repo.start_many([start], 30) == [item.id]
-    finish = Finish(
-        item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}"
-    )
+    finish = Finish(item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}")
     return _InFlight(item, lease, item.endpoint, run_plan(item)), finish
 
 

@@ -40,10 +40,12 @@ def test_a_nodes_budget_is_the_sum_of_its_workers_and_a_silent_worker_drops_out(
     redis_namespace: str,
 ) -> None:
     keys = LedgerKeys(redis_namespace)
-    held = WorkBudget(2, 512, hold=True, code=BudgetReason.INTERACTIVE_WAITING, reason="waits",
-                      changed_at_s=99.0)
-    quiet = WorkBudget(16, 4096, hold=False, code=BudgetReason.QUIET, reason="quiet",
-                       changed_at_s=50.0)
+    held = WorkBudget(
+        2, 512, hold=True, code=BudgetReason.INTERACTIVE_WAITING, reason="waits", changed_at_s=99.0
+    )
+    quiet = WorkBudget(
+        16, 4096, hold=False, code=BudgetReason.QUIET, reason="quiet", changed_at_s=50.0
+    )
 
     async def publish() -> None:
         client = redis.asyncio.Redis.from_url(REDIS_URL)

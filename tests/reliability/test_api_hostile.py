@@ -396,9 +396,7 @@ def test_a_body_without_a_valid_key_is_refused_before_one_byte_of_it_is_read(
 ) -> None:
     # Was: the whole body was read (an upload spooled to disk, JSON into memory), then 401.
     before = api.rows()
-    answer, grown = _hostile(
-        api, path, None if key == "none" else "bf-wrong", early_answer_s=30.0
-    )
+    answer, grown = _hostile(api, path, None if key == "none" else "bf-wrong", early_answer_s=30.0)
     assert answer.status == 401, answer
     assert answer.error["code"] == "invalid_api_key"
     assert answer.sent == 0, f"{answer.sent} body bytes were read before the 401"
@@ -451,9 +449,7 @@ def _nested(depth: int) -> bytes:
         ("/v1/chat/completions", b'{"model": "m", "messages": ' + _nested(5000) + b"}"),
         (
             "/v1/chat/completions",
-            b'{"model": "m", "messages": [{"role": "user", "content": '
-            + _nested(100)
-            + b"}]}",
+            b'{"model": "m", "messages": [{"role": "user", "content": ' + _nested(100) + b"}]}",
         ),
         ("/v1/completions", b'{"model": "m", "prompt": ' + _nested(5000) + b"}"),
         ("/v1/completions", _nested(5000)),
@@ -461,9 +457,7 @@ def _nested(depth: int) -> bytes:
         ("/lab/kv", b'{"capacity_slots": ' + _nested(5000) + b"}"),
     ],
 )
-def test_deeply_nested_json_is_a_400_on_every_json_route(
-    api: Api, path: str, body: bytes
-) -> None:
+def test_deeply_nested_json_is_a_400_on_every_json_route(api: Api, path: str, body: bytes) -> None:
     # Was: a 500 on the gateway routes (only ValueError was caught; deep JSON is a
     # RecursionError).
     with api.http(api.a) as http:
@@ -527,8 +521,7 @@ def test_a_wrong_key_costs_one_postgres_lookup_and_guessing_keys_is_rate_limited
         assert same == [401] * 30
         assert repo.key_lookups == 1
         guesses = [
-            http.get("/v1/batches", headers={"Authorization": f"Bearer bf-{i}"})
-            for i in range(30)
+            http.get("/v1/batches", headers={"Authorization": f"Bearer bf-{i}"}) for i in range(30)
         ]
     codes = [r.status_code for r in guesses]
     assert 429 in codes, codes

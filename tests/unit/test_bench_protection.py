@@ -109,10 +109,23 @@ def test_goals_compare_backfill_with_alone_and_peers() -> None:
 
 
 def test_tradeoff_points_judge_each_path_against_its_own_batch_alone(tmp_path: Path) -> None:
-    def s(name: str, batch: str | None, p50: float | None, p99: float | None,
-          tps: float | None, **overrides: str) -> dict[str, Any]:
-        return {"scenario": name, "batch": batch, "ttft_p50_s": p50, "ttft_p99_s": p99,
-                "batch_output_tokens_per_s": tps, "overrides": overrides, "requests": []}
+    def s(
+        name: str,
+        batch: str | None,
+        p50: float | None,
+        p99: float | None,
+        tps: float | None,
+        **overrides: str,
+    ) -> dict[str, Any]:
+        return {
+            "scenario": name,
+            "batch": batch,
+            "ttft_p50_s": p50,
+            "ttft_p99_s": p99,
+            "batch_output_tokens_per_s": tps,
+            "overrides": overrides,
+            "requests": [],
+        }
 
     summaries = [
         s("alone", None, 1.0, 2.0, None),

@@ -360,7 +360,7 @@ def test_load_ignores_samples_it_does_not_need_even_malformed_ones() -> None:
     broken_bucket = noisy + 'vllm:e2e_request_latency_seconds_bucket{le="1"} not-a-number\n'
     assert parse_engine_load(broken_bucket) == parse_engine_load(REAL_METRICS)
     with pytest.raises(MetricMalformed):
-        parse_engine_load(REAL_METRICS + "vllm:num_requests_running{engine=\"1\"} nope\n")
+        parse_engine_load(REAL_METRICS + 'vllm:num_requests_running{engine="1"} nope\n')
 
 
 def test_load_parses_only_the_families_it_reads() -> None:

@@ -49,14 +49,24 @@ def test_docker_compose_config_accepts_the_file_when_the_cli_can_run_it() -> Non
     for profile in ("gpu", "cpu"):
         result = subprocess.run(
             [docker, "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
-            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT, env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=ROOT,
+            env=env,
         )
         assert result.returncode == 0, result.stderr
     # Without the secrets, compose refuses to run at all.
     bare = {k: v for k, v in os.environ.items() if k not in SECRETS}
     refused = subprocess.run(
         [docker, "compose", "-f", str(COMPOSE), "--profile", "cpu", "config", "--quiet"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT, env=bare,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+        env=bare,
     )
     assert refused.returncode != 0
 
@@ -148,7 +158,9 @@ def test_prometheus_scrapes_the_api_and_grafana_is_provisioned() -> None:
             mounts[target] = source
     prometheus = yaml.safe_load((ROOT / mounts["/etc/prometheus/prometheus.yml"]).read_text())
     targets = [
-        t for job in prometheus["scrape_configs"] for c in job["static_configs"]
+        t
+        for job in prometheus["scrape_configs"]
+        for c in job["static_configs"]
         for t in c["targets"]
     ]
     assert "api:8000" in targets
@@ -165,8 +177,11 @@ def test_prometheus_scrapes_the_api_and_grafana_is_provisioned() -> None:
     dashboard = json.loads((ROOT / mounts[dashboards_dir] / "backfill.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     for metric in (
-        "backfill_kv_tokens", "backfill_gateway_time_to_first_token_seconds_bucket",
-        "backfill_items", "backfill_preemptions_total", "backfill_deadline_misses_total",
+        "backfill_kv_tokens",
+        "backfill_gateway_time_to_first_token_seconds_bucket",
+        "backfill_items",
+        "backfill_preemptions_total",
+        "backfill_deadline_misses_total",
         "backfill_useful_tokens_per_second",
     ):
         assert metric in exprs, metric

@@ -70,14 +70,32 @@ def test_an_engine_without_the_scheduler_or_garbage_is_none() -> None:
 def test_what_the_engine_scheduler_serves_is_what_the_worker_reads() -> None:
     # backfill_vllm.metrics renders the text the engine core serves; the worker parses it.
     served = SchedulerMetrics(
-        "0.1.0", "0.32.0", 10, steps=90, paused_steps=42, tokens_held=640, pauses=16,
-        relief=1, preemptions_kv=2, preemptions_seqs=1, paused_now=3, longest_pause_s=1.25,
-        chunk_cap=48, fit=StepFit(0.01, 0.0002, 64),
+        "0.1.0",
+        "0.32.0",
+        10,
+        steps=90,
+        paused_steps=42,
+        tokens_held=640,
+        pauses=16,
+        relief=1,
+        preemptions_kv=2,
+        preemptions_seqs=1,
+        paused_now=3,
+        longest_pause_s=1.25,
+        chunk_cap=48,
+        fit=StepFit(0.01, 0.0002, 64),
     )
     text = served.render()
     assert parse_scheduler_metrics(text) == EngineScheduler(
-        version="0.1.0", vllm_version="0.32.0", batch_priority=10, paused_steps=42,
-        tokens_held=640, pauses=16, relief=1, preemptions=3, paused_now=3,
+        version="0.1.0",
+        vllm_version="0.32.0",
+        batch_priority=10,
+        paused_steps=42,
+        tokens_held=640,
+        pauses=16,
+        relief=1,
+        preemptions=3,
+        paused_now=3,
         longest_pause_s=1.25,
     )
     assert "backfill_sched_chunk_cap_tokens 48.0" in text

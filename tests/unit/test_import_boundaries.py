@@ -36,6 +36,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 """Top-level package -> the top-level packages none of its modules may import. The command
 line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""
 
+
 @dataclass(frozen=True)
 class Import:
     module: str
@@ -122,9 +123,7 @@ def test_relative_imports_resolve_against_their_package() -> None:
 
 def test_core_modules_pull_in_no_framework() -> None:
     # Importing every core module loads no framework, not even through a dependency.
-    modules = [
-        m.name for m in pkgutil.walk_packages(backfill.__path__, prefix="backfill.")
-    ]
+    modules = [m.name for m in pkgutil.walk_packages(backfill.__path__, prefix="backfill.")]
     assert "backfill.states" in modules
     code = (
         "import importlib, sys\n"

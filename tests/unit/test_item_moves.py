@@ -11,8 +11,13 @@ from backfill.store import items
 from backfill.store.moves import HELD_STATES, ItemMove
 
 WORKER_MOVES = [
-    items.PREEMPT, items.DEFER, items.RELEASE_UNSTARTED, items.FAIL_CLAIMED,
-    items.FAIL_RUNNING, items.REQUEUE, items.EXPIRE_CLAIMED,
+    items.PREEMPT,
+    items.DEFER,
+    items.RELEASE_UNSTARTED,
+    items.FAIL_CLAIMED,
+    items.FAIL_RUNNING,
+    items.REQUEUE,
+    items.EXPIRE_CLAIMED,
 ]
 
 
@@ -47,7 +52,10 @@ def test_a_fenced_move_without_a_token_is_refused_before_any_sql() -> None:
     with pytest.raises(ValueError, match="fencing token"):
         items.REQUEUE.params(7, 2, None, {})
     assert items.REQUEUE.params(7, 2, 99, {"retry": None}) == {
-        "item": 7, "attempt": 2, "fence": 99, "retry": None,
+        "item": 7,
+        "attempt": 2,
+        "fence": 99,
+        "retry": None,
     }
 
 
@@ -62,6 +70,10 @@ def test_a_refused_move_says_the_attempt_lost_the_item() -> None:
 
 def test_give_back_moves_end_the_attempt_as_the_target_says() -> None:
     assert (items.DEFER.target, items.DEFER.outcome) == (
-        ItemState.DEFERRED, AttemptOutcome.DEFERRED)
+        ItemState.DEFERRED,
+        AttemptOutcome.DEFERRED,
+    )
     assert (items.RELEASE_UNSTARTED.target, items.RELEASE_UNSTARTED.outcome) == (
-        ItemState.QUEUED, AttemptOutcome.RELEASED)
+        ItemState.QUEUED,
+        AttemptOutcome.RELEASED,
+    )

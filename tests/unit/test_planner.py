@@ -63,8 +63,9 @@ def test_smollm2_on_one_gib_matches_the_engines_measured_pool() -> None:
 
 
 def test_gpu_plan_subtracts_weights_and_activations() -> None:
-    hw = Hardware(gpu_memory_bytes=80 * 2**30, gpu_memory_utilization=0.9,
-                  activation_peak_bytes=2 * 2**30)
+    hw = Hardware(
+        gpu_memory_bytes=80 * 2**30, gpu_memory_utilization=0.9, activation_peak_bytes=2 * 2**30
+    )
     p = plan(model_preset("llama-3.1-8b"), hw)
     budget = int(80 * 2**30 * 0.9) - int(8.03e9 * 2) - 2 * 2**30
     assert p.kv_budget_bytes_per_gpu == budget
@@ -83,16 +84,23 @@ def test_a_model_too_large_for_the_gpu_is_refused() -> None:
 
 
 def test_sliding_window_layers_stop_growing_at_the_window() -> None:
-    p = plan(model_preset("gemma-2-9b"), Hardware(gpu_memory_bytes=80 * 2**30),
-             lengths=(("batch", 4096), ("batch", 8192)))
+    p = plan(
+        model_preset("gemma-2-9b"),
+        Hardware(gpu_memory_bytes=80 * 2**30),
+        lengths=(("batch", 4096), ("batch", 8192)),
+    )
     at_window, beyond = p.fits
     # Twice the tokens, but half the layers stop at 4,096: 1.5x the bytes, not 2x.
     assert beyond.sequences == pytest.approx(at_window.sequences / 1.5, abs=1)
 
 
 def test_sequences_per_class_split_the_pool_at_the_reserve() -> None:
-    p = plan(model_preset("llama-3.1-8b"), Hardware(gpu_memory_bytes=80 * 2**30),
-             reserve_tokens=100_000, lengths=(("interactive", 4096), ("batch", 1000)))
+    p = plan(
+        model_preset("llama-3.1-8b"),
+        Hardware(gpu_memory_bytes=80 * 2**30),
+        reserve_tokens=100_000,
+        lengths=(("interactive", 4096), ("batch", 1000)),
+    )
     inter, batch = p.fits
     assert p.interactive_reserve_tokens == 100_000
     assert inter.sequences == 100_000 // 4096
@@ -103,13 +111,14 @@ def test_sequences_per_class_split_the_pool_at_the_reserve() -> None:
 def test_trace_reserve_is_the_p99_of_concurrent_tokens() -> None:
     # Two requests of 1,000 tokens overlapping half the time, one alone otherwise.
     trace = [TraceRequest(0.0, 990, 10), TraceRequest(5.0, 990, 10)]
-    p99, peak = interactive_reserve_from_trace(trace, decode_tokens_per_s=1.0,
-                                               prefill_tokens_per_s=1e9, block_size=8)
+    p99, peak = interactive_reserve_from_trace(
+        trace, decode_tokens_per_s=1.0, prefill_tokens_per_s=1e9, block_size=8
+    )
     assert peak == 2000
     assert p99 == 2000
-    p50, _ = interactive_reserve_from_trace(trace, decode_tokens_per_s=1.0,
-                                            prefill_tokens_per_s=1e9, quantile=0.5,
-                                            block_size=8)
+    p50, _ = interactive_reserve_from_trace(
+        trace, decode_tokens_per_s=1.0, prefill_tokens_per_s=1e9, quantile=0.5, block_size=8
+    )
     assert p50 == 1000
 
 
@@ -117,8 +126,10 @@ runner = CliRunner()
 
 
 def test_plan_command_prints_json() -> None:
-    result = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "1",
-                                 "--block-size", "128", "--json"])
+    result = runner.invoke(
+        app,
+        ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "1", "--block-size", "128", "--json"],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["num_blocks"] == 364
@@ -135,13 +146,30 @@ def test_simulate_command_writes_table_json_and_plots(tmp_path: Path) -> None:
     rows = [f"{i * 0.5},{200 + 37 * i % 900},{1 + i % 40}" for i in range(200)]
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
     out = tmp_path / "out"
-    result = runner.invoke(app, ["simulate", "--trace", str(trace), "--duration-s", "60",
-                                 "--batch-items", "2000", "--out", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--trace",
+            str(trace),
+            "--duration-s",
+            "60",
+            "--batch-items",
+            "2000",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "backfill-overcommit" in result.output
     record = json.loads((out / "simulate.json").read_text())
     assert [r["policy"] for r in record["results"]] == [
-        "fifo", "static", "priority", "backfill", "backfill-overcommit"]
+        "fifo",
+        "static",
+        "priority",
+        "backfill",
+        "backfill-overcommit",
+    ]
     for name in ("kv_pool_over_time.png", "ttft_cdf.png"):
         assert (out / name).stat().st_size > 10_000
 
@@ -164,12 +192,37 @@ def test_plan_command_checks_against_an_engines_metrics() -> None:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        result = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "1",
-                                     "--block-size", "128", "--engine-url", url])
+        result = runner.invoke(
+            app,
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--kv-cache-gib",
+                "1",
+                "--block-size",
+                "128",
+                "--engine-url",
+                url,
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert "364 blocks = 46,592 tokens; plan matches" in result.output
-        off = runner.invoke(app, ["plan", "--model", "smollm2-135m", "--kv-cache-gib", "2",
-                                  "--block-size", "128", "--engine-url", url, "--json"])
+        off = runner.invoke(
+            app,
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--kv-cache-gib",
+                "2",
+                "--block-size",
+                "128",
+                "--engine-url",
+                url,
+                "--json",
+            ],
+        )
         assert json.loads(off.output)["engine_check"]["ratio"] == pytest.approx(0.5, abs=0.01)
     finally:
         server.shutdown()

@@ -62,8 +62,9 @@ def test_reservation_with_n_charges_each_sequence_its_own_prompt_copy() -> None:
     assert reservation_tokens(100, 28, 16, n=2) == 2 * reservation_tokens(100, 28, 16)
 
 
-@pytest.mark.parametrize(("prompt", "out", "bs", "n"), [(-1, 1, 16, 1), (0, 0, 16, 1),
-                                                       (0, 1, 0, 1), (0, 1, 16, 0)])
+@pytest.mark.parametrize(
+    ("prompt", "out", "bs", "n"), [(-1, 1, 16, 1), (0, 0, 16, 1), (0, 1, 0, 1), (0, 1, 16, 0)]
+)
 def test_reservation_refuses_nonsense(prompt: int, out: int, bs: int, n: int) -> None:
     with pytest.raises(ValueError, match="need"):
         reservation_tokens(prompt, out, bs, n)
@@ -94,8 +95,9 @@ def test_reserve_as_tokens_or_as_fraction_of_capacity() -> None:
 
 
 def test_batch_slack_keeps_out_the_reserve_interactive_use_headroom_and_margin() -> None:
-    policy = PoolPolicy(interactive_reserve_tokens=2000, headroom_tokens=500,
-                        safety_margin_tokens=100)
+    policy = PoolPolicy(
+        interactive_reserve_tokens=2000, headroom_tokens=500, safety_margin_tokens=100
+    )
     # Interactive below the reserve: the reserve is what is kept out.
     state = PoolState(10_000, 16, interactive_in_use=1000, batch_in_use=3000)
     assert batch_slack(state, policy) == 10_000 - 2000 - 3000 - 100
@@ -123,8 +125,9 @@ def test_interactive_room_is_everything_batch_does_not_hold() -> None:
 
 
 def test_batch_ceiling_is_the_most_batch_could_ever_hold() -> None:
-    policy = PoolPolicy(interactive_reserve_tokens=2000, headroom_tokens=3000,
-                        safety_margin_tokens=100)
+    policy = PoolPolicy(
+        interactive_reserve_tokens=2000, headroom_tokens=3000, safety_margin_tokens=100
+    )
     assert batch_ceiling(10_000, policy) == 10_000 - 3000 - 100
 
 
@@ -165,23 +168,32 @@ def test_class_limit_uses_the_declared_output_even_with_overcommit() -> None:
 
 
 def test_victims_lose_the_least_generated_work() -> None:
-    leases = [FakeLease("a", 100, generated_tokens=90), FakeLease("b", 100, generated_tokens=5),
-              FakeLease("c", 100, generated_tokens=40)]
+    leases = [
+        FakeLease("a", 100, generated_tokens=90),
+        FakeLease("b", 100, generated_tokens=5),
+        FakeLease("c", 100, generated_tokens=40),
+    ]
     assert [v.lease_id for v in choose_victims(leases, 150) or ()] == ["b", "c"]
 
 
 def test_victims_prefer_the_latest_deadline_then_the_most_recently_started() -> None:
-    leases = [FakeLease("soon", 100, deadline_ms=1_000), FakeLease("late", 100, deadline_ms=9_000),
-              FakeLease("none", 100, deadline_ms=None, started_at_ms=1),
-              FakeLease("none-new", 100, deadline_ms=None, started_at_ms=5)]
+    leases = [
+        FakeLease("soon", 100, deadline_ms=1_000),
+        FakeLease("late", 100, deadline_ms=9_000),
+        FakeLease("none", 100, deadline_ms=None, started_at_ms=1),
+        FakeLease("none-new", 100, deadline_ms=None, started_at_ms=5),
+    ]
     order = [v.lease_id for v in choose_victims(leases, 400) or ()]
     assert order == ["none-new", "none", "late", "soon"]
     assert [v.lease_id for v in choose_victims(leases, 100) or ()] == ["none-new"]
 
 
 def test_victims_never_include_non_preemptible_or_interactive_leases() -> None:
-    leases = [FakeLease("capped", 1000, preemptible=False),
-              FakeLease("chat", 1000, service_class=INTERACTIVE), FakeLease("ok", 100)]
+    leases = [
+        FakeLease("capped", 1000, preemptible=False),
+        FakeLease("chat", 1000, service_class=INTERACTIVE),
+        FakeLease("ok", 100),
+    ]
     assert choose_victims(leases, 100) == (leases[2],)
     assert choose_victims(leases, 101) is None
 
@@ -192,13 +204,15 @@ def test_victims_that_others_already_cover_are_spared() -> None:
     assert [v.lease_id for v in choose_victims(leases, 300) or ()] == ["b"]
 
 
-@given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 100), st.booleans()),
-                max_size=12), st.integers(0, 3000))
-def test_victims_free_enough_or_none_exist(
-    specs: list[tuple[int, int, bool]], needed: int
-) -> None:
-    leases = [FakeLease(f"l{i}", t, generated_tokens=g, preemptible=p)
-              for i, (t, g, p) in enumerate(specs)]
+@given(
+    st.lists(st.tuples(st.integers(1, 500), st.integers(0, 100), st.booleans()), max_size=12),
+    st.integers(0, 3000),
+)
+def test_victims_free_enough_or_none_exist(specs: list[tuple[int, int, bool]], needed: int) -> None:
+    leases = [
+        FakeLease(f"l{i}", t, generated_tokens=g, preemptible=p)
+        for i, (t, g, p) in enumerate(specs)
+    ]
     victims = choose_victims(leases, needed)
     freeable = sum(x.tokens for x in leases if x.preemptible)
     if victims is None:
@@ -214,9 +228,14 @@ def test_victims_free_enough_or_none_exist(
 # -- decisions
 
 
-POLICY = PoolPolicy(interactive=ClassLimits(4096), batch=ClassLimits(8192),
-                    interactive_reserve_tokens=2000, headroom_tokens=200,
-                    safety_margin_tokens=64, defer_retry_after_s=2.0)
+POLICY = PoolPolicy(
+    interactive=ClassLimits(4096),
+    batch=ClassLimits(8192),
+    interactive_reserve_tokens=2000,
+    headroom_tokens=200,
+    safety_margin_tokens=64,
+    defer_retry_after_s=2.0,
+)
 
 
 def test_batch_is_admitted_within_slack_with_a_reason() -> None:
@@ -283,17 +302,28 @@ def test_interactive_larger_than_the_whole_pool_is_rejected() -> None:
 
 
 @given(
-    capacity=st.integers(1, 50_000), reserve=st.integers(0, 50_000),
-    headroom=st.integers(0, 5000), margin=st.integers(0, 5000),
-    interactive=st.integers(0, 50_000), batch=st.integers(0, 50_000),
-    prompt=st.integers(0, 4000), out=st.integers(1, 4000),
+    capacity=st.integers(1, 50_000),
+    reserve=st.integers(0, 50_000),
+    headroom=st.integers(0, 5000),
+    margin=st.integers(0, 5000),
+    interactive=st.integers(0, 50_000),
+    batch=st.integers(0, 50_000),
+    prompt=st.integers(0, 4000),
+    out=st.integers(1, 4000),
 )
 def test_an_admitted_batch_request_never_pushes_batch_past_its_slack(
-    capacity: int, reserve: int, headroom: int, margin: int, interactive: int, batch: int,
-    prompt: int, out: int,
+    capacity: int,
+    reserve: int,
+    headroom: int,
+    margin: int,
+    interactive: int,
+    batch: int,
+    prompt: int,
+    out: int,
 ) -> None:
-    policy = PoolPolicy(interactive_reserve_tokens=reserve, headroom_tokens=headroom,
-                        safety_margin_tokens=margin)
+    policy = PoolPolicy(
+        interactive_reserve_tokens=reserve, headroom_tokens=headroom, safety_margin_tokens=margin
+    )
     state = PoolState(capacity, 16, interactive, batch)
     d = decide(req(BATCH, prompt, out), state, policy)
     if d.kind is DecisionKind.ADMIT:

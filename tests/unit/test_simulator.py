@@ -33,8 +33,14 @@ from backfill_analysis.simulate.run import RunSpec, simulate
 from backfill_analysis.simulate.trace import TraceError, TraceOptions, TraceRequest, load_trace
 from backfill_analysis.simulate.workload import BatchWorkload, batch_items
 
-COST = CostModel("test", step_overhead_s=0.01, per_prefill_token_s=1e-4,
-                 per_prefill_attention_s=0.0, per_decode_token_s=1e-3, per_decode_context_s=0.0)
+COST = CostModel(
+    "test",
+    step_overhead_s=0.01,
+    per_prefill_token_s=1e-4,
+    per_prefill_attention_s=0.0,
+    per_decode_token_s=1e-3,
+    per_decode_context_s=0.0,
+)
 
 
 def _blocks(tokens: int, bs: int) -> int:
@@ -58,14 +64,18 @@ def _check_pool(engine: Engine) -> None:
             held += seq.blocks
     assert 0 <= engine.free_blocks <= cfg.num_blocks
     assert held == engine.blocks_in_use()
-    backlog = sum(s.target - s.computed for s in engine.sequences()
-                  if s.state == PREFILL and not s.interactive)
+    backlog = sum(
+        s.target - s.computed
+        for s in engine.sequences()
+        if s.state == PREFILL and not s.interactive
+    )
     backlog += sum(w[3].target - w[3].computed for w in engine._waiting if not w[3].interactive)
     assert engine.batch_prefill_backlog == backlog
 
 
-def _synthetic_trace(n: int, gap_s: float, prompt: int, output: int, seed: int = 1
-                     ) -> list[TraceRequest]:
+def _synthetic_trace(
+    n: int, gap_s: float, prompt: int, output: int, seed: int = 1
+) -> list[TraceRequest]:
     rng = random.Random(seed)
     t = 0.0
     out = []
@@ -76,11 +86,22 @@ def _synthetic_trace(n: int, gap_s: float, prompt: int, output: int, seed: int =
 
 
 def test_engine_never_allocates_more_than_the_pool_and_accounts_every_block() -> None:
-    engine = Engine(EngineConfig(num_blocks=40, block_size=16, cost=COST,
-                                 max_num_batched_tokens=256, max_num_seqs=16))
+    engine = Engine(
+        EngineConfig(
+            num_blocks=40, block_size=16, cost=COST, max_num_batched_tokens=256, max_num_seqs=16
+        )
+    )
     rng = random.Random(7)
-    seqs = [Sequence(i, rng.randint(10, 200), rng.randint(1, 120), rng.choice([0, 10]),
-                     interactive=i % 3 == 0) for i in range(60)]
+    seqs = [
+        Sequence(
+            i,
+            rng.randint(10, 200),
+            rng.randint(1, 120),
+            rng.choice([0, 10]),
+            interactive=i % 3 == 0,
+        )
+        for i in range(60)
+    ]
     for s in seqs:
         engine.add(s)
     now = 0.0
@@ -103,11 +124,25 @@ def test_engine_pool_accounting_survives_random_arrivals_and_preemption(seed: in
     # block they were just given; random pools, block sizes and budgets find such slips.
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16, 128])
-    engine = Engine(EngineConfig(num_blocks=rng.randint(30, 80) * 16 // bs + 4, block_size=bs,
-                                 cost=COST, max_num_batched_tokens=rng.choice([64, 256, 2048]),
-                                 max_num_seqs=rng.choice([4, 16, 64])))
-    seqs = [Sequence(i, rng.randint(1, 300), rng.randint(1, 150), rng.choice([0, 10]),
-                     interactive=rng.random() < 0.3) for i in range(50)]
+    engine = Engine(
+        EngineConfig(
+            num_blocks=rng.randint(30, 80) * 16 // bs + 4,
+            block_size=bs,
+            cost=COST,
+            max_num_batched_tokens=rng.choice([64, 256, 2048]),
+            max_num_seqs=rng.choice([4, 16, 64]),
+        )
+    )
+    seqs = [
+        Sequence(
+            i,
+            rng.randint(1, 300),
+            rng.randint(1, 150),
+            rng.choice([0, 10]),
+            interactive=rng.random() < 0.3,
+        )
+        for i in range(50)
+    ]
     pending = list(seqs)
     now = 0.0
     for _ in range(100_000):
@@ -139,8 +174,9 @@ def test_engine_decode_step_counts_tokens_and_blocks_like_a_per_sequence_loop() 
 
 
 def test_higher_priority_waits_less() -> None:
-    engine = Engine(EngineConfig(num_blocks=1000, block_size=16, cost=COST,
-                                 max_num_batched_tokens=100))
+    engine = Engine(
+        EngineConfig(num_blocks=1000, block_size=16, cost=COST, max_num_batched_tokens=100)
+    )
     low = [Sequence(i, 100, 1, 10, interactive=False) for i in range(5)]
     high = Sequence(99, 100, 1, 0, interactive=True)
     for s in [*low, high]:
@@ -152,15 +188,33 @@ def test_higher_priority_waits_less() -> None:
 
 
 def _spec(**changes: object) -> RunSpec:
-    config = EngineConfig(num_blocks=96, block_size=16, cost=COST, max_num_batched_tokens=512,
-                          max_num_seqs=32)
+    config = EngineConfig(
+        num_blocks=96, block_size=16, cost=COST, max_num_batched_tokens=512, max_num_seqs=32
+    )
     trace = _synthetic_trace(60, 2.0, 400, 40)
-    items = batch_items(BatchWorkload(items=400, jobs=2, prompt_mean=200, prompt_min=32,
-                                      prompt_max=400, max_output_tokens=64,
-                                      first_deadline_s=60, last_deadline_s=200), seed=3)
-    spec = RunSpec(config, trace, items, duration_s=150.0, ttft_slo_s=1.0,
-                   knobs=PolicyKnobs(batch_concurrency=32, reserve_fraction=0.3,
-                                     busy_batch_seqs=4, max_batch_seqs=32))
+    items = batch_items(
+        BatchWorkload(
+            items=400,
+            jobs=2,
+            prompt_mean=200,
+            prompt_min=32,
+            prompt_max=400,
+            max_output_tokens=64,
+            first_deadline_s=60,
+            last_deadline_s=200,
+        ),
+        seed=3,
+    )
+    spec = RunSpec(
+        config,
+        trace,
+        items,
+        duration_s=150.0,
+        ttft_slo_s=1.0,
+        knobs=PolicyKnobs(
+            batch_concurrency=32, reserve_fraction=0.3, busy_batch_seqs=4, max_batch_seqs=32
+        ),
+    )
     return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
 
 
@@ -224,22 +278,36 @@ def test_fit_recovers_a_known_cost_model() -> None:
     observations = []
     for p in (16, 128, 512, 1024, 2000):
         work = StepWork(prefill_tokens=p, prefill_attention=prefill_attention(0, p))
-        observations.append(Observation(work, truth.step_seconds(work) + 0.05,
-                                        with_request_overhead=True))
+        observations.append(
+            Observation(work, truth.step_seconds(work) + 0.05, with_request_overhead=True)
+        )
     for n, ctx in ((1, 80), (8, 80), (32, 80), (64, 80), (8, 1100), (16, 600)):
         work = StepWork(decode_tokens=n, decode_context=n * ctx)
         observations.append(Observation(work, truth.step_seconds(work)))
     fitted, rms = fit_cost_model(observations, name="fit", source="synthetic")
     assert rms < 1e-6
-    for field in ("step_overhead_s", "per_prefill_token_s", "per_decode_token_s",
-                  "per_decode_context_s", "request_overhead_s"):
+    for field in (
+        "step_overhead_s",
+        "per_prefill_token_s",
+        "per_decode_token_s",
+        "per_decode_context_s",
+        "request_overhead_s",
+    ):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-3)
 
 
 def test_roofline_for_an_8b_model_on_an_h100_is_in_the_published_range() -> None:
-    cost = roofline(name="h100", params=8.03e9, kv_bytes_per_token=131072,
-                    weight_bytes=16.06e9, peak_flops=989e12, memory_bandwidth=3.35e12,
-                    num_layers=32, num_heads=32, head_dim=128)
+    cost = roofline(
+        name="h100",
+        params=8.03e9,
+        kv_bytes_per_token=131072,
+        weight_bytes=16.06e9,
+        peak_flops=989e12,
+        memory_bandwidth=3.35e12,
+        num_layers=32,
+        num_heads=32,
+        head_dim=128,
+    )
     step = cost.step_seconds(StepWork(decode_tokens=256, decode_context=256 * 1000))
     # Third-party vLLM figures put Llama-3.1-8B on one H100 at ~5-12.5k output tok/s.
     assert 4_000 < 256 / step < 15_000

@@ -21,13 +21,25 @@ from backfill_vllm.stepmodel import StepFit, StepTimeModel
 DEFAULTS = SchedulerSettings()
 
 
-def seq(rid: str, *, batch: bool = True, resident: bool = True, prefill: int = 0,
-        paused: int = 0, progress: float | None = 0.0) -> SequenceView:
+def seq(
+    rid: str,
+    *,
+    batch: bool = True,
+    resident: bool = True,
+    prefill: int = 0,
+    paused: int = 0,
+    progress: float | None = 0.0,
+) -> SequenceView:
     return SequenceView(rid, batch, resident, prefill, paused, progress)
 
 
-def view(*seqs: SequenceView, now: float = 0.0, fit: StepFit | None = None,
-         last_step_s: float = 0.01, budget: int = 2048) -> StepView:
+def view(
+    *seqs: SequenceView,
+    now: float = 0.0,
+    fit: StepFit | None = None,
+    last_step_s: float = 0.01,
+    budget: int = 2048,
+) -> StepView:
     return StepView(seqs, now, fit, last_step_s, budget)
 
 
@@ -35,13 +47,15 @@ def view(*seqs: SequenceView, now: float = 0.0, fit: StepFit | None = None,
 
 
 def test_settings_come_from_the_environment_with_defaults_for_the_rest() -> None:
-    got = SchedulerSettings.from_env({
-        "BACKFILL_SCHED_BATCH_PRIORITY": "5",
-        "BACKFILL_SCHED_CHUNK_TARGET_S": "0.1",
-        "BACKFILL_SCHED_METRICS_PORT": "8101",
-        "BACKFILL_SCHED_RIDE_ALONG_SHARE": "",
-        "UNRELATED": "x",
-    })
+    got = SchedulerSettings.from_env(
+        {
+            "BACKFILL_SCHED_BATCH_PRIORITY": "5",
+            "BACKFILL_SCHED_CHUNK_TARGET_S": "0.1",
+            "BACKFILL_SCHED_METRICS_PORT": "8101",
+            "BACKFILL_SCHED_RIDE_ALONG_SHARE": "",
+            "UNRELATED": "x",
+        }
+    )
     assert got.batch_priority == 5
     assert got.chunk_target_s == 0.1
     assert got.metrics_port == 8101
@@ -52,8 +66,10 @@ def test_settings_come_from_the_environment_with_defaults_for_the_rest() -> None
 @pytest.mark.parametrize(
     ("env", "says"),
     [
-        ({"BACKFILL_SCHED_CHUNK_TARGET_S": "soon"},
-         "BACKFILL_SCHED_CHUNK_TARGET_S='soon': must be a number"),
+        (
+            {"BACKFILL_SCHED_CHUNK_TARGET_S": "soon"},
+            "BACKFILL_SCHED_CHUNK_TARGET_S='soon': must be a number",
+        ),
         ({"BACKFILL_SCHED_CHUNK_TARGET_S": "0"}, "BACKFILL_SCHED_CHUNK_TARGET_S=0.0: must be > 0"),
         ({"BACKFILL_SCHED_BATCH_PRIORITY": "1.5"}, "must be an integer"),
         ({"BACKFILL_SCHED_RIDE_ALONG_SHARE": "2"}, "between 0 and 1"),
@@ -184,8 +200,11 @@ def test_batch_decoders_ride_along_up_to_their_share_of_the_step() -> None:
 
 
 def test_slot_victims_free_a_slot_per_waiting_interactive_request_losing_least_work() -> None:
-    running = [VictimView("old", 900, 60, 1.0), VictimView("young", 20, 2, 2.0),
-               VictimView("mid", 300, 20, 3.0)]
+    running = [
+        VictimView("old", 900, 60, 1.0),
+        VictimView("young", 20, 2, 2.0),
+        VictimView("mid", 300, 20, 3.0),
+    ]
     assert slot_victims(running, free_slots=0, interactive_waiting=2) == ["young", "mid"]
     assert slot_victims(running, free_slots=1, interactive_waiting=2) == ["young"]
     assert slot_victims(running, free_slots=2, interactive_waiting=2) == []

@@ -30,15 +30,29 @@ from tests.unit.test_simulator import COST, _blocks, _check_pool, _spec
 BATCH, INTERACTIVE = 10, 0
 
 
-def _engine(schedule: StepSchedule | None = None, *, blocks: int = 1000, seqs: int = 64,
-            tokens: int = 256, cost: CostModel = COST) -> Engine:
-    return Engine(EngineConfig(num_blocks=blocks, block_size=16, cost=cost,
-                               max_num_batched_tokens=tokens, max_num_seqs=seqs,
-                               step_schedule=schedule))
+def _engine(
+    schedule: StepSchedule | None = None,
+    *,
+    blocks: int = 1000,
+    seqs: int = 64,
+    tokens: int = 256,
+    cost: CostModel = COST,
+) -> Engine:
+    return Engine(
+        EngineConfig(
+            num_blocks=blocks,
+            block_size=16,
+            cost=cost,
+            max_num_batched_tokens=tokens,
+            max_num_seqs=seqs,
+            step_schedule=schedule,
+        )
+    )
 
 
-def _decoding_batch(engine: Engine, n: int, prompt: int = 40, output: int = 500
-                    ) -> tuple[list[Sequence], float]:
+def _decoding_batch(
+    engine: Engine, n: int, prompt: int = 40, output: int = 500
+) -> tuple[list[Sequence], float]:
     """``n`` batch sequences, stepped until all decode; returns them and the clock."""
     seqs = [Sequence(i, prompt, output, BATCH, interactive=False) for i in range(n)]
     for s in seqs:
@@ -56,8 +70,9 @@ def _tokens(engine: Engine, seq: Sequence) -> int:
     return seq.generated + engine.step_index - seq.entry_step
 
 
-def _run_until_first_token(engine: Engine, seq: Sequence, now: float
-                           ) -> tuple[list[StepReport], float]:
+def _run_until_first_token(
+    engine: Engine, seq: Sequence, now: float
+) -> tuple[list[StepReport], float]:
     reports = []
     while seq.first_token_s < 0:
         report = engine.step(now)
@@ -70,8 +85,9 @@ def _run_until_first_token(engine: Engine, seq: Sequence, now: float
 def test_batch_decoders_pause_while_interactive_prefills_and_lose_nothing() -> None:
     engine = _engine(StepSchedule(starvation_s=0))
     batch, now = _decoding_batch(engine, 8)
-    before = [(_tokens(engine, s), s.entry_length + engine.step_index - s.entry_step)
-              for s in batch]
+    before = [
+        (_tokens(engine, s), s.entry_length + engine.step_index - s.entry_step) for s in batch
+    ]
     blocks = [_blocks(length, 16) for _, length in before]
     # A prompt of 2,000 tokens takes eight steps of 256.
     interactive = Sequence(100, 2000, 5, INTERACTIVE, interactive=True)
@@ -181,8 +197,9 @@ def test_without_a_starvation_bound_batch_waits_out_the_whole_prefill() -> None:
 
 
 def test_a_paused_batch_prefill_gets_a_chunk_at_its_bound() -> None:
-    engine = _engine(StepSchedule(chunk_target_s=0.005, starvation_steps=4, starvation_s=0),
-                     tokens=128)
+    engine = _engine(
+        StepSchedule(chunk_target_s=0.005, starvation_steps=4, starvation_s=0), tokens=128
+    )
     long_batch = Sequence(1, 1000, 5, BATCH, interactive=False)
     engine.add(long_batch)
     now = engine.step(0.0).seconds  # batch prefill under way
@@ -289,17 +306,28 @@ def test_ride_along_share_bounds_how_much_batch_lengthens_an_interactive_step() 
 @pytest.mark.parametrize("seed", range(30))
 def test_pool_accounting_survives_pauses_riders_and_preemption(seed: int) -> None:
     rng = random.Random(seed)
-    schedule = StepSchedule(ride_along_share=rng.choice([0.0, 0.3, 2.0]),
-                            chunk_target_s=rng.choice([0.002, 0.01, 0.1]),
-                            starvation_steps=rng.choice([0, 2, 7]),
-                            starvation_s=rng.choice([0.0, 0.05, 1.0]))
+    schedule = StepSchedule(
+        ride_along_share=rng.choice([0.0, 0.3, 2.0]),
+        chunk_target_s=rng.choice([0.002, 0.01, 0.1]),
+        starvation_steps=rng.choice([0, 2, 7]),
+        starvation_s=rng.choice([0.0, 0.05, 1.0]),
+    )
     bs = rng.choice([1, 4, 16])
-    engine = Engine(EngineConfig(num_blocks=rng.randint(30, 80) * 16 // bs + 4, block_size=bs,
-                                 cost=COST, max_num_batched_tokens=rng.choice([64, 256, 2048]),
-                                 max_num_seqs=rng.choice([4, 16, 64]), step_schedule=schedule))
+    engine = Engine(
+        EngineConfig(
+            num_blocks=rng.randint(30, 80) * 16 // bs + 4,
+            block_size=bs,
+            cost=COST,
+            max_num_batched_tokens=rng.choice([64, 256, 2048]),
+            max_num_seqs=rng.choice([4, 16, 64]),
+            step_schedule=schedule,
+        )
+    )
     # The step scheduler tells the classes apart by priority, as the real one does.
-    seqs = [Sequence(i, rng.randint(1, 300), rng.randint(1, 150), prio, interactive=prio == 0)
-            for i, prio in enumerate(rng.choice([0, 10, 10]) for _ in range(50))]
+    seqs = [
+        Sequence(i, rng.randint(1, 300), rng.randint(1, 150), prio, interactive=prio == 0)
+        for i, prio in enumerate(rng.choice([0, 10, 10]) for _ in range(50))
+    ]
     pending = list(seqs)
     now = 0.0
     for _ in range(100_000):
@@ -319,8 +347,9 @@ def _budget_frontend(cls: type[BackfillWorkBudget]) -> BackfillWorkBudget:
     """A frontend whose work budget sees an interactive request that has waited 1 s of a
     0.1 s TTFT target while a batch prefill is under way, and has just stepped."""
     engine = _engine(StepSchedule() if cls.shapes_steps else None, tokens=64)
-    item = BatchItem(key=1, job=0, prompt_tokens=1000, max_output_tokens=20, output_tokens=20,
-                     deadline_s=3600.0)
+    item = BatchItem(
+        key=1, job=0, prompt_tokens=1000, max_output_tokens=20, output_tokens=20, deadline_s=3600.0
+    )
     knobs = PolicyKnobs(work_budget=WorkBudgetPolicy(ttft_target_s=0.1))
     frontend = cls(engine, [item], knobs)
     frontend.before_step(0.0)
@@ -347,9 +376,19 @@ def test_the_work_budget_stops_preempting_when_the_engine_pauses() -> None:
 
 def test_backfill_step_protects_ttft_better_than_the_work_budget_with_as_much_batch() -> None:
     # A backlog the run cannot finish, so batch throughput is the policy's, not the backlog's.
-    items = batch_items(BatchWorkload(items=2000, jobs=2, prompt_mean=300, prompt_min=32,
-                                      prompt_max=400, max_output_tokens=64,
-                                      first_deadline_s=60, last_deadline_s=200), seed=3)
+    items = batch_items(
+        BatchWorkload(
+            items=2000,
+            jobs=2,
+            prompt_mean=300,
+            prompt_min=32,
+            prompt_max=400,
+            max_output_tokens=64,
+            first_deadline_s=60,
+            last_deadline_s=200,
+        ),
+        seed=3,
+    )
     spec = _spec(batch=items)
     step = simulate(spec, "backfill-step")
     budget = simulate(spec, "backfill-budget")
@@ -361,9 +400,14 @@ def test_backfill_step_protects_ttft_better_than_the_work_budget_with_as_much_ba
 
 
 def test_chunk_tokens_is_the_largest_chunk_within_the_time() -> None:
-    cost = CostModel("q", step_overhead_s=0.01, per_prefill_token_s=1e-4,
-                     per_prefill_attention_s=1e-7, per_decode_token_s=1e-3,
-                     per_decode_context_s=0.0)
+    cost = CostModel(
+        "q",
+        step_overhead_s=0.01,
+        per_prefill_token_s=1e-4,
+        per_prefill_attention_s=1e-7,
+        per_decode_token_s=1e-3,
+        per_decode_context_s=0.0,
+    )
     for start in (0, 100, 5000):
         for seconds in (1e-5, 0.003, 0.05, 1.0):
             n = chunk_tokens(cost, start, seconds, 10**6)
@@ -373,10 +417,17 @@ def test_chunk_tokens_is_the_largest_chunk_within_the_time() -> None:
     assert chunk_tokens(cost, 0, 0.0, 7) == 0
 
 
-@pytest.mark.parametrize("bad", [
-    {"ride_along_share": -0.1}, {"ride_along_share": float("nan")}, {"chunk_target_s": 0},
-    {"starvation_steps": -1}, {"starvation_s": -1.0}, {"starvation_s": float("inf")},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ride_along_share": -0.1},
+        {"ride_along_share": float("nan")},
+        {"chunk_target_s": 0},
+        {"starvation_steps": -1},
+        {"starvation_s": -1.0},
+        {"starvation_s": float("inf")},
+    ],
+)
 def test_step_schedule_refuses_bad_settings(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         StepSchedule(**bad)  # type: ignore[arg-type]
@@ -384,5 +435,10 @@ def test_step_schedule_refuses_bad_settings(bad: dict[str, float]) -> None:
 
 def test_the_step_scheduler_needs_priority_scheduling() -> None:
     with pytest.raises(ValueError, match="priority"):
-        EngineConfig(num_blocks=10, block_size=16, cost=COST, priority_scheduling=False,
-                     step_schedule=StepSchedule())
+        EngineConfig(
+            num_blocks=10,
+            block_size=16,
+            cost=COST,
+            priority_scheduling=False,
+            step_schedule=StepSchedule(),
+        )

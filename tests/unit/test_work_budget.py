@@ -132,8 +132,10 @@ def test_a_worker_preempts_only_its_own_prefills_at_risk() -> None:
 
 def test_one_decrease_per_interval_for_a_persisting_signal() -> None:
     b = WorkBudget.initial(POLICY)
-    waiting = [WorkSignals(now_s=t, interactive_waiting=1, oldest_pending_since_s=t - 0.1)
-               for t in (10.0, 10.2, 10.4, 10.5)]
+    waiting = [
+        WorkSignals(now_s=t, interactive_waiting=1, oldest_pending_since_s=t - 0.1)
+        for t in (10.0, 10.2, 10.4, 10.5)
+    ]
     sizes = []
     for s in waiting:
         b = step(b, s, POLICY).budget
@@ -144,13 +146,17 @@ def test_one_decrease_per_interval_for_a_persisting_signal() -> None:
 def test_never_below_the_floor() -> None:
     b = WorkBudget.initial(POLICY)
     for i in range(40):
-        b = step(b, WorkSignals(now_s=float(i), interactive_waiting=1,
-                                oldest_pending_since_s=float(i)), POLICY).budget
+        b = step(
+            b,
+            WorkSignals(now_s=float(i), interactive_waiting=1, oldest_pending_since_s=float(i)),
+            POLICY,
+        ).budget
         assert b.max_seqs >= POLICY.floor_seqs
         assert b.max_prefill_tokens >= POLICY.floor_prefill_tokens
     assert (b.max_seqs, b.max_prefill_tokens) == (2, 256)
-    s = step(b, WorkSignals(now_s=100.0, interactive_waiting=1, oldest_pending_since_s=100.0),
-             POLICY)
+    s = step(
+        b, WorkSignals(now_s=100.0, interactive_waiting=1, oldest_pending_since_s=100.0), POLICY
+    )
     assert not s.changed
     assert s.budget.hold
 
@@ -159,8 +165,9 @@ def test_interactive_prefilling_on_target_neither_shrinks_nor_holds_batch() -> N
     # A steady interactive stream whose TTFTs are on target is not batch's doing: batch keeps
     # its budget and may start prefills within it (a standing hold starved it on a busy node).
     b = WorkBudget.initial(POLICY)
-    s = step(b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9),
-             POLICY)
+    s = step(
+        b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9), POLICY
+    )
     assert s.code is BudgetReason.INTERACTIVE_PREFILL
     assert not s.budget.hold
     assert not s.changed
@@ -173,14 +180,18 @@ def test_new_prefills_are_held_while_interactive_is_pending_soon_after_a_shrink(
     b = WorkBudget.initial(POLICY)
     slow = step(b, WorkSignals(now_s=10.0, ttfts=((9.9, 0.95),)), POLICY).budget
     assert slow.max_seqs == 32
-    busy = step(slow, WorkSignals(now_s=11.0, interactive_prefilling=1,
-                                  oldest_pending_since_s=10.9), POLICY)
+    busy = step(
+        slow, WorkSignals(now_s=11.0, interactive_prefilling=1, oldest_pending_since_s=10.9), POLICY
+    )
     assert busy.code is BudgetReason.INTERACTIVE_PREFILL
     assert busy.budget.hold
     assert "held after a recent shrink" in busy.reason
     assert admissible(busy.budget, 0, 0, [10]) == 0
-    later = step(busy.budget, WorkSignals(now_s=12.5, interactive_prefilling=1,
-                                          oldest_pending_since_s=12.4), POLICY)
+    later = step(
+        busy.budget,
+        WorkSignals(now_s=12.5, interactive_prefilling=1, oldest_pending_since_s=12.4),
+        POLICY,
+    )
     assert not later.budget.hold, "the hold lapses quiet_s after the shrink signal"
 
 
@@ -188,14 +199,32 @@ def test_interactive_queued_behind_interactive_is_not_batchs_doing() -> None:
     b = WorkBudget.initial(POLICY)
     # Two interactive requests in the engine's queue, no batch prefill under way: they wait
     # for an interactive prefill, so the budget keeps its size.
-    behind = step(b, WorkSignals(now_s=3.0, engine_waiting=2, interactive_prefilling=1,
-                                 oldest_pending_since_s=2.8, batch_in_flight=10), POLICY)
+    behind = step(
+        b,
+        WorkSignals(
+            now_s=3.0,
+            engine_waiting=2,
+            interactive_prefilling=1,
+            oldest_pending_since_s=2.8,
+            batch_in_flight=10,
+        ),
+        POLICY,
+    )
     assert behind.code is BudgetReason.INTERACTIVE_PREFILL
     assert not behind.changed
     # The same queue while batch prefills are under way: batch competes, so it shrinks.
-    beside = step(b, WorkSignals(now_s=3.0, engine_waiting=4, interactive_prefilling=1,
-                                 oldest_pending_since_s=2.8, batch_in_flight=10,
-                                 batch_awaiting_first_token=2), POLICY)
+    beside = step(
+        b,
+        WorkSignals(
+            now_s=3.0,
+            engine_waiting=4,
+            interactive_prefilling=1,
+            oldest_pending_since_s=2.8,
+            batch_in_flight=10,
+            batch_awaiting_first_token=2,
+        ),
+        POLICY,
+    )
     assert beside.code is BudgetReason.INTERACTIVE_WAITING
     assert beside.budget.max_seqs == 32
     assert beside.budget.hold
@@ -203,12 +232,21 @@ def test_interactive_queued_behind_interactive_is_not_batchs_doing() -> None:
 
 
 def test_grows_while_interactive_is_busy_once_ttfts_are_back_on_target() -> None:
-    b = run(WorkBudget.initial(POLICY),
-            WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
-            WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0))
+    b = run(
+        WorkBudget.initial(POLICY),
+        WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
+        WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0),
+    )
     assert b.max_seqs == 16
-    busy = [WorkSignals(now_s=t, interactive_prefilling=1, oldest_pending_since_s=t - 0.1,
-                        ttfts=((t - 0.05, 0.3),)) for t in (1.0, 2.0, 2.5, 3.0)]
+    busy = [
+        WorkSignals(
+            now_s=t,
+            interactive_prefilling=1,
+            oldest_pending_since_s=t - 0.1,
+            ttfts=((t - 0.05, 0.3),),
+        )
+        for t in (1.0, 2.0, 2.5, 3.0)
+    ]
     sizes = []
     for s in busy:
         st = step(b, s, POLICY)
@@ -221,10 +259,12 @@ def test_grows_while_interactive_is_busy_once_ttfts_are_back_on_target() -> None
 
 
 def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
-    b = run(WorkBudget.initial(POLICY),
-            WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
-            WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0),
-            WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=0.0))
+    b = run(
+        WorkBudget.initial(POLICY),
+        WorkSignals(now_s=0.0, interactive_waiting=1, oldest_pending_since_s=0.0),
+        WorkSignals(now_s=0.5, interactive_waiting=1, oldest_pending_since_s=0.0),
+        WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=0.0),
+    )
     assert b.max_seqs == 8
     assert b.hold
     quiet = step(b, WorkSignals(now_s=1.5), POLICY)
@@ -261,8 +301,17 @@ def test_a_ttft_near_the_target_shrinks_once_per_measurement() -> None:
 
 def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
     b = WorkBudget.initial(POLICY)
-    s = step(b, WorkSignals(now_s=10.0, interactive_prefilling=1, oldest_pending_since_s=9.4,
-                            batch_in_flight=40, batch_awaiting_first_token=3), POLICY)
+    s = step(
+        b,
+        WorkSignals(
+            now_s=10.0,
+            interactive_prefilling=1,
+            oldest_pending_since_s=9.4,
+            batch_in_flight=40,
+            batch_awaiting_first_token=3,
+        ),
+        POLICY,
+    )
     assert s.code is BudgetReason.TTFT_AT_RISK
     assert s.budget.hold
     assert s.budget.max_seqs == 32
@@ -271,24 +320,52 @@ def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
     assert "waited 0.60 s" in s.reason
     assert "preempting 3 batch sequence(s)" in s.reason
     # The target itself spent: batch over the shrunken budget (40 -> 32) goes too.
-    late = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=8.9,
-                               batch_in_flight=40, batch_awaiting_first_token=3), POLICY)
+    late = step(
+        b,
+        WorkSignals(
+            now_s=10.0,
+            interactive_waiting=1,
+            oldest_pending_since_s=8.9,
+            batch_in_flight=40,
+            batch_awaiting_first_token=3,
+        ),
+        POLICY,
+    )
     assert late.preempt == 8
-    few = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=8.9,
-                              batch_in_flight=5, batch_awaiting_first_token=3), POLICY)
+    few = step(
+        b,
+        WorkSignals(
+            now_s=10.0,
+            interactive_waiting=1,
+            oldest_pending_since_s=8.9,
+            batch_in_flight=5,
+            batch_awaiting_first_token=3,
+        ),
+        POLICY,
+    )
     assert few.preempt == 3
     # Nothing of batch's running: nothing to preempt, and no shrink for interactive overload
     # beyond the wait itself.
-    alone = step(b, WorkSignals(now_s=10.0, interactive_prefilling=2,
-                                oldest_pending_since_s=8.9), POLICY)
+    alone = step(
+        b, WorkSignals(now_s=10.0, interactive_prefilling=2, oldest_pending_since_s=8.9), POLICY
+    )
     assert alone.code is BudgetReason.INTERACTIVE_PREFILL
     assert alone.preempt == 0
 
 
 def test_no_preemption_before_the_risk_threshold() -> None:
     b = WorkBudget.initial(POLICY)
-    s = step(b, WorkSignals(now_s=10.0, interactive_waiting=1, oldest_pending_since_s=9.7,
-                            batch_in_flight=60, batch_awaiting_first_token=10), POLICY)
+    s = step(
+        b,
+        WorkSignals(
+            now_s=10.0,
+            interactive_waiting=1,
+            oldest_pending_since_s=9.7,
+            batch_in_flight=60,
+            batch_awaiting_first_token=10,
+        ),
+        POLICY,
+    )
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert s.preempt == 0
 
@@ -324,13 +401,19 @@ def test_victims_are_prefills_first_then_least_output_and_never_capped_ones() ->
     ]
     assert [v.lease_id for v in budget_victims(leases, 2)] == ["new-prefill", "old-prefill"]
     assert [v.lease_id for v in budget_victims(leases, 9)] == [
-        "new-prefill", "old-prefill", "decoding"]
+        "new-prefill",
+        "old-prefill",
+        "decoding",
+    ]
     assert budget_victims(leases, 0) == ()
 
 
 def test_describe_says_the_budget_and_why() -> None:
-    s = step(WorkBudget.initial(POLICY),
-             WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=1.0), POLICY)
+    s = step(
+        WorkBudget.initial(POLICY),
+        WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=1.0),
+        POLICY,
+    )
     text = describe(s.budget)
     assert "32 sequences / 4096 prefill tokens, new prefills held" in text
     assert "interactive_waiting" in text

@@ -84,8 +84,9 @@ def test_other_workers_batch_awaiting_sums_fresh_entries_but_not_its_own() -> No
 
 
 def test_budget_view_round_trips_through_a_hash() -> None:
-    b = WorkBudget(8, 1024, hold=True, code=BudgetReason.INTERACTIVE_WAITING, reason="r",
-                   changed_at_s=5.0)
+    b = WorkBudget(
+        8, 1024, hold=True, code=BudgetReason.INTERACTIVE_WAITING, reason="r", changed_at_s=5.0
+    )
     view = BudgetView.of(b, 3, 700, 6.0)
     raw = {k.encode(): v.encode() for k, v in view.to_mapping().items()}
     assert BudgetView.from_mapping(raw) == view
@@ -100,10 +101,17 @@ def test_a_nodes_budget_sums_its_workers_fresh_entries() -> None:
     """Two workers on one node each run a budget against the same engine: the node's limits and
     use are their sums, it holds batch when either holds, and says the latest change; a dead
     worker's entry (past its expiry) and unreadable entries do not count."""
-    quiet = WorkBudget(16, 4096, hold=False, code=BudgetReason.QUIET, reason="quiet",
-                       changed_at_s=50.0)
-    held = WorkBudget(2, 512, hold=True, code=BudgetReason.INTERACTIVE_WAITING,
-                      reason="2 interactive waiting", changed_at_s=99.0)
+    quiet = WorkBudget(
+        16, 4096, hold=False, code=BudgetReason.QUIET, reason="quiet", changed_at_s=50.0
+    )
+    held = WorkBudget(
+        2,
+        512,
+        hold=True,
+        code=BudgetReason.INTERACTIVE_WAITING,
+        reason="2 interactive waiting",
+        changed_at_s=99.0,
+    )
     raw = {
         b"w1": _entry(BudgetView.of(quiet, 10, 900, 100.0), 105.0).encode(),
         b"w2": _entry(BudgetView.of(held, 2, 300, 100.1), 105.1).encode(),
@@ -116,7 +124,11 @@ def test_a_nodes_budget_sums_its_workers_fresh_entries() -> None:
     node = merge_budgets(views)
     assert node is not None
     assert (node.max_seqs, node.max_prefill_tokens, node.in_flight, node.prefill_tokens) == (
-        18, 4608, 12, 1200)
+        18,
+        4608,
+        12,
+        1200,
+    )
     assert node.hold
     assert node.code == str(BudgetReason.INTERACTIVE_WAITING)
     assert (node.changed_at_s, node.at_s, node.workers) == (99.0, 100.1, 2)
@@ -125,8 +137,9 @@ def test_a_nodes_budget_sums_its_workers_fresh_entries() -> None:
 
 
 def test_policy_from_settings_caps_the_ceiling_at_the_in_flight_limit() -> None:
-    s = Settings(work_budget_ceiling_seqs=128, work_budget_floor_seqs=4,
-                 interactive_ttft_target_s=0.5)
+    s = Settings(
+        work_budget_ceiling_seqs=128, work_budget_floor_seqs=4, interactive_ttft_target_s=0.5
+    )
     policy = work_budget_policy(s, max_in_flight=32)
     assert (policy.floor_seqs, policy.ceiling_seqs, policy.ttft_target_s) == (4, 32, 0.5)
     assert work_budget_policy(s, max_in_flight=2).floor_seqs == 2
