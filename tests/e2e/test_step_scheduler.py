@@ -325,14 +325,16 @@ def test_engine_shutdown_while_batch_is_paused_ends_every_stream_and_exits_clean
 
             assert await until(paused, 120), "batch never paused"
             os.killpg(server.pid, signal.SIGTERM)
-            outcomes = await asyncio.wait_for(asyncio.gather(inter, *flood.tasks), 120)
+            # Bounded, so a hung stream fails the test; generous, because on a loaded 2-core
+            # machine the engine's shutdown itself has taken over two minutes.
+            outcomes = await asyncio.wait_for(asyncio.gather(inter, *flood.tasks), 300)
         return list(outcomes)
 
     outcomes = asyncio.run(scenario())
     try:
-        code = server.process.wait(timeout=60)
+        code = server.process.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        pytest.fail("the engine did not exit within 60 s of SIGTERM")
+        pytest.fail("the engine did not exit within 180 s of SIGTERM")
     log = server.log_path.read_text(errors="replace")
     server.stop()
     # Every stream ended (none hung: the gather above is bounded), and none that was cut off
