@@ -12,11 +12,10 @@ from typing import Any, Self
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine, text
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from backfill.clock import HostClock, SharedClock
-from backfill.errors import Conflict, InvalidInput, StoreUnavailable
+from backfill.errors import StoreUnavailable
+from backfill.postgres import transaction
 
 # Whether the server answers (health checks).
 PING = "SELECT 1"
@@ -69,40 +68,9 @@ class Store:
 
     @contextmanager
     def _tx(self, *, durable: bool = True) -> Iterator[Connection]:
-        """One transaction; driver errors leave as Backfill's own types.
-
-        ``durable=False`` commits without waiting for the WAL flush. Only for writes whose
-        loss in a Postgres crash is harmless by design: a lost claim or start leaves the item
-        claimable again (or rescued by the reaper), and the worker's fenced writes then fail
-        as stale instead of doing harm. Results are always written durably.
-        """
-        try:
-            with self.engine.begin() as conn:
-                if not durable:
-                    conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-                yield conn
-        except IntegrityError as exc:
-            raise Conflict(str(exc.orig)) from exc
-        except OperationalError as exc:
-            raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
-        except DataError as exc:
-            # A value Postgres cannot hold (a NUL byte in text, a number out of range) that
-            # came from outside: the caller's input, not a fault of the store.
-            raise InvalidInput(f"value refused: {exc.orig}") from exc
-        except psycopg.DataError as exc:
-            # The same, from the driver directly (COPY and binary reads bypass SQLAlchemy).
-            raise InvalidInput(f"value refused: {exc}") from exc
-        except psycopg.OperationalError as exc:
-            # A connection lost under a driver-level call (COPY, binary reads).
-            raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
-        except PoolTimeout as exc:
-            # Every pooled connection is busy: the store is there but has no room for this
-            # caller now, which a retry a little later may find.
-            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise StoreUnavailable(f"Postgres connection lost: {exc.orig}") from exc
-            raise
+        """One transaction (see :func:`transaction`)."""
+        with transaction(self.engine, durable=durable) as conn:
+            yield conn
 
     def _read_binary(self, query: str, params: tuple[Any, ...]) -> bytes | None:
         """One bytea value read in binary format: a text-format read hex-encodes it,

@@ -20,10 +20,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy.exc import DataError, IntegrityError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from backfill.errors import Conflict, InvalidInput, NotFound, StoreUnavailable
+from backfill.errors import NotFound
+from backfill.postgres import transaction
 from backfill.refusals import InvalidRequest
 from backfill.states import JobState
 from backfill.webhooks.events import EVENT_OF_STATE, new_event_id, new_webhook_id
@@ -181,17 +180,9 @@ class WebhookStore:
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
-        try:
-            with self.engine.begin() as conn:
-                yield conn
-        except IntegrityError as exc:
-            raise Conflict(str(exc.orig)) from exc
-        except OperationalError as exc:
-            raise StoreUnavailable(f"Postgres unavailable: {exc.orig}") from exc
-        except DataError as exc:
-            raise InvalidInput(f"value refused: {exc.orig}") from exc
-        except PoolTimeout as exc:
-            raise StoreUnavailable(f"no Postgres connection free: {exc}") from exc
+        # The store's one transaction, with its translation of driver errors.
+        with transaction(self.engine) as conn:
+            yield conn
 
     # -- endpoints ----------------------------------------------------------------------------
 
