@@ -18,13 +18,10 @@ UPSERT_NODE = (
     "last_seen_at = now()"
 )
 
-# The models live nodes serve (seen within :s seconds), and whether any node is live.
+# The models of the nodes seen within :s seconds (NULL for a live node whose engine named
+# none), one row per model: no row at all means no node is live.
 SERVED_MODELS = (
-    "SELECT DISTINCT model FROM nodes "
-    "WHERE last_seen_at > now() - make_interval(secs => :s) AND model IS NOT NULL"
-)
-ANY_LIVE_NODE = (
-    "SELECT EXISTS (SELECT 1 FROM nodes WHERE last_seen_at > now() - make_interval(secs => :s))"
+    "SELECT DISTINCT model FROM nodes WHERE last_seen_at > now() - make_interval(secs => :s)"
 )
 
 # The node is alive (its last_seen_at is what the dashboard and the gateway trust).
@@ -66,9 +63,8 @@ class Nodes(Store):
         """The models nodes seen in the last ``live_within_s`` seconds serve, and whether any
         node was seen then at all."""
         with self._tx() as conn:
-            models = set(conn.execute(text(SERVED_MODELS), {"s": live_within_s}).scalars())
-            live = bool(conn.execute(text(ANY_LIVE_NODE), {"s": live_within_s}).scalar())
-        return models, live
+            rows = list(conn.execute(text(SERVED_MODELS), {"s": live_within_s}).scalars())
+        return {m for m in rows if m is not None}, bool(rows)
 
     def touch_node(self, name: str) -> None:
         with self._tx() as conn:
