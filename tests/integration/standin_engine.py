@@ -8,11 +8,29 @@ stream open that long before its answer, so that leases stay held while others a
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from backfill.capacity import EngineLoad, EnginePool
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, ModelInfo, StreamChunk, Usage
+from backfill.states import JobState
+from backfill.store import NewItem, Repository
+
+
+def submit_completions(repo: Repository, tenant: str, items: int, max_tokens: int) -> str:
+    """An in-progress job of ``items`` one-word completions for the stand-in's model ``m``
+    (5 prompt tokens each), each declaring ``max_tokens``; returns its id."""
+    record = repo.create_tenant(tenant)
+    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        record.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": max_tokens})
+    repo.insert_items(job.id, [NewItem(i, f"r{i}", body, max_tokens) for i in range(items)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
 
 
 class StandInEngine:

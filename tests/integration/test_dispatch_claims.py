@@ -10,17 +10,15 @@ slack stays full while the queue still holds work.
 from __future__ import annotations
 
 import asyncio
-import json
-from datetime import UTC, datetime, timedelta
 from typing import cast
 
 from backfill.config import Settings
 from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine
+from backfill.states import ItemState
+from backfill.store import Repository
+from tests.integration.standin_engine import StandInEngine, submit_completions
 from worker.dispatch import DispatchConfig, NodeDispatcher
 
 NODE = "n-claims"
@@ -29,16 +27,8 @@ ITEMS = 24
 
 
 def _submit(repo: Repository) -> str:
-    tenant = repo.create_tenant("t-claims")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
     # 5 prompt tokens + 100 out: 7 blocks each; the stand-in's 64 blocks hold a few at once.
-    body = {"model": "m", "prompt": "x", "max_tokens": 100}
-    repo.insert_items(job.id, [NewItem(i, f"r{i}", json.dumps(body), 100) for i in range(ITEMS)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
+    return submit_completions(repo, "t-claims", ITEMS, 100)
 
 
 def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime, timedelta
 from typing import cast
 
 from backfill.config import Settings
 from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine
+from backfill.states import ItemState
+from backfill.store import Repository
+from tests.integration.standin_engine import StandInEngine, submit_completions
 from worker.dispatch import DispatchConfig, NodeDispatcher
 
 NODE = "n-fail"
@@ -28,15 +27,7 @@ BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
 
 
 def _submit(repo: Repository) -> str:
-    tenant = repo.create_tenant("t-fail")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    body = {"model": "m", "prompt": "x", "max_tokens": 8}
-    repo.insert_items(job.id, [NewItem(0, "r0", json.dumps(body), 8)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
+    return submit_completions(repo, "t-fail", 1, 8)
 
 
 def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lease_freed(

@@ -10,9 +10,7 @@ The ledger is the real one, counting the round trips that carry settles.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Mapping
-from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from backfill.config import Settings
@@ -20,9 +18,9 @@ from backfill.engine.protocol import ChoiceDelta, CompletionStream, Engine, Stre
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.ledger.steps import Pipelined, ScriptCall, Step
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine
+from backfill.states import ItemState
+from backfill.store import Repository
+from tests.integration.standin_engine import StandInEngine, submit_completions
 from worker.dispatch import DispatchConfig, NodeDispatcher
 
 NODE = "n-settle"
@@ -87,15 +85,7 @@ class CountingLedger(AsyncLedger):
 
 
 def _submit(repo: Repository) -> str:
-    tenant = repo.create_tenant("t-settle")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": TOKENS})
-    repo.insert_items(job.id, [NewItem(i, f"r{i}", body, TOKENS) for i in range(ITEMS)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
+    return submit_completions(repo, "t-settle", ITEMS, TOKENS)
 
 
 def test_progress_is_settled_once_per_interval_for_the_whole_node(settings: Settings) -> None:
