@@ -304,28 +304,47 @@ def test_a_request_with_room_is_admitted_on_a_prompt_bound_then_settled_to_its_c
     assert blocks(bound + out) > blocks(exact + out), "the test needs a bound a block apart"
     on_bound = gw.metric("backfill_gateway_admissions_total", basis="bound")
     reserved = gw.metric("backfill_gateway_reserved_tokens_sum")
-    held: list[int] = []
     body = {"model": MODEL, "prompt": prompt, "max_tokens": out, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {gw.tenant.key}"}
-    with (
-        httpx.Client(timeout=60) as client,
-        client.stream(
+
+    def stream_until_counted(client: httpx.Client) -> list[int]:
+        """Stream once, reading nothing more after the first token until the reservation
+        shrinks to the exact count or the lease ends: what the stream's lease held."""
+        held: list[int] = []
+        with client.stream(
             "POST",
             f"{gw.api.base_url}/v1/completions",
             json={**body, "stream": True},
             headers=headers,
-        ) as response,
-    ):
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data:") and line != "data: [DONE]":
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
                 held.append(gw.snapshot().interactive_in_use)
+                if len(held) == 1:
+                    end = time.monotonic() + 60
+                    while held[-1] not in (0, blocks(exact + out)) and time.monotonic() < end:
+                        time.sleep(0.05)
+                        held.append(gw.snapshot().interactive_in_use)
+        return held
+
+    # The count comes from /tokenize behind the engine's own work, after the first token;
+    # the client stops reading meanwhile, but socket buffers may take the whole stream and
+    # its lease end first on a starved machine: then the stream is tried again.
+    attempts: list[list[int]] = []
+    with httpx.Client(timeout=60) as client:
+        while len(attempts) < 3 and (not attempts or blocks(exact + out) not in attempts[-1]):
+            attempts.append(stream_until_counted(client))
     # Admitted on the bound: no /tokenize on the request's path...
-    assert gw.metric("backfill_gateway_admissions_total", basis="bound") - on_bound == 1
-    assert gw.metric("backfill_gateway_reserved_tokens_sum") - reserved == blocks(bound + out)
+    tried = len(attempts)
+    assert gw.metric("backfill_gateway_admissions_total", basis="bound") - on_bound == tried
+    assert gw.metric("backfill_gateway_reserved_tokens_sum") - reserved == tried * blocks(
+        bound + out
+    )
     # ...and counted exactly off it: the reservation shrank to the prompt's real need while
     # the stream still ran, and the bound held.
-    assert blocks(exact + out) in held, held
+    assert blocks(exact + out) in attempts[-1], attempts
     assert gw.metric("backfill_gateway_bound_violations_total") == 0
     wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "the lease released")
 
@@ -336,9 +355,9 @@ def test_a_request_with_room_is_admitted_on_a_prompt_bound_then_settled_to_its_c
     ]
     reply = gw.sdk().chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert reply.usage is not None
-    assert gw.metric("backfill_gateway_admissions_total", basis="bound") - on_bound == 2
+    assert gw.metric("backfill_gateway_admissions_total", basis="bound") - on_bound == tried + 1
     chat_reserved = gw.metric("backfill_gateway_reserved_tokens_sum") - reserved
-    chat_reserved -= blocks(bound + 200)
+    chat_reserved -= tried * blocks(bound + out)
     assert chat_reserved >= blocks(reply.usage.prompt_tokens + 16)
     assert gw.metric("backfill_gateway_bound_violations_total") == 0
 
