@@ -13,7 +13,9 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   to that share of the step's own time, priced by the fitted step-time model;
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
   model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
-  arriving mid-step waits at most one short step.
+  arriving mid-step waits at most one short step; lifted (vLLM's own token budget) once no
+  interactive request has been in the engine for ``lift_cap_after_s``, so batch alone loses
+  nothing to a cap that protects nobody.
 
 :func:`slot_victims` and :func:`kv_victims` choose which running batch sequences to preempt
 when interactive work waits for a sequence slot or for KV blocks: vLLM's priority policy
@@ -61,6 +63,8 @@ class StepView:
     """How long the previous step took (what the next is expected to take)."""
     token_budget: int
     """The most tokens vLLM schedules in one step."""
+    interactive_quiet_s: float = 0.0
+    """Seconds since an interactive request was last in the engine (0 while one is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,13 @@ def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: in
     return max(1, min(cap, token_budget))
 
 
+def cap_lifted(settings: SchedulerSettings, view: StepView) -> bool:
+    """Whether batch prefill runs uncapped this step: no interactive request has been in the
+    engine for ``lift_cap_after_s`` (none can be waiting behind the step)."""
+    lift = settings.lift_cap_after_s
+    return lift > 0 and view.interactive_quiet_s >= lift
+
+
 def starved(settings: SchedulerSettings, seq: SequenceView, now: float, step_s: float) -> bool:
     """Whether paused ``seq`` must progress in the step starting at ``now`` (expected to take
     ``step_s``): waiting one more step would break a bound."""
@@ -114,6 +125,8 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
     interactive = [s for s in view.sequences if not s.batch]
     holding = any(not s.resident or s.prefill_tokens > 0 for s in interactive)
     if not holding:
+        if cap_lifted(settings, view):
+            cap = view.token_budget
         return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0)
 
     resident = [s for s in view.sequences if s.batch and s.resident]

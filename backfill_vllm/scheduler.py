@@ -119,6 +119,8 @@ class BackfillScheduler(Scheduler):
         self._in_flight: dict[int, tuple[float, int]] = {}
         self._last_update_s = 0.0
         self._last_step_s = 0.0
+        self._interactive_seen_s = time.monotonic()
+        """When an interactive request was last in the engine (quiet counts from the start)."""
         where = "not served"
         if s.metrics_port:
             key = (s.metrics_host, s.metrics_port)
@@ -132,12 +134,14 @@ class BackfillScheduler(Scheduler):
                     _served[key] = holder
                     where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
         logger.info(
-            "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s; ride-along "
-            "%.2f; starvation bound %d steps / %.2f s; metrics %s",
+            "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s, lifted after "
+            "%.1f s without interactive work; ride-along %.2f; starvation bound %d steps / "
+            "%.2f s; metrics %s",
             __version__,
             type(self).__name__,
             s.batch_priority,
             s.chunk_target_s,
+            s.lift_cap_after_s,
             s.ride_along_share,
             s.starvation_steps,
             s.starvation_s,
@@ -196,15 +200,27 @@ class BackfillScheduler(Scheduler):
         common step costs one pass over ``running`` and a peek at the queues)."""
         bar = self.backfill.batch_priority
         waiting = list(self._waiting_interactive())
-        pending = bool(waiting) or any(
-            r.priority < bar and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
-        )
+        pending = bool(waiting)
+        present = pending
+        for r in self.running:
+            if r.priority < bar:
+                present = True
+                if r.num_tokens - r.num_computed_tokens > 1:
+                    pending = True
+                    break
+        if present:
+            self._interactive_seen_s = now
         sequences: list[SequenceView] = []
         if pending:
             sequences = [self._sequence(r, True) for r in self.running]
             sequences += [self._sequence(r, False) for r in waiting]
         return StepView(
-            sequences, now, self._step_model.fit(), self._last_step_s, self.max_num_scheduled_tokens
+            sequences,
+            now,
+            self._step_model.fit(),
+            self._last_step_s,
+            self.max_num_scheduled_tokens,
+            interactive_quiet_s=now - self._interactive_seen_s,
         )
 
     def _sequence(self, request: Request, resident: bool) -> SequenceView:

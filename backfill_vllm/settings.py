@@ -31,6 +31,11 @@ class SchedulerSettings:
     """Batch prefill one step may carry, in step time priced by the fitted step-time model:
     an interactive request arriving mid-step waits at most about this long for the step in
     flight."""
+    lift_cap_after_s: float = 10.0
+    """With no interactive request in the engine (waiting or running) for this long, batch
+    prefill is not capped (vLLM's own token budget): batch alone runs as fast as on the stock
+    engine, and the first interactive request after the quiet spell waits at most one such
+    step before the cap is back. 0: always capped (the simulator's ``backfill-step``)."""
     chunk_tokens: int = 256
     """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
     min_chunk_tokens: int = 16
@@ -58,7 +63,7 @@ class SchedulerSettings:
                     f"{PREFIX}{name.upper()}={getattr(self, name)!r}: must be {what}"
                 )
 
-        for name in ("chunk_target_s", "ride_along_share", "starvation_s"):
+        for name in ("chunk_target_s", "ride_along_share", "starvation_s", "lift_cap_after_s"):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, name, "a number >= 0")
         need(self.chunk_target_s > 0, "chunk_target_s", "> 0 seconds")

@@ -223,6 +223,23 @@ class ChunkCap(unittest.TestCase):
         self.assertEqual(s.schedule().num_scheduled_tokens, {"b": 20})
         self.assertEqual(s.backfill_metrics.chunk_cap, 20)
 
+    def test_the_cap_is_lifted_after_a_quiet_spell_and_back_when_interactive_arrives(
+        self,
+    ) -> None:
+        s = make_scheduler(budget=512, settings=SchedulerSettings(chunk_tokens=48))
+        s._interactive_seen_s -= s.backfill.lift_cap_after_s  # quiet for the whole spell
+        for i in range(2):
+            s.add_request(make_request(f"b{i}", prompt=200, priority=BATCH))
+        self.assertEqual(run_step(s).num_scheduled_tokens, {"b0": 200, "b1": 200})
+        self.assertEqual(s.backfill_metrics.chunk_cap, 512)
+        s.add_request(make_request("b2", prompt=200, priority=BATCH))
+        s.add_request(make_request("i", prompt=100, priority=INTERACTIVE))
+        self.assertEqual(run_step(s).num_scheduled_tokens, {"i": 100})  # batch paused
+        for _ in range(3):  # the interactive request decodes: capped again, not lifted
+            out = run_step(s).num_scheduled_tokens
+            self.assertLessEqual(out.get("b2", 0), 48)
+        self.assertEqual(s.backfill_metrics.chunk_cap, 48)
+
     def test_interactive_prefill_is_not_capped(self) -> None:
         s = make_scheduler(budget=512, settings=SchedulerSettings(chunk_tokens=16))
         s.add_request(make_request("i", prompt=300, priority=INTERACTIVE))

@@ -39,8 +39,9 @@ def view(
     fit: StepFit | None = None,
     last_step_s: float = 0.01,
     budget: int = 2048,
+    quiet_s: float = 0.0,
 ) -> StepView:
-    return StepView(seqs, now, fit, last_step_s, budget)
+    return StepView(seqs, now, fit, last_step_s, budget, quiet_s)
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -135,6 +136,24 @@ def test_without_interactive_work_pending_batch_runs_under_the_chunk_cap() -> No
     assert plan.paused == frozenset()
     assert plan.admit_batch
     assert plan.prefill_allowance == DEFAULTS.chunk_tokens == plan.chunk_cap
+
+
+def test_after_a_quiet_spell_without_interactive_work_batch_prefill_is_not_capped() -> None:
+    lift = DEFAULTS.lift_cap_after_s
+    batch = (seq("b1"), seq("b2", prefill=900))
+    before = plan_step(view(*batch, quiet_s=lift - 0.01), DEFAULTS)
+    assert before.prefill_allowance == DEFAULTS.chunk_tokens
+    after = plan_step(view(*batch, quiet_s=lift, budget=4096), DEFAULTS)
+    assert after.prefill_allowance == after.chunk_cap == 4096
+    assert after.admit_batch
+    # Never lifted when the setting is 0, and an interactive arrival holds batch at once
+    # (the quiet spell it ended is the scheduler's to reset).
+    never = SchedulerSettings(lift_cap_after_s=0)
+    assert plan_step(view(*batch, quiet_s=1e9), never).prefill_allowance == never.chunk_tokens
+    arrival = seq("i1", batch=False, resident=False)
+    held = plan_step(view(*batch, arrival, quiet_s=1e9), DEFAULTS)
+    assert held.holding
+    assert held.prefill_allowance == 0
 
 
 def test_an_interactive_request_waiting_pauses_every_resident_batch_sequence() -> None:
