@@ -2,7 +2,7 @@
 Backfill against vLLM's own priority scheduling and against fcfs, all in one run.
 
 Interactive load: a request trace (``TIMESTAMP,ContextTokens,GeneratedTokens``; by default
-``bench/data/azure_code_2023_slice.csv``, 2,000 rows of the Azure code trace; prompts clipped
+rows 201-2,200 of the Azure code trace bundled in ``backfill_analysis/traces/``; prompts clipped
 to 1,500 tokens, outputs to 64 exactly) replayed open loop, streaming, at priority 0. Its
 arrivals are stretched so that interactive alone keeps the engine ~30% busy on *this* machine:
 a short probe measures the engine's prefill and decode speed first, and the stretch is sized
@@ -66,7 +66,12 @@ from typing import Any
 
 import httpx
 
-from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_trace
+from backfill_analysis.simulate.trace import (
+    AZURE_CODE_TRACE,
+    TraceOptions,
+    TraceRequest,
+    load_trace,
+)
 from bench import protection_plan as plan
 from bench.common import OUT_DIR, finish, machine, parser, percentile, table
 from bench.replay import FloodStats, InteractiveResult, Target, flood, replay, summarisation_body
@@ -75,7 +80,10 @@ from worker import devengine
 from worker.enginespeed import EngineSpeed, measure_speed
 
 NAME = "protection"
-TRACE = Path(__file__).parent / "data" / "azure_code_2023_slice.csv"
+TRACE = AZURE_CODE_TRACE
+# The default trace's first 200 rows are one burst; the next 2,000 (18:20:23-18:31:25) are the
+# replayed slice.
+TRACE_SKIP, TRACE_ROWS = 200, 2000
 PLOT = Path(__file__).parent / "protection.png"
 GOAL_TTFT_RATIO = plan.GOAL_TTFT_RATIO
 GOAL_BATCH_KEPT = plan.GOAL_BATCH_KEPT
@@ -837,8 +845,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (smoke test)")
     p.add_argument("--trace", type=Path, default=TRACE, help="a TIMESTAMP,ContextTokens,"
-                   f"GeneratedTokens CSV (default bench/data/{TRACE.name})")  # fmt: skip
-    p.add_argument("--skip", type=int, default=0, help="trace rows to skip (default 0)")
+                   f"GeneratedTokens CSV (default the bundled {TRACE.name})")  # fmt: skip
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=None,
+        help=f"trace rows to skip (default {TRACE_SKIP} of the bundled trace, else 0)",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help=f"trace rows to keep after those (default {TRACE_ROWS} of the bundled trace, "
+        "else all)",
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -911,8 +931,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     variants = [parse_variant(v) for v in args.variant] or [Variant("default", {})]
     duration = args.duration or (30.0 if args.quick else 90.0)
     # Unstretched and unwindowed: the stretch is sized once the engine's speed is known.
+    bundled = args.trace == TRACE
     options = TraceOptions(
-        max_prompt_tokens=args.max_prompt, max_output_tokens=args.max_output, skip=args.skip
+        max_prompt_tokens=args.max_prompt,
+        max_output_tokens=args.max_output,
+        skip=args.skip if args.skip is not None else (TRACE_SKIP if bundled else 0),
+        rows=args.rows if args.rows is not None else (TRACE_ROWS if bundled else None),
     )
     trace = load_trace(args.trace, options)
     if not trace:

@@ -50,6 +50,8 @@ class TraceOptions:
     """Keep requests arriving before this (after scaling)."""
     skip: int = 0
     """Rows to drop from the start."""
+    rows: int | None = None
+    """Rows to keep after those skipped (None: all)."""
     every: int = 1
     """Keep every n-th request: one node's share of a cluster's trace behind a round-robin
     balancer (the Azure trace is a whole service's traffic, not one engine's)."""
@@ -59,6 +61,8 @@ class TraceOptions:
             raise TraceError(f"time_scale must be positive, got {self.time_scale}")
         if self.skip < 0 or self.every < 1:
             raise TraceError("skip must be >= 0 and every >= 1")
+        if self.rows is not None and self.rows < 1:
+            raise TraceError(f"rows must be >= 1, got {self.rows}")
 
 
 def _seconds(raw: str) -> float:
@@ -82,6 +86,8 @@ def parse_rows(rows: Iterable[dict[str, str]], options: TraceOptions) -> list[Tr
     for i, row in enumerate(rows):
         if i < options.skip:
             continue
+        if options.rows is not None and i >= options.skip + options.rows:
+            break
         try:
             t = _seconds(row["TIMESTAMP"])
             prompt = int(row["ContextTokens"])

@@ -15,6 +15,8 @@ from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_tr
 from bench.protection import (
     HEADERS,
     TRACE,
+    TRACE_ROWS,
+    TRACE_SKIP,
     ScenarioResult,
     closing_verdict,
     parse_variant,
@@ -236,8 +238,14 @@ def test_any_trace_of_the_same_columns_is_sized(tmp_path: Path) -> None:
     trace = load_trace(csv, TraceOptions(max_prompt_tokens=1500, max_output_tokens=64))
     sized = size_stretch(trace, EngineSpeed(1000, 50).seconds_for, 30.0)
     assert 0.2 < sized.planned_busy <= TARGET_BUSY
-    bundled = load_trace(TRACE, TraceOptions(max_prompt_tokens=1500, max_output_tokens=64))
+    slice_of_it = TraceOptions(
+        max_prompt_tokens=1500, max_output_tokens=64, skip=TRACE_SKIP, rows=TRACE_ROWS
+    )
+    bundled = load_trace(TRACE, slice_of_it)
     assert len(bundled) == 2000
+    # The slice starts at its own first arrival (row 201 of the hour: 18:20:23.15).
+    assert bundled[0].arrival_s == 0.0
+    assert (bundled[0].prompt_tokens, bundled[0].output_tokens) == (217, 9)
     assert size_stretch(bundled, EngineSpeed(1000, 50).seconds_for, 30.0).requests
 
 

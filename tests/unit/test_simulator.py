@@ -340,6 +340,10 @@ def test_trace_loader_reads_the_azure_schema_scales_and_clips(tmp_path: Path) ->
     assert max(r.output_tokens for r in scaled) == 64
     assert len(load_trace(path, TraceOptions(every=2))) == 2
     assert len(load_trace(path, TraceOptions(duration_s=1.0))) == 2
+    window = load_trace(path, TraceOptions(skip=1, rows=1))
+    assert [(r.arrival_s, r.prompt_tokens) for r in window] == [(0.0, 3180)]
+    with pytest.raises(TraceError, match="rows"):
+        TraceOptions(rows=0)
     seconds = tmp_path / "s.csv"
     seconds.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n5.0,10,1\n7.5,20,2\n")
     assert load_trace(seconds)[1].arrival_s == 2.5
