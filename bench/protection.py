@@ -72,6 +72,7 @@ from backfill_analysis.simulate.trace import (
     TraceRequest,
     load_trace,
 )
+from bench import cpu_share
 from bench import protection_plan as plan
 from bench.common import OUT_DIR, finish, machine, parser, percentile, table
 from bench.replay import FloodStats, InteractiveResult, Target, flood, replay, summarisation_body
@@ -141,6 +142,8 @@ class ScenarioResult:
     backfill: dict[str, float] = field(default_factory=dict)
     overrides: dict[str, str] = field(default_factory=dict)
     loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    cpu: dict[str, float] = field(default_factory=dict)
+    """Cores each role used over the window (:mod:`bench.cpu_share`)."""
 
     @property
     def ttfts(self) -> list[float]:
@@ -231,6 +234,7 @@ class ScenarioResult:
             "engine_load": self.load,
             "backfill": self.backfill,
             "loadavg_1m_5m_15m": self.loadavg,
+            "cpu_cores": self.cpu,
             "requests": [
                 {
                     "index": r.index,
@@ -363,6 +367,7 @@ async def run_scenario(
         before = await engine_counters(client, url)
         bf_before = await asyncio.to_thread(stack.metrics) if stack else {}
         att_before = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
+        cpu_before = cpu_share.snapshot()
         t0 = time.monotonic()
         results: list[InteractiveResult] | None = None
         if interactive is not None:
@@ -372,11 +377,18 @@ async def run_scenario(
             # shorter than a few waves measures the phase it happened to fall in.
             await asyncio.sleep(max(span, cfg.batch_window_s))
         window = time.monotonic() - t0
+        cpu_after = cpu_share.snapshot()
         after = await engine_counters(client, url)
         bf_after = await asyncio.to_thread(stack.metrics) if stack else {}
         att_after = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
     sampler.cancel()
     loadavg = os.getloadavg()
+    roots = {
+        "engine_api": [server.pid],
+        "engine_core": [pid for pid, p in cpu_after.items() if p.ppid == server.pid],
+        "backfill": list(stack.pids.values()) if stack is not None else [],
+    }
+    cpu = cpu_share.shares(cpu_before, cpu_after, window, roots, os.getpid())
     if flood_task is not None:
         flood_task.cancel()
         await asyncio.gather(flood_task, return_exceptions=True)
@@ -406,13 +418,15 @@ async def run_scenario(
         backfill=backfill,
         overrides=dict(overrides or {}),
         loadavg=(round(loadavg[0], 1), round(loadavg[1], 1), round(loadavg[2], 1)),
+        cpu=cpu,
     )
     s = result.summary()
     _say(
         f"{name}: window {window:.1f} s, TTFT p50/p99 {s['ttft_p50_s']}/{s['ttft_p99_s']}, "
         f"rejected {s['interactive_rejected']}, failed {s['interactive_failed']}, "
         f"batch tok/s {s['batch_output_tokens_per_s']}, "
-        f"engine preemptions {s['engine_preemptions']:.0f}, load {loadavg[0]:.1f}"
+        f"engine preemptions {s['engine_preemptions']:.0f}, load {loadavg[0]:.1f}; cores "
+        + ", ".join(f"{role} {cores:.2f}" for role, cores in cpu.items())
     )
     return result
 
@@ -630,15 +644,24 @@ def rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
                 int(bf["backfill_gateway_batch_preemptions_total"]) if bf else "—",
                 int(bf["recomputed_tokens_on_resume"]) if bf else "—",
                 f"{s['loadavg_1m_5m_15m'][0]:.1f}",
+                _cores(s.get("cpu_cores") or {}),
             )
         )
     return out
 
 
+def _cores(cpu: dict[str, float]) -> str:
+    """Cores the engine core and the engine's API process used / cores all else used."""
+    if not cpu:
+        return "—"
+    beside = sum(v for k, v in cpu.items() if not k.startswith("engine"))
+    return f"{cpu.get('engine_core', 0.0):.2f}+{cpu.get('engine_api', 0.0):.2f} / {beside:.2f}"
+
+
 HEADERS = [
     "scenario", "engine", "batch", "int ok", "TTFT p50 / p99 s", "ITL p99 s", "int busy",
     "rejected / failed", "batch out tok/s", "batch all tok/s", "running", "engine preempt",
-    "Backfill preempt", "recomputed tok", "load 1m",
+    "Backfill preempt", "recomputed tok", "load 1m", "cores core+api / beside",
 ]  # fmt: skip
 
 
