@@ -8,7 +8,7 @@ rather than failing later in a worker with a stack trace.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,6 +53,11 @@ class Settings(BaseSettings):
     # Key prefix of every ledger key in Redis: lets several deployments (or tests) share one
     # Redis without seeing each other's pools.
     redis_namespace: str = "bf"
+
+    # Logs of every Backfill process (``backfill.logs``): the level of Backfill's loggers and
+    # the form, one human line (``text``) or one JSON object a line (``json``).
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
 
     # Leases: a holder must heartbeat well inside the TTL or its reservation is reaped.
     lease_ttl_s: PositiveFloat = 30.0
@@ -214,6 +219,11 @@ class Settings(BaseSettings):
     @classmethod
     def _database_url(cls, value: str) -> str:
         return normalise_database_url(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: object) -> object:
+        return value.strip().upper() if isinstance(value, str) else value
 
     @field_validator("redis_url")
     @classmethod

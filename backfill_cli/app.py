@@ -17,6 +17,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from backfill import logs
 from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
 from backfill_cli import capacity_commands, client_commands, webhook_commands
@@ -82,7 +83,7 @@ def api(
     workers: Annotated[int, typer.Option(help="Server processes.")] = 1,
 ) -> None:
     """Serve the OpenAI-compatible Batch API (uvicorn)."""
-    _settings()
+    settings = _settings()
     import uvicorn  # noqa: PLC0415 - the web stack loads only for this command
 
     uvicorn.run(
@@ -91,7 +92,7 @@ def api(
         host=host,
         port=port,
         workers=workers,
-        log_level="info",
+        log_config=logs.uvicorn_config(settings.log_level, settings.log_format),
     )
 
 

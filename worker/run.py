@@ -9,6 +9,7 @@ from typing import Any
 
 from celery import signals
 
+from backfill import logs
 from backfill.config import Settings
 from backfill.webhooks.delivery import SenderThread
 from worker.celery_app import maintenance_queue, make_app
@@ -23,7 +24,7 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
     SIGTERM (Celery's warm shutdown) stops claiming at once, lets in-flight items finish for
     the grace period, then aborts and requeues the rest and releases every lease.
     """
-    _configure_logging()
+    _configure_logging(settings)
     app = make_app(settings)
     thread = NodeThread(settings, node, engine_url)
 
@@ -61,7 +62,7 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
         "--without-gossip",
         "--without-mingle",
         "--loglevel",
-        os.environ.get("BACKFILL_LOG_LEVEL", "INFO"),
+        settings.log_level,
     ]
     if beat:
         schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
@@ -69,22 +70,23 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
     app.worker_main(argv)
 
 
-def _configure_logging() -> None:
-    level = os.environ.get("BACKFILL_LOG_LEVEL", "INFO").upper()
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s"))
-    backfill_log = logging.getLogger("backfill")
-    backfill_log.setLevel(level)
-    backfill_log.addHandler(handler)
-    backfill_log.propagate = False
-    # One line per engine request would drown everything else.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _configure_logging(settings: Settings) -> None:
+    logs.configure(settings.log_level, settings.log_format)
+    form = logs.formatter(settings.log_format)
+
+    def celery_lines(logger: logging.Logger, **_: Any) -> None:
+        # Celery sets up its own handlers; its lines take the same form as Backfill's.
+        for handler in logger.handlers:
+            handler.setFormatter(form)
+
+    signals.after_setup_logger.connect(celery_lines, weak=False)
+    signals.after_setup_task_logger.connect(celery_lines, weak=False)
 
 
 def run_beat(settings: Settings) -> None:
     """Celery beat: schedules the maintenance tick (run exactly one per deployment), and
     delivers webhooks on a thread beside it."""
-    _configure_logging()
+    _configure_logging(settings)
     app = make_app(settings)
     schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
     webhooks = SenderThread(settings).start()
@@ -95,7 +97,7 @@ def run_beat(settings: Settings) -> None:
                 "--schedule",
                 schedule,
                 "--loglevel",
-                os.environ.get("BACKFILL_LOG_LEVEL", "INFO"),
+                settings.log_level,
             ]
         )
     finally:

@@ -6,25 +6,21 @@ deployment that wants it apart, or more than one.)
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 import threading
 from types import FrameType
 
 from sqlalchemy import create_engine
 
+from backfill import logs
 from backfill.config import get_settings
 from backfill.webhooks.delivery import Sender
 from backfill.webhooks.outbox import WebhookStore
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=os.environ.get("BACKFILL_LOG_LEVEL", "INFO").upper(),
-        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
-    )
     settings = get_settings()
+    logs.configure(settings.log_level, settings.log_format, root=True)
     stop = threading.Event()
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:

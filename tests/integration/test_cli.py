@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -156,3 +157,43 @@ def test_api_serves_the_batch_api(
     finally:
         process.terminate()
         process.wait(timeout=15)
+
+
+def test_api_logs_one_json_object_a_line_when_told(
+    database_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "BACKFILL_DATABASE_URL": database_url,
+        "BACKFILL_REDIS_NAMESPACE": redis_namespace,
+        "BACKFILL_LOG_FORMAT": "json",
+        "BACKFILL_LOG_LEVEL": "info",
+    }
+    err = tmp_path / "api.err"
+    with err.open("wb") as sink:
+        process = subprocess.Popen(
+            [BACKFILL, "api", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "backfill api did not come up"
+                time.sleep(0.1)
+        finally:
+            process.terminate()
+            process.wait(timeout=15)
+    lines = [line for line in err.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert any(r["logger"].startswith("uvicorn") for r in records), lines
+    assert any(r["logger"] == "uvicorn.access" and "/healthz" in r["message"] for r in records)
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
