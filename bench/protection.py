@@ -144,6 +144,8 @@ class ScenarioResult:
     loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cpu: dict[str, float] = field(default_factory=dict)
     """Cores each role used over the window (:mod:`bench.cpu_share`)."""
+    scheduler: dict[str, float] = field(default_factory=dict)
+    """The step scheduler's counter deltas over the window (empty on a stock engine)."""
 
     @property
     def ttfts(self) -> list[float]:
@@ -235,6 +237,7 @@ class ScenarioResult:
             "backfill": self.backfill,
             "loadavg_1m_5m_15m": self.loadavg,
             "cpu_cores": self.cpu,
+            "scheduler": self.scheduler,
             "requests": [
                 {
                     "index": r.index,
@@ -258,6 +261,23 @@ class ScenarioResult:
 
 async def engine_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     return counters((await client.get(f"{url}/metrics")).text, ENGINE_COUNTERS)
+
+
+SCHEDULER_COUNTERS = [
+    "backfill_sched_steps_total",
+    "backfill_sched_batch_paused_steps_total",
+    "backfill_sched_batch_tokens_held_total",
+    "backfill_sched_batch_pauses_total",
+    "backfill_sched_batch_relief_total",
+    "backfill_sched_batch_preemptions_total",
+]
+
+
+async def scheduler_counters(client: httpx.AsyncClient, url: str | None) -> dict[str, float]:
+    """The step scheduler's counters (none for a stock engine)."""
+    if url is None:
+        return {}
+    return counters((await client.get(url)).text, SCHEDULER_COUNTERS)
 
 
 async def engine_load(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
@@ -367,6 +387,7 @@ async def run_scenario(
         before = await engine_counters(client, url)
         bf_before = await asyncio.to_thread(stack.metrics) if stack else {}
         att_before = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
+        sched_before = await scheduler_counters(client, server.scheduler_metrics_url)
         cpu_before = cpu_share.snapshot()
         t0 = time.monotonic()
         results: list[InteractiveResult] | None = None
@@ -379,6 +400,7 @@ async def run_scenario(
         window = time.monotonic() - t0
         cpu_after = cpu_share.snapshot()
         after = await engine_counters(client, url)
+        sched_after = await scheduler_counters(client, server.scheduler_metrics_url)
         bf_after = await asyncio.to_thread(stack.metrics) if stack else {}
         att_after = await asyncio.to_thread(stack.preempted_attempts) if stack else (0, 0)
     sampler.cancel()
@@ -419,6 +441,7 @@ async def run_scenario(
         overrides=dict(overrides or {}),
         loadavg=(round(loadavg[0], 1), round(loadavg[1], 1), round(loadavg[2], 1)),
         cpu=cpu,
+        scheduler={k: v - sched_before.get(k, 0.0) for k, v in sched_after.items()},
     )
     s = result.summary()
     _say(
