@@ -47,6 +47,10 @@ def sched_engine() -> Iterator[devengine.EngineServer]:
             kv_cache_gib=1,
             max_num_seqs=32,
             scheduler=True,
+            # The starvation bound in seconds (1 s by default, tested on synthetic steps in
+            # backfill_vllm/tests) relieves every paused sequence once a step takes ~0.5 s,
+            # which a loaded 2-core machine reaches: these tests are about the pause itself.
+            scheduler_settings={"BACKFILL_SCHED_STARVATION_S": "60"},
             extra_args=["--max-num-batched-tokens", str(STEP_TOKENS)],
         )
     except devengine.DevEngineError as exc:
