@@ -19,8 +19,11 @@ from redis.crc import key_slot
 
 from backfill.errors import LedgerUnavailable
 from backfill.ledger import ActiveLease, Lease, LeaseStatus, Ledger, NodePool, ReserveRequest
+from backfill.maintenance import ensure_ledger
 from backfill.policy import ClassLimits, PoolPolicy, Reason, ServiceClass
+from backfill.store import Repository
 from tests.integration.test_ledger import at
+from tests.integration.test_maintenance import _running_items
 from tests.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 
 POLICY = PoolPolicy(
@@ -111,6 +114,32 @@ def test_a_shard_that_loses_its_data_closes_only_its_nodes_until_the_rebuild(
         assert snap is not None
         assert [x.lease_id for x in snap.leases] == [held[n].lease_id]
         assert ledger.release(held[n]) is LeaseStatus.RELEASED
+
+
+def test_the_maintenance_tick_rebuilds_a_lost_shard_from_postgres(
+    redis_cluster: LocalCluster, repo: Repository, redis_namespace: str
+) -> None:
+    ledger = Ledger.from_url(redis_cluster.url, redis_namespace, POLICY)
+    try:
+        _running_items(repo, ledger, 3)
+        before = ledger.snapshot("n1")
+        assert before is not None
+        master = redis_cluster.master_of(ledger.keys.pool("n1"))
+        redis_cluster.lose_keys(master, f"{redis_namespace}:*")
+        assert not ledger.is_ready()
+        assert ledger.register_pool("n1", 64 * 128, 128) == 0  # its worker, before the tick
+        report = ensure_ledger(repo, ledger, max_preemptions=3)
+        assert report is not None
+        assert report.restored == 3
+        after = ledger.snapshot("n1")
+        assert after is not None
+        assert after.ready
+        assert {x.lease_id for x in after.leases} == {x.lease_id for x in before.leases}
+        assert ensure_ledger(repo, ledger, max_preemptions=3) is None
+    finally:
+        for key in list(ledger.client.scan_iter(match=f"{redis_namespace}:*")):
+            ledger.client.delete(key)
+        ledger.close()
 
 
 # -- a failover under load
