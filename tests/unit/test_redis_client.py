@@ -10,6 +10,7 @@ from redis.crc import key_slot
 from backfill.config import Settings
 from backfill.keys import LedgerKeys
 from backfill.redis_client import check_url, cluster_seeds, connect, is_cluster_url
+from worker.celery_app import make_app
 
 
 @pytest.mark.parametrize(
@@ -56,6 +57,7 @@ def test_settings_take_a_cluster_only_with_a_broker_for_celery() -> None:
     s = Settings(redis_url="redis+cluster://h:7000", broker_url="redis://q:6379/0")
     assert s.celery_broker_url == "redis://q:6379/0"
     assert Settings().celery_broker_url == Settings().redis_url
+    assert make_app(s).conf.broker_url == "redis://q:6379/0"  # Celery never sees the cluster
     with pytest.raises(ValidationError, match="Celery cannot use a Redis Cluster"):
         Settings(broker_url="redis+cluster://h:7000")
 
