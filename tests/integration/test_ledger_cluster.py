@@ -232,8 +232,9 @@ class Holder:
 def test_a_master_killed_during_ledger_activity_loses_no_lease_and_overcommits_nothing(
     tmp_path_factory: pytest.TempPathFactory, redis_namespace: str
 ) -> None:
-    cluster = LocalCluster(tmp_path_factory.mktemp("failover")).start()
+    cluster = LocalCluster(tmp_path_factory.mktemp("failover"))
     try:
+        cluster.start()
         ledger = Ledger.from_url(cluster.url, redis_namespace, POLICY, lease_ttl_ms=600_000)
         ledger.rebuild([NodePool(n, CAPACITY, 16) for n in NODES], [], epoch=1)
         by_shard = shards(cluster, ledger)
