@@ -28,8 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-import redis
-import redis.asyncio
+from backfill.redis_client import AsyncRedis, SyncRedis
 
 HostClock = Callable[[], float]
 """This host's wall clock, seconds since the epoch (``time.time``). Injectable so a test can
@@ -125,7 +124,7 @@ class SharedClock:
         return self.now()
 
 
-def redis_time(client: redis.asyncio.Redis) -> Callable[[], Awaitable[float]]:
+def redis_time(client: AsyncRedis) -> Callable[[], Awaitable[float]]:
     """A reader of Redis' clock for :meth:`SharedClock.sync`."""
 
     async def read() -> float:
@@ -134,7 +133,7 @@ def redis_time(client: redis.asyncio.Redis) -> Callable[[], Awaitable[float]]:
     return read
 
 
-def redis_time_blocking(client: redis.Redis) -> Callable[[], float]:
+def redis_time_blocking(client: SyncRedis) -> Callable[[], float]:
     def read() -> float:
         return _seconds(client.time())
 

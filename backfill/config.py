@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from backfill.redis_client import SERVER_SCHEMES, check_url, is_cluster_url
+
 _PG_SCHEMES = {
     "postgres": "postgresql+psycopg",
     "postgresql": "postgresql+psycopg",
@@ -49,7 +51,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BACKFILL_", extra="ignore")
 
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+    # One Redis server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://h:p,
+    # rediss+cluster://h:p[,h:p...]; backfill.redis_client) for the ledger and the API's keys.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Celery's broker (maintenance ticks): the Redis server of BACKFILL_REDIS_URL by default.
+    # Celery cannot use a Redis Cluster, so with a cluster it must name one server.
+    broker_url: str | None = None
     # Key prefix of every ledger key in Redis: lets several deployments (or tests) share one
     # Redis without seeing each other's pools.
     redis_namespace: str = "bf"
@@ -228,12 +235,27 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
-        scheme = value.partition("://")[0].lower()
-        if scheme not in {"redis", "rediss", "unix"}:
+        try:
+            return check_url(value)
+        except ValueError as exc:
+            raise ValueError(f"BACKFILL_REDIS_URL {exc}") from None
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if is_cluster_url(value) or value.partition("://")[0].lower() not in SERVER_SCHEMES:
             raise ValueError(
-                f"BACKFILL_REDIS_URL must be redis://, rediss:// or unix://: {value!r}"
+                f"BACKFILL_BROKER_URL must name one Redis server (redis://, rediss://, "
+                f"unix://): Celery cannot use a Redis Cluster: {value!r}"
             )
         return value
+
+    @property
+    def celery_broker_url(self) -> str:
+        """Where Celery's messages go: BACKFILL_BROKER_URL, else BACKFILL_REDIS_URL."""
+        return self.broker_url or self.redis_url
 
     @field_validator("redis_namespace")
     @classmethod
@@ -241,6 +263,15 @@ class Settings(BaseSettings):
         if not value or not all(c.isalnum() or c in "-_." for c in value):
             raise ValueError("BACKFILL_REDIS_NAMESPACE must be non-empty letters, digits, - _ .")
         return value
+
+    @model_validator(mode="after")
+    def _broker_beside_cluster(self) -> Settings:
+        if is_cluster_url(self.redis_url) and self.broker_url is None:
+            raise ValueError(
+                "BACKFILL_REDIS_URL names a Redis Cluster, which Celery cannot use as its "
+                "broker: set BACKFILL_BROKER_URL to one Redis server (redis://host:port/0)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lease_timing(self) -> Settings:

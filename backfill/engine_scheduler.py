@@ -19,11 +19,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import redis
-import redis.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.keys import LedgerKeys
+from backfill.redis_client import AsyncRedis, SyncRedis
 
 SCHEDULER_INFO = "backfill_sched_info"
 
@@ -107,12 +106,12 @@ def parse_scheduler_metrics(text: str) -> EngineScheduler | None:
 
 
 async def publish_scheduler(
-    client: redis.asyncio.Redis, keys: LedgerKeys, node: str, view: EngineScheduler, ttl_s: float
+    client: AsyncRedis, keys: LedgerKeys, node: str, view: EngineScheduler, ttl_s: float
 ) -> None:
     """Say for ``ttl_s`` that ``node``'s engine runs the step scheduler (and what it did)."""
     await client.set(keys.engine_scheduler(node), view.to_json(), px=max(1, int(ttl_s * 1000)))
 
 
-def read_scheduler(client: redis.Redis, keys: LedgerKeys, node: str) -> EngineScheduler | None:
+def read_scheduler(client: SyncRedis, keys: LedgerKeys, node: str) -> EngineScheduler | None:
     raw: Any = client.get(keys.engine_scheduler(node))
     return None if raw is None else EngineScheduler.from_json(raw)

@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from backfill.keys import key_revocations_channel
+from backfill.redis_client import SyncRedis
 from backfill.store import TenantRecord, key_digest
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class TenantKeyCache:
             self._entries.clear()
 
 
-def announce_revocation(client: redis.Redis, namespace: str, digests: list[str]) -> int:
+def announce_revocation(client: SyncRedis, namespace: str, digests: list[str]) -> int:
     """Tell every listening API process to forget these keys; returns how many listened.
     Raises ``redis.RedisError`` when Redis cannot be reached (the caller says what that
     means: the keys then stop working within the cache TTL)."""
@@ -100,7 +101,7 @@ class RevocationListener:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         namespace: str,
         cache: TenantKeyCache,
         *,

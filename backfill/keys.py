@@ -1,21 +1,28 @@
 """Every Redis key name, channel and ledger constant in one place (as arq's ``constants.py``).
 
-Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``)::
+Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``) and ``node``
+a node's name::
 
-    {ns}:{ledger}:ready              string   the epoch of the last finished rebuild; absent
-                                              while the ledger is (re)built: batch admission
-                                              is closed until it exists
-    {ns}:{ledger}:pool:{node}        hash     capacity, reserve, headroom, safety margin,
+    {ns}:{ledger}:built              string   the epoch of the last finished rebuild; absent
+                                              while the ledger is (re)built, and in a fresh or
+                                              emptied Redis: ``is_ready`` is false
+    {ns}:{ledger}:nodes              set      the nodes whose pools the ledger holds: a member
+                                              whose pool vanished was lost (a shard lost data),
+                                              not new, and waits for a rebuild
+    {ns}:{ledger:node}:ready         string   the node's copy of the epoch: its ledger is
+                                              complete (absent: batch admission on the node is
+                                              closed until a rebuild restores it)
+    {ns}:{ledger:node}:pool          hash     capacity, reserve, headroom, safety margin,
                                               class limits, overcommit, epoch, observed
                                               non-batch use, interactive and batch in use
                                               (and, for /metrics only, monotonic counts:
                                               ``denied:{class}:{reason}``, ``preemptions``)
-    {ns}:{ledger}:leases:{node}      hash     lease id -> the live lease (msgpack array)
-    {ns}:{ledger}:expiry:{node}      zset     lease id -> expiry (ms): the reaper's index
-    {ns}:{ledger}:fence:{node}       string   fencing counter within the node's epoch
-    {ns}:{ledger}:ended:{node}       hash     lease id -> "reason:fencing_token" of leases that
+    {ns}:{ledger:node}:leases        hash     lease id -> the live lease (msgpack array)
+    {ns}:{ledger:node}:expiry        zset     lease id -> expiry (ms): the reaper's index
+    {ns}:{ledger:node}:fence         string   fencing counter within the node's epoch
+    {ns}:{ledger:node}:ended         hash     lease id -> "reason:fencing_token" of leases that
                                               ended lately (released, expired, preempted)
-    {ns}:{ledger}:ended_at:{node}    zset     lease id -> when it ended (ms), for trimming
+    {ns}:{ledger:node}:ended_at      zset     lease id -> when it ended (ms), for trimming
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),
@@ -23,17 +30,24 @@ Key layout, with ``ns`` the deployment's namespace (``Settings.redis_namespace``
     {ns}:work:budget:{node}          hash     worker process id -> its batch work budget now, its
                                               use and why it last changed, JSON; read as the
                                               node's sum; short TTL
+    {ns}:work:batch:{node}           hash     worker process id -> its batch sequences awaiting
+                                              a first token, JSON; short TTL
     {ns}:engine:scheduler:{node}     string   what the node's engine scheduler (``backfill_vllm``)
                                               says of itself and did, JSON, as a worker last
                                               read it; short TTL (``backfill.engine_scheduler``)
+    {ns}:ratelimit:...               hash     token buckets of the API edge (``backfill.ratelimit``)
     {ns}:keys:revoked                channel  digests of API keys just revoked: every API
                                               process evicts them from its key cache
 
-The literal ``{ledger}`` is a Redis Cluster hash tag: every key of the ledger hashes to one
-slot, so one script may touch the global ``ready`` marker and a node's keys together. The
-ledger is small and each script is short, so one shard carries it easily. The namespace stays
-the first segment so ``SCAN MATCH {ns}:*`` finds (and tests can delete) a deployment's keys.
-Scripts only touch keys passed to them in KEYS.
+``{ledger:node}`` is a Redis Cluster hash tag: every key of one node's ledger hashes to the
+node's own slot, so each per-node script (``backfill/lua/``) runs on one shard, and nodes
+spread over the shards of a cluster. The two ``{ledger}`` keys hash to a slot of their own;
+no script touches them, the operations read and write them with plain commands. On one
+Redis server the layout is the same and tags mean nothing. The namespace stays the first
+segment so ``SCAN MATCH {ns}:*`` finds (and tests can delete) a deployment's keys. Scripts
+only touch keys passed to them in KEYS. (Before the ledger ran on clusters every key shared
+``{ledger}`` and the marker was ``{ns}:{ledger}:ready``; a Redis holding only that layout
+reads as not built, so the first maintenance tick rebuilds it from Postgres.)
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HASH_TAG = "{ledger}"
+"""The hash tag of the ledger's own keys (the rebuilt marker, the member set)."""
 
 FENCE_EPOCH_SHIFT = 2**32
 """A fencing token is ``epoch * FENCE_EPOCH_SHIFT + counter``: the counter restarts after a
@@ -118,29 +133,38 @@ class LedgerKeys:
 
     @property
     def prefix(self) -> str:
+        """The prefix of the ledger's own keys (not of any node's)."""
         return f"{self.namespace}:{HASH_TAG}"
 
     @property
-    def ready(self) -> str:
-        return f"{self.prefix}:ready"
+    def built(self) -> str:
+        return f"{self.prefix}:built"
+
+    @property
+    def members(self) -> str:
+        return f"{self.prefix}:nodes"
+
+    def node_prefix(self, node: str) -> str:
+        # The tag ends at the first "}": a node name holding one still keeps all of its keys
+        # in one slot (shared, at worst, with another such name).
+        return f"{self.namespace}:{{ledger:{_check_node(node)}}}"
 
     def pool(self, node: str) -> str:
-        return f"{self.prefix}:pool:{_check_node(node)}"
+        return f"{self.node_prefix(node)}:pool"
 
     def preempt_channel(self, node: str) -> str:
         return f"{self.namespace}:preempt:{_check_node(node)}"
 
     def node(self, node: str) -> NodeKeys:
-        _check_node(node)
-        p = self.prefix
+        p = self.node_prefix(node)
         return NodeKeys(
-            pool=f"{p}:pool:{node}",
-            leases=f"{p}:leases:{node}",
-            expiry=f"{p}:expiry:{node}",
-            fence=f"{p}:fence:{node}",
-            ended=f"{p}:ended:{node}",
-            ended_at=f"{p}:ended_at:{node}",
-            ready=self.ready,
+            pool=f"{p}:pool",
+            leases=f"{p}:leases",
+            expiry=f"{p}:expiry",
+            fence=f"{p}:fence",
+            ended=f"{p}:ended",
+            ended_at=f"{p}:ended_at",
+            ready=f"{p}:ready",
             channel=self.preempt_channel(node),
         )
 
@@ -161,7 +185,7 @@ class LedgerKeys:
     @property
     def pool_pattern(self) -> str:
         """SCAN pattern of every pool hash of the namespace."""
-        return f"{self.prefix}:pool:*"
+        return f"{self.namespace}:{{ledger:*}}:pool"
 
     def node_from_pool_key(self, key: str) -> str:
-        return key[len(f"{self.prefix}:pool:") :]
+        return key[len(f"{self.namespace}:{{ledger:") : -len("}:pool")]

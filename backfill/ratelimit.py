@@ -13,6 +13,8 @@ from typing import Any
 
 import redis
 
+from backfill.redis_client import SyncRedis
+
 log = logging.getLogger(__name__)
 
 _SCRIPT = (resources.files("backfill") / "lua" / "rate_limit.lua").read_text()
@@ -32,7 +34,7 @@ class RateDecision:
 class RateLimiter:
     """One bucket per tenant: ``rate_per_s`` sustained, ``burst`` at once."""
 
-    def __init__(self, client: redis.Redis, namespace: str, rate_per_s: float, burst: int) -> None:
+    def __init__(self, client: SyncRedis, namespace: str, rate_per_s: float, burst: int) -> None:
         if rate_per_s <= 0 or burst < 1:
             raise ValueError("rate_per_s must be > 0 and burst >= 1")
         self._client = client

@@ -38,9 +38,11 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.cluster
 
 from backfill.config import Settings
 from backfill.keys import LedgerKeys
+from backfill.redis_client import AsyncRedis, SyncRedis
 from backfill.work_budget import BudgetReason, WorkBudget, WorkBudgetPolicy
 
 Clock = Callable[[], float]
@@ -222,7 +224,7 @@ class InteractiveActivity:
 
 
 async def publish_signals(
-    client: redis.asyncio.Redis,
+    client: AsyncRedis,
     keys: LedgerKeys,
     gateway_id: str,
     signals: Mapping[str, InteractiveSignals],
@@ -241,7 +243,7 @@ async def publish_signals(
 
 
 async def read_signals(
-    client: redis.asyncio.Redis, keys: LedgerKeys, node: str, ttl_s: float, now_s: float
+    client: AsyncRedis, keys: LedgerKeys, node: str, ttl_s: float, now_s: float
 ) -> InteractiveSignals:
     raw = await client.hgetall(keys.work_signals(node))
     return merge_signals(raw, now_s, ttl_s)
@@ -273,7 +275,7 @@ def merge_batch_awaiting(
 
 
 async def exchange_batch_awaiting(
-    client: redis.asyncio.Redis,
+    client: AsyncRedis,
     keys: LedgerKeys,
     node: str,
     worker_id: str,
@@ -404,7 +406,7 @@ def fresh_budgets(raw: Mapping[bytes, bytes] | Mapping[str, str], now_s: float) 
 
 
 async def publish_budget(
-    client: redis.asyncio.Redis,
+    client: AsyncRedis,
     keys: LedgerKeys,
     node: str,
     worker_id: str,
@@ -422,14 +424,19 @@ async def publish_budget(
 
 
 def read_budget(
-    client: redis.Redis, keys: LedgerKeys, node: str, now_s: float | None = None
+    client: SyncRedis, keys: LedgerKeys, node: str, now_s: float | None = None
 ) -> BudgetView | None:
     """The node's budget, summed over its workers' fresh entries (judged at ``now_s``, by
     default Redis' clock, read in the same round trip); None when no worker with a budget
     runs there."""
-    with client.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.work_budget(node))
-        pipe.time()
-        raw, (secs, micros) = pipe.execute()
+    if isinstance(client, redis.cluster.RedisCluster):
+        # A cluster pipeline takes no TIME (it has no key to route by): two calls.
+        raw: Any = client.hgetall(keys.work_budget(node))
+        secs, micros = client.time() if now_s is None else (0, 0)
+    else:
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.work_budget(node))
+            pipe.time()
+            raw, (secs, micros) = pipe.execute()
     now = int(secs) + int(micros) / 1_000_000 if now_s is None else now_s
     return merge_budgets(fresh_budgets(raw, now))

@@ -20,6 +20,7 @@ from rich.console import Console
 from backfill import logs
 from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
+from backfill.redis_client import connect
 from backfill_cli import capacity_commands, client_commands, webhook_commands
 
 app = typer.Typer(
@@ -208,7 +209,7 @@ def tenants_revoke_key(
         repo.close()
     out.print(f"revoked key {revoked.key_id}... of tenant {revoked.tenant}")
     within = f"within {settings.api_key_cache_s:g} s (BACKFILL_API_KEY_CACHE_S)"
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = connect(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
         listeners = announce_revocation(client, settings.redis_namespace, [revoked.digest])
     except redis.RedisError as exc:

@@ -50,6 +50,7 @@ from backfill.errors import BackfillError, StaleWrite
 from backfill.keys import LedgerKeys
 from backfill.ledger import AsyncLedger, Denial, Lease, PartialBatchError, ReserveRequest
 from backfill.policy import ServiceClass
+from backfill.redis_client import AsyncRedis
 from backfill.states import ItemState
 from backfill.store import ClaimedItem, Finish, Repository, Start
 from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
@@ -133,7 +134,7 @@ class Plane(Protocol):
     async def observe(self, node: str) -> None: ...
     async def listen(self, node: str) -> None: ...
     @property
-    def client(self) -> redis.asyncio.Redis: ...
+    def client(self) -> AsyncRedis: ...
     @property
     def keys(self) -> LedgerKeys: ...
 
@@ -153,7 +154,7 @@ class BackfillPlane:
         self.listen_ledger = listen_ledger or ledger
 
     @property
-    def client(self) -> redis.asyncio.Redis:
+    def client(self) -> AsyncRedis:
         return self.ledger.client
 
     @property

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import redis
 from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
@@ -14,6 +13,7 @@ from backfill.config import Settings, get_settings
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
+from backfill.redis_client import connect
 from backfill.store import Repository
 from backfill.webhooks.outbox import WebhookStore
 from queue_api import errors, metrics
@@ -40,9 +40,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         repo = repository or Repository.connect(settings.database_url, pool_size=10)
-        client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
+        client = connect(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         app.state.settings = settings
         app.state.repository = repo
         app.state.webhooks = WebhookStore(repo.engine)
@@ -59,7 +57,7 @@ def create_app(
             ),
         )
         # Its own connection: a subscribed connection can do nothing else.
-        subscriber = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=0.5)
+        subscriber = connect(settings.redis_url, socket_connect_timeout=0.5)
         revocations = RevocationListener(subscriber, namespace, keys).start()
         app.state.revocations = revocations
         app.state.usage_source = usage_source or ledger_usage(Ledger(client, namespace))

@@ -5,6 +5,9 @@ asks for ``database_url`` gets a fresh database cloned from it (``CREATE DATABAS
 so tests may commit, run concurrent claimers, and leave whatever they like behind.
 Redis isolation: each test gets its own ledger namespace (key prefix) and its keys are
 deleted afterwards, so tests can run beside a live deployment or each other.
+Redis Cluster: tests that ask for ``ledger_redis_url`` run twice, on the one Redis server and on
+a real three-master cluster this session starts from the installed ``redis-server``
+(``tests/redis_cluster.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import redis
 
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.migrate import upgrade
+from backfill.redis_client import connect
+from tests.redis_cluster import LocalCluster
 
 ADMIN_URL = normalise_database_url(
     os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -95,6 +100,33 @@ def redis_namespace() -> Iterator[str]:
         keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
         if keys:
             client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three masters with a replica each, for this session (started on first use)."""
+    cluster = LocalCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def ledger_redis_url(request: pytest.FixtureRequest, redis_namespace: str) -> Iterator[str]:
+    """Where the ledger tests run: the one Redis server, then the session's Redis Cluster
+    (whose keys of this test's namespace are removed afterwards)."""
+    if request.param == "server":
+        yield REDIS_URL
+        return
+    cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+    yield cluster.url
+    client = connect(cluster.url)
+    try:
+        for key in list(client.scan_iter(match=f"{redis_namespace}:*", count=1000)):
+            client.delete(key)
     finally:
         client.close()
 

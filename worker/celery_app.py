@@ -20,7 +20,7 @@ def maintenance_queue(settings: Settings) -> str:
 
 
 def make_app(settings: Settings) -> Celery:
-    app = Celery("backfill", broker=settings.redis_url, include=["worker.tasks"])
+    app = Celery("backfill", broker=settings.celery_broker_url, include=["worker.tasks"])
     queue = maintenance_queue(settings)
     app.conf.update(
         task_default_queue=queue,

@@ -1124,6 +1124,26 @@ class NodeDispatcher:
                 elif beat.status in (LeaseStatus.EXPIRED, LeaseStatus.FENCED):
                     # No reservation covers this request any more: stop engine work at once.
                     self._cancel(flight, "lease_lost")
+                elif beat.status is LeaseStatus.UNKNOWN:
+                    await self._lease_missing(flight)
+
+    async def _lease_missing(self, flight: _InFlight) -> None:
+        """The ledger has no trace of a lease this worker holds: Redis lost writes (a restart,
+        or a replica promoted before a write reached it). The attempt is still live in
+        Postgres, so the work goes on; the node is closed to batch until the next maintenance
+        tick rebuilds its ledger from Postgres, which counts the lease again (until then its
+        tokens may be handed out twice: the window is one heartbeat plus one tick)."""
+        try:
+            if await self.ledger.mark_incomplete(self.config.node):
+                log.warning(
+                    "node %s: lease %s of item %s is missing from the ledger; batch closed "
+                    "on the node until it is rebuilt from Postgres",
+                    self.config.node,
+                    flight.lease.lease_id,
+                    flight.item.id,
+                )
+        except BackfillError as exc:
+            log.warning("node %s: could not close for a rebuild: %s", self.config.node, exc)
 
     async def _observe(self) -> None:
         """Tell the ledger how much of the engine's KV cache batch does not account for:

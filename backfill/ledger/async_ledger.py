@@ -1,24 +1,26 @@
-"""The ledger over ``redis.asyncio`` (the asyncio worker and gateway): the same operations
-as :class:`~backfill.ledger.Ledger`, the same scripts and values, each step awaited."""
+"""The ledger over ``redis.asyncio``, one server or a Redis Cluster (the asyncio worker and
+gateway): the same operations as :class:`~backfill.ledger.Ledger`, the same scripts and
+values, each step awaited."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import redis
-import redis.asyncio
+import redis.asyncio.cluster
 from redis.exceptions import NoScriptError
 
 from backfill import keys as lk
+from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger import operations
 from backfill.ledger.binding import awaiting
 from backfill.ledger.calls import LedgerCalls
 from backfill.ledger.listeners import AsyncPreemptionListener
 from backfill.ledger.rebuild import rebuild as rebuild_plan
 from backfill.ledger.scripts import SCRIPTS, script_source
-from backfill.ledger.steps import Command, Plan, ScriptCall, Step, translate
+from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
 from backfill.policy import PoolPolicy
+from backfill.redis_client import AsyncRedis, connect_async
 
 T = TypeVar("T")
 
@@ -28,7 +30,7 @@ class AsyncLedger:
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AsyncRedis,
         namespace: str,
         policy: PoolPolicy | None = None,
         lease_ttl_ms: int = 30_000,
@@ -41,7 +43,8 @@ class AsyncLedger:
     def from_url(
         cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
     ) -> AsyncLedger:
-        return cls(redis.asyncio.Redis.from_url(url), namespace, policy, lease_ttl_ms)
+        """A ledger on ``url``: one Redis server or a cluster (``redis+cluster://``)."""
+        return cls(connect_async(url), namespace, policy, lease_ttl_ms)
 
     @property
     def calls(self) -> LedgerCalls:
@@ -56,7 +59,7 @@ class AsyncLedger:
         return self._calls.policy
 
     @property
-    def client(self) -> redis.asyncio.Redis:
+    def client(self) -> AsyncRedis:
         """The Redis client, for the small non-ledger keys used beside it (work budget)."""
         return self._client
 
@@ -71,6 +74,7 @@ class AsyncLedger:
     counters = awaiting(operations.counters)
     nodes = awaiting(operations.nodes)
     is_ready = awaiting(operations.is_ready)
+    mark_incomplete = awaiting(operations.mark_incomplete)
     reserve = awaiting(operations.reserve)
     reserve_many = awaiting(operations.reserve_many)
     settle = awaiting(operations.settle)
@@ -84,21 +88,31 @@ class AsyncLedger:
 
     async def listen_preemptions(self, node: str) -> AsyncPreemptionListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
         try:
+            if isinstance(self._client, redis.asyncio.cluster.RedisCluster):
+                # Its pub/sub picks a node from the slot map, which a fresh client has not
+                # loaded yet (the first command would): load it first.
+                await self._client.initialize()
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             await pubsub.subscribe(self.keys.preempt_channel(node))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
         return AsyncPreemptionListener(pubsub)
 
     # -- carrying plans out
 
     async def drive(self, plan: Plan[T]) -> T:
-        """Run ``plan``'s steps in turn, awaiting each; returns what it returns."""
+        """Run ``plan``'s steps in turn, awaiting each; returns what it returns. A step's
+        ledger error is raised inside the plan, which may undo what it did before."""
         try:
             step = next(plan)
             while True:
-                step = plan.send(await self._carry_out(step))
+                try:
+                    reply = await self._carry_out(step)
+                except (LedgerError, LedgerUnavailable) as exc:
+                    step = plan.throw(exc)
+                else:
+                    step = plan.send(reply)
         except StopIteration as done:
             result: T = done.value
             return result
@@ -108,10 +122,12 @@ class AsyncLedger:
             if isinstance(step, ScriptCall):
                 reply = await self._scripts[step.script](keys=step.keys, args=step.args)
             elif isinstance(step, Command):
-                reply = await self._client.execute_command(*step.args)  # type: ignore[no-untyped-call]
+                reply = await self._client.execute_command(*step.args)
+            elif isinstance(step, Scan):
+                reply = [k async for k in self._client.scan_iter(match=step.pattern, count=1000)]
             else:
                 reply = await self._pipeline_retrying(step.calls)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
         return step.parse(reply)
 
@@ -132,5 +148,9 @@ class AsyncLedger:
     async def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         for c in calls:
-            pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+            # As a raw command: redis-py's cluster pipeline refuses its evalsha() method but
+            # routes EVALSHA by its keys (each call's keys share one slot).
+            pipe.execute_command(
+                "EVALSHA", self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args
+            )
         return list(await pipe.execute(raise_on_error=False))

@@ -7,6 +7,7 @@ build, and either ledger runs it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -48,6 +49,15 @@ def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
+@dataclass(frozen=True)
+class NoPoolDenial(Denial):
+    """A reserve found neither the node's pool nor its ready marker: the node is unknown, or
+    its keys were lost (a shard lost data). Only the member set, in another slot, tells which;
+    the operations ask it (:func:`backfill.ledger.operations.reserve`) and answer an error or a
+    plain ``ledger_rebuilding`` denial. Should a failed batch hand one out unresolved, it still
+    reads as what it is at worst: rebuilding."""
+
+
 class LedgerCalls:
     """Each script call's KEYS and ARGV, and how to read its reply, for one namespace."""
 
@@ -64,6 +74,7 @@ class LedgerCalls:
         policy: PoolPolicy | None,
         epoch: int | None,
         reserve_tokens: int | None = None,
+        ledger_epoch: int | None = None,
     ) -> ScriptCall[int]:
         p = policy or self.policy
         reserve = p.reserve_tokens(capacity_tokens) if reserve_tokens is None else reserve_tokens
@@ -81,7 +92,7 @@ class LedgerCalls:
         return ScriptCall(
             "register_pool",
             self.keys.node(node).keys(),
-            [*map(str, args), _arg(epoch)],
+            [*map(str, args), _arg(epoch), _arg(ledger_epoch)],
             lambda r: int(r[1]),
         )
 
@@ -107,6 +118,10 @@ class LedgerCalls:
         retry = self.policy.defer_retry_after_s
 
         def parse_one(req: ReserveRequest, reply: list[Any]) -> Lease | Denial:
+            if decoded(reply[0]) == "no_pool":
+                return NoPoolDenial(
+                    node, req.service_class, Reason.LEDGER_REBUILDING, 0, 0, 0, retry
+                )
             if decoded(reply[0]) == "denied":
                 reason = Reason(decoded(reply[1]))
                 permanent = reason in (Reason.OVER_CLASS_LIMIT, Reason.LARGER_THAN_POOL)
@@ -268,6 +283,11 @@ class LedgerCalls:
         return ScriptCall(
             "restore", self.keys.node(node).keys(), args, lambda r: (int(r[0]), int(r[1]))
         )
+
+
+def plain_denial(d: Denial) -> Denial:
+    """``d`` as a plain :class:`Denial` (e.g. a resolved :class:`NoPoolDenial`)."""
+    return Denial(**{f.name: getattr(d, f.name) for f in fields(Denial)})
 
 
 def lease_from_reply(node: str, r: Sequence[Any], preempted: tuple[str, ...] = ()) -> Lease:

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio
 
 from backfill.ledger.calls import decoded
-from backfill.ledger.steps import translate
+from backfill.ledger.steps import REDIS_ERRORS, translate
 
 
 class PreemptionListener:
@@ -33,7 +33,7 @@ class PreemptionListener:
                     return decoded(message["data"])
                 if time.monotonic() >= deadline:
                     return None
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
 
     def __iter__(self) -> Iterator[str]:
@@ -70,7 +70,7 @@ class AsyncPreemptionListener:
                     return decoded(message["data"])
                 if time.monotonic() >= deadline:
                     return None
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
 
     async def __aiter__(self) -> AsyncIterator[str]:

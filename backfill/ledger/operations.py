@@ -11,14 +11,16 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from backfill import keys as lk
-from backfill.ledger.calls import LedgerCalls, decoded
-from backfill.ledger.steps import Command, Pipelined, Plan, ScriptCall, by_node
+from backfill.errors import LedgerError
+from backfill.ledger.calls import LedgerCalls, NoPoolDenial, decoded, plain_denial
+from backfill.ledger.steps import Command, Pipelined, Plan, Scan, ScriptCall, by_node
 from backfill.ledger.values import (
     Denial,
     HeartbeatResult,
     HeldLease,
     Lease,
     LeaseStatus,
+    PartialBatchError,
     PoolCounters,
     PoolSnapshot,
     PreemptResult,
@@ -43,10 +45,29 @@ def register_pool(
     epoch: int | None = None,
     reserve_tokens: int | None = None,
 ) -> Plan[int]:
-    """Create or update ``node``'s pool; returns its epoch (0: none until a rebuild)."""
-    epoch_now: int = yield calls.register_pool(
-        node, capacity_tokens, block_size, policy, epoch, reserve_tokens
-    )
+    """Create or update ``node``'s pool; returns its epoch (0: none until a rebuild).
+
+    A node the built ledger never held opens at once with the ledger's epoch. One it held
+    whose pool is gone lost its keys (its shard lost data): it stays closed until a rebuild
+    restores its leases, which ``is_ready`` reports as due.
+    """
+    ledger_epoch: int | None = None
+    built = yield Command(("GET", calls.keys.built), _same)
+    # Joined before its pool exists: should its shard lose the pool later, the member set (in
+    # another slot) still says the node was held, and a lost pool never passes for a new one.
+    joined = built is not None and bool((yield Command(("SADD", calls.keys.members, node), int)))
+    if joined:
+        ledger_epoch = int(built)
+    try:
+        epoch_now: int = yield calls.register_pool(
+            node, capacity_tokens, block_size, policy, epoch, reserve_tokens, ledger_epoch
+        )
+    except LedgerError:
+        # Refused before any write: no pool, so no member either. (Unreachable Redis leaves
+        # the member: the pool may exist now, and at worst a rebuild is due.)
+        if joined:
+            yield Command(("SREM", calls.keys.members, node), int)
+        raise
     return epoch_now
 
 
@@ -79,22 +100,56 @@ def counters(calls: LedgerCalls, node: str) -> Plan[PoolCounters]:
 
 
 def nodes(calls: LedgerCalls) -> Plan[list[str]]:
-    """Every node with a pool in this namespace."""
-    found: list[str] = []
-    cursor = 0
-    while True:
-        cursor, page = yield Command(
-            ("SCAN", cursor, "MATCH", calls.keys.pool_pattern, "COUNT", 1000), tuple
-        )
-        found += (decoded(k) for k in page)
-        if int(cursor) == 0:
-            return sorted(calls.keys.node_from_pool_key(k) for k in found)
+    """Every node with a pool in this namespace (on every shard of a cluster)."""
+    found: list[str] = yield Scan(calls.keys.pool_pattern)
+    return sorted(calls.keys.node_from_pool_key(k) for k in found)
 
 
 def is_ready(calls: LedgerCalls) -> Plan[bool]:
-    """False after Redis lost its data, until a rebuild finishes."""
-    ready: bool = yield Command(("EXISTS", calls.keys.ready), bool)
-    return ready
+    """False after Redis (or any shard of a cluster) lost the ledger's data, until a rebuild
+    finishes: the ledger is built and every node it holds still has its ready marker."""
+    if not (yield Command(("EXISTS", calls.keys.built), bool)):
+        return False
+    members: set[bytes] = yield Command(("SMEMBERS", calls.keys.members), set)
+    for node in sorted(decoded(m) for m in members):
+        if not (yield Command(("EXISTS", calls.keys.node(node).ready), bool)):
+            return False
+    return True
+
+
+def mark_incomplete(calls: LedgerCalls, node: str) -> Plan[bool]:
+    """Close batch admission on ``node`` until a rebuild: its ledger lacks a lease that a
+    holder still holds (heartbeat ``unknown``), as when a replica took over from a master
+    before every write had reached it. ``is_ready`` then reports the rebuild due, and the
+    rebuild restores the lease from Postgres under a new epoch. Returns whether the node was
+    open."""
+    closed: int = yield Command(("DEL", calls.keys.node(node).ready), int)
+    return bool(closed)
+
+
+def unplaced(
+    calls: LedgerCalls, results: Sequence[Lease | Denial]
+) -> Plan[list[Lease | Denial | LedgerError]]:
+    """``results`` with each :class:`NoPoolDenial` resolved: an error for a node the built
+    ledger does not hold (as a script refuses an unknown node), else a ``ledger_rebuilding``
+    denial (the node's keys were lost, or the ledger is being built)."""
+    nodes = sorted({r.node for r in results if isinstance(r, NoPoolDenial)})
+    if not nodes:
+        return list(results)
+    built: bool = yield Command(("EXISTS", calls.keys.built), bool)
+    unknown: set[str] = set()
+    for node in nodes:
+        if built and not (yield Command(("SISMEMBER", calls.keys.members, node), bool)):
+            unknown.add(node)
+    out: list[Lease | Denial | LedgerError] = []
+    for r in results:
+        if isinstance(r, NoPoolDenial):
+            out.append(
+                LedgerError("backfill: unknown node") if r.node in unknown else plain_denial(r)
+            )
+        else:
+            out.append(r)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +186,10 @@ def reserve(
         ttl_ms=ttl_ms,
         **({"lease_id": lease_id} if lease_id else {}),
     )
-    [result] = yield calls.reserve(node, [req], now_ms)
+    replies = yield calls.reserve(node, [req], now_ms)
+    [result] = yield from unplaced(calls, replies)
+    if isinstance(result, LedgerError):
+        raise result
     decided: Lease | Denial = result
     return decided
 
@@ -142,12 +200,19 @@ def reserve_many(
     """Reserve several in one round trip: one script call per node (and per chunk), each
     deciding its requests in order, atomically. Results come in request order."""
     groups = by_node(requests, lambda r: r.node)
-    decided: list[Lease | Denial] = yield Pipelined[Lease | Denial](
+    replies: list[Lease | Denial] = yield Pipelined[Lease | Denial](
         [calls.reserve(node, [requests[i] for i in idx], now_ms) for node, idx in groups],
         groups,
         len(requests),
     )
-    return decided
+    decided = yield from unplaced(calls, replies)
+    errors = [r for r in decided if isinstance(r, LedgerError)]
+    if errors:
+        raise PartialBatchError(
+            f"{len(errors)} of {len(decided)} requests failed; first: {errors[0]}",
+            list(decided),
+        )
+    return [r for r in decided if not isinstance(r, LedgerError)]
 
 
 def settle(
@@ -251,3 +316,7 @@ def reap(
     """Reclaim expired leases on ``node``; returns their ids."""
     reaped: list[str] = yield calls.reap(node, limit, now_ms)
     return reaped
+
+
+def _same(reply: object) -> object:
+    return reply

@@ -3,6 +3,13 @@
 Redis is not durable. When it loses its data the ready marker goes with it, batch admission
 closes (denial reason ``ledger_rebuilding``), and :func:`rebuild` restores the pools and the
 live batch leases, then reopens admission.
+
+On a Redis Cluster each node's keys, its ready marker among them, live in the node's own slot,
+and the ledger's built marker and member set in one more: a shard that loses its data closes
+the nodes it held (their markers are gone) while the member set, elsewhere, still names them,
+so ``is_ready`` is false until a rebuild. Every step here is a command or a script on one slot;
+the order of the steps, not one atomic call, keeps batch closed on every rebuilt node until all
+of its leases are back.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from collections.abc import Sequence
 from backfill import keys as lk
 from backfill.errors import LedgerError
 from backfill.ledger import operations
-from backfill.ledger.calls import LedgerCalls
+from backfill.ledger.calls import LedgerCalls, decoded
 from backfill.ledger.steps import Command, Plan, chunks
 from backfill.ledger.values import ActiveLease, NodePool, RebuildReport
 
@@ -35,7 +42,10 @@ def rebuild(
     unknown = {a.node for a in active_leases} - {n.name for n in nodes}
     if unknown:
         raise LedgerError(f"active leases on nodes with no pool record: {sorted(unknown)}")
-    yield Command(("DEL", calls.keys.ready), int)
+    keys = calls.keys
+    yield Command(("DEL", keys.built), int)
+    for n in nodes:
+        yield Command(("DEL", keys.node(n.name).ready), int)
     current: list[int] = []
     for n in nodes:
         found = yield Command(("HGET", calls.keys.pool(n.name), "epoch"), _same)
@@ -43,6 +53,7 @@ def rebuild(
             current.append(int(found))
     chosen = rebuild_epoch(epoch, active_leases, current)
     for n in nodes:
+        yield Command(("SADD", keys.members, n.name), int)
         yield from operations.register_pool(
             calls,
             n.name,
@@ -58,7 +69,16 @@ def rebuild(
             r, s = yield calls.restore(n.name, chunk, now_ms)
             restored += r
             skipped += s
-    yield Command(("SET", calls.keys.ready, str(chosen)), bool)
+    for n in nodes:
+        yield Command(("SET", keys.node(n.name).ready, str(chosen)), bool)
+    # A member left out of this rebuild (Postgres knows no such node) that lost its marker
+    # has nothing to restore: it leaves the ledger, so readiness does not wait on it forever.
+    listed = {n.name for n in nodes}
+    members: set[bytes] = yield Command(("SMEMBERS", keys.members), set)
+    for name in sorted(decoded(m) for m in members):
+        if name not in listed and not (yield Command(("EXISTS", keys.node(name).ready), bool)):
+            yield Command(("SREM", keys.members, name), int)
+    yield Command(("SET", keys.built, str(chosen)), bool)
     return RebuildReport(chosen, restored, skipped)
 
 

@@ -2,7 +2,9 @@
 
 An operation (:mod:`backfill.ledger.operations`) is a generator: it yields steps and
 receives each step's parsed reply, then returns its result. A step is one script call, a
-batch of script calls pipelined in one round trip, or a plain Redis command. The
+batch of script calls pipelined in one round trip, a plain Redis command on one key, or a
+scan of the key space. Each script call and command touches one hash slot, so on a Redis
+Cluster the client routes it to the shard that holds it. The
 synchronous and the asyncio ledger differ only in how they carry a step out.
 
 Redis errors become :class:`~backfill.errors.LedgerUnavailable` and script refusals
@@ -16,7 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import redis
-from redis.exceptions import ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 
 from backfill import keys as lk
 from backfill.errors import LedgerError, LedgerUnavailable
@@ -56,13 +64,33 @@ class Command(Generic[T]):
     parse: Callable[[Any], T]
 
 
-Step = ScriptCall[Any] | Pipelined[Any] | Command[Any]
+@dataclass(frozen=True)
+class Scan:
+    """Every key matching ``pattern``, over every shard of a cluster (``SCAN`` cursors are
+    per server, so the client iterates; its reply is the list of keys)."""
+
+    pattern: str
+
+    def parse(self, reply: list[Any]) -> list[str]:
+        return sorted({k.decode() if isinstance(k, bytes) else str(k) for k in reply})
+
+
+Step = ScriptCall[Any] | Pipelined[Any] | Command[Any] | Scan
 Plan = Generator[Step, Any, T]
 """An operation: yields steps, is sent each step's parsed reply, returns its result."""
 
 
-def translate(exc: redis.RedisError) -> LedgerError | LedgerUnavailable:
-    if isinstance(exc, ResponseError):
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+"""What a client of one server or of a cluster raises (redis-py's cluster errors about slots
+no node serves derive from ``Exception``, not ``RedisError``)."""
+
+_CLUSTER_UNAVAILABLE = (ClusterDownError, TryAgainError, AskError, RedisClusterException)
+"""A shard failing over, or a slot between owners: answers of a cluster that cannot serve the
+key now (some are ``ResponseError`` by class), not refusals of the ledger."""
+
+
+def translate(exc: Exception) -> LedgerError | LedgerUnavailable:
+    if isinstance(exc, ResponseError) and not isinstance(exc, _CLUSTER_UNAVAILABLE):
         message = str(exc).split(" script: ", 1)[0]
         return LedgerError(message)
     return LedgerUnavailable(f"Redis is unavailable: {exc}")
@@ -103,7 +131,7 @@ def parse_all(
     per_call: list[Any] = []
     failed = 0
     for call, reply in zip(calls, replies, strict=True):
-        if isinstance(reply, redis.RedisError):
+        if isinstance(reply, REDIS_ERRORS):
             per_call.append(translate(reply))
             failed += 1
         else:

@@ -1,23 +1,25 @@
-"""The ledger over a synchronous redis-py client: the operations of
-:mod:`backfill.ledger.operations`, each step run as it comes (maintenance, the API, tools)."""
+"""The ledger over a synchronous redis-py client, of one server or of a Redis Cluster: the
+operations of :mod:`backfill.ledger.operations`, each step run as it comes (maintenance, the
+API, tools)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import redis
 from redis.exceptions import NoScriptError
 
 from backfill import keys as lk
+from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger import operations
 from backfill.ledger.binding import blocking
 from backfill.ledger.calls import LedgerCalls
 from backfill.ledger.listeners import PreemptionListener
 from backfill.ledger.rebuild import rebuild as rebuild_plan
 from backfill.ledger.scripts import SCRIPTS, script_source
-from backfill.ledger.steps import Command, Plan, ScriptCall, Step, translate
+from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
 from backfill.policy import PoolPolicy
+from backfill.redis_client import SyncRedis, connect
 
 T = TypeVar("T")
 
@@ -27,7 +29,7 @@ class Ledger:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         namespace: str,
         policy: PoolPolicy | None = None,
         lease_ttl_ms: int = 30_000,
@@ -40,7 +42,8 @@ class Ledger:
     def from_url(
         cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
     ) -> Ledger:
-        return cls(redis.Redis.from_url(url), namespace, policy, lease_ttl_ms)
+        """A ledger on ``url``: one Redis server or a cluster (``redis+cluster://``)."""
+        return cls(connect(url), namespace, policy, lease_ttl_ms)
 
     @property
     def calls(self) -> LedgerCalls:
@@ -55,7 +58,7 @@ class Ledger:
         return self._calls.policy
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> SyncRedis:
         """The Redis client, for the small non-ledger keys read beside it (work budget)."""
         return self._client
 
@@ -70,6 +73,7 @@ class Ledger:
     counters = blocking(operations.counters)
     nodes = blocking(operations.nodes)
     is_ready = blocking(operations.is_ready)
+    mark_incomplete = blocking(operations.mark_incomplete)
     reserve = blocking(operations.reserve)
     reserve_many = blocking(operations.reserve_many)
     settle = blocking(operations.settle)
@@ -86,18 +90,24 @@ class Ledger:
         pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         try:
             pubsub.subscribe(self.keys.preempt_channel(node))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
         return PreemptionListener(pubsub)
 
     # -- carrying plans out
 
     def drive(self, plan: Plan[T]) -> T:
-        """Run ``plan``'s steps in turn; returns what it returns."""
+        """Run ``plan``'s steps in turn; returns what it returns. A step's ledger error is
+        raised inside the plan, which may undo what it did before (else it goes on up)."""
         try:
             step = next(plan)
             while True:
-                step = plan.send(self._carry_out(step))
+                try:
+                    reply = self._carry_out(step)
+                except (LedgerError, LedgerUnavailable) as exc:
+                    step = plan.throw(exc)
+                else:
+                    step = plan.send(reply)
         except StopIteration as done:
             result: T = done.value
             return result
@@ -108,9 +118,11 @@ class Ledger:
                 reply = self._scripts[step.script](keys=step.keys, args=step.args)
             elif isinstance(step, Command):
                 reply = self._client.execute_command(*step.args)  # type: ignore[no-untyped-call]
+            elif isinstance(step, Scan):
+                reply = list(self._client.scan_iter(match=step.pattern, count=1000))
             else:
                 reply = self._pipeline_retrying(step.calls)
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise translate(exc) from exc
         return step.parse(reply)
 
@@ -131,5 +143,9 @@ class Ledger:
     def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         for c in calls:
-            pipe.evalsha(self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args)
+            # As a raw command: redis-py's cluster pipeline refuses its evalsha() method but
+            # routes EVALSHA by its keys (each call's keys share one slot).
+            pipe.execute_command(
+                "EVALSHA", self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args
+            )
         return list(pipe.execute(raise_on_error=False))

@@ -5,7 +5,9 @@
 -- Every per-node script takes the same KEYS:
 --   KEYS[1] pool hash      KEYS[2] leases hash (id -> msgpack)   KEYS[3] expiry zset
 --   KEYS[4] fence counter  KEYS[5] ended hash (id -> reason:fence)  KEYS[6] ended_at zset
---   KEYS[7] ready marker (global; holds the epoch of the last rebuild)
+--   KEYS[7] the node's ready marker (holds its epoch: the node's ledger is complete; absent
+--           after a loss of data until a rebuild restores it)
+-- All seven share the node's hash tag, so each script runs on one Redis Cluster shard.
 --
 -- Redis runs a script to the end or stops at the first error, keeping earlier writes: every
 -- script validates all of its arguments before its first write.

@@ -21,7 +21,10 @@
 --   {'admitted' | 'existing', fence, tokens, expires_ms, started_ms, generated, {victim ids}}
 --     (victims were preempted, and published, to make room), or
 --   {'denied', reason, tokens, slack, room}; each denial also adds 1 to the pool hash's
---   'denied:<class>:<reason>' field (a monotonic count for /metrics).
+--   'denied:<class>:<reason>' field (a monotonic count for /metrics), or
+--   {'no_pool'} for every request when the node has no pool and no ready marker: the caller
+--   tells an unknown node (an error) from one whose keys were lost (rebuilding) by the
+--   ledger's member set, which lives in another slot.
 if #ARGV < 3 then bad('expected at least 3 arguments, got ' .. #ARGV) end
 local channel = str_arg(ARGV[1], 'channel', false)
 local now = now_arg(ARGV[2])
@@ -47,7 +50,12 @@ end
 local ready = redis.call('EXISTS', K_READY) == 1
 local pool = load_pool()
 if not pool and ready then bad('unknown node') end
-if not pool or not pool.epoch then
+if not pool then
+  local out = {}
+  for i = 1, count do out[i] = {'no_pool'} end
+  return out
+end
+if not pool.epoch then
   local out = {}
   for i = 1, count do out[i] = {'denied', 'ledger_rebuilding', 0, 0, 0} end
   return out

@@ -155,7 +155,7 @@ def test_what_no_pool_could_hold_is_refused_at_once(ledger: Ledger, redis_namesp
 def test_a_rebuilding_ledger_admits_within_the_reserve_only(
     ledger: Ledger, redis_namespace: str, redis_client: redis.Redis
 ) -> None:
-    redis_client.delete(ledger.keys.ready)
+    redis_client.delete(ledger.keys.node("a").ready)
     assert go(redis_namespace, ["a"], sizing()).lease.tokens == 512
     with pytest.raises(GatewayUnavailable) as caught:
         go(redis_namespace, ["a"], sizing(sequences=2))

@@ -1,12 +1,15 @@
 """The ledger against a real Redis: every operation, its refusals, and agreement with policy.py.
 
-Time is driven by a fake clock (``now_ms``) so TTLs and reaping are exact.
+Time is driven by a fake clock (``now_ms``) so TTLs and reaping are exact. Every test that
+takes ``redis_client`` (or ``ledger``) runs twice: on one Redis server and on a Redis Cluster
+(``ledger_redis_url``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,6 +48,7 @@ from backfill.policy import (
     decide,
     interactive_room,
 )
+from backfill.redis_client import SyncRedis, connect
 
 T0 = 1_700_000_000_000
 TTL = 10_000
@@ -62,6 +66,14 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 def at(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+@pytest.fixture
+def redis_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
+    """A client of the server or the cluster this test runs on."""
+    client = connect(ledger_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture
@@ -92,6 +104,8 @@ def dump(client: redis.Redis, namespace: str) -> dict[bytes, Any]:
             out[key] = client.hgetall(key)
         elif kind == b"zset":
             out[key] = client.zrange(key, 0, -1, withscores=True)
+        elif kind == b"set":
+            out[key] = client.smembers(key)
         else:
             out[key] = client.get(key)
     return out
@@ -138,6 +152,77 @@ def test_a_node_registered_after_the_rebuild_takes_the_current_epoch(ledger: Led
     assert ledger.register_pool("n2", 5000, 16) == 1
     lease = admitted(ledger.reserve("n2", BATCH, 1, 1, now_ms=T0))
     assert lease.fencing_token == FENCE_EPOCH_SHIFT + 1
+
+
+def lose_node_keys(client: redis.Redis, ledger: Ledger, node: str) -> None:
+    """What a Redis Cluster shard that lost its data does to a node it held: every key of the
+    node's slot is gone, the ledger's own keys (in another slot) are not."""
+    node_keys = ledger.keys.node(node).keys()
+    for key in node_keys:
+        client.delete(key)
+
+
+def test_a_node_whose_keys_were_lost_stays_closed_until_the_rebuild(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    open_pool(ledger)
+    ledger.register_pool("n2", 10_000, 16)
+    kept = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
+    lost = admitted(ledger.reserve("n2", BATCH, 100, 100, now_ms=T0))
+    lose_node_keys(redis_client, ledger, "n2")
+    assert not ledger.is_ready()
+    d = denied(ledger.reserve("n2", BATCH, 1, 1, now_ms=T0))  # not "unknown node"
+    assert d.reason is Reason.LEDGER_REBUILDING
+    # Its worker registers it again: a node the ledger held is not new, it waits.
+    assert ledger.register_pool("n2", 10_000, 16) == 0
+    assert denied(ledger.reserve("n2", BATCH, 1, 1, now_ms=T0)).reason is Reason.LEDGER_REBUILDING
+    admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))  # the other node is untouched
+    record = ActiveLease(lost.lease_id, "n2", lost.tokens, lost.fencing_token, at(T0 + TTL))
+    report = ledger.rebuild(
+        [NodePool("n1", 10_000, 16), NodePool("n2", 10_000, 16)], [record], epoch=2, now_ms=T0
+    )
+    assert (report.restored, report.skipped) == (1, 0)
+    assert ledger.is_ready()
+    snap = ledger.snapshot("n2", now_ms=T0)
+    assert snap is not None
+    assert snap.ready
+    assert [x.lease_id for x in snap.leases] == [lost.lease_id]
+    assert ledger.release(kept, now_ms=T0) is LeaseStatus.RELEASED
+    assert admitted(ledger.reserve("n2", BATCH, 1, 1, now_ms=T0)).fencing_token > (
+        lost.fencing_token
+    )
+
+
+def test_a_refused_registration_of_a_new_node_leaves_the_ledger_ready(ledger: Ledger) -> None:
+    open_pool(ledger)
+    with pytest.raises(LedgerError, match="reserve_tokens exceeds"):
+        ledger.register_pool("n2", 100, 16, reserve_tokens=101)
+    assert ledger.is_ready()  # n2 did not join: no rebuild waits on a pool that never was
+    assert ledger.register_pool("n2", 100, 16) == 1
+
+
+def test_a_rebuild_forgets_a_lost_node_postgres_does_not_know(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    open_pool(ledger)
+    ledger.register_pool("gone", 10_000, 16)
+    lose_node_keys(redis_client, ledger, "gone")
+    assert not ledger.is_ready()
+    ledger.rebuild([NodePool("n1", 10_000, 16)], [], epoch=2, now_ms=T0)
+    assert ledger.is_ready()
+    with pytest.raises(LedgerError, match="unknown node"):
+        ledger.reserve("gone", BATCH, 1, 1, now_ms=T0)
+
+
+def test_the_node_list_and_snapshots_reach_every_node(ledger: Ledger) -> None:
+    names = [f"gpu-{i}" for i in range(12)]
+    ledger.rebuild([NodePool(n, 10_000, 16) for n in names], [], epoch=1, now_ms=T0)
+    assert ledger.nodes() == sorted(names)
+    for n in names:
+        admitted(ledger.reserve(n, BATCH, 10, 10, now_ms=T0))
+        snap = ledger.snapshot(n, now_ms=T0)
+        assert snap is not None
+        assert (snap.ready, snap.batch_in_use) == (True, 32)
 
 
 # -- reserve
@@ -480,12 +565,15 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("reap", ["", "0"]),
     ("observe", ["", "-1"]),
     ("snapshot", ["x"]),
-    ("register_pool", ["0", "16", "0", "0", "0", "1", "1", "0", ""]),
-    ("register_pool", ["100", "16", "101", "0", "0", "1", "1", "0", ""]),
-    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "2000000", ""]),
-    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "0"]),
-    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "99999999"]),
-    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "1"]),  # stale epoch
+    ("register_pool", ["0", "16", "0", "0", "0", "1", "1", "0", "", ""]),
+    ("register_pool", ["100", "16", "101", "0", "0", "1", "1", "0", "", ""]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "2000000", "", ""]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "0", ""]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "99999999", ""]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "1", ""]),  # stale epoch
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "", "0"]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "", "99999999"]),
+    ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", ""]),  # 9 of 10
     ("restore", ["", "1", "ls_r", "10", "5", str(T0 + 1), "", "1", "0", "0"]),  # 8 of 9
     ("restore", ["", "1", "ls_r", "10", "-5", str(T0 + 1), "", "1", "0", "0", ""]),
     # a fencing token of the current epoch cannot be restored
@@ -733,11 +821,13 @@ def test_a_failed_part_of_a_batch_reports_what_the_rest_admitted(ledger: Ledger)
     assert ledger.release(first, now_ms=T0) is LeaseStatus.RELEASED
 
 
-def test_the_async_ledger_runs_the_same_scripts(ledger: Ledger, redis_namespace: str) -> None:
+def test_the_async_ledger_runs_the_same_scripts(
+    ledger: Ledger, redis_namespace: str, ledger_redis_url: str
+) -> None:
     open_pool(ledger)
 
     async def scenario() -> None:
-        aledger = AsyncLedger.from_url(REDIS_URL, redis_namespace, POLICY, lease_ttl_ms=TTL)
+        aledger = AsyncLedger.from_url(ledger_redis_url, redis_namespace, POLICY, lease_ttl_ms=TTL)
         listener = await aledger.listen_preemptions("n1")
         try:
             assert await aledger.is_ready()

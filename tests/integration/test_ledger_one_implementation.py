@@ -1,5 +1,6 @@
 """Each ledger operation is written once and driven by both ledgers: the asyncio ledger's
-rebuild, counters and pool list leave and read Redis exactly as the synchronous one's do."""
+rebuild, counters and pool list leave and read Redis exactly as the synchronous one's do (on
+one Redis server and on a Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import redis.asyncio
 from backfill.keys import FENCE_EPOCH_SHIFT
 from backfill.ledger import ActiveLease, AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
-from tests.integration.test_ledger import REDIS_URL, T0, at, dump
+from backfill.redis_client import SyncRedis, connect
+from tests.integration.test_ledger import T0, at, dump
 
 POLICY = PoolPolicy(
     interactive=ClassLimits(8192),
@@ -40,6 +42,13 @@ LIVE = [
 
 
 @pytest.fixture
+def redis_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
+    client = connect(ledger_redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def two_namespaces(redis_client: redis.Redis) -> Iterator[tuple[str, str]]:
     names = (f"bf-test-{secrets.token_hex(4)}", f"bf-test-{secrets.token_hex(4)}")
     yield names
@@ -53,13 +62,13 @@ def without_namespace(state: dict[bytes, Any], namespace: str) -> dict[bytes, An
 
 
 def test_both_ledgers_rebuild_to_the_same_redis_state(
-    redis_client: redis.Redis, two_namespaces: tuple[str, str]
+    redis_client: redis.Redis, two_namespaces: tuple[str, str], ledger_redis_url: str
 ) -> None:
     sync_ns, async_ns = two_namespaces
     sync_report = Ledger(redis_client, sync_ns, POLICY).rebuild(NODES, LIVE, 2, now_ms=T0)
 
     async def rebuild_async() -> Any:
-        ledger = AsyncLedger.from_url(REDIS_URL, async_ns, POLICY)
+        ledger = AsyncLedger.from_url(ledger_redis_url, async_ns, POLICY)
         try:
             report = await ledger.rebuild(NODES, LIVE, 2, now_ms=T0)
             return (

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import pytest
-import redis
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -39,6 +38,7 @@ from backfill.policy import (
     choose_victims,
     decide,
 )
+from backfill.redis_client import connect
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE = "gpu0"
@@ -99,12 +99,13 @@ class Held:
 class LedgerMachine(RuleBasedStateMachine):
     namespaces: itertools.count[int] = itertools.count()
     prefix = "bft"
+    url = REDIS_URL
 
     leases = Bundle("leases")
 
     def __init__(self) -> None:
         super().__init__()
-        self.client = redis.Redis.from_url(REDIS_URL)
+        self.client = connect(self.url)
         self.namespace = f"{self.prefix}:m{next(self.namespaces)}"
         self.ledger = Ledger(self.client, self.namespace, POLICY, lease_ttl_ms=TTL)
         self.now = T0
@@ -415,8 +416,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.slow
-def test_ledger_state_machine(redis_namespace: str) -> None:
+def test_ledger_state_machine(redis_namespace: str, ledger_redis_url: str) -> None:
     LedgerMachine.prefix = redis_namespace
+    LedgerMachine.url = ledger_redis_url
     run_state_machine_as_test(
         LedgerMachine,
         settings=settings(max_examples=80, stateful_step_count=40, deadline=None),

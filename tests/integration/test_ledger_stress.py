@@ -1,6 +1,6 @@
 """Several processes reserve and release on one pool at once, mixed classes, with interactive
 preempting batch; a monitor process reads snapshots the whole time. The pool must never go over
-capacity, and must end exactly at zero."""
+capacity, and must end exactly at zero. On one Redis server and on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 
 import pytest
-import redis
 
 from backfill.ledger import Lease, LeaseStatus, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE = "gpu0"
 CAPACITY = 16_384
 PROCESSES = 4
@@ -29,8 +27,10 @@ POLICY = PoolPolicy(
 )
 
 
-def _holder(namespace: str, seed: int, results: Queue[tuple[int, int, int, list[str]]]) -> None:
-    ledger = Ledger(redis.Redis.from_url(REDIS_URL), namespace, POLICY, lease_ttl_ms=600_000)
+def _holder(
+    url: str, namespace: str, seed: int, results: Queue[tuple[int, int, int, list[str]]]
+) -> None:
+    ledger = Ledger.from_url(url, namespace, POLICY, lease_ttl_ms=600_000)
     rng = random.Random(seed)
     held: list[Lease] = []
     admitted = denied = preempted = 0
@@ -68,8 +68,8 @@ def _holder(namespace: str, seed: int, results: Queue[tuple[int, int, int, list[
     results.put((admitted, denied, preempted, bad))
 
 
-def _monitor(namespace: str, stop: Event, results: Queue[tuple[int, list[str]]]) -> None:
-    ledger = Ledger(redis.Redis.from_url(REDIS_URL), namespace, POLICY)
+def _monitor(url: str, namespace: str, stop: Event, results: Queue[tuple[int, list[str]]]) -> None:
+    ledger = Ledger.from_url(url, namespace, POLICY)
     seen = 0
     bad: list[str] = []
     while not stop.is_set():
@@ -85,17 +85,19 @@ def _monitor(namespace: str, stop: Event, results: Queue[tuple[int, list[str]]])
 
 @pytest.mark.slow
 def test_concurrent_holders_never_overcommit_and_end_at_zero(
-    redis_client: redis.Redis, redis_namespace: str
+    ledger_redis_url: str, redis_namespace: str
 ) -> None:
-    ledger = Ledger(redis_client, redis_namespace, POLICY)
+    ledger = Ledger.from_url(ledger_redis_url, redis_namespace, POLICY)
     ledger.rebuild([NodePool(NODE, CAPACITY, 16)], [], epoch=1)
     ctx = mp.get_context("fork")
     holder_results: Queue[tuple[int, int, int, list[str]]] = ctx.Queue()
     monitor_results: Queue[tuple[int, list[str]]] = ctx.Queue()
     stop = ctx.Event()
-    monitor = ctx.Process(target=_monitor, args=(redis_namespace, stop, monitor_results))
+    monitor = ctx.Process(
+        target=_monitor, args=(ledger_redis_url, redis_namespace, stop, monitor_results)
+    )
     holders = [
-        ctx.Process(target=_holder, args=(redis_namespace, seed, holder_results))
+        ctx.Process(target=_holder, args=(ledger_redis_url, redis_namespace, seed, holder_results))
         for seed in range(PROCESSES)
     ]
     monitor.start()
@@ -119,3 +121,4 @@ def test_concurrent_holders_never_overcommit_and_end_at_zero(
     assert snap is not None
     assert (snap.reserved, snap.interactive_in_use, snap.batch_in_use) == (0, 0, 0)
     assert snap.leases == ()
+    ledger.close()

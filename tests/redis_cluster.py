@@ -1,0 +1,220 @@
+"""A real Redis Cluster for tests: three masters, each with one replica, started from the
+installed ``redis-server`` (and ``redis-cli --cluster create``) on free ports in a temporary
+directory, and stopped afterwards. Nothing else is needed on the machine.
+
+Nodes keep no data on disk (no RDB, no AOF), as the CI's single Redis; a failover therefore
+promotes a replica with exactly what replication had delivered to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.crc import key_slot
+
+NODE_TIMEOUT_MS = 1500
+"""How long a master may be silent before the others mark it failed and its replica takes
+over (Redis' ``cluster-node-timeout``): short, so a failover takes a few seconds."""
+
+
+def _binary(name: str) -> str:
+    found = shutil.which(os.environ.get(f"BACKFILL_TEST_{name.upper().replace('-', '_')}", name))
+    if found is None:
+        raise RuntimeError(f"{name} is not installed: the Redis Cluster tests start their own")
+    return found
+
+
+def _free_port() -> int:
+    """A port free now whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+@dataclass
+class Node:
+    port: int
+    folder: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=2, socket_connect_timeout=1)
+
+    def info(self, section: str) -> dict[str, Any]:
+        with self.client() as c:
+            return dict(c.info(section))
+
+    def cluster_state(self) -> str:
+        with self.client() as c:
+            info = c.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+        return str(dict(info).get("cluster_state"))
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class LocalCluster:
+    """Masters and replicas on 127.0.0.1; ``url`` is what ``BACKFILL_REDIS_URL`` would say."""
+
+    root: Path
+    masters: int = 3
+    replicas: int = 1
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
+        return f"redis+cluster://{seeds}"
+
+    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        server, cli = _binary("redis-server"), _binary("redis-cli")
+        for i in range(self.masters * (1 + self.replicas)):
+            folder = self.root / f"node{i}"
+            folder.mkdir(parents=True)
+            node = Node(_free_port(), folder)
+            node.process = subprocess.Popen(
+                [
+                    server,
+                    "--port", str(node.port),
+                    "--bind", "127.0.0.1",
+                    "--dir", str(folder),
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                    # A replica takes over however long it was cut off (tests kill masters).
+                    "--cluster-replica-validity-factor", "0",
+                    # The shards that stay up keep serving while one is failing over.
+                    "--cluster-require-full-coverage", "no",
+                    "--save", "",
+                    "--appendonly", "no",
+                    "--maxmemory-policy", "noeviction",
+                    "--logfile", str(folder / "redis.log"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            self.nodes.append(node)
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            self._wait(lambda n=node: self._pings(n), deadline, f"redis-server on {node.port}")
+        subprocess.run(
+            [
+                cli,
+                "--cluster", "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas", str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )  # fmt: skip
+        self.wait_healthy(deadline - time.monotonic())
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.alive():
+                assert node.process is not None
+                node.process.terminate()
+        for node in self.nodes:
+            if node.process is not None:
+                try:
+                    node.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    node.process.kill()
+                    node.process.wait(timeout=10)
+
+    # -- health and topology
+
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive()]
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Until every live node says ``cluster_state:ok``, sees the same masters, and every
+        live replica is in sync with its master."""
+        deadline = time.monotonic() + timeout_s
+        self._wait(self._healthy, deadline, "the Redis Cluster to be healthy")
+
+    def _healthy(self) -> bool:
+        live = self.live()
+        try:
+            if any(n.cluster_state() != "ok" for n in live):
+                return False
+            roles = [n.info("replication") for n in live]
+        except redis.RedisError:
+            return False
+        if sum(1 for r in roles if r.get("role") == "master") != self.masters:
+            return False
+        return all(r.get("master_link_status") == "up" for r in roles if r.get("role") == "slave")
+
+    def master_of(self, key: str) -> Node:
+        """The master that serves ``key``'s hash slot, as the live nodes see it now."""
+        slot = key_slot(key.encode())
+        for node in self.live():
+            with contextlib.suppress(redis.RedisError), node.client() as c:
+                for start, end, master, *_ in c.execute_command("CLUSTER SLOTS"):  # type: ignore[no-untyped-call]
+                    if start <= slot <= end:
+                        return next(n for n in self.nodes if n.port == int(master[1]))
+        raise LookupError(f"no live node knows who serves slot {slot}")
+
+    def replica_of(self, master: Node) -> Node:
+        for node in self.live():
+            info = node.info("replication")
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+                return node
+        raise LookupError(f"no live replica of {master.port}")
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL: no goodbye to the cluster, as a crashed machine."""
+        assert node.process is not None
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(timeout=10)
+
+    def lose_keys(self, master: Node, pattern: str) -> int:
+        """The shard loses its keys matching ``pattern`` (as a master restarted empty, its
+        replica following), and no other shard loses any; returns how many went."""
+        with master.client() as c:
+            keys = list(c.scan_iter(match=pattern, count=1000))
+            for key in keys:
+                c.delete(key)
+        return len(keys)
+
+    # -- helpers
+
+    @staticmethod
+    def _pings(node: Node) -> bool:
+        with contextlib.suppress(redis.RedisError), node.client() as c:
+            return bool(c.ping())
+        return False
+
+    @staticmethod
+    def _wait(check: Callable[[], bool], deadline: float, what: str) -> None:
+        while True:
+            if check():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.1)
