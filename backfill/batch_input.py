@@ -27,12 +27,20 @@ from typing import Any, BinaryIO
 import pydantic_core
 
 from backfill.config import Settings
-from backfill.prefill import CHAT, COMPLETIONS, completion_prompts, prefill_plan
+from backfill.embeddings import check_embedding_body
+from backfill.prefill import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    completion_prompts,
+    embedding_inputs,
+    prefill_plan,
+)
 from backfill.refusals import InvalidRequest, PayloadTooLarge
 from backfill.request_fields import normalise_fields
 from backfill.store import NewItem
 
-PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt"}
+PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt", EMBEDDINGS: "input"}
 """Endpoints a batch may target, and the body field that carries each one's prompt."""
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -54,6 +62,8 @@ class InputLimits:
     max_prompts_per_line: int = 64
     default_max_tokens: int = 2048
     """What a line without ``max_tokens`` gets (written into its body, so it is reserved)."""
+    max_embedding_inputs: int = 50_000
+    """OpenAI's limit on the inputs of one ``/v1/embeddings`` batch, all its lines together."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> InputLimits:
@@ -256,24 +266,38 @@ def _chat_prompt_chars(messages: Any) -> PromptChars | str:
     return PromptChars(chars, chars)
 
 
-def _completion_prompt_chars(prompt: Any) -> PromptChars | str:
-    """Characters of a completions prompt, each prompt of a list apart (token ids count as
-    one character each, which keeps the bound a lower one: one id is exactly one token)."""
+def _prompt_list_chars(
+    prompt: Any, field: str, prompts_of: Callable[[Any], list[str | list[int]]]
+) -> PromptChars | str:
+    """Characters of a completions prompt or an embeddings input, each entry of a list apart
+    (token ids count as one character each, which keeps the bound a lower one: one id is
+    exactly one token)."""
     if type(prompt) is str:
-        return PromptChars(len(prompt), len(prompt)) if prompt else "body.prompt must not be empty"
+        return (
+            PromptChars(len(prompt), len(prompt)) if prompt else f"body.{field} must not be empty"
+        )
     try:
-        prompts = completion_prompts(prompt)
+        prompts = prompts_of(prompt)
     except InvalidRequest as exc:
         return exc.message
     sizes = [len(p) for p in prompts]
     if not all(sizes):
-        return "body.prompt must not hold an empty prompt"
+        return f"body.{field} must not hold an empty {field}"
     return PromptChars(max(sizes), sum(sizes), len(sizes))
+
+
+def _completion_prompt_chars(prompt: Any) -> PromptChars | str:
+    return _prompt_list_chars(prompt, "prompt", completion_prompts)
+
+
+def _embedding_input_chars(value: Any) -> PromptChars | str:
+    return _prompt_list_chars(value, "input", embedding_inputs)
 
 
 _PROMPT_CHARS: dict[str, Callable[[Any], PromptChars | str]] = {
     CHAT: _chat_prompt_chars,
     COMPLETIONS: _completion_prompt_chars,
+    EMBEDDINGS: _embedding_input_chars,
 }
 
 _RENDERED_BESIDE_MESSAGES = ("tools", "documents", "chat_template_kwargs")
@@ -294,6 +318,7 @@ class Tally:
     max_output_tokens: int = 0
     prompt_chars: int = 0
     model: str | None = None
+    embedding_inputs: int = 0
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -391,6 +416,11 @@ def _checked_lines(
                 "body.model",
             )
             continue
+        if endpoint == EMBEDDINGS:
+            refused = check_embedding_body(body)
+            if refused is not None:
+                yield LineError(refused.code, refused.message, number, f"body.{refused.param}")
+                continue
 
         if prompt_field not in body:
             yield LineError(
@@ -408,12 +438,15 @@ def _checked_lines(
         if chars.prompts > limits.max_prompts_per_line:
             yield LineError(
                 "too_many_prompts",
-                f"body.prompt holds {chars.prompts} prompts; a line may hold at most "
+                f"body.{prompt_field} holds {chars.prompts} prompts; a line may hold at most "
                 f"{limits.max_prompts_per_line} (each runs as a sequence of its own: put "
                 "the rest on lines of their own)",
                 number,
-                "body.prompt",
+                f"body.{prompt_field}",
             )
+            continue
+        if endpoint == EMBEDDINGS:
+            yield _embedding_item(number, custom_id, body, chars, limits, tally)
             continue
         malformed = normalise_fields(body, chat=endpoint == CHAT)
         if malformed is not None:
@@ -489,6 +522,36 @@ def _checked_lines(
         yield NewItem(number, custom_id, _dumps(body), max_tokens)
 
 
+def _embedding_item(
+    number: int,
+    custom_id: str,
+    body: dict[str, Any],
+    chars: PromptChars,
+    limits: InputLimits,
+    tally: Tally,
+) -> NewItem | LineError:
+    """An embeddings line whose body passed :func:`check_embedding_body`: no output, so no
+    ``max_tokens``; the class limit bounds each input alone."""
+    try:
+        prefill_plan(EMBEDDINGS, body)
+    except InvalidRequest as exc:
+        return LineError(exc.code, exc.message, number, f"body.{exc.param or 'input'}")
+    limit = limits.max_sequence_tokens
+    least_prompt_tokens = math.ceil(chars.longest / limits.max_bytes_per_token)
+    if least_prompt_tokens > limit:
+        return LineError(
+            "request_too_long",
+            f"an input is at least {least_prompt_tokens} tokens; it exceeds the batch limit "
+            f"of {limit}",
+            number,
+            "body.input",
+        )
+    tally.lines += 1
+    tally.prompt_chars += chars.total
+    tally.embedding_inputs += chars.prompts
+    return NewItem(number, custom_id, _dumps(body), 0)
+
+
 def validate_batch_input(
     content: InputLines, endpoint: str, limits: InputLimits
 ) -> ValidatedBatch | InvalidBatch:
@@ -528,6 +591,16 @@ def _file_errors(tally: Tally, limits: InputLimits) -> list[LineError]:
             LineError(
                 "too_many_lines",
                 f"file has {tally.lines} request lines; the limit is {limits.max_lines}",
+                None,
+                "input_file_id",
+            )
+        ]
+    if tally.embedding_inputs > limits.max_embedding_inputs:
+        return [
+            LineError(
+                "too_many_inputs",
+                f"file has {tally.embedding_inputs} embedding inputs; a batch may hold at most "
+                f"{limits.max_embedding_inputs}",
                 None,
                 "input_file_id",
             )

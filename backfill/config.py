@@ -137,8 +137,8 @@ class Settings(BaseSettings):
     # the engine pauses batch in the steps interactive work needs, and the work budget stops
     # preempting batch for interactive TTFT. None: the engine runs vLLM's own scheduler.
     engine_scheduler_metrics_url: str | None = None
-    # Prompts one completions line may carry (vLLM runs one sequence per prompt; each is
-    # counted and reserved).
+    # Prompts one completions line (inputs one embeddings line) may carry: vLLM runs one
+    # sequence per prompt or input; each is counted and reserved.
     batch_max_prompts_per_line: PositiveInt = 64
     # Output tokens a batch line without max_tokens (or max_completion_tokens) may generate:
     # OpenAI does not require the field, Backfill must reserve a worst case, so it writes this

@@ -263,7 +263,8 @@ class Item(Base):
 
     __table_args__ = (
         CheckConstraint(f"state IN ({_in_list(ItemState)})", name="state"),
-        CheckConstraint("max_output_tokens > 0", name="max_output_positive"),
+        # 0: an embedding (it generates nothing).
+        CheckConstraint("max_output_tokens >= 0", name="max_output_not_negative"),
         UniqueConstraint("job_id", "custom_id"),
         Index("ix_items_job_state", "job_id", "state"),
         Index("ix_items_job_line", "job_id", "line_no"),

@@ -205,10 +205,20 @@ def reservation_tokens(
     With ``n > 1`` the engine forks ``n`` sequences of the same prompt. Their prompt blocks are
     shared only through prefix caching, which is an engine option and whose blocks can be
     evicted; so each sequence is charged its own copy of the prompt. Each sequence's blocks
-    are rounded up separately because a block belongs to one sequence.
+    are rounded up separately because a block belongs to one sequence. An embedding generates
+    nothing (``max_output_tokens == 0``): its prompt is all it holds.
     """
-    if prompt_tokens < 0 or max_output_tokens < 1 or n < 1 or block_size < 1:
-        raise ValueError("need prompt_tokens >= 0, max_output_tokens >= 1, n >= 1, block_size >= 1")
+    if (
+        prompt_tokens < 0
+        or max_output_tokens < 0
+        or prompt_tokens + max_output_tokens < 1
+        or n < 1
+        or block_size < 1
+    ):
+        raise ValueError(
+            "need prompt_tokens >= 0, max_output_tokens >= 0, prompt + max_output >= 1, n >= 1, "
+            "block_size >= 1"
+        )
     return n * round_up_to_block(prompt_tokens + max_output_tokens, block_size)
 
 

@@ -6,6 +6,8 @@ that adds to it, and the sequences have to be counted too:
 
 * a completions ``prompt`` may be a list: vLLM runs one sequence per entry, each with its
   own prompt; ``n``/``best_of`` multiply them;
+* an embeddings ``input`` takes the same four forms (a string, strings, token ids, lists of
+  token ids), one sequence per entry, and generates nothing: its prefill is all it holds;
 * a chat prompt is what the chat template renders from ``messages`` **and** ``tools``,
   ``documents``, ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
   ``continue_final_message``, ``reasoning_effort``, ``add_special_tokens`` and the multimodal
@@ -33,6 +35,7 @@ from backfill.refusals import InvalidRequest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 # Chat fields that /tokenize takes as they are and that change the rendered prompt.
 _CHAT_TOKENIZE_FIELDS = (
@@ -151,38 +154,57 @@ def chat_tokenize_body(body: Mapping[str, Any]) -> dict[str, Any]:
     return request
 
 
-def completion_prompts(prompt: object) -> list[str | list[int]]:
-    """The prompts of a completions ``prompt`` field, one per sequence it runs."""
-    if type(prompt) is str:
-        return [prompt]
-    if _is_token_ids(prompt):
-        assert isinstance(prompt, list)
-        return [prompt]
-    if type(prompt) is list and prompt:
-        if all(type(p) is str for p in prompt):
-            return list(prompt)
-        if all(_is_token_ids(p) for p in prompt):
-            return list(prompt)
+def _prompts(value: object, name: str) -> list[str | list[int]]:
+    if type(value) is str:
+        return [value]
+    if _is_token_ids(value):
+        assert isinstance(value, list)
+        return [value]
+    if type(value) is list and value:
+        if all(type(p) is str for p in value):
+            return list(value)
+        if all(_is_token_ids(p) for p in value):
+            return list(value)
     raise InvalidRequest(
-        "prompt must be a string, an array of strings, an array of token ids, or an array "
+        f"{name} must be a string, an array of strings, an array of token ids, or an array "
         "of arrays of token ids",
-        param="prompt",
+        param=name,
     )
 
 
-def prefill_plan(endpoint: str, body: Mapping[str, Any]) -> PrefillPlan:
-    """The plan that counts what ``body`` on ``endpoint`` prefills; raises
-    :class:`InvalidRequest` for a body whose prefill cannot be counted."""
-    _refuse_uncountable(body)
-    n = _sequences_per_prompt(body)
-    if endpoint == CHAT:
-        return PrefillPlan((chat_tokenize_body(body),), (), n)
-    if endpoint != COMPLETIONS:
-        raise InvalidRequest(f"endpoint {endpoint!r} is not supported", param="url")
+def completion_prompts(prompt: object) -> list[str | list[int]]:
+    """The prompts of a completions ``prompt`` field, one per sequence it runs."""
+    return _prompts(prompt, "prompt")
+
+
+def embedding_inputs(value: object) -> list[str | list[int]]:
+    """The inputs of an embeddings ``input`` field, one per sequence it runs (OpenAI's four
+    forms; vLLM's chat-message forms are not among them)."""
+    return _prompts(value, "input")
+
+
+def _refuse_embedding_extras(body: Mapping[str, Any]) -> None:
+    # vLLM embeds a chat conversation given as ``messages`` (or as ``input``) through the
+    # chat template, and pads to the model's length with ``padding: max_length``: neither is
+    # what /tokenize counts from ``input``, nor part of OpenAI's API.
+    if body.get("messages") is not None:
+        raise InvalidRequest(
+            "messages is not supported for /v1/embeddings: give the text as input",
+            code="unsupported_parameter",
+            param="messages",
+        )
+    if body.get("padding") not in (None, "do_not_pad"):
+        raise InvalidRequest(
+            "padding is not supported: Backfill reserves KV for the input it can count",
+            code="unsupported_parameter",
+            param="padding",
+        )
+
+
+def _text_prompts(prompts: list[str | list[int]], special: object, n: int) -> PrefillPlan:
     bodies: list[dict[str, Any]] = []
     known: list[int] = []
-    special = body.get("add_special_tokens")
-    for prompt in completion_prompts(body.get("prompt")):
+    for prompt in prompts:
         if isinstance(prompt, str):
             request: dict[str, Any] = {"prompt": prompt}
             if special is not None:
@@ -191,3 +213,21 @@ def prefill_plan(endpoint: str, body: Mapping[str, Any]) -> PrefillPlan:
         else:
             known.append(len(prompt))
     return PrefillPlan(tuple(bodies), tuple(known), n)
+
+
+def prefill_plan(endpoint: str, body: Mapping[str, Any]) -> PrefillPlan:
+    """The plan that counts what ``body`` on ``endpoint`` prefills; raises
+    :class:`InvalidRequest` for a body whose prefill cannot be counted."""
+    _refuse_uncountable(body)
+    special = body.get("add_special_tokens")
+    if endpoint == EMBEDDINGS:
+        # vLLM tokenizes an embeddings input as /tokenize tokenizes a prompt (special tokens
+        # added unless asked not to); one sequence per input, whatever ``n`` says.
+        _refuse_embedding_extras(body)
+        return _text_prompts(embedding_inputs(body.get("input")), special, 1)
+    n = _sequences_per_prompt(body)
+    if endpoint == CHAT:
+        return PrefillPlan((chat_tokenize_body(body),), (), n)
+    if endpoint != COMPLETIONS:
+        raise InvalidRequest(f"endpoint {endpoint!r} is not supported", param="url")
+    return _text_prompts(completion_prompts(body.get("prompt")), special, n)

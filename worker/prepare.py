@@ -65,6 +65,8 @@ class Prepared:
 
     @property
     def max_output(self) -> int:
+        if not self.item.max_output_tokens:
+            return 0  # an embedding: it holds its prompt alone
         return max(1, self.item.max_output_tokens - self.run.kept)
 
     def reservation(self, block_size: int) -> int:

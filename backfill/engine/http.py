@@ -269,6 +269,28 @@ class HttpEngine:
         payload["stream_options"] = options
         return CompletionStream(self._stream(path, payload, request_id))
 
+    async def embed(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> dict[str, Any]:
+        payload = {**body, "priority": priority, "request_id": request_id}
+        # Waited for as long as a stream's first token: batch waits behind higher priorities.
+        response = await self._request(
+            "POST",
+            Endpoint.EMBEDDINGS.value,
+            json=payload,
+            headers={"X-Request-Id": request_id},
+            timeout=self._stream_timeout,
+        )
+        try:
+            answer = response.json()
+        except ValueError:
+            raise EngineFailed(
+                200, f"unparsable embeddings answer: {response.text[:200]!r}"
+            ) from None
+        if not isinstance(answer, dict):
+            raise EngineFailed(200, f"the embeddings answer is not an object: {answer!r:.200}")
+        return answer
+
     async def _stream(
         self, path: str, payload: Mapping[str, Any], request_id: str
     ) -> AsyncIterator[StreamChunk]:

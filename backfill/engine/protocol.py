@@ -70,10 +70,12 @@ class EngineFailed(EngineError):
 
 
 class Endpoint(StrEnum):
-    """The generation endpoints a batch line may target."""
+    """The endpoints a batch line may target."""
 
     COMPLETIONS = "/v1/completions"
     CHAT_COMPLETIONS = "/v1/chat/completions"
+    EMBEDDINGS = "/v1/embeddings"
+    """Not generation: one non-streaming call (:meth:`Engine.embed`)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,13 @@ class Engine(Protocol):
     ) -> CompletionStream:
         """Start a streaming generation; lower ``priority`` runs first; output comes in
         chunks of ``stream_interval`` tokens (the first token and the last chunk at once)."""
+        ...
+
+    async def embed(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> dict[str, Any]:
+        """One ``/v1/embeddings`` call, not streamed: the engine's response body. Cancelling
+        the awaiting task drops the connection, which makes vLLM abort the request."""
         ...
 
     async def aclose(self) -> None: ...

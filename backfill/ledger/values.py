@@ -206,8 +206,16 @@ class ReserveRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "service_class", ServiceClass(self.service_class))
-        if self.prompt_tokens < 0 or self.max_output_tokens < 1 or self.n < 1:
-            raise ValueError("need prompt_tokens >= 0, max_output_tokens >= 1, n >= 1")
+        # max_output_tokens 0: an embedding, which holds its prompt alone.
+        if (
+            self.prompt_tokens < 0
+            or self.max_output_tokens < 0
+            or self.prompt_tokens + self.max_output_tokens < 1
+            or self.n < 1
+        ):
+            raise ValueError(
+                "need prompt_tokens >= 0, max_output_tokens >= 0, prompt + max_output >= 1, n >= 1"
+            )
 
 
 class HeldLease(Protocol):

@@ -9,7 +9,8 @@
 --   lease id (a live id returns that lease: reserve is idempotent; ids must be distinct)
 --   class: 'interactive' | 'batch'
 --   prompt_tokens (>= 0)
---   max_output_tokens (>= 1)
+--   max_output_tokens (>= 0; 0: an embedding, which holds its prompt alone;
+--     prompt_tokens + max_output_tokens >= 1)
 --   n: sequences the request creates (>= 1)
 --   ttl_ms (>= 1)
 --   owner (worker or gateway id, for operators; may be '')
@@ -36,12 +37,13 @@ for i = 0, count - 1 do
   local b = 3 + 10 * i
   local r = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = class_arg(ARGV[b + 2]),
     prompt = int_arg(ARGV[b + 3], 'prompt_tokens', 0),
-    max_out = int_arg(ARGV[b + 4], 'max_output_tokens', 1),
+    max_out = int_arg(ARGV[b + 4], 'max_output_tokens', 0),
     n = int_arg(ARGV[b + 5], 'n', 1), ttl = int_arg(ARGV[b + 6], 'ttl_ms', 1),
     owner = str_arg(ARGV[b + 7], 'owner', true),
     preemptible = flag_arg(ARGV[b + 8], 'preemptible'),
     deadline = opt_int(ARGV[b + 9], 'deadline_ms', 0, 0),
     allow_preempt = flag_arg(ARGV[b + 10], 'allow_preempt')}
+  if r.prompt + r.max_out < 1 then bad('a reservation holds at least one token') end
   if ids[r.id] then bad('lease id ' .. r.id .. ' appears twice') end
   ids[r.id] = true
   reqs[#reqs + 1] = r

@@ -344,7 +344,7 @@ def test_duplicate_custom_ids_are_reported_on_the_repeating_line(
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"endpoint": "/v1/moderations"}, "endpoint"),
         ({"completion_window": "soon"}, "completion_window"),
         ({"completion_window": "1m"}, "completion_window"),
         ({"completion_window": "30d"}, "completion_window"),

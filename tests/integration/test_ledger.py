@@ -238,6 +238,16 @@ def test_reserve_admits_batch_within_slack_with_a_fencing_token(ledger: Ledger) 
     assert a.fencing_token // FENCE_EPOCH_SHIFT == 1
 
 
+def test_an_embedding_reserves_its_prompt_alone_in_whole_blocks(ledger: Ledger) -> None:
+    # No output at all (/v1/embeddings): 16 prompt tokens are one block, not two.
+    open_pool(ledger)
+    assert admitted(ledger.reserve("n1", BATCH, 16, 0, now_ms=T0)).tokens == 16
+    assert admitted(ledger.reserve("n1", BATCH, 17, 0, n=3, now_ms=T0)).tokens == 3 * 32
+    snap = ledger.snapshot("n1", now_ms=T0)
+    assert snap is not None
+    assert snap.batch_in_use == 16 + 96
+
+
 def test_reserve_is_idempotent_per_lease_id(ledger: Ledger) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, lease_id="ls_a", now_ms=T0))
@@ -429,7 +439,9 @@ def test_ended_leases_are_forgotten_after_a_while(ledger: Ledger) -> None:
 NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("reserve", ["ch", "", "1", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1"]),
     ("reserve", ["ch", "", "1", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "0", "1", "100", "", "1", "", "1"]),
+    # a reservation of nothing (no prompt, no output)
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "0", "0", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "-1", "1", "100", "", "1", "", "1"]),
     ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1.5", "100", "", "1", "", "1"]),
     ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "inf", "", "1", "", "1"]),
     ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "yes", "", "1"]),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from worker.dev import DOCS, SAMPLING, batch_lines, copied_lines, repeated_lines
+from backfill.batch_input import InputLimits, ValidatedBatch, validate_batch_input
+from backfill.config import Settings
+from worker.dev import DOCS, EMBEDDINGS, SAMPLING, batch_lines, copied_lines, repeated_lines
 
 
 def test_repeated_lines_counts_lines_and_sentences_a_summary_repeats() -> None:
@@ -29,3 +31,13 @@ def test_every_bundled_document_is_submitted_with_the_demo_sampling() -> None:
         assert body["repetition_penalty"] > 1.0
         # A seeded request killed vLLM's CPU engine once its prefill was chunked.
         assert "seed" not in body
+
+
+def test_an_embedding_model_gets_one_valid_embeddings_line_per_document() -> None:
+    # `backfill dev --model tiny-embed` submits the documents' texts for embedding.
+    data = batch_lines(DOCS, "tiny-embed", 96, EMBEDDINGS)
+    checked = validate_batch_input(data, EMBEDDINGS, InputLimits.from_settings(Settings()))
+    assert isinstance(checked, ValidatedBatch), checked
+    assert len(checked.items) == 26
+    assert all(json.loads(i.body)["input"] for i in checked.items)
+    assert all(i.max_output_tokens == 0 for i in checked.items)

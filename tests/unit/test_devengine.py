@@ -35,6 +35,22 @@ def test_a_built_model_is_reused(tmp_path: Path) -> None:
     assert result.path == built
 
 
+def test_the_embedding_model_serves_the_tiny_checkpoint_with_the_pooling_runner(
+    tmp_path: Path,
+) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    built = tmp_path / "models" / "tiny"
+    built.mkdir(parents=True)
+    (built / ".backfill-model").write_text(devengine.MODELS["tiny"].build_id + "\n")
+    result = devengine.build_model("tiny-embed", python=python, models_dir=tmp_path / "models")
+    assert (result.reused, result.path) == (True, built)
+    spec = devengine.MODELS["tiny-embed"]
+    assert spec.embeds
+    assert not devengine.MODELS["tiny"].embeds
+    assert spec.serve_args == ("--runner", "pooling", "--convert", "embed")
+
+
 def test_unknown_models_and_missing_engines_are_refused(tmp_path: Path) -> None:
     with pytest.raises(devengine.DevEngineError, match="unknown model"):
         devengine.build_model("gpt-9", python=tmp_path / "python")

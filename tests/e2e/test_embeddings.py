@@ -1,0 +1,227 @@
+"""An embeddings batch (``/v1/embeddings``) end to end: a real vLLM engine serving the tiny
+model as an embedding model (its pooling runner), a worker beside it, the API, Postgres and
+Redis; submitted through the openai SDK.
+
+Every result line is checked field by field against what the engine answers when asked
+directly for the same body (the vectors and the usage), every reservation against the
+engine's own prompt counts (the prompt alone, in whole blocks per input: an embedding
+generates nothing), and the Batch object's usage against the sum of those counts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from backfill.capacity import round_up_to_block
+from backfill.config import Settings
+from backfill.finalize import finalize_ready_jobs
+from backfill.ledger import Ledger
+from backfill.maintenance import pool_policy
+from backfill.prefill import embedding_inputs
+from backfill.states import JobState
+from backfill.store import Repository
+from tests.integration.batch_api_support import api_settings, jsonl, make_tenant, serve
+from worker import devengine
+from worker.node import NodeThread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+MODEL = "tiny-embed"
+NODE = "emb-1"
+BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    try:
+        server = devengine.start_model(
+            MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
+        )
+    except devengine.DevEngineError as exc:
+        pytest.fail(f"could not provision a vLLM embedding engine: {exc}", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def block_size(engine_url: str) -> int:
+    metrics = httpx.get(f"{engine_url}/metrics", timeout=10).text
+    line = next(x for x in metrics.splitlines() if x.startswith("vllm:cache_config_info{"))
+    labels = dict(
+        part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(",")
+    )
+    return int(labels["block_size"].strip('"'))
+
+
+def engine_answer(engine_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What the engine answers for ``body`` asked directly."""
+    reply = httpx.post(f"{engine_url}/v1/embeddings", json={**body, "model": MODEL}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    return answer
+
+
+def vector(entry: dict[str, Any]) -> list[float]:
+    value = entry["embedding"]
+    if isinstance(value, str):  # base64: little-endian float32, as the openai SDK reads it
+        raw = base64.b64decode(value)
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert all(isinstance(x, float) for x in value)
+    return list(value)
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(
+        math.isclose(x, y, abs_tol=1e-4) for x, y in zip(a, b, strict=False)
+    )
+
+
+def line(custom_id: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": MODEL, **body},
+    }
+
+
+def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
+    settings: Settings, engine_url: str
+) -> None:
+    block = block_size(engine_url)
+    lines = [
+        line("text", input="the fox and the hound"),
+        line("texts", input=["a queue", "the deadline of the job " * 4, "x"]),
+        line("ids", input=[5, 6, 7, 8, 9]),
+        line("id lists", input=[[1, 2, 3], [4] * 30]),
+        line("base64", input="tokens are capacity", encoding_format="base64"),
+        # Exactly one block of prompt: with a single output token it would take two.
+        line("one block", input=[11] * block),
+        line("no special tokens", input="the lease", add_special_tokens=False),
+    ]
+    # Each line's inputs, one sequence each.
+    inputs = {x["custom_id"]: embedding_inputs(x["body"]["input"]) for x in lines}
+    s = api_settings(
+        settings,
+        lease_ttl_s=6.0,
+        heartbeat_interval_s=1.0,
+        shutdown_grace_s=3.0,
+        work_budget_enabled=False,
+    )
+    repo = Repository.connect(s.database_url, pool_size=4)
+    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
+    node = NodeThread(s, NODE, engine_url)
+    node.start()
+    try:
+        assert node.started.wait(120), f"node did not start: {node.error}"
+        # The node registers the model its engine serves, so the batch is accepted for it.
+        assert MODEL in repo.served_models(s.node_live_s)[0]
+        with serve(s) as api:
+            client = api.client(make_tenant(repo, "emb").key)
+            upload = client.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
+            batch = client.batches.create(
+                input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+            assert batch.status == "in_progress", batch
+            assert batch.endpoint == "/v1/embeddings"
+
+            def done() -> bool:
+                finalize_ready_jobs(repo)
+                return repo.get_job(None, batch.id).state is JobState.COMPLETED
+
+            wait(done, 600, f"the batch to complete: {repo.counted_states(batch.id)}")
+            final = client.batches.retrieve(batch.id)
+            assert final.request_counts is not None
+            assert (final.request_counts.total, final.request_counts.completed) == (7, 7)
+            assert final.error_file_id is None
+            output = client.files.content(final.output_file_id or "").text.splitlines()
+
+        results = {json.loads(x)["custom_id"]: json.loads(x) for x in output}
+        assert set(results) == set(inputs)
+        width = len(vector(results["text"]["response"]["body"]["data"][0]))
+        assert width == 128  # the tiny model's hidden size
+        # Each input's own count, as the engine prefills it (usage of it alone).
+        counts: dict[str, list[int]] = {}
+        for request in lines:
+            name, body = request["custom_id"], request["body"]
+            expected = engine_answer(engine_url, body)
+            counts[name] = [
+                engine_answer(engine_url, {**body, "input": one})["usage"]["prompt_tokens"]
+                for one in inputs[name]
+            ]
+            got = results[name]
+            assert set(got) == {"id", "custom_id", "response", "error"}, name
+            assert got["id"].startswith("batch_req_")
+            assert got["error"] is None
+            response = got["response"]
+            assert response["status_code"] == 200
+            assert response["request_id"].startswith(f"req_{batch.id}_")
+            answer = response["body"]
+            assert answer["object"] == "list", name
+            assert answer["model"] == MODEL
+            assert answer["usage"]["prompt_tokens"] == sum(counts[name]), name
+            assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"]
+            assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+            assert len(answer["data"]) == len(inputs[name]), name
+            for index, (entry, direct) in enumerate(
+                zip(answer["data"], expected["data"], strict=True)
+            ):
+                assert entry["object"] == "embedding"
+                assert entry["index"] == index
+                assert isinstance(entry["embedding"], str) == (name == "base64"), name
+                assert len(vector(entry)) == width
+                assert close(vector(entry), vector(direct)), (name, index)
+
+        with repo.engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT custom_id, reservation_tokens, prompt_tokens, max_output_tokens, "
+                    "output_tokens FROM items WHERE job_id = :j"
+                ),
+                {"j": batch.id},
+            ).all()
+        items = {r[0]: tuple(int(v) for v in r[1:]) for r in rows}
+        for name, per_input in counts.items():
+            reserved, prompt, max_output, output = items[name]
+            # The prompt alone, every input a sequence of its own in whole blocks.
+            assert reserved == len(per_input) * round_up_to_block(max(per_input), block), name
+            assert (prompt, max_output, output) == (sum(per_input), 0, 0), name
+        assert items["one block"][0] == block
+        assert items["id lists"][0] == 2 * round_up_to_block(30, block)
+        # The Batch object's usage counts every input token, and no output.
+        assert final.usage is not None
+        total_prompt = sum(sum(c) for c in counts.values())
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (total_prompt, 0)
+        assert final.usage.total_tokens == total_prompt
+        # Every lease went back, and the engine never held more than a lease covered.
+        snap = ledger.snapshot(NODE)
+        assert snap is not None
+        assert snap.batch_in_use == 0
+        assert sum(d.stats.reservation_violations for d in node.dispatchers) == 0
+        assert sum(d.stats.succeeded for d in node.dispatchers) == 7
+    finally:
+        node.stop()
+        node.join(30)
+        ledger.close()
+        repo.close()
+    assert node.error is None

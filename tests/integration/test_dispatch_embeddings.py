@@ -1,0 +1,160 @@
+"""An embeddings item in the node dispatcher (real Postgres and Redis, a stand-in engine):
+reserved on its prompt alone, one block-rounded sequence per input; sent as one
+non-streaming call at the batch priority; when preempted, the call is cancelled (which drops
+the engine's connection: vLLM aborts the request), nothing partial is kept, and the item runs
+again from the start to a result in OpenAI's embedding shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.engine.protocol import Engine
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.prefill import embedding_inputs
+from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
+from tests.integration.standin_engine import StandInEngine
+from worker.dispatch import DispatchConfig, NodeDispatcher
+
+NODE = "n-embed"
+BLOCK = 16
+
+
+class Embedder(StandInEngine):
+    """Its first embeddings call never answers on its own, the later ones answer at once
+    (inputs are token ids: counted without the engine)."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=64, block=BLOCK)
+        self.calls: list[tuple[str, dict[str, Any], int]] = []
+        self.cancelled = 0
+        self.first_started = asyncio.Event()
+
+    async def embed(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> dict[str, Any]:
+        self.calls.append((request_id, dict(body), priority))
+        if len(self.calls) == 1:
+            self.first_started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        inputs = embedding_inputs(body["input"])
+        tokens = sum(len(i) for i in inputs)
+        return {
+            "id": f"embd-{request_id}",
+            "object": "list",
+            "created": 1,
+            "model": body["model"],
+            "data": [
+                {"index": i, "object": "embedding", "embedding": [0.25 * i, -0.5]}
+                for i in range(len(inputs))
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+
+def _submit(repo: Repository, body: dict[str, Any]) -> str:
+    tenant = repo.create_tenant("t-embed")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/embeddings", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.insert_items(job.id, [NewItem(0, "e", json.dumps(body), 0)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def _row(repo: Repository, job: str) -> dict[str, Any]:
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
+                "partial_output, partial_tokens, result FROM items WHERE job_id = :j"
+            ),
+            {"j": job},
+        ).one()
+    return dict(row._mapping)
+
+
+def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
+    settings: Settings,
+) -> None:
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    engine = Embedder()
+    # The longest input is exactly one block: with a single output token it would take two.
+    body = {"model": "m", "input": [[7] * BLOCK, [8] * 3]}
+    try:
+        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        job = _submit(repo, body)
+        dispatcher = NodeDispatcher(
+            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
+            cast(Engine, engine),
+            repo,
+            aledger,
+            model="m",
+            block_size=BLOCK,
+            max_sequence_tokens=1024,
+        )
+
+        async def scenario() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                await asyncio.wait_for(engine.first_started.wait(), 20)
+                running = _row(repo, job)
+                assert running["state"] == ItemState.RUNNING.value
+                # Two inputs, each charged the longest (one block), and no output on top.
+                assert running["reservation_tokens"] == 2 * BLOCK
+                assert running["prompt_tokens"] == BLOCK + 3
+                snap = ledger.snapshot(NODE)
+                assert snap is not None
+                (lease,) = snap.leases
+                assert (lease.tokens, snap.batch_in_use) == (2 * BLOCK, 2 * BLOCK)
+                assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
+                end = time.monotonic() + 20
+                while _row(repo, job)["state"] != ItemState.SUCCEEDED.value:
+                    assert time.monotonic() < end, _row(repo, job)
+                    await asyncio.sleep(0.05)
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(scenario())
+
+        assert engine.cancelled == 1
+        ((first, sent, priority), (second, resent, _)) = engine.calls
+        assert (sent, resent) == (body, body)  # from the start: nothing partial to continue
+        assert priority == DispatchConfig(node=NODE).batch_priority
+        assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
+        done = _row(repo, job)
+        assert (done["attempt"], done["preemptions"]) == (2, 1)
+        assert (done["partial_output"], done["partial_tokens"]) == (None, 0)
+        result = json.loads(done["result"])
+        assert result["object"] == "list"
+        assert result["model"] == "m"
+        assert [d["index"] for d in result["data"]] == [0, 1]
+        assert result["usage"] == {"prompt_tokens": BLOCK + 3, "total_tokens": BLOCK + 3}
+        assert (dispatcher.stats.preempted, dispatcher.stats.succeeded) == (1, 1)
+        assert dispatcher.stats.reservation_violations == 0
+        snap = ledger.snapshot(NODE)
+        assert snap is not None
+        assert snap.batch_in_use == 0
+    finally:
+        ledger.close()
+        repo.close()
