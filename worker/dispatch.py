@@ -16,6 +16,11 @@ Interactive load takes precedence in two ways: it shrinks the slack (fewer new i
 ledger preempts running batch leases, which reaches this loop as a pub/sub notice (or, if the
 notice is lost, as the lease's heartbeat status). A preempted item is aborted in the engine
 (closing its stream frees its KV blocks), keeps its partial output, and resumes later from it.
+
+What to claim, check, start, stop, retry or fail is decided by the plans of
+``backfill.dispatch``, pure functions over a view of this dispatcher (:meth:`NodeDispatcher.view`);
+this module gathers the view, asks them, and carries the answers out: engine calls, Postgres and
+ledger writes.
 """
 
 from __future__ import annotations
@@ -28,10 +33,42 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from backfill.clock import HostClock, SharedClock, redis_time
+from backfill.dispatch import (
+    CheckedItem,
+    DispatchConfig,
+    EngineAbsent,
+    Expire,
+    Fail,
+    FailureKind,
+    FlightView,
+    GiveBack,
+    Leased,
+    Limits,
+    NodeView,
+    StopAction,
+    StopReason,
+    after_reserve,
+    after_stop,
+    budget_opened,
+    budget_signals,
+    claim_size,
+    engine_refusal,
+    fit_starts,
+    heartbeat_stop,
+    judge,
+    over_limit,
+    reserve_request,
+    retry_or_fail,
+    running_mean,
+    stalled,
+    start_room,
+    ttft_victims,
+)
 from backfill.engine.http import read_engine_scheduler
 from backfill.engine.protocol import (
     Endpoint,
@@ -49,27 +86,13 @@ from backfill.errors import (
     StaleWrite,
     StoreUnavailable,
 )
-from backfill.ledger import (
-    AsyncLedger,
-    Denial,
-    Lease,
-    LeaseStatus,
-    PartialBatchError,
-    ReserveRequest,
-)
+from backfill.ledger import AsyncLedger, Denial, Lease, PartialBatchError
 from backfill.observe import observed_non_batch
-from backfill.policy import ServiceClass
 from backfill.prefill import PromptCount, prefill_plan
-from backfill.refusals import InvalidRequest
-from backfill.results import http_error_record
 from backfill.states import ItemState
-from backfill.store import ClaimedItem, Finish, Repository, Start
+from backfill.store import ClaimedItem, Finish, Repository
 from backfill.work_budget import (
     WorkBudget,
-    WorkBudgetPolicy,
-    WorkSignals,
-    admissible,
-    budget_victims,
     describe,
     step,
 )
@@ -80,8 +103,10 @@ from backfill.work_signals import (
     publish_budget,
     read_signals,
 )
-from worker.prepare import Prepared, RunPlan, over_limit, run_plan, seconds_needed
+from worker.prepare import RunPlan, run_plan
 from worker.response import ResponseAssembler
+
+__all__ = ["DispatchConfig", "DispatchStats", "NodeDispatcher"]
 
 log = logging.getLogger("backfill.worker")
 
@@ -91,75 +116,6 @@ RESULT_RETRY_MAX_S = 10.0
 # Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
 # unstarted is not counted again when it is claimed again.
 _COUNTED_KEPT = 65_536
-
-
-ENGINE_GAUGE_LAG_S = 2.0
-"""How stale the engine's ``num_requests_waiting`` may be against this worker's own view of its
-batch (one engine step on a loaded CPU, plus the metrics read)."""
-
-
-def _prefilling(active: list[_InFlight]) -> int:
-    """Prompt tokens of the items still awaiting their first token: what counts against the
-    work budget's prefill room."""
-    return sum(f.prefill_tokens for f in active if f.first_token_at is None)
-
-
-@dataclass(frozen=True)
-class DispatchConfig:
-    """How one node's dispatcher behaves."""
-
-    node: str
-    claim_batch: int = 64
-    max_in_flight: int = 128
-    """Sequences in flight at most (the engine's own ``--max-num-seqs`` is the other cap)."""
-    lease_ttl_s: float = 30.0
-    heartbeat_interval_s: float = 5.0
-    idle_poll_s: float = 0.5
-    batch_priority: int = 10
-    """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
-    stream_interval: int = 1
-    """Output tokens per streamed chunk asked of the engine (1: every token)."""
-    max_preemptions: int = 3
-    """At this many preemptions an item reserves as non-preemptible (no thrashing)."""
-    max_attempts: int = 5
-    """An item whose attempts keep failing (engine errors, crashes) fails after this many."""
-    grace_s: float = 30.0
-    """On stop, how long in-flight items may finish before they are aborted and requeued."""
-    result_flush_s: float = 0.05
-    decode_tokens_per_s: float = 20.0
-    """Per-sequence decode rate assumed until one is measured (deadline feasibility)."""
-    prefill_tokens_per_s: float = 1000.0
-    settle_every_tokens: int = 32
-    """An item's progress is reported to the ledger once it grew by this many tokens..."""
-    settle_interval_s: float = 1.0
-    """...at the next of these intervals, for every such item of the node in one round trip
-    (``settle_many``). One call per item per 32 tokens was ~9 Redis calls per 300-token item,
-    ~90,000 calls/s for a 1,000-node fleet (``bench.fleet``); progress only steers the choice
-    of preemption victims, which a second-old figure serves as well."""
-    tokenize_concurrency: int = 8
-    """Prompt counts asked of the engine at once. vLLM's ``/tokenize`` serves a few
-    concurrent requests best: on 2 cores, 8 at once counted ~150-220 prompts/s and 64 at once
-    ~40-70/s (both httpx and the server slow down with many connections), and a claim's items
-    start only once all of them are counted."""
-    observe_interval_s: float = 1.0
-    """How often the engine's non-batch KV use is reported to the ledger (``backfill.observe``);
-    0 turns it off."""
-    work_budget: WorkBudgetPolicy | None = None
-    """The batch work budget's controller (``backfill.work_budget``); None: no work budget,
-    only ``max_in_flight`` and the KV slack bound batch."""
-    budget_interval_s: float = 0.25
-    """How often the work budget is stepped from fresh signals."""
-    signal_ttl_s: float = 3.0
-    """Gateway signals older than this are ignored (the gateway that wrote them is gone)."""
-    scheduler_metrics_url: str | None = None
-    """Where the engine's step scheduler (``backfill_vllm``) serves its metrics. While they
-    answer, the engine pauses batch itself and the work budget preempts nothing for TTFT."""
-    scheduler_poll_s: float = 5.0
-    stall_timeout_s: float = 120.0
-    """An attempt whose stream sent nothing for this long while its engine made no progress
-    at all (no token prefilled or generated for anyone) is stopped as an engine error: a hung
-    engine must not hold items and leases until their deadlines. Waiting behind interactive
-    work is not a stall: the engine is busy then. 0 turns the watch off."""
 
 
 @dataclass
@@ -180,14 +136,35 @@ class _InFlight:
     text: dict[int, list[str]] = field(default_factory=dict)
     answer: ResponseAssembler | None = None
     """This attempt's stream, folded into the non-streaming body as it arrives."""
-    stop_reason: str | None = None
-    """Why the dispatcher cancelled it: preempted, lease_lost, claim_lost, stalled, shutdown."""
+    stop_reason: StopReason | None = None
+    """Why the dispatcher cancelled it."""
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     """Until its first token the item is in prefill: it counts against the work budget's
     prefill tokens."""
     last_chunk_at: float = field(default_factory=time.monotonic)
     """When the engine last sent anything for it (the stall watch's clock)."""
+
+    def view(self) -> FlightView:
+        """This attempt as the plans see it."""
+        lease = self.lease
+        return FlightView(
+            item_id=self.item.id,
+            attempt=self.item.attempt,
+            lease_id=lease.lease_id,
+            tokens=lease.tokens,
+            deadline_ms=lease.deadline_ms,
+            preemptible=lease.preemptible,
+            prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
+            generated=self.generated,
+            kept=self.run.kept,
+            started_s=self.started,
+            first_token_at=self.first_token_at,
+            last_chunk_at=self.last_chunk_at,
+            stopping=self.stop_reason is not None,
+            generating=self.task is not None and not self.task.done(),
+        )
 
 
 @dataclass
@@ -210,20 +187,6 @@ class DispatchStats:
     """Attempts the engine says held more KV than their lease (must stay 0)."""
     stalls: int = 0
     """Attempts stopped because their engine made no progress at all for the stall timeout."""
-
-
-def _backoff_s(attempt: int) -> float:
-    """How long an item whose attempt failed on its own account waits before the next."""
-    return float(min(0.25 * 2 ** max(attempt - 1, 0), 5.0))
-
-
-def _error_json(code: str, message: str) -> str:
-    return json.dumps({"code": code, "message": message})
-
-
-def _refused_json(exc: EngineRejected, code: str = "engine_rejected") -> str:
-    """An engine's 4xx as the error file writes HTTP errors (its own error object kept)."""
-    return http_error_record(exc.status, code, exc.message, error=exc.error)
 
 
 class NodeDispatcher:
@@ -345,6 +308,22 @@ class NodeDispatcher:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def view(self, budget: WorkBudget | None = None) -> NodeView:
+        """What the plans know of this dispatcher now (``budget``: the work budget to judge
+        by, if not the current one)."""
+        return NodeView(
+            flights=tuple(f.view() for f in self._in_flight.values()),
+            budget=self.work_budget if budget is None else budget,
+            engine_suspect=self._engine_suspect,
+            typical_reservation=self._typical_reservation,
+            typical_prompt=self._typical_prompt,
+        )
+
+    def _flights(self, views: Iterable[FlightView]) -> list[_InFlight]:
+        """The attempts ``views`` show, those still held."""
+        held = ((v, self._in_flight.get(v.item_id)) for v in views)
+        return [f for v, f in held if f is not None and f.lease.lease_id == v.lease_id]
+
     async def _engine_answers(self) -> bool:
         try:
             await self.engine.models()
@@ -366,7 +345,7 @@ class NodeDispatcher:
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for flight in list(self._in_flight.values()):
-            self._cancel(flight, "shutdown")
+            self._cancel(flight, StopReason.SHUTDOWN)
         tasks = [f.task for f in self._in_flight.values() if f.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -380,14 +359,9 @@ class NodeDispatcher:
         """Claim, check, reserve and start what the node has room for; returns how many items
         it started or settled (0: nothing to do now, and the caller waits)."""
         cfg = self.config
-        room = cfg.max_in_flight - len(self._in_flight)
         budget = self.work_budget
-        if budget is not None:
-            if budget.hold:
-                return 0
-            room = min(room, budget.max_seqs - len(self._active()))
-        if self._engine_suspect:
-            room = min(room, 1 - len(self._in_flight))
+        view = self.view(budget)
+        room = start_room(view.load, budget, cfg.max_in_flight, engine_suspect=view.engine_suspect)
         if room <= 0:
             return 0
         if self._engine_down and not await self._engine_answers():
@@ -395,28 +369,12 @@ class NodeDispatcher:
             # spending one of their attempts, for as long as the engine is down.
             return 0
         snap = await self.ledger.snapshot(cfg.node)
-        if snap is None or not snap.ready or snap.slack < self.block_size:
+        if snap is None or not snap.ready:
             return 0
-        # Claim no more than the slack could take, judged by recent reservations, so a busy
-        # node does not churn items through claim -> deferred.
-        want = min(room, cfg.claim_batch)
-        if self._typical_reservation:
-            fit = snap.slack // self._typical_reservation
-            if fit == 0 and self._in_flight:
-                # Less slack than one typical reservation while leases are held: the claim
-                # would be deferred at reserve time (a retry delay for the item, writes for
-                # Postgres) and requeued. A lease ending frees slack and wakes the loop.
-                return 0
-            want = max(1, min(want, fit))
-        if budget is not None and self._typical_prompt:
-            # Nor more than the work budget's prefill room could start: a claim it cuts short
-            # goes back to the queue, and claiming it again costs Postgres writes each time.
-            active = self._active()
-            want = admissible(
-                budget, len(active), _prefilling(active), [self._typical_prompt] * want
-            )
-            if want == 0:
-                return 0  # woken when a prefill ends (first token) or an item finishes
+        # Woken when a lease ends, a prefill ends (first token) or an item finishes.
+        want = claim_size(self.view(budget), room, cfg.claim_batch, snap.slack, self.block_size)
+        if want == 0:
+            return 0
         if self._engine_down:
             return 0  # a stream broke while the snapshot was read: the engine may be gone
         claiming = time.monotonic()
@@ -438,70 +396,41 @@ class NodeDispatcher:
 
     async def _check(
         self, claimed: list[ClaimedItem], claiming: float | None = None
-    ) -> list[Prepared]:
+    ) -> list[CheckedItem]:
         """Exact prompt tokens of what each item will run, class limit and deadline, before
         any engine work. Deadlines are judged on Postgres' clock: the time left at the claim
         (asked at ``claiming``, monotonic; now if not given) less the time counting took."""
         if claiming is None:
             claiming = time.monotonic()
-        prepared = await asyncio.gather(
-            *(self._prepare(c) for c in claimed), return_exceptions=True
+        counted = await asyncio.gather(*(self._prepare(c) for c in claimed), return_exceptions=True)
+        limits = Limits(
+            max_sequence_tokens=self.max_sequence_tokens,
+            max_attempts=self.config.max_attempts,
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
+            decode_tokens_per_s=self._decode_rate,
         )
-        ready: list[Prepared] = []
-        for item, outcome in zip(claimed, prepared, strict=True):
-            if isinstance(outcome, EngineRejected):
-                await self._fail_claimed(item, _refused_json(outcome, "invalid_request"))
-                continue
-            if isinstance(outcome, InvalidRequest):
-                refusal = http_error_record(400, outcome.code, outcome.message, param=outcome.param)
-                await self._fail_claimed(item, refusal)
-                continue
-            if isinstance(outcome, EngineUnavailable):
-                # The engine could not count (down, overloaded): give the item back untouched.
-                self._engine_down = True
-                await self._give_back(item, ItemState.QUEUED, f"tokenize failed: {outcome}")
-                continue
+        ready: list[CheckedItem] = []
+        for item, outcome in zip(claimed, counted, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
-            if isinstance(outcome, BaseException):
-                # Not the engine's absence but something about this item: it fails the same
-                # way each time it is tried, so it counts against the item's attempts.
-                await self._retry_or_fail(item, f"the prompt could not be counted: {outcome!r}")
-                continue
-            refused = over_limit(outcome.count, outcome.max_output, self.max_sequence_tokens)
-            if refused is not None:
-                await self._fail_claimed(
-                    item, http_error_record(400, "context_length_exceeded", refused)
-                )
-                continue
-            need_s = seconds_needed(outcome, self.config.prefill_tokens_per_s, self._decode_rate)
             left_s = item.deadline_left_s - (time.monotonic() - claiming)
-            if need_s > left_s:
-                reason = (
-                    f"needs about {need_s:.1f} s at {self._decode_rate:.1f} tokens/s; "
-                    f"{max(left_s, 0):.1f} s left before the deadline"
-                )
+            verdict = judge(item, outcome, limits, left_s)
+            if isinstance(verdict, CheckedItem):
+                ready.append(verdict)
+            elif isinstance(verdict, EngineAbsent):
+                self._engine_down = True
+                await self._settle_claimed(item, verdict.give_back)
+            elif isinstance(verdict, Expire):
                 with contextlib.suppress(StaleWrite):
-                    await asyncio.to_thread(self.repo.expire_claimed, item.id, item.attempt, reason)
+                    await asyncio.to_thread(
+                        self.repo.expire_claimed, item.id, item.attempt, verdict.reason
+                    )
                 self.stats.expired += 1
-                continue
-            ready.append(outcome)
+            else:
+                await self._settle_claimed(item, verdict)
         return ready
 
-    async def _retry_or_fail(self, item: ClaimedItem, error: str) -> None:
-        """A claimed item whose attempt failed for a reason of its own: back off and try
-        again (a poison item must not hold the head of the queue), failing at the cap."""
-        if item.attempt >= self.config.max_attempts:
-            await self._fail_claimed(
-                item,
-                _error_json(
-                    "retries_exhausted", f"{item.attempt} attempts failed; last error: {error}"
-                ),
-            )
-            return
-        await self._give_back(item, ItemState.QUEUED, error, _backoff_s(item.attempt))
-
-    async def _prepare(self, item: ClaimedItem) -> Prepared:
+    async def _prepare(self, item: ClaimedItem) -> CheckedItem:
         """Decide what ``item`` runs and count it exactly. A continuation the class limit
         would refuse (its re-tokenized partial output came out longer) runs from the start."""
         run = run_plan(item)
@@ -517,7 +446,7 @@ class NodeDispatcher:
             if original is not None
             else item.prompt_tokens or max(count.total - run.kept, 0)
         )
-        return Prepared(item, run, count, prompt_tokens)
+        return CheckedItem(item, run, count, prompt_tokens)
 
     async def _count_original(self, item: ClaimedItem, body: dict[str, Any]) -> PromptCount:
         """The count of an item's own request: stored by an earlier attempt (one sequence)
@@ -539,33 +468,19 @@ class NodeDispatcher:
         plan = prefill_plan(endpoint, body)
         async with self._tokenize_slots:
             count = await count_prefill(self.engine, plan, self.model or str(body.get("model")))
-        self._typical_prompt = (
-            count.total
-            if not self._typical_prompt
-            else (3 * self._typical_prompt + count.total) // 4
-        )
+        self._typical_prompt = running_mean(self._typical_prompt, count.total)
         return count
 
-    async def _reserve_and_start(self, ready: list[Prepared]) -> int:
+    async def _reserve_and_start(self, ready: list[CheckedItem]) -> int:
         cfg = self.config
-        ready = await self._fit_to_slack(ready)
-        if not ready:
+        fits = await self._fit_to_slack(ready)
+        if not fits:
             return 0
         requests = [
-            ReserveRequest(
-                node=cfg.node,
-                service_class=ServiceClass.BATCH,
-                # What this run prefills (a continuation's prompt carries its partial
-                # output) and what it may still generate, for every sequence it creates.
-                prompt_tokens=p.count.longest,
-                max_output_tokens=p.max_output,
-                n=p.count.sequences,
-                owner=f"{cfg.node}/{p.item.id}/{p.item.attempt}",
-                preemptible=p.item.preemptions < cfg.max_preemptions,
-                deadline_ms=int(p.item.deadline.timestamp() * 1000),
-                ttl_ms=int(cfg.lease_ttl_s * 1000),
+            reserve_request(
+                c, cfg.node, max_preemptions=cfg.max_preemptions, lease_ttl_s=cfg.lease_ttl_s
             )
-            for p in ready
+            for c in fits
         ]
         try:
             outcomes: list[Lease | Denial | BaseException] = list(
@@ -576,132 +491,90 @@ class NodeDispatcher:
             # others back below.
             outcomes = list(exc.results)  # type: ignore[arg-type]
         except LedgerError:
-            for p in ready:
-                await self._give_back(p.item, ItemState.QUEUED, "ledger unavailable")
+            for c in fits:
+                await self._settle_claimed(c.item, GiveBack("ledger unavailable"))
             raise
-        starts: list[Start] = []
-        leased: dict[int, tuple[Prepared, Lease]] = {}
-        for prepared, outcome in zip(ready, outcomes, strict=True):
-            item = prepared.item
+        leased: dict[int, Leased] = {}
+        for checked, outcome in zip(fits, outcomes, strict=True):
+            item = checked.item
+            verdict = after_reserve(outcome)
+            if isinstance(verdict, Lease):
+                self._typical_reservation = running_mean(self._typical_reservation, verdict.tokens)
+                leased[item.id] = Leased(checked, verdict)
+                continue
             if isinstance(outcome, BaseException):
                 log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
-                await self._give_back(item, ItemState.QUEUED, f"reserve failed: {outcome}")
-                continue
-            if isinstance(outcome, Denial):
-                if outcome.permanent:
-                    await self._fail_claimed(
-                        item, _error_json("reservation_refused", str(outcome.reason))
-                    )
-                else:
-                    retry = outcome.retry_after_s or 1.0
-                    await self._give_back(
-                        item, ItemState.DEFERRED, f"no slack: {outcome.reason}", retry
-                    )
-                continue
-            self._typical_reservation = (
-                outcome.tokens
-                if not self._typical_reservation
-                else (3 * self._typical_reservation + outcome.tokens) // 4
-            )
-            starts.append(
-                Start(
-                    item.id,
-                    item.attempt,
-                    outcome.lease_id,
-                    outcome.fencing_token,
-                    outcome.tokens,
-                    prepared.prompt_tokens,
-                )
-            )
-            leased[item.id] = (prepared, outcome)
-        if not starts:
+            await self._settle_claimed(item, verdict)
+        if not leased:
             return 0
+        starts = [x.start() for x in leased.values()]
         applied = set(await asyncio.to_thread(self.repo.start_many, starts, cfg.lease_ttl_s))
-        orphans = [lease for i, (_, lease) in leased.items() if i not in applied]
+        orphans = [x.lease for i, x in leased.items() if i not in applied]
         if orphans:
             # Their claims moved on (cancelled, reaped) between claim and start.
             await self.ledger.release_many(orphans)
         for item_id in applied:
-            prepared, lease = leased[item_id]
-            item, run = prepared.item, prepared.run
-            flight = _InFlight(
-                item=item,
-                lease=lease,
-                endpoint=item.endpoint,
-                run=run,
-                prompt_tokens=prepared.prompt_tokens,
-                prefill_tokens=prepared.count.total,
-                # Progress of earlier attempts is this one's from the start: a preemption
-                # before its first token must keep it, not store zero.
-                generated=run.kept,
-                text={0: [item.partial_output]} if run.kept and item.partial_output else {},
-            )
-            self._in_flight[item.id] = flight
-            self._by_lease[lease.lease_id] = item.id
-            if self._early_preemptions.pop(lease.lease_id, None) is not None:
-                # Preempted before it started: keep its progress, requeue it, no engine work.
-                flight.stop_reason = "preempted"
-                flight.task = asyncio.create_task(self._stopped(flight), name=f"item-{item.id}")
-                continue
-            flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
-            flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
+            self._launch(leased[item_id])
         self.stats.started += len(applied)
         return len(applied)
 
-    async def _fit_to_slack(self, ready: list[Prepared]) -> list[Prepared]:
-        """The prefix of ``ready`` (in the claim's order: fair share, then deadlines) that the
-        node's slack can take now; the rest goes back to the queue at once, in one write (no
-        deferral churn)."""
+    def _launch(self, leased: Leased) -> None:
+        """Register a started attempt and run it (or, preempted already, stop it at once)."""
+        checked, lease = leased.checked, leased.lease
+        item, run = checked.item, checked.run
+        flight = _InFlight(
+            item=item,
+            lease=lease,
+            endpoint=item.endpoint,
+            run=run,
+            prompt_tokens=checked.prompt_tokens,
+            prefill_tokens=checked.count.total,
+            # Progress of earlier attempts is this one's from the start: a preemption before
+            # its first token must keep it, not store zero.
+            generated=run.kept,
+            text={0: [item.partial_output]} if run.kept and item.partial_output else {},
+        )
+        self._in_flight[item.id] = flight
+        self._by_lease[lease.lease_id] = item.id
+        if self._early_preemptions.pop(lease.lease_id, None) is not None:
+            # Preempted before it started: keep its progress, requeue it, no engine work.
+            flight.stop_reason = StopReason.PREEMPTED
+            flight.task = asyncio.create_task(self._stopped(flight), name=f"item-{item.id}")
+            return
+        flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
+        flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
+
+    async def _fit_to_slack(self, ready: list[CheckedItem]) -> list[CheckedItem]:
+        """What of ``ready`` the node's slack and work budget take now
+        (``backfill.dispatch.fit_starts``); the rest goes back to the queue at once, in one
+        write (no deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
-        fits: list[Prepared] = []
-        used = 0
-        for prepared in ready:
-            need = prepared.reservation(self.block_size)
-            # The first item goes to the ledger even when it looks too big only if the node
-            # holds nothing (the slack may have grown; a denial then says why); with leases
-            # held it goes back to the queue at once instead of being deferred.
-            if used + need > slack and (fits or self._in_flight):
-                break
-            fits.append(prepared)
-            used += need
-        budgeted = self._fit_to_budget(fits)
-        detail = "work budget full" if len(budgeted) < len(fits) else "slack full"
-        fits = budgeted
-        rest = ready[len(fits) :]
-        if rest:
+        plan = fit_starts(ready, self.view(), slack, self.block_size)
+        if plan.rest:
             await asyncio.to_thread(
-                self.repo.unclaim, [(p.item.id, p.item.attempt) for p in rest], detail
+                self.repo.unclaim, [(c.item.id, c.item.attempt) for c in plan.rest], plan.detail
             )
-        return fits
+        return list(plan.fits)
 
-    def _fit_to_budget(self, fits: list[Prepared]) -> list[Prepared]:
-        """The prefix of ``fits`` the work budget lets start now."""
-        budget = self.work_budget
-        if budget is None:
-            return fits
-        active = self._active()
-        prompts = [p.count.total for p in fits]
-        return fits[: admissible(budget, len(active), _prefilling(active), prompts)]
-
-    async def _fail_claimed(self, item: ClaimedItem, error: str) -> None:
-        with contextlib.suppress(StaleWrite):
-            await asyncio.to_thread(self.repo.fail, item.id, item.attempt, error)
-        self.stats.failed += 1
-
-    async def _give_back(
-        self, item: ClaimedItem, target: ItemState, detail: str, retry_after_s: float = 0.0
-    ) -> None:
+    async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail) -> None:
+        """Write what becomes of a claimed item that does not start (fenced by its attempt:
+        nothing to do if its claim moved on meanwhile)."""
+        if isinstance(outcome, Fail):
+            with contextlib.suppress(StaleWrite):
+                await asyncio.to_thread(self.repo.fail, item.id, item.attempt, outcome.error)
+            self.stats.failed += 1
+            return
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
                 self.repo.give_back,
                 item.id,
                 item.attempt,
-                target,
-                retry_after_s=retry_after_s or None,
-                detail=detail,
+                outcome.state,
+                retry_after_s=outcome.retry_after_s or None,
+                detail=outcome.detail,
             )
-        if target is ItemState.DEFERRED:
+        if outcome.state is ItemState.DEFERRED:
             self.stats.deferred += 1
 
     # -----------------------------------------------------------------------------------------
@@ -769,7 +642,7 @@ class NodeDispatcher:
                         completion += sum(1 for c in chunk.choices if c.text)
                     flight.generated = done + completion
         except EngineRejected as exc:
-            await self._finish(flight, ItemState.FAILED, error=_refused_json(exc))
+            await self._finish(flight, ItemState.FAILED, error=engine_refusal(exc))
             return
         except (EngineError, OSError) as exc:
             await self._engine_trouble(flight, exc)
@@ -808,26 +681,22 @@ class NodeDispatcher:
         """An attempt broke on something of the worker's or the item's (not the engine's):
         requeue it with backoff, or fail it at the attempt cap; release and forget it."""
         item = flight.item
+        outcome = retry_or_fail(item.attempt, self.config.max_attempts, FailureKind.WORKER, exc)
         try:
-            if item.attempt >= self.config.max_attempts:
+            if isinstance(outcome, Fail):
                 with contextlib.suppress(StaleWrite):
                     await asyncio.to_thread(
                         functools.partial(
                             self.repo.fail,
                             item.id,
                             item.attempt,
-                            _error_json(
-                                "retries_exhausted",
-                                f"{item.attempt} attempts failed; last error: {exc!r}",
-                            ),
+                            outcome.error,
                             fencing_token=flight.lease.fencing_token,
                         )
                     )
                 self.stats.failed += 1
             else:
-                await self._requeue(
-                    flight, f"worker error: {exc!r}", retry_after_s=_backoff_s(item.attempt)
-                )
+                await self._requeue(flight, outcome)
         except Exception:
             # Postgres is out too: the claim expires and the reaper requeues the item.
             log.exception("node %s: item %s not requeued", self.config.node, item.id)
@@ -894,9 +763,10 @@ class NodeDispatcher:
     async def _stopped(self, flight: _InFlight) -> None:
         """The task was cancelled by the dispatcher: keep the progress where that is ours."""
         item, lease = flight.item, flight.lease
-        reason = flight.stop_reason or "shutdown"
+        reason = flight.stop_reason or StopReason.SHUTDOWN
         try:
-            if reason == "preempted":
+            action = after_stop(reason)
+            if action is StopAction.PREEMPT:
                 await asyncio.to_thread(
                     self.repo.preempt,
                     item.id,
@@ -906,9 +776,9 @@ class NodeDispatcher:
                     partial_tokens=flight.generated,
                 )
                 self.stats.preempted += 1
-            elif reason in ("shutdown", "lease_lost"):
-                await self._requeue(flight, reason)
-            elif reason == "stalled":
+            elif action is StopAction.REQUEUE:
+                await self._requeue(flight, GiveBack(reason.value))
+            elif action is StopAction.ENGINE_FAULT:
                 await self._engine_trouble(
                     flight,
                     EngineUnavailable(
@@ -917,7 +787,7 @@ class NodeDispatcher:
                     ),
                 )
                 return
-            # claim_lost: the item was cancelled, expired or reaped; nothing of ours to write.
+            # NOTHING (claim lost): the item was cancelled, expired or reaped.
         except StaleWrite:
             pass
         finally:
@@ -937,24 +807,16 @@ class NodeDispatcher:
             item.attempt,
             exc,
         )
-        if item.attempt >= self.config.max_attempts:
-            await self._finish(
-                flight,
-                ItemState.FAILED,
-                error=_error_json(
-                    "retries_exhausted",
-                    f"the engine failed {item.attempt} attempts; last error: {exc}",
-                ),
-            )
+        outcome = retry_or_fail(item.attempt, self.config.max_attempts, FailureKind.ENGINE, exc)
+        if isinstance(outcome, Fail):
+            await self._finish(flight, ItemState.FAILED, error=outcome.error)
             return
         try:
-            await self._requeue(flight, f"engine error: {exc}")
+            await self._requeue(flight, outcome)
         finally:
             await self._release(flight)
 
-    async def _requeue(
-        self, flight: _InFlight, detail: str, *, retry_after_s: float | None = None
-    ) -> None:
+    async def _requeue(self, flight: _InFlight, outcome: GiveBack) -> None:
         """running -> queued for ``flight``'s attempt, its progress kept (nothing to do if
         its claim moved on meanwhile)."""
         item = flight.item
@@ -967,8 +829,8 @@ class NodeDispatcher:
                     flight.lease.fencing_token,
                     partial_output=self._partial(flight),
                     partial_tokens=flight.generated,
-                    detail=detail,
-                    retry_after_s=retry_after_s,
+                    detail=outcome.detail,
+                    retry_after_s=outcome.retry_after_s,
                 )
             )
             self.stats.requeued += 1
@@ -1012,7 +874,7 @@ class NodeDispatcher:
             self._cleanups.add(cleanup)
             cleanup.add_done_callback(self._cleanups.discard)
 
-    def _cancel(self, flight: _InFlight, reason: str) -> bool:
+    def _cancel(self, flight: _InFlight, reason: StopReason) -> bool:
         """Stop a generating item's task for ``reason``; False when there was nothing to stop
         (already done or already being stopped)."""
         if flight.task is not None and not flight.task.done() and flight.stop_reason is None:
@@ -1107,23 +969,21 @@ class NodeDispatcher:
             except StoreUnavailable:
                 held = {f.item.id for f in flights}
             for flight in flights:
-                if flight.item.id not in held:
-                    self._cancel(flight, "claim_lost")
-                    continue
-                try:
-                    beat = await self.ledger.heartbeat(
-                        cfg.node,
-                        flight.lease.lease_id,
-                        flight.lease.fencing_token,
-                        ttl_ms=int(cfg.lease_ttl_s * 1000),
-                    )
-                except BackfillError:
-                    continue
-                if beat.status is LeaseStatus.PREEMPTED:
-                    self._cancel(flight, "preempted")
-                elif beat.status in (LeaseStatus.EXPIRED, LeaseStatus.FENCED):
-                    # No reservation covers this request any more: stop engine work at once.
-                    self._cancel(flight, "lease_lost")
+                status = None
+                if flight.item.id in held:
+                    try:
+                        beat = await self.ledger.heartbeat(
+                            cfg.node,
+                            flight.lease.lease_id,
+                            flight.lease.fencing_token,
+                            ttl_ms=int(cfg.lease_ttl_s * 1000),
+                        )
+                    except BackfillError:
+                        continue
+                    status = beat.status
+                reason = heartbeat_stop(flight.item.id in held, status)
+                if reason is not None:
+                    self._cancel(flight, reason)
 
     async def _observe(self) -> None:
         """Tell the ledger how much of the engine's KV cache batch does not account for:
@@ -1204,8 +1064,9 @@ class NodeDispatcher:
             now = time.monotonic()
             if seen is not None and seen != progress:
                 progress, progressed_at = seen, now
-            for flight in stalled(self._running(), progressed_at, now, timeout):
-                if self._cancel(flight, "stalled"):
+            stuck = stalled(self.view().running, progressed_at, now, timeout)
+            for flight in self._flights(stuck):
+                if self._cancel(flight, StopReason.STALLED):
                     self.stats.stalls += 1
                     self._engine_suspect = True
                     log.warning(
@@ -1216,15 +1077,6 @@ class NodeDispatcher:
                         flight.item.attempt,
                         now - flight.last_chunk_at,
                     )
-
-    def _active(self) -> list[_InFlight]:
-        """In-flight items not being stopped: what counts against the work budget."""
-        return [f for f in self._in_flight.values() if f.stop_reason is None]
-
-    def _running(self) -> list[_InFlight]:
-        """Active items still generating (not done and waiting for their result to be
-        written): the only ones a preemption can stop."""
-        return [f for f in self._active() if f.task is not None and not f.task.done()]
 
     async def _control_budget(self) -> None:
         """Step the work budget from fresh signals, preempt what it says, publish it."""
@@ -1265,72 +1117,57 @@ class NodeDispatcher:
         except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
             log.debug("node %s: no engine load: %s", cfg.node, exc)
             engine_waiting = None
-        active = self._active()
-        awaiting = [f for f in active if f.first_token_at is None]
-        # The gauge is as old as the engine's last step, and the read itself takes a while:
-        # batch whose first token came since may still be counted in it as waiting.
-        started_since_read = sum(
-            1
-            for f in active
-            if f.first_token_at is not None and f.first_token_at >= read_at - ENGINE_GAUGE_LAG_S
-        )
+        view = self.view(before)
+        awaiting = sum(1 for f in view.active if f.first_token_at is None)
         try:
             others_awaiting = await exchange_batch_awaiting(
                 self.ledger.client,
                 self.ledger.keys,
                 cfg.node,
                 self._worker_id,
-                len(awaiting),
+                awaiting,
                 max(1.0, 4 * cfg.budget_interval_s),
                 now,
             )
         except Exception as exc:  # Redis trouble: as if this worker were the node's only one
             log.debug("node %s: other workers' batch not read: %s", cfg.node, exc)
             others_awaiting = 0
-        decision = step(
-            before,
-            WorkSignals(
-                now_s=now,
-                interactive_waiting=seen.waiting,
-                interactive_prefilling=seen.prefilling,
-                oldest_pending_since_s=seen.oldest_pending_since_s,
-                ttfts=seen.ttfts,
-                engine_waiting=engine_waiting,
-                batch_in_flight=len(active),
-                batch_awaiting_first_token=len(awaiting),
-                other_batch_awaiting_first_token=others_awaiting,
-                batch_started_since_engine_read=started_since_read,
-            ),
-            policy,
+        signals = budget_signals(
+            view,
+            seen,
+            now_s=now,
+            engine_waiting=engine_waiting,
+            engine_read_at=read_at,
+            other_batch_awaiting=others_awaiting,
         )
+        decision = step(before, signals, policy)
         budget = self.work_budget = decision.budget
         if decision.changed:
             log.info("node %s: work budget %s", cfg.node, describe(budget))
-        if decision.preempt and self.engine_scheduler is not None:
-            # The engine pauses batch in the steps interactive work needs (its scheduler):
-            # preempting would only throw batch work away.
+        pauses = self.engine_scheduler is not None
+        if decision.preempt and pauses:
             log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
-        elif decision.preempt:
-            victims = budget_victims((_FlightVictim(f) for f in self._running()), decision.preempt)
-            stopped = sum(self._cancel(victim.flight, "preempted") for victim in victims)
-            self.stats.budget_preemptions += stopped
-            if stopped:
-                log.info(
-                    "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
-                    cfg.node,
-                    stopped,
-                    decision.reason,
-                )
-        if (before.hold and not budget.hold) or budget.max_seqs > before.max_seqs:
+        victims = ttft_victims(decision.preempt, pauses, self.view().running)
+        stopped = sum(self._cancel(f, StopReason.PREEMPTED) for f in self._flights(victims))
+        self.stats.budget_preemptions += stopped
+        if stopped:
+            log.info(
+                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
+                cfg.node,
+                stopped,
+                decision.reason,
+            )
+        if budget_opened(before, budget):
             self._room.set()
-        view = BudgetView.of(budget, len(active), _prefilling(active), now)
+        load = view.load
+        published = BudgetView.of(budget, load.active, load.prefilling, now)
         with contextlib.suppress(Exception):
             await publish_budget(
                 self.ledger.client,
                 self.ledger.keys,
                 cfg.node,
                 self._worker_id,
-                view,
+                published,
                 max(5.0, cfg.signal_ttl_s),
             )
 
@@ -1355,53 +1192,9 @@ class NodeDispatcher:
                         item_id = self._by_lease.get(lease_id)
                         flight = self._in_flight.get(item_id) if item_id is not None else None
                         if flight is not None:
-                            self._cancel(flight, "preempted")
+                            self._cancel(flight, StopReason.PREEMPTED)
                         elif item_id is None:
                             self._note_early_preemption(lease_id)
             except LedgerUnavailable as exc:
                 log.warning("node %s: preemption channel lost: %s", self.config.node, exc)
                 await asyncio.sleep(1.0)
-
-
-def stalled(
-    flights: list[_InFlight], progressed_at: float, now: float, timeout_s: float
-) -> list[_InFlight]:
-    """The attempts that heard nothing from the engine for ``timeout_s``, counted from their
-    last chunk or the engine's last progress, whichever came later."""
-    return [f for f in flights if now - max(f.last_chunk_at, progressed_at) > timeout_s]
-
-
-@dataclass(frozen=True)
-class _FlightVictim:
-    """An in-flight item as :func:`backfill.work_budget.budget_victims` sees a lease."""
-
-    flight: _InFlight
-
-    @property
-    def lease_id(self) -> str:
-        return self.flight.lease.lease_id
-
-    @property
-    def service_class(self) -> ServiceClass:
-        return ServiceClass.BATCH
-
-    @property
-    def tokens(self) -> int:
-        return self.flight.lease.tokens
-
-    @property
-    def generated_tokens(self) -> int:
-        # Output of this attempt only: a resumed item keeps what earlier attempts produced.
-        return self.flight.generated - self.flight.run.kept
-
-    @property
-    def started_at_ms(self) -> int:
-        return int(self.flight.started * 1000)
-
-    @property
-    def deadline_ms(self) -> int | None:
-        return self.flight.lease.deadline_ms
-
-    @property
-    def preemptible(self) -> bool:
-        return self.flight.lease.preemptible
