@@ -16,6 +16,7 @@ from backfill.dispatch import (
     budget_opened,
     budget_signals,
     heartbeat_stop,
+    prefilling,
     stalled,
     ttft_victims,
 )
@@ -208,6 +209,7 @@ class Watchers(DispatcherState):
             log.debug("node %s: no engine load: %s", cfg.node, exc)
             engine_waiting = None
         view = self.view(before)
+        active = self._flights(view.active)
         awaiting = sum(1 for f in view.active if f.first_token_at is None)
         try:
             others_awaiting = await exchange_batch_awaiting(
@@ -249,8 +251,9 @@ class Watchers(DispatcherState):
             )
         if budget_opened(before, budget):
             self._room.set()
-        load = view.load
-        published = BudgetView.of(budget, load.active, load.prefilling, now)
+        # These attempts as they are now: a first token may have come during the reads.
+        in_prefill = prefilling(tuple(f.view() for f in active))
+        published = BudgetView.of(budget, len(active), in_prefill, now)
         with contextlib.suppress(Exception):
             await publish_budget(
                 self.ledger.client,
