@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from backfill.clock import HostClock, SharedClock
-from backfill.dispatch import DispatchConfig, FlightView, NodeView, StopReason
+from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, StopReason
 from backfill.engine.protocol import Engine
 from backfill.engine_scheduler import EngineScheduler
 from backfill.errors import BackfillError
@@ -24,7 +24,6 @@ from backfill.ledger import AsyncLedger, Lease
 from backfill.prefill import PromptCount
 from backfill.store import ClaimedItem, Finish, Repository
 from backfill.work_budget import WorkBudget
-from worker.prepare import RunPlan
 from worker.response import ResponseAssembler
 
 
