@@ -11,8 +11,9 @@
 ``backfill-budget``  "Backfill + work budget": the real admission policy, with the worker's
               own work budget controller (:mod:`backfill.work_budget`) stepped every
               ``control_interval_s`` from the signals the worker reads (gateway waiting and
-              in prefill, recent TTFTs, the engine's queue), enforced and preempting as the
-              worker does.
+              in prefill, recent TTFTs, the engine's queue), enforced and preempting through
+              the worker's own plans (``backfill.dispatch``: ``start_room``, ``startable``,
+              ``ttft_victims``, ``preemptible``).
 ``backfill-step``  Backfill's engine scheduler class: the engine pauses batch inside the step
               while interactive work waits or prefills, caps batch prefill per step in step
               time, bounds starvation, and takes blocks from batch first
@@ -28,6 +29,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from backfill.dispatch import BatchLoad, preemptible, start_room, startable, ttft_victims
 from backfill.policy import (
     AdmissionRequest,
     ClassLimits,
@@ -38,14 +40,7 @@ from backfill.policy import (
     decide,
     overcommit_from_ratios,
 )
-from backfill.work_budget import (
-    WorkBudget,
-    WorkBudgetPolicy,
-    WorkSignals,
-    admissible,
-    budget_victims,
-    step,
-)
+from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
 from backfill_analysis.simulate.engine import DECODE, Engine, Sequence, StepReport
 from backfill_analysis.simulate.stepsched import StepSchedule
 from backfill_analysis.simulate.trace import TraceRequest
@@ -361,7 +356,7 @@ class Reserving(Frontend):
                 ServiceClass.BATCH,
                 item.prompt_tokens + work.generated,
                 max(1, remaining),
-                preemptible=work.preemptions < self.knobs.max_preemptions_per_item,
+                preemptible=preemptible(work.preemptions, self.knobs.max_preemptions_per_item),
             )
             decision = decide(request, state, self.pool_policy)
             if decision.kind is DecisionKind.REJECT:
@@ -504,20 +499,32 @@ class BackfillWorkBudget(Reserving):
             self.knobs.work_budget,
         )
         self.budget = decision.budget
-        if decision.preempt and self.preempts_for_ttft:
-            for lease in budget_victims(self._victim_pool(), decision.preempt):
-                self.preempt_batch(lease.seq)
-                self.budget_preemptions += 1
+        # The worker's choice (``worker.dispatch_watch``): none while the engine pauses batch.
+        pauses = not self.preempts_for_ttft
+        for lease in ttft_victims(decision.preempt, pauses, self._victim_pool()):
+            self.preempt_batch(lease.seq)
+            self.budget_preemptions += 1
+
+    def _load(self) -> BatchLoad:
+        # Nothing is being stopped here: a preempted sequence leaves at once.
+        in_flight = self.batch_in_flight
+        return BatchLoad(in_flight, in_flight, sum(self._batch_prefill.values()))
 
     def batch_may_start(self) -> bool:
-        if not super().batch_may_start():
+        # The worker's gates, in its order: the sequence cap and the work budget's room
+        # (``start_room``), then whether the next prompt fits the prefill budget
+        # (``startable``). The budget is judged only once the next item is known, as before:
+        # looking at the backlog drops the items that expired meanwhile.
+        load = self._load()
+        if start_room(load, None, self.knobs.max_batch_seqs) == 0:
             return False
         work = self.peek_batch(self._now)
         if work is None:
             return True  # the admission loop ends on an empty backlog itself
         prompt = work.item.prompt_tokens + work.generated
-        prefilling = sum(self._batch_prefill.values())
-        return admissible(self.budget, self.batch_in_flight, prefilling, [prompt]) == 1
+        return start_room(load, self.budget, self.knobs.max_batch_seqs) > 0 and (
+            startable(load, self.budget, [prompt]) == 1
+        )
 
     def after_step(self, report: StepReport, now: float) -> None:
         for seq in report.first_tokens:

@@ -29,7 +29,8 @@ from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import Finish, NewItem, Repository, Start
 from queue_api.app import create_app
-from worker.dispatch import DispatchConfig, NodeDispatcher, _InFlight
+from worker.dispatch import DispatchConfig, NodeDispatcher
+from worker.dispatch_state import Flight
 from worker.prepare import run_plan
 
 CAPACITY, BLOCK = 64 * 128, 128
@@ -93,7 +94,7 @@ def test_a_connection_killed_under_a_driver_level_read_is_store_unavailable(
     assert b"".join(small_repo.file_pieces(tenant.id, record.id) or []) == b"{}\n"
 
 
-def _running_item(repo: Repository, ledger: Ledger) -> tuple[_InFlight, Finish]:
+def _running_item(repo: Repository, ledger: Ledger) -> tuple[Flight, Finish]:
     tenant = repo.create_tenant("acme")
     job = repo.create_job(
         tenant.id, "file-x", "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
@@ -109,7 +110,7 @@ def _running_item(repo: Repository, ledger: Ledger) -> tuple[_InFlight, Finish]:
     start = Start(item.id, item.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
     assert repo.start_many([start], 30) == [item.id]
     finish = Finish(item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}")
-    return _InFlight(item, lease, item.endpoint, run_plan(item)), finish
+    return Flight(item, lease, item.endpoint, run_plan(item)), finish
 
 
 def test_the_result_writer_outlives_a_store_outage_and_commits_later(

@@ -1,0 +1,87 @@
+"""The result writer of a node's dispatcher: finished attempts are committed to Postgres in
+small batches, and their leases go back only once their results are durable."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from backfill.errors import BackfillError, StoreUnavailable
+from backfill.states import ItemState
+from worker.dispatch_state import DispatcherState, Finished
+
+log = logging.getLogger("backfill.worker")
+
+# The result writer's waits between tries while Postgres is out of reach (doubling).
+RESULT_RETRY_FIRST_S = 0.5
+RESULT_RETRY_MAX_S = 10.0
+
+
+class ResultWriter(DispatcherState):
+    """Writes what a node's attempts produced."""
+
+    async def _write_results(self) -> None:
+        """Commit results in small batches; returns after the stop signal (None)."""
+        while True:
+            first = await self._results.get()
+            if first is None:
+                return
+            batch = [first]
+            await asyncio.sleep(self.config.result_flush_s)
+            stopping = False
+            while not self._results.empty() and len(batch) < 256:
+                entry = self._results.get_nowait()
+                if entry is None:
+                    stopping = True
+                    break
+                batch.append(entry)
+            await self._commit_results(batch)
+            if stopping:
+                return
+
+    async def _flush_results(self) -> None:
+        batch = []
+        while not self._results.empty():
+            entry = self._results.get_nowait()
+            if entry is not None:
+                batch.append(entry)
+        if batch:
+            await self._commit_results(batch)
+
+    async def _commit_results(self, batch: list[Finished]) -> None:
+        wait_s = RESULT_RETRY_FIRST_S
+        while True:
+            try:
+                applied = set(await asyncio.to_thread(self.repo.finish, [f for f, _ in batch]))
+                break
+            except StoreUnavailable as exc:
+                # Results stay in memory (their leases held) until Postgres is back.
+                log.warning(
+                    "node %s: cannot write results: %s; retrying in %.1f s",
+                    self.config.node,
+                    exc,
+                    wait_s,
+                )
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, RESULT_RETRY_MAX_S)
+            except Exception:
+                # Not the store's absence but a fault retrying will not clear. The writer must
+                # live on: this batch is dropped unwritten, its items stop being heartbeated
+                # and the reaper requeues them (their lost runs count against the cap).
+                log.exception("node %s: results could not be written; dropped", self.config.node)
+                applied = set()
+                break
+        for fin, flight in batch:
+            if fin.item_id in applied:
+                if fin.state is ItemState.SUCCEEDED:
+                    self.stats.succeeded += 1
+                    self.stats.output_tokens += fin.output_tokens
+                else:
+                    self.stats.failed += 1
+            else:
+                self.stats.stale_results += 1
+            self._forget(flight)
+        # Leases go back only once the results they produced are durable.
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release_many([flight.lease for _, flight in batch])

@@ -1,0 +1,218 @@
+"""What a node's dispatcher holds: its attempts in flight, its counters, and the state its
+parts share (``worker.dispatch`` claims and starts, ``worker.dispatch_attempts`` runs,
+``worker.dispatch_results`` writes results, ``worker.dispatch_watch`` watches leases, the
+engine and the work budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from backfill.clock import HostClock, SharedClock
+from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, StopReason
+from backfill.engine.protocol import Engine
+from backfill.engine_scheduler import EngineScheduler
+from backfill.errors import BackfillError
+from backfill.ledger import AsyncLedger, Lease
+from backfill.prefill import PromptCount
+from backfill.store import ClaimedItem, Finish, Repository
+from backfill.work_budget import WorkBudget
+from worker.response import ResponseAssembler
+
+
+@dataclass
+class Flight:
+    """One attempt in flight: an item run under a lease, with what its stream brought."""
+
+    item: ClaimedItem
+    lease: Lease
+    endpoint: str
+    run: RunPlan
+    prompt_tokens: int = 0
+    """The original prompt's tokens: with ``generated``, what the sequence holds in the engine."""
+    prefill_tokens: int = 0
+    """What this run prefills (a continuation's prompt holds its partial output), for every
+    sequence it creates."""
+    task: asyncio.Task[None] | None = None
+    generated: int = 0
+    settled: int = 0
+    """``generated`` as last reported to the ledger (``_report_progress``)."""
+    text: dict[int, list[str]] = field(default_factory=dict)
+    answer: ResponseAssembler | None = None
+    """This attempt's stream, folded into the non-streaming body as it arrives."""
+    stop_reason: StopReason | None = None
+    """Why the dispatcher cancelled it."""
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    """Until its first token the item is in prefill: it counts against the work budget's
+    prefill tokens."""
+    last_chunk_at: float = field(default_factory=time.monotonic)
+    """When the engine last sent anything for it (the stall watch's clock)."""
+
+    def view(self) -> FlightView:
+        """This attempt as the plans see it."""
+        lease = self.lease
+        return FlightView(
+            item_id=self.item.id,
+            attempt=self.item.attempt,
+            lease_id=lease.lease_id,
+            tokens=lease.tokens,
+            deadline_ms=lease.deadline_ms,
+            preemptible=lease.preemptible,
+            prompt_tokens=self.prompt_tokens,
+            prefill_tokens=self.prefill_tokens,
+            generated=self.generated,
+            kept=self.run.kept,
+            started_s=self.started,
+            first_token_at=self.first_token_at,
+            last_chunk_at=self.last_chunk_at,
+            stopping=self.stop_reason is not None,
+            generating=self.task is not None and not self.task.done(),
+        )
+
+
+class Finished(NamedTuple):
+    """An attempt's end, waiting for the result writer: its lease goes back once the record
+    is durable."""
+
+    finish: Finish
+    flight: Flight
+
+
+@dataclass
+class DispatchStats:
+    """What this dispatcher has done (printed by ``backfill worker``, read by tests)."""
+
+    claimed: int = 0
+    started: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    deferred: int = 0
+    expired: int = 0
+    preempted: int = 0
+    requeued: int = 0
+    stale_results: int = 0
+    output_tokens: int = 0
+    budget_preemptions: int = 0
+    """Items the work budget preempted to protect an interactive TTFT target."""
+    reservation_violations: int = 0
+    """Attempts the engine says held more KV than their lease (must stay 0)."""
+    stalls: int = 0
+    """Attempts stopped because their engine made no progress at all for the stall timeout."""
+
+
+class DispatcherState:
+    """The state of one node's dispatcher, and the moves every part of it makes."""
+
+    def __init__(
+        self,
+        config: DispatchConfig,
+        engine: Engine,
+        repo: Repository,
+        ledger: AsyncLedger,
+        *,
+        model: str,
+        block_size: int,
+        max_sequence_tokens: int,
+        host_clock: HostClock = time.time,
+    ) -> None:
+        self.config = config
+        # Redis' clock, read here: the gateways' signal stamps and the published budgets are
+        # compared on it (this host's clock may be off; ``host_clock`` is it).
+        self.clock = SharedClock(host=host_clock)
+        self.engine = engine
+        self.repo = repo
+        self.ledger = ledger
+        self.model = model
+        self.block_size = block_size
+        self.max_sequence_tokens = max_sequence_tokens
+        self.stats = DispatchStats()
+        self._in_flight: dict[int, Flight] = {}
+        self._by_lease: dict[str, int] = {}
+        # Preemption notices for leases this dispatcher does not know yet: a lease preempted
+        # between its reservation and the item's registration (the notice comes while the
+        # start is written to Postgres; the ledger prefers exactly those newest leases as
+        # victims). Checked at registration so that such an item never reaches the engine.
+        self._early_preemptions: dict[str, float] = {}
+        self._worker_id = uuid.uuid4().hex
+        # None is the writer's signal to commit what it holds and stop.
+        self._results: asyncio.Queue[Finished | None] = asyncio.Queue()
+        self._stopping = asyncio.Event()
+        self._room = asyncio.Event()
+        self._typical_reservation = 0
+        self._typical_prompt = 0
+        # Prompt token counts by item id: an item given back unstarted (no slack, work budget
+        # full) is not counted again by the engine when it is claimed again. Bodies never
+        # change, so a count stays right; bounded, oldest forgotten first.
+        self._counted: OrderedDict[int, PromptCount] = OrderedDict()
+        self._cleanups: set[asyncio.Task[None]] = set()
+        self._decode_rate = config.decode_tokens_per_s
+        self._tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
+        # Set when the engine stopped answering; cleared once it answers again.
+        self._engine_down = False
+        # Set when an attempt stalled on an engine that answers but makes no progress (hung):
+        # one item at a time is sent until one gets output again, so a hang spends the
+        # attempts of one item per stall timeout, not of every item the node could hold.
+        self._engine_suspect = False
+        # What the engine's step scheduler last said of itself; None: it runs none (or its
+        # metrics do not answer), and the work budget protects interactive alone.
+        self.engine_scheduler: EngineScheduler | None = None
+        policy = config.work_budget
+        self.work_budget: WorkBudget | None = (
+            None if policy is None else WorkBudget.initial(policy, self.clock.now())
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def view(self, budget: WorkBudget | None = None) -> NodeView:
+        """What the plans know of this dispatcher now (``budget``: the work budget to judge
+        by, if not the current one)."""
+        return NodeView(
+            flights=tuple(f.view() for f in self._in_flight.values()),
+            budget=self.work_budget if budget is None else budget,
+            engine_suspect=self._engine_suspect,
+            typical_reservation=self._typical_reservation,
+            typical_prompt=self._typical_prompt,
+        )
+
+    def _flights(self, views: Iterable[FlightView]) -> list[Flight]:
+        """The attempts ``views`` show, those still held."""
+        held = ((v, self._in_flight.get(v.item_id)) for v in views)
+        return [f for v, f in held if f is not None and f.lease.lease_id == v.lease_id]
+
+    async def _sleep(self, seconds: float) -> None:
+        self._room.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), seconds)
+
+    def _cancel(self, flight: Flight, reason: StopReason) -> bool:
+        """Stop a generating item's task for ``reason``; False when there was nothing to stop
+        (already done or already being stopped)."""
+        if flight.task is not None and not flight.task.done() and flight.stop_reason is None:
+            flight.stop_reason = reason
+            flight.task.cancel()
+            return True
+        return False
+
+    def _forget(self, flight: Flight) -> None:
+        self._in_flight.pop(flight.item.id, None)
+        self._by_lease.pop(flight.lease.lease_id, None)
+        self._room.set()
+
+    async def _release(self, flight: Flight) -> None:
+        self._forget(flight)
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release(flight.lease)
+
+    def _partial(self, flight: Flight) -> str | None:
+        text = "".join(flight.text.get(0, []))
+        return text or None

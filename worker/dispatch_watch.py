@@ -1,0 +1,313 @@
+"""What a node's dispatcher watches beside its attempts: heartbeats of claims and leases,
+preemption notices, the engine's KV use, its step scheduler and its stalls, and the work
+budget's control step. Each watch reads, asks a plan of ``backfill.dispatch`` which attempts
+to stop, and stops them; the attempts' own tasks carry out what stopping means."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from backfill.clock import redis_time
+from backfill.dispatch import (
+    StopReason,
+    budget_opened,
+    budget_signals,
+    heartbeat_stop,
+    prefilling,
+    stalled,
+    ttft_victims,
+)
+from backfill.engine.http import read_engine_scheduler
+from backfill.engine_scheduler import publish_scheduler
+from backfill.errors import BackfillError, LedgerUnavailable, StoreUnavailable
+from backfill.ledger import LeaseStatus
+from backfill.observe import observed_non_batch
+from backfill.work_budget import WorkBudget, describe, step
+from backfill.work_signals import (
+    BudgetView,
+    InteractiveSignals,
+    exchange_batch_awaiting,
+    publish_budget,
+    read_signals,
+)
+from worker.dispatch_state import DispatcherState, Flight
+
+log = logging.getLogger("backfill.worker")
+
+
+class Watchers(DispatcherState):
+    """The watches a node's dispatcher runs beside its attempts."""
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            flights = list(self._in_flight.values())
+            if not flights:
+                continue
+            try:
+                held = set(
+                    await asyncio.to_thread(
+                        self.repo.heartbeat,
+                        [(f.item.id, f.item.attempt) for f in flights],
+                        cfg.lease_ttl_s,
+                    )
+                )
+            except StoreUnavailable:
+                held = {f.item.id for f in flights}
+            for flight in flights:
+                claim_held = flight.item.id in held
+                status: LeaseStatus | None = None
+                if claim_held:
+                    try:
+                        beat = await self.ledger.heartbeat(
+                            cfg.node,
+                            flight.lease.lease_id,
+                            flight.lease.fencing_token,
+                            ttl_ms=int(cfg.lease_ttl_s * 1000),
+                        )
+                    except BackfillError:
+                        continue
+                    status = beat.status
+                reason = heartbeat_stop(claim_held, status)
+                if reason is not None:
+                    self._cancel(flight, reason)
+                elif status is LeaseStatus.UNKNOWN:
+                    await self._lease_missing(flight)
+
+    async def _lease_missing(self, flight: Flight) -> None:
+        """The ledger has no trace of a lease this worker holds: Redis lost writes (a restart,
+        or a replica promoted before a write reached it). The attempt is still live in
+        Postgres, so the work goes on; the node is closed to batch until the next maintenance
+        tick rebuilds its ledger from Postgres, which counts the lease again (until then its
+        tokens may be handed out twice: the window is one heartbeat plus one tick)."""
+        try:
+            if await self.ledger.mark_incomplete(self.config.node):
+                log.warning(
+                    "node %s: lease %s of item %s is missing from the ledger; batch closed "
+                    "on the node until it is rebuilt from Postgres",
+                    self.config.node,
+                    flight.lease.lease_id,
+                    flight.item.id,
+                )
+        except BackfillError as exc:
+            log.warning("node %s: could not close for a rebuild: %s", self.config.node, exc)
+
+    async def _observe(self) -> None:
+        """Tell the ledger how much of the engine's KV cache batch does not account for:
+        interactive traffic that bypassed the gateway still narrows batch slack."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.observe_interval_s)
+            try:
+                load = await self.engine.load()
+                snap = await self.ledger.snapshot(cfg.node)
+                if snap is None:
+                    continue
+                # Output streams in chunks of ``stream_interval`` tokens: the engine may hold
+                # up to ``stream_interval - 1`` more tokens of a sequence than the worker saw.
+                unseen = cfg.stream_interval - 1
+                in_engine = {
+                    f.lease.lease_id: f.prompt_tokens + f.generated + unseen
+                    for f in self._in_flight.values()
+                }
+                # With nothing running or waiting, no sequence holds KV: what the gauge still
+                # says is free-able prefix cache, or a value from the engine's last step that
+                # no step has refreshed. Trusting it could keep batch out of an idle engine,
+                # and batch is what would have made the engine step again.
+                idle = load.num_requests_running == 0 and load.num_requests_waiting == 0
+                observed = observed_non_batch(
+                    0.0 if idle else load.kv_cache_usage_perc,
+                    snap.capacity_tokens,
+                    snap.block_size,
+                    snap.leases,
+                    in_engine,
+                )
+                await self.ledger.observe(cfg.node, observed)
+            except Exception as exc:  # a missed report only leaves the last one standing
+                log.warning("node %s: engine use not observed: %s", cfg.node, exc)
+
+    async def _watch_scheduler(self) -> None:
+        """Read the engine scheduler's metrics: whether it runs (and so pauses batch), and
+        what it did, published for ``/v1/capacity``."""
+        cfg = self.config
+        url = cfg.scheduler_metrics_url
+        assert url is not None
+        while True:
+            seen = await read_engine_scheduler(url)
+            if (seen is None) != (self.engine_scheduler is None):
+                log.info(
+                    "node %s: %s",
+                    cfg.node,
+                    f"the engine runs {seen.name}: it pauses batch for interactive work"
+                    if seen is not None
+                    else f"no engine scheduler answers at {url}: the work budget preempts",
+                )
+            self.engine_scheduler = seen
+            if seen is not None:
+                with contextlib.suppress(Exception):
+                    await publish_scheduler(
+                        self.ledger.client,
+                        self.ledger.keys,
+                        cfg.node,
+                        seen,
+                        3 * cfg.scheduler_poll_s,
+                    )
+            await asyncio.sleep(cfg.scheduler_poll_s)
+
+    async def _watch_stalls(self) -> None:
+        """Stop the attempts a hung engine holds (see ``DispatchConfig.stall_timeout_s``)."""
+        timeout = self.config.stall_timeout_s
+        interval = min(5.0, max(timeout / 4, 0.05))
+        progress: int | None = None
+        progressed_at = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                load = await self.engine.load()
+                seen: int | None = load.prompt_tokens_total + load.generation_tokens_total
+            except Exception as exc:  # no answer at all is no progress
+                log.debug("node %s: no engine load for the stall watch: %s", self.config.node, exc)
+                seen = None
+            now = time.monotonic()
+            if seen is not None and seen != progress:
+                progress, progressed_at = seen, now
+            stuck = stalled(self.view().running, progressed_at, now, timeout)
+            for flight in self._flights(stuck):
+                if self._cancel(flight, StopReason.STALLED):
+                    self.stats.stalls += 1
+                    self._engine_suspect = True
+                    log.warning(
+                        "node %s: item %s attempt %s: no output for %.0f s and no engine "
+                        "progress; stopping it as an engine error",
+                        self.config.node,
+                        flight.item.id,
+                        flight.item.attempt,
+                        now - flight.last_chunk_at,
+                    )
+
+    async def _control_budget(self) -> None:
+        """Step the work budget from fresh signals, preempt what it says, publish it."""
+        cfg = self.config
+        try:
+            await self.clock.sync(redis_time(self.ledger.client))
+            if self.work_budget is not None and cfg.work_budget is not None:
+                self.work_budget = WorkBudget.initial(cfg.work_budget, self.clock.now())
+        except Exception as exc:  # the first step tries again
+            log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
+        while True:
+            await asyncio.sleep(cfg.budget_interval_s)
+            try:
+                await self._step_budget()
+            except Exception as exc:  # a missed step leaves the last budget standing
+                log.warning("node %s: work budget not stepped: %s", cfg.node, exc)
+
+    async def _step_budget(self) -> None:
+        cfg = self.config
+        policy, before = cfg.work_budget, self.work_budget
+        if policy is None or before is None:
+            return
+        try:
+            now = await self.clock.refresh(redis_time(self.ledger.client))
+        except Exception as exc:  # Redis trouble: go on from the last anchor
+            log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
+            now = self.clock.now()
+        try:
+            seen = await read_signals(
+                self.ledger.client, self.ledger.keys, cfg.node, cfg.signal_ttl_s, now
+            )
+        except Exception as exc:  # Redis trouble: judge by the engine's queue alone
+            log.debug("node %s: no gateway signals: %s", cfg.node, exc)
+            seen = InteractiveSignals()
+        read_at = time.monotonic()
+        try:
+            engine_waiting: int | None = (await self.engine.load()).num_requests_waiting
+        except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
+            log.debug("node %s: no engine load: %s", cfg.node, exc)
+            engine_waiting = None
+        view = self.view(before)
+        active = self._flights(view.active)
+        awaiting = sum(1 for f in view.active if f.first_token_at is None)
+        try:
+            others_awaiting = await exchange_batch_awaiting(
+                self.ledger.client,
+                self.ledger.keys,
+                cfg.node,
+                self._worker_id,
+                awaiting,
+                max(1.0, 4 * cfg.budget_interval_s),
+                now,
+            )
+        except Exception as exc:  # Redis trouble: as if this worker were the node's only one
+            log.debug("node %s: other workers' batch not read: %s", cfg.node, exc)
+            others_awaiting = 0
+        signals = budget_signals(
+            view,
+            seen,
+            now_s=now,
+            engine_waiting=engine_waiting,
+            engine_read_at=read_at,
+            other_batch_awaiting=others_awaiting,
+        )
+        decision = step(before, signals, policy)
+        budget = self.work_budget = decision.budget
+        if decision.changed:
+            log.info("node %s: work budget %s", cfg.node, describe(budget))
+        pauses = self.engine_scheduler is not None
+        if decision.preempt and pauses:
+            log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
+        victims = ttft_victims(decision.preempt, pauses, self.view().running)
+        stopped = sum(self._cancel(f, StopReason.PREEMPTED) for f in self._flights(victims))
+        self.stats.budget_preemptions += stopped
+        if stopped:
+            log.info(
+                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
+                cfg.node,
+                stopped,
+                decision.reason,
+            )
+        if budget_opened(before, budget):
+            self._room.set()
+        # These attempts as they are now: a first token may have come during the reads.
+        in_prefill = prefilling(tuple(f.view() for f in active))
+        published = BudgetView.of(budget, len(active), in_prefill, now)
+        with contextlib.suppress(Exception):
+            await publish_budget(
+                self.ledger.client,
+                self.ledger.keys,
+                cfg.node,
+                self._worker_id,
+                published,
+                max(5.0, cfg.signal_ttl_s),
+            )
+
+    def _note_early_preemption(self, lease_id: str) -> None:
+        """Keep a notice for a lease not registered (yet): another worker's on this node, or
+        one of ours between its reservation and its start. Kept a minute (a start takes
+        milliseconds), at most a few thousand."""
+        now = time.monotonic()
+        if len(self._early_preemptions) >= 4096:
+            self._early_preemptions = {
+                k: t for k, t in self._early_preemptions.items() if now - t < 60.0
+            }
+            if len(self._early_preemptions) >= 4096:
+                self._early_preemptions.pop(next(iter(self._early_preemptions)))
+        self._early_preemptions[lease_id] = now
+
+    async def _listen_preemptions(self) -> None:
+        while True:
+            try:
+                async with await self.ledger.listen_preemptions(self.config.node) as listener:
+                    async for lease_id in listener:
+                        item_id = self._by_lease.get(lease_id)
+                        flight = self._in_flight.get(item_id) if item_id is not None else None
+                        if flight is not None:
+                            self._cancel(flight, StopReason.PREEMPTED)
+                        elif item_id is None:
+                            self._note_early_preemption(lease_id)
+            except LedgerUnavailable as exc:
+                log.warning("node %s: preemption channel lost: %s", self.config.node, exc)
+                await asyncio.sleep(1.0)
