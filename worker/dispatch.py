@@ -338,6 +338,15 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         )
         self._in_flight[item.id] = flight
         self._by_lease[lease.lease_id] = item.id
+        self._event(
+            logging.DEBUG,
+            flight,
+            "start",
+            "item %s attempt %s started on %s reserved tokens",
+            item.id,
+            item.attempt,
+            lease.tokens,
+        )
         if self._early_preemptions.pop(lease.lease_id, None) is not None:
             # Preempted before it started: keep its progress, requeue it, no engine work.
             flight.stop_reason = StopReason.PREEMPTED

@@ -145,7 +145,10 @@ class AttemptRunner(DispatcherState):
         held = usage_prompt + completion
         if held > flight.lease.tokens:
             self.stats.reservation_violations += 1
-            log.error(
+            self._event(
+                logging.ERROR,
+                flight,
+                "reservation_violation",
                 "node %s: item %s attempt %s held %s KV tokens in the engine (prompt %s + "
                 "output %s) on a reservation of %s",
                 self.config.node,
@@ -240,6 +243,16 @@ class AttemptRunner(DispatcherState):
         """The task was cancelled by the dispatcher: keep the progress where that is ours."""
         item, lease = flight.item, flight.lease
         reason = flight.stop_reason or StopReason.SHUTDOWN
+        self._event(
+            logging.DEBUG,
+            flight,
+            f"stop_{reason.value}",
+            "item %s attempt %s stopped: %s at %s tokens",
+            item.id,
+            item.attempt,
+            reason.value,
+            flight.generated,
+        )
         try:
             action = after_stop(reason)
             if action is StopAction.PREEMPT:
@@ -276,7 +289,10 @@ class AttemptRunner(DispatcherState):
             # first await below: a claim the loop starts meanwhile would send items to a dead
             # engine and spend one of their attempts each.
             self._engine_down = True
-        log.warning(
+        self._event(
+            logging.WARNING,
+            flight,
+            "engine_error",
             "node %s: item %s attempt %s: engine error: %s",
             self.config.node,
             item.id,
@@ -320,6 +336,16 @@ class AttemptRunner(DispatcherState):
         error: str | None = None,
     ) -> None:
         item = flight.item
+        self._event(
+            logging.DEBUG,
+            flight,
+            f"finish_{state.value}",
+            "item %s attempt %s %s: %s tokens out",
+            item.id,
+            item.attempt,
+            state.value,
+            flight.generated,
+        )
         fin = Finish(
             item.id,
             item.attempt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from backfill import logs
 from backfill.clock import HostClock, SharedClock
 from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, StopReason
 from backfill.engine.protocol import Engine
@@ -25,6 +27,8 @@ from backfill.prefill import PromptCount
 from backfill.store import ClaimedItem, Finish, Repository
 from backfill.work_budget import WorkBudget
 from worker.response import ResponseAssembler
+
+_log = logging.getLogger("backfill.worker")
 
 
 @dataclass
@@ -202,6 +206,24 @@ class DispatcherState:
             flight.task.cancel()
             return True
         return False
+
+    def _event(self, level: int, flight: Flight, action: str, message: str, *args: object) -> None:
+        """Log an event of ``flight``'s attempt with its structured fields (``backfill.logs``):
+        action, node, job, item, attempt, lease."""
+        item = flight.item
+        _log.log(
+            level,
+            message,
+            *args,
+            extra=logs.fields(
+                action,
+                node=self.config.node,
+                job=item.job_id,
+                item=item.id,
+                attempt=item.attempt,
+                lease=flight.lease.lease_id,
+            ),
+        )
 
     def _forget(self, flight: Flight) -> None:
         self._in_flight.pop(flight.item.id, None)

@@ -10,8 +10,11 @@ The ledger is the real one, counting the round trips that carry settles.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
+
+import pytest
 
 from backfill.config import Settings
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, Engine, StreamChunk, Usage
@@ -88,7 +91,10 @@ def _submit(repo: Repository) -> str:
     return submit_completions(repo, "t-settle", ITEMS, TOKENS)
 
 
-def test_progress_is_settled_once_per_interval_for_the_whole_node(settings: Settings) -> None:
+def test_progress_is_settled_once_per_interval_for_the_whole_node(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="backfill.worker")
     repo = Repository.connect(settings.database_url, pool_size=4)
     policy = pool_policy(settings)
     ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
@@ -136,6 +142,17 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(settings: Sett
         # ...in a handful of round trips for the node (one per 0.1 s while items run), where
         # one per item per 32 tokens took ITEMS * TOKENS / 32 = 30.
         assert aledger.settle_trips <= 12, aledger.settle_trips
+        # Each attempt's start and end are events with their structured fields.
+        events = [
+            r.__dict__["backfill_fields"]
+            for r in caplog.records
+            if isinstance(r.__dict__.get("backfill_fields"), dict)
+        ]
+        for action in ("start", "finish_succeeded"):
+            seen = [e for e in events if e["action"] == action]
+            assert len(seen) == ITEMS, events
+            assert all(e["node"] == NODE and e["job"] == job for e in seen), seen
+            assert len({(e["item"], e["attempt"], e["lease"]) for e in seen}) == ITEMS
     finally:
         ledger.close()
         repo.close()
