@@ -100,11 +100,8 @@ class AttemptRunner(DispatcherState):
                     else:
                         completion += sum(1 for c in chunk.choices if c.text)
                     flight.generated = done + completion
-        except EngineRejected as exc:
-            await self._finish(flight, ItemState.FAILED, error=engine_refusal(exc))
-            return
         except (EngineError, OSError) as exc:
-            await self._engine_trouble(flight, exc)
+            await self._engine_failed(flight, exc)
             return
         self._check_reservation(flight, usage_prompt, completion)
         elapsed = time.monotonic() - flight.started
@@ -113,6 +110,14 @@ class AttemptRunner(DispatcherState):
             self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
         response = self._response_body(flight, request_id, None, usage_prompt)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
+
+    async def _engine_failed(self, flight: Flight, exc: BaseException) -> None:
+        """The engine refused the request (the item fails with its answer) or broke under it
+        (requeued or failed, see ``_engine_trouble``)."""
+        if isinstance(exc, EngineRejected):
+            await self._finish(flight, ItemState.FAILED, error=engine_refusal(exc))
+        else:
+            await self._engine_trouble(flight, exc)
 
     async def _embed(self, flight: Flight, request: dict[str, Any], request_id: str) -> None:
         """An embeddings attempt (``worker.embeddings``): one call, nothing partial to keep."""
@@ -124,11 +129,8 @@ class AttemptRunner(DispatcherState):
                 priority=self.config.batch_priority,
                 request_id=request_id,
             )
-        except EngineRejected as exc:
-            await self._finish(flight, ItemState.FAILED, error=engine_refusal(exc))
-            return
         except (EngineError, OSError) as exc:
-            await self._engine_trouble(flight, exc)
+            await self._engine_failed(flight, exc)
             return
         if self._engine_suspect:
             log.info("node %s: the engine makes progress again", self.config.node)

@@ -26,6 +26,19 @@ def run(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def wait_healthy(base: str) -> None:
+    # Importing the API alone took 5 s on this machine at a load average of 11.
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "backfill api did not come up"
+        time.sleep(0.1)
+
+
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
@@ -142,16 +155,7 @@ def test_api_serves_the_batch_api(
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        # Importing the API alone took 5 s on this machine at a load average of 11.
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "backfill api did not come up"
-            time.sleep(0.1)
+        wait_healthy(base)
         client = OpenAI(api_key=key, base_url=f"{base}/v1", max_retries=0)
         assert client.batches.list().data == []
     finally:
@@ -179,16 +183,7 @@ def test_api_logs_one_json_object_a_line_when_told(
             stderr=sink,
         )
         try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "backfill api did not come up"
-                time.sleep(0.1)
+            wait_healthy(f"http://127.0.0.1:{port}")
         finally:
             process.terminate()
             process.wait(timeout=15)
