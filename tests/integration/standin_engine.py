@@ -11,12 +11,22 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from backfill.capacity import EngineLoad, EnginePool
-from backfill.engine.protocol import ChoiceDelta, CompletionStream, ModelInfo, StreamChunk, Usage
+from backfill.dispatch import DispatchConfig
+from backfill.engine.protocol import (
+    ChoiceDelta,
+    CompletionStream,
+    Engine,
+    ModelInfo,
+    StreamChunk,
+    Usage,
+)
+from backfill.ledger import AsyncLedger
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
+from worker.dispatch import NodeDispatcher
 
 
 def submit_completions(repo: Repository, tenant: str, items: int, max_tokens: int) -> str:
@@ -89,3 +99,18 @@ class StandInEngine:
                 yield chunk
 
         return CompletionStream(chunks())
+
+
+def stand_in_dispatcher(
+    config: DispatchConfig, engine: object, repo: Repository, ledger: AsyncLedger, block: int
+) -> NodeDispatcher:
+    """A node's dispatcher over a stand-in ``engine`` serving model ``m`` (context 1,024)."""
+    return NodeDispatcher(
+        config,
+        cast(Engine, engine),
+        repo,
+        ledger,
+        model="m",
+        block_size=block,
+        max_sequence_tokens=1024,
+    )

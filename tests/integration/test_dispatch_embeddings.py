@@ -11,19 +11,18 @@ import json
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import text
 
 from backfill.config import Settings
-from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.prefill import embedding_inputs
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher
+from worker.dispatch import DispatchConfig
 
 NODE = "n-embed"
 BLOCK = 16
@@ -102,14 +101,12 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
         repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
         job = _submit(repo, body)
-        dispatcher = NodeDispatcher(
+        dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
-            cast(Engine, engine),
+            engine,
             repo,
             aledger,
-            model="m",
-            block_size=BLOCK,
-            max_sequence_tokens=1024,
+            BLOCK,
         )
 
         async def scenario() -> None:

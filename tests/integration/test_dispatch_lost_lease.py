@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import cast
 
 from backfill.config import Settings
-from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, submit_completions
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher, submit_completions
+from worker.dispatch import DispatchConfig
 
 NODE = "n-lost"
 BLOCK = 16
@@ -44,7 +42,7 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
         repo.upsert_node(NODE, "http://stand-in", "m", 256, BLOCK, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
         job = submit_completions(repo, "t-lost", 1, 64)
-        dispatcher = NodeDispatcher(
+        dispatcher = stand_in_dispatcher(
             DispatchConfig(
                 node=NODE,
                 idle_poll_s=0.05,
@@ -52,12 +50,10 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
                 observe_interval_s=0,
                 work_budget=None,
             ),
-            cast(Engine, engine),
+            engine,
             repo,
             aledger,
-            model="m",
-            block_size=BLOCK,
-            max_sequence_tokens=1024,
+            BLOCK,
         )
 
         async def scenario() -> tuple[str, bool]:

@@ -17,14 +17,14 @@ from typing import Any, cast
 import pytest
 
 from backfill.config import Settings
-from backfill.engine.protocol import ChoiceDelta, CompletionStream, Engine, StreamChunk, Usage
+from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.ledger.steps import Pipelined, ScriptCall, Step
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, submit_completions
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher, submit_completions
+from worker.dispatch import DispatchConfig
 
 NODE = "n-settle"
 BLOCK = 16
@@ -105,7 +105,7 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
         repo.upsert_node(NODE, "http://stand-in", "m", 256, BLOCK, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
         job = _submit(repo)
-        dispatcher = NodeDispatcher(
+        dispatcher = stand_in_dispatcher(
             DispatchConfig(
                 node=NODE,
                 idle_poll_s=0.05,
@@ -113,12 +113,10 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
                 settle_interval_s=0.1,
                 work_budget=None,
             ),
-            cast(Engine, engine),
+            engine,
             repo,
             aledger,
-            model="m",
-            block_size=BLOCK,
-            max_sequence_tokens=1024,
+            BLOCK,
         )
 
         async def run_until_done() -> None:
