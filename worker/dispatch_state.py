@@ -210,6 +210,8 @@ class DispatcherState:
     def _event(self, level: int, flight: Flight, action: str, message: str, *args: object) -> None:
         """Log an event of ``flight``'s attempt with its structured fields (``backfill.logs``):
         action, node, job, item, attempt, lease."""
+        if not _log.isEnabledFor(level):
+            return  # the common case at DEBUG: no fields built per attempt
         item = flight.item
         _log.log(
             level,
