@@ -69,12 +69,6 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-async def paused_now(client: httpx.AsyncClient, server: devengine.EngineServer) -> float:
-    assert server.scheduler_metrics_url is not None
-    text = (await client.get(server.scheduler_metrics_url)).text
-    return _samples(text).get("backfill_sched_batch_paused", 0.0)
-
-
 async def counters(client: httpx.AsyncClient, server: devengine.EngineServer) -> dict[str, float]:
     """The scheduler's counters and vLLM's own, in one flat map (labels summed)."""
     assert server.scheduler_metrics_url is not None
@@ -135,6 +129,28 @@ async def generate(
     except EngineError as exc:
         outcome.error = str(exc)
     return outcome
+
+
+async def until_paused(
+    client: httpx.AsyncClient,
+    server: devengine.EngineServer,
+    before: dict[str, float],
+    timeout_s: float = 120,
+) -> None:
+    """Until batch is paused now, or has paused since ``before`` (the counter keeps what a
+    poll of the gauge falls between on a loaded machine); fails naming the counters."""
+    pauses = "backfill_sched_batch_pauses_total"
+
+    async def paused() -> bool:
+        now = await counters(client, server)
+        return now.get("backfill_sched_batch_paused", 0) > 0 or now.get(pauses, 0) > before.get(
+            pauses, 0
+        )
+
+    if not await until(paused, timeout_s):
+        now = await counters(client, server)
+        seen = {k: v for k, v in now.items() if k.startswith(("backfill_sched", "vllm:num"))}
+        raise AssertionError(f"batch never paused in {timeout_s:.0f} s: {seen}")
 
 
 async def until(
@@ -275,10 +291,7 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
                 for k in range(3)
             ]
 
-            async def paused() -> bool:
-                return await paused_now(client, server) > 0
-
-            assert await until(paused, 120), "batch never paused"
+            await until_paused(client, server, before)
             await victim_stream.aclose()
             vanish_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -335,10 +348,7 @@ def test_engine_shutdown_while_batch_is_paused_exits_cleanly_and_no_stream_claim
                 generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, "is", outcome)
             )
 
-            async def paused() -> bool:
-                return await paused_now(client, server) > 0
-
-            assert await until(paused, 120), "batch never paused"
+            await until_paused(client, server, await counters(client, server))
             os.killpg(server.pid, signal.SIGTERM)
             tasks = [inter, *flood.tasks]
             _, open_streams = await asyncio.wait(tasks, timeout=120)
