@@ -264,7 +264,7 @@ def create_batch(
     )
 
     model = first_model(content())
-    _check_model_served(repo, settings, model)
+    _check_model_served(repo, settings, model, request.endpoint)
     job = repo.create_job(
         tenant.id,
         record.id,
@@ -379,20 +379,32 @@ def _judge_tokens(
     return plan
 
 
-def _check_model_served(repo: Repository, settings: Settings, model: str | None) -> None:
+def _check_model_served(
+    repo: Repository, settings: Settings, model: str | None, endpoint: str
+) -> None:
     """Refuse a batch whose model no live node serves, naming those served, unless batches
     may wait for one (``batch_wait_for_model``) or no node is live at all (the fleet is
-    starting or down: the batch waits rather than being lost)."""
+    starting or down: the batch waits rather than being lost); and one whose model the live
+    nodes serve, but not for its endpoint (an embedding model asked to chat, or the
+    reverse), naming the endpoints it is served for."""
     if model is None or settings.batch_wait_for_model:
         return
     served, any_live = repo.served_models(settings.node_live_s)
-    if not any_live or model in served:
+    if not any_live:
         return
-    raise ModelNotFound(
-        f"The model `{model}` is not served by any node; served: "
-        + ", ".join(f"`{m}`" for m in sorted(served)),
-        param="model",
-    )
+    if model not in served:
+        raise ModelNotFound(
+            f"The model `{model}` is not served by any node; served: "
+            + ", ".join(f"`{m}`" for m in sorted(served)),
+            param="model",
+        )
+    endpoints = repo.served_endpoints(model, settings.node_live_s)
+    if endpoints is not None and endpoint not in endpoints:
+        raise ModelNotFound(
+            f"The model `{model}` is not served for {endpoint}; it is served for: "
+            + (", ".join(sorted(endpoints)) or "no batch endpoint"),
+            param="model",
+        )
 
 
 def first_model(content: bytes | Iterable[bytes]) -> str | None:

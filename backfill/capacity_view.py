@@ -84,6 +84,8 @@ class NodeCapacity:
     last_seen_at: datetime
     work_budget: BudgetView | None = None
     engine_scheduler: EngineScheduler | None = None
+    endpoints: tuple[str, ...] | None = None
+    """The batch endpoints its engine serves; None: not known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,8 @@ class ModelPool:
     slack_tokens: int
     batch_in_use: int
     interactive_in_use: int
+    endpoints: tuple[str, ...] | None = None
+    """The batch endpoints those nodes serve; None if one of them did not say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +124,16 @@ class CapacityReport:
                     for n in nodes
                 ),
                 interactive_in_use=sum(n.interactive_in_use or 0 for n in nodes),
+                endpoints=_endpoints(nodes),
             )
             for model, nodes in sorted(by_model.items())
         }
+
+
+def _endpoints(nodes: list[NodeCapacity]) -> tuple[str, ...] | None:
+    if any(n.endpoints is None for n in nodes):
+        return None
+    return tuple(sorted({e for n in nodes for e in n.endpoints or ()}))
 
 
 def capacity_report(repo: Repository, usage: UsageSource | None = None) -> CapacityReport:
@@ -155,6 +166,7 @@ def capacity_report(repo: Repository, usage: UsageSource | None = None) -> Capac
                 last_seen_at=node.last_seen_at,
                 work_budget=live.work_budget if live else None,
                 engine_scheduler=live.engine_scheduler if live else None,
+                endpoints=node.endpoints,
             )
         )
     # Interactive requests are never queued in Postgres: the gateway admits or refuses them.

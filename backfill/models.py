@@ -138,6 +138,8 @@ class Node(Base):
     num_blocks: Mapped[int] = mapped_column(Integer)
     block_size: Mapped[int] = mapped_column(Integer)
     interactive_reserve_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    endpoints: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    """The batch endpoints the engine serves; NULL: not asked (every endpoint)."""
     registered_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 

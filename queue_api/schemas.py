@@ -279,6 +279,10 @@ class ModelPoolObject(BaseModel):
     slack_tokens: int = Field(description="Batch slack over those nodes.")
     batch_in_use: int
     interactive_in_use: int
+    endpoints: list[str] | None = Field(
+        default=None,
+        description="The batch endpoints those nodes' engines serve (null: a node did not say).",
+    )
 
 
 class CapacityObject(BaseModel):
@@ -343,6 +347,7 @@ class CapacityObject(BaseModel):
                     slack_tokens=pool.slack_tokens,
                     batch_in_use=pool.batch_in_use,
                     interactive_in_use=pool.interactive_in_use,
+                    endpoints=None if pool.endpoints is None else list(pool.endpoints),
                 )
                 for model, pool in report.models.items()
             },

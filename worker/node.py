@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from backfill.capacity import EnginePool
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
-from backfill.engine.protocol import EngineError, ModelInfo
+from backfill.engine.protocol import Endpoint, EngineError, ModelInfo
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.store import Repository
@@ -28,6 +28,8 @@ log = logging.getLogger("backfill.worker")
 class EngineFacts:
     pool: EnginePool
     model: ModelInfo
+    endpoints: frozenset[Endpoint]
+    """The batch endpoints the engine serves (its runner's routes)."""
 
 
 async def wait_for_engine(
@@ -45,7 +47,7 @@ async def wait_for_engine(
             models = await engine.models()
             if not models:
                 raise EngineError("the engine serves no model")
-            return EngineFacts(pool, models[0])
+            return EngineFacts(pool, models[0], await engine.endpoints())
         except (EngineError, OSError) as exc:
             log.warning(
                 "engine at %s is not answering (%s); retrying in %.0f s",
@@ -125,6 +127,7 @@ async def run_node(
                 pool.num_blocks,
                 pool.block_size,
                 reserve,
+                facts.endpoints,
             )
             # A fresh (or emptied) Redis is rebuilt from Postgres before this node admits
             # anything; the rebuild registers every known pool, this one included.
@@ -147,11 +150,12 @@ async def run_node(
             if holder is not None:
                 holder.append(dispatcher)
             log.info(
-                "node %s: engine %s serves %s; pool %s tokens (%s blocks of %s), "
+                "node %s: engine %s serves %s (%s); pool %s tokens (%s blocks of %s), "
                 "interactive reserve %s",
                 node,
                 engine_url,
                 model.id,
+                ", ".join(sorted(facts.endpoints)) or "no batch endpoint",
                 pool.capacity_tokens,
                 pool.num_blocks,
                 pool.block_size,

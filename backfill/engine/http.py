@@ -208,6 +208,23 @@ class HttpEngine:
             for m in payload.get("data", ())
         ]
 
+    async def endpoints(self) -> frozenset[Endpoint]:
+        """The batch endpoints this engine serves. vLLM mounts only the routes its model's
+        runner supports (a pooling model: no completions; a generating one: no embeddings), so
+        an empty body is enough to ask: a route that is not mounted answers FastAPI's 404
+        ``Not Found`` before any model work; one that is refuses the body (400/422)."""
+        served: set[Endpoint] = set()
+        for endpoint in Endpoint:
+            try:
+                response = await self._client.post(self._url(endpoint.value), json={})
+            except httpx.TransportError as exc:
+                raise EngineUnavailable(f"POST {self.base_url}{endpoint}: {exc!r}") from exc
+            if response.status_code >= 500:
+                _raise_for_status(response, _error_message(response))
+            if not _route_missing(response):
+                served.add(endpoint)
+        return frozenset(served)
+
     async def _tokenize(self, body: Mapping[str, Any]) -> int:
         payload = (await self._request("POST", "/tokenize", json=body)).json()
         try:
@@ -358,3 +375,13 @@ async def read_engine_scheduler(
     if response.status_code != 200:
         return None
     return parse_scheduler_metrics(response.text)
+
+
+def _route_missing(response: httpx.Response) -> bool:
+    """FastAPI's answer for a path no route is mounted at (not an engine's refusal)."""
+    if response.status_code != 404:
+        return False
+    try:
+        return bool(response.json() == {"detail": "Not Found"})
+    except ValueError:
+        return False

@@ -210,6 +210,8 @@ class NodeRecord:
     block_size: int
     interactive_reserve_tokens: int
     last_seen_at: datetime
+    endpoints: tuple[str, ...] | None = None
+    """The batch endpoints its engine serves; None: the worker did not say (every one)."""
 
     @property
     def capacity_tokens(self) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from sqlalchemy import text
 
@@ -134,10 +135,28 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
     node.start()
     try:
         assert node.started.wait(120), f"node did not start: {node.error}"
-        # The node registers the model its engine serves, so the batch is accepted for it.
+        # The node registers the model its engine serves, so the batch is accepted for it,
+        # and the endpoints its pooling engine mounts: embeddings, no generation.
         assert MODEL in repo.served_models(s.node_live_s)[0]
+        assert repo.served_endpoints(MODEL, s.node_live_s) == {"/v1/embeddings"}
         with serve(s) as api:
             client = api.client(make_tenant(repo, "emb").key)
+            # A chat batch naming the embedding model is refused at create, not failed late
+            # on the engine's 404 after its retries.
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            chat_line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions"}
+            chat_upload = client.files.create(
+                file=("chat.jsonl", jsonl([{**chat_line, "body": {**chat, "max_tokens": 4}}])),
+                purpose="batch",
+            )
+            with pytest.raises(openai.NotFoundError) as refused:
+                client.batches.create(
+                    input_file_id=chat_upload.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+            assert refused.value.code == "model_not_found"
+            assert "served for: /v1/embeddings" in refused.value.message
             upload = client.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
             batch = client.batches.create(
                 input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"

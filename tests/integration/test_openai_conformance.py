@@ -262,6 +262,47 @@ def test_a_batch_for_a_model_no_live_node_serves_is_refused_naming_those_served(
     assert ok.status == "in_progress"
 
 
+def test_a_batch_for_a_model_not_served_for_its_endpoint_is_refused_naming_the_endpoints(
+    server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    client = server.client(acme.key)
+    # A pooling engine mounts /v1/embeddings only; a worker that did not say (None) may
+    # serve anything.
+    repo.upsert_node("n-e", "http://127.0.0.1:1", "embed-a", 64, 16, 0, ["/v1/embeddings"])
+    repo.upsert_node("n-g", "http://127.0.0.1:2", "gen-a", 64, 16, 0, None)
+    chat = client.files.create(file=("a.jsonl", _lines("embed-a", 1)), purpose="batch")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.batches.create(
+            input_file_id=chat.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert caught.value.code == "model_not_found"
+    assert caught.value.param == "model"
+    assert "`embed-a` is not served for /v1/chat/completions" in caught.value.message
+    assert "served for: /v1/embeddings" in caught.value.message
+    embed_line = {
+        "custom_id": "e",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "embed-a", "input": "the fox"},
+    }
+    embed = client.files.create(
+        file=("e.jsonl", json.dumps(embed_line).encode() + b"\n"), purpose="batch"
+    )
+    accepted = client.batches.create(
+        input_file_id=embed.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    assert accepted.status == "in_progress"
+    unsaid = client.files.create(file=("g.jsonl", _lines("gen-a", 1)), purpose="batch")
+    ok = client.batches.create(
+        input_file_id=unsaid.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert ok.status == "in_progress"
+    with httpx.Client(base_url=server.base_url) as http:
+        capacity = http.get("/v1/capacity", headers={"Authorization": f"Bearer {acme.key}"}).json()
+    assert capacity["models"]["embed-a"]["endpoints"] == ["/v1/embeddings"]
+    assert capacity["models"]["gen-a"]["endpoints"] is None
+
+
 def test_an_operator_may_let_batches_wait_for_a_model(
     settings: Settings, acme: Tenant, repo: Repository
 ) -> None:
