@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
-from backfill.errors import BackfillError
+from backfill.errors import BackfillError, LedgerError
 from backfill.gateway.decisions import Admission, Sizing
-from backfill.ledger import AsyncLedger, Lease
+from backfill.ledger import AsyncLedger, Lease, LeaseStatus
 
 log = logging.getLogger("backfill.gateway")
 
@@ -130,13 +132,25 @@ class LeaseKeeper:
 
     async def _heartbeat(self) -> None:
         lease = self.lease
+        lost = closed = False
         while True:
             await asyncio.sleep(self._interval_s)
             self.start_counting()
             try:
+                if lost:
+                    if not closed:
+                        closed = await self._close_node()
+                    lost = not await self._restore()
+                    if lost:
+                        continue
+                    closed = False
                 beat = await self.ledger.heartbeat(
                     lease.node, lease.lease_id, lease.fencing_token, ttl_ms=self._ttl_ms
                 )
+                if beat.status is LeaseStatus.UNKNOWN:
+                    lost = True
+                    closed = await self._close_node()
+                    continue
                 if not beat.ok:
                     log.warning("interactive lease %s: heartbeat %s", lease.lease_id, beat.status)
                     return
@@ -145,6 +159,47 @@ class LeaseKeeper:
                 )
             except BackfillError as exc:
                 log.warning("interactive lease %s: heartbeat failed: %s", lease.lease_id, exc)
+
+    async def _close_node(self) -> bool:
+        """The ledger has no trace of this lease while its request runs: Redis lost writes
+        (a restart, or a replica promoted before a write reached it). Interactive leases are
+        not in Postgres, so no rebuild brings it back: the node is closed to batch until the
+        next rebuild (as a worker closes it for a lost batch lease), and :meth:`_restore` puts
+        the lease back once the rebuild has given the node a new epoch."""
+        lease = self.lease
+        try:
+            closed = await self.ledger.mark_incomplete(lease.node)
+        except BackfillError as exc:
+            log.warning("node %s: could not close for a rebuild: %s", lease.node, exc)
+            return False
+        log.warning(
+            "interactive lease %s is missing from the ledger of node %s%s; restored after the "
+            "node's rebuild",
+            lease.lease_id,
+            lease.node,
+            "; batch closed on the node until then" if closed else "",
+        )
+        return True
+
+    async def _restore(self) -> bool:
+        """Put the lost lease back; False until the rebuild has begun (the ledger refuses a
+        fencing token of the node's current epoch)."""
+        lease = self.lease
+        try:
+            restored = await self.ledger.restore_lease(
+                replace(lease, generated_tokens=self.generated),
+                ttl_ms=self._ttl_ms,
+                now_ms=time.time_ns() // 1_000_000,
+            )
+        except LedgerError:
+            return False
+        log.info(
+            "interactive lease %s %s in the ledger of node %s",
+            lease.lease_id,
+            "restored" if restored else "found again",
+            lease.node,
+        )
+        return True
 
     async def end(self, used_tokens: int | None) -> None:
         """Settle with the tokens used (when known) and release; later calls do nothing."""

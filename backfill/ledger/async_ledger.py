@@ -80,6 +80,7 @@ class AsyncLedger:
     settle = awaiting(operations.settle)
     settle_many = awaiting(operations.settle_many)
     heartbeat = awaiting(operations.heartbeat)
+    restore_lease = awaiting(operations.restore_lease)
     release = awaiting(operations.release)
     release_many = awaiting(operations.release_many)
     preempt = awaiting(operations.preempt)

@@ -279,6 +279,7 @@ class LedgerCalls:
                 str(a.generated_tokens),
                 str(_ms(a.started_at)),
                 str(_ms(a.deadline)),
+                a.service_class.value,
             ]
         return ScriptCall(
             "restore", self.keys.node(node).keys(), args, lambda r: (int(r[0]), int(r[1]))

@@ -8,6 +8,7 @@ then the operation's own arguments, exactly as :class:`~backfill.ledger.Ledger` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import TypeVar
 
 from backfill import keys as lk
@@ -15,6 +16,7 @@ from backfill.errors import LedgerError
 from backfill.ledger.calls import LedgerCalls, NoPoolDenial, decoded, plain_denial
 from backfill.ledger.steps import Command, Pipelined, Plan, Scan, ScriptCall, by_node
 from backfill.ledger.values import (
+    ActiveLease,
     Denial,
     HeartbeatResult,
     HeldLease,
@@ -275,6 +277,29 @@ def heartbeat(
     """Extend the lease by ``ttl_ms`` (the ledger's lease TTL when None), or say why not."""
     result: HeartbeatResult = yield calls.heartbeat(node, lease_id, fencing_token, ttl_ms, now_ms)
     return result
+
+
+def restore_lease(calls: LedgerCalls, lease: Lease, *, ttl_ms: int, now_ms: int) -> Plan[bool]:
+    """Put ``lease`` back into its node's ledger, which lost it (its heartbeat said
+    ``unknown``), counted in its class's use and expiring ``ttl_ms`` after ``now_ms``: what an
+    interactive lease's holder does, as a rebuild does for batch leases from Postgres. Only
+    once the node's pool has an epoch above the lease's (a rebuild has begun): the script
+    refuses a fencing token of the current epoch, with a :class:`LedgerError`. Returns
+    whether it was put back (False: the ledger holds it, or it ended, already)."""
+    held = ActiveLease(
+        lease_id=lease.lease_id,
+        node=lease.node,
+        tokens=lease.tokens,
+        fencing_token=lease.fencing_token,
+        expires_at=datetime.fromtimestamp((now_ms + ttl_ms) / 1000, UTC),
+        owner=lease.owner,
+        preemptible=lease.preemptible,
+        generated_tokens=lease.generated_tokens,
+        started_at=datetime.fromtimestamp(lease.started_at_ms / 1000, UTC),
+        service_class=lease.service_class,
+    )
+    restored, _ = yield calls.restore(lease.node, [held], now_ms)
+    return bool(restored)
 
 
 def release(calls: LedgerCalls, held: HeldLease, *, now_ms: int | None = None) -> Plan[LeaseStatus]:

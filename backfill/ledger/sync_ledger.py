@@ -79,6 +79,7 @@ class Ledger:
     settle = blocking(operations.settle)
     settle_many = blocking(operations.settle_many)
     heartbeat = blocking(operations.heartbeat)
+    restore_lease = blocking(operations.restore_lease)
     release = blocking(operations.release)
     release_many = blocking(operations.release_many)
     preempt = blocking(operations.preempt)

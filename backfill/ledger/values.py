@@ -166,7 +166,8 @@ class NodePool:
 
 @dataclass(frozen=True)
 class ActiveLease:
-    """A batch lease Postgres knows to be held (an item in state reserved or running)."""
+    """A lease known to be held outside the ledger, to restore into it: a batch lease Postgres
+    holds (an item in state reserved or running), or an interactive lease its gateway holds."""
 
     lease_id: str
     node: str
@@ -178,6 +179,7 @@ class ActiveLease:
     generated_tokens: int = 0
     started_at: datetime | None = None
     deadline: datetime | None = None
+    service_class: ServiceClass = ServiceClass.BATCH
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
--- restore: put back a node's live batch leases from Postgres after Redis lost them (part of a
--- rebuild). Leases still live here are kept as they are, leases that ended here lately (same
+-- restore: put back a node's live leases after Redis lost them: batch leases from Postgres
+-- (part of a rebuild), or an interactive lease by the gateway that holds it. Leases still live here are kept as they are, leases that ended here lately (same
 -- fencing token) and leases already past their expiry are skipped: a rebuild can only ever
 -- count more tokens as held, never fewer.
 --
 -- KEYS: the per-node keys (see _lib.lua)
 -- ARGV[1] now_ms ('' = Redis TIME)
 -- ARGV[2] count of leases that follow
--- then, per lease, 9 values: lease id, tokens (>= 0), fencing token, expires_ms, owner,
---   preemptible ('1' | '0'), generated_tokens, started_ms, deadline_ms ('' or '0' = none)
+-- then, per lease, 10 values: lease id, tokens (>= 0), fencing token, expires_ms, owner,
+--   preemptible ('1' | '0'), generated_tokens, started_ms, deadline_ms ('' or '0' = none),
+--   service class ('batch' | 'interactive')
 -- Every fencing token must be below the pool's epoch * 2^32 (given from an earlier epoch), so
 -- tokens handed out after the rebuild are larger.
 --
@@ -15,15 +16,15 @@
 if #ARGV < 2 then bad('expected at least 2 arguments, got ' .. #ARGV) end
 local now = now_arg(ARGV[1])
 local count = int_arg(ARGV[2], 'count', 0)
-argc(2 + 9 * count)
+argc(2 + 10 * count)
 local pool = load_pool()
 if not pool then bad('unknown node') end
 if not pool.epoch then bad('the pool has no epoch: register it with one first') end
 local floor = pool.epoch * SHIFT
 local leases = {}
 for i = 0, count - 1 do
-  local b = 2 + 9 * i
-  local l = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = 'batch',
+  local b = 2 + 10 * i
+  local l = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = class_arg(ARGV[b + 10]),
     tokens = int_arg(ARGV[b + 2], 'tokens', 0),
     fence = int_arg(ARGV[b + 3], 'fencing_token', 0),
     expires = int_arg(ARGV[b + 4], 'expires_ms', 0),
@@ -48,7 +49,7 @@ for _, l in ipairs(leases) do
   else
     redis.call('HSET', K_LEASES, l.id, encode(l))
     redis.call('ZADD', K_EXPIRY, fmt(l.expires), l.id)
-    redis.call('HINCRBY', K_POOL, 'b_used', fmt(l.tokens))
+    redis.call('HINCRBY', K_POOL, used_field(l.class), fmt(l.tokens))
     restored = restored + 1
   end
 end

@@ -586,12 +586,16 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "", "0"]),
     ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", "", "99999999"]),
     ("register_pool", ["100", "16", "0", "0", "0", "1", "1", "0", ""]),  # 9 of 10
-    ("restore", ["", "1", "ls_r", "10", "5", str(T0 + 1), "", "1", "0", "0"]),  # 8 of 9
-    ("restore", ["", "1", "ls_r", "10", "-5", str(T0 + 1), "", "1", "0", "0", ""]),
+    ("restore", ["", "1", "ls_r", "10", "5", str(T0 + 1), "", "1", "0", "0", ""]),  # 9 of 10
+    ("restore", ["", "1", "ls_r", "10", "-5", str(T0 + 1), "", "1", "0", "0", "", "batch"]),
+    ("restore", ["", "1", "ls_r", "10", "5", str(T0 + 1), "", "1", "0", "0", "", "both"]),
     # a fencing token of the current epoch cannot be restored
     (
         "restore",
-        ["", "1", "ls_r", "10", str(3 * FENCE_EPOCH_SHIFT), str(T0 + 1), "", "1", "0", "0", ""],
+        [
+            *("", "1", "ls_r", "10", str(3 * FENCE_EPOCH_SHIFT), str(T0 + 1), "", "1", "0"),
+            *("0", "", "interactive"),
+        ],
     ),
 ]
 
