@@ -45,12 +45,16 @@ def pool_policy(settings: Settings) -> PoolPolicy:
 def ensure_ledger(
     repo: Repository, ledger: Ledger, *, max_preemptions: int
 ) -> RebuildReport | None:
-    """Rebuild the ledger from Postgres if Redis lost it; None when it was intact."""
-    if ledger.is_ready():
+    """Rebuild the ledger from Postgres if Redis lost it (every node), or the nodes it lost
+    (closed for a lost lease, or on a shard that lost its data) while the rest of the fleet
+    goes on admitting; None when it was intact."""
+    only = ledger.incomplete_nodes()
+    if only is not None and not only:
         return None
     nodes = [
         NodePool(n.name, n.capacity_tokens, n.block_size, n.interactive_reserve_tokens)
         for n in repo.nodes()
+        if only is None or n.name in only
     ]
     known = {n.name for n in nodes}
     leases = [
@@ -72,9 +76,10 @@ def ensure_ledger(
         and row.lease_expires_at is not None
         and row.node in known
     ]
-    report = ledger.rebuild(nodes, leases, repo.next_ledger_epoch())
+    report = ledger.rebuild(nodes, leases, repo.next_ledger_epoch(), only=only)
     log.warning(
-        "ledger rebuilt from Postgres: epoch %s, %s leases restored, %s skipped",
+        "ledger rebuilt from Postgres (%s): epoch %s, %s leases restored, %s skipped",
+        "every node" if only is None else "nodes " + ", ".join(sorted(only)),
         report.epoch,
         report.restored,
         report.skipped,

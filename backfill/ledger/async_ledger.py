@@ -74,6 +74,7 @@ class AsyncLedger:
     counters = awaiting(operations.counters)
     nodes = awaiting(operations.nodes)
     is_ready = awaiting(operations.is_ready)
+    incomplete_nodes = awaiting(operations.incomplete_nodes)
     mark_incomplete = awaiting(operations.mark_incomplete)
     reserve = awaiting(operations.reserve)
     reserve_many = awaiting(operations.reserve_many)

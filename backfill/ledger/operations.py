@@ -119,6 +119,20 @@ def is_ready(calls: LedgerCalls) -> Plan[bool]:
     return True
 
 
+def incomplete_nodes(calls: LedgerCalls) -> Plan[frozenset[str] | None]:
+    """The nodes a rebuild must restore: None when the ledger itself was lost (no built
+    marker: every node), else the members whose ready marker is gone (a lost lease closed
+    them, or their shard lost its data); empty when the ledger is intact."""
+    if not (yield Command(("EXISTS", calls.keys.built), bool)):
+        return None
+    members: set[bytes] = yield Command(("SMEMBERS", calls.keys.members), set)
+    missing: set[str] = set()
+    for node in sorted(decoded(m) for m in members):
+        if not (yield Command(("EXISTS", calls.keys.node(node).ready), bool)):
+            missing.add(node)
+    return frozenset(missing)
+
+
 def mark_incomplete(calls: LedgerCalls, node: str) -> Plan[bool]:
     """Close batch admission on ``node`` until a rebuild: its ledger lacks a lease that a
     holder still holds (heartbeat ``unknown``), as when a replica took over from a master

@@ -14,7 +14,7 @@ of its leases are back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from backfill import keys as lk
 from backfill.errors import LedgerError
@@ -31,8 +31,13 @@ def rebuild(
     epoch: int,
     *,
     now_ms: int | None = None,
+    only: Collection[str] | None = None,
 ) -> Plan[RebuildReport]:
     """Restore pools and live batch leases from Postgres records, then reopen batch.
+
+    With ``only`` (the nodes :func:`~backfill.ledger.operations.incomplete_nodes` names, and
+    ``nodes``/``active_leases`` those of them Postgres knows), just those nodes are rebuilt:
+    the rest of the fleet goes on admitting, and the built marker stays as it is.
 
     Batch admission is closed first and stays closed until every lease is back, so no
     batch lease is admitted against a ledger that is missing some. Interactive may use its
@@ -43,7 +48,10 @@ def rebuild(
     if unknown:
         raise LedgerError(f"active leases on nodes with no pool record: {sorted(unknown)}")
     keys = calls.keys
-    yield Command(("DEL", keys.built), int)
+    if only is None:
+        yield Command(("DEL", keys.built), int)
+    elif {n.name for n in nodes} - set(only):
+        raise LedgerError("a partial rebuild was given nodes outside those it rebuilds")
     for n in nodes:
         yield Command(("DEL", keys.node(n.name).ready), int)
     current: list[int] = []
@@ -76,9 +84,12 @@ def rebuild(
     listed = {n.name for n in nodes}
     members: set[bytes] = yield Command(("SMEMBERS", keys.members), set)
     for name in sorted(decoded(m) for m in members):
+        if only is not None and name not in only:
+            continue
         if name not in listed and not (yield Command(("EXISTS", keys.node(name).ready), bool)):
             yield Command(("SREM", keys.members, name), int)
-    yield Command(("SET", keys.built, str(chosen)), bool)
+    if only is None:
+        yield Command(("SET", keys.built, str(chosen)), bool)
     return RebuildReport(chosen, restored, skipped)
 
 

@@ -73,6 +73,7 @@ class Ledger:
     counters = blocking(operations.counters)
     nodes = blocking(operations.nodes)
     is_ready = blocking(operations.is_ready)
+    incomplete_nodes = blocking(operations.incomplete_nodes)
     mark_incomplete = blocking(operations.mark_incomplete)
     reserve = blocking(operations.reserve)
     reserve_many = blocking(operations.reserve_many)

@@ -94,6 +94,47 @@ def test_ledger_is_rebuilt_from_postgres_and_batch_waits_until_then(
     assert ensure_ledger(repo, ledger, max_preemptions=3) is None  # intact: nothing to do
 
 
+def test_a_node_closed_for_a_lost_lease_is_rebuilt_alone_while_the_others_admit(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    repo, ledger = stores
+    _running_items(repo, ledger, 3)
+    repo.upsert_node("n2", "http://127.0.0.1:2", "m", CAPACITY // BLOCK, BLOCK, 0)
+    ledger.register_pool("n2", CAPACITY, BLOCK)
+    held = ledger.reserve("n2", "batch", 20, 100)
+    assert isinstance(held, Lease)
+    before = ledger.snapshot("n1")
+    assert before is not None
+    client = redis.Redis.from_url(settings.redis_url)
+    n2_ready = client.get(ledger.keys.node("n2").ready)
+    assert n2_ready is not None
+    # One of n1's leases went missing (a replica promoted before its write): its holder
+    # closes n1.
+    lost = before.leases[0]
+    keys = ledger.keys.node("n1")
+    client.hdel(keys.leases, lost.lease_id)
+    client.hincrby(keys.pool, "b_used", -lost.tokens)
+    assert ledger.mark_incomplete("n1")
+    assert ledger.incomplete_nodes() == {"n1"}
+    assert not ledger.is_ready()
+
+    report = ensure_ledger(repo, ledger, max_preemptions=3)
+    assert report is not None
+    assert report.restored == 1  # the lost one; n1's other two were still there
+    after = ledger.snapshot("n1")
+    assert after is not None
+    assert after.ready
+    assert after.batch_in_use == before.batch_in_use
+    # n2 was never closed: its marker is the one it had, and its lease was not touched.
+    assert client.get(ledger.keys.node("n2").ready) == n2_ready
+    n2 = ledger.snapshot("n2")
+    assert n2 is not None
+    assert [x.lease_id for x in n2.leases] == [held.lease_id]
+    client.close()
+    assert ledger.is_ready()
+    assert ensure_ledger(repo, ledger, max_preemptions=3) is None
+
+
 def test_silent_attempts_are_requeued_and_their_leases_released(
     settings: Settings, stores: tuple[Repository, Ledger]
 ) -> None:
