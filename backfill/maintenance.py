@@ -77,6 +77,12 @@ def ensure_ledger(
         and row.node in known
     ]
     report = ledger.rebuild(nodes, leases, repo.next_ledger_epoch(), only=only)
+    if report.unlisted:
+        log.warning(
+            "ledger: nodes %s have a pool but were not rebuilt (registered meanwhile, or not "
+            "in Postgres): closed until the next rebuild",
+            ", ".join(report.unlisted),
+        )
     log.warning(
         "ledger rebuilt from Postgres (%s): epoch %s, %s leases restored, %s skipped",
         "every node" if only is None else "nodes " + ", ".join(sorted(only)),

@@ -137,9 +137,11 @@ def mark_incomplete(calls: LedgerCalls, node: str) -> Plan[bool]:
     """Close batch admission on ``node`` until a rebuild: its ledger lacks a lease that a
     holder still holds (heartbeat ``unknown``), as when a replica took over from a master
     before every write had reached it. ``is_ready`` then reports the rebuild due, and the
-    rebuild restores the lease from Postgres under a new epoch. Returns whether the node was
-    open."""
+    rebuild restores the lease from Postgres under a new epoch. The node is made a member of
+    the ledger as well (a rebuild racing its first registration may have left it out), so
+    ``is_ready`` sees it closed. Returns whether the node was open."""
     closed: int = yield Command(("DEL", calls.keys.node(node).ready), int)
+    yield Command(("SADD", calls.keys.members, node), int)
     return bool(closed)
 
 

@@ -80,17 +80,24 @@ def rebuild(
     for n in nodes:
         yield Command(("SET", keys.node(n.name).ready, str(chosen)), bool)
     # A member left out of this rebuild (Postgres knows no such node) that lost its marker
-    # has nothing to restore: it leaves the ledger, so readiness does not wait on it forever.
+    # and its pool has nothing to restore: it leaves the ledger, so readiness does not wait
+    # on it forever. One with a pool stays: a node registering while this rebuild ran (not in
+    # the Postgres rows it was given) is rebuilt by the next one, not dropped from the ledger.
     listed = {n.name for n in nodes}
     members: set[bytes] = yield Command(("SMEMBERS", keys.members), set)
+    unlisted: list[str] = []
     for name in sorted(decoded(m) for m in members):
-        if only is not None and name not in only:
+        if (only is not None and name not in only) or name in listed:
             continue
-        if name not in listed and not (yield Command(("EXISTS", keys.node(name).ready), bool)):
+        if (yield Command(("EXISTS", keys.node(name).ready), bool)):
+            continue
+        if (yield Command(("EXISTS", keys.node(name).pool), bool)):
+            unlisted.append(name)
+        else:
             yield Command(("SREM", keys.members, name), int)
     if only is None:
         yield Command(("SET", keys.built, str(chosen)), bool)
-    return RebuildReport(chosen, restored, skipped)
+    return RebuildReport(chosen, restored, skipped, tuple(unlisted))
 
 
 def rebuild_epoch(epoch: int, active: Sequence[ActiveLease], current: Sequence[int]) -> int:

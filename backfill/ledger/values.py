@@ -188,6 +188,9 @@ class RebuildReport:
     """The epoch the rebuild used; the caller stores it and passes a larger one next time."""
     restored: int
     skipped: int
+    unlisted: tuple[str, ...] = ()
+    """Closed nodes with a pool that the rebuild was not given (registered while it ran, or
+    unknown to Postgres): still members, so the next rebuild takes them."""
 
 
 @dataclass(frozen=True)

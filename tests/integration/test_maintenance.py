@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
-from backfill.ledger import Denial, Lease, Ledger
+from backfill.ledger import Denial, Lease, Ledger, NodePool
 from backfill.maintenance import ensure_ledger, pool_policy, tick
 from backfill.policy import Reason
 from backfill.states import ItemState, JobState
@@ -133,6 +133,41 @@ def test_a_node_closed_for_a_lost_lease_is_rebuilt_alone_while_the_others_admit(
     client.close()
     assert ledger.is_ready()
     assert ensure_ledger(repo, ledger, max_preemptions=3) is None
+
+
+def test_a_node_a_racing_rebuild_left_out_of_the_ledger_is_still_rebuilt(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    repo, ledger = stores
+    _running_items(repo, ledger, 2)
+    client = redis.Redis.from_url(settings.redis_url)
+    # n3 registers while a rebuild runs that read Postgres before it: its worker's own
+    # rebuild gave it a pool and a marker, the racing one's clean-up dropped it as a member.
+    repo.upsert_node("n3", "http://127.0.0.1:3", "m", CAPACITY // BLOCK, BLOCK, 0)
+    ensure_ledger(repo, ledger, max_preemptions=3)
+    ledger.register_pool("n3", CAPACITY, BLOCK)
+    client.srem(ledger.keys.members, "n3")
+    n3 = ledger.reserve("n3", "batch", 20, 100)
+    assert isinstance(n3, Lease)
+    # Its lease then goes missing (its shard failed over): the holder closes it, and the
+    # ledger must see a rebuild due, though n3 was no member.
+    client.hdel(ledger.keys.node("n3").leases, n3.lease_id)
+    client.hincrby(ledger.keys.node("n3").pool, "b_used", -n3.tokens)
+    ledger.mark_incomplete("n3")
+    assert not ledger.is_ready()
+    assert ledger.incomplete_nodes() == {"n3"}
+
+    # A full rebuild given only n1 (n3 registered after it read Postgres) keeps n3, which
+    # has a pool, as a member: the next rebuild takes it.
+    report = ledger.rebuild([NodePool("n1", CAPACITY, BLOCK)], [], repo.next_ledger_epoch())
+    assert report.unlisted == ("n3",)
+    assert ledger.incomplete_nodes() == {"n3"}
+    client.close()
+    assert ensure_ledger(repo, ledger, max_preemptions=3) is not None
+    assert ledger.is_ready()
+    snap = ledger.snapshot("n3")
+    assert snap is not None
+    assert snap.ready
 
 
 def test_silent_attempts_are_requeued_and_their_leases_released(
