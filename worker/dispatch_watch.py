@@ -23,7 +23,7 @@ from backfill.dispatch import (
 from backfill.engine.http import read_engine_scheduler
 from backfill.engine_scheduler import publish_scheduler
 from backfill.errors import BackfillError, LedgerUnavailable, StoreUnavailable
-from backfill.ledger import LeaseStatus
+from backfill.ledger import HeartbeatResult, LeaseStatus
 from backfill.observe import observed_non_batch
 from backfill.work_budget import WorkBudget, describe, step
 from backfill.work_signals import (
@@ -58,20 +58,29 @@ class Watchers(DispatcherState):
                 )
             except StoreUnavailable:
                 held = {f.item.id for f in flights}
+            # The node's leases in one round trip; a lease whose call failed is left as it is
+            # (its next beat tries again).
+            beating = [f for f in flights if f.item.id in held]
+            try:
+                beats = await self.ledger.heartbeat_many(  # one round trip (none for none)
+                    cfg.node,
+                    [(f.lease.lease_id, f.lease.fencing_token) for f in beating],
+                    ttl_ms=int(cfg.lease_ttl_s * 1000),
+                )
+            except BackfillError as exc:
+                beats = [exc] * len(beating)
+            statuses: dict[int, LeaseStatus | BackfillError] = {
+                f.item.id: beat.status if isinstance(beat, HeartbeatResult) else beat
+                for f, beat in zip(beating, beats, strict=True)
+            }
             for flight in flights:
                 claim_held = flight.item.id in held
                 status: LeaseStatus | None = None
                 if claim_held:
-                    try:
-                        beat = await self.ledger.heartbeat(
-                            cfg.node,
-                            flight.lease.lease_id,
-                            flight.lease.fencing_token,
-                            ttl_ms=int(cfg.lease_ttl_s * 1000),
-                        )
-                    except BackfillError:
+                    answer = statuses[flight.item.id]
+                    if not isinstance(answer, LeaseStatus):
                         continue
-                    status = beat.status
+                    status = answer
                 reason = heartbeat_stop(claim_held, status)
                 if reason is not None:
                     self._cancel(flight, reason)

@@ -81,6 +81,7 @@ class AsyncLedger:
     settle = awaiting(operations.settle)
     settle_many = awaiting(operations.settle_many)
     heartbeat = awaiting(operations.heartbeat)
+    heartbeat_many = awaiting(operations.heartbeat_many)
     restore_lease = awaiting(operations.restore_lease)
     release = awaiting(operations.release)
     release_many = awaiting(operations.release_many)

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from backfill import keys as lk
-from backfill.errors import LedgerError
+from backfill.errors import BackfillError, LedgerError
 from backfill.ledger.calls import LedgerCalls, NoPoolDenial, decoded, plain_denial
 from backfill.ledger.steps import Command, Pipelined, Plan, Scan, ScriptCall, by_node
 from backfill.ledger.values import (
@@ -293,6 +293,36 @@ def heartbeat(
     """Extend the lease by ``ttl_ms`` (the ledger's lease TTL when None), or say why not."""
     result: HeartbeatResult = yield calls.heartbeat(node, lease_id, fencing_token, ttl_ms, now_ms)
     return result
+
+
+def heartbeat_many(
+    calls: LedgerCalls,
+    node: str,
+    held: Sequence[tuple[str, int]],
+    *,
+    ttl_ms: int | None = None,
+    now_ms: int | None = None,
+) -> Plan[list[HeartbeatResult | BackfillError]]:
+    """Extend several of ``node``'s leases, each ``(lease_id, fencing_token)``, in one round
+    trip (one ``heartbeat`` call per lease, pipelined): a worker's heartbeat of its node is
+    one call per interval, not one per lease. Results come in ``held`` order; a call that
+    failed is its error, so one bad lease does not hide the others' answers."""
+    if not held:
+        return []
+    batched = [
+        _as_batch(calls.heartbeat(node, lease_id, fence, ttl_ms, now_ms))
+        for lease_id, fence in held
+    ]
+    try:
+        beats: list[HeartbeatResult] = yield Pipelined[HeartbeatResult](
+            batched, [(node, [i]) for i in range(len(batched))], len(batched)
+        )
+    except PartialBatchError as exc:
+        return [
+            r if isinstance(r, HeartbeatResult | BackfillError) else LedgerError(str(r))
+            for r in exc.results
+        ]
+    return list(beats)
 
 
 def restore_lease(calls: LedgerCalls, lease: Lease, *, ttl_ms: int, now_ms: int) -> Plan[bool]:

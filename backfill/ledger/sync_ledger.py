@@ -80,6 +80,7 @@ class Ledger:
     settle = blocking(operations.settle)
     settle_many = blocking(operations.settle_many)
     heartbeat = blocking(operations.heartbeat)
+    heartbeat_many = blocking(operations.heartbeat_many)
     restore_lease = blocking(operations.restore_lease)
     release = blocking(operations.release)
     release_many = blocking(operations.release_many)

@@ -26,6 +26,7 @@ from backfill.ledger import (
     ActiveLease,
     AsyncLedger,
     Denial,
+    HeartbeatResult,
     Lease,
     LeaseRef,
     LeaseStatus,
@@ -351,6 +352,38 @@ def test_heartbeat_extends_a_live_lease(ledger: Ledger) -> None:
     assert ledger.reap("n1", now_ms=T0 + TTL + 1) == []
     hb = ledger.heartbeat("n1", a.lease_id, a.fencing_token, ttl_ms=5, now_ms=T0 + 9000)
     assert hb.expires_at_ms == T0 + 9005
+
+
+def test_a_node_heartbeats_its_leases_in_one_call_each_answered_in_order(
+    ledger: Ledger,
+) -> None:
+    open_pool(ledger)
+    live = admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))
+    gone = admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))
+    ledger.release(gone, now_ms=T0)
+    beats = ledger.heartbeat_many(
+        "n1",
+        [
+            (live.lease_id, live.fencing_token),
+            (live.lease_id, live.fencing_token + 1),
+            (gone.lease_id, gone.fencing_token),
+            ("ls_never", 1),
+            ("", 1),  # refused by the script: an error in its place, the rest answered
+        ],
+        ttl_ms=500,
+        now_ms=T0 + 9000,
+    )
+    assert [b.status if isinstance(b, HeartbeatResult) else type(b) for b in beats] == [
+        LeaseStatus.OK,
+        LeaseStatus.FENCED,
+        LeaseStatus.ALREADY_RELEASED,
+        LeaseStatus.UNKNOWN,
+        LedgerError,
+    ]
+    first = beats[0]
+    assert isinstance(first, HeartbeatResult)
+    assert first.expires_at_ms == T0 + 9500
+    assert ledger.heartbeat_many("n1", [], now_ms=T0) == []
 
 
 def test_release_is_idempotent(ledger: Ledger) -> None:
