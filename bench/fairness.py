@@ -46,7 +46,8 @@ from backfill.config import libpq_url
 from backfill.store import Repository
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
-from bench.throughput import Workload, cpu_seconds, request_lines
+from bench.throughput_engine import cpu_seconds
+from bench.throughput_workload import Workload, request_lines
 from worker import devengine
 
 NAME = "fairness"
