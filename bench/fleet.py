@@ -48,15 +48,9 @@ from backfill.work_signals import work_budget_policy
 from backfill_analysis.simulate.scenario import h100_llama8b
 from bench.common import finish, machine, parser, scratch_database, table
 from bench.fleet_model import h100_node
-from bench.fleet_node import (
-    BackfillPlane,
-    NodeConfig,
-    Plane,
-    RawPlane,
-    Recorder,
-    SimNode,
-    cancel_all,
-)
+from bench.fleet_node import Recorder, SimNode, cancel_all
+from bench.fleet_plane import BackfillPlane, NodeConfig, Plane
+from bench.fleet_raw_plane import RawPlane
 from bench.fleet_stats import (
     Histogram,
     cpu_delta,
