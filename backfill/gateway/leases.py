@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from backfill.errors import BackfillError
-from backfill.gateway.decisions import Admission, Sizing
+from backfill.gateway.placement import Admission
+from backfill.gateway.sizing import Sizing
 from backfill.ledger import AsyncLedger, Lease
 
 log = logging.getLogger("backfill.gateway")
