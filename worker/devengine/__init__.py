@@ -59,13 +59,13 @@ from worker.devengine.server import (
     READY_TIMEOUT_S,
     SCHEDULER_CLS,
     EngineServer,
-    free_port,
     omp_threads_bind,
     running_engine,
     start_engine,
     start_model,
     sweep_stale_workdirs,
 )
+from worker.harness import free_port
 
 __all__ = [
     "CPU_CHUNK_TARGET_S",

@@ -6,12 +6,10 @@ Backfill's step scheduler from this checkout and its metrics on a port of their 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from worker import harness
 from worker.devengine.errors import DevEngineError, say, tail
 from worker.devengine.models import MODELS, DtypeChoice, checkpoint_dtype, choose_dtype, cpu_flags
 from worker.devengine.provisioning import default_venv, install, offline_env, provision, venv_python
@@ -58,22 +57,6 @@ def _root_cause(log: str) -> str:
         if match:
             return match.group(1).strip()[:1000]
     return "(no exception in the log)"
-
-
-def _die_with_parent() -> None:
-    """In the server's child process before exec: ask Linux to SIGTERM it when the process
-    that started it dies, so a killed test run or dev command leaves no engine behind holding
-    gigabytes of memory."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def omp_threads_bind() -> str:
@@ -139,18 +122,17 @@ class EngineServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after ``grace_s``."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                say(f"server {self.pid} ignored SIGTERM for {grace_s} s; killing")
-        # Children (the engine core) may outlive the API server's exit; reap the group too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+        # Children (the engine core) may outlive the API server's exit; the group is reaped.
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
+            harness.stop(
+                self.process,
+                grace_s,
+                group=True,
+                kill_wait_s=5,
+                on_overrun=lambda: say(
+                    f"server {self.pid} ignored SIGTERM for {grace_s} s; killing"
+                ),
+            )
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -197,7 +179,7 @@ def start_engine(
         if dtype is None
         else DtypeChoice(dtype, "asked for")
     )
-    port = port or free_port(host)
+    port = port or harness.free_port(host)
     owns_workdir = workdir is None
     if owns_workdir:
         sweep_stale_workdirs()
@@ -240,17 +222,14 @@ def start_engine(
         VLLM_DO_NOT_TRACK="1",
     )
     started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(  # noqa: S603 - argv built here from fixed parts and paths
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509
-        )
+    process = harness.spawn(
+        argv,
+        log_path,
+        env=env,
+        cwd=workdir,
+        log_mode="wb",
+        death_signal=signal.SIGTERM if die_with_parent else None,
+    )
     (workdir / _PID_FILE).write_text(f"{process.pid}\n")
     server = EngineServer(
         process=process,
@@ -297,7 +276,7 @@ def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dic
     if unknown:
         raise DevEngineError(f"scheduler settings are BACKFILL_SCHED_* variables, not {unknown}")
     env = {
-        "BACKFILL_SCHED_METRICS_PORT": str(free_port(host)),
+        "BACKFILL_SCHED_METRICS_PORT": str(harness.free_port(host)),
         "BACKFILL_SCHED_METRICS_HOST": host,
         # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
         # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
@@ -361,20 +340,22 @@ def sweep_stale_workdirs() -> list[Path]:
 
 
 def _wait_healthy(server: EngineServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=5.0) as client:
-        while True:
-            code = server.process.poll()
-            if code is not None:
-                raise DevEngineError(f"vLLM server exited with code {code} while starting")
+
+        def healthy() -> bool:
             try:
-                if client.get(f"{server.url}/health").status_code == 200:
-                    return
+                return client.get(f"{server.url}/health").status_code == 200
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise DevEngineError(f"vLLM server not healthy after {timeout_s:.0f} s")
-            time.sleep(0.5)
+                return False
+
+        try:
+            harness.wait_ready(server.process, healthy, timeout_s, poll_s=0.5)
+        except harness.ExitedWhileStarting as exc:
+            raise DevEngineError(
+                f"vLLM server exited with code {exc.returncode} while starting"
+            ) from None
+        except harness.NotReady:
+            raise DevEngineError(f"vLLM server not healthy after {timeout_s:.0f} s") from None
 
 
 def start_model(model: str = "tiny", **flags: object) -> EngineServer:
