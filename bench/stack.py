@@ -12,7 +12,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backfill.config import get_settings, libpq_url
 from backfill.store import Repository
 from bench.common import scratch_database
+from worker import harness
 
 BACKFILL = [sys.executable, "-m", "backfill_cli"]
 BATCH_ENDED = {"completed", "failed", "expired", "cancelled"}
@@ -78,9 +78,7 @@ class BackfillStack:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[BackfillStack]:
-        from worker.devengine import free_port  # noqa: PLC0415 - keeps this import cheap
-
-        self.port = free_port()
+        self.port = harness.free_port()
         self.logs.mkdir(parents=True, exist_ok=True)
         settings = get_settings()
         with ExitStack() as stack:
@@ -117,28 +115,37 @@ class BackfillStack:
     def _spawn(
         self, name: str, args: list[str], env: dict[str, str], stack: ExitStack
     ) -> subprocess.Popen[bytes]:
-        log = stack.enter_context((self.logs / f"{name}.log").open("wb"))
-        proc = subprocess.Popen([*BACKFILL, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-        stack.callback(_stop, proc)
+        proc = harness.spawn(
+            [*BACKFILL, *args],
+            self.logs / f"{name}.log",
+            env=env,
+            log_mode="wb",
+            own_session=False,
+            death_signal=None,
+        )
+        stack.callback(harness.stop, proc, 45)
         return proc
 
     def _wait_ready(self, *procs: subprocess.Popen[bytes]) -> None:
         repo = Repository.connect(self.database_url, pool_size=1)
+
+        def ready() -> bool:
+            try:
+                api_up = httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                api_up = False
+            return api_up and any(n.name == self.node for n in repo.nodes())
+
         try:
-            deadline = time.monotonic() + 180
-            while time.monotonic() < deadline:
-                if any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"backfill api or worker exited; logs in {self.logs}")
-                try:
-                    api_up = httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    api_up = False
-                if api_up and any(n.name == self.node for n in repo.nodes()):
-                    return
-                time.sleep(0.3)
+            harness.wait_ready(procs, ready, 180)
+        except harness.ExitedWhileStarting:
+            raise RuntimeError(f"backfill api or worker exited; logs in {self.logs}") from None
+        except harness.NotReady:
+            raise RuntimeError(
+                f"backfill api or worker not ready in 180 s; logs in {self.logs}"
+            ) from None
         finally:
             repo.close()
-        raise RuntimeError(f"backfill api or worker not ready in 180 s; logs in {self.logs}")
 
     def _forget_ledger(self, redis_url: str) -> None:
         client = redis.Redis.from_url(redis_url)
@@ -203,13 +210,3 @@ class BackfillStack:
                 "JOIN items i ON i.id = a.item_id WHERE a.outcome = 'preempted'"
             ).fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(45)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -32,7 +32,7 @@ from backfill_analysis.simulate.run import simulate
 from backfill_analysis.simulate.scenario import scenario
 from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 from bench.common import OUT_DIR
-from bench.protection import plot_tradeoff
+from bench.protection_report import plot_tradeoff
 
 TRACE = str(AZURE_CODE_TRACE)
 PLOT = Path(__file__).parent / "work_budget_tradeoff.png"

@@ -32,18 +32,12 @@ from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine, sse_lines
 from backfill.gateway.admission import InteractiveAdmission
-from backfill.gateway.decisions import (
-    Admission,
-    ClientGone,
-    GatewayRefusal,
-    GatewayUnavailable,
-    InteractiveEndpoint,
-    RequestShape,
-    Sizing,
-    upstream_body,
-)
 from backfill.gateway.leases import LeaseKeeper, used_tokens
 from backfill.gateway.nodes import ServingNode
+from backfill.gateway.placement import Admission
+from backfill.gateway.refusals import ClientGone, GatewayRefusal, GatewayUnavailable
+from backfill.gateway.request import InteractiveEndpoint, RequestShape
+from backfill.gateway.sizing import Sizing, upstream_body
 from backfill.refusals import InvalidRequest
 from backfill.store import Repository, TenantRecord
 from backfill.work_signals import PendingInteractive

@@ -37,7 +37,7 @@ from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.migrate import upgrade
 from backfill.store import Repository, ensure_database
-from worker import devengine
+from worker import devengine, harness
 
 DOCS = Path(__file__).parent / "demo_docs"
 PROMPT = (
@@ -205,27 +205,18 @@ def _tenant_key(repo: Repository) -> str:
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"process serving {url} exited with code {proc.returncode}")
+    def answers() -> bool:
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
+            return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} did not answer within {timeout_s:.0f} s")
+            return False
 
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        harness.wait_ready(proc, answers, timeout_s)
+    except harness.ExitedWhileStarting as exc:
+        raise SystemExit(f"process serving {url} exited with code {exc.returncode}") from None
+    except harness.NotReady:
+        raise SystemExit(f"{url} did not answer within {timeout_s:.0f} s") from None
 
 
 def run_dev(settings: Settings, options: DevOptions) -> int:
@@ -280,34 +271,26 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         )
 
         console.print(f"[bold]3/5[/] API on http://127.0.0.1:{options.port}, worker {options.node}")
-        api_log = (logs / "api.log").open("wb")
-        stack.callback(api_log.close)
-        api = subprocess.Popen(  # noqa: S603 - our own CLI with fixed arguments
-            [sys.executable, "-m", "backfill_cli", "api", "--port", str(options.port)],
+        # In the terminal's process group (Ctrl-C reaches them), unlike the embedded services.
+        backfill = [sys.executable, "-m", "backfill_cli"]
+        api = harness.spawn(
+            [*backfill, "api", "--port", str(options.port)],
+            logs / "api.log",
             env=env,
-            stdout=api_log,
-            stderr=subprocess.STDOUT,
+            log_mode="wb",
+            own_session=False,
+            death_signal=None,
         )
-        stack.callback(_stop, api, 10)
-        worker_log = (logs / "worker.log").open("wb")
-        stack.callback(worker_log.close)
-        worker = subprocess.Popen(  # noqa: S603 - our own CLI with fixed arguments
-            [
-                sys.executable,
-                "-m",
-                "backfill_cli",
-                "worker",
-                "--node",
-                options.node,
-                "--engine-url",
-                server.url,
-                "--beat",
-            ],
+        stack.callback(harness.stop, api, 10)
+        worker = harness.spawn(
+            [*backfill, "worker", "--node", options.node, "--engine-url", server.url, "--beat"],
+            logs / "worker.log",
             env=env,
-            stdout=worker_log,
-            stderr=subprocess.STDOUT,
+            log_mode="wb",
+            own_session=False,
+            death_signal=None,
         )
-        stack.callback(_stop, worker, 45)
+        stack.callback(harness.stop, worker, 45)
         base = f"http://127.0.0.1:{options.port}"
         _wait_http(f"{base}/healthz", 60, api)
 

@@ -30,7 +30,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from pathlib import Path
 import psycopg
 import redis
 
+from worker import harness
 from worker.devengine import backfill_home
 
 START_TIMEOUT_S = 60.0
@@ -68,19 +68,16 @@ class EmbeddedServer:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Ask the server to shut down (PostgreSQL: fast shutdown, which rolls back open
-        transactions and checkpoints; Redis: exit), kill it after ``grace_s``."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(self.stop_signal)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        # The server's own children (PostgreSQL's backends) leave with it; make sure.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        transactions and checkpoints; Redis: exit), kill it after ``grace_s``. The server's
+        own children (PostgreSQL's backends) leave with it; its group is killed to make sure."""
+        harness.stop(
+            self.process,
+            grace_s,
+            sig=self.stop_signal,
+            group=True,
+            sig_to="leader",
+            kill_wait_s=10,
+        )
         self._owner_file.unlink(missing_ok=True)
 
     def __enter__(self) -> EmbeddedServer:
@@ -127,29 +124,28 @@ def start_postgres(home: Path | None = None, *, port: int | None = None) -> Embe
             ]
         )
         staging.rename(data)
-    port = port or _free_port()
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(  # noqa: S603 - argv from fixed parts and paths
-            [
-                *map(str, prefix),
-                str(bin_dir / "postgres"),
-                "-D",
-                str(data),
-                "-p",
-                str(port),
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                "unix_socket_directories=",
-                # Each dev process (API, worker, beat) holds a small pool; leave room.
-                "-c",
-                "max_connections=200",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    port = port or harness.free_port()
+    # No death signal: a killed run's server is found and stopped by the next run
+    # (_stop_leftover).
+    process = harness.spawn(
+        [
+            *map(str, prefix),
+            str(bin_dir / "postgres"),
+            "-D",
+            str(data),
+            "-p",
+            str(port),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "unix_socket_directories=",
+            # Each dev process (API, worker, beat) holds a small pool; leave room.
+            "-c",
+            "max_connections=200",
+        ],
+        log_path,
+        death_signal=None,
+    )
     owner_file.write_text(f"{os.getpid()}\n")
     server = EmbeddedServer(
         name="PostgreSQL " + version,
@@ -177,31 +173,30 @@ def start_redis(home: Path | None = None, *, port: int | None = None) -> Embedde
     log_path = base / "redis.log"
     _stop_leftover(owner_file, _pid_in(pid_file), server_bin, "Redis")
     version = _run([server_bin, "--version"]).split()[2].removeprefix("v=")
-    port = port or _free_port()
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(  # noqa: S603 - argv from fixed parts and paths
-            [
-                str(server_bin),
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(data),
-                "--pidfile",
-                str(pid_file),
-                "--maxmemory-policy",
-                "noeviction",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    port = port or harness.free_port()
+    # No death signal: a killed run's server is found and stopped by the next run
+    # (_stop_leftover).
+    process = harness.spawn(
+        [
+            str(server_bin),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+            "--pidfile",
+            str(pid_file),
+            "--maxmemory-policy",
+            "noeviction",
+        ],
+        log_path,
+        death_signal=None,
+    )
     owner_file.write_text(f"{os.getpid()}\n")
     server = EmbeddedServer(
         name="Redis " + version,
@@ -274,31 +269,22 @@ def _run(argv: list[str | Path]) -> str:
     return proc.stdout.strip()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _wait_ready(server: EmbeddedServer, answers: Callable[[], bool]) -> None:
     """Wait until the server answers; on any way out but that (it died, it is too slow, or a
     Ctrl-C while waiting) stop it, since the caller never got it to stop."""
     try:
-        end = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < end:
-            if server.process.poll() is not None:
-                raise EmbeddedServiceError(
-                    f"{server.name} exited with code {server.process.returncode} while "
-                    f"starting; its log: {server.log_path}\n{_tail(server.log_path)}"
-                )
-            if answers():
-                return
-            time.sleep(0.1)
-        raise EmbeddedServiceError(
-            f"{server.name} did not answer within {START_TIMEOUT_S:.0f} s; "
-            f"its log: {server.log_path}"
-        )
+        try:
+            harness.wait_ready(server.process, answers, START_TIMEOUT_S, poll_s=0.1)
+        except harness.ExitedWhileStarting as exc:
+            raise EmbeddedServiceError(
+                f"{server.name} exited with code {exc.returncode} while "
+                f"starting; its log: {server.log_path}\n{_tail(server.log_path)}"
+            ) from None
+        except harness.NotReady:
+            raise EmbeddedServiceError(
+                f"{server.name} did not answer within {START_TIMEOUT_S:.0f} s; "
+                f"its log: {server.log_path}"
+            ) from None
     except BaseException:
         server.stop()
         raise

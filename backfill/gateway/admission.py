@@ -19,26 +19,18 @@ from typing import Any
 from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.engine.protocol import Engine, EngineError, EngineRejected, count_prefill
-from backfill.gateway.decisions import (
-    Admission,
-    GatewayRefusal,
-    GatewayUnavailable,
-    InteractiveEndpoint,
-    ModelNotServed,
-    RequestCaps,
-    RequestShape,
-    Sizing,
-    admit,
-    check_bound,
-    check_sequences,
-    parse_request,
-    prompt_upper_bound,
-    size_request,
-    wait_budget_s,
-)
 from backfill.gateway.leases import AdmissionEvents, LeaseKeeper, NoEvents
 from backfill.gateway.nodes import NodeDirectory, ServingNode
+from backfill.gateway.placement import Admission, admit, wait_budget_s
+from backfill.gateway.refusals import GatewayRefusal, GatewayUnavailable, ModelNotServed
+from backfill.gateway.request import (
+    InteractiveEndpoint,
+    RequestShape,
+    parse_request,
+    prompt_upper_bound,
+)
 from backfill.gateway.signals import SignalPublisher
+from backfill.gateway.sizing import RequestCaps, Sizing, check_bound, check_sequences, size_request
 from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
 from backfill.prefill import prefill_plan

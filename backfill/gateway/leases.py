@@ -11,7 +11,8 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from backfill.errors import BackfillError, LedgerError
-from backfill.gateway.decisions import Admission, Sizing
+from backfill.gateway.placement import Admission
+from backfill.gateway.sizing import Sizing
 from backfill.ledger import AsyncLedger, Lease, LeaseStatus
 
 log = logging.getLogger("backfill.gateway")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from backfill.engine.protocol import Engine, EngineError
 from backfill.errors import BackfillError
-from backfill.gateway.decisions import GatewayUnavailable
+from backfill.gateway.refusals import GatewayUnavailable
 from backfill.store import Repository
 
 log = logging.getLogger("backfill.gateway")

@@ -16,15 +16,15 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from backfill.gateway.decisions import (
+from backfill.gateway.refusals import (
     ContextLengthExceeded,
     GatewayRefusal,
-    InteractiveEndpoint,
     ModelNotServed,
     NoInteractiveRoom,
     OverRequestCap,
     ReservationTooLarge,
 )
+from backfill.gateway.request import InteractiveEndpoint
 from queue_api.deps import TenantDep
 from queue_api.errors import error_body
 from queue_api.gateway import InteractiveGateway, answer_headers

@@ -8,7 +8,6 @@ openai SDK, or httpx for routes the SDK does not know).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import tracemalloc
@@ -24,17 +23,11 @@ from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Finish, Repository
 from queue_api.app import create_app
+from worker.harness import free_port
 
 CHAT = "/v1/chat/completions"
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

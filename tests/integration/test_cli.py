@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
-from batch_api_support import free_port
 from openai import OpenAI
 from sqlalchemy import text
 
 from backfill.store import Repository, key_id
+from worker.harness import free_port
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

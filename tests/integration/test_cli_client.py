@@ -16,7 +16,6 @@ from batch_api_support import (
     LiveServer,
     Tenant,
     chat_file,
-    free_port,
     result_lines,
     run_worker,
 )
@@ -26,6 +25,7 @@ from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
 from backfill.store import Repository
 from backfill_cli.app import app
+from worker.harness import free_port
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

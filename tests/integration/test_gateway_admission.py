@@ -13,16 +13,14 @@ import pytest
 import redis
 
 from backfill.errors import BackfillError
-from backfill.gateway.decisions import (
-    Admission,
-    AdmissionTiming,
+from backfill.gateway.placement import Admission, AdmissionTiming, admit
+from backfill.gateway.refusals import (
     ClientGone,
     GatewayUnavailable,
     NoInteractiveRoom,
     ReservationTooLarge,
-    Sizing,
-    admit,
 )
+from backfill.gateway.sizing import Sizing
 from backfill.ledger import AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
 from tests.conftest import REDIS_URL

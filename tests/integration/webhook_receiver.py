@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from batch_api_support import free_port
+from worker.harness import free_port
 
 
 @dataclass(frozen=True)

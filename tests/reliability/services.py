@@ -20,13 +20,11 @@ process dies first, so a crashed test run leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,20 +35,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when the test process exits.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from worker import harness
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> float:
@@ -67,22 +52,8 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float 
 def _spawn(
     argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch the child
-        )
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
+    # SIGKILL, not SIGTERM, when the test process dies: nothing here needs a clean shutdown.
+    return harness.spawn(argv, log, env=env, cwd=cwd, death_signal=signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +65,7 @@ class RedisServer:
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         self.workdir = workdir
-        self.port = port or free_port()
+        self.port = port or harness.free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -124,7 +95,7 @@ class RedisServer:
     def kill(self) -> None:
         """SIGKILL: every key is gone (no persistence)."""
         if self.proc is not None:
-            _kill_group(self.proc)
+            harness.signal_group(self.proc)
             self.proc.wait(10)
             self.proc = None
 
@@ -162,7 +133,7 @@ class PostgresServer:
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         self.workdir = workdir
-        self.port = port or free_port()
+        self.port = port or harness.free_port()
         self.bin = _postgres_bin()
         self.data = workdir / "data"
         self.log = workdir / "postgres.log"
@@ -287,18 +258,18 @@ class WorkerProcess:
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
-            _kill_group(self.proc, sig)
+            harness.signal_group(self.proc, sig)
 
     def kill(self) -> None:
         """SIGKILL: no cleanup of any kind runs."""
         if self.proc is not None:
-            _kill_group(self.proc)
+            harness.signal_group(self.proc)
             self.proc.wait(10)
 
     def terminate(self, timeout: float = 60) -> int:
         """SIGTERM (Celery's warm shutdown) and wait; returns the exit code."""
         assert self.proc is not None
-        _kill_group(self.proc, signal.SIGTERM)
+        harness.signal_group(self.proc, signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from worker import devengine
+from worker.devengine import server as engine_server
 
 
 def test_a_finished_install_is_reused_without_running_pip(tmp_path: Path) -> None:
@@ -109,8 +110,8 @@ def test_the_root_cause_is_found_above_the_generic_tail() -> None:
             "RuntimeError: Engine core initialization failed. See root cause above.",
         ]
     )
-    assert devengine._root_cause(log) == "ValueError: To serve at least one request"
-    assert devengine._root_cause("all fine") == "(no exception in the log)"
+    assert engine_server._root_cause(log) == "ValueError: To serve at least one request"
+    assert engine_server._root_cause("all fine") == "(no exception in the log)"
 
 
 def test_omp_binding_covers_the_cores_this_process_may_use() -> None:
@@ -173,7 +174,7 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path: Path) -> None:
 
 def test_the_scheduler_env_puts_only_the_package_on_the_engines_path(tmp_path: Path) -> None:
     settings = {"BACKFILL_SCHED_RIDE_ALONG_SHARE": "0.2"}
-    env = devengine._scheduler_env(tmp_path, "127.0.0.1", settings)
+    env = engine_server._scheduler_env(tmp_path, "127.0.0.1", settings)
     path = Path(env["PYTHONPATH"])
     assert sorted(p.name for p in path.iterdir()) == ["backfill_vllm"]
     assert (path / "backfill_vllm" / "scheduler.py").is_file()
@@ -181,4 +182,4 @@ def test_the_scheduler_env_puts_only_the_package_on_the_engines_path(tmp_path: P
     assert env["BACKFILL_SCHED_METRICS_HOST"] == "127.0.0.1"
     assert env["BACKFILL_SCHED_RIDE_ALONG_SHARE"] == "0.2"
     with pytest.raises(devengine.DevEngineError, match="BACKFILL_SCHED_"):
-        devengine._scheduler_env(tmp_path, "127.0.0.1", {"RIDE_ALONG": "1"})
+        engine_server._scheduler_env(tmp_path, "127.0.0.1", {"RIDE_ALONG": "1"})

@@ -7,22 +7,21 @@ from typing import Any
 
 import pytest
 
-from backfill.gateway.decisions import (
+from backfill.gateway.placement import NodeLoad, rank_nodes, wait_budget_s
+from backfill.gateway.refusals import ContextLengthExceeded, OverRequestCap
+from backfill.gateway.request import (
     BOUND_MARGIN_PER_SEGMENT,
-    ContextLengthExceeded,
     InteractiveEndpoint,
-    NodeLoad,
-    OverRequestCap,
     bound_key,
+    parse_request,
+    prompt_upper_bound,
+)
+from backfill.gateway.sizing import (
     check_bound,
     check_sequences,
-    parse_request,
     prompt_lower_bound,
-    prompt_upper_bound,
-    rank_nodes,
     size_request,
     upstream_body,
-    wait_budget_s,
 )
 from backfill.ledger import Lease
 from backfill.observe import allocated_tokens, batch_physical_tokens, observed_non_batch

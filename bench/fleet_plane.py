@@ -1,0 +1,235 @@
+"""The control plane a simulated node of ``bench.fleet`` calls (:class:`Plane`), the settings
+that shape its traffic (:class:`NodeConfig`), and :class:`BackfillPlane`, which carries
+the calls out with Backfill's ``Repository`` and ``AsyncLedger``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from backfill.errors import BackfillError, StaleWrite
+from backfill.keys import LedgerKeys
+from backfill.ledger import AsyncLedger, PartialBatchError, ReserveRequest
+from backfill.policy import ServiceClass
+from backfill.redis_client import AsyncRedis
+from backfill.states import ItemState
+from backfill.store import ClaimedItem, Finish, Repository, Start
+
+RESULT = json.dumps(
+    {
+        "id": "bf-0",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x" * 1200},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 300, "total_tokens": 1300},
+    }
+)
+"""A summary's result body (~1.3 KB)."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The dispatcher settings that shape control-plane traffic (``DispatchConfig``'s
+    defaults, with the ``Settings`` a worker runs with)."""
+
+    claim_batch: int = 64
+    max_in_flight: int = 128
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    idle_poll_s: float = 0.5
+    result_flush_s: float = 0.05
+    settle_every_tokens: int = 32
+    observe_interval_s: float = 1.0
+    budget_interval_s: float = 0.25
+    signal_ttl_s: float = 3.0
+    block_size: int = 16
+    max_preemptions: int = 3
+    settle_interval_s: float = 1.0
+    settle_batched: bool = True
+    """As the dispatcher does now: each node's progress in one ``settle_many`` per
+    ``settle_interval_s``. False: one ``settle`` per item per ``settle_every_tokens``, as it
+    did before (``--per-item-settle``, the before of the fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    item_id: int
+    attempt: int
+    prompt_tokens: int
+    max_output_tokens: int
+    deadline_ms: int
+    lease: Any = None
+
+
+class Plane(Protocol):
+    """The calls a node makes, whoever carries them out."""
+
+    async def snapshot(self, node: str) -> int: ...
+    async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]: ...
+    async def unclaim(self, held: Sequence[Held]) -> None: ...
+    async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]: ...
+    async def give_back(self, held: Held) -> None: ...
+    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
+    async def settle(self, node: str, held: Held, generated: int) -> None: ...
+    async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None: ...
+    async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
+    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None: ...
+    async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]: ...
+    async def release(self, held: Sequence[Held]) -> None: ...
+    async def observe(self, node: str) -> None: ...
+    async def listen(self, node: str) -> None: ...
+    @property
+    def client(self) -> AsyncRedis: ...
+    @property
+    def keys(self) -> LedgerKeys: ...
+
+
+class BackfillPlane:
+    """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``."""
+
+    def __init__(
+        self,
+        repo: Repository,
+        ledger: AsyncLedger,
+        cfg: NodeConfig,
+        listen_ledger: AsyncLedger | None = None,
+    ) -> None:
+        self.repo, self.ledger, self.cfg = repo, ledger, cfg
+        # Each subscription holds a connection: not from the calls' bounded pool.
+        self.listen_ledger = listen_ledger or ledger
+
+    @property
+    def client(self) -> AsyncRedis:
+        return self.ledger.client
+
+    @property
+    def keys(self) -> LedgerKeys:
+        return self.ledger.keys
+
+    async def snapshot(self, node: str) -> int:
+        snap = await self.ledger.snapshot(node)
+        return 0 if snap is None or not snap.ready else snap.slack
+
+    async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
+        claimed: list[ClaimedItem] = await asyncio.to_thread(self.repo.claim, node, want, ttl_s)
+        return [
+            Held(
+                c.id,
+                c.attempt,
+                c.prompt_tokens or 0,
+                c.max_output_tokens,
+                int(c.deadline.timestamp() * 1000),
+            )
+            for c in claimed
+        ]
+
+    async def unclaim(self, held: Sequence[Held]) -> None:
+        await asyncio.to_thread(
+            self.repo.unclaim, [(h.item_id, h.attempt) for h in held], "slack full"
+        )
+
+    async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
+        requests = [
+            ReserveRequest(
+                node=node,
+                service_class=ServiceClass.BATCH,
+                prompt_tokens=h.prompt_tokens,
+                max_output_tokens=h.max_output_tokens,
+                n=1,
+                owner=f"{node}/{h.item_id}/{h.attempt}",
+                preemptible=True,
+                deadline_ms=h.deadline_ms,
+                ttl_ms=int(self.cfg.lease_ttl_s * 1000),
+            )
+            for h in held
+        ]
+        try:
+            return list(await self.ledger.reserve_many(requests))
+        except PartialBatchError as exc:
+            return list(exc.results)
+
+    async def give_back(self, held: Held) -> None:
+        with contextlib.suppress(StaleWrite):
+            await asyncio.to_thread(
+                self.repo.give_back,
+                held.item_id,
+                held.attempt,
+                ItemState.DEFERRED,
+                retry_after_s=1.0,
+                detail="no slack",
+            )
+
+    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        starts = [
+            Start(
+                h.item_id,
+                h.attempt,
+                h.lease.lease_id,
+                h.lease.fencing_token,
+                h.lease.tokens,
+                h.prompt_tokens,
+            )
+            for h in held
+        ]
+        return set(await asyncio.to_thread(self.repo.start_many, starts, ttl_s))
+
+    async def settle(self, node: str, held: Held, generated: int) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.settle(node, held.lease.lease_id, held.lease.fencing_token, generated)
+
+    async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.settle_many(
+                node, [(h.lease.lease_id, h.lease.fencing_token, g) for h, g in progress]
+            )
+
+    async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+        return set(
+            await asyncio.to_thread(
+                self.repo.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s
+            )
+        )
+
+    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.heartbeat(
+                node, held.lease.lease_id, held.lease.fencing_token, ttl_ms=int(ttl_s * 1000)
+            )
+
+    async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
+        fins = [
+            Finish(
+                h.item_id,
+                h.attempt,
+                h.lease.fencing_token,
+                ItemState.SUCCEEDED,
+                result=RESULT,
+                output_tokens=out,
+                prompt_tokens=h.prompt_tokens,
+            )
+            for h, out in done
+        ]
+        return set(await asyncio.to_thread(self.repo.finish, fins))
+
+    async def release(self, held: Sequence[Held]) -> None:
+        with contextlib.suppress(BackfillError):
+            await self.ledger.release_many([h.lease for h in held])
+
+    async def observe(self, node: str) -> None:
+        await self.ledger.snapshot(node)
+        await self.ledger.observe(node, 0)
+
+    async def listen(self, node: str) -> None:
+        async with await self.listen_ledger.listen_preemptions(node) as listener:
+            async for _ in listener:
+                pass

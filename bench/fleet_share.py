@@ -1,0 +1,119 @@
+"""One harness process's share of the fleet: its nodes as asyncio tasks over one pooled
+Repository and one Redis pool (Backfill's plane or the raw floor), measured over the same
+wall-clock window as the other processes'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from backfill.config import get_settings, libpq_url
+from backfill.keys import LedgerKeys
+from backfill.ledger import AsyncLedger
+from backfill.maintenance import pool_policy
+from backfill.store import Repository
+from backfill.work_signals import work_budget_policy
+from bench.fleet_model import h100_node
+from bench.fleet_node import Recorder, SimNode, cancel_all
+from bench.fleet_plane import BackfillPlane, NodeConfig, Plane
+from bench.fleet_point import OUTPUT_TOKENS
+from bench.fleet_raw_plane import RawPlane
+from bench.fleet_stats import process_cpu_s
+
+THREADS_PER_PROC = 16
+
+
+@dataclass(frozen=True)
+class Share:
+    side: str
+    url: str
+    redis_url: str
+    namespace: str
+    nodes: tuple[str, ...]
+    cfg: NodeConfig
+    measure_from: float
+    measure_until: float
+    """Wall-clock times (time.time) of the measured window, the same for every process."""
+
+
+def child(share: Share, out: Any) -> None:
+    try:
+        out.put(asyncio.run(_serve(share)))
+    except BaseException as exc:  # the parent must hear of it, not wait forever
+        out.put({"error": repr(exc)})
+        raise
+
+
+async def _serve(share: Share) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(THREADS_PER_PROC))
+    settings = get_settings()
+    policy = pool_policy(settings)
+    client = redis.asyncio.Redis(
+        connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+            share.redis_url, max_connections=64, timeout=30
+        )
+    )
+    # Each node's preemption subscription holds a connection of its own.
+    listen_client = redis.asyncio.Redis.from_url(share.redis_url)
+    keys = LedgerKeys(share.namespace)
+    plane: Plane
+    repo: Repository | None = None
+    raw: RawPlane | None = None
+    if share.side == "raw":
+        raw = RawPlane(libpq_url(share.url), client, keys, THREADS_PER_PROC, listen_client)
+        await raw.load_scripts()
+        plane = raw
+    else:
+        repo = Repository.connect(
+            share.url, pool_size=THREADS_PER_PROC // 2, fair_share=settings.fair_share
+        )
+        ledger = AsyncLedger(
+            client, share.namespace, policy, lease_ttl_ms=int(share.cfg.lease_ttl_s * 1000)
+        )
+        listen_ledger = AsyncLedger(listen_client, share.namespace, policy)
+        plane = BackfillPlane(repo, ledger, share.cfg, listen_ledger)
+    rec = Recorder()
+    model = h100_node()
+    budget = (
+        work_budget_policy(settings, share.cfg.max_in_flight)
+        if settings.work_budget_enabled
+        else None
+    )
+    nodes = [SimNode(n, plane, model, share.cfg, rec, budget, OUTPUT_TOKENS) for n in share.nodes]
+    tasks = [asyncio.create_task(n.run()) for n in nodes]
+    await asyncio.sleep(max(0.0, share.measure_from - time.time()))
+    rec.measuring = True
+    cpu0 = process_cpu_s(os.getpid()) or 0.0
+    done0 = sum(n.counters.finished for n in nodes)
+    started0 = sum(n.counters.started for n in nodes)
+    claims0 = sum(n.counters.claims for n in nodes)
+    await asyncio.sleep(max(0.0, share.measure_until - time.time()))
+    rec.measuring = False
+    cpu1 = process_cpu_s(os.getpid()) or 0.0
+    result = {
+        "finished": sum(n.counters.finished for n in nodes) - done0,
+        "started": sum(n.counters.started for n in nodes) - started0,
+        "claims": sum(n.counters.claims for n in nodes) - claims0,
+        "in_flight": sum(n.in_flight for n in nodes),
+        "cpu_s": cpu1 - cpu0,
+        "hist": {k: h.to_json() for k, h in rec.hist.items()},
+    }
+    for n in nodes:
+        n.stop(drain=False)
+    await cancel_all(tasks)
+    if raw is not None:
+        raw.close()
+    if repo is not None:
+        repo.close()
+    await client.aclose()
+    await listen_client.aclose()
+    return result
