@@ -17,7 +17,7 @@ batching, and with its pacing:
   ``result_flush_s``, takes up to 256, ``finish``es them in one statement, then
   ``release_many``.
 - heartbeat (``_heartbeat``) every ``heartbeat_interval_s``: one Postgres heartbeat of every
-  held item, then one ledger heartbeat per lease, in turn.
+  held item, then one ledger call heartbeating every lease (pipelined), as the worker does.
 - observe (``_observe``) every second: snapshot + observe; work budget (``_step_budget``) every
   ``budget_interval_s``: Redis' clock, the gateway signals, the batch exchange, the publish.
 - a preemption listener (one pub/sub subscription) per node.
@@ -348,10 +348,9 @@ class SimNode:
         await self.rec.timed(
             "heartbeat_pg", self.plane.heartbeat_claims(held, self.cfg.lease_ttl_s)
         )
-        for h in held:
-            await self.rec.timed(
-                "heartbeat", self.plane.heartbeat_lease(self.name, h, self.cfg.lease_ttl_s)
-            )
+        await self.rec.timed(
+            "heartbeat", self.plane.heartbeat_leases(self.name, held, self.cfg.lease_ttl_s)
+        )
 
     async def _observe(self) -> None:
         await self.rec.timed("observe", self.plane.observe(self.name))

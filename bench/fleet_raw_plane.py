@@ -149,9 +149,10 @@ class RawPlane:
         )
         return {r[0] for r in rows}
 
-    async def heartbeat_lease(self, node: str, held: Held, ttl_s: float) -> None:
+    async def heartbeat_leases(self, node: str, held: Sequence[Held], ttl_s: float) -> None:
+        expires = time.time() + ttl_s
         await self._client.zadd(
-            self._k(node)[1] + ":exp", {held.lease.lease_id: time.time() + ttl_s}
+            self._k(node)[1] + ":exp", {h.lease.lease_id: expires for h in held}
         )
 
     async def finish(self, done: Sequence[tuple[Held, int]]) -> set[int]:
