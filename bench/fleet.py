@@ -15,6 +15,9 @@ LOCKED``, one-line updates, a two-line Lua reserve/release, HSET/ZADD), no maint
 Reported per N: items/s sustained over the measured window, p50/p99 of each call, CPU seconds
 per second of Postgres (this database's backends and the server's own processes), Redis and
 the harness itself. ``--sweep`` runs N = 10, 100, 300, 1000 and plots ``bench/fleet.png``.
+``--redis-shards 1,3`` also runs Backfill's side with the ledger on a Redis Cluster of that
+many masters (no replicas), started here from the installed ``redis-server``
+(``worker.redis_cluster``): the scaling from one shard to several, on the same machine.
 
 This module is the command line; one point runs in :mod:`bench.fleet_run`, each harness
 process's nodes in :mod:`bench.fleet_share`, what is measured in :mod:`bench.fleet_point` and
@@ -24,6 +27,7 @@ the report in :mod:`bench.fleet_report`.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +37,7 @@ from bench.fleet_plane import NodeConfig
 from bench.fleet_point import CALLS, GOAL_CLAIM_P99_S, GOAL_ITEMS_PER_S, GOAL_RESERVE_P99_S, Point
 from bench.fleet_report import plot, report
 from bench.fleet_run import run_point
+from worker.redis_cluster import LocalCluster
 
 NAME = "fleet"
 
@@ -57,7 +62,15 @@ def main() -> None:
         help="also run Backfill settling per item per 32 tokens (before settle_many)",
     )
     p.add_argument("--max-items", type=int, default=150_000)
+    p.add_argument(
+        "--redis-shards",
+        default="",
+        help="comma-separated master counts: Backfill's side again on a Redis Cluster of each",
+    )
     args = p.parse_args()
+    shard_counts = [int(x) for x in args.redis_shards.split(",") if x.strip()]
+    if any(k < 1 for k in shard_counts):
+        p.error("--redis-shards takes counts of at least 1")
     sizes: Sequence[int] = SWEEP if args.sweep else ((10,) if args.quick else (args.nodes,))
     duration = args.duration or (8.0 if args.quick else 30.0)
     warmup = args.warmup or (6.0 if args.quick else 15.0)
@@ -88,6 +101,20 @@ def main() -> None:
             pt.side = "per-item settle"
             points.append(pt)
             print(f"  N={n} per-item settle: {pt.items_per_s:,.0f} items/s", flush=True)
+    for k in shard_counts:
+        with tempfile.TemporaryDirectory(prefix="bffleet-cluster-") as root:
+            cluster = LocalCluster(Path(root), masters=k, replicas=0).start()
+            try:
+                for n in sizes:
+                    procs = args.procs or (1 if n <= 100 else 2)
+                    pt = run_point(
+                        n, "backfill", duration, warmup, procs, cfg, max_items, cluster.url
+                    )
+                    pt.side = f"backfill, {k}-shard cluster"
+                    points.append(pt)
+                    print(f"  N={n} {pt.side}: {pt.items_per_s:,.0f} items/s", flush=True)
+            finally:
+                cluster.stop()
     print(report(points))
     ratios = {}
     for n in sizes:

@@ -21,6 +21,7 @@ import redis.asyncio
 from backfill.config import get_settings, libpq_url
 from backfill.ledger import Ledger
 from backfill.maintenance import ensure_ledger, pool_policy, tick
+from backfill.redis_client import is_cluster_url
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
 from backfill_analysis.simulate.scenario import h100_llama8b
@@ -90,6 +91,8 @@ def _register(url: str, redis_url: str, namespace: str, nodes: Sequence[str]) ->
 
 
 def _drop_namespace(redis_url: str, namespace: str) -> None:
+    if is_cluster_url(redis_url):
+        return  # the benchmark's own cluster, stopped after the run
     client = redis.Redis.from_url(redis_url)
     try:
         batch = []
@@ -156,9 +159,12 @@ def run_point(
     procs: int,
     cfg: NodeConfig,
     max_items: int,
+    redis_url: str | None = None,
 ) -> Point:
+    """One side's run at ``nodes`` nodes; the ledger on ``redis_url`` (the configured Redis
+    when None; a ``redis+cluster://`` URL puts it on a Redis Cluster)."""
     settings = get_settings()
-    redis_url = settings.redis_url
+    redis_url = redis_url or settings.redis_url
     namespace = f"bffleet-{secrets.token_hex(4)}"
     names = _node_names(nodes)
     per_node_rate = 128 / (OUTPUT_TOKENS * h100_node().decode_step_s(128, PROMPT_TOKENS + 150))

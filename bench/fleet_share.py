@@ -19,6 +19,7 @@ from backfill.config import get_settings, libpq_url
 from backfill.keys import LedgerKeys
 from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
+from backfill.redis_client import AsyncRedis, connect_async, is_cluster_url
 from backfill.store import Repository
 from backfill.work_signals import work_budget_policy
 from bench.fleet_model import h100_node
@@ -57,18 +58,30 @@ async def _serve(share: Share) -> dict[str, Any]:
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(THREADS_PER_PROC))
     settings = get_settings()
     policy = pool_policy(settings)
-    client = redis.asyncio.Redis(
-        connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
-            share.redis_url, max_connections=64, timeout=30
+    client: AsyncRedis
+    listen_client: AsyncRedis
+    if is_cluster_url(share.redis_url):
+        if share.side == "raw":
+            raise ValueError("the raw floor runs on one Redis server, not a cluster")
+        # The cluster client keeps a pool per shard and follows the slot map itself; it fails
+        # a call when a pool is full rather than waiting (MaxConnectionsError), so no cap here.
+        client = connect_async(share.redis_url)
+        listen_client = connect_async(share.redis_url)
+    else:
+        client = redis.asyncio.Redis(
+            connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                share.redis_url, max_connections=64, timeout=30
+            )
         )
-    )
-    # Each node's preemption subscription holds a connection of its own.
-    listen_client = redis.asyncio.Redis.from_url(share.redis_url)
+        # Each node's preemption subscription holds a connection of its own.
+        listen_client = redis.asyncio.Redis.from_url(share.redis_url)
     keys = LedgerKeys(share.namespace)
     plane: Plane
     repo: Repository | None = None
     raw: RawPlane | None = None
     if share.side == "raw":
+        assert isinstance(client, redis.asyncio.Redis)  # one server (refused above otherwise)
+        assert isinstance(listen_client, redis.asyncio.Redis)
         raw = RawPlane(libpq_url(share.url), client, keys, THREADS_PER_PROC, listen_client)
         await raw.load_scripts()
         plane = raw

@@ -24,7 +24,7 @@ import redis
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.migrate import upgrade
 from backfill.redis_client import connect
-from tests.redis_cluster import LocalCluster
+from worker.redis_cluster import LocalCluster
 
 ADMIN_URL = normalise_database_url(
     os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")

@@ -24,7 +24,7 @@ from backfill.policy import ClassLimits, PoolPolicy, Reason, ServiceClass
 from backfill.store import Repository
 from tests.integration.test_ledger import at
 from tests.integration.test_maintenance import _running_items
-from tests.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
+from worker.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 
 POLICY = PoolPolicy(
     interactive=ClassLimits(4096),
