@@ -19,7 +19,7 @@ from typing import Any
 from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.engine.protocol import Engine, EngineError, EngineRejected, count_prefill
-from backfill.gateway.leases import AdmissionEvents, LeaseKeeper, NoEvents
+from backfill.gateway.leases import AdmissionEvents, LeaseBeats, LeaseKeeper, NoEvents
 from backfill.gateway.nodes import NodeDirectory, ServingNode
 from backfill.gateway.placement import Admission, admit, wait_budget_s
 from backfill.gateway.refusals import GatewayRefusal, GatewayUnavailable, ModelNotServed
@@ -96,6 +96,7 @@ class InteractiveAdmission:
         )
         self._engine_for = engine_for
         self.events = events or NoEvents()
+        self.beats = LeaseBeats(self.ledger, settings.heartbeat_interval_s, self.ttl_ms)
         self.directory = NodeDirectory(repo, settings.gateway_node_refresh_s, engine_for)
         self.signals = SignalPublisher(
             self.ledger,
@@ -111,6 +112,7 @@ class InteractiveAdmission:
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
 
     async def aclose(self) -> None:
+        await self.beats.aclose()
         await self.signals.aclose()
         await self.directory.aclose()
         await self.ledger.aclose()
@@ -173,9 +175,7 @@ class InteractiveAdmission:
         lease = admission.lease
         pending.admitted(lease.node)
         self.events.admitted(admission, bounded=bounded is not None)
-        keeper = LeaseKeeper(
-            self.ledger, lease, self.settings.heartbeat_interval_s, self.ttl_ms, self.events
-        )
+        keeper = LeaseKeeper(lease, self.beats, self.events)
         try:
             node = next(n for n in nodes if n.name == lease.node)
             if lease.preempted:

@@ -4,16 +4,17 @@ made, the exact count of a bound admission, and one settle-and-release however i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from backfill.errors import BackfillError, LedgerError
+from backfill.errors import BackfillError
 from backfill.gateway.placement import Admission
 from backfill.gateway.sizing import Sizing
-from backfill.ledger import AsyncLedger, Lease, LeaseStatus
+from backfill.ledger import AsyncLedger, HeartbeatResult, Lease, LeaseStatus
 
 log = logging.getLogger("backfill.gateway")
 
@@ -56,30 +57,121 @@ def used_tokens(sizing: Sizing, usage: Mapping[str, Any] | None, completion: int
     return sizing.sequences * prompt + completion
 
 
+class LeaseBeats:
+    """Keeps every live interactive lease of one gateway process: each interval, one
+    pipelined heartbeat and one pipelined settle per node for all of its leases (as a worker
+    beats its node's batch leases), not two round trips per lease. A lease is first beaten one
+    interval after its admission, not beside its prefill."""
+
+    def __init__(self, ledger: AsyncLedger, interval_s: float, ttl_ms: int) -> None:
+        self.ledger = ledger
+        self.interval_s = interval_s
+        self.ttl_ms = ttl_ms
+        self._keepers: dict[str, LeaseKeeper] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        self._keepers[keeper.lease.lease_id] = keeper
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def discard(self, keeper: LeaseKeeper) -> None:
+        self._keepers.pop(keeper.lease.lease_id, None)
+
+    def __len__(self) -> int:
+        return len(self._keepers)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.beat()
+            except Exception:  # a round that failed is the next round's to try again
+                log.exception("interactive heartbeats: a round failed")
+
+    async def beat(self) -> None:
+        """One round: every lease admitted at least an interval ago, by node."""
+        due = time.monotonic() - self.interval_s
+        by_node: dict[str, list[LeaseKeeper]] = {}
+        for keeper in list(self._keepers.values()):
+            if keeper.beating and keeper.admitted_s <= due:
+                by_node.setdefault(keeper.lease.node, []).append(keeper)
+        await asyncio.gather(*(self._beat_node(n, ks) for n, ks in by_node.items()))
+
+    async def _beat_node(self, node: str, keepers: list[LeaseKeeper]) -> None:
+        for keeper in keepers:
+            keeper.start_counting()
+        try:
+            beats = await self.ledger.heartbeat_many(
+                node,
+                [(k.lease.lease_id, k.lease.fencing_token) for k in keepers],
+                ttl_ms=self.ttl_ms,
+            )
+        except BackfillError as exc:
+            log.warning("node %s: interactive heartbeats failed: %s", node, exc)
+            return
+        live = [k for k, b in zip(keepers, beats, strict=True) if k.heard(b)]
+        if not live:
+            return
+        try:
+            await self.ledger.settle_many(
+                node, [(k.lease.lease_id, k.lease.fencing_token, k.generated) for k in live]
+            )
+        except BackfillError as exc:
+            log.warning("node %s: interactive progress not settled: %s", node, exc)
+
+
 class LeaseKeeper:
-    """Heartbeats an admitted lease while its request runs, records progress, and settles and
-    releases it exactly once."""
+    """An admitted lease while its request runs: kept alive by its process's
+    :class:`LeaseBeats`, its progress recorded, restored if the ledger loses it, settled and
+    released exactly once."""
 
     def __init__(
         self,
-        ledger: AsyncLedger,
         lease: Lease,
-        interval_s: float,
-        ttl_ms: int,
+        beats: LeaseBeats,
         events: AdmissionEvents | None = None,
     ) -> None:
-        self.ledger = ledger
+        self.ledger = beats.ledger
         self.lease = lease
         self.generated = 0
-        self._interval_s = interval_s
-        self._ttl_ms = ttl_ms
+        self.admitted_s = time.monotonic()
+        self._beats = beats
         self._events = events or NoEvents()
         self._ended = False
-        self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+        self._stopped = False
+        self._recovery: asyncio.Task[None] | None = None
         self.exact: Sizing | None = None
         """The sizing on the engine's count, once known, of a request admitted on a bound."""
         self._count: Callable[[], Awaitable[None]] | None = None
         self._counting: asyncio.Task[None] | None = None
+        beats.add(self)
+
+    @property
+    def beating(self) -> bool:
+        """Whether the round's heartbeat is for it: live, known to the ledger, not stopped."""
+        return not (self._ended or self._stopped or self._recovery is not None)
+
+    def heard(self, beat: HeartbeatResult | BackfillError) -> bool:
+        """Take the round's answer for this lease; whether it is still held (to settle)."""
+        lease = self.lease
+        if isinstance(beat, BackfillError):
+            log.warning("interactive lease %s: heartbeat failed: %s", lease.lease_id, beat)
+            return False
+        if beat.status is LeaseStatus.UNKNOWN:
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
+            return False
+        if not beat.ok:
+            log.warning("interactive lease %s: heartbeat %s", lease.lease_id, beat.status)
+            self._stopped = True
+            return False
+        return True
 
     def count_later(self, count: Callable[[], Awaitable[None]]) -> None:
         """Run ``count`` (the exact count of a bound admission) after the first token or the
@@ -131,35 +223,19 @@ class LeaseKeeper:
         except BackfillError as exc:
             log.warning("interactive lease %s not settled: %s", lease.lease_id, exc)
 
-    async def _heartbeat(self) -> None:
-        lease = self.lease
-        lost = closed = False
-        while True:
-            await asyncio.sleep(self._interval_s)
-            self.start_counting()
-            try:
-                if lost:
-                    if not closed:
-                        closed = await self._close_node()
-                    lost = not await self._restore()
-                    if lost:
-                        continue
-                    closed = False
-                beat = await self.ledger.heartbeat(
-                    lease.node, lease.lease_id, lease.fencing_token, ttl_ms=self._ttl_ms
-                )
-                if beat.status is LeaseStatus.UNKNOWN:
-                    lost = True
+    async def _recover(self) -> None:
+        """Close the node and put the lease back once the rebuild has begun; then the
+        round's heartbeats take it again."""
+        closed = False
+        try:
+            while not self._ended:
+                if not closed:
                     closed = await self._close_node()
-                    continue
-                if not beat.ok:
-                    log.warning("interactive lease %s: heartbeat %s", lease.lease_id, beat.status)
-                    return
-                await self.ledger.settle(
-                    lease.node, lease.lease_id, lease.fencing_token, self.generated
-                )
-            except BackfillError as exc:
-                log.warning("interactive lease %s: heartbeat failed: %s", lease.lease_id, exc)
+                if await self._restore():
+                    break
+                await asyncio.sleep(self._beats.interval_s)
+        finally:
+            self._recovery = None
 
     async def _close_node(self) -> bool:
         """The ledger has no trace of this lease while its request runs: Redis lost writes
@@ -189,10 +265,10 @@ class LeaseKeeper:
         try:
             restored = await self.ledger.restore_lease(
                 replace(lease, generated_tokens=self.generated),
-                ttl_ms=self._ttl_ms,
+                ttl_ms=self._beats.ttl_ms,
                 now_ms=time.time_ns() // 1_000_000,
             )
-        except LedgerError:
+        except BackfillError:  # refused until the rebuild's new epoch, or Redis is away
             return False
         log.info(
             "interactive lease %s %s in the ledger of node %s",
@@ -207,7 +283,9 @@ class LeaseKeeper:
         if self._ended:
             return
         self._ended = True
-        self._beat.cancel()
+        self._beats.discard(self)
+        if self._recovery is not None:
+            self._recovery.cancel()
         lease = self.lease
         self._events.lease_ended(used_tokens)
         try:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from backfill.gateway.leases import LeaseKeeper
+from backfill.gateway.leases import LeaseBeats, LeaseKeeper
 from backfill.ledger import AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
 from backfill.redis_client import SyncRedis, connect
@@ -67,7 +67,8 @@ def test_a_lost_interactive_lease_closes_the_node_and_is_restored_after_the_rebu
         try:
             lease = await aledger.reserve(NODE, ServiceClass.INTERACTIVE, 300, 200)
             assert isinstance(lease, Lease), lease
-            keeper = LeaseKeeper(aledger, lease, interval_s=0.05, ttl_ms=TTL_MS)
+            beats = LeaseBeats(aledger, interval_s=0.05, ttl_ms=TTL_MS)
+            keeper = LeaseKeeper(lease, beats)
             keeper.generated = 40
             lose(redis_client, ledger, lease)
 
@@ -107,7 +108,58 @@ def test_a_lost_interactive_lease_closes_the_node_and_is_restored_after_the_rebu
             await keeper.end(used_tokens=350)
             assert await in_use() == 0
             assert await aledger.is_ready()
+            await beats.aclose()
         finally:
+            await aledger.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_one_round_beats_and_settles_every_lease_of_a_node_and_stops_for_a_lost_one(
+    ledger: Ledger, redis_namespace: str, ledger_redis_url: str
+) -> None:
+    async def scenario() -> None:
+        aledger = AsyncLedger.from_url(ledger_redis_url, redis_namespace, POLICY, TTL_MS)
+        await aledger.register_pool("n2", 8192, 16)
+        beats = LeaseBeats(aledger, interval_s=3600, ttl_ms=TTL_MS)  # rounds run by hand
+        try:
+            keepers = []
+            for node in (NODE, NODE, "n2"):
+                lease = await aledger.reserve(node, ServiceClass.INTERACTIVE, 50, 50)
+                assert isinstance(lease, Lease), lease
+                keepers.append(LeaseKeeper(lease, beats))
+            for k, keeper in enumerate(keepers):
+                keeper.generated = 10 * (k + 1)
+                keeper.admitted_s -= 3600  # due in this round
+            # A lease released behind its keeper's back (as the reaper ends an expired one).
+            gone = keepers[1]
+            await aledger.release(gone.lease)
+            await beats.beat()
+            assert not gone.beating
+            for keeper in (keepers[0], keepers[2]):
+                snap = await aledger.snapshot(keeper.lease.node)
+                assert snap is not None
+                (held,) = (x for x in snap.leases if x.lease_id == keeper.lease.lease_id)
+                assert held.generated_tokens == keeper.generated
+                assert held.expires_at_ms > keeper.lease.expires_at_ms
+            # A new lease is not beaten in the round right after its admission.
+            fresh = await aledger.reserve(NODE, ServiceClass.INTERACTIVE, 50, 50)
+            assert isinstance(fresh, Lease)
+            young = LeaseKeeper(fresh, beats)
+            young.generated = 7
+            await beats.beat()
+            snap = await aledger.snapshot(NODE)
+            assert snap is not None
+            (held,) = (x for x in snap.leases if x.lease_id == fresh.lease_id)
+            assert held.generated_tokens == 0
+            for keeper in [*keepers, young]:
+                await keeper.end(None)
+            assert len(beats) == 0
+            snap = await aledger.snapshot(NODE)
+            assert snap is not None
+            assert snap.interactive_in_use == 0
+        finally:
+            await beats.aclose()
             await aledger.aclose()
 
     asyncio.run(scenario())
