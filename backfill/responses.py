@@ -167,8 +167,10 @@ def check_responses_body(body: dict[str, Any]) -> InvalidRequest | None:
     return None
 
 
-def _text_of(content: Any, where: str) -> int:
-    """Characters of a message's text; raises for content Backfill does not count."""
+def _text_of(content: Any, where: str, part_type: str = "input_text") -> int:
+    """Characters of a message's text; raises for content Backfill does not count (parts
+    other than ``part_type``: ``input_text`` for what the caller says, ``output_text`` for
+    what the model said)."""
     if type(content) is str:
         return len(content)
     if type(content) is not list or not content:
@@ -179,10 +181,10 @@ def _text_of(content: Any, where: str) -> int:
     chars = 0
     for index, part in enumerate(content):
         kind = part.get("type") if type(part) is dict else None
-        if kind not in _TEXT_PARTS or type(part.get("text")) is not str:
+        if kind != part_type or type(part.get("text")) is not str:
             raise InvalidRequest(
-                f"{where}.content[{index}] must be an input_text or output_text part with a "
-                f"string text (got {kind!r}): images, files and audio are not supported in "
+                f"{where}.content[{index}] must be an {part_type} part with a string text "
+                f"(got {kind!r}); images, files, audio and refusals are not supported in "
                 "batches",
                 code="unsupported_parameter",
                 param="input",
@@ -201,7 +203,7 @@ def responses_text_chars(body: Mapping[str, Any]) -> int:
     for index, item in enumerate(_input_items(value)):
         kind = _item_type(item)
         if kind == "message":
-            chars += _text_of(item.get("content"), f"body.input[{index}]")
+            chars += _text_of(item.get("content"), f"body.input[{index}]", _part_type(item))
         elif kind == "function_call":
             chars += len(item["arguments"])
         elif kind == "function_call_output":
@@ -231,13 +233,15 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
                     f"{where}.role must be 'user', 'system', 'developer' or 'assistant'",
                     param="input",
                 )
-            _text_of(item.get("content"), where)
+            _text_of(item.get("content"), where, _part_type(item))
             content = item.get("content")
-            if role == "assistant" and type(content) is list and len(content) != 1:
-                # vLLM renders only an assistant item's first part: one part, or a string.
+            # An assistant's parts make OpenAI's output message: vLLM takes it for one only
+            # with its type, and renders its first part alone.
+            parts = type(content) is list and role == "assistant"
+            if parts and (item.get("type") != "message" or len(item["content"]) != 1):
                 raise InvalidRequest(
-                    f"{where}.content must be a string or hold one output_text part "
-                    "(an assistant message renders one text)",
+                    f"{where}: an assistant message with content parts must be of type "
+                    "'message' and hold one output_text part (or give its text as a string)",
                     param="input",
                 )
         elif kind == "function_call":
@@ -257,6 +261,10 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
                 "message, a function_call or a function_call_output",
             )
     return value
+
+
+def _part_type(message: dict[str, Any]) -> str:
+    return "output_text" if message.get("role") == "assistant" else "input_text"
 
 
 def _item_type(item: dict[str, Any]) -> Any:
@@ -291,7 +299,12 @@ def _message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[str,
             assistant["content"] = text
             return None
         return {"role": "assistant", "content": text}
-    return dict(item)  # as vLLM passes it on: its parts are parsed by the chat renderer
+    # vLLM passes the item on as it is, and its chat renderer reads input_text parts as text
+    # parts; /tokenize takes the chat form only.
+    content = item["content"]
+    if type(content) is list:
+        content = [{"type": "text", "text": part["text"]} for part in content]
+    return {"role": item["role"], "content": content}
 
 
 def _continues_final(value: Any) -> bool:

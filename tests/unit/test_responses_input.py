@@ -141,9 +141,20 @@ def test_false_stream_and_background_are_accepted() -> None:
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             "body.input",
-            "images, files and audio",
+            "images, files, audio and refusals",
         ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "body.input", "'reasoning' item"),
+        (
+            # Without its type vLLM does not take an assistant's parts for an output message.
+            {"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}]},
+            "body.input",
+            "must be of type 'message'",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+            "body.input",
+            "must be an input_text part",
+        ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "body.input", "'item_reference'"),
         (
             {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
@@ -196,7 +207,11 @@ def test_the_prompt_is_counted_as_vllm_renders_it_a_chat_prompt() -> None:
             },
             {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "4"},
-            {"role": "assistant", "content": [{"type": "output_text", "text": "It is 4."}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "It is 4."}],
+            },
         ],
         "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}],
         "reasoning": {"effort": "low"},
@@ -207,7 +222,8 @@ def test_the_prompt_is_counted_as_vllm_renders_it_a_chat_prompt() -> None:
     [tokenize] = plan.tokenize
     assert tokenize["messages"] == [
         {"role": "system", "content": "Be brief."},
-        body["input"][0],
+        # /tokenize takes chat parts, which vLLM's renderer reads input_text parts as.
+        {"role": "user", "content": [{"type": "text", "text": "2+2?"}]},
         {
             "role": "assistant",
             "tool_calls": [
