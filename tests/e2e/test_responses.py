@@ -181,7 +181,7 @@ def test_a_responses_batch_reserves_what_the_engine_prefills_and_answers_as_it_d
             upload = client.files.create(file=("resp.jsonl", jsonl(LINES)), purpose="batch")
             batch = client.batches.create(
                 input_file_id=upload.id,
-                endpoint="/v1/responses",  # type: ignore[arg-type]
+                endpoint="/v1/responses",
                 completion_window="24h",
             )
             assert batch.status == "in_progress", batch

@@ -5,7 +5,7 @@ or refused line by line with nothing stored."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
 import openai
 from batch_api_support import LiveServer, Tenant, jsonl
@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from backfill.store import Repository
 
-RESPONSES = "/v1/responses"
+RESPONSES: Final = "/v1/responses"
 
 
 def line(custom_id: str, url: str = RESPONSES, **body: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
     upload = client.files.create(file=("resp.jsonl", jsonl(lines)), purpose="batch")
     return client.batches.create(
         input_file_id=upload.id,
-        endpoint=RESPONSES,  # type: ignore[arg-type]
+        endpoint=RESPONSES,
         completion_window="24h",
     )
 
