@@ -244,6 +244,14 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
                     "'message' and hold one output_text part (or give its text as a string)",
                     param="input",
                 )
+            if item.get("status") is not None and not parts:
+                # Only an output message's status is read (a partial one is continued); on
+                # other messages vLLM's types may drop it, and the prompt with it would differ.
+                raise InvalidRequest(
+                    f"{where}.status is taken only on an assistant message of type 'message' "
+                    "with an output_text part",
+                    param="input",
+                )
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if type(item.get(key)) is not str:
@@ -313,7 +321,7 @@ def _continues_final(value: Any) -> bool:
     if type(value) is not list or not value:
         return False
     last = value[-1]
-    return last.get("type", "message") == "message" and last.get("status") in _PARTIAL
+    return last.get("role") == "assistant" and last.get("status") in _PARTIAL
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:

@@ -151,6 +151,11 @@ def test_false_stream_and_background_are_accepted() -> None:
             "must be of type 'message'",
         ),
         (
+            {"input": [{"role": "assistant", "content": "so far", "status": "incomplete"}]},
+            "body.input",
+            "status is taken only on an assistant message of type 'message'",
+        ),
+        (
             {"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
             "body.input",
             "must be an input_text part",
