@@ -9,6 +9,7 @@ lines run greedy); the Batch usage to the sum of the engine's counts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -18,8 +19,9 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from backfill.capacity import round_up_to_block
+from backfill.capacity import EngineLoad, round_up_to_block
 from backfill.config import Settings
+from backfill.engine.http import HttpEngine
 from backfill.finalize import finalize_ready_jobs
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
@@ -256,3 +258,53 @@ def test_a_responses_batch_reserves_what_the_engine_prefills_and_answers_as_it_d
         ledger.close()
         repo.close()
     assert node.error is None
+
+
+async def _idle(client: HttpEngine, timeout_s: float = 15.0) -> EngineLoad:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await client.load()
+        if load.num_requests_running == 0 and load.num_requests_waiting == 0:
+            return load
+        assert time.monotonic() < deadline, f"engine still busy after {timeout_s} s: {load}"
+        await asyncio.sleep(0.05)
+
+
+def test_closing_a_responses_stream_aborts_the_request_in_the_engine(engine_url: str) -> None:
+    """What a preemption does to a Responses attempt: the worker closes its stream, and the
+    engine stops generating and frees the request's blocks."""
+    budget = 450
+
+    async def one_try() -> tuple[int, EngineLoad, EngineLoad] | None:
+        async with HttpEngine(engine_url) as client:
+            before = await _idle(client)
+            deltas = 0
+            stream = client.stream_responses(
+                {"model": MODEL, "input": "Go", "max_output_tokens": budget, "ignore_eos": True},
+                priority=10,
+                request_id=f"abort-me-{time.monotonic_ns()}",
+            )
+            async with stream:
+                async for event in stream:
+                    if event.get("type") == "response.output_text.delta":
+                        deltas += 1
+                    if deltas >= 5:
+                        break
+                else:
+                    return None  # ended before it could be closed: nothing tested
+            after = await _idle(client, timeout_s=10)
+            return deltas, before, after
+
+    for _ in range(4):
+        outcome = asyncio.run(one_try())
+        if outcome is None:
+            continue
+        deltas, before, after = outcome
+        generated = after.generation_tokens_total - before.generation_tokens_total
+        if generated < budget:
+            break
+        # The engine finished before the close reached it (the client starved of CPU).
+    else:
+        pytest.fail(f"the engine generated all {budget} tokens in every try: no abort")
+    assert deltas <= generated < budget
+    assert after.kv_cache_usage_perc == 0.0
