@@ -11,9 +11,12 @@ engine's own ``/tokenize`` as a chat prompt is (``backfill.prefill``), and the r
 covers what the engine prefills.
 
 Only what that conversion covers exactly is accepted: text messages (``input_text`` and
-``output_text`` parts), function calls and their outputs, function tools. Anything whose
-prefill Backfill cannot count, or that a stateless batch line cannot do, is a line error
-naming the field:
+``output_text`` parts) and function tools. Function call items are not: vLLM builds their
+chat tool calls as ``{"name", "arguments"}`` and renders them so, while ``/tokenize``
+validates chat tool calls into ``{"arguments", "name"}``, and a template that writes the call
+as JSON then renders a different prompt (a token longer with a ChatML tool template).
+Anything whose prefill Backfill cannot count, or that a stateless batch line cannot do, is a
+line error naming the field:
 
 * ``stream``, ``background``: a batch line runs in the batch and its result is a line of the
   output file;
@@ -23,7 +26,7 @@ naming the field:
   store in the engine's memory, never freed); the result line holds the response. A line
   without ``store`` is stored as ``store: false``;
 * built-in tools (web search, file search, MCP, code interpreter, ...), custom and namespace
-  tools, reasoning items, images and files: not counted;
+  tools, function call and reasoning items, images and files: not counted exactly;
 * ``priority``, ``request_id``: Backfill's to set.
 
 Pure: no I/O.
@@ -118,7 +121,12 @@ _FLAGS = (
     "include_stop_str_in_output",
     "include_reasoning",
 )
-_TEXT_PARTS = ("input_text", "output_text")
+_CALL_ITEMS = (
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+)
 _PARTIAL = ("in_progress", "incomplete")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict", "defer_loading")
 _DROPPED_WHEN_NONE = ("strict", "defer_loading")
@@ -204,10 +212,6 @@ def responses_text_chars(body: Mapping[str, Any]) -> int:
         kind = _item_type(item)
         if kind == "message":
             chars += _text_of(item.get("content"), f"body.input[{index}]", _part_type(item))
-        elif kind == "function_call":
-            chars += len(item["arguments"])
-        elif kind == "function_call_output":
-            chars += len(item["output"])
     return chars
 
 
@@ -252,21 +256,17 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
                     "with an output_text part",
                     param="input",
                 )
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if type(item.get(key)) is not str:
-                    raise InvalidRequest(f"{where}.{key} must be a string", param="input")
-            if item.get("namespace") is not None:
-                raise _refuse("input", f"{where}.namespace is not supported in batches")
-        elif kind == "function_call_output":
-            for key in ("call_id", "output"):
-                if type(item.get(key)) is not str:
-                    raise InvalidRequest(f"{where}.{key} must be a string", param="input")
+        elif kind in _CALL_ITEMS:
+            raise _refuse(
+                "input",
+                f"{where} is a {kind!r} item, which batches do not support yet: vLLM renders "
+                "a Responses function call with its fields in an order /tokenize does not "
+                "keep, so its prompt cannot be counted exactly (give the turn as messages)",
+            )
         else:
             raise _refuse(
                 "input",
-                f"{where} is a {kind!r} item, which batches do not support; an item is a "
-                "message, a function_call or a function_call_output",
+                f"{where} is a {kind!r} item, which batches do not support; an item is a message",
             )
     return value
 
@@ -279,34 +279,15 @@ def _item_type(item: dict[str, Any]) -> Any:
     return item.get("type", "message" if "role" in item else None)
 
 
-def _message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any] | None:
-    """vLLM's chat message for one input item, or None where it merges into ``previous``
-    (an assistant message: tool calls and text of one turn become one message)."""
-    assistant = previous if previous is not None and previous.get("role") == "assistant" else None
-    kind = _item_type(item)
-    if kind == "function_call":
-        call = {
-            "id": item["call_id"],
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-            "type": "function",
-        }
-        if assistant is not None:
-            calls = assistant.get("tool_calls")
-            if calls is None:
-                assistant["tool_calls"] = [call]
-                return None
-            calls.append(call)
-            return None
-        return {"role": "assistant", "tool_calls": [call]}
-    if kind == "function_call_output":
-        return {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
+def _message(item: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's chat message for one message item. (vLLM merges an assistant's text into the
+    message of the tool calls before it; without function call items there is none.)"""
     if item.get("role") == "assistant":
         content = item["content"]
-        text = content if type(content) is str else content[0]["text"]
-        if assistant is not None and assistant.get("content") is None:
-            assistant["content"] = text
-            return None
-        return {"role": "assistant", "content": text}
+        return {
+            "role": "assistant",
+            "content": content if type(content) is str else content[0]["text"],
+        }
     # vLLM passes the item on as it is, and its chat renderer reads input_text parts as text
     # parts; /tokenize takes the chat form only.
     content = item["content"]
@@ -354,9 +335,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 def responses_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat request vLLM renders for ``body``: ``messages`` from ``instructions`` and
-    ``input``, ``tools`` from the function tools, the generation prompt unless the last item
-    is continued, ``reasoning.effort`` as ``reasoning_effort``; ``chat_template_kwargs`` as
-    given. Raises :class:`InvalidRequest` for what batches do not support."""
+    ``input`` (its message items), ``tools`` from the function tools, the generation prompt
+    unless the last item is continued, ``reasoning.effort`` as ``reasoning_effort``;
+    ``chat_template_kwargs`` as given. Raises :class:`InvalidRequest` for what batches do not
+    support."""
     value = body.get("input")
     items = _input_items(value)
     messages: list[dict[str, Any]] = []
@@ -365,10 +347,7 @@ def responses_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         messages.append({"role": "system", "content": instructions})
     if type(value) is str:
         messages.append({"role": "user", "content": value})
-    for item in items:
-        message = _message(item, messages[-1] if messages else None)
-        if message is not None:
-            messages.append(message)
+    messages.extend(_message(item) for item in items)
     continued = _continues_final(value)
     chat: dict[str, Any] = {
         "messages": messages,

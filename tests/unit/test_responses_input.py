@@ -162,9 +162,14 @@ def test_false_stream_and_background_are_accepted() -> None:
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "body.input", "'item_reference'"),
         (
-            {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
             "body.input",
-            "arguments must be a string",
+            "cannot be counted exactly",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]},
+            "body.input",
+            "cannot be counted exactly",
         ),
         ({"tools": [{"type": "web_search"}]}, "body.tools", "function tools only"),
         ({"tools": [{"type": "function"}]}, "body.tools", "name"),
@@ -210,8 +215,6 @@ def test_the_prompt_is_counted_as_vllm_renders_it_a_chat_prompt() -> None:
                 "role": "user",
                 "content": [{"type": "input_text", "text": "2+2?"}],
             },
-            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1", "output": "4"},
             {
                 "type": "message",
                 "role": "assistant",
@@ -229,13 +232,7 @@ def test_the_prompt_is_counted_as_vllm_renders_it_a_chat_prompt() -> None:
         {"role": "system", "content": "Be brief."},
         # /tokenize takes chat parts, which vLLM's renderer reads input_text parts as.
         {"role": "user", "content": [{"type": "text", "text": "2+2?"}]},
-        {
-            "role": "assistant",
-            "tool_calls": [
-                {"id": "c1", "function": {"name": "add", "arguments": "{}"}, "type": "function"}
-            ],
-        },
-        {"role": "tool", "content": "4", "tool_call_id": "c1"},
+        # An assistant's output message renders its text.
         {"role": "assistant", "content": "It is 4."},
     ]
     assert tokenize["tools"] == [
@@ -259,20 +256,20 @@ def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
     assert "tools" not in chat
 
 
-def test_tool_calls_and_text_of_one_turn_merge_into_one_assistant_message() -> None:
-    chat = responses_chat(
-        {
-            "input": [
-                {"role": "user", "content": "q"},
-                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "1"},
-                {"type": "function_call", "call_id": "b", "name": "g", "arguments": "2"},
-                {"role": "assistant", "content": "done"},
-            ]
-        }
-    )
-    [_, assistant] = chat["messages"]
-    assert [c["id"] for c in assistant["tool_calls"]] == ["a", "b"]
-    assert assistant["content"] == "done"
+def test_function_call_items_are_refused_since_tokenize_reorders_their_fields() -> None:
+    # vLLM renders a Responses function call as {"name", "arguments"}; /tokenize validates
+    # a chat tool call into {"arguments", "name"}: a template writing it as JSON differs (a
+    # token more in the e2e test's ChatML template), so the count could fall short.
+    with pytest.raises(InvalidRequest, match="cannot be counted exactly") as refused:
+        responses_chat(
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "function_call", "call_id": "a", "name": "f", "arguments": "1"},
+                ]
+            }
+        )
+    assert refused.value.code == "unsupported_parameter"
 
 
 def test_a_final_item_left_incomplete_is_continued_without_a_generation_prompt() -> None:
@@ -299,7 +296,7 @@ def test_the_check_leaves_a_clean_body_alone_but_for_store() -> None:
 
 
 def test_an_uncountable_input_is_refused_by_the_count_itself() -> None:
-    with pytest.raises(InvalidRequest, match="function_call_output"):
+    with pytest.raises(InvalidRequest, match="custom_tool_call_output"):
         prefill_plan(RESPONSES, {"input": [{"type": "custom_tool_call_output"}]})
 
 
