@@ -32,15 +32,22 @@ from backfill.prefill import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     completion_prompts,
     embedding_inputs,
     prefill_plan,
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
 from backfill.request_fields import normalise_fields
+from backfill.responses import check_responses_body, responses_text_chars
 from backfill.store import NewItem
 
-PROMPT_FIELD: dict[str, str] = {CHAT: "messages", COMPLETIONS: "prompt", EMBEDDINGS: "input"}
+PROMPT_FIELD: dict[str, str] = {
+    CHAT: "messages",
+    COMPLETIONS: "prompt",
+    EMBEDDINGS: "input",
+    RESPONSES: "input",
+}
 """Endpoints a batch may target, and the body field that carries each one's prompt."""
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -61,7 +68,8 @@ class InputLimits:
     max_bytes_per_token: int
     max_prompts_per_line: int = 64
     default_max_tokens: int = 2048
-    """What a line without ``max_tokens`` gets (written into its body, so it is reserved)."""
+    """What a line without ``max_tokens`` (``max_output_tokens`` for ``/v1/responses``) gets,
+    written into its body, so it is reserved."""
     max_embedding_inputs: int = 50_000
     """OpenAI's limit on the inputs of one ``/v1/embeddings`` batch, all its lines together."""
 
@@ -299,6 +307,8 @@ _PROMPT_CHARS: dict[str, Callable[[Any], PromptChars | str]] = {
     COMPLETIONS: _completion_prompt_chars,
     EMBEDDINGS: _embedding_input_chars,
 }
+"""The endpoints whose prompt is one field (a Responses prompt is checked whole, see
+:func:`_responses_item`)."""
 
 _RENDERED_BESIDE_MESSAGES = ("tools", "documents", "chat_template_kwargs")
 """Chat fields the template renders into the prompt beside the messages: their JSON size
@@ -329,7 +339,7 @@ def _checked_lines(
     content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem | LineError]:
     """Each request line of ``content``, checked: a NewItem if valid, else a LineError."""
-    prompt_chars_of = _PROMPT_CHARS[endpoint]
+    prompt_chars_of = _PROMPT_CHARS.get(endpoint, _chat_prompt_chars)
     prompt_field = PROMPT_FIELD[endpoint]
     seen: set[str] = set()
     limit = limits.max_sequence_tokens
@@ -421,6 +431,9 @@ def _checked_lines(
             if refused is not None:
                 yield LineError(refused.code, refused.message, number, f"body.{refused.param}")
                 continue
+        if endpoint == RESPONSES:
+            yield _responses_item(number, custom_id, body, limits, tally)
+            continue
 
         if prompt_field not in body:
             yield LineError(
@@ -552,6 +565,74 @@ def _embedding_item(
     return NewItem(number, custom_id, _dumps(body), 0)
 
 
+def _output_budget(body: dict[str, Any], default: int) -> int | str:
+    """A Responses line's ``max_output_tokens`` (the default written in when it is absent or
+    null), or why it is invalid."""
+    value = body.get("max_output_tokens")
+    if value is None:
+        body["max_output_tokens"] = default
+        return default
+    if type(value) is float and math.isfinite(value) and value.is_integer():
+        value = body["max_output_tokens"] = int(value)
+    if not _is_positive_int(value):
+        return "body.max_output_tokens must be a positive integer"
+    assert isinstance(value, int)
+    return value
+
+
+def _responses_item(
+    number: int, custom_id: str, body: dict[str, Any], limits: InputLimits, tally: Tally
+) -> NewItem | LineError:
+    """A Responses line (``backfill.responses``): its body checked against the allowlist,
+    its prompt rendered as vLLM renders it (which refuses what cannot be counted), its output
+    budget given or defaulted, and the class limit's lower bound."""
+    refused = check_responses_body(body)
+    if refused is None:
+        malformed = normalise_fields(body, chat=True)
+        if malformed is not None:
+            param, message = malformed
+            refused = InvalidRequest(message, code="invalid_parameter", param=param)
+    if refused is None:
+        try:
+            prefill_plan(RESPONSES, body)
+            chars = responses_text_chars(body)
+        except InvalidRequest as exc:
+            refused = exc
+    if refused is not None:
+        code = "invalid_input" if refused.code == "invalid_request" else refused.code
+        return LineError(code, refused.message, number, f"body.{refused.param or 'input'}")
+    defaulted = body.get("max_output_tokens") is None
+    max_output = _output_budget(body, limits.default_max_tokens)
+    if isinstance(max_output, str):
+        return LineError("invalid_max_tokens", max_output, number, "body.max_output_tokens")
+    limit = limits.max_sequence_tokens
+    if max_output > limit:
+        return LineError(
+            "max_tokens_too_large",
+            f"max_output_tokens {max_output} exceeds the batch limit of {limit} tokens per "
+            "sequence",
+            number,
+            "body.max_output_tokens",
+        )
+    least_prompt_tokens = math.ceil(chars / limits.max_bytes_per_token)
+    if least_prompt_tokens + max_output > limit:
+        return LineError(
+            "request_too_long",
+            f"the prompt is at least {least_prompt_tokens} tokens; with max_output_tokens "
+            f"{max_output}"
+            + (" (the default, BACKFILL_BATCH_DEFAULT_MAX_TOKENS)" if defaulted else "")
+            + f" it exceeds the batch limit of {limit}",
+            number,
+            "body.input",
+        )
+    tally.lines += 1
+    tally.max_output_tokens += max_output
+    tally.prompt_chars += chars + (
+        len(_dumps({"tools": body["tools"]})) if body.get("tools") else 0
+    )
+    return NewItem(number, custom_id, _dumps(body), max_output)
+
+
 def validate_batch_input(
     content: InputLines, endpoint: str, limits: InputLimits
 ) -> ValidatedBatch | InvalidBatch:
@@ -627,15 +708,15 @@ def stream_valid_items(
         raise LineInvalid("the file as a whole is invalid")
 
 
-_MAX_TOKENS_FIELD = re.compile(rb'"max_(?:completion_)?tokens"\s*:\s*(\d{1,12})')
+_MAX_TOKENS_FIELD = re.compile(rb'"max_(?:completion_|output_)?tokens"\s*:\s*(\d{1,12})')
 
 
 def forecast_tokens_upper_bound(content: InputLines) -> int:
     """An upper bound of the tokens forecasts charge a file, from one regex scan (no JSON
-    parse): every ``max_tokens``/``max_completion_tokens`` number counts, and every byte is
-    counted toward the prompt estimate. It is at least ``ValidatedBatch.estimated_tokens``
-    for any file whose keys are written plainly (JSON allows escaped keys; those files are
-    caught by the exact totals afterwards)."""
+    parse): every ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` number
+    counts, and every byte is counted toward the prompt estimate. It is at least
+    ``ValidatedBatch.estimated_tokens`` for any file whose keys are written plainly (JSON
+    allows escaped keys; those files are caught by the exact totals afterwards)."""
     if isinstance(content, bytes):
         max_output = sum(int(m) for m in _MAX_TOKENS_FIELD.findall(content))
         return max_output + math.ceil(len(content) / CHARS_PER_TOKEN_ESTIMATE)

@@ -11,7 +11,11 @@ that adds to it, and the sequences have to be counted too:
 * a chat prompt is what the chat template renders from ``messages`` **and** ``tools``,
   ``documents``, ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
   ``continue_final_message``, ``reasoning_effort``, ``add_special_tokens`` and the multimodal
-  arguments: a 500 KB tool schema is prefilled like any message.
+  arguments: a 500 KB tool schema is prefilled like any message;
+* a Responses prompt (``/v1/responses``) is a chat prompt too: vLLM turns ``instructions``
+  and ``input`` into chat messages and the function ``tools`` into chat tools, then renders
+  them with the same template (``backfill.responses.responses_chat``), so it is counted as
+  the chat rendering of those.
 
 :func:`prefill_plan` turns a body into the ``/tokenize`` bodies that count exactly that (the
 engine's own ``/tokenize`` applies the same template with the same arguments), plus the
@@ -32,10 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from backfill.refusals import InvalidRequest
+from backfill.responses import responses_chat
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
 
 # Chat fields that /tokenize takes as they are and that change the rendered prompt.
 _CHAT_TOKENIZE_FIELDS = (
@@ -225,6 +231,9 @@ def prefill_plan(endpoint: str, body: Mapping[str, Any]) -> PrefillPlan:
         # added unless asked not to); one sequence per input, whatever ``n`` says.
         _refuse_embedding_extras(body)
         return _text_prompts(embedding_inputs(body.get("input")), special, 1)
+    if endpoint == RESPONSES:
+        # One sequence: a Responses request has no n.
+        return PrefillPlan((chat_tokenize_body(responses_chat(body)),), (), 1)
     n = _sequences_per_prompt(body)
     if endpoint == CHAT:
         return PrefillPlan((chat_tokenize_body(body),), (), n)

@@ -29,6 +29,7 @@ from backfill.store import Finish
 from worker.dispatch_state import DispatcherState, Finished, Flight
 from worker.embeddings import embed
 from worker.response import ResponseAssembler
+from worker.responses import ResponseStream
 
 log = logging.getLogger("backfill.worker")
 
@@ -68,6 +69,9 @@ class AttemptRunner(DispatcherState):
         request["model"] = self.model
         if flight.endpoint == Endpoint.EMBEDDINGS:
             await self._embed(flight, request, request_id)
+            return
+        if flight.endpoint == Endpoint.RESPONSES:
+            await self._respond(flight, request, request_id)
             return
         flight.answer = ResponseAssembler(chat=flight.endpoint == Endpoint.CHAT_COMPLETIONS)
         usage_prompt: int | None = None
@@ -137,6 +141,40 @@ class AttemptRunner(DispatcherState):
             self._engine_suspect = False
             self._room.set()
         self._check_reservation(flight, answer.prompt_tokens, 0)
+        await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
+
+    async def _respond(self, flight: Flight, request: dict[str, Any], request_id: str) -> None:
+        """A Responses attempt (``worker.responses``): its event stream folded, progress
+        counted from its output deltas, the result and usage from its final event."""
+        fold = ResponseStream()
+        try:
+            stream = self.engine.stream_responses(
+                request, priority=self.config.batch_priority, request_id=request_id
+            )
+            async with stream:
+                async for event in stream:
+                    flight.last_chunk_at = time.monotonic()
+                    if not fold.add(event):
+                        continue
+                    if self._engine_suspect:
+                        log.info("node %s: the engine makes progress again", self.config.node)
+                        self._engine_suspect = False
+                        self._room.set()
+                    if flight.first_token_at is None:
+                        flight.first_token_at = time.monotonic()
+                        if self.work_budget is not None:
+                            self._room.set()  # its prompt left the budget's prefill count
+                    flight.generated = min(fold.deltas, flight.item.max_output_tokens)
+            answer = fold.result(model=self.model)
+        except (EngineError, OSError) as exc:
+            await self._engine_failed(flight, exc)
+            return
+        flight.generated = answer.output_tokens
+        self._check_reservation(flight, answer.input_tokens, answer.output_tokens)
+        elapsed = time.monotonic() - flight.started
+        if answer.output_tokens and elapsed > 0:
+            rate = answer.output_tokens / elapsed
+            self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
     def _check_reservation(self, flight: Flight, usage_prompt: int | None, completion: int) -> None:

@@ -10,11 +10,20 @@ from typing import Any
 from backfill.engine.protocol import Endpoint, EngineError
 from backfill.request_fields import as_integer
 
-__all__ = ["ResumeUnsupported", "resume_request"]
+__all__ = ["RESUMABLE", "ResumeUnsupported", "resumable", "resume_request"]
+
+RESUMABLE = frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS})
+"""The endpoints whose preempted requests continue from their partial output. An embedding
+has no output; a Responses request runs again from the start (``worker.responses``)."""
 
 
 class ResumeUnsupported(EngineError):
     """A preempted request cannot be continued from its partial output; rerun it whole."""
+
+
+def resumable(endpoint: Endpoint | str) -> bool:
+    """Whether a preempted request on ``endpoint`` continues from its partial output."""
+    return endpoint in RESUMABLE
 
 
 def resume_request(
@@ -43,6 +52,8 @@ def resume_request(
     several choices (``n > 1``), ``echo``, token-id prompts, or no budget left.
     """
     path = Endpoint(endpoint)
+    if path not in RESUMABLE:
+        raise ResumeUnsupported(f"{path.value} requests are not resumed: they run again whole")
     if generated_tokens < 0:
         raise ValueError(f"generated_tokens must not be negative, got {generated_tokens}")
     request = copy.deepcopy(dict(body))

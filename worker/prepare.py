@@ -11,7 +11,7 @@ import json
 
 from backfill.dispatch import RunPlan
 from backfill.store import ClaimedItem
-from worker.engine import ResumeUnsupported, resume_request
+from worker.engine import ResumeUnsupported, resumable, resume_request
 
 __all__ = ["RunPlan", "run_plan"]
 
@@ -24,7 +24,8 @@ def run_plan(item: ClaimedItem, *, from_start: bool = False) -> RunPlan:
     if not isinstance(body, dict):
         raise ValueError("the stored request body is not a JSON object")
     done = item.partial_tokens
-    if from_start or not done:
+    if from_start or not done or not resumable(item.endpoint):
+        # A Responses item's earlier output is not kept: it runs whole again.
         return RunPlan(body, 0)
     if done >= item.max_output_tokens:
         return RunPlan(body, done, complete=True)

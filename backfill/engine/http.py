@@ -15,8 +15,9 @@ It speaks HTTP with ``httpx`` only: no vLLM code is imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -31,6 +32,7 @@ from backfill.engine.protocol import (
     EngineFailed,
     EngineRejected,
     EngineUnavailable,
+    EventStream,
     ModelInfo,
     StreamChunk,
     Usage,
@@ -286,6 +288,14 @@ class HttpEngine:
         payload["stream_options"] = options
         return CompletionStream(self._stream(path, payload, request_id))
 
+    def stream_responses(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> EventStream:
+        # vLLM takes the request id from the body here (the response's id is that id), and
+        # sends no per-event usage: the final event carries the response with its usage.
+        payload = {**body, "stream": True, "priority": priority, "request_id": request_id}
+        return EventStream(self._events(Endpoint.RESPONSES.value, payload, request_id))
+
     async def embed(
         self, body: Mapping[str, Any], *, priority: int, request_id: str
     ) -> dict[str, Any]:
@@ -311,6 +321,15 @@ class HttpEngine:
     async def _stream(
         self, path: str, payload: Mapping[str, Any], request_id: str
     ) -> AsyncIterator[StreamChunk]:
+        # aclosing: closing this generator closes the events' one at once, and with it the
+        # response (an abandoned async generator closes only when collected).
+        async with contextlib.aclosing(self._events(path, payload, request_id)) as events:
+            async for event in events:
+                yield _chunk(event)
+
+    async def _events(
+        self, path: str, payload: Mapping[str, Any], request_id: str
+    ) -> AsyncGenerator[dict[str, Any], None]:
         request = self._client.build_request(
             "POST",
             self._url(path),
@@ -351,7 +370,9 @@ class HttpEngine:
                                 status, str(message), err if isinstance(err, dict) else None
                             )
                         raise EngineFailed(status, str(message))
-                    yield _chunk(event)
+                    if not isinstance(event, dict):
+                        raise EngineFailed(200, f"stream event is not an object: {data[:200]!r}")
+                    yield event
             except httpx.TransportError as exc:
                 where = f"{self.base_url}{path}"
                 raise EngineUnavailable(f"stream from {where} broke: {exc!r}") from exc

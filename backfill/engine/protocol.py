@@ -32,6 +32,7 @@ __all__ = [
     "EngineFailed",
     "EngineRejected",
     "EngineUnavailable",
+    "EventStream",
     "ModelInfo",
     "StreamChunk",
     "Usage",
@@ -76,6 +77,8 @@ class Endpoint(StrEnum):
     CHAT_COMPLETIONS = "/v1/chat/completions"
     EMBEDDINGS = "/v1/embeddings"
     """Not generation: one non-streaming call (:meth:`Engine.embed`)."""
+    RESPONSES = "/v1/responses"
+    """Generation with its own stream of typed events (:meth:`Engine.stream_responses`)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,38 @@ class CompletionStream:
         await self.aclose()
 
 
+class EventStream:
+    """An async iterator of the JSON events of one streamed request (a Responses stream's
+    ``response.output_text.delta``, ``response.completed``, ...), owning its HTTP response
+    as :class:`CompletionStream` does: leaving ``async with``, breaking out or cancelling
+    closes it, which makes vLLM abort the request and free its KV blocks."""
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the worker needs from its node's engine."""
@@ -202,6 +237,13 @@ class Engine(Protocol):
     ) -> CompletionStream:
         """Start a streaming generation; lower ``priority`` runs first; output comes in
         chunks of ``stream_interval`` tokens (the first token and the last chunk at once)."""
+        ...
+
+    def stream_responses(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> EventStream:
+        """Start a streaming ``/v1/responses`` generation at ``priority``: its events as the
+        engine sends them; ``request_id`` becomes the response's id."""
         ...
 
     async def embed(

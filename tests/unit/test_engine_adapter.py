@@ -232,3 +232,81 @@ def test_sse_lines_split_on_newline_only_not_on_unicode_line_separators() -> Non
 
     lines = asyncio.run(collect())
     assert lines == ['data: {"t": "a\u2028b\u0085c"}', "", "data: [DONE]"]
+
+
+class _HeldBody(httpx.AsyncByteStream):
+    """A response body that sends ``first`` and then holds, recording when it is closed
+    (what the engine sees as the client going away: vLLM aborts the request)."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.closed = False
+
+    async def __aiter__(self) -> Any:
+        yield self.first
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_leaving_a_stream_early_closes_its_response_for_completions_and_responses() -> None:
+    bodies: list[_HeldBody] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        event = (
+            {"type": "response.output_text.delta", "delta": "a"}
+            if path == "/v1/responses"
+            else {"id": "c", "choices": [{"index": 0, "text": "a"}]}
+        )
+        bodies.append(_HeldBody(_sse(event)))
+        return httpx.Response(200, stream=bodies[-1])
+
+    engine = _engine(handler)
+
+    async def first_of_each() -> None:
+        async with engine.stream_completion(
+            Endpoint.COMPLETIONS, {"prompt": "x"}, priority=1, request_id="r-1"
+        ) as stream:
+            chunk = await stream.__anext__()
+            assert chunk.text == "a"
+        # At once, not when the abandoned generator is collected: the engine keeps the
+        # request's KV blocks until then.
+        assert bodies[0].closed
+        async with engine.stream_responses({"input": "x"}, priority=1, request_id="r-2") as events:
+            assert (await events.__anext__())["delta"] == "a"
+        assert bodies[1].closed
+
+    asyncio.run(first_of_each())
+
+
+def test_a_responses_stream_sends_priority_request_id_and_yields_typed_events() -> None:
+    seen: dict[str, Any] = {}
+    events = (
+        {"type": "response.created", "response": {"id": "r-1"}},
+        {"type": "response.output_text.delta", "delta": "hi"},
+        {"type": "response.completed", "response": {"id": "r-1", "output": []}},
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = json.loads(request.content)
+        seen["path"] = request.url.path
+        return httpx.Response(200, content=_sse(*events))
+
+    async def collect() -> list[dict[str, Any]]:
+        engine = _engine(handler)
+        async with engine.stream_responses(
+            {"input": "x", "store": False}, priority=7, request_id="r-1"
+        ) as stream:
+            return [event async for event in stream]
+
+    assert asyncio.run(collect()) == list(events)
+    assert seen["path"] == "/v1/responses"
+    assert seen["body"] == {
+        "input": "x",
+        "store": False,
+        "stream": True,
+        "priority": 7,
+        "request_id": "r-1",
+    }

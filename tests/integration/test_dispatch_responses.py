@@ -1,0 +1,168 @@
+"""A Responses item in the node dispatcher (real Postgres and Redis, a stand-in engine):
+reserved on its prompt and whole output budget in blocks; streamed at the batch priority;
+when preempted, the stream is closed (which drops the engine's connection: vLLM aborts the
+request), its output so far is not kept, and the item runs again from the start to a result
+that is the stream's final Response, with its usage as the item's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.engine.protocol import EventStream
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
+from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher
+from worker.dispatch import DispatchConfig
+
+NODE = "n-responses"
+BLOCK = 16
+PROMPT = 5  # what the stand-in's /tokenize says of any prompt
+MAX_OUTPUT = 20
+
+
+class Responder(StandInEngine):
+    """Its first stream sends three deltas and then nothing until it is closed; the later
+    ones answer at once."""
+
+    def __init__(self) -> None:
+        super().__init__(blocks=64, block=BLOCK)
+        self.calls: list[tuple[str, dict[str, Any], int]] = []
+        self.closed = 0
+        self.first_held = asyncio.Event()
+
+    def stream_responses(
+        self, body: Mapping[str, Any], *, priority: int, request_id: str
+    ) -> EventStream:
+        self.calls.append((request_id, dict(body), priority))
+        first = len(self.calls) == 1
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            yield {"type": "response.created", "response": {"id": request_id, "output": []}}
+            for word in ("a", " b", " c"):
+                yield {"type": "response.output_text.delta", "delta": word}
+            if first:
+                try:
+                    self.first_held.set()
+                    await asyncio.Event().wait()
+                finally:
+                    self.closed += 1
+            yield {
+                "type": "response.completed",
+                "response": {
+                    "id": request_id,
+                    "object": "response",
+                    "model": body["model"],
+                    "status": "completed",
+                    "output": [
+                        {
+                            "type": "message",
+                            "role": "assistant",
+                            "content": [{"type": "output_text", "text": "a b c"}],
+                        }
+                    ],
+                    "usage": {"input_tokens": PROMPT, "output_tokens": 3, "total_tokens": 8},
+                },
+            }
+
+        return EventStream(events())
+
+
+def _submit(repo: Repository, body: dict[str, Any]) -> str:
+    tenant = repo.create_tenant("t-responses")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/responses", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.insert_items(job.id, [NewItem(0, "r", json.dumps(body), MAX_OUTPUT)])
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def _row(repo: Repository, job: str) -> dict[str, Any]:
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
+                "output_tokens, partial_output, result FROM items WHERE job_id = :j"
+            ),
+            {"j": job},
+        ).one()
+    return dict(row._mapping)
+
+
+def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
+    settings: Settings,
+) -> None:
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    engine = Responder()
+    body = {"model": "m", "input": "a question", "max_output_tokens": MAX_OUTPUT, "store": False}
+    try:
+        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        job = _submit(repo, body)
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+
+        async def scenario() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                await asyncio.wait_for(engine.first_held.wait(), 20)
+                running = _row(repo, job)
+                assert running["state"] == ItemState.RUNNING.value
+                # The prompt and the whole output budget, in whole blocks.
+                assert running["reservation_tokens"] == 2 * BLOCK  # 5 + 20 -> 32
+                assert running["prompt_tokens"] == PROMPT
+                snap = ledger.snapshot(NODE)
+                assert snap is not None
+                (lease,) = snap.leases
+                assert lease.tokens == 2 * BLOCK
+                assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
+                end = time.monotonic() + 20
+                while _row(repo, job)["state"] != ItemState.SUCCEEDED.value:
+                    assert time.monotonic() < end, _row(repo, job)
+                    await asyncio.sleep(0.05)
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(scenario())
+
+        assert engine.closed == 1  # the preempted stream was closed: the engine aborts it
+        ((first, sent, priority), (second, resent, _)) = engine.calls
+        assert sent == resent == body  # from the start: the earlier deltas are not continued
+        assert priority == DispatchConfig(node=NODE).batch_priority
+        assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
+        done = _row(repo, job)
+        assert (done["attempt"], done["preemptions"]) == (2, 1)
+        assert done["reservation_tokens"] == 2 * BLOCK  # the rerun reserves the whole budget
+        assert (done["prompt_tokens"], done["output_tokens"]) == (PROMPT, 3)
+        result = json.loads(done["result"])
+        assert (result["object"], result["model"], result["id"]) == ("response", "m", second)
+        assert result["output"][0]["content"][0]["text"] == "a b c"
+        assert (dispatcher.stats.preempted, dispatcher.stats.succeeded) == (1, 1)
+        assert dispatcher.stats.reservation_violations == 0
+        snap = ledger.snapshot(NODE)
+        assert snap is not None
+        assert snap.batch_in_use == 0
+    finally:
+        ledger.close()
+        repo.close()
