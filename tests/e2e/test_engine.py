@@ -158,8 +158,9 @@ def test_prompt_tokenize_count_is_the_prompt_tokens_the_engine_charges(
     assert count == usage.prompt_tokens > 0
 
 
-# The endpoints that stream generated text (embeddings are one call: tests/e2e/test_embeddings.py).
-GENERATION = [e for e in Endpoint if e is not Endpoint.EMBEDDINGS]
+# The endpoints that stream generated text as chunks of choices (embeddings are one call:
+# tests/e2e/test_embeddings.py; responses stream typed events: tests/e2e/test_responses.py).
+GENERATION = [Endpoint.COMPLETIONS, Endpoint.CHAT_COMPLETIONS]
 
 
 @pytest.mark.parametrize("endpoint", GENERATION)
