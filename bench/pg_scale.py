@@ -343,9 +343,11 @@ def _phase_c(url: str, libpq: str, fleet: Fleet, args: Any, details: dict[str, A
         )
     )
     heap0, heap1 = samples[0].heap_bytes / MB, samples[-1].heap_bytes / MB
+    wal = samples[-1].wal_lsn - samples[0].wal_lsn
     print(
         f"{done:,} items through in {args.churn_s:.0f} s ({done / args.churn_s:,.0f}/s); "
-        f"heap {heap0:,.0f} -> {heap1:,.0f} MiB"
+        f"heap {heap0:,.0f} -> {heap1:,.0f} MiB; WAL {wal / max(1, done):,.0f} bytes per item "
+        "(the whole server's)"
     )
     details["churn"] = {
         "settings": settings,

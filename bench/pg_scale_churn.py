@@ -34,6 +34,8 @@ class Sample:
     claim_index_bytes: int
     vacuum_phase: str
     backlog: int
+    wal_lsn: int
+    """The server's WAL position (bytes): all databases' writes, other users' included."""
 
 
 def _claimer(
@@ -99,7 +101,7 @@ def _sample(conn: psycopg.Connection[Any], at_s: float, backlog: int) -> Sample:
         "SELECT n_live_tup, n_dead_tup, autovacuum_count, pg_relation_size('items'), "
         "pg_relation_size('ix_items_claim_edf') + pg_relation_size('ix_items_claim_tenant'), "
         "(SELECT string_agg(phase, ',') FROM pg_stat_progress_vacuum "
-        " WHERE relid = 'items'::regclass) "
+        " WHERE relid = 'items'::regclass), pg_current_wal_lsn() - '0/0'::pg_lsn "
         "FROM pg_stat_user_tables WHERE relname = 'items'"
     ).fetchone()
     assert row is not None
@@ -112,6 +114,7 @@ def _sample(conn: psycopg.Connection[Any], at_s: float, backlog: int) -> Sample:
         int(row[4]),
         row[5] or "-",
         backlog,
+        int(row[6]),
     )
 
 
