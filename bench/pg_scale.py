@@ -415,6 +415,12 @@ def main() -> None:
     args.items = args.items or (1_000_000 if args.quick else 10_000_000)
     args.churn_s = args.churn_s or (30.0 if args.quick else 600.0)
     args.claims = args.claims or (30 if args.quick else 100)
+    # Four probes claim from items (two in A, two in B) and none puts its items back: they
+    # must leave the backlog (1% of the items) claimable, or the later probes time empty claims.
+    cap = max(1, args.items // 100 // (4 * 64) - 3)
+    if args.claims > cap:
+        print(f"(--claims {args.claims} would drain the backlog: {cap} claims per probe)")
+        args.claims = cap
     details: dict[str, Any] = {"args": vars(args), "started": datetime.now(UTC).isoformat()}
     with scratch_database("bfpgscale") as url:
         libpq = libpq_url(url)
