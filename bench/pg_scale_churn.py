@@ -29,7 +29,8 @@ class Sample:
     at_s: float
     live: int
     dead: int
-    autovacuums: int
+    vacuums: int
+    """Vacuums of items so far (autovacuum's and ``_vacuumer``'s)."""
     heap_bytes: int
     claim_index_bytes: int
     vacuum_phase: str
@@ -95,10 +96,28 @@ def _feeder(libpq: str, fleet: Fleet, start: int, stop_at: float, done: Any) -> 
             time.sleep(0.2)
 
 
+def _vacuumer(libpq: str, threshold: int, stop_at: float) -> None:
+    """What autovacuum would do with ``autovacuum_vacuum_threshold = threshold`` and scale
+    factor 0, throttled as autovacuum is by default (cost delay 2 ms, limit 200): for a
+    server that runs with autovacuum off, as the development machine's does."""
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute("SET vacuum_cost_delay = '2ms'")
+        conn.execute("SET vacuum_cost_limit = 200")
+        while time.time() < stop_at:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(
+                "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'items'"
+            ).fetchone()
+            if row is not None and int(row[0]) > threshold:
+                conn.execute("VACUUM items")
+            time.sleep(1.0)
+
+
 def _sample(conn: psycopg.Connection[Any], at_s: float, backlog: int) -> Sample:
     conn.execute("SELECT pg_stat_clear_snapshot()")
     row = conn.execute(
-        "SELECT n_live_tup, n_dead_tup, autovacuum_count, pg_relation_size('items'), "
+        "SELECT n_live_tup, n_dead_tup, autovacuum_count + vacuum_count, "
+        "pg_relation_size('items'), "
         "pg_relation_size('ix_items_claim_edf') + pg_relation_size('ix_items_claim_tenant'), "
         "(SELECT string_agg(phase, ',') FROM pg_stat_progress_vacuum "
         " WHERE relid = 'items'::regclass), pg_current_wal_lsn() - '0/0'::pg_lsn "
@@ -127,6 +146,7 @@ def churn(
     claimers: int,
     window_s: float,
     next_custom: int,
+    vacuum_threshold: int | None = None,
 ) -> tuple[list[tuple[float, float, int]], list[Sample], int]:
     """Run the churn; returns every claim ``(began_s, ms, items)``, the samples, items done."""
     ctx = mp.get_context("fork")
@@ -138,6 +158,8 @@ def churn(
         ctx.Process(target=_claimer, args=(url, w, t0, stop_at, done, out)) for w in range(claimers)
     ]
     procs.append(ctx.Process(target=_feeder, args=(libpq, fleet, next_custom, stop_at, done)))
+    if vacuum_threshold is not None:
+        procs.append(ctx.Process(target=_vacuumer, args=(libpq, vacuum_threshold, stop_at)))
     for p in procs:
         p.start()
     samples = []
