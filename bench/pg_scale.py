@@ -330,6 +330,7 @@ def _phase_c(url: str, libpq: str, fleet: Fleet, args: Any, details: dict[str, A
         claimers=args.claimers,
         window_s=args.window_s,
         next_custom=args.items + 1,
+        vacuum_threshold=args.vacuum_at,
     )
     windows = summarise_windows(claims, args.window_s, args.churn_s)
     rows = []
@@ -357,7 +358,7 @@ def _phase_c(url: str, libpq: str, fleet: Fleet, args: Any, details: dict[str, A
                 "claim p99",
                 "live",
                 "dead",
-                "autovac",
+                "vacuums",
                 "claim ix MiB",
                 "backlog",
                 "vacuum",
