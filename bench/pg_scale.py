@@ -246,12 +246,6 @@ def _phase_b(libpq: str, args: Any, details: dict[str, Any]) -> None:
         details["core_ms"] = {f"{t}:{j}": (r[3], r[4]) for (t, j), r in zip(ms, rows, strict=True)}
         _retention(conn, bounds[0].lo, bounds[0].hi, bounds[0].name, details)
         conn.execute("DROP TABLE items_p")
-        # What the probes claimed is put back: the churn starts from the loaded backlog.
-        conn.execute(
-            "UPDATE items SET state = 'queued', node = NULL, lease_expires_at = NULL "
-            "WHERE state = 'reserved'"
-        )
-        conn.execute("VACUUM (ANALYZE) items")
 
 
 def _dead(conn: psycopg.Connection[Any], t: str) -> int:
@@ -303,6 +297,12 @@ def _retention(
 
 def _phase_c(url: str, libpq: str, fleet: Fleet, args: Any, details: dict[str, Any]) -> float:
     with psycopg.connect(libpq, autocommit=True) as conn:
+        # What the probes claimed is put back: the churn starts from the loaded backlog.
+        conn.execute(
+            "UPDATE items SET state = 'queued', node = NULL, lease_expires_at = NULL "
+            "WHERE state = 'reserved'"
+        )
+        conn.execute("VACUUM (ANALYZE) items")
         if args.autovacuum_scale is not None:
             f = float(args.autovacuum_scale)
             conn.execute(
