@@ -26,15 +26,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import text
 
-from backfill import fairshare
 from backfill.config import libpq_url
 from backfill.models import CLAIMABLE_SQL
-from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store import Repository
-from backfill.store.claims import _CLAIM_EDF, _CLAIM_FAIR, _SHARE_VIEW
-from backfill.store.moves import check_moves
 from bench.common import Stopwatch, finish, parser, percentile, scratch_database, table
 from bench.pg_scale_churn import churn
 from bench.pg_scale_load import Fleet, load, sizes
@@ -88,29 +83,10 @@ def _explain(conn: psycopg.Connection[Any], sql: str, params: Any) -> PlanSummar
 def _explain_claim(url: str, fair: bool) -> PlanSummary:
     """The repository's claim statement, as ``Repository.claim`` would send it."""
     repo = Repository.connect(url, pool_size=1, fair_share=fair)
-    params: dict[str, Any] = {
-        "n": 64,
-        "node": "explain",
-        "ttl": 60.0,
-        "models": None,
-        "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
-    }
     try:
-        with repo.engine.connect() as conn:
-            tx = conn.begin()
-            if fair:
-                view = [
-                    fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-                    for r in conn.execute(text(_SHARE_VIEW), {"node": "explain", "models": None})
-                ]
-                params["slots"] = list(fairshare.claim_order(view, 128 if len(view) > 1 else 64))
-            claim = _CLAIM_FAIR if fair else _CLAIM_EDF
-            explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim)
-            plan = conn.execute(explain, params).scalar_one()
-            tx.rollback()
+        return summarise_plan(repo.explain_claim("explain", 64))
     finally:
         repo.close()
-    return summarise_plan(plan if not isinstance(plan, str) else json.loads(plan))
 
 
 def _claim_latency(url: str, fair: bool, n: int) -> tuple[float, float, int]:

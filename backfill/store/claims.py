@@ -8,10 +8,11 @@ the item's attempt number, which fences out any older attempt's writes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 
 from backfill import fairshare
 from backfill.errors import StaleWrite
@@ -27,11 +28,15 @@ _CLAIMABLE_NOW = (
     f"state IN ({CLAIMABLE_SQL}) AND deadline > now() "
     "AND (not_before IS NULL OR not_before <= now()) "
     # Only a running job's items: never those of a job being validated, cancelled or
-    # ended, whatever state its items were left in.
-    "AND EXISTS (SELECT 1 FROM jobs jb WHERE jb.id = items.job_id AND jb.state = 'in_progress' "
-    # ... of a model the claiming node's engine serves (NULL: any, for tools and tests).
+    # ended, whatever state its items were left in; of a model the claiming node's engine
+    # serves (NULL: any, for tools and tests). A scalar subquery, not EXISTS: the planner turns
+    # EXISTS into a hash join that reads every claimable item and sorts them to keep :n (the
+    # claim then grows with the backlog: 473 ms at 100,000 waiting, bench.pg_scale); as a
+    # per-row filter the claim index is walked in deadline order and stops after :n rows.
+    "AND coalesce((SELECT jb.state = 'in_progress' "
     "  AND (CAST(:models AS text[]) IS NULL OR jb.model IS NULL "
-    "       OR jb.model = ANY(CAST(:models AS text[]))))"
+    "       OR jb.model = ANY(CAST(:models AS text[]))) "
+    "  FROM jobs jb WHERE jb.id = items.job_id), false)"
 )
 
 # The tenants with work (jobs in progress; one whose items are all held elsewhere passes its
@@ -178,27 +183,9 @@ class Claims(Store):
         item to two of them; each claimed item's attempt number goes up by one, which fences
         out any older attempt's writes.
         """
-        sources = check_moves(ITEM_CLAIMABLE, ItemState.RESERVED)
-        wanted = list(models) if models is not None else None
-        params: dict[str, Any] = {
-            "n": limit,
-            "node": node,
-            "ttl": lease_ttl_s,
-            "src": sources,
-            "models": wanted,
-        }
         with self._tx(durable=False) as conn:
-            if self.fair_share:
-                view = [
-                    fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-                    for r in conn.execute(text(_SHARE_VIEW), {"node": node, "models": wanted}).all()
-                ]
-                # Spare slots only matter where a tenant short of items can pass its turn on.
-                spare = limit if len(view) > 1 else 0
-                params["slots"] = list(fairshare.claim_order(view, limit + spare))
-                rows = conn.execute(text(_CLAIM_FAIR), params).all()
-            else:
-                rows = conn.execute(text(_CLAIM_EDF), params).all()
+            statement, params = self._claim_statement(conn, node, limit, lease_ttl_s, models)
+            rows = conn.execute(text(statement), params).all()
         return [
             ClaimedItem(
                 id=r.id,
@@ -218,6 +205,49 @@ class Claims(Store):
             )
             for r in rows
         ]
+
+    def _claim_statement(
+        self,
+        conn: Connection,
+        node: str,
+        limit: int,
+        lease_ttl_s: float,
+        models: Sequence[str] | None,
+    ) -> tuple[str, dict[str, Any]]:
+        """The claim statement and its parameters (with fair share, the plan read in
+        ``conn``'s transaction)."""
+        wanted = list(models) if models is not None else None
+        params: dict[str, Any] = {
+            "n": limit,
+            "node": node,
+            "ttl": lease_ttl_s,
+            "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
+            "models": wanted,
+        }
+        if not self.fair_share:
+            return _CLAIM_EDF, params
+        view = [
+            fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
+            for r in conn.execute(text(_SHARE_VIEW), {"node": node, "models": wanted}).all()
+        ]
+        # Spare slots only matter where a tenant short of items can pass its turn on.
+        spare = limit if len(view) > 1 else 0
+        params["slots"] = list(fairshare.claim_order(view, limit + spare))
+        return _CLAIM_FAIR, params
+
+    def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
+        """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the claim :meth:`claim` would run
+        now, in a transaction rolled back (nothing is claimed): the plan, for studies
+        (``bench.pg_scale``) and the test that pins its shape."""
+        with self.engine.connect() as conn:
+            tx = conn.begin()
+            try:
+                statement, params = self._claim_statement(conn, node, limit, 60.0, models)
+                explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
+                plan = conn.execute(explain, params).scalar_one()
+            finally:
+                tx.rollback()
+        return json.loads(plan) if isinstance(plan, str) else plan
 
     def start(
         self,
