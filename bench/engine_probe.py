@@ -128,23 +128,32 @@ async def prefill_observations(
     return out
 
 
+DECODE_TRIES = 3
+"""Runs of a decode case before it is left out for never decoding together."""
+
+
 async def decode_observations(
     probe: Probe, cases: Sequence[tuple[int, int, int]]
 ) -> list[Observation]:
     """``(sequences, prompt, output)``: that many requests decode together. Only the window
     in which all of them decode counts (after the last first token, before the first last
-    token), so no prefill step is mistaken for a decode step."""
+    token), so no prefill step is mistaken for a decode step. A case whose requests never
+    decoded together (on a loaded machine the last prefill can end after the first request
+    has finished) is run again, up to ``DECODE_TRIES`` times, then left out."""
     out: list[Observation] = []
     for n, prompt, output in cases:
-        timings = await asyncio.gather(*(probe.request(prompt, output) for _ in range(n)))
-        start = max(t.first for t in timings)
-        end = min(t.last for t in timings)
-        gaps = []
-        for t in timings:
-            inside = [x for x in t.token_times if start <= x <= end]
-            if len(inside) >= 2:
-                gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-        if not gaps:
+        for _ in range(DECODE_TRIES):
+            timings = await asyncio.gather(*(probe.request(prompt, output) for _ in range(n)))
+            start = max(t.first for t in timings)
+            end = min(t.last for t in timings)
+            gaps = []
+            for t in timings:
+                inside = [x for x in t.token_times if start <= x <= end]
+                if len(inside) >= 2:
+                    gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
+            if gaps:
+                break
+        else:
             continue
         done = sum(sum(1 for x in t.token_times if x < start) for t in timings) / n
         work = StepWork(
