@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 from backfill.capacity import EngineLoad, EnginePool
 from backfill.errors import BackfillError
@@ -130,8 +130,11 @@ class StreamChunk:
         return next((c.finish_reason for c in self.choices if c.finish_reason), None)
 
 
-class CompletionStream:
-    """An async iterator of :class:`StreamChunk` that owns an HTTP response.
+T = TypeVar("T")
+
+
+class OwnedStream(Generic[T]):
+    """An async iterator of ``T`` that owns an HTTP response.
 
     Use it as ``async with engine.stream_completion(...) as stream: async for chunk in
     stream``; leaving the block, breaking out, or cancelling the task closes the response,
@@ -140,17 +143,17 @@ class CompletionStream:
     collected, and its request keeps running until then).
     """
 
-    def __init__(self, chunks: AsyncIterator[StreamChunk]) -> None:
-        self._chunks = chunks
+    def __init__(self, items: AsyncIterator[T]) -> None:
+        self._items = items
 
     def __aiter__(self) -> Self:
         return self
 
-    async def __anext__(self) -> StreamChunk:
-        return await self._chunks.__anext__()
+    async def __anext__(self) -> T:
+        return await self._items.__anext__()
 
     async def aclose(self) -> None:
-        aclose = getattr(self._chunks, "aclose", None)
+        aclose = getattr(self._items, "aclose", None)
         if aclose is not None:
             await aclose()
 
@@ -166,36 +169,13 @@ class CompletionStream:
         await self.aclose()
 
 
-class EventStream:
-    """An async iterator of the JSON events of one streamed request (a Responses stream's
-    ``response.output_text.delta``, ``response.completed``, ...), owning its HTTP response
-    as :class:`CompletionStream` does: leaving ``async with``, breaking out or cancelling
-    closes it, which makes vLLM abort the request and free its KV blocks."""
+class CompletionStream(OwnedStream[StreamChunk]):
+    """The :class:`StreamChunk` of one streamed completion or chat request."""
 
-    def __init__(self, events: AsyncIterator[dict[str, Any]]) -> None:
-        self._events = events
 
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        return await self._events.__anext__()
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+class EventStream(OwnedStream[dict[str, Any]]):
+    """The JSON events of one streamed request (a Responses stream's
+    ``response.output_text.delta``, ``response.completed``, ...)."""
 
 
 @runtime_checkable
