@@ -19,6 +19,12 @@ helps anyone (the server's ``vllm:prefix_cache_hits_total`` is read to check). S
 order from round to round; figures are best-of with the spread (min-max) beside them, because
 other engineers' engines and tests share these 2 cores.
 
+With ``--step-scheduler`` a fourth side, ``backfill-step``, runs Backfill on a second engine of
+the same flags started with Backfill's step scheduler (``backfill_vllm``, the worker reading its
+metrics as in production), in the same alternating rounds: the ratio ``backfill-step /
+backfill`` is what the scheduler costs batch alone (issue 18's goal: >= 0.98), and becomes the
+closing line.
+
 A full run uses 2,000 ``tiny`` requests (two rounds) and 240 ``smollm2`` requests (one round,
 the peers' note's size): the real model makes ~125 tokens/s here on a quiet machine, so 2,000
 of its requests would take ~17 minutes per side (``--requests`` overrides).
@@ -44,7 +50,7 @@ from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
 from bench.throughput_engine import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from bench.throughput_sides import THROUGHPUT_SETTINGS, run_backfill, run_direct, run_vllm_batch
-from bench.throughput_workload import SIDES, SideRun, Workload, workloads
+from bench.throughput_workload import SIDES, STEP_GOAL, STEP_SIDE, SideRun, Workload, workloads
 from worker import devengine
 
 NAME = "throughput"
@@ -57,22 +63,34 @@ def say(message: str) -> None:
     print(f"[throughput] {message}", file=sys.stderr, flush=True)
 
 
-def measure_model(w: Workload, logs: Path) -> dict[str, Any]:
+def measure_model(w: Workload, logs: Path, step_scheduler: bool = False) -> dict[str, Any]:
     spec = devengine.MODELS[w.model]
     python, model_dir = devengine.provision(w.model)
+    sides = (*SIDES, STEP_SIDE) if step_scheduler else SIDES
     runs: list[SideRun] = []
     sweep: dict[int, float] = {}
+    flags: dict[str, Any] = {
+        "kv_cache_gib": w.kv_cache_gib,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "extra_args": ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)],
+    }
     with ExitStack() as stack:
-        server = devengine.start_model(
-            w.model,
-            kv_cache_gib=w.kv_cache_gib,
-            max_num_seqs=MAX_NUM_SEQS,
-            extra_args=["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)],
-        )
+        server = devengine.start_model(w.model, **flags)
         stack.callback(server.stop)
         backfill = stack.enter_context(
             BackfillStack(server.url, logs / w.model, THROUGHPUT_SETTINGS).running()
         )
+        stepped: tuple[devengine.EngineServer, BackfillStack] | None = None
+        if step_scheduler:
+            step_server = devengine.start_model(w.model, scheduler=True, **flags)
+            stack.callback(step_server.stop)
+            assert step_server.scheduler_metrics_url is not None
+            step_settings = {
+                **THROUGHPUT_SETTINGS,
+                "engine_scheduler_metrics_url": step_server.scheduler_metrics_url,
+            }
+            step_stack = BackfillStack(step_server.url, logs / f"{w.model}-step", step_settings)
+            stepped = (step_server, stack.enter_context(step_stack.running()))
         for c in w.sweep:
             r = run_direct(server, w, spec.name, w.sweep_requests, c, -1)
             sweep[c] = r.tokens_per_s
@@ -80,10 +98,13 @@ def measure_model(w: Workload, logs: Path) -> dict[str, Any]:
         best_c = max(sweep, key=lambda c: sweep[c])
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bftput-rb-")))
         for round_no in range(w.rounds):
-            order = SIDES if round_no % 2 == 0 else tuple(reversed(SIDES))
+            order = sides if round_no % 2 == 0 else tuple(reversed(sides))
             for side in order:
                 if side == "backfill":
                     run = run_backfill(backfill, server, w, spec.name, round_no)
+                elif side == STEP_SIDE and stepped is not None:
+                    run = run_backfill(stepped[1], stepped[0], w, spec.name, round_no)
+                    run.side = STEP_SIDE
                 elif side == "run-batch":
                     run = run_vllm_batch(python, model_dir, w, round_no, workdir)
                 else:
@@ -93,15 +114,19 @@ def measure_model(w: Workload, logs: Path) -> dict[str, Any]:
                     f"{w.model} round {round_no} {side}: {run.seconds:.1f} s, "
                     f"{run.tokens_per_s:,.0f} tok/s, {run.output_tokens} tokens {run.extra}"
                 )
-    return summarise(w, runs, sweep, best_c)
+    return summarise(w, runs, sweep, best_c, sides)
 
 
 def summarise(
-    w: Workload, runs: list[SideRun], sweep: dict[int, float], best_c: int
+    w: Workload,
+    runs: list[SideRun],
+    sweep: dict[int, float],
+    best_c: int,
+    side_names: Sequence[str] = SIDES,
 ) -> dict[str, Any]:
     expected = w.requests * w.max_tokens
     sides: dict[str, dict[str, Any]] = {}
-    for side in SIDES:
+    for side in side_names:
         mine = [r for r in runs if r.side == side]
         rates = [r.tokens_per_s for r in mine]
         best = max(mine, key=lambda r: r.tokens_per_s)
@@ -120,9 +145,19 @@ def summarise(
     peer_median = max(
         sides["run-batch"]["median_tokens_per_s"], sides["direct"]["median_tokens_per_s"]
     )
+    step: dict[str, float] = {}
+    if STEP_SIDE in sides:
+        step = {
+            "ratio_best": sides[STEP_SIDE]["best_tokens_per_s"]
+            / sides["backfill"]["best_tokens_per_s"],
+            "ratio_median": sides[STEP_SIDE]["median_tokens_per_s"]
+            / sides["backfill"]["median_tokens_per_s"],
+        }
     return {
         "model": w.model,
         "workload": asdict(w),
+        "side_names": list(side_names),
+        "step_scheduler": step,
         "expected_output_tokens": expected,
         "token_counts_match": not mismatched,
         "sides": sides,
@@ -149,7 +184,7 @@ def _rows(results: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     rows: list[tuple[Any, ...]] = []
     for res in results:
         w = res["workload"]
-        for side in SIDES:
+        for side in res["side_names"]:
             s = res["sides"][side]
             label = f"direct c={res['direct_best_concurrency']}" if side == "direct" else side
             rows.append(
@@ -178,6 +213,20 @@ def _rows(results: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
                 res["ratio_per_cpu_s"],
             )
         )
+        if res["step_scheduler"]:
+            rows.append(
+                (
+                    res["model"],
+                    "step scheduler / stock (Backfill)",
+                    "",
+                    "",
+                    "",
+                    res["step_scheduler"]["ratio_best"],
+                    f"median {res['step_scheduler']['ratio_median']:.3f}",
+                    f"goal >= {STEP_GOAL}",
+                    "",
+                )
+            )
     return rows
 
 
@@ -189,10 +238,15 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4))
     axes_list = list(axes) if len(results) > 1 else [axes]
-    colours = {"backfill": "#2b6cb0", "run-batch": "#718096", "direct": "#a0aec0"}
+    colours = {
+        "backfill": "#2b6cb0",
+        STEP_SIDE: "#2c7a7b",
+        "run-batch": "#718096",
+        "direct": "#a0aec0",
+    }
     for ax, res in zip(axes_list, results, strict=True):
         names, best, low, high = [], [], [], []
-        for side in SIDES:
+        for side in res["side_names"]:
             s = res["sides"][side]
             names.append(
                 f"direct\nc={res['direct_best_concurrency']}" if side == "direct" else side
@@ -200,7 +254,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             best.append(s["best_tokens_per_s"])
             low.append(s["best_tokens_per_s"] - s["min_tokens_per_s"])
             high.append(0.0)
-        ax.bar(names, best, color=[colours[s] for s in SIDES], yerr=[low, high], capsize=4)
+        ax.bar(
+            names, best, color=[colours[s] for s in res["side_names"]], yerr=[low, high], capsize=4
+        )
         for x, v in enumerate(best):
             ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
         w = res["workload"]
@@ -223,6 +279,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--rounds", type=int, default=None, help="override rounds per model")
     p.add_argument("--requests", type=int, default=None, help="override requests per model")
+    p.add_argument(
+        "--step-scheduler",
+        action="store_true",
+        help="add the backfill-step side (Backfill on an engine running its step scheduler) "
+        "and close on its ratio to Backfill on the stock engine",
+    )
     args = p.parse_args(argv)
     wanted = [m.strip() for m in args.models.split(",") if m.strip()]
     chosen: list[Workload] = []
@@ -239,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for w in chosen:
         (logs / w.model).mkdir(parents=True, exist_ok=True)
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    results = [measure_model(w, logs) for w in chosen]
+    results = [measure_model(w, logs, args.step_scheduler) for w in chosen]
     print(
         table(
             [
@@ -265,12 +327,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     by_model = {r["model"]: r for r in results}
     headline = by_model.get("smollm2") or results[0]
     details = {
-        "command": "python -m bench.throughput" + (" --quick" if args.quick else ""),
+        "command": "python -m bench.throughput"
+        + (" --quick" if args.quick else "")
+        + (" --step-scheduler" if args.step_scheduler else ""),
         "argv": sys.argv[1:] if argv is None else list(argv),
         "started": started,
         "plot": str(plot_path),
         "models": by_model,
     }
+    if args.step_scheduler:
+        finish(
+            NAME,
+            f"{headline['model']}_step_vs_stock",
+            headline["step_scheduler"]["ratio_best"],
+            ">=",
+            STEP_GOAL,
+            details,
+        )
+        return
     finish(
         NAME,
         f"{headline['model']}_ratio",

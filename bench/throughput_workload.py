@@ -17,6 +17,10 @@ TINY_GOAL = 0.75
 
 
 SIDES = ("backfill", "run-batch", "direct")
+STEP_SIDE = "backfill-step"
+"""Backfill on an engine running its step scheduler (``--step-scheduler``)."""
+STEP_GOAL = 0.98
+"""Batch alone on the step scheduler's engine against the stock engine (issue 18)."""
 _NOT_SIDE_CPU = {"cpu_s_process_with_start"}
 
 
