@@ -26,7 +26,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from backfill.ledger import Ledger
+from backfill.ledger import LedgerReadings
 from backfill.states import ITEM_TERMINAL, ItemState, JobState
 from backfill.store import Repository
 from backfill.work_signals import read_budget
@@ -90,7 +90,7 @@ class BackfillCollector:
     def __init__(
         self,
         repo: Repository,
-        ledger: Ledger | None,
+        ledger: LedgerReadings | None,
         *,
         useful_window_s: float = 60.0,
         lookback_s: float = 600.0,

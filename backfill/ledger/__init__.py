@@ -21,6 +21,13 @@ live batch leases from records read from Postgres, then reopens admission.
 
 from backfill.ledger.async_ledger import AsyncLedger
 from backfill.ledger.listeners import AsyncPreemptionListener, PreemptionListener
+from backfill.ledger.protocol import (
+    BatchLedger,
+    InteractiveLedger,
+    LedgerReadings,
+    MaintenanceLedger,
+    SignalRedis,
+)
 from backfill.ledger.scripts import SCRIPTS, script_source
 from backfill.ledger.sync_ledger import Ledger
 from backfill.ledger.values import (
@@ -46,13 +53,17 @@ __all__ = [
     "ActiveLease",
     "AsyncLedger",
     "AsyncPreemptionListener",
+    "BatchLedger",
     "Denial",
     "HeartbeatResult",
     "HeldLease",
+    "InteractiveLedger",
     "Lease",
     "LeaseRef",
     "LeaseStatus",
     "Ledger",
+    "LedgerReadings",
+    "MaintenanceLedger",
     "NodePool",
     "PartialBatchError",
     "PoolCounters",
@@ -62,5 +73,6 @@ __all__ = [
     "RebuildReport",
     "ReserveRequest",
     "SettleResult",
+    "SignalRedis",
     "script_source",
 ]
