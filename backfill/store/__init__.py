@@ -27,6 +27,15 @@ rebuild rows, the reaper), :mod:`~backfill.store.stats`, and
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
 from backfill.store.database import Store, ensure_database
 from backfill.store.files import FILE_CHUNK_BYTES
+from backfill.store.protocol import (
+    AttemptStore,
+    BatchStore,
+    ItemPages,
+    JobLifecycle,
+    JobMoves,
+    MaintenanceStore,
+    NodeRecords,
+)
 from backfill.store.records import (
     ActiveLeaseRow,
     ApiKeyRecord,
@@ -54,16 +63,23 @@ __all__ = [
     "KEY_ID_CHARS",
     "ActiveLeaseRow",
     "ApiKeyRecord",
+    "AttemptStore",
+    "BatchStore",
     "ClaimedItem",
     "FileRecord",
     "Finish",
     "FinishedTokenStats",
+    "ItemPages",
     "ItemRecord",
     "JobCounts",
+    "JobLifecycle",
+    "JobMoves",
     "JobRecord",
     "LostItem",
+    "MaintenanceStore",
     "NewItem",
     "NodeRecord",
+    "NodeRecords",
     "Repository",
     "RevokedKey",
     "Start",
