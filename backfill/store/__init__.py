@@ -30,11 +30,13 @@ from backfill.store.files import FILE_CHUNK_BYTES
 from backfill.store.protocol import (
     AttemptStore,
     BatchStore,
+    CapacityRecords,
     ItemPages,
     JobLifecycle,
     JobMoves,
     MaintenanceStore,
     NodeRecords,
+    QueueStats,
 )
 from backfill.store.records import (
     ActiveLeaseRow,
@@ -65,6 +67,7 @@ __all__ = [
     "ApiKeyRecord",
     "AttemptStore",
     "BatchStore",
+    "CapacityRecords",
     "ClaimedItem",
     "FileRecord",
     "Finish",
@@ -80,6 +83,7 @@ __all__ = [
     "NewItem",
     "NodeRecord",
     "NodeRecords",
+    "QueueStats",
     "Repository",
     "RevokedKey",
     "Start",

@@ -15,6 +15,10 @@ repository has it where the concrete one is handed over (``worker.node``, ``work
   (``backfill.batches``).
 - :class:`JobLifecycle`: finalizing, cancelling, expiring and recovering jobs
   (``backfill.finalize``).
+- :class:`QueueStats`: the scrape-time metrics, reading totals and token figures
+  (``backfill.telemetry``).
+- :class:`CapacityRecords`: the capacity view, reading nodes, live attempts and the backlog
+  (``backfill.capacity_view``).
 - :class:`MaintenanceStore`: the maintenance tick, which also rebuilds the ledger from the
   records of live attempts and reaps lost ones (``backfill.maintenance``).
 """
@@ -89,6 +93,31 @@ class NodeRecords(Protocol):
     """The registered nodes (engines, pools, models served)."""
 
     def nodes(self) -> list[sr.NodeRecord]: ...
+
+
+class QueueStats(NodeRecords, Protocol):
+    """What the metrics read: items and jobs per state, the batch backlog, and the token
+    figures of the items that finished."""
+
+    def item_state_totals(self) -> dict[ItemState, int]: ...
+
+    def job_state_totals(self) -> dict[JobState, int]: ...
+
+    def backlog_tokens(self) -> int: ...
+
+    def output_tokens_finished_within(self, seconds: float) -> int: ...
+
+    def finished_token_stats(
+        self, since: datetime | None, bounds: Sequence[int], *, lookback_s: float, lag_s: float
+    ) -> sr.FinishedTokenStats: ...
+
+
+class CapacityRecords(NodeRecords, Protocol):
+    """What the capacity view reads: the nodes, the attempts holding leases, the backlog."""
+
+    def active_leases(self) -> list[sr.ActiveLeaseRow]: ...
+
+    def backlog_tokens(self) -> int: ...
 
 
 class ItemPages(Protocol):
