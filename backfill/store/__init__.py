@@ -21,7 +21,9 @@ Where things are: :mod:`~backfill.store.records` (the values it returns),
 :mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
 single-item move), :mod:`~backfill.store.counters`, :mod:`~backfill.store.recovery` (ledger
 rebuild rows, the reaper), :mod:`~backfill.store.stats`, and
-:class:`~backfill.store.repository.Repository`, all of them on one engine.
+:class:`~backfill.store.repository.Repository`, all of them on one engine; consumers take the
+role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`BatchStore`,
+...), not the whole repository.
 """
 
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
