@@ -48,7 +48,7 @@ from backfill.refusals import (
 )
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
-from backfill.store import FileRecord, JobRecord, NewItem, Repository, TenantRecord
+from backfill.store import BatchStore, FileRecord, JobRecord, NewItem, TenantRecord
 from backfill.windows import (
     DeadlinePlan,
     batch_throughput,
@@ -128,7 +128,7 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 def upload_file(
-    repo: Repository,
+    repo: BatchStore,
     settings: Settings,
     tenant_id: str,
     *,
@@ -160,7 +160,7 @@ def upload_file(
     )
 
 
-def file_content(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes] | Iterator[str]:
+def file_content(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes] | Iterator[str]:
     """An input file's bytes piece by piece, or an output/error file rendered from its
     job's items line by line. NotFound comes at once, before anything is streamed."""
     stored = repo.file_pieces(tenant_id, file_id)
@@ -174,7 +174,7 @@ def file_content(repo: Repository, tenant_id: str, file_id: str) -> Iterator[byt
     return iter_result_lines(repo, job.id, states)
 
 
-def _stored_lines(repo: Repository, tenant_id: str, file_id: str) -> Iterator[bytes]:
+def _stored_lines(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
     """An input file's lines, read from storage a piece at a time."""
     return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
 
@@ -187,7 +187,7 @@ def _same_request(job: JobRecord, request: BatchRequest) -> bool:
     )
 
 
-def _retried(repo: Repository, tenant_id: str, job_id: str, request: BatchRequest) -> JobRecord:
+def _retried(repo: BatchStore, tenant_id: str, job_id: str, request: BatchRequest) -> JobRecord:
     job = repo.get_job(tenant_id, job_id)
     if not _same_request(job, request):
         raise IdempotencyMismatch(
@@ -199,7 +199,7 @@ def _retried(repo: Repository, tenant_id: str, job_id: str, request: BatchReques
 
 
 def create_batch(
-    repo: Repository,
+    repo: BatchStore,
     settings: Settings,
     tenant: TenantRecord,
     request: BatchRequest,
@@ -335,7 +335,7 @@ class ForecastExceeded(Exception):
 
 
 def _judge_tokens(
-    repo: Repository,
+    repo: BatchStore,
     settings: Settings,
     tenant: TenantRecord,
     tokens: int,
@@ -380,7 +380,7 @@ def _judge_tokens(
 
 
 def _check_model_served(
-    repo: Repository, settings: Settings, model: str | None, endpoint: str
+    repo: BatchStore, settings: Settings, model: str | None, endpoint: str
 ) -> None:
     """Refuse a batch whose model no live node serves, naming those served, unless batches
     may wait for one (``batch_wait_for_model``) or no node is live at all (the fleet is
@@ -425,12 +425,12 @@ def _entry(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": None}
 
 
-def _fail(repo: Repository, job_id: str, errors: list[dict[str, Any]], reason: str) -> None:
+def _fail(repo: BatchStore, job_id: str, errors: list[dict[str, Any]], reason: str) -> None:
     with contextlib.suppress(StaleWrite):
         repo.move_job(job_id, JobState.FAILED, reason=reason, errors=errors)
 
 
-def _fail_quietly(repo: Repository, job_id: str) -> None:
+def _fail_quietly(repo: BatchStore, job_id: str) -> None:
     """Mark a job whose items could not be stored; if even that fails, the periodic
     ``recover_stale_validating`` will."""
     # Best effort on an already failing path (Postgres may be the reason it fails).

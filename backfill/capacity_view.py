@@ -16,8 +16,8 @@ from datetime import datetime
 
 from backfill.engine_scheduler import EngineScheduler, read_scheduler
 from backfill.errors import BackfillError
-from backfill.ledger import Ledger
-from backfill.store import NodeRecord, Repository
+from backfill.ledger import LedgerReadings
+from backfill.store import CapacityRecords, NodeRecord
 from backfill.work_signals import BudgetView, read_budget
 
 
@@ -38,7 +38,7 @@ UsageSource = Callable[[NodeRecord], LedgerUsage | None]
 """Reads one node's live usage from the ledger; None when the ledger has no pool for it."""
 
 
-def ledger_usage(ledger: Ledger) -> UsageSource:
+def ledger_usage(ledger: LedgerReadings) -> UsageSource:
     """A :data:`UsageSource` over the live ledger. A node the ledger has no pool for, or a
     ledger that cannot answer now (Redis down, rebuilding), falls back to Postgres's view
     rather than failing the whole capacity read."""
@@ -136,7 +136,7 @@ def _endpoints(nodes: list[NodeCapacity]) -> tuple[str, ...] | None:
     return tuple(sorted({e for n in nodes for e in n.endpoints or ()}))
 
 
-def capacity_report(repo: Repository, usage: UsageSource | None = None) -> CapacityReport:
+def capacity_report(repo: CapacityRecords, usage: UsageSource | None = None) -> CapacityReport:
     held: dict[str, int] = defaultdict(int)
     for lease in repo.active_leases():
         held[lease.node] += lease.reservation_tokens or 0

@@ -1,4 +1,5 @@
-"""The ends of a job: finalize, cancel, expire. Plain functions over a Repository.
+"""The ends of a job: finalize, cancel, expire. Plain functions over the store's job lifecycle
+(:class:`~backfill.store.JobLifecycle`).
 
 Each function is safe to call again and from several processes at once (Celery beat may run
 it on two workers): every state change is a guarded transition, and a caller that loses a
@@ -21,7 +22,7 @@ from backfill.errors import NotFound, StaleWrite
 from backfill.refusals import NotCancellable
 from backfill.results import ERROR_STATES, OUTPUT_STATES, rendered_size
 from backfill.states import ItemState, JobState
-from backfill.store import ActiveLeaseRow, JobRecord, Repository
+from backfill.store import ActiveLeaseRow, JobLifecycle, JobRecord
 
 OUTPUT_PURPOSE = "batch_output"
 
@@ -30,7 +31,7 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message, "param": None, "line": None}
 
 
-def write_result_files(repo: Repository, job: JobRecord) -> tuple[str | None, str | None]:
+def write_result_files(repo: JobLifecycle, job: JobRecord) -> tuple[str | None, str | None]:
     """File rows for the job's output and error files (None where there is nothing to put in
     one); their content is rendered from the items when read."""
     ids: list[str | None] = []
@@ -51,7 +52,7 @@ def write_result_files(repo: Repository, job: JobRecord) -> tuple[str | None, st
     return ids[0], ids[1]
 
 
-def _drop_files(repo: Repository, tenant_id: str, *file_ids: str | None) -> None:
+def _drop_files(repo: JobLifecycle, tenant_id: str, *file_ids: str | None) -> None:
     for file_id in file_ids:
         if file_id is not None:
             with contextlib.suppress(NotFound):
@@ -59,7 +60,7 @@ def _drop_files(repo: Repository, tenant_id: str, *file_ids: str | None) -> None
 
 
 def _end_with_files(
-    repo: Repository,
+    repo: JobLifecycle,
     job: JobRecord,
     target: JobState,
     *,
@@ -106,7 +107,7 @@ def finished_state(job: JobRecord) -> tuple[JobState, str]:
     return JobState.COMPLETED, "; ".join(parts)
 
 
-def finalize_job(repo: Repository, job_id: str) -> JobState | None:
+def finalize_job(repo: JobLifecycle, job_id: str) -> JobState | None:
     """Close a job whose items are all finished: finalizing, then the state
     :func:`finished_state` gives. Returns the state it ended in, or None if it was not ready
     or another caller took it."""
@@ -125,7 +126,7 @@ def finalize_job(repo: Repository, job_id: str) -> JobState | None:
     return None
 
 
-def finalize_ready_jobs(repo: Repository, limit: int = 100) -> dict[str, JobState]:
+def finalize_ready_jobs(repo: JobLifecycle, limit: int = 100) -> dict[str, JobState]:
     """Finalize every job whose items are all finished (the periodic task's body)."""
     done: dict[str, JobState] = {}
     for job_id in repo.jobs_with_all_items_finished(limit):
@@ -135,7 +136,7 @@ def finalize_ready_jobs(repo: Repository, limit: int = 100) -> dict[str, JobStat
     return done
 
 
-def settle_cancelling(repo: Repository, job_id: str) -> JobState:
+def settle_cancelling(repo: JobLifecycle, job_id: str) -> JobState:
     """Move a cancelling job on: cancel items that became claimable again (preempted or
     requeued since the cancel), and close the job once no attempt holds an item."""
     job = repo.get_job(None, job_id)
@@ -152,7 +153,7 @@ def settle_cancelling(repo: Repository, job_id: str) -> JobState:
     return repo.get_job(None, job_id).state
 
 
-def cancel_job(repo: Repository, tenant_id: str, job_id: str) -> JobRecord:
+def cancel_job(repo: JobLifecycle, tenant_id: str, job_id: str) -> JobRecord:
     """Cancel a tenant's job: unstarted items end at once; in-flight ones finish or are
     aborted by their workers, after which the job is cancelled. Finished results are kept."""
     job = repo.get_job(tenant_id, job_id)
@@ -170,14 +171,14 @@ def cancel_job(repo: Repository, tenant_id: str, job_id: str) -> JobRecord:
     return job
 
 
-def settle_cancelling_jobs(repo: Repository, limit: int = 100) -> dict[str, JobState]:
+def settle_cancelling_jobs(repo: JobLifecycle, limit: int = 100) -> dict[str, JobState]:
     return {
         job_id: settle_cancelling(repo, job_id)
         for job_id in repo.jobs_in_state(JobState.CANCELLING, limit)
     }
 
 
-def expire_job(repo: Repository, job_id: str) -> list[ActiveLeaseRow]:
+def expire_job(repo: JobLifecycle, job_id: str) -> list[ActiveLeaseRow]:
     """At the deadline: unfinished items expire, finished results stay downloadable.
 
     Returns the items that were in flight, so the caller can release their leases and abort
@@ -207,7 +208,7 @@ class ExpirySweep:
     in_flight: list[ActiveLeaseRow] = field(default_factory=list)
 
 
-def expire_due_jobs(repo: Repository, limit: int = 100) -> ExpirySweep:
+def expire_due_jobs(repo: JobLifecycle, limit: int = 100) -> ExpirySweep:
     """Expire every job past its deadline (the periodic task's body)."""
     sweep = ExpirySweep()
     for job_id in repo.jobs_past_deadline(limit):
@@ -217,7 +218,7 @@ def expire_due_jobs(repo: Repository, limit: int = 100) -> ExpirySweep:
 
 
 def recover_stale_validating(
-    repo: Repository, *, older_than_s: float, now: datetime | None = None
+    repo: JobLifecycle, *, older_than_s: float, now: datetime | None = None
 ) -> dict[str, JobState]:
     """Jobs left in ``validating`` by an API process that died mid-create (run by the
     maintenance tick): those whose items were all stored go on to in_progress, the rest fail

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from backfill import finalize
 from backfill.config import Settings
 from backfill.errors import LedgerError
-from backfill.ledger import ActiveLease, LeaseRef, Ledger, NodePool, RebuildReport
+from backfill.ledger import ActiveLease, LeaseRef, MaintenanceLedger, NodePool, RebuildReport
 from backfill.policy import ClassLimits, PoolPolicy
 from backfill.states import ItemState, JobState
-from backfill.store import ActiveLeaseRow, Repository
+from backfill.store import ActiveLeaseRow, MaintenanceStore
 
 log = logging.getLogger("backfill.maintenance")
 
@@ -43,7 +43,7 @@ def pool_policy(settings: Settings) -> PoolPolicy:
 
 
 def ensure_ledger(
-    repo: Repository, ledger: Ledger, *, max_preemptions: int
+    repo: MaintenanceStore, ledger: MaintenanceLedger, *, max_preemptions: int
 ) -> RebuildReport | None:
     """Rebuild the ledger from Postgres if Redis lost it (every node), or the nodes it lost
     (closed for a lost lease, or on a shard that lost its data) while the rest of the fleet
@@ -101,7 +101,7 @@ def _refs(rows: Sequence[ActiveLeaseRow]) -> list[LeaseRef]:
     ]
 
 
-def stop_in_flight(ledger: Ledger, rows: Sequence[ActiveLeaseRow]) -> int:
+def stop_in_flight(ledger: MaintenanceLedger, rows: Sequence[ActiveLeaseRow]) -> int:
     """Tell the workers holding ``rows`` to abort their engine requests now.
 
     The preempt notice reaches a preemptible lease's worker at once; every holder also finds
@@ -144,7 +144,9 @@ class Reaped:
     expired_leases: int
 
 
-def reap(repo: Repository, ledger: Ledger, *, max_lost_runs: int | None = None) -> Reaped:
+def reap(
+    repo: MaintenanceStore, ledger: MaintenanceLedger, *, max_lost_runs: int | None = None
+) -> Reaped:
     """Requeue items of silent attempts (or fail those whose worker died under them
     ``max_lost_runs`` times), release their leases, reap expired leases."""
     lost = repo.reap_lost(max_lost_runs=max_lost_runs)
@@ -158,7 +160,7 @@ def reap(repo: Repository, ledger: Ledger, *, max_lost_runs: int | None = None) 
     return Reaped(len(lost) - len(failed), len(failed), released, reaped)
 
 
-def tick(repo: Repository, ledger: Ledger, settings: Settings) -> TickReport:
+def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) -> TickReport:
     """One round of upkeep (the body of the periodic task)."""
     report = TickReport()
     report.rebuilt = ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)

@@ -24,7 +24,7 @@ from typing import Any
 
 from backfill.refusals import InvalidRequest
 from backfill.states import ItemState
-from backfill.store import ItemRecord, Repository
+from backfill.store import ItemPages, ItemRecord
 
 OUTPUT_STATES: tuple[ItemState, ...] = (ItemState.SUCCEEDED,)
 ERROR_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.EXPIRED, ItemState.CANCELLED)
@@ -137,7 +137,7 @@ def result_line(item: ItemRecord) -> str:
 
 
 def iter_result_lines(
-    repo: Repository, job_id: str, states: Iterable[ItemState], *, page_size: int = PAGE_SIZE
+    repo: ItemPages, job_id: str, states: Iterable[ItemState], *, page_size: int = PAGE_SIZE
 ) -> Iterator[str]:
     """The job's items in ``states``, in line order, rendered; pages through Postgres."""
     wanted = tuple(states)
@@ -151,7 +151,7 @@ def iter_result_lines(
         after = page[-1].line_no
 
 
-def rendered_size(repo: Repository, job_id: str, states: Iterable[ItemState]) -> tuple[int, int]:
+def rendered_size(repo: ItemPages, job_id: str, states: Iterable[ItemState]) -> tuple[int, int]:
     """(lines, bytes) the rendering of ``states`` would produce: the File object's ``bytes``."""
     lines = size = 0
     for line in iter_result_lines(repo, job_id, states):

@@ -26,9 +26,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from backfill.ledger import Ledger
+from backfill.ledger import LedgerReadings
 from backfill.states import ITEM_TERMINAL, ItemState, JobState
-from backfill.store import Repository
+from backfill.store import QueueStats
 from backfill.work_signals import read_budget
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class _TokenHistograms:
         self.le = {"prompt": [0] * len(self.bounds), "output": [0] * len(self.bounds)}
         self.lock = threading.Lock()
 
-    def advance(self, repo: Repository, lookback_s: float, lag_s: float) -> None:
+    def advance(self, repo: QueueStats, lookback_s: float, lag_s: float) -> None:
         # One scrape at a time: two concurrent ones would count the same window twice.
         with self.lock:
             stats = repo.finished_token_stats(
@@ -89,8 +89,8 @@ class BackfillCollector:
 
     def __init__(
         self,
-        repo: Repository,
-        ledger: Ledger | None,
+        repo: QueueStats,
+        ledger: LedgerReadings | None,
         *,
         useful_window_s: float = 60.0,
         lookback_s: float = 600.0,

@@ -21,8 +21,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from backfill.ledger import Ledger
-from backfill.store import Repository
+from backfill.ledger import LedgerReadings
+from backfill.store import QueueStats
 from backfill.telemetry import BackfillCollector
 
 router = APIRouter(tags=["metrics"])
@@ -62,7 +62,7 @@ class CachedCollector:
 
 
 def attach(
-    app: FastAPI, repo: Repository, ledger: Ledger | None, cache_s: float = 0.0
+    app: FastAPI, repo: QueueStats, ledger: LedgerReadings | None, cache_s: float = 0.0
 ) -> CachedCollector:
     """Registers ``app``'s scrape-time collector over its repository and ledger, its
     figures reused for ``cache_s``."""

@@ -22,9 +22,9 @@ from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, Sto
 from backfill.engine.protocol import Engine
 from backfill.engine_scheduler import EngineScheduler
 from backfill.errors import BackfillError
-from backfill.ledger import AsyncLedger, Lease
+from backfill.ledger import BatchLedger, Lease
 from backfill.prefill import PromptCount
-from backfill.store import ClaimedItem, Finish, Repository
+from backfill.store import AttemptStore, ClaimedItem, Finish
 from backfill.work_budget import WorkBudget
 from worker.response import ResponseAssembler
 
@@ -119,8 +119,8 @@ class DispatcherState:
         self,
         config: DispatchConfig,
         engine: Engine,
-        repo: Repository,
-        ledger: AsyncLedger,
+        repo: AttemptStore,
+        ledger: BatchLedger,
         *,
         model: str,
         block_size: int,

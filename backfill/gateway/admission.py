@@ -35,7 +35,7 @@ from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
-from backfill.store import Repository
+from backfill.store import NodeRecords
 from backfill.work_signals import PendingInteractive
 
 log = logging.getLogger("backfill.gateway")
@@ -82,7 +82,7 @@ class InteractiveAdmission:
     def __init__(
         self,
         settings: Settings,
-        repo: Repository,
+        repo: NodeRecords,
         engine_for: Callable[[str], Engine],
         *,
         events: AdmissionEvents | None = None,

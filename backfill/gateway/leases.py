@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from backfill.errors import BackfillError
 from backfill.gateway.placement import Admission
 from backfill.gateway.sizing import Sizing
-from backfill.ledger import AsyncLedger, HeartbeatResult, Lease, LeaseStatus
+from backfill.ledger import HeartbeatResult, InteractiveLedger, Lease, LeaseStatus
 
 log = logging.getLogger("backfill.gateway")
 
@@ -63,7 +63,7 @@ class LeaseBeats:
     beats its node's batch leases), not two round trips per lease. A lease is first beaten one
     interval after its admission, not beside its prefill."""
 
-    def __init__(self, ledger: AsyncLedger, interval_s: float, ttl_ms: int) -> None:
+    def __init__(self, ledger: InteractiveLedger, interval_s: float, ttl_ms: int) -> None:
         self.ledger = ledger
         self.interval_s = interval_s
         self.ttl_ms = ttl_ms

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from backfill.engine.protocol import Engine, EngineError
 from backfill.errors import BackfillError
 from backfill.gateway.refusals import GatewayUnavailable
-from backfill.store import Repository
+from backfill.store import NodeRecords
 
 log = logging.getLogger("backfill.gateway")
 
@@ -31,7 +31,7 @@ class NodeDirectory:
     """Registered nodes with each engine's context length (asked once per engine and model)."""
 
     def __init__(
-        self, repo: Repository, refresh_s: float, engine_for: Callable[[str], Engine]
+        self, repo: NodeRecords, refresh_s: float, engine_for: Callable[[str], Engine]
     ) -> None:
         self._repo = repo
         self._refresh_s = refresh_s

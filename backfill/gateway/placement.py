@@ -21,7 +21,7 @@ from backfill.gateway.refusals import (
     ReservationTooLarge,
 )
 from backfill.gateway.sizing import Sizing
-from backfill.ledger import AsyncLedger, Denial, Lease, PoolSnapshot
+from backfill.ledger import Denial, InteractiveLedger, Lease, PoolSnapshot
 from backfill.policy import Reason, ServiceClass
 
 
@@ -109,7 +109,7 @@ class AdmissionTiming:
 
 
 async def admit(
-    ledger: AsyncLedger,
+    ledger: InteractiveLedger,
     nodes: Sequence[str],
     sizing: Sizing,
     *,
@@ -210,7 +210,7 @@ def _permanent_refusal(denial: Denial, sizing: Sizing) -> GatewayRefusal:
     )
 
 
-async def _ranked(ledger: AsyncLedger, nodes: Sequence[str], sizing: Sizing) -> list[str]:
+async def _ranked(ledger: InteractiveLedger, nodes: Sequence[str], sizing: Sizing) -> list[str]:
     try:
         snaps = await asyncio.gather(*(ledger.snapshot(n) for n in nodes))
     except BackfillError:

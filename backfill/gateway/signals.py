@@ -17,7 +17,7 @@ import socket
 import time
 
 from backfill.clock import HostClock, SharedClock, redis_time
-from backfill.ledger import AsyncLedger
+from backfill.ledger import SignalRedis
 from backfill.work_signals import InteractiveActivity, publish_signals
 
 log = logging.getLogger("backfill.gateway")
@@ -28,7 +28,7 @@ class SignalPublisher:
 
     def __init__(
         self,
-        ledger: AsyncLedger,
+        ledger: SignalRedis,
         *,
         ttl_s: float,
         budget_interval_s: float,

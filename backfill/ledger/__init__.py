@@ -4,9 +4,11 @@ Every change to the live ledger is one script call, atomic in Redis. The package
 call's KEYS and ARGV (:mod:`~backfill.ledger.calls`), writes each operation once as a plan of
 steps (:mod:`~backfill.ledger.operations`, :mod:`~backfill.ledger.rebuild`), and runs the
 plans over a synchronous client (:class:`Ledger`) or an asyncio one (:class:`AsyncLedger`),
-turning replies into typed values (:mod:`~backfill.ledger.values`). Redis errors become
-:class:`~backfill.errors.LedgerUnavailable`, script refusals
-:class:`~backfill.errors.LedgerError`, in the ledgers and nowhere else.
+both bound once in :mod:`~backfill.ledger.binding`, turning replies into typed values
+(:mod:`~backfill.ledger.values`). Consumers take the role they play
+(:mod:`~backfill.ledger.protocol`: :class:`BatchLedger`, :class:`InteractiveLedger`, ...),
+not the classes. Redis errors become :class:`~backfill.errors.LedgerUnavailable`, script
+refusals :class:`~backfill.errors.LedgerError`, in the ledgers and nowhere else.
 
 Holders use leases in ``try/finally``: reserve, do the work, release. ``reserve`` is
 idempotent per lease id, so after a connection error a retry with the same id cannot take the
@@ -21,6 +23,13 @@ live batch leases from records read from Postgres, then reopens admission.
 
 from backfill.ledger.async_ledger import AsyncLedger
 from backfill.ledger.listeners import AsyncPreemptionListener, PreemptionListener
+from backfill.ledger.protocol import (
+    BatchLedger,
+    InteractiveLedger,
+    LedgerReadings,
+    MaintenanceLedger,
+    SignalRedis,
+)
 from backfill.ledger.scripts import SCRIPTS, script_source
 from backfill.ledger.sync_ledger import Ledger
 from backfill.ledger.values import (
@@ -46,13 +55,17 @@ __all__ = [
     "ActiveLease",
     "AsyncLedger",
     "AsyncPreemptionListener",
+    "BatchLedger",
     "Denial",
     "HeartbeatResult",
     "HeldLease",
+    "InteractiveLedger",
     "Lease",
     "LeaseRef",
     "LeaseStatus",
     "Ledger",
+    "LedgerReadings",
+    "MaintenanceLedger",
     "NodePool",
     "PartialBatchError",
     "PoolCounters",
@@ -62,5 +75,6 @@ __all__ = [
     "RebuildReport",
     "ReserveRequest",
     "SettleResult",
+    "SignalRedis",
     "script_source",
 ]

@@ -1,6 +1,6 @@
 """The ledger over ``redis.asyncio``, one server or a Redis Cluster (the asyncio worker and
-gateway): the same operations as :class:`~backfill.ledger.Ledger`, the same scripts and
-values, each step awaited."""
+gateway): the same operations as :class:`~backfill.ledger.Ledger` (bound once, in
+:mod:`backfill.ledger.binding`), the same scripts and values, each step awaited."""
 
 from __future__ import annotations
 
@@ -8,86 +8,31 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio.cluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from backfill import keys as lk
 from backfill.errors import LedgerError, LedgerUnavailable
-from backfill.ledger import operations
-from backfill.ledger.binding import awaiting
-from backfill.ledger.calls import LedgerCalls
+from backfill.ledger.binding import LedgerBinding
 from backfill.ledger.listeners import AsyncPreemptionListener
-from backfill.ledger.rebuild import rebuild as rebuild_plan
-from backfill.ledger.scripts import SCRIPTS, script_source
+from backfill.ledger.scripts import script_source
 from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
-from backfill.policy import PoolPolicy
 from backfill.redis_client import AsyncRedis, connect_async
 
 T = TypeVar("T")
 
 
-class AsyncLedger:
+class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
     """The ledger over ``redis.asyncio``."""
 
-    def __init__(
-        self,
-        client: AsyncRedis,
-        namespace: str,
-        policy: PoolPolicy | None = None,
-        lease_ttl_ms: int = 30_000,
-    ) -> None:
-        self._client = client
-        self._calls = LedgerCalls(namespace, policy or PoolPolicy(), lease_ttl_ms)
-        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPTS}
-
     @classmethod
-    def from_url(
-        cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
-    ) -> AsyncLedger:
-        """A ledger on ``url``: one Redis server or a cluster (``redis+cluster://``)."""
-        return cls(connect_async(url), namespace, policy, lease_ttl_ms)
+    def _connect(cls, url: str) -> AsyncRedis:
+        return connect_async(url)
 
-    @property
-    def calls(self) -> LedgerCalls:
-        return self._calls
-
-    @property
-    def keys(self) -> lk.LedgerKeys:
-        return self._calls.keys
-
-    @property
-    def policy(self) -> PoolPolicy:
-        return self._calls.policy
-
-    @property
-    def client(self) -> AsyncRedis:
-        """The Redis client, for the small non-ledger keys used beside it (work budget)."""
-        return self._client
+    def _register(self, client: AsyncRedis, source: str) -> AsyncScript:
+        return client.register_script(source)
 
     async def aclose(self) -> None:
         await self._client.aclose()
-
-    # -- the operations (documented in backfill.ledger.operations)
-
-    register_pool = awaiting(operations.register_pool)
-    observe = awaiting(operations.observe)
-    snapshot = awaiting(operations.snapshot)
-    counters = awaiting(operations.counters)
-    nodes = awaiting(operations.nodes)
-    is_ready = awaiting(operations.is_ready)
-    incomplete_nodes = awaiting(operations.incomplete_nodes)
-    mark_incomplete = awaiting(operations.mark_incomplete)
-    reserve = awaiting(operations.reserve)
-    reserve_many = awaiting(operations.reserve_many)
-    settle = awaiting(operations.settle)
-    settle_many = awaiting(operations.settle_many)
-    heartbeat = awaiting(operations.heartbeat)
-    heartbeat_many = awaiting(operations.heartbeat_many)
-    restore_lease = awaiting(operations.restore_lease)
-    release = awaiting(operations.release)
-    release_many = awaiting(operations.release_many)
-    preempt = awaiting(operations.preempt)
-    reap = awaiting(operations.reap)
-    rebuild = awaiting(rebuild_plan)
 
     async def listen_preemptions(self, node: str) -> AsyncPreemptionListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""

@@ -1,92 +1,37 @@
 """The ledger over a synchronous redis-py client, of one server or of a Redis Cluster: the
-operations of :mod:`backfill.ledger.operations`, each step run as it comes (maintenance, the
-API, tools)."""
+operations of :mod:`backfill.ledger.operations` (bound in :mod:`backfill.ledger.binding`),
+each step run as it comes (maintenance, the API, tools)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from backfill import keys as lk
 from backfill.errors import LedgerError, LedgerUnavailable
-from backfill.ledger import operations
-from backfill.ledger.binding import blocking
-from backfill.ledger.calls import LedgerCalls
+from backfill.ledger.binding import LedgerBinding
 from backfill.ledger.listeners import PreemptionListener
-from backfill.ledger.rebuild import rebuild as rebuild_plan
-from backfill.ledger.scripts import SCRIPTS, script_source
+from backfill.ledger.scripts import script_source
 from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
-from backfill.policy import PoolPolicy
 from backfill.redis_client import SyncRedis, connect
 
 T = TypeVar("T")
 
 
-class Ledger:
+class Ledger(LedgerBinding[SyncRedis, Script]):
     """The ledger over a synchronous redis-py client."""
 
-    def __init__(
-        self,
-        client: SyncRedis,
-        namespace: str,
-        policy: PoolPolicy | None = None,
-        lease_ttl_ms: int = 30_000,
-    ) -> None:
-        self._client = client
-        self._calls = LedgerCalls(namespace, policy or PoolPolicy(), lease_ttl_ms)
-        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPTS}
-
     @classmethod
-    def from_url(
-        cls, url: str, namespace: str, policy: PoolPolicy | None = None, lease_ttl_ms: int = 30_000
-    ) -> Ledger:
-        """A ledger on ``url``: one Redis server or a cluster (``redis+cluster://``)."""
-        return cls(connect(url), namespace, policy, lease_ttl_ms)
+    def _connect(cls, url: str) -> SyncRedis:
+        return connect(url)
 
-    @property
-    def calls(self) -> LedgerCalls:
-        return self._calls
-
-    @property
-    def keys(self) -> lk.LedgerKeys:
-        return self._calls.keys
-
-    @property
-    def policy(self) -> PoolPolicy:
-        return self._calls.policy
-
-    @property
-    def client(self) -> SyncRedis:
-        """The Redis client, for the small non-ledger keys read beside it (work budget)."""
-        return self._client
+    def _register(self, client: SyncRedis, source: str) -> Script:
+        return client.register_script(source)
 
     def close(self) -> None:
         self._client.close()
-
-    # -- the operations (documented in backfill.ledger.operations)
-
-    register_pool = blocking(operations.register_pool)
-    observe = blocking(operations.observe)
-    snapshot = blocking(operations.snapshot)
-    counters = blocking(operations.counters)
-    nodes = blocking(operations.nodes)
-    is_ready = blocking(operations.is_ready)
-    incomplete_nodes = blocking(operations.incomplete_nodes)
-    mark_incomplete = blocking(operations.mark_incomplete)
-    reserve = blocking(operations.reserve)
-    reserve_many = blocking(operations.reserve_many)
-    settle = blocking(operations.settle)
-    settle_many = blocking(operations.settle_many)
-    heartbeat = blocking(operations.heartbeat)
-    heartbeat_many = blocking(operations.heartbeat_many)
-    restore_lease = blocking(operations.restore_lease)
-    release = blocking(operations.release)
-    release_many = blocking(operations.release_many)
-    preempt = blocking(operations.preempt)
-    reap = blocking(operations.reap)
-    rebuild = blocking(rebuild_plan)
 
     def listen_preemptions(self, node: str) -> PreemptionListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""

@@ -21,12 +21,25 @@ Where things are: :mod:`~backfill.store.records` (the values it returns),
 :mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
 single-item move), :mod:`~backfill.store.counters`, :mod:`~backfill.store.recovery` (ledger
 rebuild rows, the reaper), :mod:`~backfill.store.stats`, and
-:class:`~backfill.store.repository.Repository`, all of them on one engine.
+:class:`~backfill.store.repository.Repository`, all of them on one engine; consumers take the
+role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`BatchStore`,
+...), not the whole repository.
 """
 
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
 from backfill.store.database import Store, ensure_database
 from backfill.store.files import FILE_CHUNK_BYTES
+from backfill.store.protocol import (
+    AttemptStore,
+    BatchStore,
+    CapacityRecords,
+    ItemPages,
+    JobLifecycle,
+    JobMoves,
+    MaintenanceStore,
+    NodeRecords,
+    QueueStats,
+)
 from backfill.store.records import (
     ActiveLeaseRow,
     ApiKeyRecord,
@@ -54,16 +67,25 @@ __all__ = [
     "KEY_ID_CHARS",
     "ActiveLeaseRow",
     "ApiKeyRecord",
+    "AttemptStore",
+    "BatchStore",
+    "CapacityRecords",
     "ClaimedItem",
     "FileRecord",
     "Finish",
     "FinishedTokenStats",
+    "ItemPages",
     "ItemRecord",
     "JobCounts",
+    "JobLifecycle",
+    "JobMoves",
     "JobRecord",
     "LostItem",
+    "MaintenanceStore",
     "NewItem",
     "NodeRecord",
+    "NodeRecords",
+    "QueueStats",
     "Repository",
     "RevokedKey",
     "Start",

@@ -1,0 +1,254 @@
+"""What each part of Backfill asks of the store: one protocol per role, no more than it calls.
+
+:class:`~backfill.store.Repository` is the one implementation. Consumers take a role instead,
+so what each part reads and writes in Postgres is written down here, and mypy proves the
+repository has it where the concrete one is handed over (``worker.node``, ``worker.tasks``,
+``backfill.gateway.admission``, the API's routes).
+
+- :class:`AttemptStore`: a worker node's dispatcher, claiming items and writing what becomes
+  of each attempt (``worker.dispatch*``).
+- :class:`NodeRecords`: the gateway's node directory, reading the registered nodes.
+- :class:`ItemPages`: the result renderer, reading a job's items page by page
+  (``backfill.results``).
+- :class:`JobMoves`: reading a job and moving it, on Postgres' clock; shared by the next two.
+- :class:`BatchStore`: the API's batch and file side, storing uploads and creating batches
+  (``backfill.batches``).
+- :class:`JobLifecycle`: finalizing, cancelling, expiring and recovering jobs
+  (``backfill.finalize``).
+- :class:`QueueStats`: the scrape-time metrics, reading totals and token figures
+  (``backfill.telemetry``).
+- :class:`CapacityRecords`: the capacity view, reading nodes, live attempts and the backlog
+  (``backfill.capacity_view``).
+- :class:`MaintenanceStore`: the maintenance tick, which also rebuilds the ledger from the
+  records of live attempts and reaps lost ones (``backfill.maintenance``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, BinaryIO, Protocol
+
+from backfill.fairshare import TenantBacklog
+from backfill.states import ItemState, JobState
+from backfill.store import records as sr
+
+
+class AttemptStore(Protocol):
+    """Claims and attempts, as a node's dispatcher writes them: claim, start, heartbeat,
+    and the end of each attempt, every write fenced by its attempt (and lease)."""
+
+    def claim(
+        self, node: str, limit: int, lease_ttl_s: float, *, models: Sequence[str] | None = ...
+    ) -> list[sr.ClaimedItem]: ...
+
+    def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None: ...
+
+    def unclaim(self, held: Sequence[tuple[int, int]], detail: str) -> list[int]: ...
+
+    def start_many(self, starts: Sequence[sr.Start], lease_ttl_s: float) -> list[int]: ...
+
+    def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]: ...
+
+    def finish(self, finishes: Sequence[sr.Finish]) -> list[int]: ...
+
+    def fail(
+        self, item_id: int, attempt: int, error: str, *, fencing_token: int | None = ...
+    ) -> None: ...
+
+    def give_back(
+        self,
+        item_id: int,
+        attempt: int,
+        target: ItemState,
+        *,
+        retry_after_s: float | None = ...,
+        detail: str | None = ...,
+    ) -> None: ...
+
+    def preempt(
+        self,
+        item_id: int,
+        attempt: int,
+        fencing_token: int,
+        *,
+        partial_output: str | None,
+        partial_tokens: int,
+    ) -> None: ...
+
+    def requeue(
+        self,
+        item_id: int,
+        attempt: int,
+        fencing_token: int,
+        *,
+        partial_output: str | None,
+        partial_tokens: int,
+        detail: str,
+        retry_after_s: float | None = ...,
+    ) -> None: ...
+
+
+class NodeRecords(Protocol):
+    """The registered nodes (engines, pools, models served)."""
+
+    def nodes(self) -> list[sr.NodeRecord]: ...
+
+
+class QueueStats(NodeRecords, Protocol):
+    """What the metrics read: items and jobs per state, the batch backlog, and the token
+    figures of the items that finished."""
+
+    def item_state_totals(self) -> dict[ItemState, int]: ...
+
+    def job_state_totals(self) -> dict[JobState, int]: ...
+
+    def backlog_tokens(self) -> int: ...
+
+    def output_tokens_finished_within(self, seconds: float) -> int: ...
+
+    def finished_token_stats(
+        self, since: datetime | None, bounds: Sequence[int], *, lookback_s: float, lag_s: float
+    ) -> sr.FinishedTokenStats: ...
+
+
+class CapacityRecords(NodeRecords, Protocol):
+    """What the capacity view reads: the nodes, the attempts holding leases, the backlog."""
+
+    def active_leases(self) -> list[sr.ActiveLeaseRow]: ...
+
+    def backlog_tokens(self) -> int: ...
+
+
+class ItemPages(Protocol):
+    """A job's items in line order, a page at a time."""
+
+    def items(
+        self,
+        job_id: str,
+        *,
+        states: Iterable[ItemState] | None = ...,
+        after_line: int = ...,
+        limit: int = ...,
+    ) -> list[sr.ItemRecord]: ...
+
+
+class JobMoves(Protocol):
+    """A job read and moved (guarded by its state), and Postgres' clock."""
+
+    def get_job(self, tenant_id: str | None, job_id: str) -> sr.JobRecord: ...
+
+    def move_job(
+        self,
+        job_id: str,
+        target: JobState,
+        *,
+        reason: str | None = ...,
+        errors: list[dict[str, Any]] | None = ...,
+        output_file_id: str | None = ...,
+        error_file_id: str | None = ...,
+    ) -> JobState: ...
+
+    def now(self) -> datetime: ...
+
+
+class BatchStore(JobMoves, ItemPages, Protocol):
+    """The API's batch side: uploads and their pieces, a batch created and its items stored,
+    and what admission weighs (a tenant's jobs and queued tokens, the backlog, the models
+    served)."""
+
+    def create_file(
+        self,
+        tenant_id: str,
+        purpose: str,
+        filename: str,
+        content: bytes | BinaryIO,
+        *,
+        chunk_bytes: int = ...,
+        expires_after_s: int | None = ...,
+    ) -> sr.FileRecord: ...
+
+    def get_file(self, tenant_id: str, file_id: str) -> sr.FileRecord: ...
+
+    def file_pieces(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None: ...
+
+    def create_job(
+        self,
+        tenant_id: str,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        deadline: datetime,
+        *,
+        metadata: dict[str, Any] | None = ...,
+        idempotency_key: str | None = ...,
+        model: str | None = ...,
+        output_expires_after_s: int | None = ...,
+    ) -> sr.JobRecord: ...
+
+    def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None: ...
+
+    def insert_items(
+        self,
+        job_id: str,
+        items: Iterable[sr.NewItem],
+        *,
+        start_reason: Callable[[int], str] | None = ...,
+    ) -> int: ...
+
+    def count_active_jobs(self, tenant_id: str) -> int: ...
+
+    def enqueued_tokens(self, tenant_id: str) -> int: ...
+
+    def backlog_tokens(self) -> int: ...
+
+    def backlog_by_tenant(self) -> list[TenantBacklog]: ...
+
+    def served_models(self, live_within_s: float) -> tuple[set[str], bool]: ...
+
+    def served_endpoints(self, model: str, live_within_s: float) -> set[str] | None: ...
+
+
+class JobLifecycle(JobMoves, ItemPages, Protocol):
+    """A job's late moves: finalized with its result files once every item finished,
+    cancelled, expired at its deadline, failed when left validating."""
+
+    def jobs_in_state(self, state: JobState, limit: int = ...) -> list[str]: ...
+
+    def jobs_with_all_items_finished(self, limit: int = ...) -> list[str]: ...
+
+    def jobs_past_deadline(self, limit: int = ...) -> list[str]: ...
+
+    def end_items(
+        self, job_id: str, target: ItemState, *, only_unstarted: bool = ...
+    ) -> list[sr.ActiveLeaseRow]: ...
+
+    def recover_validating(
+        self, created_before: datetime, errors: list[dict[str, Any]]
+    ) -> dict[str, JobState]: ...
+
+    def create_file(
+        self,
+        tenant_id: str,
+        purpose: str,
+        filename: str,
+        content: None,
+        *,
+        size_bytes: int,
+        job_id: str,
+    ) -> sr.FileRecord: ...
+
+    def delete_file(self, tenant_id: str, file_id: str) -> None: ...
+
+
+class MaintenanceStore(JobLifecycle, NodeRecords, Protocol):
+    """The maintenance tick's store: the job lifecycle, and the records a ledger rebuild and
+    the reaper read (live attempts, nodes, the next epoch), and expired files."""
+
+    def active_leases(self) -> list[sr.ActiveLeaseRow]: ...
+
+    def next_ledger_epoch(self) -> int: ...
+
+    def reap_lost(self, *, max_lost_runs: int | None = ...) -> list[sr.LostItem]: ...
+
+    def delete_expired_files(self) -> list[str]: ...
