@@ -20,11 +20,18 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 import redis
+from hypothesis import HealthCheck, settings
 
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.migrate import upgrade
 from backfill.redis_client import connect
 from worker.redis_cluster import LocalCluster
+
+# Property tests judge what a function returns, never how fast: hypothesis's per-example time
+# limit (200 ms) and its too-slow health check fail them on a busy machine (seen: an LRU trace of
+# 200 steps over the limit while benchmarks shared the 2 cores).
+settings.register_profile("backfill", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("backfill")
 
 ADMIN_URL = normalise_database_url(
     os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
