@@ -23,7 +23,7 @@ import redis
 
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.migrate import upgrade
-from backfill.redis_client import connect
+from backfill.redis_client import SyncRedis, connect
 from worker.redis_cluster import LocalCluster
 
 ADMIN_URL = normalise_database_url(
@@ -129,6 +129,14 @@ def ledger_redis_url(request: pytest.FixtureRequest, redis_namespace: str) -> It
             client.delete(key)
     finally:
         client.close()
+
+
+@pytest.fixture
+def ledger_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
+    """A client of the server or the cluster this ledger test runs on (``ledger_redis_url``)."""
+    client = connect(ledger_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture
