@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from backfill.capacity import EngineLoad, EnginePool
+from backfill.config import Settings
 from backfill.dispatch import DispatchConfig
 from backfill.engine.protocol import (
     ChoiceDelta,
@@ -23,7 +25,8 @@ from backfill.engine.protocol import (
     StreamChunk,
     Usage,
 )
-from backfill.ledger import AsyncLedger
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
 from worker.dispatch import NodeDispatcher
@@ -102,9 +105,15 @@ class StandInEngine:
 
 
 def stand_in_dispatcher(
-    config: DispatchConfig, engine: object, repo: Repository, ledger: AsyncLedger, block: int
+    config: DispatchConfig,
+    engine: object,
+    repo: Repository,
+    ledger: AsyncLedger,
+    block: int,
+    max_sequence_tokens: int = 1024,
 ) -> NodeDispatcher:
-    """A node's dispatcher over a stand-in ``engine`` serving model ``m`` (context 1,024)."""
+    """A node's dispatcher over a stand-in ``engine`` serving model ``m`` (context 1,024
+    unless told)."""
     return NodeDispatcher(
         config,
         cast(Engine, engine),
@@ -112,5 +121,35 @@ def stand_in_dispatcher(
         ledger,
         model="m",
         block_size=block,
-        max_sequence_tokens=1024,
+        max_sequence_tokens=max_sequence_tokens,
     )
+
+
+AsyncLedgerT = TypeVar("AsyncLedgerT", bound=AsyncLedger)
+
+
+@contextmanager
+def stand_in_node(
+    settings: Settings,
+    node: str,
+    block: int,
+    blocks: int = 64,
+    async_ledger: type[AsyncLedgerT] = AsyncLedger,  # type: ignore[assignment]
+) -> Iterator[tuple[Repository, Ledger, AsyncLedgerT]]:
+    """The stores of a dispatcher test: a repository, the ledger (sync, and the async one of
+    type ``async_ledger`` a dispatcher takes), with ``node`` registered as a stand-in serving
+    model ``m`` over ``blocks`` blocks of ``block`` tokens and the ledger rebuilt for it. The
+    repository and the sync ledger close on leaving; the dispatcher's run closes its own."""
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = cast(
+        AsyncLedgerT, async_ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    )
+    try:
+        repo.upsert_node(node, "http://stand-in", "m", blocks, block, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        yield repo, ledger, aledger
+    finally:
+        ledger.close()
+        repo.close()

@@ -17,11 +17,9 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.engine.protocol import EventStream
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher
+from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher, stand_in_node
 from worker.dispatch import DispatchConfig
 
 NODE = "n-responses"
@@ -103,15 +101,9 @@ def _row(repo: Repository, job: str) -> dict[str, Any]:
 def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = Responder()
     body = {"model": "m", "input": "a question", "max_output_tokens": MAX_OUTPUT, "store": False}
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
+    with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
         job = _submit(repo, body)
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
@@ -163,6 +155,3 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         snap = ledger.snapshot(NODE)
         assert snap is not None
         assert snap.batch_in_use == 0
-    finally:
-        ledger.close()
-        repo.close()
