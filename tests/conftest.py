@@ -26,6 +26,15 @@ from backfill.migrate import upgrade
 from backfill.redis_client import SyncRedis, connect
 from worker.redis_cluster import LocalCluster
 
+# The layers' shared helpers assert too: their failures are explained as a test's own are.
+pytest.register_assert_rewrite(
+    "batch_api_support",
+    "standin_engine",
+    "tests.integration.batch_api_support",
+    "tests.integration.standin_engine",
+    "tests.e2e.helpers",
+)
+
 ADMIN_URL = normalise_database_url(
     os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
 )
