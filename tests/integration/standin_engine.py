@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
+from sqlalchemy import text
+
 from backfill.capacity import EngineLoad, EnginePool
 from backfill.config import Settings
 from backfill.dispatch import DispatchConfig
@@ -32,18 +34,54 @@ from backfill.store import NewItem, Repository
 from worker.dispatch import NodeDispatcher
 
 
+def _in_progress_job(repo: Repository, tenant: str, endpoint: str, items: list[NewItem]) -> str:
+    record = repo.create_tenant(tenant)
+    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(record.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(hours=1))
+    repo.insert_items(job.id, items)
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
 def submit_completions(repo: Repository, tenant: str, items: int, max_tokens: int) -> str:
     """An in-progress job of ``items`` one-word completions for the stand-in's model ``m``
     (5 prompt tokens each), each declaring ``max_tokens``; returns its id."""
-    record = repo.create_tenant(tenant)
-    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        record.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
     body = json.dumps({"model": "m", "prompt": "x", "max_tokens": max_tokens})
-    repo.insert_items(job.id, [NewItem(i, f"r{i}", body, max_tokens) for i in range(items)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
+    return _in_progress_job(
+        repo,
+        tenant,
+        "/v1/completions",
+        [NewItem(i, f"r{i}", body, max_tokens) for i in range(items)],
+    )
+
+
+def submit_one(
+    repo: Repository,
+    tenant: str,
+    endpoint: str,
+    custom_id: str,
+    body: dict[str, Any],
+    max_output_tokens: int,
+) -> str:
+    """An in-progress job of one item, ``body`` for ``endpoint``; returns its id."""
+    return _in_progress_job(
+        repo, tenant, endpoint, [NewItem(0, custom_id, json.dumps(body), max_output_tokens)]
+    )
+
+
+def only_item(repo: Repository, job_id: str) -> dict[str, Any]:
+    """The job's one item as stored: its state, attempt, preemptions, tokens, partial output
+    and result."""
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
+                "output_tokens, partial_output, partial_tokens, result FROM items "
+                "WHERE job_id = :j"
+            ),
+            {"j": job_id},
+        ).one()
+    return dict(row._mapping)
 
 
 class StandInEngine:
