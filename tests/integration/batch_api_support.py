@@ -115,14 +115,20 @@ def jsonl(lines: Iterable[dict[str, Any] | str]) -> bytes:
     ).encode()
 
 
-def submit_lines(client: OpenAI, lines: list[dict[str, Any]], endpoint: str) -> Batch:
-    """Upload ``lines`` and create a batch of them for ``endpoint``: the Batch as created."""
-    upload = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+def submit_file(client: OpenAI, content: bytes, endpoint: str = CHAT) -> Batch:
+    """Upload ``content`` (JSONL) and create a batch of it for ``endpoint``, within 24 h: the
+    Batch as created."""
+    upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
     return client.batches.create(
         input_file_id=upload.id,
         endpoint=endpoint,  # type: ignore[arg-type]
         completion_window="24h",
     )
+
+
+def submit_lines(client: OpenAI, lines: list[dict[str, Any]], endpoint: str) -> Batch:
+    """Upload ``lines`` and create a batch of them for ``endpoint``: the Batch as created."""
+    return submit_file(client, jsonl(lines), endpoint)
 
 
 def stored_lines(repo: Repository, job_id: str) -> list[Row[Any]]:
