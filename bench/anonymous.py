@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import redis
 
 from backfill.store import Repository
+from bench.api_process import PYTHON_CLI, start_api, stop_api
 from bench.common import finish, parser, percentile, scratch_database, table
 
 NAME = "anonymous"
@@ -37,36 +35,6 @@ LARGEST = [
     {"capacity_slots": 64, "working_set": 256, "requests": 4096, "interactive_every": 3,
      "reserve_slots": 8},
 ]  # fmt: skip
-BACKFILL = str(Path(sys.executable).parent / "backfill")
-
-
-def start_api(url: str, namespace: str, port: int) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "BACKFILL_DATABASE_URL": url,
-        "BACKFILL_REDIS_NAMESPACE": namespace,
-        "BACKFILL_RATE_LIMIT_PER_S": "100000",
-        "BACKFILL_RATE_LIMIT_BURST": "100000",
-        "BACKFILL_ANONYMOUS_RATE_LIMIT_PER_S": "100000",
-        "BACKFILL_ANONYMOUS_RATE_LIMIT_BURST": "100000",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "backfill_cli", "api", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise RuntimeError("backfill api did not start")
-        time.sleep(0.2)
 
 
 def _cpu_s(pid: int) -> float:
@@ -95,7 +63,16 @@ def main() -> None:
         key = repo.create_api_key(repo.create_tenant("bench").id)
         repo.close()
         port = 22_000 + secrets.randbelow(2000)
-        process = start_api(url, namespace, port)
+        process = start_api(
+            url,
+            namespace,
+            port,
+            {
+                "BACKFILL_ANONYMOUS_RATE_LIMIT_PER_S": "100000",
+                "BACKFILL_ANONYMOUS_RATE_LIMIT_BURST": "100000",
+            },
+            command=PYTHON_CLI,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             lab: list[float] = []
@@ -128,13 +105,7 @@ def main() -> None:
             for t in threads:
                 t.join(timeout=120)
         finally:
-            process.terminate()
-            process.wait(timeout=15)
-            client = redis.Redis()
-            keys = list(client.scan_iter(match=f"{namespace}:*"))
-            if keys:
-                client.delete(*keys)
-            client.close()
+            stop_api(process, namespace)
 
     slowest = max(lab)
     rows = [

@@ -17,18 +17,7 @@ import redis.asyncio
 
 from backfill.keys import LedgerKeys
 from bench.fleet_plane import RESULT, Held
-
-RAW_RESERVE = """
-local used = redis.call('HINCRBY', KEYS[1], 'used', ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return used
-"""
-RAW_RELEASE = """
-local tokens = redis.call('HGET', KEYS[2], ARGV[1])
-if not tokens then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-return redis.call('HINCRBY', KEYS[1], 'used', -tonumber(tokens))
-"""
+from bench.ledger import RAW_RELEASE, RAW_RESERVE
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,10 @@ from pathlib import Path
 from bench.common import machine, table
 from bench.fleet_model import h100_node
 from bench.fleet_plane import NodeConfig
-from bench.fleet_point import GOAL_ITEMS_PER_S, OUTPUT_TOKENS, PROMPT_TOKENS, Point
+from bench.fleet_point import CALLS, GOAL_ITEMS_PER_S, OUTPUT_TOKENS, PROMPT_TOKENS, Point
+
+TIMED_CALLS = ("claim", "start", "reserve", "settle", "heartbeat", "finish", "release")
+"""The calls whose latency the report's table shows (all of ``CALLS`` show as rates)."""
 
 
 def _ms(v: float) -> str:
@@ -26,18 +29,7 @@ def report(points: Sequence[Point]) -> str:
                 p.side,
                 round(p.items_per_s),
                 p.queued_left,
-                *(
-                    f"{_ms(p.p(c, 50))}/{_ms(p.p(c, 99))}"
-                    for c in (
-                        "claim",
-                        "start",
-                        "reserve",
-                        "settle",
-                        "heartbeat",
-                        "finish",
-                        "release",
-                    )
-                ),
+                *(f"{_ms(p.p(c, 50))}/{_ms(p.p(c, 99))}" for c in TIMED_CALLS),
                 f"{p.pg_cpu:.2f}",
                 f"{p.redis_cpu:.2f}",
                 f"{p.harness_cpu:.2f}",
@@ -49,10 +41,7 @@ def report(points: Sequence[Point]) -> str:
         "path",
         "items/s",
         "queued left",
-        *(
-            f"{c} p50/p99 ms"
-            for c in ("claim", "start", "reserve", "settle", "heartbeat", "finish", "release")
-        ),
+        *(f"{c} p50/p99 ms" for c in TIMED_CALLS),
         "pg cpu",
         "redis cpu",
         "harness cpu",
@@ -64,22 +53,7 @@ def report(points: Sequence[Point]) -> str:
             (
                 p.nodes,
                 p.side,
-                *(
-                    round(p.rate(c))
-                    for c in (
-                        "claim",
-                        "start",
-                        "reserve",
-                        "settle",
-                        "heartbeat",
-                        "heartbeat_pg",
-                        "finish",
-                        "release",
-                        "snapshot",
-                        "observe",
-                        "work_budget",
-                    )
-                ),
+                *(round(p.rate(c)) for c in CALLS),
                 _ms(p.p("tick", 50)) + "/" + _ms(p.p("tick", 99)),
             )
         )

@@ -33,12 +33,15 @@ local used = redis.call('HINCRBY', KEYS[1], 'used', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return used
 """
+"""The minimal reserve: bump the pool's counter, record the lease (``bench.fleet``'s raw floor
+calls it too)."""
 RAW_RELEASE = """
 local tokens = redis.call('HGET', KEYS[2], ARGV[1])
 if not tokens then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 return redis.call('HINCRBY', KEYS[1], 'used', -tonumber(tokens))
 """
+"""The minimal release: drop the lease, lower the counter."""
 
 
 def raw_pairs(client: redis.Redis, ns: str, pairs: int, pipelined: bool) -> float:

@@ -14,13 +14,12 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import httpx
-import redis
 from sqlalchemy import text
 
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
+from bench.api_process import start_api, stop_api
 from bench.common import Stopwatch, finish, parser, percentile, scratch_database, table
-from bench.submit import start_api
 
 NAME = "status"
 GOAL_MS = 20.0
@@ -58,7 +57,7 @@ def main() -> None:
         repo.close()
 
         port = 20_000 + secrets.randbelow(2000)
-        process = start_api(url, namespace, port, 1)
+        process = start_api(url, namespace, port, {"BACKFILL_MAX_LINES_PER_BATCH": "100000"})
         latencies: list[float] = []
         try:
             with httpx.Client(
@@ -76,13 +75,7 @@ def main() -> None:
                 total = answer.json()["request_counts"]["total"]
                 assert total == n_items, total
         finally:
-            process.terminate()
-            process.wait(timeout=15)
-            client = redis.Redis()
-            keys = list(client.scan_iter(match=f"{namespace}:*"))
-            if keys:
-                client.delete(*keys)
-            client.close()
+            stop_api(process, namespace)
 
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     rows: list[tuple[str, float | str]] = [

@@ -11,23 +11,18 @@ API seconds (upload + create until in_progress); the create stage alone is repor
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
-import redis
 
 from backfill.store import Repository
+from bench.api_process import start_api, stop_api
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 from bench.ingest import make_bodies, raw_copy
 
 NAME = "submit"
 GOAL = 0.5
-BACKFILL = str(Path(sys.executable).parent / "backfill")
 
 
 def jsonl_file(bodies: list[str]) -> bytes:
@@ -38,34 +33,6 @@ def jsonl_file(bodies: list[str]) -> bytes:
     ).encode()
 
 
-def start_api(url: str, namespace: str, port: int, lines: int) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "BACKFILL_DATABASE_URL": url,
-        "BACKFILL_REDIS_NAMESPACE": namespace,
-        "BACKFILL_MAX_LINES_PER_BATCH": str(max(lines, 100_000)),
-        "BACKFILL_RATE_LIMIT_PER_S": "100000",
-        "BACKFILL_RATE_LIMIT_BURST": "100000",
-    }
-    process = subprocess.Popen(
-        [BACKFILL, "api", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise RuntimeError("backfill api did not start")
-        time.sleep(0.2)
-
-
 def api_submit(url: str, content: bytes, lines: int) -> tuple[float, float]:
     """(upload seconds, create-until-in_progress seconds)."""
     namespace = f"bfbench{secrets.token_hex(3)}"
@@ -74,7 +41,9 @@ def api_submit(url: str, content: bytes, lines: int) -> tuple[float, float]:
     key = repo.create_api_key(tenant.id)
     repo.close()
     port = 18_000 + secrets.randbelow(2000)
-    process = start_api(url, namespace, port, lines)
+    process = start_api(
+        url, namespace, port, {"BACKFILL_MAX_LINES_PER_BATCH": str(max(lines, 100_000))}
+    )
     try:
         with httpx.Client(
             base_url=f"http://127.0.0.1:{port}",
@@ -104,13 +73,7 @@ def api_submit(url: str, content: bytes, lines: int) -> tuple[float, float]:
                 raise RuntimeError(f"batch not accepted: {json.dumps(batch)[:500]}")
             assert batch["request_counts"]["total"] == lines
     finally:
-        process.terminate()
-        process.wait(timeout=15)
-        client = redis.Redis()
-        keys = list(client.scan_iter(match=f"{namespace}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        stop_api(process, namespace)
     return up.seconds, create.seconds
 
 

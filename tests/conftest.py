@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.migrate import upgrade
-from backfill.redis_client import connect
+from backfill.redis_client import SyncRedis, connect
 from worker.redis_cluster import LocalCluster
 
 # Property tests judge what a function returns, never how fast: hypothesis's per-example time
@@ -32,6 +32,15 @@ from worker.redis_cluster import LocalCluster
 # 200 steps over the limit while benchmarks shared the 2 cores).
 settings.register_profile("backfill", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("backfill")
+
+# The layers' shared helpers assert too: their failures are explained as a test's own are.
+pytest.register_assert_rewrite(
+    "batch_api_support",
+    "standin_engine",
+    "tests.integration.batch_api_support",
+    "tests.integration.standin_engine",
+    "tests.e2e.helpers",
+)
 
 ADMIN_URL = normalise_database_url(
     os.environ.get("BACKFILL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -136,6 +145,14 @@ def ledger_redis_url(request: pytest.FixtureRequest, redis_namespace: str) -> It
             client.delete(key)
     finally:
         client.close()
+
+
+@pytest.fixture
+def ledger_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
+    """A client of the server or the cluster this ledger test runs on (``ledger_redis_url``)."""
+    client = connect(ledger_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ import base64
 import json
 import math
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,15 +24,10 @@ from sqlalchemy import text
 
 from backfill.capacity import round_up_to_block
 from backfill.config import Settings
-from backfill.finalize import finalize_ready_jobs
-from backfill.ledger import Ledger
-from backfill.maintenance import pool_policy
 from backfill.prefill import embedding_inputs
-from backfill.states import JobState
-from backfill.store import Repository
-from tests.integration.batch_api_support import api_settings, jsonl, make_tenant, serve
-from worker import devengine
-from worker.node import NodeThread
+from tests.e2e import helpers
+from tests.e2e.helpers import block_size, node_beside, node_settings, run_batch
+from tests.integration.batch_api_support import jsonl, make_tenant, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -44,34 +38,13 @@ BLOCKS = 48
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    try:
-        server = devengine.start_model(
-            MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM embedding engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def block_size(engine_url: str) -> int:
-    metrics = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    line = next(x for x in metrics.splitlines() if x.startswith("vllm:cache_config_info{"))
-    labels = dict(
-        part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(",")
+    yield from helpers.engine_url(
+        MODEL,
+        what="a vLLM embedding engine",
+        num_gpu_blocks_override=BLOCKS,
+        max_model_len=512,
+        kv_cache_gib=1,
     )
-    return int(labels["block_size"].strip('"'))
 
 
 def engine_answer(engine_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -122,19 +95,12 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
     ]
     # Each line's inputs, one sequence each.
     inputs = {x["custom_id"]: embedding_inputs(x["body"]["input"]) for x in lines}
-    s = api_settings(
+    s = node_settings(
         settings,
-        lease_ttl_s=6.0,
-        heartbeat_interval_s=1.0,
-        shutdown_grace_s=3.0,
         work_budget_enabled=False,
     )
-    repo = Repository.connect(s.database_url, pool_size=4)
-    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
-    node = NodeThread(s, NODE, engine_url)
-    node.start()
-    try:
-        assert node.started.wait(120), f"node did not start: {node.error}"
+    with node_beside(s, NODE, engine_url) as beside:
+        repo, ledger, node = beside.repo, beside.ledger, beside.node
         # The node registers the model its engine serves, so the batch is accepted for it,
         # and the endpoints its pooling engine mounts: embeddings, no generation.
         assert MODEL in repo.served_models(s.node_live_s)[0]
@@ -157,19 +123,7 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
                 )
             assert refused.value.code == "model_not_found"
             assert "served for: /v1/embeddings" in refused.value.message
-            upload = client.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
-            batch = client.batches.create(
-                input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
-            )
-            assert batch.status == "in_progress", batch
-            assert batch.endpoint == "/v1/embeddings"
-
-            def done() -> bool:
-                finalize_ready_jobs(repo)
-                return repo.get_job(None, batch.id).state is JobState.COMPLETED
-
-            wait(done, 600, f"the batch to complete: {repo.counted_states(batch.id)}")
-            final = client.batches.retrieve(batch.id)
+            final = run_batch(client, repo, lines, "/v1/embeddings", poll_s=0.1)
             assert final.request_counts is not None
             assert (final.request_counts.total, final.request_counts.completed) == (7, 7)
             assert final.error_file_id is None
@@ -194,7 +148,7 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
             assert got["error"] is None
             response = got["response"]
             assert response["status_code"] == 200
-            assert response["request_id"].startswith(f"req_{batch.id}_")
+            assert response["request_id"].startswith(f"req_{final.id}_")
             answer = response["body"]
             assert answer["object"] == "list", name
             assert answer["model"] == MODEL
@@ -217,7 +171,7 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
                     "SELECT custom_id, reservation_tokens, prompt_tokens, max_output_tokens, "
                     "output_tokens FROM items WHERE job_id = :j"
                 ),
-                {"j": batch.id},
+                {"j": final.id},
             ).all()
         items = {r[0]: tuple(int(v) for v in r[1:]) for r in rows}
         for name, per_input in counts.items():
@@ -238,9 +192,3 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
         assert snap.batch_in_use == 0
         assert sum(d.stats.reservation_violations for d in node.dispatchers) == 0
         assert sum(d.stats.succeeded for d in node.dispatchers) == 7
-    finally:
-        node.stop()
-        node.join(30)
-        ledger.close()
-        repo.close()
-    assert node.error is None

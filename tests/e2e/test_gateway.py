@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -26,15 +26,15 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger, PoolSnapshot
 from backfill.maintenance import pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
-from tests.integration.batch_api_support import LiveServer, Tenant, api_settings, make_tenant, serve
-from worker import devengine
+from tests.e2e import helpers
+from tests.e2e.helpers import node_beside, node_settings, successes_per_item, wait
+from tests.integration.batch_api_support import LiveServer, Tenant, make_tenant, serve
 from worker.node import NodeThread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -53,16 +53,9 @@ def small_engine() -> Iterator[str]:
     if url:
         yield url.rstrip("/")
         return
-    try:
-        server = devengine.start_model(
-            MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=CONTEXT, kv_cache_gib=1
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from helpers.engine_url(
+        MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=CONTEXT, kv_cache_gib=1
+    )
 
 
 @dataclass
@@ -140,55 +133,24 @@ class Gateway:
         return job.id
 
     def successes_per_item(self, job_id: str) -> dict[int, int]:
-        with self.repo.engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT i.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') "
-                    "FROM items i LEFT JOIN attempts a ON a.item_id = i.id "
-                    "WHERE i.job_id = :j GROUP BY i.id"
-                ),
-                {"j": job_id},
-            ).all()
-        return {r[0]: r[1] for r in rows}
-
-
-def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+        return successes_per_item(self.repo, job_id)
 
 
 @pytest.fixture
 def gw(settings: Settings, small_engine: str) -> Iterator[Gateway]:
-    s = api_settings(
+    s = node_settings(
         settings,
-        lease_ttl_s=6.0,
-        heartbeat_interval_s=1.0,
-        shutdown_grace_s=3.0,
         max_in_flight_per_node=32,
         gateway_max_wait_s=2.0,
         # These tests are about KV admission: the work budget's own TTFT-driven preemptions
         # (tests/e2e/test_work_budget_engine.py) would blur which preempted what.
         work_budget_enabled=False,
     )
-    repo = Repository.connect(s.database_url, pool_size=4)
-    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
-    node = NodeThread(s, NODE, small_engine)
-    node.start()
-    try:
-        assert node.started.wait(60), f"node did not start: {node.error}"
+    with node_beside(s, NODE, small_engine, start_timeout_s=60) as beside:
+        repo, ledger, node = beside.repo, beside.ledger, beside.node
         with serve(s) as api:
             tenant = make_tenant(repo, "interactive")
             yield Gateway(s, repo, ledger, small_engine, api, tenant, node)
-    finally:
-        node.stop()
-        node.join(30)
-        ledger.close()
-        repo.close()
-    assert node.error is None
 
 
 def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:

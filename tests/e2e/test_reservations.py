@@ -13,8 +13,7 @@ lease (``reservation_violations``), which must stay 0.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -27,18 +26,17 @@ from sqlalchemy import text
 from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.ledger import Ledger
-from backfill.maintenance import pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
+from tests.e2e import helpers
+from tests.e2e.helpers import node_beside, node_settings, wait
 from tests.integration.batch_api_support import (
     LiveServer,
     Tenant,
-    api_settings,
     jsonl,
     make_tenant,
     serve,
 )
-from worker import devengine
 from worker.node import NodeThread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -91,21 +89,14 @@ PROMPTS = ["the fox and the " * 8, "a queue", "the deadline of the job " * 4]
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    try:
-        server = devengine.start_model(
-            MODEL,
-            num_gpu_blocks_override=BLOCKS,
-            max_model_len=512,
-            kv_cache_gib=1,
-            # Request chat templates render what the model's own template leaves out.
-            extra_args=["--trust-request-chat-template"],
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from helpers.engine_url(
+        MODEL,
+        num_gpu_blocks_override=BLOCKS,
+        max_model_len=512,
+        kv_cache_gib=1,
+        # Request chat templates render what the model's own template leaves out.
+        extra_args=["--trust-request-chat-template"],
+    )
 
 
 @dataclass
@@ -136,40 +127,18 @@ class Stack:
         return sum(d.stats.reservation_violations for d in self.node.dispatchers)
 
 
-def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def stack(settings: Settings, engine_url: str) -> Iterator[Stack]:
-    s = api_settings(
+    s = node_settings(
         settings,
-        lease_ttl_s=6.0,
-        heartbeat_interval_s=1.0,
-        shutdown_grace_s=3.0,
         max_in_flight_per_node=8,
         gateway_max_wait_s=10.0,
         work_budget_enabled=False,
     )
-    repo = Repository.connect(s.database_url, pool_size=4)
-    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
-    node = NodeThread(s, NODE, engine_url)
-    node.start()
-    try:
-        assert node.started.wait(120), f"node did not start: {node.error}"
+    with node_beside(s, NODE, engine_url) as beside:
+        repo, ledger, node = beside.repo, beside.ledger, beside.node
         with serve(s) as api:
             yield Stack(s, repo, ledger, engine_url, api, make_tenant(repo, "r"), node)
-    finally:
-        node.stop()
-        node.join(30)
-        ledger.close()
-        repo.close()
-    assert node.error is None
 
 
 def _batch_line(custom_id: str, url: str, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,9 @@ from sqlalchemy import text
 from backfill.capacity import EngineLoad, round_up_to_block
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
-from backfill.finalize import finalize_ready_jobs
-from backfill.ledger import Ledger
-from backfill.maintenance import pool_policy
-from backfill.states import JobState
-from backfill.store import Repository
-from tests.integration.batch_api_support import api_settings, jsonl, make_tenant, serve
-from worker import devengine
-from worker.node import NodeThread
+from tests.e2e import helpers
+from tests.e2e.helpers import block_size, node_beside, node_settings, run_batch
+from tests.integration.batch_api_support import make_tenant, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -46,38 +41,13 @@ DEFAULT_MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    try:
-        server = devengine.start_model(
-            MODEL,
-            num_gpu_blocks_override=BLOCKS,
-            max_model_len=512,
-            kv_cache_gib=1,
-            extra_args=("--chat-template", str(TEMPLATE)),
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def block_size(engine_url: str) -> int:
-    metrics = httpx.get(f"{engine_url}/metrics", timeout=10).text
-    line = next(x for x in metrics.splitlines() if x.startswith("vllm:cache_config_info{"))
-    labels = dict(
-        part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(",")
+    yield from helpers.engine_url(
+        MODEL,
+        num_gpu_blocks_override=BLOCKS,
+        max_model_len=512,
+        kv_cache_gib=1,
+        extra_args=("--chat-template", str(TEMPLATE)),
     )
-    return int(labels["block_size"].strip('"'))
 
 
 def engine_answer(engine_url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -201,37 +171,16 @@ def test_a_responses_batch_reserves_what_the_engine_prefills_and_answers_as_it_d
     settings: Settings, engine_url: str
 ) -> None:
     block = block_size(engine_url)
-    s = api_settings(
+    s = node_settings(
         settings,
-        lease_ttl_s=6.0,
-        heartbeat_interval_s=1.0,
-        shutdown_grace_s=3.0,
         work_budget_enabled=False,
         batch_default_max_tokens=DEFAULT_MAX_TOKENS,
     )
-    repo = Repository.connect(s.database_url, pool_size=4)
-    ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s), lease_ttl_ms=6000)
-    node = NodeThread(s, NODE, engine_url)
-    node.start()
-    try:
-        assert node.started.wait(120), f"node did not start: {node.error}"
+    with node_beside(s, NODE, engine_url) as beside:
+        repo, ledger, node = beside.repo, beside.ledger, beside.node
         with serve(s) as api:
             client = api.client(make_tenant(repo, "resp").key)
-            upload = client.files.create(file=("resp.jsonl", jsonl(LINES)), purpose="batch")
-            batch = client.batches.create(
-                input_file_id=upload.id,
-                endpoint="/v1/responses",
-                completion_window="24h",
-            )
-            assert batch.status == "in_progress", batch
-            assert batch.endpoint == "/v1/responses"
-
-            def done() -> bool:
-                finalize_ready_jobs(repo)
-                return repo.get_job(None, batch.id).state is JobState.COMPLETED
-
-            wait(done, 600, f"the batch to complete: {repo.counted_states(batch.id)}")
-            final = client.batches.retrieve(batch.id)
+            final = run_batch(client, repo, LINES, "/v1/responses", poll_s=0.2)
             assert final.request_counts is not None
             errors = client.files.content(final.error_file_id).text if final.error_file_id else ""
             assert (final.request_counts.total, final.request_counts.completed) == (7, 7), errors
@@ -245,7 +194,7 @@ def test_a_responses_batch_reserves_what_the_engine_prefills_and_answers_as_it_d
                     "SELECT custom_id, reservation_tokens, prompt_tokens, max_output_tokens, "
                     "output_tokens FROM items WHERE job_id = :j"
                 ),
-                {"j": batch.id},
+                {"j": final.id},
             ).all()
         items = {r[0]: tuple(int(v) for v in r[1:]) for r in rows}
 
@@ -294,12 +243,6 @@ def test_a_responses_batch_reserves_what_the_engine_prefills_and_answers_as_it_d
         assert snap.batch_in_use == 0
         assert sum(d.stats.reservation_violations for d in node.dispatchers) == 0
         assert sum(d.stats.succeeded for d in node.dispatchers) == 7
-    finally:
-        node.stop()
-        node.join(30)
-        ledger.close()
-        repo.close()
-    assert node.error is None
 
 
 async def _idle(client: HttpEngine, timeout_s: float = 15.0) -> EngineLoad:

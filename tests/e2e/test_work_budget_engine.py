@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -26,6 +26,8 @@ from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from backfill.work_budget import BudgetReason
 from backfill.work_signals import InteractiveSignals
+from tests.e2e import helpers
+from tests.e2e.helpers import wait
 from worker import devengine
 from worker.dispatch import NodeDispatcher
 from worker.node import NodeThread
@@ -41,16 +43,9 @@ MAX_TOKENS = 300
 
 @pytest.fixture(scope="module")
 def small_engine() -> Iterator[str]:
-    try:
-        server = devengine.start_model(
-            "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from helpers.engine_url(
+        "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1
+    )
 
 
 @pytest.fixture
@@ -122,15 +117,6 @@ def _submit(repo: Repository, n: int, max_tokens: int) -> str:
     return job.id
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class FakeGateway:
     """Writes the interactive signal a gateway process would publish for the node."""
 
@@ -147,7 +133,7 @@ class FakeGateway:
 
 
 def _dispatcher(node: NodeThread) -> NodeDispatcher:
-    _wait(lambda: bool(node.dispatchers), 30, "the dispatcher")
+    wait(lambda: bool(node.dispatchers), 30, "the dispatcher")
     return node.dispatchers[0]
 
 
@@ -164,7 +150,7 @@ def test_budget_shrinks_holds_and_grows_back_with_the_interactive_signal(
     d = _dispatcher(node)
     gateway = FakeGateway(client, budget_settings)
     job = _submit(repo, 80, max_tokens=48)
-    _wait(lambda: d.in_flight > FLOOR + 2, 60, "batch to exceed the floor")
+    wait(lambda: d.in_flight > FLOOR + 2, 60, "batch to exceed the floor")
 
     # Interactive waits (not yet at risk: no preemption), kept fresh as a gateway would. A
     # shrink stops new starts at once; running items drain as they finish.
@@ -203,13 +189,13 @@ def test_budget_shrinks_holds_and_grows_back_with_the_interactive_signal(
     assert "wait for admission" in view.reason
 
     gateway.clear()
-    _wait(
+    wait(
         lambda: d.work_budget is not None and d.work_budget.max_seqs == CEILING,
         20,
         "the budget to grow back to its ceiling",
     )
     assert _code(d) is BudgetReason.QUIET
-    _wait(lambda: d.in_flight > FLOOR, 30, "batch to use the grown budget")
+    wait(lambda: d.in_flight > FLOOR, 30, "batch to use the grown budget")
     peak = 0
     while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < 80:
         peak = max(peak, d.in_flight)
@@ -227,7 +213,7 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     d = _dispatcher(node)
     gateway = FakeGateway(client, budget_settings)
     job = _submit(repo, 30, max_tokens=MAX_TOKENS)
-    _wait(lambda: d.in_flight >= 8, 60, "batch in flight")
+    wait(lambda: d.in_flight >= 8, 60, "batch in flight")
     # Pending for 2.5 s of a 2 s target: the target is spent, so the budget shrinks (to its
     # floor within a few steps) and batch over it is preempted, decoding or not. The signal is
     # kept fresh, as a gateway would while the request is still pending.
@@ -238,7 +224,7 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
     assert _code(d) is BudgetReason.TTFT_AT_RISK
     gateway.clear()
-    _wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 240, "all items")
+    wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 240, "all items")
     done = repo.items(job, states=[ItemState.SUCCEEDED])
     assert any(i.preemptions > 0 for i in done), "no preempted item resumed"
     for item in done:
@@ -248,16 +234,9 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
 
 @pytest.fixture(scope="module")
 def scheduler_engine() -> Iterator[devengine.EngineServer]:
-    try:
-        server = devengine.start_model(
-            "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1, scheduler=True
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from helpers.engine_server(
+        "tiny", num_gpu_blocks_override=96, max_model_len=512, kv_cache_gib=1, scheduler=True
+    )
 
 
 def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_ttft(
@@ -278,10 +257,10 @@ def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_
     try:
         assert thread.started.wait(60), f"node did not start: {thread.error}"
         d = _dispatcher(thread)
-        _wait(lambda: d.engine_scheduler is not None, 30, "the engine's scheduler detected")
+        wait(lambda: d.engine_scheduler is not None, 30, "the engine's scheduler detected")
         gateway = FakeGateway(client, s)
         job = _submit(repo, 30, max_tokens=MAX_TOKENS)
-        _wait(lambda: d.in_flight >= 8, 60, "batch in flight")
+        wait(lambda: d.in_flight >= 8, 60, "batch in flight")
         end = time.monotonic() + 5
         while time.monotonic() < end:
             gateway.publish(
@@ -291,7 +270,7 @@ def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_
         assert d.stats.budget_preemptions == 0
         assert d.stats.preempted == 0
         gateway.clear()
-        _wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
+        wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
         done = repo.items(job, states=[ItemState.SUCCEEDED])
         assert all(i.preemptions == 0 for i in done)
         report = capacity_report(repo, ledger_usage(stores[1]))

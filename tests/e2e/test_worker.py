@@ -33,8 +33,9 @@ from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository, Start
+from tests.e2e import helpers
+from tests.e2e.helpers import successes_per_item
 from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
-from worker import devengine
 from worker.enginespeed import EngineSpeed, measure_speed
 from worker.node import NodeThread
 
@@ -52,16 +53,9 @@ SLOWDOWN = 4
 
 @pytest.fixture(scope="module")
 def small_engine() -> Iterator[str]:
-    try:
-        server = devengine.start_model(
-            "tiny", num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
-        )
-    except devengine.DevEngineError as exc:
-        pytest.fail(f"could not provision a vLLM engine: {exc}", pytrace=False)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from helpers.engine_url(
+        "tiny", num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,16 +145,7 @@ class Deployment:
         return 0 if snap is None else snap.batch_in_use
 
     def successes_per_item(self, job_id: str) -> dict[int, int]:
-        with self.repo.engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT i.id, count(a.*) FILTER (WHERE a.outcome = 'succeeded') "
-                    "FROM items i LEFT JOIN attempts a ON a.item_id = i.id "
-                    "WHERE i.job_id = :j GROUP BY i.id"
-                ),
-                {"j": job_id},
-            ).all()
-        return {r[0]: r[1] for r in rows}
+        return successes_per_item(self.repo, job_id)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 from openai import OpenAI
+from openai.types import Batch
+from sqlalchemy import Row, text
 
 from backfill.config import Settings
 from backfill.states import ItemState
@@ -111,6 +113,48 @@ def jsonl(lines: Iterable[dict[str, Any] | str]) -> bytes:
     return "".join(
         (line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines
     ).encode()
+
+
+def submit_file(client: OpenAI, content: bytes, endpoint: str = CHAT) -> Batch:
+    """Upload ``content`` (JSONL) and create a batch of it for ``endpoint``, within 24 h: the
+    Batch as created."""
+    upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
+    return client.batches.create(
+        input_file_id=upload.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+
+
+def submit_lines(client: OpenAI, lines: list[dict[str, Any]], endpoint: str) -> Batch:
+    """Upload ``lines`` and create a batch of them for ``endpoint``: the Batch as created."""
+    return submit_file(client, jsonl(lines), endpoint)
+
+
+def stored_lines(repo: Repository, job_id: str) -> list[Row[Any]]:
+    """The job's items as stored, in line order: (custom_id, max_output_tokens, body)."""
+    with repo.engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT custom_id, max_output_tokens, body FROM items WHERE job_id = :j "
+                    "ORDER BY line_no"
+                ),
+                {"j": job_id},
+            ).all()
+        )
+
+
+def assert_refused_line_by_line(
+    batch: Batch, repo: Repository, errors: list[tuple[int, str, str]]
+) -> None:
+    """The batch failed at create with exactly ``errors`` (line, code, param), in order, and
+    not one of its items was stored."""
+    assert batch.status == "failed"
+    assert batch.errors is not None
+    assert batch.errors.data is not None
+    assert [(e.line, e.code, e.param) for e in batch.errors.data] == errors
+    assert repo.counted_states(batch.id) == {}, "items were stored"
 
 
 def chat_file(n: int, **kwargs: Any) -> bytes:

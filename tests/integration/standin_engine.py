@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import text
 
 from backfill.capacity import EngineLoad, EnginePool
+from backfill.config import Settings
 from backfill.dispatch import DispatchConfig
 from backfill.engine.protocol import (
     ChoiceDelta,
@@ -23,24 +27,61 @@ from backfill.engine.protocol import (
     StreamChunk,
     Usage,
 )
-from backfill.ledger import AsyncLedger
+from backfill.ledger import AsyncLedger, Ledger
+from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
 from worker.dispatch import NodeDispatcher
 
 
+def _in_progress_job(repo: Repository, tenant: str, endpoint: str, items: list[NewItem]) -> str:
+    record = repo.create_tenant(tenant)
+    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(record.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(hours=1))
+    repo.insert_items(job.id, items)
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
 def submit_completions(repo: Repository, tenant: str, items: int, max_tokens: int) -> str:
     """An in-progress job of ``items`` one-word completions for the stand-in's model ``m``
     (5 prompt tokens each), each declaring ``max_tokens``; returns its id."""
-    record = repo.create_tenant(tenant)
-    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        record.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
     body = json.dumps({"model": "m", "prompt": "x", "max_tokens": max_tokens})
-    repo.insert_items(job.id, [NewItem(i, f"r{i}", body, max_tokens) for i in range(items)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
+    return _in_progress_job(
+        repo,
+        tenant,
+        "/v1/completions",
+        [NewItem(i, f"r{i}", body, max_tokens) for i in range(items)],
+    )
+
+
+def submit_one(
+    repo: Repository,
+    tenant: str,
+    endpoint: str,
+    custom_id: str,
+    body: dict[str, Any],
+    max_output_tokens: int,
+) -> str:
+    """An in-progress job of one item, ``body`` for ``endpoint``; returns its id."""
+    return _in_progress_job(
+        repo, tenant, endpoint, [NewItem(0, custom_id, json.dumps(body), max_output_tokens)]
+    )
+
+
+def only_item(repo: Repository, job_id: str) -> dict[str, Any]:
+    """The job's one item as stored: its state, attempt, preemptions, tokens, partial output
+    and result."""
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
+                "output_tokens, partial_output, partial_tokens, result FROM items "
+                "WHERE job_id = :j"
+            ),
+            {"j": job_id},
+        ).one()
+    return dict(row._mapping)
 
 
 class StandInEngine:
@@ -102,9 +143,15 @@ class StandInEngine:
 
 
 def stand_in_dispatcher(
-    config: DispatchConfig, engine: object, repo: Repository, ledger: AsyncLedger, block: int
+    config: DispatchConfig,
+    engine: object,
+    repo: Repository,
+    ledger: AsyncLedger,
+    block: int,
+    max_sequence_tokens: int = 1024,
 ) -> NodeDispatcher:
-    """A node's dispatcher over a stand-in ``engine`` serving model ``m`` (context 1,024)."""
+    """A node's dispatcher over a stand-in ``engine`` serving model ``m`` (context 1,024
+    unless told)."""
     return NodeDispatcher(
         config,
         cast(Engine, engine),
@@ -112,5 +159,35 @@ def stand_in_dispatcher(
         ledger,
         model="m",
         block_size=block,
-        max_sequence_tokens=1024,
+        max_sequence_tokens=max_sequence_tokens,
     )
+
+
+AsyncLedgerT = TypeVar("AsyncLedgerT", bound=AsyncLedger)
+
+
+@contextmanager
+def stand_in_node(
+    settings: Settings,
+    node: str,
+    block: int,
+    blocks: int = 64,
+    async_ledger: type[AsyncLedgerT] = AsyncLedger,  # type: ignore[assignment]
+) -> Iterator[tuple[Repository, Ledger, AsyncLedgerT]]:
+    """The stores of a dispatcher test: a repository, the ledger (sync, and the async one of
+    type ``async_ledger`` a dispatcher takes), with ``node`` registered as a stand-in serving
+    model ``m`` over ``blocks`` blocks of ``block`` tokens and the ledger rebuilt for it. The
+    repository and the sync ledger close on leaving; the dispatcher's run closes its own."""
+    repo = Repository.connect(settings.database_url, pool_size=4)
+    policy = pool_policy(settings)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    aledger = cast(
+        AsyncLedgerT, async_ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
+    )
+    try:
+        repo.upsert_node(node, "http://stand-in", "m", blocks, block, 0)
+        ensure_ledger(repo, ledger, max_preemptions=3)
+        yield repo, ledger, aledger
+    finally:
+        ledger.close()
+        repo.close()

@@ -19,13 +19,6 @@ from backfill_cli.app import app
 
 
 @pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
-
-
-@pytest.fixture
 def server(settings: Settings) -> Iterator[LiveServer]:
     with serve(api_settings(settings, webhooks_allow_private=True)) as live:
         yield live

@@ -10,16 +10,17 @@ slack stays full while the queue still holds work.
 from __future__ import annotations
 
 import asyncio
-from typing import cast
 
 from backfill.config import Settings
-from backfill.engine.protocol import Engine
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, submit_completions
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from tests.integration.standin_engine import (
+    StandInEngine,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
+from worker.dispatch import DispatchConfig
 
 NODE = "n-claims"
 BLOCK = 16
@@ -34,22 +35,15 @@ def _submit(repo: Repository) -> str:
 def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = StandInEngine(hold_s=0.4)
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
+    with stand_in_node(settings, NODE, BLOCK) as (repo, _, aledger):
         job = _submit(repo)
-        dispatcher = NodeDispatcher(
+        dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0),
-            cast(Engine, engine),
+            engine,
             repo,
             aledger,
-            model="m",
-            block_size=BLOCK,
+            BLOCK,
             max_sequence_tokens=512,
         )
         peak = 0
@@ -77,6 +71,3 @@ def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
         # The first claim, before any reservation is typical, takes the whole queue and gives
         # back at once what the slack cannot hold; after that each claim is what fits.
         assert stats.claimed < 2 * ITEMS, stats
-    finally:
-        ledger.close()
-        repo.close()

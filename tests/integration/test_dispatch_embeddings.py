@@ -10,18 +10,18 @@ import asyncio
 import json
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import text
-
 from backfill.config import Settings
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.prefill import embedding_inputs
-from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher
+from backfill.states import ItemState
+from tests.integration.standin_engine import (
+    StandInEngine,
+    only_item,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_one,
+)
 from worker.dispatch import DispatchConfig
 
 NODE = "n-embed"
@@ -64,43 +64,14 @@ class Embedder(StandInEngine):
         }
 
 
-def _submit(repo: Repository, body: dict[str, Any]) -> str:
-    tenant = repo.create_tenant("t-embed")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        tenant.id, f.id, "/v1/embeddings", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    repo.insert_items(job.id, [NewItem(0, "e", json.dumps(body), 0)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
-
-
-def _row(repo: Repository, job: str) -> dict[str, Any]:
-    with repo.engine.connect() as conn:
-        row = conn.execute(
-            text(
-                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
-                "partial_output, partial_tokens, result FROM items WHERE job_id = :j"
-            ),
-            {"j": job},
-        ).one()
-    return dict(row._mapping)
-
-
 def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = Embedder()
     # The longest input is exactly one block: with a single output token it would take two.
     body = {"model": "m", "input": [[7] * BLOCK, [8] * 3]}
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
-        job = _submit(repo, body)
+    with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
+        job = submit_one(repo, "t-embed", "/v1/embeddings", "e", body, 0)
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
             engine,
@@ -113,7 +84,7 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
             runner = asyncio.create_task(dispatcher.run())
             try:
                 await asyncio.wait_for(engine.first_started.wait(), 20)
-                running = _row(repo, job)
+                running = only_item(repo, job)
                 assert running["state"] == ItemState.RUNNING.value
                 # Two inputs, each charged the longest (one block), and no output on top.
                 assert running["reservation_tokens"] == 2 * BLOCK
@@ -124,8 +95,8 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
                 assert (lease.tokens, snap.batch_in_use) == (2 * BLOCK, 2 * BLOCK)
                 assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
                 end = time.monotonic() + 20
-                while _row(repo, job)["state"] != ItemState.SUCCEEDED.value:
-                    assert time.monotonic() < end, _row(repo, job)
+                while only_item(repo, job)["state"] != ItemState.SUCCEEDED.value:
+                    assert time.monotonic() < end, only_item(repo, job)
                     await asyncio.sleep(0.05)
             finally:
                 dispatcher.stop()
@@ -139,7 +110,7 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
         assert (sent, resent) == (body, body)  # from the start: nothing partial to continue
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
-        done = _row(repo, job)
+        done = only_item(repo, job)
         assert (done["attempt"], done["preemptions"]) == (2, 1)
         assert (done["partial_output"], done["partial_tokens"]) == (None, 0)
         result = json.loads(done["result"])
@@ -152,6 +123,3 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
         snap = ledger.snapshot(NODE)
         assert snap is not None
         assert snap.batch_in_use == 0
-    finally:
-        ledger.close()
-        repo.close()

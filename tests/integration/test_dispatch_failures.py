@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import cast
 
 from backfill.config import Settings
-from backfill.engine.protocol import Engine
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, submit_completions
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from tests.integration.standin_engine import (
+    StandInEngine,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
+from worker.dispatch import DispatchConfig
 
 NODE = "n-fail"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
@@ -33,22 +34,15 @@ def _submit(repo: Repository) -> str:
 def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lease_freed(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = StandInEngine(fail_after=1)
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
+    with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
         job = _submit(repo)
-        dispatcher = NodeDispatcher(
+        dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, max_attempts=3, idle_poll_s=0.05, observe_interval_s=0),
-            cast(Engine, engine),
+            engine,
             repo,
             aledger,
-            model="m",
-            block_size=BLOCK,
+            BLOCK,
             max_sequence_tokens=512,
         )
 
@@ -78,6 +72,3 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
         assert snap is not None
         assert snap.batch_in_use == 0
         assert not snap.leases
-    finally:
-        ledger.close()
-        repo.close()

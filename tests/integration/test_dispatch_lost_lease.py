@@ -11,11 +11,15 @@ import asyncio
 import time
 
 from backfill.config import Settings
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
+from backfill.ledger import Ledger
+from backfill.maintenance import ensure_ledger
 from backfill.states import ItemState
-from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher, submit_completions
+from tests.integration.standin_engine import (
+    StandInEngine,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
 from worker.dispatch import DispatchConfig
 
 NODE = "n-lost"
@@ -33,14 +37,8 @@ def lose_lease(ledger: Ledger, lease_id: str, tokens: int) -> None:
 def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_restores_it(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = StandInEngine(blocks=256, block=BLOCK, hold_s=4.0)
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 256, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
+    with stand_in_node(settings, NODE, BLOCK, blocks=256) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-lost", 1, 64)
         dispatcher = stand_in_dispatcher(
             DispatchConfig(
@@ -97,6 +95,3 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
         snap = ledger.snapshot(NODE)
         assert snap is not None
         assert snap.reserved == 0
-    finally:
-        ledger.close()
-        repo.close()

@@ -10,18 +10,18 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from datetime import UTC, datetime, timedelta
 from typing import Any
-
-from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.engine.protocol import EventStream
-from backfill.ledger import AsyncLedger, Ledger
-from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository
-from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher
+from backfill.states import ItemState
+from tests.integration.standin_engine import (
+    StandInEngine,
+    only_item,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_one,
+)
 from worker.dispatch import DispatchConfig
 
 NODE = "n-responses"
@@ -77,42 +77,13 @@ class Responder(StandInEngine):
         return EventStream(events())
 
 
-def _submit(repo: Repository, body: dict[str, Any]) -> str:
-    tenant = repo.create_tenant("t-responses")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
-        tenant.id, f.id, "/v1/responses", "1h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    repo.insert_items(job.id, [NewItem(0, "r", json.dumps(body), MAX_OUTPUT)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job.id
-
-
-def _row(repo: Repository, job: str) -> dict[str, Any]:
-    with repo.engine.connect() as conn:
-        row = conn.execute(
-            text(
-                "SELECT state, attempt, preemptions, reservation_tokens, prompt_tokens, "
-                "output_tokens, partial_output, result FROM items WHERE job_id = :j"
-            ),
-            {"j": job},
-        ).one()
-    return dict(row._mapping)
-
-
 def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
     settings: Settings,
 ) -> None:
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = AsyncLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
     engine = Responder()
     body = {"model": "m", "input": "a question", "max_output_tokens": MAX_OUTPUT, "store": False}
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 64, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
-        job = _submit(repo, body)
+    with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
+        job = submit_one(repo, "t-responses", "/v1/responses", "r", body, MAX_OUTPUT)
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
             engine,
@@ -125,7 +96,7 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
             runner = asyncio.create_task(dispatcher.run())
             try:
                 await asyncio.wait_for(engine.first_held.wait(), 20)
-                running = _row(repo, job)
+                running = only_item(repo, job)
                 assert running["state"] == ItemState.RUNNING.value
                 # The prompt and the whole output budget, in whole blocks.
                 assert running["reservation_tokens"] == 2 * BLOCK  # 5 + 20 -> 32
@@ -136,8 +107,8 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
                 assert lease.tokens == 2 * BLOCK
                 assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
                 end = time.monotonic() + 20
-                while _row(repo, job)["state"] != ItemState.SUCCEEDED.value:
-                    assert time.monotonic() < end, _row(repo, job)
+                while only_item(repo, job)["state"] != ItemState.SUCCEEDED.value:
+                    assert time.monotonic() < end, only_item(repo, job)
                     await asyncio.sleep(0.05)
             finally:
                 dispatcher.stop()
@@ -151,7 +122,7 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         assert sent == resent == body  # from the start: the earlier deltas are not continued
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
-        done = _row(repo, job)
+        done = only_item(repo, job)
         assert (done["attempt"], done["preemptions"]) == (2, 1)
         assert done["reservation_tokens"] == 2 * BLOCK  # the rerun reserves the whole budget
         assert (done["prompt_tokens"], done["output_tokens"]) == (PROMPT, 3)
@@ -163,6 +134,3 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         snap = ledger.snapshot(NODE)
         assert snap is not None
         assert snap.batch_in_use == 0
-    finally:
-        ledger.close()
-        repo.close()

@@ -18,12 +18,16 @@ import pytest
 
 from backfill.config import Settings
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
-from backfill.ledger import AsyncLedger, Ledger
+from backfill.ledger import AsyncLedger
 from backfill.ledger.steps import Pipelined, ScriptCall, Step
-from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import StandInEngine, stand_in_dispatcher, submit_completions
+from tests.integration.standin_engine import (
+    StandInEngine,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
 from worker.dispatch import DispatchConfig
 
 NODE = "n-settle"
@@ -95,15 +99,10 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
     settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="backfill.worker")
-    repo = Repository.connect(settings.database_url, pool_size=4)
-    policy = pool_policy(settings)
-    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger = CountingLedger.from_url(settings.redis_url, settings.redis_namespace, policy)
-    aledger.reported = {}
     engine = LongAnswers(blocks=256, block=BLOCK)
-    try:
-        repo.upsert_node(NODE, "http://stand-in", "m", 256, BLOCK, 0)
-        ensure_ledger(repo, ledger, max_preemptions=3)
+    stores = stand_in_node(settings, NODE, BLOCK, blocks=256, async_ledger=CountingLedger)
+    with stores as (repo, _, aledger):
+        aledger.reported = {}
         job = _submit(repo)
         dispatcher = stand_in_dispatcher(
             DispatchConfig(
@@ -151,6 +150,3 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
             assert len(seen) == ITEMS, events
             assert all(e["node"] == NODE and e["job"] == job for e in seen), seen
             assert len({(e["item"], e["attempt"], e["lease"]) for e in seen}) == ITEMS
-    finally:
-        ledger.close()
-        repo.close()

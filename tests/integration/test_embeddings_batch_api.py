@@ -7,8 +7,15 @@ import json
 from typing import Any
 
 import openai
-from batch_api_support import LiveServer, Tenant, jsonl
-from sqlalchemy import text
+from batch_api_support import (
+    LiveServer,
+    Tenant,
+    assert_refused_line_by_line,
+    jsonl,
+    stored_lines,
+    submit_lines,
+)
+from openai.types import Batch
 
 from backfill.store import Repository
 
@@ -24,11 +31,8 @@ def line(custom_id: str, url: str = EMBEDDINGS, **body: Any) -> dict[str, Any]:
     }
 
 
-def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
-    upload = client.files.create(file=("emb.jsonl", jsonl(lines)), purpose="batch")
-    return client.batches.create(
-        input_file_id=upload.id, endpoint=EMBEDDINGS, completion_window="24h"
-    )
+def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Batch:
+    return submit_lines(client, lines, EMBEDDINGS)
 
 
 def test_an_embeddings_batch_is_stored_declaring_no_output(
@@ -39,14 +43,7 @@ def test_an_embeddings_batch_is_stored_declaring_no_output(
     assert (batch.status, batch.endpoint, batch.model) == ("in_progress", EMBEDDINGS, "tiny-embed")
     assert batch.request_counts is not None
     assert batch.request_counts.total == 3
-    with repo.engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT custom_id, max_output_tokens, body FROM items WHERE job_id = :j "
-                "ORDER BY line_no"
-            ),
-            {"j": batch.id},
-        ).all()
+    rows = stored_lines(repo, batch.id)
     assert [(r[0], r[1]) for r in rows] == [("a", 0), ("b", 0), ("c", 0)]
     assert json.loads(rows[1][2]) == {"model": "tiny-embed", "input": ["one", "two"]}
     extras = client.batches.retrieve(batch.id).model_extra or {}
@@ -65,17 +62,17 @@ def test_every_bad_line_fails_the_batch_naming_line_code_and_param(
         line("e", dimensions=-1),
     ]
     batch = submit(client, [line("ok"), *bad])
-    assert batch.status == "failed"
-    assert batch.errors is not None
-    assert batch.errors.data is not None
-    assert [(e.line, e.code, e.param) for e in batch.errors.data] == [
-        (2, "mismatched_endpoint", "url"),
-        (3, "unsupported_parameter", "body.max_tokens"),
-        (4, "invalid_input", "body.input"),
-        (5, "invalid_parameter", "body.encoding_format"),
-        (6, "invalid_parameter", "body.dimensions"),
-    ]
-    assert repo.counted_states(batch.id) == {}, "items were stored"
+    assert_refused_line_by_line(
+        batch,
+        repo,
+        [
+            (2, "mismatched_endpoint", "url"),
+            (3, "unsupported_parameter", "body.max_tokens"),
+            (4, "invalid_input", "body.input"),
+            (5, "invalid_parameter", "body.encoding_format"),
+            (6, "invalid_parameter", "body.dimensions"),
+        ],
+    )
 
 
 def test_a_chat_line_in_an_embeddings_batch_and_back_are_mismatched(

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from backfill.gateway.leases import LeaseBeats, LeaseKeeper
 from backfill.ledger import AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
-from backfill.redis_client import SyncRedis, connect
+from backfill.redis_client import SyncRedis
 
 POLICY = PoolPolicy(
     interactive=ClassLimits(4096), batch=ClassLimits(4096), interactive_reserve_tokens=1024
@@ -29,15 +29,8 @@ TTL_MS = 5_000
 
 
 @pytest.fixture
-def redis_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
-    client = connect(ledger_redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def ledger(redis_client: SyncRedis, redis_namespace: str) -> Ledger:
-    sync = Ledger(redis_client, redis_namespace, POLICY, lease_ttl_ms=TTL_MS)
+def ledger(ledger_client: SyncRedis, redis_namespace: str) -> Ledger:
+    sync = Ledger(ledger_client, redis_namespace, POLICY, lease_ttl_ms=TTL_MS)
     sync.rebuild([POOL], [], epoch=1)
     return sync
 
@@ -60,7 +53,7 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -
 
 
 def test_a_lost_interactive_lease_closes_the_node_and_is_restored_after_the_rebuild(
-    ledger: Ledger, redis_client: SyncRedis, redis_namespace: str, ledger_redis_url: str
+    ledger: Ledger, ledger_client: SyncRedis, redis_namespace: str, ledger_redis_url: str
 ) -> None:
     async def scenario() -> None:
         aledger = AsyncLedger.from_url(ledger_redis_url, redis_namespace, POLICY, TTL_MS)
@@ -70,7 +63,7 @@ def test_a_lost_interactive_lease_closes_the_node_and_is_restored_after_the_rebu
             beats = LeaseBeats(aledger, interval_s=0.05, ttl_ms=TTL_MS)
             keeper = LeaseKeeper(lease, beats)
             keeper.generated = 40
-            lose(redis_client, ledger, lease)
+            lose(ledger_client, ledger, lease)
 
             async def in_use() -> int:
                 snap = await aledger.snapshot(NODE)

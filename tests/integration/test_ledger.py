@@ -1,7 +1,7 @@
 """The ledger against a real Redis: every operation, its refusals, and agreement with policy.py.
 
 Time is driven by a fake clock (``now_ms``) so TTLs and reaping are exact. Every test that
-takes ``redis_client`` (or ``ledger``) runs twice: on one Redis server and on a Redis Cluster
+takes ``ledger_client`` (or ``ledger``) runs twice: on one Redis server and on a Redis Cluster
 (``ledger_redis_url``).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,7 +48,6 @@ from backfill.policy import (
     decide,
     interactive_room,
 )
-from backfill.redis_client import SyncRedis, connect
 
 T0 = 1_700_000_000_000
 TTL = 10_000
@@ -70,20 +68,34 @@ def at(ms: int) -> datetime:
 
 
 @pytest.fixture
-def redis_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
-    """A client of the server or the cluster this test runs on."""
-    client = connect(ledger_redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def ledger(redis_client: redis.Redis, redis_namespace: str) -> Ledger:
-    return Ledger(redis_client, redis_namespace, POLICY, lease_ttl_ms=TTL)
+def ledger(ledger_client: redis.Redis, redis_namespace: str) -> Ledger:
+    return Ledger(ledger_client, redis_namespace, POLICY, lease_ttl_ms=TTL)
 
 
 def open_pool(ledger: Ledger, node: str = "n1", capacity: int = 10_000, block: int = 16) -> None:
     ledger.rebuild([NodePool(node, capacity, block)], [], epoch=1, now_ms=T0)
+
+
+LeaseSpec = tuple[int, int, bool, int, int | None]
+
+
+def drawn_leases(node: str, specs: list[LeaseSpec], step_ms: int) -> list[ActiveLease]:
+    """Live leases from drawn (tokens, generated, preemptible, age, deadline) tuples; age and
+    deadline count steps of ``step_ms`` before and after T0."""
+    return [
+        ActiveLease(
+            f"ls_{i:02x}",
+            node,
+            t,
+            i + 1,
+            at(T0 + TTL),
+            preemptible=p,
+            generated_tokens=g,
+            started_at=at(T0 - s * step_ms),
+            deadline=None if d is None else at(T0 + d * step_ms),
+        )
+        for i, (t, g, p, s, d) in enumerate(specs)
+    ]
 
 
 def admitted(result: Lease | Denial) -> Lease:
@@ -164,13 +176,13 @@ def lose_node_keys(client: redis.Redis, ledger: Ledger, node: str) -> None:
 
 
 def test_a_node_whose_keys_were_lost_stays_closed_until_the_rebuild(
-    ledger: Ledger, redis_client: redis.Redis
+    ledger: Ledger, ledger_client: redis.Redis
 ) -> None:
     open_pool(ledger)
     ledger.register_pool("n2", 10_000, 16)
     kept = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
     lost = admitted(ledger.reserve("n2", BATCH, 100, 100, now_ms=T0))
-    lose_node_keys(redis_client, ledger, "n2")
+    lose_node_keys(ledger_client, ledger, "n2")
     assert not ledger.is_ready()
     d = denied(ledger.reserve("n2", BATCH, 1, 1, now_ms=T0))  # not "unknown node"
     assert d.reason is Reason.LEDGER_REBUILDING
@@ -203,11 +215,11 @@ def test_a_refused_registration_of_a_new_node_leaves_the_ledger_ready(ledger: Le
 
 
 def test_a_rebuild_forgets_a_lost_node_postgres_does_not_know(
-    ledger: Ledger, redis_client: redis.Redis
+    ledger: Ledger, ledger_client: redis.Redis
 ) -> None:
     open_pool(ledger)
     ledger.register_pool("gone", 10_000, 16)
-    lose_node_keys(redis_client, ledger, "gone")
+    lose_node_keys(ledger_client, ledger, "gone")
     assert not ledger.is_ready()
     ledger.rebuild([NodePool("n1", 10_000, 16)], [], epoch=2, now_ms=T0)
     assert ledger.is_ready()
@@ -286,12 +298,12 @@ def test_observed_non_batch_use_narrows_batch_slack(ledger: Ledger) -> None:
 
 
 def test_overcommit_charges_preemptible_batch_the_measured_share(
-    redis_client: redis.Redis, redis_namespace: str
+    ledger_client: redis.Redis, redis_namespace: str
 ) -> None:
     policy = PoolPolicy(
         interactive_reserve_tokens=2000, batch_overcommit=BatchOvercommit.from_ratio(0.25)
     )
-    ledger = Ledger(redis_client, redis_namespace, policy, lease_ttl_ms=TTL)
+    ledger = Ledger(ledger_client, redis_namespace, policy, lease_ttl_ms=TTL)
     open_pool(ledger)
     assert admitted(ledger.reserve("n1", BATCH, 96, 1000, now_ms=T0)).tokens == 352
     capped = admitted(ledger.reserve("n1", BATCH, 96, 1000, preemptible=False, now_ms=T0))
@@ -399,10 +411,10 @@ def test_release_is_idempotent(ledger: Ledger) -> None:
     assert snap.leases == ()
 
 
-def test_a_stale_holder_changes_nothing(ledger: Ledger, redis_client: redis.Redis) -> None:
+def test_a_stale_holder_changes_nothing(ledger: Ledger, ledger_client: redis.Redis) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
-    before = dump(redis_client, ledger.keys.namespace)
+    before = dump(ledger_client, ledger.keys.namespace)
     stale = LeaseRef("n1", a.lease_id, a.fencing_token - 1)
     assert ledger.release(stale, now_ms=T0) is LeaseStatus.FENCED
     assert (
@@ -412,13 +424,13 @@ def test_a_stale_holder_changes_nothing(ledger: Ledger, redis_client: redis.Redi
         is LeaseStatus.FENCED
     )
     assert ledger.heartbeat("n1", a.lease_id, 7, now_ms=T0).status is LeaseStatus.FENCED
-    assert dump(redis_client, ledger.keys.namespace) == before
+    assert dump(ledger_client, ledger.keys.namespace) == before
 
 
-def test_an_expired_lease_is_lost_to_its_holder(ledger: Ledger, redis_client: redis.Redis) -> None:
+def test_an_expired_lease_is_lost_to_its_holder(ledger: Ledger, ledger_client: redis.Redis) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
-    before = dump(redis_client, ledger.keys.namespace)
+    before = dump(ledger_client, ledger.keys.namespace)
     late = T0 + TTL
     assert (
         ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status
@@ -429,7 +441,7 @@ def test_an_expired_lease_is_lost_to_its_holder(ledger: Ledger, redis_client: re
         is LeaseStatus.EXPIRED
     )
     assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
-    assert dump(redis_client, ledger.keys.namespace) == before
+    assert dump(ledger_client, ledger.keys.namespace) == before
     assert ledger.reap("n1", now_ms=late) == [a.lease_id]
     assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
     assert (
@@ -469,6 +481,11 @@ def test_ended_leases_are_forgotten_after_a_while(ledger: Ledger) -> None:
 # -- malformed arguments
 
 
+def reserve_request(lease_id: str, service: str = "batch", seq: str = "1") -> list[str]:
+    """One request's arguments to the reserve script: a well-formed one unless told otherwise."""
+    return [lease_id, service, "1", "1", "1", "100", "", "1", "", seq]
+
+
 NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("reserve", ["ch", "", "1", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1"]),
     ("reserve", ["ch", "", "1", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1"]),
@@ -483,119 +500,11 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
     ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", ""]),
     ("reserve", ["ch", "", "0"]),
     # the second request of a batch is malformed: the first is not admitted either
-    (
-        "reserve",
-        [
-            "ch",
-            "",
-            "2",
-            "ls_x",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-            "ls_y",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "2",
-        ],
-    ),
-    (
-        "reserve",
-        [
-            "ch",
-            "",
-            "2",
-            "ls_x",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-            "ls_x",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-        ],
-    ),
+    ("reserve", ["ch", "", "2", *reserve_request("ls_x"), *reserve_request("ls_y", seq="2")]),
+    ("reserve", ["ch", "", "2", *reserve_request("ls_x"), *reserve_request("ls_x")]),
     # ls_a is a live batch lease; ls_b ended
-    (
-        "reserve",
-        [
-            "ch",
-            "",
-            "2",
-            "ls_x",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-            "ls_a",
-            "interactive",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-        ],
-    ),
-    (
-        "reserve",
-        [
-            "ch",
-            "",
-            "2",
-            "ls_x",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-            "ls_b",
-            "batch",
-            "1",
-            "1",
-            "1",
-            "100",
-            "",
-            "1",
-            "",
-            "1",
-        ],
-    ),
+    ("reserve", ["ch", "", "2", *reserve_request("ls_x"), *reserve_request("ls_a", "interactive")]),
+    ("reserve", ["ch", "", "2", *reserve_request("ls_x"), *reserve_request("ls_b")]),
     ("settle", ["", "ls_a", "nan", "5", ""]),
     ("settle", ["", "ls_a", "1", "-5", ""]),
     ("settle", ["", "ls_a", "1", "5", "abc"]),
@@ -635,7 +544,7 @@ NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
 
 @pytest.mark.parametrize(("script", "args"), NODE_SCRIPTS_BAD_ARGS)
 def test_malformed_arguments_change_no_key(
-    ledger: Ledger, redis_client: redis.Redis, script: str, args: list[str]
+    ledger: Ledger, ledger_client: redis.Redis, script: str, args: list[str]
 ) -> None:
     ledger.rebuild([NodePool("n1", 10_000, 16)], [], epoch=3, now_ms=T0)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, lease_id="ls_a", now_ms=T0))
@@ -644,11 +553,11 @@ def test_malformed_arguments_change_no_key(
         admitted(ledger.reserve("n1", BATCH, 1, 1, lease_id="ls_b", now_ms=T0)), now_ms=T0
     )
     assert a.fencing_token > 0
-    before = dump(redis_client, ledger.keys.namespace)
-    raw = redis_client.register_script(script_source(script))
+    before = dump(ledger_client, ledger.keys.namespace)
+    raw = ledger_client.register_script(script_source(script))
     with pytest.raises(redis.ResponseError, match="backfill: "):
         raw(keys=ledger.keys.node("n1").keys(), args=args)
-    assert dump(redis_client, ledger.keys.namespace) == before
+    assert dump(ledger_client, ledger.keys.namespace) == before
 
 
 def test_script_refusals_become_ledger_errors(ledger: Ledger) -> None:
@@ -731,7 +640,7 @@ def test_preempt_of_named_victims_skips_those_no_longer_live(ledger: Ledger) -> 
 
 
 def test_rebuild_restores_live_batch_leases_and_reopens_batch(
-    ledger: Ledger, redis_client: redis.Redis
+    ledger: Ledger, ledger_client: redis.Redis
 ) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 1000, 1000, now_ms=T0, deadline_ms=T0 + 99))
@@ -750,8 +659,8 @@ def test_rebuild_restores_live_batch_leases_and_reopens_batch(
         )
         for x in (a, b)
     ]
-    for key in redis_client.scan_iter(match=f"{ledger.keys.namespace}:*"):
-        redis_client.delete(key)  # Redis lost its data
+    for key in ledger_client.scan_iter(match=f"{ledger.keys.namespace}:*"):
+        ledger_client.delete(key)  # Redis lost its data
     assert not ledger.is_ready()
     assert denied(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0)).reason is Reason.LEDGER_REBUILDING
     # The worker re-registers its pool before the rebuild: still closed, no epoch.
@@ -776,7 +685,7 @@ def test_rebuild_restores_live_batch_leases_and_reopens_batch(
 
 
 def test_between_its_phases_a_rebuild_keeps_batch_closed_and_interactive_in_the_reserve(
-    ledger: Ledger, redis_client: redis.Redis
+    ledger: Ledger, ledger_client: redis.Redis
 ) -> None:
     # Phase one of a rebuild: the pool is back with its new epoch, the leases are not yet.
     ledger.register_pool("n1", 10_000, 16, epoch=5)
@@ -816,11 +725,11 @@ def test_rebuild_picks_an_epoch_above_every_fencing_token_seen(ledger: Ledger) -
 
 
 def test_a_spent_fencing_counter_moves_to_the_next_epoch(
-    ledger: Ledger, redis_client: redis.Redis
+    ledger: Ledger, ledger_client: redis.Redis
 ) -> None:
     open_pool(ledger)
     first = admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))
-    redis_client.set(ledger.keys.node("n1").fence, FENCE_EPOCH_SHIFT - 1)
+    ledger_client.set(ledger.keys.node("n1").fence, FENCE_EPOCH_SHIFT - 1)
     nxt = admitted(ledger.reserve("n1", BATCH, 1, 1, now_ms=T0))
     assert nxt.fencing_token == 2 * FENCE_EPOCH_SHIFT + 1 > first.fencing_token
     snap = ledger.snapshot("n1", now_ms=T0)
@@ -916,7 +825,7 @@ _examples = itertools.count()
     overcommit=st.one_of(st.none(), st.integers(1, 1_000_000)),
 )
 def test_lua_and_policy_agree_on_random_states(
-    redis_client: redis.Redis,
+    ledger_client: redis.Redis,
     redis_namespace: str,
     data: st.DataObject,
     block: int,
@@ -937,7 +846,7 @@ def test_lua_and_policy_agree_on_random_states(
         safety_margin_tokens=share(0, 0.01, 0.1),
         batch_overcommit=None if overcommit is None else BatchOvercommit(overcommit),
     )
-    ledger = Ledger(redis_client, redis_namespace, policy, lease_ttl_ms=TTL)
+    ledger = Ledger(ledger_client, redis_namespace, policy, lease_ttl_ms=TTL)
     node = f"n{next(_examples)}"
     lease_specs = data.draw(
         st.lists(
@@ -951,20 +860,7 @@ def test_lua_and_policy_agree_on_random_states(
             max_size=8,
         )
     )
-    records = [
-        ActiveLease(
-            f"ls_{i:02x}",
-            node,
-            t,
-            i + 1,
-            at(T0 + TTL),
-            preemptible=p,
-            generated_tokens=g,
-            started_at=at(T0 - s * 1000),
-            deadline=None if d is None else at(T0 + d * 1000),
-        )
-        for i, (t, g, p, s, d) in enumerate(lease_specs)
-    ]
+    records = drawn_leases(node, lease_specs, step_ms=1000)
     ledger.rebuild([NodePool(node, capacity, block)], records, epoch=1, now_ms=T0)
     room = max(0, capacity - sum(r.tokens for r in records))
     interactive_blocks = data.draw(st.integers(0, room // block))
@@ -1038,27 +934,14 @@ def test_lua_and_policy_agree_on_random_states(
     needed=st.integers(0, 3000),
 )
 def test_lua_chooses_the_victims_policy_chooses(
-    redis_client: redis.Redis,
+    ledger_client: redis.Redis,
     redis_namespace: str,
-    specs: list[tuple[int, int, bool, int, int | None]],
+    specs: list[LeaseSpec],
     needed: int,
 ) -> None:
-    ledger = Ledger(redis_client, redis_namespace, POLICY, lease_ttl_ms=TTL)
+    ledger = Ledger(ledger_client, redis_namespace, POLICY, lease_ttl_ms=TTL)
     node = f"v{next(_examples)}"
-    records = [
-        ActiveLease(
-            f"ls_{i:02x}",
-            node,
-            t,
-            i + 1,
-            at(T0 + TTL),
-            preemptible=p,
-            generated_tokens=g,
-            started_at=at(T0 - s),
-            deadline=None if d is None else at(T0 + d),
-        )
-        for i, (t, g, p, s, d) in enumerate(specs)
-    ]
+    records = drawn_leases(node, specs, step_ms=1)
     ledger.rebuild([NodePool(node, 100_000, 1)], records, epoch=1, now_ms=T0)
     snap = ledger.snapshot(node, now_ms=T0)
     assert snap is not None

@@ -16,7 +16,6 @@ import redis.asyncio
 from backfill.keys import FENCE_EPOCH_SHIFT
 from backfill.ledger import ActiveLease, AsyncLedger, Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
-from backfill.redis_client import SyncRedis, connect
 from tests.integration.test_ledger import T0, at, dump
 
 POLICY = PoolPolicy(
@@ -42,19 +41,12 @@ LIVE = [
 
 
 @pytest.fixture
-def redis_client(ledger_redis_url: str) -> Iterator[SyncRedis]:
-    client = connect(ledger_redis_url)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def two_namespaces(redis_client: redis.Redis) -> Iterator[tuple[str, str]]:
+def two_namespaces(ledger_client: redis.Redis) -> Iterator[tuple[str, str]]:
     names = (f"bf-test-{secrets.token_hex(4)}", f"bf-test-{secrets.token_hex(4)}")
     yield names
     for ns in names:
-        for key in redis_client.scan_iter(match=f"{ns}:*"):
-            redis_client.delete(key)
+        for key in ledger_client.scan_iter(match=f"{ns}:*"):
+            ledger_client.delete(key)
 
 
 def without_namespace(state: dict[bytes, Any], namespace: str) -> dict[bytes, Any]:
@@ -62,10 +54,10 @@ def without_namespace(state: dict[bytes, Any], namespace: str) -> dict[bytes, An
 
 
 def test_both_ledgers_rebuild_to_the_same_redis_state(
-    redis_client: redis.Redis, two_namespaces: tuple[str, str], ledger_redis_url: str
+    ledger_client: redis.Redis, two_namespaces: tuple[str, str], ledger_redis_url: str
 ) -> None:
     sync_ns, async_ns = two_namespaces
-    sync_report = Ledger(redis_client, sync_ns, POLICY).rebuild(NODES, LIVE, 2, now_ms=T0)
+    sync_report = Ledger(ledger_client, sync_ns, POLICY).rebuild(NODES, LIVE, 2, now_ms=T0)
 
     async def rebuild_async() -> Any:
         ledger = AsyncLedger.from_url(ledger_redis_url, async_ns, POLICY)
@@ -84,10 +76,10 @@ def test_both_ledgers_rebuild_to_the_same_redis_state(
     assert sync_report == async_report
     assert sync_report.epoch == 4  # past the epoch of every fencing token seen
     assert sync_report.restored == 2
-    assert without_namespace(dump(redis_client, sync_ns), sync_ns) == without_namespace(
-        dump(redis_client, async_ns), async_ns
+    assert without_namespace(dump(ledger_client, sync_ns), sync_ns) == without_namespace(
+        dump(ledger_client, async_ns), async_ns
     )
-    sync_ledger = Ledger(redis_client, sync_ns, POLICY)
+    sync_ledger = Ledger(ledger_client, sync_ns, POLICY)
     assert async_nodes == sync_ledger.nodes() == ["n1", "n2"]
     assert async_counters == sync_ledger.counters("n1")
     assert async_ready
@@ -95,9 +87,9 @@ def test_both_ledgers_rebuild_to_the_same_redis_state(
 
 
 def test_an_operation_keeps_its_signature_and_doc_on_both_ledgers(
-    redis_client: redis.Redis, two_namespaces: tuple[str, str]
+    ledger_client: redis.Redis, two_namespaces: tuple[str, str]
 ) -> None:
-    ledger = Ledger(redis_client, two_namespaces[0], POLICY)
+    ledger = Ledger(ledger_client, two_namespaces[0], POLICY)
     ledger.rebuild(NODES, [], 1, now_ms=T0)
     lease = ledger.reserve("n1", ServiceClass.BATCH, 10, 10, lease_id="ls_doc", now_ms=T0)
     assert isinstance(lease, Lease)

@@ -17,6 +17,7 @@ from batch_api_support import (
     chat_line,
     run_worker,
     serve,
+    submit_file,
 )
 from sqlalchemy import text
 
@@ -53,10 +54,7 @@ def test_a_conflict_tells_the_sdk_not_to_retry(
 ) -> None:
     # The SDK retries 409s by default; a batch that has ended will not become cancellable.
     client = server.client(acme.key)
-    file_id = client.files.create(file=("in.jsonl", chat_file(1)), purpose="batch").id
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = submit_file(client, chat_file(1))
     run_worker(repo)
     finalize_ready_jobs(repo)
     sent: list[httpx.Request] = []
@@ -98,10 +96,7 @@ def test_a_batch_without_max_tokens_runs_with_the_default_reserved(
         for i in range(3)
     )
     client = server.client(acme.key)
-    file_id = client.files.create(file=("in.jsonl", lines), purpose="batch").id
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = submit_file(client, lines)
     assert batch.status in ("validating", "in_progress")
     body = json.loads(client.batches.with_raw_response.retrieve(batch.id).text)
     assert body["status"] == "in_progress"
@@ -207,10 +202,7 @@ def test_the_batch_object_carries_its_usage(
     server: LiveServer, acme: Tenant, repo: Repository
 ) -> None:
     client = server.client(acme.key)
-    file_id = client.files.create(file=("in.jsonl", chat_file(3)), purpose="batch").id
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = submit_file(client, chat_file(3))
     assert batch.usage is not None
     assert (batch.usage.input_tokens, batch.usage.output_tokens) == (0, 0)
     # run_worker's items have 16 prompt and 3 output tokens; the one that fails is not charged.
@@ -255,10 +247,7 @@ def test_a_batch_for_a_model_no_live_node_serves_is_refused_naming_those_served(
     assert set(capacity["models"]) == {"model-a", "model-b"}
     assert capacity["models"]["model-a"]["nodes"] == ["n-a"]
     assert capacity["models"]["model-b"]["capacity_tokens"] == 64 * 16
-    served = client.files.create(file=("b.jsonl", _lines("model-b", 1)), purpose="batch")
-    ok = client.batches.create(
-        input_file_id=served.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    ok = submit_file(client, _lines("model-b", 1))
     assert ok.status == "in_progress"
 
 
@@ -285,17 +274,9 @@ def test_a_batch_for_a_model_not_served_for_its_endpoint_is_refused_naming_the_e
         "url": "/v1/embeddings",
         "body": {"model": "embed-a", "input": "the fox"},
     }
-    embed = client.files.create(
-        file=("e.jsonl", json.dumps(embed_line).encode() + b"\n"), purpose="batch"
-    )
-    accepted = client.batches.create(
-        input_file_id=embed.id, endpoint="/v1/embeddings", completion_window="24h"
-    )
+    accepted = submit_file(client, json.dumps(embed_line).encode() + b"\n", "/v1/embeddings")
     assert accepted.status == "in_progress"
-    unsaid = client.files.create(file=("g.jsonl", _lines("gen-a", 1)), purpose="batch")
-    ok = client.batches.create(
-        input_file_id=unsaid.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    ok = submit_file(client, _lines("gen-a", 1))
     assert ok.status == "in_progress"
     with httpx.Client(base_url=server.base_url) as http:
         capacity = http.get("/v1/capacity", headers={"Authorization": f"Bearer {acme.key}"}).json()
@@ -309,10 +290,7 @@ def test_an_operator_may_let_batches_wait_for_a_model(
     repo.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
     with serve(api_settings(settings, batch_wait_for_model=True)) as live:
         client = live.client(acme.key)
-        upload = client.files.create(file=("a.jsonl", _lines("later-model", 1)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = submit_file(client, _lines("later-model", 1))
     assert batch.status == "in_progress"
 
 

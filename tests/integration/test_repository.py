@@ -14,7 +14,7 @@ from sqlalchemy import text
 from backfill.config import libpq_url
 from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
 from backfill.states import ItemState, JobState
-from backfill.store import Finish, JobRecord, NewItem, Repository, Start, key_digest
+from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start, key_digest
 
 
 @pytest.fixture
@@ -42,6 +42,28 @@ def _job(
     )
     repo.move_job(job.id, JobState.IN_PROGRESS)
     return job
+
+
+def _start(
+    repo: Repository,
+    claimed: ClaimedItem,
+    lease_id: str,
+    fencing_token: int,
+    *,
+    reservation_tokens: int = 128,
+    prompt_tokens: int = 100,
+    attempt: int | None = None,
+) -> None:
+    """Start the claimed item's attempt (``attempt``: another one) under a 30 s claim."""
+    repo.start(
+        claimed.id,
+        claimed.attempt if attempt is None else attempt,
+        lease_id=lease_id,
+        fencing_token=fencing_token,
+        reservation_tokens=reservation_tokens,
+        prompt_tokens=prompt_tokens,
+        lease_ttl_s=30,
+    )
 
 
 def _assert_counters_match(repo: Repository, job_id: str) -> None:
@@ -115,15 +137,7 @@ def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
 ) -> None:
     job = _job(repo, 1)
     old = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        old.id,
-        old.attempt,
-        lease_id="a",
-        fencing_token=1,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, old, "a", 1)
     # The worker goes silent: its claim expires and the reaper takes the item back.
     with psycopg.connect(libpq_url(database_url)) as conn:
         conn.execute("UPDATE items SET lease_expires_at = now() - interval '1 s'")
@@ -133,15 +147,7 @@ def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
     new = repo.claim("n2", 1, 30)[0]
     assert new.id == old.id
     assert new.attempt == old.attempt + 1
-    repo.start(
-        new.id,
-        new.attempt,
-        lease_id="b",
-        fencing_token=2,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, new, "b", 2)
     # The old worker wakes up and tries to write its result: nothing applies.
     stale = Finish(old.id, old.attempt, 1, ItemState.SUCCEEDED, result="old", output_tokens=3)
     assert repo.finish([stale]) == []
@@ -161,15 +167,7 @@ def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
 def test_wrong_fencing_token_is_rejected(repo: Repository) -> None:
     _job(repo, 1)
     c = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        c.id,
-        c.attempt,
-        lease_id="a",
-        fencing_token=10,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, c, "a", 10)
     assert repo.finish([Finish(c.id, c.attempt, 9, ItemState.SUCCEEDED, result="r")]) == []
     with pytest.raises(StaleWrite):
         repo.fail(c.id, c.attempt, "boom", fencing_token=9)
@@ -180,26 +178,10 @@ def test_start_requires_the_current_claim(repo: Repository) -> None:
     _job(repo, 1)
     c = repo.claim("n1", 1, 30)[0]
     with pytest.raises(StaleWrite):
-        repo.start(
-            c.id,
-            c.attempt + 1,
-            lease_id="a",
-            fencing_token=1,
-            reservation_tokens=1,
-            prompt_tokens=1,
-            lease_ttl_s=30,
-        )
+        _start(repo, c, "a", 1, reservation_tokens=1, prompt_tokens=1, attempt=c.attempt + 1)
     repo.give_back(c.id, c.attempt, ItemState.QUEUED)
     with pytest.raises(StaleWrite):
-        repo.start(
-            c.id,
-            c.attempt,
-            lease_id="a",
-            fencing_token=1,
-            reservation_tokens=1,
-            prompt_tokens=1,
-            lease_ttl_s=30,
-        )
+        _start(repo, c, "a", 1, reservation_tokens=1, prompt_tokens=1)
 
 
 def test_illegal_transitions_raise_before_touching_the_database(repo: Repository) -> None:
@@ -214,15 +196,7 @@ def test_illegal_transitions_raise_before_touching_the_database(repo: Repository
 def test_preempted_item_keeps_its_progress_and_is_claimed_again(repo: Repository) -> None:
     job = _job(repo, 1)
     c = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        c.id,
-        c.attempt,
-        lease_id="a",
-        fencing_token=5,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, c, "a", 5)
     repo.preempt(c.id, c.attempt, 5, partial_output="Once upon", partial_tokens=2)
     again = repo.claim("n1", 1, 30)[0]
     assert again.id == c.id
@@ -244,15 +218,7 @@ def test_heartbeat_extends_only_live_claims(repo: Repository) -> None:
 def test_cancel_ends_unstarted_items_and_reports_active_ones(repo: Repository) -> None:
     job = _job(repo, 4)
     a, b = repo.claim("n1", 2, 30)
-    repo.start(
-        a.id,
-        a.attempt,
-        lease_id="la",
-        fencing_token=1,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, a, "la", 1)
     assert repo.end_items(job.id, ItemState.CANCELLED, only_unstarted=True) == []
     assert repo.get_job(None, job.id).counts.count(ItemState.CANCELLED) == 2
     active = repo.end_items(job.id, ItemState.CANCELLED)
@@ -265,15 +231,7 @@ def test_cancel_ends_unstarted_items_and_reports_active_ones(repo: Repository) -
 def test_active_leases_are_what_the_ledger_is_rebuilt_from(repo: Repository) -> None:
     _job(repo, 3)
     a, b, _ = repo.claim("n1", 3, 30)
-    repo.start(
-        a.id,
-        a.attempt,
-        lease_id="la",
-        fencing_token=42,
-        reservation_tokens=256,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, a, "la", 42, reservation_tokens=256)
     rows = {r.item_id: r for r in repo.active_leases()}
     assert set(rows) >= {a.id, b.id}
     assert (rows[a.id].lease_id, rows[a.id].fencing_token, rows[a.id].reservation_tokens) == (
@@ -353,15 +311,7 @@ def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -
     c1 = repo.claim("n1", 1, 30)[0]
     repo.give_back(c1.id, c1.attempt, ItemState.DEFERRED, detail="no slack")
     c2 = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        c2.id,
-        c2.attempt,
-        lease_id="l2",
-        fencing_token=2,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, c2, "l2", 2)
     repo.preempt(c2.id, c2.attempt, 2, partial_output="ab", partial_tokens=2)
     c3 = repo.claim("n2", 1, 30)[0]
     applied = repo.start_many(
@@ -387,15 +337,7 @@ def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -
 def test_requeue_keeps_progress_without_counting_a_preemption(repo: Repository) -> None:
     job = _job(repo, 1)
     c = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        c.id,
-        c.attempt,
-        lease_id="a",
-        fencing_token=3,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, c, "a", 3)
     with pytest.raises(StaleWrite):
         repo.requeue(c.id, c.attempt, 4, partial_output="x", partial_tokens=1, detail="d")
     repo.requeue(
@@ -424,15 +366,7 @@ def test_ledger_epochs_only_grow(repo: Repository) -> None:
 def test_partial_output_keeps_any_code_point_even_nul(repo: Repository) -> None:
     _job(repo, 1)
     c = repo.claim("n1", 1, 30)[0]
-    repo.start(
-        c.id,
-        c.attempt,
-        lease_id="a",
-        fencing_token=1,
-        reservation_tokens=128,
-        prompt_tokens=100,
-        lease_ttl_s=30,
-    )
+    _start(repo, c, "a", 1)
     odd = "nul\x00 tab\t emoji\U0001f600 \ud7ff end"
     repo.preempt(c.id, c.attempt, 1, partial_output=odd, partial_tokens=5)
     again = repo.claim("n1", 1, 30)[0]

@@ -8,8 +8,14 @@ import json
 from typing import Any, Final
 
 import openai
-from batch_api_support import LiveServer, Tenant, jsonl
-from sqlalchemy import text
+from batch_api_support import (
+    LiveServer,
+    Tenant,
+    assert_refused_line_by_line,
+    stored_lines,
+    submit_lines,
+)
+from openai.types import Batch
 
 from backfill.store import Repository
 
@@ -25,13 +31,8 @@ def line(custom_id: str, url: str = RESPONSES, **body: Any) -> dict[str, Any]:
     }
 
 
-def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Any:
-    upload = client.files.create(file=("resp.jsonl", jsonl(lines)), purpose="batch")
-    return client.batches.create(
-        input_file_id=upload.id,
-        endpoint=RESPONSES,
-        completion_window="24h",
-    )
+def submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Batch:
+    return submit_lines(client, lines, RESPONSES)
 
 
 def test_a_responses_batch_is_stored_with_its_output_budgets(
@@ -51,14 +52,7 @@ def test_a_responses_batch_is_stored_with_its_output_budgets(
     assert (batch.status, batch.endpoint, batch.model) == ("in_progress", RESPONSES, "tiny")
     assert batch.request_counts is not None
     assert batch.request_counts.total == 3
-    with repo.engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT custom_id, max_output_tokens, body FROM items WHERE job_id = :j "
-                "ORDER BY line_no"
-            ),
-            {"j": batch.id},
-        ).all()
+    rows = stored_lines(repo, batch.id)
     default = server.settings.batch_default_max_tokens
     assert [(r[0], r[1]) for r in rows] == [("a", 8), ("b", 8), ("c", default)]
     assert json.loads(rows[0][2]) == {
@@ -88,18 +82,18 @@ def test_every_bad_line_fails_the_batch_naming_line_code_and_param(
         line("i", max_tokens=8),
     ]
     batch = submit(client, [line("ok"), *bad])
-    assert batch.status == "failed"
-    assert batch.errors is not None
-    assert batch.errors.data is not None
-    assert [(e.line, e.code, e.param) for e in batch.errors.data] == [
-        (2, "mismatched_endpoint", "url"),
-        (3, "unsupported_parameter", "body.stream"),
-        (4, "unsupported_parameter", "body.previous_response_id"),
-        (5, "unsupported_parameter", "body.store"),
-        (6, "unsupported_parameter", "body.background"),
-        (7, "invalid_input", "body.input"),
-        (8, "unsupported_parameter", "body.tools"),
-        (9, "invalid_max_tokens", "body.max_output_tokens"),
-        (10, "unsupported_parameter", "body.max_tokens"),
-    ]
-    assert repo.counted_states(batch.id) == {}, "items were stored"
+    assert_refused_line_by_line(
+        batch,
+        repo,
+        [
+            (2, "mismatched_endpoint", "url"),
+            (3, "unsupported_parameter", "body.stream"),
+            (4, "unsupported_parameter", "body.previous_response_id"),
+            (5, "unsupported_parameter", "body.store"),
+            (6, "unsupported_parameter", "body.background"),
+            (7, "invalid_input", "body.input"),
+            (8, "unsupported_parameter", "body.tools"),
+            (9, "invalid_max_tokens", "body.max_output_tokens"),
+            (10, "unsupported_parameter", "body.max_tokens"),
+        ],
+    )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -44,7 +44,7 @@ from backfill.store import JobRecord, Repository
 from backfill.store.jobs import move_job as _move_job
 from backfill.webhooks.delivery import RoundReport, Sender, SenderThread
 from backfill.webhooks.endpoints import add_endpoint
-from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.outbox import EndpointRecord, WebhookStore
 from backfill.webhooks.retry import DeliveryState
 
 
@@ -60,13 +60,6 @@ def hook_settings(settings: Settings) -> Settings:
         webhooks_lease_s=5.0,
         webhooks_poll_s=0.1,
     )
-
-
-@pytest.fixture
-def repo(database_url: str) -> Iterator[Repository]:
-    repository = Repository.connect(database_url)
-    yield repository
-    repository.close()
 
 
 @pytest.fixture
@@ -94,6 +87,23 @@ def complete(repo: Repository, settings: Settings, tenant: Tenant) -> str:
     run_worker(repo)
     assert finalize_ready_jobs(repo) == {job.id: JobState.COMPLETED}
     return job.id
+
+
+class HookedJob(NamedTuple):
+    tenant: Tenant
+    endpoint: EndpointRecord
+    secret: str
+    job_id: str
+
+
+def hooked_job(
+    repo: Repository, store: WebhookStore, settings: Settings, receiver: Receiver
+) -> HookedJob:
+    """Tenant acme with an endpoint for every batch event at ``receiver``, and a job of theirs
+    completed (its event queued for delivery)."""
+    tenant = make_tenant(repo, "acme")
+    endpoint, secret = add_endpoint(store, settings, tenant.id, url=receiver.url)
+    return HookedJob(tenant, endpoint, secret, complete(repo, settings, tenant))
 
 
 def rounds_until(
@@ -321,9 +331,7 @@ def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_up_with_the_same
     sender: Sender,
     receiver: Receiver,
 ) -> None:
-    tenant = make_tenant(repo, "acme")
-    _, secret = add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    job_id = complete(repo, hook_settings, tenant)
+    tenant, _, secret, job_id = hooked_job(repo, store, hook_settings, receiver)
     # Down: the port refuses connections.
     rounds_until(sender, lambda r: r.retrying > 0)
     rounds_until(sender, lambda r: r.retrying > 0)
@@ -353,9 +361,7 @@ def test_an_endpoint_down_for_a_while_gets_the_event_once_it_is_up_with_the_same
 def test_a_delivery_that_fails_for_the_whole_retry_period_is_marked_failed(
     repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
 ) -> None:
-    tenant = make_tenant(repo, "acme")
-    add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    complete(repo, hook_settings, tenant)
+    tenant = hooked_job(repo, store, hook_settings, receiver).tenant
     brief = hook_settings.model_copy(update={"webhooks_retry_for_s": 1.0})
     receiver.default_status = 500
     sender = Sender(store, brief)
@@ -375,9 +381,7 @@ def test_a_delivery_that_fails_for_the_whole_retry_period_is_marked_failed(
 def test_a_target_that_turned_private_is_not_sent_to(
     repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
 ) -> None:
-    tenant = make_tenant(repo, "acme")
-    add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    complete(repo, hook_settings, tenant)
+    tenant = hooked_job(repo, store, hook_settings, receiver).tenant
     strict = Sender(store, hook_settings.model_copy(update={"webhooks_allow_private": False}))
     try:
         with listening(receiver):
@@ -398,9 +402,7 @@ def test_a_sender_killed_mid_send_is_redelivered_with_the_same_id(
     sender: Sender,
     receiver: Receiver,
 ) -> None:
-    tenant = make_tenant(repo, "acme")
-    _, secret = add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    job_id = complete(repo, hook_settings, tenant)
+    tenant, _, secret, job_id = hooked_job(repo, store, hook_settings, receiver)
     receiver.hold.clear()  # the first request gets no answer while the sender lives
     env = {
         **os.environ,
@@ -504,9 +506,7 @@ def test_removing_an_endpoint_stops_its_deliveries(
     sender: Sender,
     receiver: Receiver,
 ) -> None:
-    tenant = make_tenant(repo, "acme")
-    endpoint, _ = add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    complete(repo, hook_settings, tenant)
+    tenant, endpoint, _, _ = hooked_job(repo, store, hook_settings, receiver)
     store.delete_endpoint(tenant.id, endpoint.id)
     with listening(receiver):
         assert sender.run_round().claimed == 0

@@ -16,6 +16,7 @@ from typing import Any, cast
 from backfill.engine.protocol import Engine
 from backfill.ledger import AsyncLedger
 from backfill.store import ClaimedItem, Repository
+from tests.unit.dispatch_builders import claimed
 from worker.dispatch import DispatchConfig, NodeDispatcher
 
 
@@ -46,21 +47,13 @@ class CountingEngine:
 def _claimed(n: int, *, prompt_tokens: int | None = None) -> list[ClaimedItem]:
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
     return [
-        ClaimedItem(
-            id=i,
-            job_id="job",
-            attempt=1,
-            custom_id=f"r{i}",
+        claimed(
+            i,
             body=json.dumps(body),
             deadline=datetime.now(UTC) + timedelta(hours=1),
             prompt_tokens=prompt_tokens,
             max_output_tokens=8,
-            reservation_tokens=None,
-            preemptions=0,
-            partial_output=None,
-            partial_tokens=0,
             endpoint="/v1/chat/completions",
-            deadline_left_s=3600.0,
         )
         for i in range(n)
     ]

@@ -41,20 +41,24 @@ vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
 """
 
 
+SCHEDULER_SEEN = EngineScheduler(
+    version="0.1.0",
+    vllm_version="0.32.0",
+    batch_priority=10,
+    paused_steps=42,
+    tokens_held=640,
+    pauses=16,
+    relief=1,
+    preemptions=3,
+    paused_now=3,
+    longest_pause_s=1.25,
+)
+"""What the worker reads from ``SCHEDULER_TEXT`` (and from what the scheduler serves)."""
+
+
 def test_the_schedulers_metrics_say_it_runs_and_what_it_did() -> None:
     seen = parse_scheduler_metrics(SCHEDULER_TEXT)
-    assert seen == EngineScheduler(
-        version="0.1.0",
-        vllm_version="0.32.0",
-        batch_priority=10,
-        paused_steps=42,
-        tokens_held=640,
-        pauses=16,
-        relief=1,
-        preemptions=3,
-        paused_now=3,
-        longest_pause_s=1.25,
-    )
+    assert seen == SCHEDULER_SEEN
     assert seen.name == "backfill_vllm 0.1.0 (vLLM 0.32.0)"
     assert EngineScheduler.from_json(seen.to_json()) == seen
 
@@ -86,17 +90,6 @@ def test_what_the_engine_scheduler_serves_is_what_the_worker_reads() -> None:
         fit=StepFit(0.01, 0.0002, 64),
     )
     text = served.render()
-    assert parse_scheduler_metrics(text) == EngineScheduler(
-        version="0.1.0",
-        vllm_version="0.32.0",
-        batch_priority=10,
-        paused_steps=42,
-        tokens_held=640,
-        pauses=16,
-        relief=1,
-        preemptions=3,
-        paused_now=3,
-        longest_pause_s=1.25,
-    )
+    assert parse_scheduler_metrics(text) == SCHEDULER_SEEN
     assert "backfill_sched_chunk_cap_tokens 48.0" in text
     assert "backfill_sched_step_model_per_token_seconds 0.0002" in text

@@ -73,6 +73,24 @@ def _check_pool(engine: Engine) -> None:
     assert engine.batch_prefill_backlog == backlog
 
 
+def _run_to_completion(engine: Engine, seqs: list[Sequence], rng: random.Random) -> None:
+    """Step ``engine`` while ``seqs`` arrive at random steps, checking the pool's accounting
+    after every step, until all have arrived and the engine idles: every sequence generated
+    its whole output and every block is free again."""
+    pending = list(seqs)
+    now = 0.0
+    for _ in range(100_000):
+        if pending and rng.random() < 0.3:
+            engine.add(pending.pop())
+        report = engine.step(now)
+        _check_pool(engine)
+        if report.seconds == 0 and not pending:
+            break
+        now += report.seconds or 0.01
+    assert all(s.generated == s.output_tokens for s in seqs)
+    assert engine.free_blocks == engine.config.num_blocks
+
+
 def _synthetic_trace(
     n: int, gap_s: float, prompt: int, output: int, seed: int = 1
 ) -> list[TraceRequest]:
@@ -143,18 +161,7 @@ def test_engine_pool_accounting_survives_random_arrivals_and_preemption(seed: in
         )
         for i in range(50)
     ]
-    pending = list(seqs)
-    now = 0.0
-    for _ in range(100_000):
-        if pending and rng.random() < 0.3:
-            engine.add(pending.pop())
-        report = engine.step(now)
-        _check_pool(engine)
-        if report.seconds == 0 and not pending:
-            break
-        now += report.seconds or 0.01
-    assert all(s.generated == s.output_tokens for s in seqs)
-    assert engine.free_blocks == engine.config.num_blocks
+    _run_to_completion(engine, seqs, rng)
 
 
 def test_engine_decode_step_counts_tokens_and_blocks_like_a_per_sequence_loop() -> None:

@@ -25,7 +25,7 @@ from backfill_analysis.simulate.run import simulate
 from backfill_analysis.simulate.stepsched import StepSchedule, chunk_tokens, prefill_seconds
 from backfill_analysis.simulate.trace import TraceRequest
 from backfill_analysis.simulate.workload import BatchItem, BatchWorkload, batch_items
-from tests.unit.test_simulator import COST, _blocks, _check_pool, _spec
+from tests.unit.test_simulator import COST, _blocks, _check_pool, _run_to_completion, _spec
 
 BATCH, INTERACTIVE = 10, 0
 
@@ -328,18 +328,7 @@ def test_pool_accounting_survives_pauses_riders_and_preemption(seed: int) -> Non
         Sequence(i, rng.randint(1, 300), rng.randint(1, 150), prio, interactive=prio == 0)
         for i, prio in enumerate(rng.choice([0, 10, 10]) for _ in range(50))
     ]
-    pending = list(seqs)
-    now = 0.0
-    for _ in range(100_000):
-        if pending and rng.random() < 0.3:
-            engine.add(pending.pop())
-        report = engine.step(now)
-        _check_pool(engine)
-        if report.seconds == 0 and not pending:
-            break
-        now += report.seconds or 0.01
-    assert all(s.generated == s.output_tokens for s in seqs)
-    assert engine.free_blocks == engine.config.num_blocks
+    _run_to_completion(engine, seqs, rng)
     assert engine.paused == 0
 
 

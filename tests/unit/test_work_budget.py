@@ -11,6 +11,7 @@ import pytest
 from backfill.policy import ServiceClass
 from backfill.work_budget import (
     BudgetReason,
+    BudgetStep,
     WorkBudget,
     WorkBudgetPolicy,
     WorkSignals,
@@ -40,6 +41,11 @@ def run(budget: WorkBudget, *signals: WorkSignals) -> WorkBudget:
     return budget
 
 
+def from_start(signals: WorkSignals) -> BudgetStep:
+    """The first step from the initial budget (the ceiling) on ``signals``."""
+    return step(WorkBudget.initial(POLICY), signals, POLICY)
+
+
 def test_starts_at_the_ceiling() -> None:
     b = WorkBudget.initial(POLICY)
     assert (b.max_seqs, b.max_prefill_tokens, b.hold) == (64, 8192, False)
@@ -47,8 +53,7 @@ def test_starts_at_the_ceiling() -> None:
 
 
 def test_shrinks_and_holds_while_interactive_waits_at_the_gateway() -> None:
-    b = WorkBudget.initial(POLICY)
-    s = step(b, WorkSignals(now_s=10.0, interactive_waiting=2, oldest_pending_since_s=9.9), POLICY)
+    s = from_start(WorkSignals(now_s=10.0, interactive_waiting=2, oldest_pending_since_s=9.9))
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert s.changed
     assert s.budget.hold
@@ -60,20 +65,18 @@ def test_shrinks_and_holds_while_interactive_waits_at_the_gateway() -> None:
 
 
 def test_engine_queue_beyond_batchs_own_counts_as_interactive_waiting() -> None:
-    b = WorkBudget.initial(POLICY)
     # Three waiting in the engine, but batch has three items without a first token: those
     # could be all of them, so no pressure.
     own = WorkSignals(now_s=1.0, engine_waiting=3, batch_awaiting_first_token=3)
-    assert step(b, own, POLICY).code is BudgetReason.STEADY
+    assert from_start(own).code is BudgetReason.STEADY
     other = WorkSignals(now_s=1.0, engine_waiting=5, batch_awaiting_first_token=3)
-    s = step(b, other, POLICY)
+    s = from_start(other)
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert s.budget.max_seqs == 32
     assert "2 in the engine's queue" in s.reason
 
 
 def test_other_workers_batch_in_the_shared_engine_queue_is_not_interactive() -> None:
-    b = WorkBudget.initial(POLICY)
     # Two workers on one node share the engine's queue: six waiting, two this worker's and
     # four the other's. None is interactive; reading them as such collapsed both budgets.
     both = WorkSignals(
@@ -84,16 +87,15 @@ def test_other_workers_batch_in_the_shared_engine_queue_is_not_interactive() -> 
         other_batch_awaiting_first_token=4,
     )
     assert both.engine_other_waiting == 0
-    assert step(b, both, POLICY).code is BudgetReason.STEADY
+    assert from_start(both).code is BudgetReason.STEADY
     # One more in the queue than all batch together: interactive, beside batch prefills.
     more = replace(both, engine_waiting=7)
-    s = step(b, more, POLICY)
+    s = from_start(more)
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert "1 in the engine's queue beside 6 batch prefill(s)" in s.reason
 
 
 def test_batch_that_got_its_first_token_since_the_gauge_was_read_is_not_interactive() -> None:
-    b = WorkBudget.initial(POLICY)
     # Batch alone, measured: the engine's gauge said 23 waiting while the worker counted 21
     # of its own awaiting a first token; the other 2 had just got theirs. Read as interactive
     # waiting, it halved the budget and held new prefills with no interactive traffic at all.
@@ -105,17 +107,15 @@ def test_batch_that_got_its_first_token_since_the_gauge_was_read_is_not_interact
         batch_started_since_engine_read=2,
     )
     assert raced.engine_other_waiting == 0
-    assert step(b, raced, POLICY).code is BudgetReason.STEADY
+    assert from_start(raced).code is BudgetReason.STEADY
     # One more than that is interactive.
-    s = step(b, replace(raced, engine_waiting=24), POLICY)
+    s = from_start(replace(raced, engine_waiting=24))
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert "1 in the engine's queue" in s.reason
 
 
 def test_a_worker_preempts_only_its_own_prefills_at_risk() -> None:
-    b = WorkBudget.initial(POLICY)
-    s = step(
-        b,
+    s = from_start(
         WorkSignals(
             now_s=10.0,
             interactive_prefilling=1,
@@ -123,8 +123,7 @@ def test_a_worker_preempts_only_its_own_prefills_at_risk() -> None:
             batch_in_flight=5,
             batch_awaiting_first_token=2,
             other_batch_awaiting_first_token=7,
-        ),
-        POLICY,
+        )
     )
     assert s.code is BudgetReason.TTFT_AT_RISK
     assert s.preempt == 2
@@ -164,10 +163,7 @@ def test_never_below_the_floor() -> None:
 def test_interactive_prefilling_on_target_neither_shrinks_nor_holds_batch() -> None:
     # A steady interactive stream whose TTFTs are on target is not batch's doing: batch keeps
     # its budget and may start prefills within it (a standing hold starved it on a busy node).
-    b = WorkBudget.initial(POLICY)
-    s = step(
-        b, WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9), POLICY
-    )
+    s = from_start(WorkSignals(now_s=5.0, interactive_prefilling=1, oldest_pending_since_s=4.9))
     assert s.code is BudgetReason.INTERACTIVE_PREFILL
     assert not s.budget.hold
     assert not s.changed
@@ -177,8 +173,7 @@ def test_interactive_prefilling_on_target_neither_shrinks_nor_holds_batch() -> N
 
 
 def test_new_prefills_are_held_while_interactive_is_pending_soon_after_a_shrink() -> None:
-    b = WorkBudget.initial(POLICY)
-    slow = step(b, WorkSignals(now_s=10.0, ttfts=((9.9, 0.95),)), POLICY).budget
+    slow = from_start(WorkSignals(now_s=10.0, ttfts=((9.9, 0.95),))).budget
     assert slow.max_seqs == 32
     busy = step(
         slow, WorkSignals(now_s=11.0, interactive_prefilling=1, oldest_pending_since_s=10.9), POLICY
@@ -196,25 +191,21 @@ def test_new_prefills_are_held_while_interactive_is_pending_soon_after_a_shrink(
 
 
 def test_interactive_queued_behind_interactive_is_not_batchs_doing() -> None:
-    b = WorkBudget.initial(POLICY)
     # Two interactive requests in the engine's queue, no batch prefill under way: they wait
     # for an interactive prefill, so the budget keeps its size.
-    behind = step(
-        b,
+    behind = from_start(
         WorkSignals(
             now_s=3.0,
             engine_waiting=2,
             interactive_prefilling=1,
             oldest_pending_since_s=2.8,
             batch_in_flight=10,
-        ),
-        POLICY,
+        )
     )
     assert behind.code is BudgetReason.INTERACTIVE_PREFILL
     assert not behind.changed
     # The same queue while batch prefills are under way: batch competes, so it shrinks.
-    beside = step(
-        b,
+    beside = from_start(
         WorkSignals(
             now_s=3.0,
             engine_waiting=4,
@@ -222,8 +213,7 @@ def test_interactive_queued_behind_interactive_is_not_batchs_doing() -> None:
             oldest_pending_since_s=2.8,
             batch_in_flight=10,
             batch_awaiting_first_token=2,
-        ),
-        POLICY,
+        )
     )
     assert beside.code is BudgetReason.INTERACTIVE_WAITING
     assert beside.budget.max_seqs == 32
@@ -285,9 +275,8 @@ def test_grows_back_by_steps_once_quiet_for_long_enough() -> None:
 
 
 def test_a_ttft_near_the_target_shrinks_once_per_measurement() -> None:
-    b = WorkBudget.initial(POLICY)
     slow = ((9.5, 0.9),)  # over 80% of the 1 s target
-    s = step(b, WorkSignals(now_s=10.0, ttfts=slow), POLICY)
+    s = from_start(WorkSignals(now_s=10.0, ttfts=slow))
     assert s.code is BudgetReason.TTFT_NEAR_TARGET
     assert s.budget.max_seqs == 32
     assert not s.budget.hold
@@ -300,17 +289,14 @@ def test_a_ttft_near_the_target_shrinks_once_per_measurement() -> None:
 
 
 def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
-    b = WorkBudget.initial(POLICY)
-    s = step(
-        b,
+    s = from_start(
         WorkSignals(
             now_s=10.0,
             interactive_prefilling=1,
             oldest_pending_since_s=9.4,
             batch_in_flight=40,
             batch_awaiting_first_token=3,
-        ),
-        POLICY,
+        )
     )
     assert s.code is BudgetReason.TTFT_AT_RISK
     assert s.budget.hold
@@ -320,51 +306,44 @@ def test_preempts_when_a_pending_request_would_miss_its_target() -> None:
     assert "waited 0.60 s" in s.reason
     assert "preempting 3 batch sequence(s)" in s.reason
     # The target itself spent: batch over the shrunken budget (40 -> 32) goes too.
-    late = step(
-        b,
+    late = from_start(
         WorkSignals(
             now_s=10.0,
             interactive_waiting=1,
             oldest_pending_since_s=8.9,
             batch_in_flight=40,
             batch_awaiting_first_token=3,
-        ),
-        POLICY,
+        )
     )
     assert late.preempt == 8
-    few = step(
-        b,
+    few = from_start(
         WorkSignals(
             now_s=10.0,
             interactive_waiting=1,
             oldest_pending_since_s=8.9,
             batch_in_flight=5,
             batch_awaiting_first_token=3,
-        ),
-        POLICY,
+        )
     )
     assert few.preempt == 3
     # Nothing of batch's running: nothing to preempt, and no shrink for interactive overload
     # beyond the wait itself.
-    alone = step(
-        b, WorkSignals(now_s=10.0, interactive_prefilling=2, oldest_pending_since_s=8.9), POLICY
+    alone = from_start(
+        WorkSignals(now_s=10.0, interactive_prefilling=2, oldest_pending_since_s=8.9)
     )
     assert alone.code is BudgetReason.INTERACTIVE_PREFILL
     assert alone.preempt == 0
 
 
 def test_no_preemption_before_the_risk_threshold() -> None:
-    b = WorkBudget.initial(POLICY)
-    s = step(
-        b,
+    s = from_start(
         WorkSignals(
             now_s=10.0,
             interactive_waiting=1,
             oldest_pending_since_s=9.7,
             batch_in_flight=60,
             batch_awaiting_first_token=10,
-        ),
-        POLICY,
+        )
     )
     assert s.code is BudgetReason.INTERACTIVE_WAITING
     assert s.preempt == 0
@@ -409,11 +388,7 @@ def test_victims_are_prefills_first_then_least_output_and_never_capped_ones() ->
 
 
 def test_describe_says_the_budget_and_why() -> None:
-    s = step(
-        WorkBudget.initial(POLICY),
-        WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=1.0),
-        POLICY,
-    )
+    s = from_start(WorkSignals(now_s=1.0, interactive_waiting=1, oldest_pending_since_s=1.0))
     text = describe(s.budget)
     assert "32 sequences / 4096 prefill tokens, new prefills held" in text
     assert "interactive_waiting" in text
