@@ -13,6 +13,7 @@ operation's, less its first argument.
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from typing import (
     Any,
@@ -108,7 +109,7 @@ class operation(Generic[P, T]):  # noqa: N801 (used like a decorator)
         return run
 
 
-class LedgerBinding(Generic[C, S]):
+class LedgerBinding(ABC, Generic[C, S]):
     """A ledger on a Redis client of type ``C`` (one server or a cluster), whose scripts
     register as ``S``; :class:`~backfill.ledger.Ledger` and
     :class:`~backfill.ledger.AsyncLedger` add how each step is carried out."""
@@ -137,11 +138,13 @@ class LedgerBinding(Generic[C, S]):
         return cls(cls._connect(url), namespace, policy, lease_ttl_ms)
 
     @classmethod
+    @abstractmethod
     def _connect(cls, url: str) -> C:
-        raise NotImplementedError
+        """The client for ``url`` (each ledger says which kind)."""
 
+    @abstractmethod
     def _register(self, client: C, source: str) -> S:
-        raise NotImplementedError
+        """``source`` registered as a script on ``client``."""
 
     @property
     def client(self) -> C:
