@@ -203,6 +203,11 @@ class Settings(BaseSettings):
     work_budget_quiet_s: Annotated[float, Field(ge=0)] = 2.0
     work_budget_preempt_at_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
     work_budget_interval_s: PositiveFloat = 0.25
+    # While the engine runs Backfill's step scheduler it pauses batch for interactive work
+    # itself, and the budget only bounds what batch has in flight: stepping it (an engine
+    # /metrics read and four Redis round trips) every second instead of four times a second
+    # leaves that CPU to the engine.
+    work_budget_interval_with_scheduler_s: PositiveFloat = 1.0
     work_signal_ttl_s: PositiveFloat = 3.0
 
     # Webhooks (``backfill.webhooks``): targets on loopback, private, link-local or metadata

@@ -20,6 +20,7 @@ from backfill import logs
 from backfill.clock import HostClock, SharedClock
 from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, StopReason
 from backfill.engine.protocol import Engine
+from backfill.engine.shared_load import SharedLoad
 from backfill.engine_scheduler import EngineScheduler
 from backfill.errors import BackfillError
 from backfill.ledger import BatchLedger, Lease
@@ -132,6 +133,8 @@ class DispatcherState:
         # compared on it (this host's clock may be off; ``host_clock`` is it).
         self.clock = SharedClock(host=host_clock)
         self.engine = engine
+        # The budget, the observer and the stall watch share one /metrics read.
+        self.engine_load = SharedLoad(engine)
         self.repo = repo
         self.ledger = ledger
         self.model = model

@@ -112,7 +112,7 @@ class Watchers(DispatcherState):
         while True:
             await asyncio.sleep(cfg.observe_interval_s)
             try:
-                load = await self.engine.load()
+                load = (await self.engine_load.read(cfg.observe_interval_s)).load
                 snap = await self.ledger.snapshot(cfg.node)
                 if snap is None:
                     continue
@@ -176,7 +176,7 @@ class Watchers(DispatcherState):
         while True:
             await asyncio.sleep(interval)
             try:
-                load = await self.engine.load()
+                load = (await self.engine_load.read(interval)).load
                 seen: int | None = load.prompt_tokens_total + load.generation_tokens_total
             except Exception as exc:  # no answer at all is no progress
                 log.debug("node %s: no engine load for the stall watch: %s", self.config.node, exc)
@@ -208,11 +208,19 @@ class Watchers(DispatcherState):
         except Exception as exc:  # the first step tries again
             log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
         while True:
-            await asyncio.sleep(cfg.budget_interval_s)
+            await asyncio.sleep(self.budget_interval_s())
             try:
                 await self._step_budget()
             except Exception as exc:  # a missed step leaves the last budget standing
                 log.warning("node %s: work budget not stepped: %s", cfg.node, exc)
+
+    def budget_interval_s(self) -> float:
+        """How often the work budget steps now: less often while the engine's step scheduler
+        pauses batch itself."""
+        cfg = self.config
+        if self.engine_scheduler is not None:
+            return cfg.budget_interval_with_scheduler_s
+        return cfg.budget_interval_s
 
     async def _step_budget(self) -> None:
         cfg = self.config
@@ -231,9 +239,12 @@ class Watchers(DispatcherState):
         except Exception as exc:  # Redis trouble: judge by the engine's queue alone
             log.debug("node %s: no gateway signals: %s", cfg.node, exc)
             seen = InteractiveSignals()
+        interval = self.budget_interval_s()
         read_at = time.monotonic()
         try:
-            engine_waiting: int | None = (await self.engine.load()).num_requests_waiting
+            reading = await self.engine_load.read(interval / 2)
+            engine_waiting: int | None = reading.load.num_requests_waiting
+            read_at = reading.read_at
         except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
             log.debug("node %s: no engine load: %s", cfg.node, exc)
             engine_waiting = None
@@ -247,7 +258,7 @@ class Watchers(DispatcherState):
                 cfg.node,
                 self._worker_id,
                 awaiting,
-                max(1.0, 4 * cfg.budget_interval_s),
+                max(1.0, 4 * interval),
                 now,
             )
         except Exception as exc:  # Redis trouble: as if this worker were the node's only one

@@ -80,6 +80,7 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
             else None
         ),
         budget_interval_s=settings.work_budget_interval_s,
+        budget_interval_with_scheduler_s=settings.work_budget_interval_with_scheduler_s,
         signal_ttl_s=settings.work_signal_ttl_s,
         stall_timeout_s=settings.batch_stream_stall_s,
         scheduler_metrics_url=settings.engine_scheduler_metrics_url,

@@ -56,6 +56,9 @@ class DispatchConfig:
     only ``max_in_flight`` and the KV slack bound batch."""
     budget_interval_s: float = 0.25
     """How often the work budget is stepped from fresh signals."""
+    budget_interval_with_scheduler_s: float = 1.0
+    """... and while the engine's step scheduler answers (it pauses batch itself; the budget
+    only bounds what is in flight)."""
     signal_ttl_s: float = 3.0
     """Gateway signals older than this are ignored (the gateway that wrote them is gone)."""
     scheduler_metrics_url: str | None = None
