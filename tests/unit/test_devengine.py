@@ -183,3 +183,22 @@ def test_the_scheduler_env_puts_only_the_package_on_the_engines_path(tmp_path: P
     assert env["BACKFILL_SCHED_RIDE_ALONG_SHARE"] == "0.2"
     with pytest.raises(devengine.DevEngineError, match="BACKFILL_SCHED_"):
         engine_server._scheduler_env(tmp_path, "127.0.0.1", {"RIDE_ALONG": "1"})
+
+
+def test_the_scheduler_env_takes_this_process_settings_over_the_cpu_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert (
+        engine_server._scheduler_env(tmp_path, "127.0.0.1", {})["BACKFILL_SCHED_CHUNK_TARGET_S"]
+        == engine_server.CPU_CHUNK_TARGET_S
+    )
+    monkeypatch.setenv("BACKFILL_SCHED_CHUNK_TARGET_S", "0.03")
+    monkeypatch.setenv("BACKFILL_SCHED_METRICS_PORT", "1")
+    env = engine_server._scheduler_env(tmp_path, "127.0.0.1", {})
+    assert env["BACKFILL_SCHED_CHUNK_TARGET_S"] == "0.03"
+    assert env["BACKFILL_SCHED_METRICS_PORT"] != "1"  # always a free port of its own
+    given = {"BACKFILL_SCHED_CHUNK_TARGET_S": "0.2"}
+    assert (
+        engine_server._scheduler_env(tmp_path, "127.0.0.1", given)["BACKFILL_SCHED_CHUNK_TARGET_S"]
+        == "0.2"
+    )

@@ -275,13 +275,17 @@ def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dic
     unknown = sorted(k for k in settings if not k.startswith("BACKFILL_SCHED_"))
     if unknown:
         raise DevEngineError(f"scheduler settings are BACKFILL_SCHED_* variables, not {unknown}")
+    own = {"BACKFILL_SCHED_METRICS_PORT", "BACKFILL_SCHED_METRICS_HOST"}
     env = {
+        # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
+        # (10 ms of batch prefill per step) would cut batch prefill into slivers here.
+        "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
+        # This process' BACKFILL_SCHED_* variables win over that default (a benchmark's
+        # sweep, an operator's setting), the caller's settings over both; the metrics port is
+        # always a free one of ours.
+        **{k: v for k, v in os.environ.items() if k.startswith("BACKFILL_SCHED_") and k not in own},
         "BACKFILL_SCHED_METRICS_PORT": str(harness.free_port(host)),
         "BACKFILL_SCHED_METRICS_HOST": host,
-        # A CPU engine's steps are ~10x a GPU's: the scheduler's default chunk target
-        # (10 ms of batch prefill per step) would cut batch prefill into slivers here. The
-        # simulator's CPU scenario uses 0.1 s.
-        "BACKFILL_SCHED_CHUNK_TARGET_S": CPU_CHUNK_TARGET_S,
         **settings,
     }
     if (_SCHEDULER_PACKAGE / "scheduler.py").is_file():
