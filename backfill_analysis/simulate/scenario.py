@@ -110,14 +110,14 @@ def cpu_smollm2() -> Scenario:
         ),
         duration_s=900.0,
         ttft_slo_s=6.0,
-        # backfill-step: 0.1 s of batch prefill per step (about 150 prompt tokens here; a
-        # step's overhead alone is 27 ms on this engine).
+        # backfill-step: 0.05 s of batch prefill per step, the dev engine's CPU setting
+        # (about 75 prompt tokens here; a step's overhead alone is 27 ms on this engine).
         knobs=PolicyKnobs(
             batch_concurrency=32,
             reserve_fraction=0.25,
             busy_batch_seqs=4,
             max_batch_seqs=64,
-            step_schedule=StepSchedule(chunk_target_s=0.1),
+            step_schedule=StepSchedule(chunk_target_s=0.05),
         ),
         sample_every_s=5.0,
     )

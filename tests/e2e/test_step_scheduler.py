@@ -37,6 +37,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 BATCH, INTERACTIVE = 10, 0
 STEP_TOKENS = 64
 LONG_PROMPT = 1900
+# Batch requests that must still be decoding when interactive work arrives however fast the
+# machine (a 400-token one could finish first on a quiet one, and nothing paused).
+LONG_BATCH = 1900
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +257,12 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
             # The worker's abort: close the stream of a paused request.
             victim_stream = engine.stream_completion(
                 Endpoint.COMPLETIONS,
-                {"model": model, "prompt": prompt(120), "max_tokens": 400, "ignore_eos": True},
+                {
+                    "model": model,
+                    "prompt": prompt(120),
+                    "max_tokens": LONG_BATCH,
+                    "ignore_eos": True,
+                },
                 priority=BATCH,
                 request_id="victim-abort",
             )
@@ -265,7 +273,7 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
                 body = {
                     "model": model,
                     "prompt": prompt(120),
-                    "max_tokens": 400,
+                    "max_tokens": LONG_BATCH,
                     "ignore_eos": True,
                     "stream": True,
                     "priority": BATCH,

@@ -149,8 +149,20 @@ def test_rolling_sigterm_requeues_in_flight_items_at_once(
                 try:
                     d.wait(busy, 120, "items running")
                 except AssertionError as exc:
-                    logs = "\n".join(x.log_text()[-1500:] for x in workers)
-                    raise AssertionError(f"{exc}: {d.counts(job)}\n{logs}") from None
+                    # What a stuck run needs first: the items' states, the node's pool and
+                    # where each claim of this job stands (CI keeps only a part of the output).
+                    snap = d.ledger.snapshot(d.node)
+                    claims = d.sql(
+                        "SELECT state, node, count(*), min(not_before) FROM items "
+                        "WHERE job_id = :j AND state NOT IN ('succeeded', 'failed') "
+                        "GROUP BY state, node",
+                        j=job,
+                    )
+                    logs = "\n".join(x.log_text()[-1200:] for x in workers)
+                    raise AssertionError(
+                        f"{exc}: {d.counts(job)}; stops so far {len(stops)}; pool {snap}; "
+                        f"open items {claims}; alive {[x.alive() for x in workers]}\n{logs}"
+                    ) from None
                 before = d.sql(
                     "SELECT count(*) FROM attempts a JOIN items i ON i.id = a.item_id "
                     "WHERE i.job_id = :j AND a.outcome = 'released'",
