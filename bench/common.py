@@ -97,6 +97,8 @@ def finish(
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))
     shown = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if shown == f"{target:.3g}" and value != target:
+        shown = f"{value:.6g}"  # 1.005 against a goal of 1.0 must not read "1 ... short"
     said = "ok" if ok else "short" + (f" ({reason})" if reason else "")
     print(f"{name}: {figure}={shown} (goal {op} {target}) {said}")
     return ok
