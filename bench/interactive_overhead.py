@@ -58,10 +58,25 @@ class Side:
     name: str
     ttfts: list[float] = field(default_factory=list)
     shapes: list[int] = field(default_factory=list)
+    block_starts: list[int] = field(default_factory=list)
 
     def add(self, shape: int, ttft: float) -> None:
         self.shapes.append(shape)
         self.ttfts.append(ttft)
+
+    def begin_block(self) -> None:
+        self.block_starts.append(len(self.ttfts))
+
+    def block_p50s(self) -> list[float]:
+        """The median TTFT of each block, in the order the blocks ran (a drift or one loaded
+        block shows here, where the pooled percentiles hide it)."""
+        starts = self.block_starts or [0]
+        ends = [*starts[1:], len(self.ttfts)]
+        return [
+            round(statistics.median(self.ttfts[a:b]), 4)
+            for a, b in zip(starts, ends, strict=True)
+            if b > a
+        ]
 
     def p(self, q: float) -> float:
         return percentile(self.ttfts, q)
@@ -95,6 +110,7 @@ class Comparison:
             "p50_ratio": self.ratio(50),
             "p99_ratio": self.ratio(99),
             "paired_median_ratio": self.paired(),
+            "block_p50s": {side.name: side.block_p50s() for side in (self.base, self.other)},
         }
 
 
@@ -166,6 +182,9 @@ async def scheduler_pairs(
         for server in (stock, ours):
             await _warm(client, server.url, server.served_model_name)
         for i, shape in enumerate(_shapes(rounds * per_block, client.rng)):
+            if i % per_block == 0:
+                base.begin_block()
+                other.begin_block()
             prompt = client.prompt(shape)
             order = [(stock, base), (ours, other)]
             for server, side in order if i % 2 == 0 else order[::-1]:
@@ -213,6 +232,7 @@ async def _block(
     client = Client(seed)
     try:
         await client.ttft(url, model, client.prompt(64), headers, priority)
+        side.begin_block()
         for shape in shapes:
             side.add(shape, await client.ttft(url, model, client.prompt(shape), headers, priority))
     finally:
@@ -246,21 +266,29 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--rounds", type=int, default=None, help="blocks per side (default 4)")
     p.add_argument("--per-block", type=int, default=None, help="requests per block (30)")
+    p.add_argument(
+        "--only",
+        choices=("scheduler", "gateway"),
+        default=None,
+        help="one of the two figures (the verdict is then on it alone)",
+    )
     args = p.parse_args()
     rounds = args.rounds or (2 if args.quick else 4)
     per_block = args.per_block or (10 if args.quick else 30)
     logs = Path(tempfile.mkdtemp(prefix="bf-overhead-"))
+    comparisons: list[Comparison] = []
     ours = devengine.start_model(args.model, scheduler=True)
     try:
-        stock = devengine.start_model(args.model)
-        try:
-            sched = asyncio.run(scheduler_pairs(stock, ours, rounds, per_block))
-        finally:
-            stock.stop()
-        gateway = gateway_blocks(ours, rounds, per_block, logs)
+        if args.only != "gateway":
+            stock = devengine.start_model(args.model)
+            try:
+                comparisons.append(asyncio.run(scheduler_pairs(stock, ours, rounds, per_block)))
+            finally:
+                stock.stop()
+        if args.only != "scheduler":
+            comparisons.append(gateway_blocks(ours, rounds, per_block, logs))
     finally:
         ours.stop()
-    comparisons = [sched, gateway]
     headers = ["figure", "side", "n", "p50 s", "p99 s"] + [f"{s} tok p50" for s in SHAPES]
     print(table(headers, _rows(comparisons)))
     worst = max(c.worst_share() for c in comparisons)

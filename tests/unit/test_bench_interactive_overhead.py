@@ -44,3 +44,13 @@ def test_the_closing_line_never_shows_a_short_figure_as_the_goal_itself(
     assert capsys.readouterr().out.strip() == "x: share=1.005 (goal <= 1.0) short"
     assert common.finish("x", "share", 0.98, "<=", 1.0, {})
     assert capsys.readouterr().out.strip() == "x: share=0.98 (goal <= 1.0) ok"
+
+
+def test_block_medians_follow_the_blocks_in_the_order_they_ran() -> None:
+    side = Side("gateway")
+    for block in ([0.1, 0.3, 0.2], [1.0, 2.0]):
+        side.begin_block()
+        for t in block:
+            side.add(100, t)
+    side.begin_block()  # a block with no requests (stopped early) is left out
+    assert side.block_p50s() == [0.2, 1.5]
