@@ -60,22 +60,7 @@ def report(points: Sequence[Point]) -> str:
     calls_head = [
         "nodes",
         "path",
-        *(
-            f"{c}/s"
-            for c in (
-                "claim",
-                "start",
-                "reserve",
-                "settle",
-                "hb",
-                "hb_pg",
-                "finish",
-                "release",
-                "snapshot",
-                "observe",
-                "budget",
-            )
-        ),
+        *(f"{_SHORT.get(c, c)}/s" for c in CALLS),
         "tick p50/p99 ms",
     ]
     per_item = []
@@ -115,6 +100,8 @@ def report(points: Sequence[Point]) -> str:
     )
 
 
+_SHORT = {"heartbeat": "hb", "heartbeat_pg": "hb_pg", "work_budget": "budget"}
+"""Column names of the calls-per-second table (one per ``CALLS`` entry, in its order)."""
 REDIS_CALLS = ("reserve", "settle", "heartbeat", "release", "snapshot", "observe")
 """Ledger round trips (the work budget's 4 commands a step come on top)."""
 

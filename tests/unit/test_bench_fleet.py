@@ -8,6 +8,8 @@ import pytest
 
 from backfill_analysis.simulate.costmodel import CostModel
 from bench.fleet_model import NodeModel, Timeline, h100_node
+from bench.fleet_point import CALLS, Point
+from bench.fleet_report import report
 from bench.fleet_stats import Histogram, cpu_delta, merged
 
 # One step: 10 ms + 1 ms per prefill token / 1 ms per decoding sequence (easy arithmetic).
@@ -79,3 +81,11 @@ def test_histograms_merge_across_processes_and_survive_json() -> None:
 
 def test_cpu_delta_counts_new_processes_from_zero_and_skips_gone_ones() -> None:
     assert cpu_delta({1: 10.0, 2: 5.0}, {1: 12.5, 3: 1.0}) == pytest.approx(3.5)
+
+
+def test_the_report_has_a_column_for_every_call_it_counts() -> None:
+    point = Point(10, "backfill", 60.0, 1234.0, 100, 10, 0, {}, 0.5, 0.1, 0.2, 1.5)
+    text = report([point])  # raised when CALLS gained a call the header did not name
+    calls_table = text.split("calls per second\n", 1)[1].split("\n\n", 1)[0]
+    rates = [h for h in calls_table.splitlines()[0].split() if h.endswith("/s")]
+    assert len(rates) == len(CALLS)
