@@ -13,11 +13,12 @@ from backfill.batch_input import (
     MAX_REPORTED_ERRORS,
     InputLimits,
     InvalidBatch,
+    LocatedLines,
     ValidatedBatch,
-    check_upload,
     validate_batch_input,
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
+from backfill.upload_scan import check_upload
 
 CHAT = "/v1/chat/completions"
 LIMITS = InputLimits(
@@ -256,3 +257,26 @@ def test_a_tool_schema_counts_toward_the_forecast() -> None:
     assert isinstance(plain, ValidatedBatch)
     assert isinstance(with_tools, ValidatedBatch)
     assert with_tools.estimated_prompt_tokens >= plain.estimated_prompt_tokens + 10_000
+
+
+def test_a_line_stands_for_its_body_only_where_postgres_reads_it_as_python_does() -> None:
+    line = (
+        '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        '{"model": "m", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 4}}'
+    )
+
+    def stored(raw: bytes) -> list[str | None]:
+        located = LocatedLines([(raw, (0, 0, len(raw)))])
+        result = validate_batch_input(located, CHAT, LIMITS)
+        assert isinstance(result, ValidatedBatch), result
+        return [item.body for item in result.items]
+
+    assert stored((line % "plain").encode()) == [None]
+    assert stored((line % "caf\u00e9").encode()) == [None]
+    for kept in (
+        (line % "\\ud83d\\ude00").encode(),  # a surrogate pair, escaped
+        (line % "\\u0000").encode(),
+        b"\xef\xbb\xbf" + (line % "bom").encode(),
+        (line % "\ud800").encode("utf-8", "surrogatepass"),  # not UTF-8; Python reads it
+    ):
+        assert stored(kept) != [None], kept
