@@ -54,7 +54,7 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 100
 """A file with a systematic mistake would otherwise report it 50,000 times."""
 
-_INTEGER_FIELDS = (*INTEGER_FIELDS, "logprobs")
+_INTEGER_FIELDS = INTEGER_FIELDS | {"logprobs"}
 """Fields ``normalise_fields`` may rewrite (an integral float to an integer)."""
 
 CHARS_PER_TOKEN_ESTIMATE = 4
@@ -159,6 +159,14 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _loads(raw: bytes) -> Any:
+    # pydantic-core's parser first: three times as fast as json's on a 2 KB request, and it
+    # reads what it accepts as json does (the last of duplicate keys, big integers, floats
+    # exactly). What it refuses (NaN, lone surrogates, deep nesting, a byte-order mark) the
+    # reference parser judges, so acceptance and the words of a refusal stay json's.
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError:
+        pass
     try:
         return json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
@@ -397,7 +405,7 @@ def _checked_lines(
             yield _embedding_item(number, custom_id, body, chars, limits, tally)
             continue
         # Whether the stored body differs from the line's: then the item keeps a copy.
-        rewritten = any(type(body.get(key)) is float for key in _INTEGER_FIELDS)
+        rewritten = any(type(body[key]) is float for key in _INTEGER_FIELDS.intersection(body))
         malformed = normalise_fields(body, chat=endpoint == CHAT)
         if malformed is not None:
             param, message = malformed

@@ -49,7 +49,7 @@ from backfill.refusals import (
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
 from backfill.store import BatchStore, FileRecord, JobRecord, NewItem, TenantRecord
-from backfill.upload_scan import UploadScan, iter_lines, iter_located_lines
+from backfill.upload_scan import UploadScan, iter_lines, iter_located_lines, read_ahead
 from backfill.windows import (
     DeadlinePlan,
     batch_throughput,
@@ -189,7 +189,7 @@ def _located_lines(repo: BatchStore, tenant_id: str, file_id: str) -> InputLines
     chunks = repo.file_chunks(tenant_id, file_id)
     if chunks is None:
         return _stored_lines(repo, tenant_id, file_id)
-    return LocatedLines(iter_located_lines(chunks))
+    return LocatedLines(iter_located_lines(read_ahead(chunks)))
 
 
 def _same_request(job: JobRecord, request: BatchRequest) -> bool:

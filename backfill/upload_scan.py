@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import io
 import math
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
@@ -189,3 +191,44 @@ def iter_located_lines(pieces: Iterable[bytes]) -> Iterator[tuple[bytes, LineSpo
         carry, carry_at = piece[end + 1 :], (seq, end + 1)
     last = None if carry_at is None or not carry else (carry_at[0], carry_at[1], len(carry))
     yield carry, last
+
+
+def read_ahead(pieces: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
+    """``pieces`` as they are, fetched up to ``depth`` ahead by a thread of their own, so
+    reading a stored file (a query per piece, waiting on Postgres with the GIL released)
+    overlaps parsing the piece before. An error while fetching is raised where the piece
+    would have come; a consumer that stops early stops the thread at its next piece."""
+    ahead: queue.Queue[tuple[bytes | None, BaseException | None]] = queue.Queue(depth)
+    stop = threading.Event()
+
+    def hand(item: tuple[bytes | None, BaseException | None]) -> bool:
+        """Queue ``item`` unless the consumer has stopped; whether it was queued."""
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def fetch() -> None:
+        try:
+            for piece in pieces:
+                if not hand((piece, None)):
+                    return
+            hand((None, None))
+        except BaseException as exc:  # handed to the consumer, raised there
+            hand((None, exc))
+
+    thread = threading.Thread(target=fetch, name="read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            piece, error = ahead.get()
+            if error is not None:
+                raise error
+            if piece is None:
+                return
+            yield piece
+    finally:
+        stop.set()

@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from backfill.batch_input import (
     COMPLETIONS,
@@ -15,6 +17,7 @@ from backfill.batch_input import (
     InvalidBatch,
     LocatedLines,
     ValidatedBatch,
+    _loads,
     validate_batch_input,
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
@@ -280,3 +283,40 @@ def test_a_line_stands_for_its_body_only_where_postgres_reads_it_as_python_does(
         (line % "\ud800").encode("utf-8", "surrogatepass"),  # not UTF-8; Python reads it
     ):
         assert stored(kept) != [None], kept
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children),
+    max_leaves=20,
+)
+
+
+@given(value=JSON_VALUES, ascii_only=st.booleans())
+def test_the_fast_parser_reads_every_line_as_json_does(value: Any, ascii_only: bool) -> None:
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    assert _loads(raw) == json.loads(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": 1, "a": 2}',
+        b'{"a": 1e400, "b": -0.0, "c": 123456789012345678901234567890}',
+        b'{"a": "\\ud800"}',
+        b"\xef\xbb\xbf{}",
+        b"[" * 500 + b"]" * 500,
+        b'{"a": "\\u0000"}',
+    ],
+)
+def test_what_the_fast_parser_refuses_the_reference_parser_judges(raw: bytes) -> None:
+    assert repr(_loads(raw)) == repr(json.loads(raw))
+
+
+def test_nan_is_refused_with_json_s_words() -> None:
+    with pytest.raises(ValueError, match="NaN is not valid JSON"):
+        _loads(b'{"a": NaN}')

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import itertools
+import time
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -14,7 +16,13 @@ from hypothesis import strategies as st
 
 from backfill.batch_input import InputLimits, forecast_tokens_upper_bound, validate_batch_input
 from backfill.refusals import InvalidRequest, PayloadTooLarge
-from backfill.upload_scan import UploadScan, check_upload, iter_lines, iter_located_lines
+from backfill.upload_scan import (
+    UploadScan,
+    check_upload,
+    iter_lines,
+    iter_located_lines,
+    read_ahead,
+)
 
 CHAT = "/v1/chat/completions"
 LINES = st.lists(
@@ -154,3 +162,36 @@ def test_the_scan_records_the_forecast_bound_of_the_whole_file() -> None:
     scan = UploadScan(io.BytesIO(content), InputLimits(10**6, 1000, 100, 4096, 16), piece_bytes=300)
     assert len(list(scan.pieces())) > 3
     assert scan.tokens_bound == forecast_tokens_upper_bound(content)
+
+
+def test_read_ahead_gives_every_piece_in_order_and_raises_where_fetching_failed() -> None:
+    pieces = [bytes([i]) * 10 for i in range(20)]
+    assert list(read_ahead(iter(pieces))) == pieces
+
+    def failing() -> Iterator[bytes]:
+        yield b"first"
+        raise RuntimeError("the store went away")
+
+    ahead = read_ahead(failing())
+    assert next(ahead) == b"first"
+    with pytest.raises(RuntimeError, match="went away"):
+        next(ahead)
+
+
+def test_a_consumer_that_stops_early_stops_the_read_ahead() -> None:
+    fetched = []
+
+    def endless() -> Iterator[bytes]:
+        i = 0
+        while True:
+            fetched.append(i)
+            yield b"x"
+            i += 1
+
+    ahead = read_ahead(endless(), depth=2)
+    assert next(ahead) == b"x"
+    ahead.close()
+    time.sleep(0.5)
+    count = len(fetched)
+    time.sleep(0.3)
+    assert len(fetched) == count < 10
