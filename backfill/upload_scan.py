@@ -32,9 +32,6 @@ UPLOAD_SCAN_BYTES = 64 * 1024
 next (at most ``max_line_bytes``), the piece being gathered, and one object per line of the
 step (a step of two-byte lines is 32,768 of them: about 1.5 MB)."""
 
-_BLANKS = b" \t\r\x0b\x0c"
-"""What ``bytes.strip`` removes besides the newline: a line of only these is blank."""
-
 
 class UploadScan:
     """One pass over a batch upload read from where ``source`` stands: :meth:`pieces` gives
@@ -83,16 +80,19 @@ class UploadScan:
             if end < 0:
                 carry = buffer
             else:
-                complete, carry = buffer[:end], buffer[end + 1 :]
-                _check_line_lengths(complete, lines_before, limits)
-                lines_before += complete.count(b"\n") + 1
-                # Blanks removed, every non-blank line is one whitespace-free word.
-                self.requests += len(complete.translate(None, _BLANKS).split())
+                lines = buffer.split(b"\n")
+                carry = lines.pop()
+                if max(map(len, lines)) > limits.max_line_bytes:
+                    _check_line_lengths(buffer[:end], lines_before, limits)
+                lines_before += len(lines)
+                # A blank line strips to nothing (strip returns a line with no blank at
+                # either end as it is: no copy).
+                self.requests += sum(map(bool, map(bytes.strip, lines)))
                 if self.requests > limits.max_lines:
                     raise _too_many_lines(f"more than {limits.max_lines}", limits)
-                if b'"max_' in complete:
+                if buffer.find(b'"max_', 0, end) >= 0:
                     self.max_output_tokens += sum(
-                        int(m) for m in MAX_TOKENS_FIELD.findall(complete)
+                        int(m) for m in MAX_TOKENS_FIELD.findall(buffer, 0, end)
                     )
                 gathered.append(buffer[: end + 1])
                 gathered_bytes += end + 1
