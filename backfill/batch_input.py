@@ -40,7 +40,7 @@ from backfill.refusals import InvalidRequest
 from backfill.request_fields import INTEGER_FIELDS, normalise_fields
 from backfill.responses import check_responses_body, responses_text_chars
 from backfill.store import NewItem
-from backfill.store.bodies import line_stands_for_body
+from backfill.store.bodies import body_span
 
 PROMPT_FIELD: dict[str, str] = {
     CHAT: "messages",
@@ -479,18 +479,20 @@ def _checked_lines(
         # Every prompt of a line is a sequence of its own, with its own output budget.
         tally.max_output_tokens += max_tokens * chars.prompts
         tally.prompt_chars += chars.total + (_rendered_chars(body) if endpoint == CHAT else 0)
-        if spot is not None and not rewritten and line_stands_for_body(raw):
+        span = body_span(raw, body) if spot is not None and not rewritten else None
+        if span is None:
+            yield NewItem(number, custom_id, _dumps(body), max_tokens)
+        else:
+            assert spot is not None
             yield NewItem(
                 number,
                 custom_id,
                 None,
                 max_tokens,
                 body_seq=spot[0],
-                body_at=spot[1],
-                body_len=spot[2],
+                body_at=spot[1] + span[0],
+                body_len=span[1],
             )
-        else:
-            yield NewItem(number, custom_id, _dumps(body), max_tokens)
 
 
 def _embedding_item(

@@ -4,7 +4,7 @@ one pass; and a stored file's lines read back with where each lies.
 :class:`UploadScan` reads a batch upload ``scan_bytes`` at a time and refuses it at the first
 step that breaks a limit (size, request lines, line length), so memory stays bounded whatever
 the file holds. What passes comes out as the pieces to store, each ending at a line's end (a
-line lies in one piece: ``backfill.store.bodies`` reads an item's body from its line there),
+line lies in one piece: ``backfill.store.bodies`` reads an item's body from there),
 and, once every piece is out, the file's bound of forecast tokens
 (:func:`backfill.batch_input.forecast_tokens_upper_bound`, recorded on the file so a create
 need not read it for that). Full validation comes at creation.

@@ -109,7 +109,7 @@ class FinishedTokenStats:
 @dataclass(frozen=True, slots=True)
 class NewItem:
     """One request line to store, as validated by the API: with its body, or (``body``
-    None) with where its line lies in the job's input file, whose ``body`` it is
+    None) with where the body's bytes lie in the job's input file
     (``backfill.store.bodies``)."""
 
     line_no: int
@@ -119,11 +119,11 @@ class NewItem:
     prompt_tokens: int | None = None
     reservation_tokens: int | None = None
     body_seq: int | None = None
-    """The input file's piece (``file_chunks.seq``) that holds the whole line."""
+    """The input file's piece (``file_chunks.seq``) that holds the body's bytes."""
     body_at: int | None = None
-    """The line's first byte in that piece."""
+    """The body's first byte in that piece."""
     body_len: int | None = None
-    """The line's bytes (no newline)."""
+    """The body's bytes."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
-"""request bodies written once: items point at their line in the input file's pieces, and a
+"""request bodies written once: items point at their body in the input file's pieces, and a
 file records at upload the bound of the output tokens it asks for (issue 21)
 
-An item's body is NULL while its line in the input file can stand for it: ``body_seq`` is the
-piece (``file_chunks.seq``) that holds the whole line, ``body_at`` and ``body_len`` its bytes
-there (``backfill.store.bodies``). Pieces are stored uncompressed and out of line (STORAGE
-EXTERNAL), so reading one line reads the few TOAST chunks under it, not the whole piece.
+An item's body is NULL while its bytes in the input file stand for it: ``body_seq`` is the
+piece (``file_chunks.seq``), ``body_at`` and ``body_len`` the bytes there
+(``backfill.store.bodies``). Pieces are stored uncompressed and out of line (STORAGE
+EXTERNAL), so reading one body reads the few TOAST chunks under it, not the whole piece.
 Deleting a file, or its expiry, first copies the bodies of its batches' unfinished items.
 
 Revision ID: 0009_submit_once
@@ -24,12 +24,12 @@ down_revision: str | None = "0008_node_endpoints"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# The body an item's line holds (as backfill.store.bodies.ITEM_BODY, frozen here: a migration
-# must not change when the module does).
+# An item's body in the input file (as backfill.store.bodies.ITEM_BODY, frozen here: a
+# migration must not change when the module does).
 _LINE_BODY = (
-    "(SELECT CAST(CAST(convert_from(substring(c.data FROM i.body_at + 1 FOR i.body_len), "
-    "'UTF8') AS json) -> 'body' AS text) FROM jobs bj JOIN file_chunks c "
-    "ON c.file_id = bj.input_file_id AND c.seq = i.body_seq WHERE bj.id = i.job_id)"
+    "(SELECT convert_from(substring(c.data FROM i.body_at + 1 FOR i.body_len), 'UTF8') "
+    "FROM jobs bj JOIN file_chunks c ON c.file_id = bj.input_file_id AND c.seq = i.body_seq "
+    "WHERE bj.id = i.job_id)"
 )
 
 

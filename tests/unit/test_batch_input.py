@@ -262,27 +262,43 @@ def test_a_tool_schema_counts_toward_the_forecast() -> None:
     assert with_tools.estimated_prompt_tokens >= plain.estimated_prompt_tokens + 10_000
 
 
-def test_a_line_stands_for_its_body_only_where_postgres_reads_it_as_python_does() -> None:
+def test_an_item_points_at_its_body_only_where_the_bytes_read_back_as_it() -> None:
     line = (
         '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
         '{"model": "m", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 4}}'
     )
 
-    def stored(raw: bytes) -> list[str | None]:
-        located = LocatedLines([(raw, (0, 0, len(raw)))])
+    def stored(raw: bytes) -> tuple[str | None, bytes | None]:
+        located = LocatedLines([(raw, (3, 10, len(raw)))])
         result = validate_batch_input(located, CHAT, LIMITS)
         assert isinstance(result, ValidatedBatch), result
-        return [item.body for item in result.items]
+        item = result.items[0]
+        if item.body is not None:
+            return item.body, None
+        assert item.body_seq == 3
+        assert item.body_at is not None
+        assert item.body_len is not None
+        at = item.body_at - 10
+        return None, raw[at : at + item.body_len]
 
-    assert stored((line % "plain").encode()) == [None]
-    assert stored((line % "caf\u00e9").encode()) == [None]
-    for kept in (
+    for pointed in (
+        (line % "plain").encode(),
+        (line % "caf\u00e9").encode(),
         (line % "\\ud83d\\ude00").encode(),  # a surrogate pair, escaped
         (line % "\\u0000").encode(),
         b"\xef\xbb\xbf" + (line % "bom").encode(),
-        (line % "\ud800").encode("utf-8", "surrogatepass"),  # not UTF-8; Python reads it
+        # The body not last: found where it is, verified by reading it back.
+        b'{"custom_id": "a", "body": {"model": "m", "messages": [{"role": "user", '
+        b'"content": "x"}], "max_tokens": 4, "metadata": {"body": {"x": 1}}}, '
+        b'"method": "POST", "url": "/v1/chat/completions"}',
     ):
-        assert stored(kept) != [None], kept
+        body, span = stored(pointed)
+        assert body is None, pointed
+        assert span is not None
+        assert json.loads(span) == json.loads(pointed.decode("utf-8-sig"))["body"]
+    # Not UTF-8 (Python reads it; Postgres' text cannot hold it): the item keeps a copy.
+    raw = (line % "\ud800").encode("utf-8", "surrogatepass")
+    assert stored(raw)[0] is not None
 
 
 JSON_VALUES = st.recursive(
