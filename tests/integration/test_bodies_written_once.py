@@ -6,7 +6,10 @@ expires (the bodies of its unfinished items are copied first). Real Postgres, th
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -22,10 +25,18 @@ from batch_api_support import (
 )
 from sqlalchemy import text
 
-from backfill.batch_input import forecast_tokens_upper_bound
+from backfill.batch_input import (
+    InputLimits,
+    LocatedLines,
+    ValidatedBatch,
+    forecast_tokens_upper_bound,
+    validate_batch_input,
+)
 from backfill.config import Settings
+from backfill.errors import NotFound
 from backfill.finalize import finalize_ready_jobs
-from backfill.store import Repository
+from backfill.store import NewItem, Repository
+from backfill.upload_scan import iter_located_lines
 
 PIECE = 4096
 """Small pieces, so a file of a few dozen lines lies over several of them."""
@@ -257,3 +268,42 @@ def test_the_upload_records_the_bound_a_create_judges_the_quota_on(
     with _http(server, acme) as http:
         file_id = _upload(http, content)
     assert repo.get_file(acme.id, file_id).tokens_bound == forecast_tokens_upper_bound(content)
+
+
+def test_a_delete_during_a_create_waits_for_its_items_and_keeps_their_bodies(
+    acme: Tenant, repo: Repository
+) -> None:
+    # The create holds the file while its items stream in: the delete waits for their
+    # commit, then copies their bodies. Without the hold it would delete the pieces under
+    # items about to commit (lost bodies), or copy before they were visible.
+    content = jsonl(_lines())
+    stored = repo.create_file(acme.id, "batch", "in.jsonl", content, chunk_bytes=PIECE)
+    job = repo.create_job(
+        acme.id, stored.id, "/v1/chat/completions", "24h", repo.now() + timedelta(days=1)
+    )
+    checked = validate_batch_input(
+        LocatedLines(iter_located_lines(repo.file_chunks(acme.id, stored.id) or ())),
+        "/v1/chat/completions",
+        InputLimits(10**6, 10**5, 1000, 32768, 16, default_max_tokens=DEFAULT_MAX_TOKENS),
+    )
+    assert isinstance(checked, ValidatedBatch)
+    deleter = threading.Thread(target=repo.delete_file, args=(acme.id, stored.id))
+
+    def items() -> Iterator[NewItem]:
+        yield checked.items[0]
+        deleter.start()
+        time.sleep(0.5)
+        assert deleter.is_alive(), "the delete did not wait for the create"
+        yield from checked.items[1:]
+
+    assert repo.insert_items(job.id, items()) == len(checked.items)
+    deleter.join(timeout=10)
+    assert not deleter.is_alive()
+    with repo.engine.connect() as conn:
+        missing = conn.execute(
+            text("SELECT count(*) FROM items WHERE job_id = :j AND body IS NULL"),
+            {"j": job.id},
+        ).scalar_one()
+    assert missing == 0
+    with pytest.raises(NotFound):
+        repo.get_file(acme.id, stored.id)
