@@ -25,12 +25,12 @@ from typing import Any, BinaryIO
 from backfill.batch_input import (
     PROMPT_FIELD,
     InputLimits,
+    InputLines,
     InvalidBatch,
     LineInvalid,
+    LocatedLines,
     Tally,
-    check_upload,
     forecast_tokens_upper_bound,
-    iter_lines,
     stream_valid_items,
     validate_batch_input,
 )
@@ -49,6 +49,7 @@ from backfill.refusals import (
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
 from backfill.store import BatchStore, FileRecord, JobRecord, NewItem, TenantRecord
+from backfill.upload_scan import UploadScan, iter_lines, iter_located_lines, read_ahead
 from backfill.windows import (
     DeadlinePlan,
     batch_throughput,
@@ -137,9 +138,11 @@ def upload_file(
     content: bytes | BinaryIO,
     expires_after: Any = None,
 ) -> FileRecord:
-    """Store an input file after the cheap checks (size, lines, line length). A file object
-    (seekable: an upload spooled by the server) is read twice, a piece at a time: once to
-    check it, once into storage. ``expires_after`` is OpenAI's expiration policy."""
+    """Store an input file that passes the cheap checks (size, lines, line length). It is
+    read once, a piece at a time: each piece is checked as it streams into storage, and the
+    first that breaks a limit refuses the file with nothing stored. The scan records the
+    file's bound of forecast tokens too, so a create need not read the file for it.
+    ``expires_after`` is OpenAI's expiration policy."""
     if purpose != INPUT_PURPOSE:
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
@@ -147,16 +150,17 @@ def upload_file(
         )
     expires_after_s = check_expires_after(expires_after, "expires_after")
     source = io.BytesIO(content) if isinstance(content, bytes) else content
-    start = source.tell()
-    check_upload(source, InputLimits.from_settings(settings))
-    source.seek(start)
+    scan = UploadScan(
+        source, InputLimits.from_settings(settings), piece_bytes=settings.file_chunk_bytes
+    )
     return repo.create_file(
         tenant_id,
         purpose,
         filename or "upload.jsonl",
-        source,
+        scan.pieces(),
         chunk_bytes=settings.file_chunk_bytes,
         expires_after_s=expires_after_s,
+        tokens_bound=lambda: scan.tokens_bound,
     )
 
 
@@ -177,6 +181,15 @@ def file_content(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[byt
 def _stored_lines(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
     """An input file's lines, read from storage a piece at a time."""
     return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
+
+
+def _located_lines(repo: BatchStore, tenant_id: str, file_id: str) -> InputLines:
+    """An input file's lines with where each lies in its stored pieces (so an item can point
+    at its line instead of copying its body), or just its lines for a file stored whole."""
+    chunks = repo.file_chunks(tenant_id, file_id)
+    if chunks is None:
+        return _stored_lines(repo, tenant_id, file_id)
+    return LocatedLines(iter_located_lines(read_ahead(chunks)))
 
 
 def _same_request(job: JobRecord, request: BatchRequest) -> bool:
@@ -254,8 +267,11 @@ def create_batch(
 
     limits = InputLimits.from_settings(settings)
     # Quota and deadline are judged before anything is stored, on an upper bound of the
-    # file's forecast tokens (one regex scan), so a refusal is a clean 4xx with no job.
-    forecast = forecast_tokens_upper_bound(content())
+    # file's forecast tokens (the upload's scan recorded it; a file uploaded before is
+    # scanned now), so a refusal is a clean 4xx with no job.
+    forecast = record.tokens_bound
+    if forecast is None:
+        forecast = forecast_tokens_upper_bound(content())
     # Postgres' clock: the deadline is stored there and judged there (this host's may be off).
     now = now or repo.now()
     tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
@@ -285,7 +301,8 @@ def create_batch(
     tally = Tally()
 
     def items() -> Iterator[NewItem]:
-        yield from stream_valid_items(content(), request.endpoint, limits, tally)
+        lines = _located_lines(repo, tenant.id, record.id)
+        yield from stream_valid_items(lines, request.endpoint, limits, tally)
         # The bound counts each line's output budget once: a line of several prompts (one
         # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
         # before the items commit.

@@ -107,6 +107,9 @@ class File(Base):
     # OpenAI's ``expires_after`` (uploads) / the batch's ``output_expires_after`` (results):
     # from then the file is gone (reads 404, maintenance deletes it). None: kept.
     expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    # An upper bound of the tokens forecasts charge a batch of this input file, recorded by
+    # the upload's scan so a create need not read the file for it. None: uploaded before.
+    output_tokens_bound: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         Index("ix_files_tenant_created", "tenant_id", "created_at"),
@@ -124,6 +127,8 @@ class FileChunk(Base):
         ForeignKey("files.id", ondelete="CASCADE"), primary_key=True
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Uncompressed and out of line (STORAGE EXTERNAL, see migration 0009): an item's body is
+    # a slice of one piece (``backfill.store.bodies``), read without reading the whole piece.
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
@@ -176,6 +181,8 @@ class Job(Base):
     __table_args__ = (
         CheckConstraint(f"state IN ({_in_list(JobState)})", name="state"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
+        # Deleting an input file finds the batches whose items still point into it.
+        Index("ix_jobs_input_file", "input_file_id"),
         Index(
             "uq_jobs_tenant_idempotency",
             "tenant_id",
@@ -237,8 +244,13 @@ class Item(Base):
     tenant_id: Mapped[str] = mapped_column(String(40))
     line_no: Mapped[int] = mapped_column(Integer)
     custom_id: Mapped[str] = mapped_column(String(512))
-    # The request body as the user sent it (JSON text; lz4-compressed column, see migration).
-    body: Mapped[str] = mapped_column(Text)
+    # The request body (JSON text; lz4-compressed column, see migration), or NULL while the
+    # item's line in the input file stands for it: piece ``body_seq``, bytes ``body_at`` to
+    # ``body_at + body_len`` (``backfill.store.bodies``).
+    body: Mapped[str | None] = mapped_column(Text)
+    body_seq: Mapped[int | None] = mapped_column(Integer)
+    body_at: Mapped[int | None] = mapped_column(Integer)
+    body_len: Mapped[int | None] = mapped_column(Integer)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
     reservation_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -267,6 +279,11 @@ class Item(Base):
         CheckConstraint(f"state IN ({_in_list(ItemState)})", name="state"),
         # 0: an embedding (it generates nothing).
         CheckConstraint("max_output_tokens >= 0", name="max_output_not_negative"),
+        CheckConstraint(
+            "body IS NOT NULL OR (body_seq IS NOT NULL AND body_at IS NOT NULL "
+            "AND body_len IS NOT NULL)",
+            name="body_kept",
+        ),
         UniqueConstraint("job_id", "custom_id"),
         Index("ix_items_job_state", "job_id", "state"),
         Index("ix_items_job_line", "job_id", "line_no"),

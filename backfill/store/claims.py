@@ -18,6 +18,7 @@ from backfill import fairshare
 from backfill.errors import StaleWrite
 from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
 from backfill.states import ITEM_CLAIMABLE, ItemState
+from backfill.store.bodies import ITEM_BODY
 from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
 from backfill.store.database import Store
 from backfill.store.moves import check_moves, decode_partial
@@ -60,7 +61,7 @@ _CLAIM_MOVE = (
     "    lease_expires_at = now() + make_interval(secs => :ttl), "
     "    updated_at = now() "
     "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
-    "  RETURNING i.id, i.job_id, i.attempt, i.custom_id, i.body, i.deadline, "
+    f"  RETURNING i.id, i.job_id, i.attempt, i.custom_id, {ITEM_BODY} AS body, i.deadline, "
     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
     "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"

@@ -6,14 +6,15 @@ A stored file of any size costs one piece of memory on the way in and on the way
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
-from typing import BinaryIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO, cast
 
 import psycopg
 from sqlalchemy import Connection, text
 
 from backfill import ids
 from backfill.errors import NotFound
+from backfill.store.bodies import keep_bodies
 from backfill.store.database import Store
 from backfill.store.records import FileRecord
 
@@ -28,8 +29,13 @@ WHOLE_CONTENT = "SELECT content FROM files WHERE id = %s"
 PIECE = "SELECT data FROM file_chunks WHERE file_id = %s AND seq = %s"
 
 
-def _copy_pieces(conn: Connection, file_id: str, source: BinaryIO, chunk_bytes: int) -> int:
-    """COPY ``source`` into ``file_chunks`` a piece at a time; returns the bytes stored."""
+def _read_pieces(source: BinaryIO, chunk_bytes: int) -> Iterator[bytes]:
+    while piece := source.read(chunk_bytes):
+        yield piece
+
+
+def _copy_pieces(conn: Connection, file_id: str, pieces: Iterable[bytes]) -> int:
+    """COPY ``pieces`` into ``file_chunks`` one row each; returns the bytes stored."""
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     size = seq = 0
@@ -38,7 +44,9 @@ def _copy_pieces(conn: Connection, file_id: str, source: BinaryIO, chunk_bytes: 
         cur.copy(COPY_PIECES) as copy,
     ):
         copy.set_types(["text", "int4", "bytea"])
-        while piece := source.read(chunk_bytes):
+        for piece in pieces:
+            if not piece:
+                continue
             copy.write_row((file_id, seq, piece))
             size += len(piece)
             seq += 1
@@ -55,8 +63,8 @@ CREATE_FILE = (
     "RETURNING created_at, expires_at"
 )
 
-# The bytes stored, once the COPY of the pieces is done.
-SET_FILE_SIZE = "UPDATE files SET bytes = :b WHERE id = :i"
+# The bytes stored, once the COPY of the pieces is done, and what the upload's scan found.
+SET_FILE_SIZE = "UPDATE files SET bytes = :b, output_tokens_bound = :o WHERE id = :i"
 
 # Files that have not expired (an expired one is gone for its tenant before maintenance
 # deletes it).
@@ -64,7 +72,8 @@ LIVE = "(expires_at IS NULL OR expires_at > now())"
 
 # One of the tenant's files (another tenant's is not found).
 GET_FILE = (
-    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at "
+    "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at, "
+    "output_tokens_bound "
     f"FROM files WHERE id = :i AND tenant_id = :t AND {LIVE}"
 )
 
@@ -74,8 +83,8 @@ GET_FILE = (
 # to tell whether there is more.
 LIST_FILES = {
     order: (
-        "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at "
-        f"FROM files f WHERE tenant_id = :t AND {LIVE} "
+        "SELECT id, tenant_id, purpose, filename, bytes, job_id, created_at, expires_at, "
+        f"output_tokens_bound FROM files f WHERE tenant_id = :t AND {LIVE} "
         "AND (CAST(:p AS text) IS NULL OR purpose = :p) "
         "AND (CAST(:a AS text) IS NULL OR (f.created_at, f.id) "
         f"{cmp} (SELECT c.created_at, c.id FROM files c WHERE c.id = :a AND c.tenant_id = :t)) "
@@ -85,11 +94,12 @@ LIST_FILES = {
 }
 
 # Files whose time is up, oldest first (maintenance deletes them; their pieces cascade).
-DELETE_EXPIRED_FILES = (
-    "DELETE FROM files WHERE id IN (SELECT id FROM files "
-    "WHERE expires_at IS NOT NULL AND expires_at <= now() ORDER BY expires_at LIMIT :l) "
-    "RETURNING id"
+# One a create is storing items from is skipped this round.
+EXPIRED_FILES = (
+    "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= now() "
+    "ORDER BY expires_at LIMIT :l FOR UPDATE SKIP LOCKED"
 )
+DELETE_FILES = "DELETE FROM files WHERE id = ANY(:ids) RETURNING id"
 
 # Whether a file is stored in pieces, stored whole (from before pieces), or rendered.
 FILE_KIND = (
@@ -97,8 +107,8 @@ FILE_KIND = (
     f"WHERE id = :i AND tenant_id = :t AND {LIVE}"
 )
 
-# Drop one of the tenant's files (its pieces go with it, ON DELETE CASCADE).
-DELETE_FILE = "DELETE FROM files WHERE id = :i AND tenant_id = :t"
+# One of the tenant's files, if it exists (locked by keep_bodies before it is deleted).
+OWNED_FILE = "SELECT id FROM files WHERE id = :i AND tenant_id = :t"
 
 
 class Files(Store):
@@ -109,19 +119,30 @@ class Files(Store):
         tenant_id: str,
         purpose: str,
         filename: str,
-        content: bytes | BinaryIO | None,
+        content: bytes | BinaryIO | Iterable[bytes] | None,
         *,
         size_bytes: int | None = None,
         job_id: str | None = None,
         chunk_bytes: int = FILE_CHUNK_BYTES,
         expires_after_s: int | None = None,
+        tokens_bound: Callable[[], int | None] | None = None,
     ) -> FileRecord:
-        """A file row; ``content`` (bytes, or a binary file read to its end) is stored in
-        pieces of ``chunk_bytes`` by one binary COPY, so a file of any size costs one piece
-        of memory. ``None``: a file rendered from ``job_id``'s items when read."""
+        """A file row; ``content`` (bytes, or a binary file read to its end, in pieces of
+        ``chunk_bytes``; or the pieces themselves, as an upload's scan cuts them) is stored by
+        one binary COPY, so a file of any size costs one piece of memory. ``None``: a file
+        rendered from ``job_id``'s items when read. ``tokens_bound``, asked once every piece
+        is stored, gives the file's ``output_tokens_bound``. An exception from the pieces
+        stores nothing."""
         file_id = ids.new_file_id()
-        source = io.BytesIO(content) if isinstance(content, bytes) else content
+        pieces: Iterable[bytes] | None
+        if isinstance(content, bytes):
+            pieces = _read_pieces(io.BytesIO(content), chunk_bytes)
+        elif content is None or not hasattr(content, "read"):
+            pieces = content
+        else:
+            pieces = _read_pieces(cast(BinaryIO, content), chunk_bytes)
         size = size_bytes or 0
+        bound = None
         with self._tx() as conn:
             row = conn.execute(
                 text(CREATE_FILE),
@@ -135,10 +156,13 @@ class Files(Store):
                     "x": expires_after_s,
                 },
             ).one()
-            if source is not None:
-                size = _copy_pieces(conn, file_id, source, chunk_bytes)
-                conn.execute(text(SET_FILE_SIZE), {"b": size, "i": file_id})
-        return FileRecord(file_id, tenant_id, purpose, filename, size, job_id, row[0], row[1])
+            if pieces is not None:
+                size = _copy_pieces(conn, file_id, pieces)
+                bound = tokens_bound() if tokens_bound is not None else None
+                conn.execute(text(SET_FILE_SIZE), {"b": size, "o": bound, "i": file_id})
+        return FileRecord(
+            file_id, tenant_id, purpose, filename, size, job_id, row[0], row[1], bound
+        )
 
     def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
         with self._tx() as conn:
@@ -169,9 +193,14 @@ class Files(Store):
         return [FileRecord(*r) for r in rows[:limit]], len(rows) > limit
 
     def delete_expired_files(self, limit: int = 1000) -> list[str]:
-        """Delete files past their ``expires_at`` (up to ``limit``); returns their ids."""
+        """Delete files past their ``expires_at`` (up to ``limit``); returns their ids. The
+        batches of an expired input file go on: their unfinished items keep their bodies."""
         with self._tx() as conn:
-            return list(conn.execute(text(DELETE_EXPIRED_FILES), {"l": limit}).scalars())
+            due = list(conn.execute(text(EXPIRED_FILES), {"l": limit}).scalars())
+            gone = keep_bodies(conn, due)
+            if not gone:
+                return []
+            return list(conn.execute(text(DELETE_FILES), {"ids": gone}).scalars())
 
     def file_pieces(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None:
         """A stored file's bytes, one piece per query (no connection is held between them),
@@ -189,6 +218,16 @@ class Files(Store):
             return None
         return self._pieces(file_id, legacy)
 
+    def file_chunks(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None:
+        """A stored file's pieces in ``seq`` order, as :meth:`file_pieces` reads them; None
+        when the file is not stored in pieces (rendered, or stored whole before pieces), so
+        no line of it can be pointed at."""
+        with self._tx() as conn:
+            row = conn.execute(text(FILE_KIND), {"i": file_id, "t": tenant_id}).first()
+        if row is None:
+            raise NotFound(f"No such File object: {file_id}")
+        return self._pieces(file_id, False) if row[0] else None
+
     def _pieces(self, file_id: str, legacy: bool) -> Iterator[bytes]:
         if legacy:
             # Uploaded before files were stored in pieces: one piece, the whole file.
@@ -202,10 +241,12 @@ class Files(Store):
             seq += 1
 
     def delete_file(self, tenant_id: str, file_id: str) -> None:
+        """Delete one of the tenant's files. Its batches go on: their unfinished items keep
+        their bodies (:func:`backfill.store.bodies.keep_bodies`, same transaction)."""
         with self._tx() as conn:
-            res = conn.execute(
-                text(DELETE_FILE),
-                {"i": file_id, "t": tenant_id},
-            )
-        if res.rowcount == 0:
+            owned = conn.execute(text(OWNED_FILE), {"i": file_id, "t": tenant_id}).first()
+            gone = keep_bodies(conn, [file_id]) if owned is not None else []
+            if gone:
+                conn.execute(text(DELETE_FILES), {"ids": gone})
+        if not gone:
             raise NotFound(f"No such File object: {file_id}")

@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from backfill.errors import NotFound, StaleWrite
 from backfill.states import JobState
+from backfill.store.bodies import HOLD_FILE
 from backfill.store.counters import add_to_counters
 from backfill.store.database import Store
 from backfill.store.jobs import move_job
@@ -19,14 +20,16 @@ from backfill.store.records import NewItem
 
 # Stream a job's items into items, binary (bodies are not escaped).
 COPY_ITEMS = (
-    "COPY items (job_id, tenant_id, line_no, custom_id, body, "
+    "COPY items (job_id, tenant_id, line_no, custom_id, body, body_seq, body_at, body_len, "
     "max_output_tokens, prompt_tokens, reservation_tokens, deadline) "
     "FROM STDIN (FORMAT BINARY)"
 )
 
 # The job being stored into, held FOR KEY SHARE: moves of the job still go ahead, the recovery of
 # stale creates skips it.
-JOB_FOR_INGEST = "SELECT deadline, state, tenant_id FROM jobs WHERE id = :i FOR KEY SHARE"
+JOB_FOR_INGEST = (
+    "SELECT deadline, state, tenant_id, input_file_id FROM jobs WHERE id = :i FOR KEY SHARE"
+)
 
 # Whether the job is still validating once the items are in (locked so no move slips in before
 # commit).
@@ -65,6 +68,11 @@ class Ingest(Store):
         recovery of stale creates sees that this one is alive (it locks ``FOR UPDATE SKIP
         LOCKED``). At the end the job must still be validating, or nothing is stored and
         ``StaleWrite`` says so: no item of a job that ended meanwhile ever exists.
+
+        The job's input file is held ``FOR KEY SHARE`` too: items whose body is their line
+        in it (``NewItem.body_seq``, see ``backfill.store.bodies``) commit before the file
+        can be deleted, and a delete then copies their bodies. If the file is already gone,
+        such an item raises ``NotFound`` and nothing is stored.
         """
         with self._tx() as conn:
             row = conn.execute(
@@ -73,9 +81,10 @@ class Ingest(Store):
             ).first()
             if row is None:
                 raise NotFound(f"No such Batch object: {job_id}")
-            deadline, tenant_id = row[0], row[2]
+            deadline, tenant_id, input_file_id = row[0], row[2], row[3]
             if row[1] != JobState.VALIDATING.value:
                 raise StaleWrite(f"job {job_id} is {row[1]}; its items are no longer wanted")
+            file_held = conn.execute(text(HOLD_FILE), {"f": input_file_id}).first() is not None
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             n = prompt_sum = max_out_sum = 0
@@ -84,9 +93,27 @@ class Ingest(Store):
                 cur.copy(COPY_ITEMS) as copy,
             ):
                 copy.set_types(
-                    ["text", "text", "int4", "text", "text", "int4", "int4", "int4", "timestamptz"]
+                    [
+                        "text",
+                        "text",
+                        "int4",
+                        "text",
+                        "text",
+                        "int4",
+                        "int4",
+                        "int4",
+                        "int4",
+                        "int4",
+                        "int4",
+                        "timestamptz",
+                    ]
                 )
                 for it in items:
+                    if it.body is None and not file_held:
+                        raise NotFound(
+                            f"No such File object: {input_file_id} (deleted while the batch "
+                            "was being validated)"
+                        )
                     copy.write_row(
                         (
                             job_id,
@@ -94,6 +121,9 @@ class Ingest(Store):
                             it.line_no,
                             it.custom_id,
                             it.body,
+                            it.body_seq,
+                            it.body_at,
+                            it.body_len,
                             it.max_output_tokens,
                             it.prompt_tokens,
                             it.reservation_tokens,

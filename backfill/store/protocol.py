@@ -162,15 +162,18 @@ class BatchStore(JobMoves, ItemPages, Protocol):
         tenant_id: str,
         purpose: str,
         filename: str,
-        content: bytes | BinaryIO,
+        content: bytes | BinaryIO | Iterable[bytes],
         *,
         chunk_bytes: int = ...,
         expires_after_s: int | None = ...,
+        tokens_bound: Callable[[], int | None] | None = ...,
     ) -> sr.FileRecord: ...
 
     def get_file(self, tenant_id: str, file_id: str) -> sr.FileRecord: ...
 
     def file_pieces(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None: ...
+
+    def file_chunks(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None: ...
 
     def create_job(
         self,

@@ -43,6 +43,9 @@ class FileRecord:
     job_id: str | None
     created_at: datetime
     expires_at: datetime | None = None
+    tokens_bound: int | None = None
+    """An upper bound of the tokens forecasts charge a batch of this input file, recorded
+    by the upload's scan; None: not recorded (uploaded before, or not an input file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,14 +108,22 @@ class FinishedTokenStats:
 
 @dataclass(frozen=True, slots=True)
 class NewItem:
-    """One request line to store, as validated by the API."""
+    """One request line to store, as validated by the API: with its body, or (``body``
+    None) with where the body's bytes lie in the job's input file
+    (``backfill.store.bodies``)."""
 
     line_no: int
     custom_id: str
-    body: str
+    body: str | None
     max_output_tokens: int
     prompt_tokens: int | None = None
     reservation_tokens: int | None = None
+    body_seq: int | None = None
+    """The input file's piece (``file_chunks.seq``) that holds the body's bytes."""
+    body_at: int | None = None
+    """The body's first byte in that piece."""
+    body_len: int | None = None
+    """The body's bytes."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from sqlalchemy import Row, text
 from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Finish, Repository
+from backfill.store.bodies import ITEM_BODY
 from queue_api.app import create_app
 from worker.harness import free_port
 
@@ -132,13 +133,14 @@ def submit_lines(client: OpenAI, lines: list[dict[str, Any]], endpoint: str) -> 
 
 
 def stored_lines(repo: Repository, job_id: str) -> list[Row[Any]]:
-    """The job's items as stored, in line order: (custom_id, max_output_tokens, body)."""
+    """The job's items as stored, in line order: (custom_id, max_output_tokens, body), the
+    body as a claim reads it (its own copy, or its line's in the input file)."""
     with repo.engine.connect() as conn:
         return list(
             conn.execute(
                 text(
-                    "SELECT custom_id, max_output_tokens, body FROM items WHERE job_id = :j "
-                    "ORDER BY line_no"
+                    f"SELECT custom_id, max_output_tokens, {ITEM_BODY} AS body FROM items i "
+                    "WHERE job_id = :j ORDER BY line_no"
                 ),
                 {"j": job_id},
             ).all()

@@ -50,3 +50,15 @@ def test_request_bodies_use_lz4_compression(database_url: str) -> None:
         ).fetchone()
     assert row is not None
     assert row[0] == "l"
+
+
+def test_file_pieces_are_stored_uncompressed_so_a_line_is_read_alone(database_url: str) -> None:
+    # An item's body is a slice of one piece: uncompressed out-of-line storage reads only the
+    # TOAST chunks under it, not the whole piece (backfill.store.bodies).
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT attstorage FROM pg_attribute "
+            "WHERE attrelid = 'file_chunks'::regclass AND attname = 'data'"
+        ).fetchone()
+    assert row is not None
+    assert row[0] == "e"

@@ -7,17 +7,21 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from backfill.batch_input import (
     COMPLETIONS,
     MAX_REPORTED_ERRORS,
     InputLimits,
     InvalidBatch,
+    LocatedLines,
     ValidatedBatch,
-    check_upload,
+    _loads,
     validate_batch_input,
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
+from backfill.upload_scan import check_upload
 
 CHAT = "/v1/chat/completions"
 LIMITS = InputLimits(
@@ -256,3 +260,79 @@ def test_a_tool_schema_counts_toward_the_forecast() -> None:
     assert isinstance(plain, ValidatedBatch)
     assert isinstance(with_tools, ValidatedBatch)
     assert with_tools.estimated_prompt_tokens >= plain.estimated_prompt_tokens + 10_000
+
+
+def test_an_item_points_at_its_body_only_where_the_bytes_read_back_as_it() -> None:
+    line = (
+        '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        '{"model": "m", "messages": [{"role": "user", "content": "%s"}], "max_tokens": 4}}'
+    )
+
+    def stored(raw: bytes) -> tuple[str | None, bytes | None]:
+        located = LocatedLines([(raw, (3, 10, len(raw)))])
+        result = validate_batch_input(located, CHAT, LIMITS)
+        assert isinstance(result, ValidatedBatch), result
+        item = result.items[0]
+        if item.body is not None:
+            return item.body, None
+        assert item.body_seq == 3
+        assert item.body_at is not None
+        assert item.body_len is not None
+        at = item.body_at - 10
+        return None, raw[at : at + item.body_len]
+
+    for pointed in (
+        (line % "plain").encode(),
+        (line % "caf\u00e9").encode(),
+        (line % "\\ud83d\\ude00").encode(),  # a surrogate pair, escaped
+        (line % "\\u0000").encode(),
+        b"\xef\xbb\xbf" + (line % "bom").encode(),
+        # The body not last: found where it is, verified by reading it back.
+        b'{"custom_id": "a", "body": {"model": "m", "messages": [{"role": "user", '
+        b'"content": "x"}], "max_tokens": 4, "metadata": {"body": {"x": 1}}}, '
+        b'"method": "POST", "url": "/v1/chat/completions"}',
+    ):
+        body, span = stored(pointed)
+        assert body is None, pointed
+        assert span is not None
+        assert json.loads(span) == json.loads(pointed.decode("utf-8-sig"))["body"]
+    # Not UTF-8 (Python reads it; Postgres' text cannot hold it): the item keeps a copy.
+    raw = (line % "\ud800").encode("utf-8", "surrogatepass")
+    assert stored(raw)[0] is not None
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children),
+    max_leaves=20,
+)
+
+
+@given(value=JSON_VALUES, ascii_only=st.booleans())
+def test_the_fast_parser_reads_every_line_as_json_does(value: Any, ascii_only: bool) -> None:
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    assert _loads(raw) == json.loads(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": 1, "a": 2}',
+        b'{"a": 1e400, "b": -0.0, "c": 123456789012345678901234567890}',
+        b'{"a": "\\ud800"}',
+        b"\xef\xbb\xbf{}",
+        b"[" * 500 + b"]" * 500,
+        b'{"a": "\\u0000"}',
+    ],
+)
+def test_what_the_fast_parser_refuses_the_reference_parser_judges(raw: bytes) -> None:
+    assert repr(_loads(raw)) == repr(json.loads(raw))
+
+
+def test_nan_is_refused_with_json_s_words() -> None:
+    with pytest.raises(ValueError, match="NaN is not valid JSON"):
+        _loads(b'{"a": NaN}')

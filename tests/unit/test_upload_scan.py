@@ -1,17 +1,28 @@
 """check_upload scans a file a piece at a time and agrees with a whole-file reading of it;
-iter_lines gives a file's lines from any split of it into pieces (pure, no services)."""
+the upload's scan cuts it into pieces at line ends and records its forecast bound;
+iter_lines (and iter_located_lines, with where each line lies) give a file's lines from any
+split of it into pieces (pure, no services)."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import time
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backfill.batch_input import InputLimits, check_upload, iter_lines, validate_batch_input
+from backfill.batch_input import InputLimits, forecast_tokens_upper_bound, validate_batch_input
 from backfill.refusals import InvalidRequest, PayloadTooLarge
+from backfill.upload_scan import (
+    UploadScan,
+    check_upload,
+    iter_lines,
+    iter_located_lines,
+    read_ahead,
+)
 
 CHAT = "/v1/chat/completions"
 LINES = st.lists(
@@ -101,3 +112,86 @@ def test_validation_of_lines_read_piecewise_matches_that_of_the_bytes() -> None:
         iter_lines(content[i : i + 7] for i in range(0, len(content), 7)), CHAT, limits
     )
     assert whole == piecewise
+
+
+@given(
+    lines=LINES,
+    trailing_newline=st.booleans(),
+    piece_bytes=st.integers(1, 64),
+    scan_bytes=st.integers(1, 64),
+)
+def test_the_scan_cuts_a_file_into_pieces_that_end_at_line_ends(
+    lines: list[bytes], trailing_newline: bool, piece_bytes: int, scan_bytes: int
+) -> None:
+    content = b"\n".join([*lines, b"{}"]) + (b"\n" if trailing_newline else b"")
+    limits = InputLimits(10_000, 10_000, 10_000, 4096, 16)
+    scan = UploadScan(io.BytesIO(content), limits, piece_bytes=piece_bytes, scan_bytes=scan_bytes)
+    pieces = list(scan.pieces())
+    assert b"".join(pieces) == content
+    assert all(p.endswith(b"\n") for p in pieces[:-1])
+    assert scan.requests == sum(1 for raw in content.split(b"\n") if raw.strip())
+    located = list(iter_located_lines(pieces))
+    assert [line for line, _ in located] == content.split(b"\n")
+    for line, spot in located:
+        if line:
+            assert spot is not None, line
+            seq, at, length = spot
+            assert pieces[seq][at : at + length] == line
+
+
+@given(content=st.binary(max_size=200), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_located_lines_of_any_split_say_where_each_whole_line_lies(
+    content: bytes, cuts: list[int]
+) -> None:
+    bounds = sorted({0, len(content), *(c for c in cuts if c <= len(content))})
+    pieces = [content[a:b] for a, b in itertools.pairwise(bounds)]
+    located = list(iter_located_lines(pieces))
+    assert [line for line, _ in located] == content.split(b"\n")
+    for line, spot in located:
+        if spot is not None:
+            seq, at, length = spot
+            assert pieces[seq][at : at + length] == line
+
+
+def test_the_scan_records_the_forecast_bound_of_the_whole_file() -> None:
+    good = (
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}}'
+    )
+    content = b"\n".join([good] * 50 + [good.replace(b"max_tokens", b"max_completion_tokens")])
+    scan = UploadScan(io.BytesIO(content), InputLimits(10**6, 1000, 100, 4096, 16), piece_bytes=300)
+    assert len(list(scan.pieces())) > 3
+    assert scan.tokens_bound == forecast_tokens_upper_bound(content)
+
+
+def test_read_ahead_gives_every_piece_in_order_and_raises_where_fetching_failed() -> None:
+    pieces = [bytes([i]) * 10 for i in range(20)]
+    assert list(read_ahead(iter(pieces))) == pieces
+
+    def failing() -> Iterator[bytes]:
+        yield b"first"
+        raise RuntimeError("the store went away")
+
+    ahead = read_ahead(failing())
+    assert next(ahead) == b"first"
+    with pytest.raises(RuntimeError, match="went away"):
+        next(ahead)
+
+
+def test_a_consumer_that_stops_early_stops_the_read_ahead() -> None:
+    fetched = []
+
+    def endless() -> Iterator[bytes]:
+        i = 0
+        while True:
+            fetched.append(i)
+            yield b"x"
+            i += 1
+
+    ahead = read_ahead(endless(), depth=2)
+    assert next(ahead) == b"x"
+    ahead.close()
+    time.sleep(0.5)
+    count = len(fetched)
+    time.sleep(0.3)
+    assert len(fetched) == count < 10
