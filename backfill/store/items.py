@@ -15,6 +15,7 @@ from backfill.errors import IllegalTransition
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, AttemptOutcome, ItemState
 from backfill.store.counters import CNT_FINISH, bump_counters
 from backfill.store.database import Store
+from backfill.store.driver import session
 from backfill.store.moves import NOT_BEFORE, ItemMove, check_moves, encode_partial, move_item
 from backfill.store.records import ActiveLeaseRow, Finish, ItemRecord
 from backfill.store.recovery import active_row
@@ -139,9 +140,9 @@ class Items(Store):
                 raise IllegalTransition(f"finish() writes succeeded or failed, not {f.state}")
         if not finishes:
             return []
-        with self._tx() as conn:
-            rows = conn.execute(
-                text(FINISH),
+        with session(self.engine) as tx:
+            return tx.column(
+                FINISH,
                 {
                     "ids": [f.item_id for f in finishes],
                     "att": [f.attempt for f in finishes],
@@ -152,8 +153,7 @@ class Items(Store):
                     "out": [f.output_tokens for f in finishes],
                     "pt": [f.prompt_tokens for f in finishes],
                 },
-            ).all()
-        return [r.id for r in rows]
+            )
 
     def preempt(
         self,
