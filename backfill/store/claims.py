@@ -187,25 +187,27 @@ class Claims(Store):
         with session(self.engine, durable=False) as tx:
             statement, params = self._claim_statement(tx.rows, node, limit, lease_ttl_s, models)
             rows = tx.rows(statement, params)
-        return [
-            ClaimedItem(
-                id=r.id,
-                job_id=r.job_id,
-                attempt=r.attempt,
-                custom_id=r.custom_id,
-                body=r.body,
-                deadline=r.deadline,
-                prompt_tokens=r.prompt_tokens,
-                max_output_tokens=r.max_output_tokens,
-                reservation_tokens=r.reservation_tokens,
-                preemptions=r.preemptions,
-                partial_output=decode_partial(r.partial_output),
-                partial_tokens=r.partial_tokens,
-                endpoint=r.endpoint,
-                deadline_left_s=r.deadline_left_s,
-            )
-            for r in rows
-        ]
+        return [self._claimed(r) for r in rows]
+
+    @staticmethod
+    def _claimed(r: Any) -> ClaimedItem:
+        """A claim statement's row as the item handed to the attempt."""
+        return ClaimedItem(
+            id=r.id,
+            job_id=r.job_id,
+            attempt=r.attempt,
+            custom_id=r.custom_id,
+            body=r.body,
+            deadline=r.deadline,
+            prompt_tokens=r.prompt_tokens,
+            max_output_tokens=r.max_output_tokens,
+            reservation_tokens=r.reservation_tokens,
+            preemptions=r.preemptions,
+            partial_output=decode_partial(r.partial_output),
+            partial_tokens=r.partial_tokens,
+            endpoint=r.endpoint,
+            deadline_left_s=r.deadline_left_s,
+        )
 
     def _claim_statement(
         self,

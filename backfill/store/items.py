@@ -264,10 +264,15 @@ class Items(Store):
         self, job_id: str, target: ItemState, *, only_unstarted: bool = False
     ) -> list[ActiveLeaseRow]:
         """Expire or cancel a job's unfinished items; returns the active ones it ended, so the
-        caller can release their leases and abort their engine requests."""
+        caller can release their leases and abort their engine requests.
+
+        ``only_unstarted``: only those no engine works on, the claimable and the held
+        (``reserved``: a worker's commit then finds them gone and starts nothing), so a
+        cancel does not wait for a hold to be committed or to lapse."""
         if target not in (ItemState.EXPIRED, ItemState.CANCELLED):
             raise IllegalTransition(f"end_items() moves to expired or cancelled, not {target}")
-        states = set(ITEM_CLAIMABLE) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
+        unstarted = ITEM_CLAIMABLE | {ItemState.RESERVED}
+        states = set(unstarted) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
         sources = check_moves(sorted(states), target)
         with self._tx() as conn:
             rows = conn.execute(
