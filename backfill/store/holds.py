@@ -73,6 +73,9 @@ COMMIT = (
     "    CASE WHEN NOT started THEN 'released' END, "
     "    CASE WHEN NOT started THEN CAST(:d AS text) END FROM moved "
     "  ON CONFLICT (item_id, attempt) DO UPDATE SET lease_id = EXCLUDED.lease_id, "
+    # The row opened with the hold; the attempt starts now, if it starts.
+    "  started_at = CASE WHEN EXCLUDED.lease_id IS NULL THEN attempts.started_at "
+    "    ELSE now() END, "
     "  fencing_token = EXCLUDED.fencing_token, reserved_tokens = EXCLUDED.reserved_tokens, "
     "  prompt_tokens = EXCLUDED.prompt_tokens, ended_at = EXCLUDED.ended_at, "
     "  outcome = EXCLUDED.outcome, detail = EXCLUDED.detail) "
