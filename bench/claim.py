@@ -3,9 +3,9 @@
 4 claimer processes, 64 items per claim. The peer is the bare Postgres-queue pattern on the
 same ``items`` table (same indexes): one ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
 LOCKED)`` to claim, one ``UPDATE`` to mark done. Backfill's path is what a worker does:
-``claim`` (fair share between tenants, EDF within one, attempt fencing, counters),
-``start_many`` (lease ids and fencing tokens, attempt rows) and ``finish`` (fenced results,
-attempt outcomes, counters). ``--tenants N`` spreads the items over N tenants' jobs;
+``hold_claim`` (fair share between tenants, EDF within one, attempt fencing, counters, attempt
+rows), ``commit`` (lease ids and fencing tokens) and ``finish`` (fenced results, attempt
+outcomes, counters). ``--tenants N`` spreads the items over N tenants' jobs;
 ``--plain-edf`` claims earliest deadline first across tenants, without fair share.
 """
 
@@ -56,12 +56,12 @@ def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore
     repo = Repository.connect(url, pool_size=1, fair_share=FAIR_SHARE)
     done = 0
     fence = worker << 40
-    while batch := repo.claim(f"node{worker}", PER_CLAIM, 30):
+    while batch := repo.hold_claim(f"node{worker}", PER_CLAIM, 30):
         starts = []
         for c in batch:
             fence += 1
             starts.append(Start(c.id, c.attempt, f"l{fence}", fence, 128, 20))
-        repo.start_many(starts, 30)
+        repo.commit(starts, 30)
         done += len(
             repo.finish(
                 [
@@ -148,7 +148,7 @@ def main() -> None:
             [
                 ("raw SQL claim + done", n, args.tenants, CLAIMERS, PER_CLAIM, raw),
                 (
-                    "Backfill claim + start_many + finish"
+                    "Backfill hold_claim + commit + finish"
                     + (" (plain EDF)" if args.plain_edf else " (fair share)"),
                     n,
                     args.tenants,

@@ -95,7 +95,8 @@ class Plane(Protocol):
 
 
 class BackfillPlane:
-    """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``."""
+    """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``. Claims are
+    held claims as the worker's: ``claim`` holds, ``unclaim`` and ``start_many`` commit."""
 
     def __init__(
         self,
@@ -121,7 +122,9 @@ class BackfillPlane:
         return 0 if snap is None or not snap.ready else snap.slack
 
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
-        claimed: list[ClaimedItem] = await asyncio.to_thread(self.repo.claim, node, want, ttl_s)
+        claimed: list[ClaimedItem] = await asyncio.to_thread(
+            self.repo.hold_claim, node, want, ttl_s
+        )
         return [
             Held(
                 c.id,
@@ -135,7 +138,11 @@ class BackfillPlane:
 
     async def unclaim(self, held: Sequence[Held]) -> None:
         await asyncio.to_thread(
-            self.repo.unclaim, [(h.item_id, h.attempt) for h in held], "slack full"
+            self.repo.commit,
+            [],
+            self.cfg.lease_ttl_s,
+            released=[(h.item_id, h.attempt) for h in held],
+            detail="slack full",
         )
 
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
@@ -181,7 +188,7 @@ class BackfillPlane:
             )
             for h in held
         ]
-        return set(await asyncio.to_thread(self.repo.start_many, starts, ttl_s))
+        return set(await asyncio.to_thread(self.repo.commit, starts, ttl_s))
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         with contextlib.suppress(BackfillError):

@@ -2,14 +2,15 @@
 
 One asyncio loop per GPU node, beside its vLLM server:
 
-1. claim a batch of items from Postgres (earliest deadline first, ``SKIP LOCKED``), never
+1. hold a batch of items in Postgres (earliest deadline first, ``SKIP LOCKED``), never
    more than the slack could admit;
 2. count each prompt's tokens with the engine's own tokenizer; refuse what breaks the batch
    class limit, and expire what cannot finish before its deadline (before any prefill);
 3. reserve ``prompt + max_output`` (block-rounded) per item from the node's batch slack in the
    ledger — one pipelined round trip; items that do not fit are deferred, not started;
-4. mark the leased items running (fenced by attempt and fencing token), then stream each from
-   the engine with the batch priority;
+4. commit the holds in one write: the leased items run (fenced by attempt and fencing
+   token), the rest go back to the queue; then stream each from the engine with the batch
+   priority;
 5. write results in batches and release each lease after its result is durable.
 
 Interactive load takes precedence in two ways: it shrinks the slack (fewer new items), and the
@@ -43,6 +44,7 @@ from backfill.dispatch import (
     GiveBack,
     Leased,
     Limits,
+    StartPlan,
     StopReason,
     after_reserve,
     claim_size,
@@ -58,7 +60,7 @@ from backfill.errors import LedgerError, StaleWrite, StoreUnavailable
 from backfill.ledger import Denial, Lease, PartialBatchError
 from backfill.prefill import PromptCount, prefill_plan
 from backfill.states import ItemState
-from backfill.store import ClaimedItem
+from backfill.store import ClaimedItem, Start
 from worker.dispatch_attempts import AttemptRunner
 from worker.dispatch_results import ResultWriter
 from worker.dispatch_state import DispatchStats, Flight
@@ -183,7 +185,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         # Only work for the model this node's engine serves: a line's result must come from
         # the model it names.
         claimed = await asyncio.to_thread(
-            self.repo.claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
+            self.repo.hold_claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
         )
         if not claimed:
             return 0
@@ -274,9 +276,15 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         return count
 
     async def _reserve_and_start(self, ready: list[CheckedItem]) -> int:
+        """Reserve leases for what the slack takes, then commit the holds: start the leased
+        ones, give the rest back to the queue (one write)."""
         cfg = self.config
-        fits = await self._fit_to_slack(ready)
+        plan = await self._fit_to_slack(ready)
+        fits = list(plan.fits)
+        # Holds the slack cannot take now: back to the queue with the commit, not deferred.
+        released = [(c.item.id, c.item.attempt) for c in plan.rest]
         if not fits:
+            await self._commit([], released, plan.detail)
             return 0
         requests = [
             reserve_request(
@@ -295,6 +303,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         except LedgerError:
             for c in fits:
                 await self._settle_claimed(c.item, GiveBack("ledger unavailable"))
+            await self._commit([], released, plan.detail)
             raise
         leased: dict[int, Leased] = {}
         for checked, outcome in zip(fits, outcomes, strict=True):
@@ -307,13 +316,11 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             if isinstance(outcome, BaseException):
                 log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
             await self._settle_claimed(item, verdict)
-        if not leased:
-            return 0
         starts = [x.start() for x in leased.values()]
-        applied = set(await asyncio.to_thread(self.repo.start_many, starts, cfg.lease_ttl_s))
+        applied = await self._commit(starts, released, plan.detail)
         orphans = [x.lease for i, x in leased.items() if i not in applied]
         if orphans:
-            # Their claims moved on (cancelled, reaped) between claim and start.
+            # Their holds moved on (cancelled, reaped) between hold and commit.
             await self.ledger.release_many(orphans)
         for item_id in applied:
             self._launch(leased[item_id])
@@ -355,18 +362,24 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
         flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
 
-    async def _fit_to_slack(self, ready: list[CheckedItem]) -> list[CheckedItem]:
-        """What of ``ready`` the node's slack and work budget take now
-        (``backfill.dispatch.fit_starts``); the rest goes back to the queue at once, in one
-        write (no deferral churn)."""
+    async def _fit_to_slack(self, ready: list[CheckedItem]) -> StartPlan:
+        """What of ``ready`` the node's slack and work budget take now, and what goes back to
+        the queue at once (``backfill.dispatch.fit_starts``; no deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
-        plan = fit_starts(ready, self.view(), slack, self.block_size)
-        if plan.rest:
-            await asyncio.to_thread(
-                self.repo.unclaim, [(c.item.id, c.item.attempt) for c in plan.rest], plan.detail
-            )
-        return list(plan.fits)
+        return fit_starts(ready, self.view(), slack, self.block_size)
+
+    async def _commit(
+        self, starts: list[Start], released: list[tuple[int, int]], detail: str
+    ) -> set[int]:
+        """Commit holds: start ``starts`` under their leases, give ``released`` back; returns
+        the ids started."""
+        if not starts and not released:
+            return set()
+        applied = await asyncio.to_thread(
+            self.repo.commit, starts, self.config.lease_ttl_s, released=released, detail=detail
+        )
+        return set(applied)
 
     async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail) -> None:
         """Write what becomes of a claimed item that does not start (fenced by its attempt:

@@ -10,7 +10,8 @@ Rules it keeps:
 - Per-job counters change in the same transaction as the items they count, and counter rows
   are always locked last and in job-id order, so concurrent writers cannot deadlock on them.
 - Hot paths move rows in batches: COPY for ingest, ``FOR UPDATE SKIP LOCKED`` claims of many
-  items at once, array-parameter updates for results.
+  items at once, array-parameter updates for results; the claim path's statements (hold,
+  commit, finish) skip SQLAlchemy (``driver``).
 - Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
   statement carries the plan out), earliest deadline first within a tenant.
 
@@ -18,6 +19,8 @@ Where things are: :mod:`~backfill.store.records` (the values it returns),
 :mod:`~backfill.store.database` (pool, transactions, error translation, Postgres' clock),
 :mod:`~backfill.store.tenants`, :mod:`~backfill.store.files`, :mod:`~backfill.store.nodes`,
 :mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`, :mod:`~backfill.store.claims`,
+:mod:`~backfill.store.holds` (the worker's claims: a hold, then a commit that starts or gives
+back), :mod:`~backfill.store.driver` (the hot path's statements as raw prepared psycopg calls),
 :mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
 single-item move), :mod:`~backfill.store.counters`, :mod:`~backfill.store.recovery` (ledger
 rebuild rows, the reaper), :mod:`~backfill.store.stats`, and

@@ -9,10 +9,10 @@ the item's attempt number, which fences out any older attempt's writes.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import text
 
 from backfill import fairshare
 from backfill.errors import StaleWrite
@@ -21,6 +21,7 @@ from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store.bodies import ITEM_BODY
 from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
 from backfill.store.database import Store
+from backfill.store.driver import session
 from backfill.store.moves import check_moves, decode_partial
 from backfill.store.records import ClaimedItem, Start
 
@@ -184,39 +185,41 @@ class Claims(Store):
         item to two of them; each claimed item's attempt number goes up by one, which fences
         out any older attempt's writes.
         """
-        with self._tx(durable=False) as conn:
-            statement, params = self._claim_statement(conn, node, limit, lease_ttl_s, models)
-            rows = conn.execute(text(statement), params).all()
-        return [
-            ClaimedItem(
-                id=r.id,
-                job_id=r.job_id,
-                attempt=r.attempt,
-                custom_id=r.custom_id,
-                body=r.body,
-                deadline=r.deadline,
-                prompt_tokens=r.prompt_tokens,
-                max_output_tokens=r.max_output_tokens,
-                reservation_tokens=r.reservation_tokens,
-                preemptions=r.preemptions,
-                partial_output=decode_partial(r.partial_output),
-                partial_tokens=r.partial_tokens,
-                endpoint=r.endpoint,
-                deadline_left_s=r.deadline_left_s,
-            )
-            for r in rows
-        ]
+        with session(self.engine, durable=False) as tx:
+            statement, params = self._claim_statement(tx.rows, node, limit, lease_ttl_s, models)
+            rows = tx.rows(statement, params)
+        return [self._claimed(r) for r in rows]
+
+    @staticmethod
+    def _claimed(r: Any) -> ClaimedItem:
+        """A claim statement's row as the item handed to the attempt."""
+        return ClaimedItem(
+            id=r.id,
+            job_id=r.job_id,
+            attempt=r.attempt,
+            custom_id=r.custom_id,
+            body=r.body,
+            deadline=r.deadline,
+            prompt_tokens=r.prompt_tokens,
+            max_output_tokens=r.max_output_tokens,
+            reservation_tokens=r.reservation_tokens,
+            preemptions=r.preemptions,
+            partial_output=decode_partial(r.partial_output),
+            partial_tokens=r.partial_tokens,
+            endpoint=r.endpoint,
+            deadline_left_s=r.deadline_left_s,
+        )
 
     def _claim_statement(
         self,
-        conn: Connection,
+        read: Callable[[str, dict[str, Any]], Sequence[Any]],
         node: str,
         limit: int,
         lease_ttl_s: float,
         models: Sequence[str] | None,
     ) -> tuple[str, dict[str, Any]]:
-        """The claim statement and its parameters (with fair share, the plan read in
-        ``conn``'s transaction)."""
+        """The claim statement and its parameters (with fair share, the plan read by
+        ``read`` in the claim's transaction)."""
         wanted = list(models) if models is not None else None
         params: dict[str, Any] = {
             "n": limit,
@@ -229,7 +232,7 @@ class Claims(Store):
             return _CLAIM_EDF, params
         view = [
             fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-            for r in conn.execute(text(_SHARE_VIEW), {"node": node, "models": wanted}).all()
+            for r in read(_SHARE_VIEW, {"node": node, "models": wanted})
         ]
         # Spare slots only matter where a tenant short of items can pass its turn on.
         spare = limit if len(view) > 1 else 0
@@ -243,7 +246,9 @@ class Claims(Store):
         with self.engine.connect() as conn:
             tx = conn.begin()
             try:
-                statement, params = self._claim_statement(conn, node, limit, 60.0, models)
+                statement, params = self._claim_statement(
+                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models
+                )
                 explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
                 plan = conn.execute(explain, params).scalar_one()
             finally:
@@ -272,9 +277,9 @@ class Claims(Store):
         check_moves([ItemState.RESERVED], ItemState.RUNNING)
         if not starts:
             return []
-        with self._tx(durable=False) as conn:
-            rows = conn.execute(
-                text(START_MANY),
+        with session(self.engine, durable=False) as tx:
+            return tx.column(
+                START_MANY,
                 {
                     "ids": [x.item_id for x in starts],
                     "att": [x.attempt for x in starts],
@@ -284,8 +289,7 @@ class Claims(Store):
                     "pt": [x.prompt_tokens for x in starts],
                     "ttl": lease_ttl_s,
                 },
-            ).all()
-        return [r.id for r in rows]
+            )
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
         """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""

@@ -15,6 +15,7 @@ from backfill.errors import IllegalTransition
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, AttemptOutcome, ItemState
 from backfill.store.counters import CNT_FINISH, bump_counters
 from backfill.store.database import Store
+from backfill.store.driver import session
 from backfill.store.moves import NOT_BEFORE, ItemMove, check_moves, encode_partial, move_item
 from backfill.store.records import ActiveLeaseRow, Finish, ItemRecord
 from backfill.store.recovery import active_row
@@ -139,9 +140,9 @@ class Items(Store):
                 raise IllegalTransition(f"finish() writes succeeded or failed, not {f.state}")
         if not finishes:
             return []
-        with self._tx() as conn:
-            rows = conn.execute(
-                text(FINISH),
+        with session(self.engine) as tx:
+            return tx.column(
+                FINISH,
                 {
                     "ids": [f.item_id for f in finishes],
                     "att": [f.attempt for f in finishes],
@@ -152,8 +153,7 @@ class Items(Store):
                     "out": [f.output_tokens for f in finishes],
                     "pt": [f.prompt_tokens for f in finishes],
                 },
-            ).all()
-        return [r.id for r in rows]
+            )
 
     def preempt(
         self,
@@ -264,10 +264,15 @@ class Items(Store):
         self, job_id: str, target: ItemState, *, only_unstarted: bool = False
     ) -> list[ActiveLeaseRow]:
         """Expire or cancel a job's unfinished items; returns the active ones it ended, so the
-        caller can release their leases and abort their engine requests."""
+        caller can release their leases and abort their engine requests.
+
+        ``only_unstarted``: only those no engine works on, the claimable and the held
+        (``reserved``: a worker's commit then finds them gone and starts nothing), so a
+        cancel does not wait for a hold to be committed or to lapse."""
         if target not in (ItemState.EXPIRED, ItemState.CANCELLED):
             raise IllegalTransition(f"end_items() moves to expired or cancelled, not {target}")
-        states = set(ITEM_CLAIMABLE) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
+        unstarted = ITEM_CLAIMABLE | {ItemState.RESERVED}
+        states = set(unstarted) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
         sources = check_moves(sorted(states), target)
         with self._tx() as conn:
             rows = conn.execute(

@@ -35,18 +35,24 @@ from backfill.store import records as sr
 
 
 class AttemptStore(Protocol):
-    """Claims and attempts, as a node's dispatcher writes them: claim, start, heartbeat,
-    and the end of each attempt, every write fenced by its attempt (and lease)."""
+    """Claims and attempts, as a node's dispatcher writes them: hold, commit (start or give
+    back), heartbeat, and the end of each attempt, every write fenced by its attempt (and
+    lease)."""
 
-    def claim(
+    def hold_claim(
         self, node: str, limit: int, lease_ttl_s: float, *, models: Sequence[str] | None = ...
     ) -> list[sr.ClaimedItem]: ...
 
     def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None: ...
 
-    def unclaim(self, held: Sequence[tuple[int, int]], detail: str) -> list[int]: ...
-
-    def start_many(self, starts: Sequence[sr.Start], lease_ttl_s: float) -> list[int]: ...
+    def commit(
+        self,
+        starts: Sequence[sr.Start],
+        lease_ttl_s: float,
+        *,
+        released: Sequence[tuple[int, int]] = ...,
+        detail: str | None = ...,
+    ) -> list[int]: ...
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]: ...
 

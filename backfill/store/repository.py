@@ -7,8 +7,8 @@ on one pooled engine. Code that needs only one part may take that part's type in
 
 from __future__ import annotations
 
-from backfill.store.claims import Claims
 from backfill.store.files import Files
+from backfill.store.holds import Holds
 from backfill.store.ingest import Ingest
 from backfill.store.items import Items
 from backfill.store.jobs import Jobs
@@ -18,7 +18,7 @@ from backfill.store.stats import Stats
 from backfill.store.tenants import Tenants
 
 
-class Repository(Tenants, Files, Nodes, Jobs, Ingest, Claims, Items, Recovery, Stats):
+class Repository(Tenants, Files, Nodes, Jobs, Ingest, Holds, Items, Recovery, Stats):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 
     ``fair_share`` is how :meth:`claim` orders tenants: by weighted fair share of the node

@@ -62,3 +62,25 @@ def test_file_pieces_are_stored_uncompressed_so_a_line_is_read_alone(database_ur
         ).fetchone()
     assert row is not None
     assert row[0] == "e"
+
+
+def _attempts_storage(url: str) -> tuple[list[str] | None, set[str]]:
+    """The attempts table's storage options and its index names."""
+    with psycopg.connect(libpq_url(url)) as conn:
+        row = conn.execute("SELECT reloptions FROM pg_class WHERE oid = 'attempts'::regclass")
+        options = row.fetchone()
+        names = conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'attempts'")
+        return (options[0] if options else None), {r[0] for r in names}
+
+
+def test_attempts_pages_leave_room_for_hot_updates_and_downgrade_restores(
+    empty_database_url: str,
+) -> None:
+    upgrade(empty_database_url)
+    options, indexes = _attempts_storage(empty_database_url)
+    assert options == ["fillfactor=50"]
+    assert "ix_attempts_open" not in indexes
+    downgrade(empty_database_url, "0009_submit_once")
+    options, indexes = _attempts_storage(empty_database_url)
+    assert options is None
+    assert "ix_attempts_open" in indexes
