@@ -97,6 +97,16 @@ def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: in
     return max(1, min(cap, token_budget))
 
 
+def lifted_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
+    """Batch prefill tokens a step may carry once the cap is lifted: vLLM's whole budget, or
+    what fits ``lifted_step_target_s`` by the model (never under the capped chunk)."""
+    target = settings.lifted_step_target_s
+    if target <= 0 or fit is None:
+        return token_budget
+    capped = chunk_cap(settings, fit, token_budget)
+    return max(capped, min(token_budget, fit.tokens_within(target)))
+
+
 def cap_lifted(settings: SchedulerSettings, view: StepView) -> bool:
     """Whether batch prefill runs uncapped this step: no interactive request has been in the
     engine for ``lift_cap_after_s`` (none can be waiting behind the step)."""
@@ -126,7 +136,7 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
     holding = any(not s.resident or s.prefill_tokens > 0 for s in interactive)
     if not holding:
         if cap_lifted(settings, view):
-            cap = view.token_budget
+            cap = lifted_cap(settings, view.fit, view.token_budget)
         return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0)
 
     resident = [s for s in view.sequences if s.batch and s.resident]

@@ -36,6 +36,11 @@ class SchedulerSettings:
     prefill is not capped (vLLM's own token budget): batch alone runs as fast as on the stock
     engine, and the first interactive request after the quiet spell waits at most one such
     step before the cap is back. 0: always capped (the simulator's ``backfill-step``)."""
+    lifted_step_target_s: float = 0.0
+    """How far a lift goes: batch prefill up to what the step-time model says fits in this
+    long (never less than the capped chunk). 0: vLLM's whole token budget. On an engine whose
+    full-budget step is long (a CPU engine: ~1 s for 2,048 tokens) the first interactive
+    request after a quiet spell waits for that step; this bounds it."""
     chunk_tokens: int = 256
     """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
     min_chunk_tokens: int = 16
@@ -63,7 +68,13 @@ class SchedulerSettings:
                     f"{PREFIX}{name.upper()}={getattr(self, name)!r}: must be {what}"
                 )
 
-        for name in ("chunk_target_s", "ride_along_share", "starvation_s", "lift_cap_after_s"):
+        for name in (
+            "chunk_target_s",
+            "ride_along_share",
+            "starvation_s",
+            "lift_cap_after_s",
+            "lifted_step_target_s",
+        ):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, name, "a number >= 0")
         need(self.chunk_target_s > 0, "chunk_target_s", "> 0 seconds")

@@ -156,6 +156,25 @@ def test_after_a_quiet_spell_without_interactive_work_batch_prefill_is_not_cappe
     assert held.prefill_allowance == 0
 
 
+def test_a_lift_goes_only_as_far_as_its_step_target_when_one_is_set() -> None:
+    lift = DEFAULTS.lift_cap_after_s
+    batch = (seq("b1"), seq("b2", prefill=3000))
+    fit = StepFit(base_s=0.05, per_token_s=0.0005, samples=50)
+    bounded = SchedulerSettings(chunk_target_s=0.05, lifted_step_target_s=0.25)
+    plan = plan_step(view(*batch, fit=fit, quiet_s=lift, budget=2048), bounded)
+    assert plan.prefill_allowance == plan.chunk_cap == 500  # 0.25 s at 0.5 ms a token
+    capped = plan_step(view(*batch, fit=fit, quiet_s=0.0, budget=2048), bounded)
+    assert capped.chunk_cap == 100  # the lift is 5x the capped chunk, not 20x
+    # Never past vLLM's budget, never under the capped chunk, and the whole budget before
+    # the model has a fit.
+    assert plan_step(view(*batch, fit=fit, quiet_s=lift, budget=300), bounded).chunk_cap == 300
+    short = SchedulerSettings(chunk_target_s=0.05, lifted_step_target_s=0.01)
+    assert plan_step(view(*batch, fit=fit, quiet_s=lift), short).chunk_cap == 100
+    assert plan_step(view(*batch, quiet_s=lift, budget=2048), bounded).chunk_cap == 2048
+    with pytest.raises(SettingsError, match="LIFTED_STEP_TARGET_S"):
+        SchedulerSettings(lifted_step_target_s=-1)
+
+
 def test_an_interactive_request_waiting_pauses_every_resident_batch_sequence() -> None:
     plan = plan_step(
         view(seq("b1"), seq("b2", prefill=900), seq("i1", batch=False, resident=False)),
