@@ -374,11 +374,17 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
     the engine: it has no reservation any more."""
     d = deployment
     dispatcher = node.dispatchers[0]
-    real_start_many = dispatcher.repo.start_many
+    real_commit = dispatcher.repo.commit
     preempted: list[str] = []
     raced: list[int] = []
 
-    def start_many_after_a_preemption(starts: Sequence[Start], lease_ttl_s: float) -> list[int]:
+    def commit_after_a_preemption(
+        starts: Sequence[Start],
+        lease_ttl_s: float,
+        *,
+        released: Sequence[tuple[int, int]] = (),
+        detail: str | None = None,
+    ) -> list[int]:
         if not raced and starts:
             # Interactive takes the whole pool now: every batch lease is a victim.
             lease = d.ledger.reserve("n1", "interactive", CAPACITY - 1024, 1000)
@@ -387,14 +393,16 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
             raced.extend(s.item_id for s in starts if s.lease_id in lease.preempted)
             time.sleep(0.5)  # the notice reaches the dispatcher's listener meanwhile
             d.ledger.release(lease)
-        return real_start_many(starts, lease_ttl_s)
+        return real_commit(starts, lease_ttl_s, released=released, detail=detail)
 
-    dispatcher.repo.start_many = start_many_after_a_preemption  # type: ignore[method-assign]
+    # The worker starts its held claims in one commit: the race sits between the leases it
+    # reserved and that commit.
+    dispatcher.repo.commit = commit_after_a_preemption  # type: ignore[method-assign]
     try:
         job = d.submit(6, max_tokens=64, tag="early-preempt")
         d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 6, 180, "all items")
     finally:
-        del dispatcher.repo.start_many
+        del dispatcher.repo.commit
     assert raced, f"the race was not staged (preempted {preempted})"
     _assert_exactly_once(d, job, 6)
     with d.repo.engine.connect() as conn:
