@@ -72,7 +72,9 @@ def session(engine: Engine, *, durable: bool = True) -> Iterator[Session]:
     """
     try:
         fairy = engine.raw_connection()
-    except (OperationalError, PoolTimeout) as exc:
+    except (OperationalError, PoolTimeout, psycopg.OperationalError) as exc:
+        # The pool hands a failed connect up as the driver's own error, not SQLAlchemy's:
+        # a server that is down (restarting) must read as unavailable, never crash a worker.
         raise StoreUnavailable(f"no Postgres connection: {exc}") from exc
     conn = fairy.driver_connection
     assert isinstance(conn, psycopg.Connection)

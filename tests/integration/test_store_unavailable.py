@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import cast
@@ -92,6 +93,27 @@ def test_a_connection_killed_under_a_driver_level_read_is_store_unavailable(
         b"".join(small_repo.file_pieces(tenant.id, record.id) or [])
     # The pool replaced the dead connection: the next call works.
     assert b"".join(small_repo.file_pieces(tenant.id, record.id) or []) == b"{}\n"
+
+
+def test_the_hot_path_meets_a_server_that_refuses_connections_as_store_unavailable(
+    settings: Settings,
+) -> None:
+    """A Postgres restarting refuses new connections: the pool's connect raises the driver's
+    own error, which the hot path (hold, commit, finish) must read as unavailable. It crashed
+    every worker of a node instead, until the store came back to no one claiming."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    url = settings.database_url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{port}/")
+    assert url != settings.database_url
+    repo = Repository(create_engine(url, pool_size=1, max_overflow=0))
+    try:
+        with pytest.raises(StoreUnavailable):
+            repo.hold_claim("n1", 4, 30)
+        with pytest.raises(StoreUnavailable):
+            repo.commit([], 30, released=[(1, 1)])
+    finally:
+        repo.close()
 
 
 def _running_item(repo: Repository, ledger: Ledger) -> tuple[Flight, Finish]:
