@@ -68,6 +68,7 @@ from pathlib import Path
 from backfill_analysis.simulate.trace import AZURE_CODE_TRACE, TraceOptions, load_trace
 from bench import protection_plan as plan
 from bench.common import OUT_DIR, finish, machine, parser, table
+from bench.protection_pairs import report as pairs_report
 from bench.protection_record import Config, Variant, parse_variant, say
 from bench.protection_report import (
     HEADERS,
@@ -240,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"scenario (x{load.stretch.time_scale:.3g}), {machine()}",
     )
     print(f"plot: {plot_path}")
+    paired = pairs_report(summaries)
+    if paired is not None:
+        print(paired)
     command = "python -m bench.protection " + " ".join(sys.argv[1:] if argv is None else argv)
     judged = closing_verdict(summaries, goals, load.median_prefill_s())
     print(
