@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
@@ -54,7 +55,7 @@ _SHARE_VIEW = (
 )
 
 # Moves the ``picked`` items to ``reserved`` for this attempt, counts them, and returns them
-# in ``picked.ord`` order.
+# in ``picked.ord`` order; ``{extra}``: more CTEs over ``moved`` in the same statement.
 _CLAIM_MOVE = (
     "moved AS ("
     "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
@@ -66,23 +67,23 @@ _CLAIM_MOVE = (
     "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
     "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
-    f"), {CNT_CLAIM} "
+    f"), {CNT_CLAIM}{{extra}} "
     "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id ORDER BY m.ord"
 )
 
 # Claim without fair share: the earliest deadlines across every tenant.
-_CLAIM_EDF = (
+_PICK_EDF = (
     "WITH picked AS ("
     "  SELECT id, state, row_number() OVER (ORDER BY deadline, id) AS ord FROM ("
     f"    SELECT id, state, deadline FROM items WHERE {_CLAIMABLE_NOW}"
-    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), " + _CLAIM_MOVE
+    "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), "
 )
 
 # ``:slots`` is the plan: the tenant of each slot, in order. The k-th slot of a tenant takes
 # its k-th earliest-deadline item; the first ``:n`` slots that found one are the claim, and
 # any shortfall is filled earliest deadline first across all tenants (``rest``). Items locked
 # for slots past the first ``:n`` are not claimed and unlock at commit.
-_CLAIM_FAIR = (
+_PICK_FAIR = (
     "WITH slots AS ("
     "  SELECT s.tenant_id, s.ord, "
     "    row_number() OVER (PARTITION BY s.tenant_id ORDER BY s.ord) AS k "
@@ -106,8 +107,26 @@ _CLAIM_FAIR = (
     "picked AS ("
     "  SELECT id, state, ord FROM fair UNION ALL "
     "  SELECT id, state, CAST(:n AS bigint) * 2 + row_number() OVER (ORDER BY deadline, id) "
-    "  FROM rest), " + _CLAIM_MOVE
+    "  FROM rest), "
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimStatements:
+    """The claim statement with and without fair share, both with the same extra CTEs."""
+
+    edf: str
+    fair: str
+
+
+def claim_statements(extra: str = "") -> ClaimStatements:
+    """The claim statements; ``extra``: CTEs over ``moved`` (the claimed rows, as the claim
+    returns them) written in the same statement, e.g. a hold's attempt rows."""
+    move = _CLAIM_MOVE.format(extra=f", {extra}" if extra else "")
+    return ClaimStatements(edf=_PICK_EDF + move, fair=_PICK_FAIR + move)
+
+
+_CLAIMS = claim_statements()
 
 # reserved -> running for many claims at once, each with its lease and fencing token; opens their
 # attempt rows and moves the counters.
@@ -186,7 +205,9 @@ class Claims(Store):
         out any older attempt's writes.
         """
         with session(self.engine, durable=False) as tx:
-            statement, params = self._claim_statement(tx.rows, node, limit, lease_ttl_s, models)
+            statement, params = self._claim_statement(
+                tx.rows, node, limit, lease_ttl_s, models, _CLAIMS
+            )
             rows = tx.rows(statement, params)
         return [self._claimed(r) for r in rows]
 
@@ -217,9 +238,10 @@ class Claims(Store):
         limit: int,
         lease_ttl_s: float,
         models: Sequence[str] | None,
+        statements: ClaimStatements,
     ) -> tuple[str, dict[str, Any]]:
-        """The claim statement and its parameters (with fair share, the plan read by
-        ``read`` in the claim's transaction)."""
+        """The claim statement of ``statements`` and its parameters (with fair share, the
+        plan read by ``read`` in the claim's transaction)."""
         wanted = list(models) if models is not None else None
         params: dict[str, Any] = {
             "n": limit,
@@ -229,7 +251,7 @@ class Claims(Store):
             "models": wanted,
         }
         if not self.fair_share:
-            return _CLAIM_EDF, params
+            return statements.edf, params
         view = [
             fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
             for r in read(_SHARE_VIEW, {"node": node, "models": wanted})
@@ -237,7 +259,7 @@ class Claims(Store):
         # Spare slots only matter where a tenant short of items can pass its turn on.
         spare = limit if len(view) > 1 else 0
         params["slots"] = list(fairshare.claim_order(view, limit + spare))
-        return _CLAIM_FAIR, params
+        return statements.fair, params
 
     def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
         """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the claim :meth:`claim` would run
@@ -247,7 +269,7 @@ class Claims(Store):
             tx = conn.begin()
             try:
                 statement, params = self._claim_statement(
-                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models
+                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models, _CLAIMS
                 )
                 explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
                 plan = conn.execute(explain, params).scalar_one()

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from backfill.states import ItemState
-from backfill.store.claims import Claims
-from backfill.store.counters import CNT_CLAIM, counters_cte
+from backfill.store.claims import Claims, claim_statements
+from backfill.store.counters import counters_cte
 from backfill.store.driver import session
 from backfill.store.moves import check_moves
 from backfill.store.records import ClaimedItem, Start
@@ -83,12 +83,8 @@ COMMIT = (
 )
 
 
-def hold_statement(claim: str) -> str:
-    """The hold made of a claim statement: the same claim, with the attempt rows opened in
-    the same statement."""
-    if claim.count(CNT_CLAIM) != 1:
-        raise ValueError("a claim statement counts the items it moves, once")
-    return claim.replace(CNT_CLAIM, f"{CNT_CLAIM}, {OPEN_ATTEMPTS}")
+# The hold: the claim, with the attempt rows opened in the same statement.
+HOLDS = claim_statements(OPEN_ATTEMPTS)
 
 
 class Holds(Claims):
@@ -107,8 +103,8 @@ class Holds(Claims):
         and ``models``). Until :meth:`commit`, each hold lapses ``lease_ttl_s`` after this
         (or after its last heartbeat), and the reaper queues its item again."""
         with session(self.engine, durable=False) as tx:
-            claim, params = self._claim_statement(tx.rows, node, limit, lease_ttl_s, models)
-            rows = tx.rows(hold_statement(claim), params)
+            hold, params = self._claim_statement(tx.rows, node, limit, lease_ttl_s, models, HOLDS)
+            rows = tx.rows(hold, params)
         return [self._claimed(r) for r in rows]
 
     def commit(
