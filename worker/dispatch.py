@@ -317,7 +317,15 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
                 log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
             await self._settle_claimed(item, verdict)
         starts = [x.start() for x in leased.values()]
-        applied = await self._commit(starts, released, plan.detail)
+        try:
+            applied = await self._commit(starts, released, plan.detail)
+        except StoreUnavailable:
+            # Landed or not, nothing of this commit is launched: its leases go back to the
+            # slack now, not when their TTL runs out (a start that did land is never beaten
+            # in Postgres either, and the reaper requeues it when its lease lapses there).
+            with contextlib.suppress(LedgerError):
+                await self.ledger.release_many([x.lease for x in leased.values()])
+            raise
         orphans = [x.lease for i, x in leased.items() if i not in applied]
         if orphans:
             # Their holds moved on (cancelled, reaped) between hold and commit.

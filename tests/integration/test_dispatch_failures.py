@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
-from backfill.config import Settings
+import psycopg
+
+from backfill.config import Settings, libpq_url
+from backfill.ledger import PoolSnapshot
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import (
@@ -72,3 +76,67 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
         assert snap is not None
         assert snap.batch_in_use == 0
         assert not snap.leases
+
+
+def _kill_connections(database_url: str) -> int:
+    """Terminate every other session of this test's database, as a Postgres restart does."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settings) -> None:
+    """Postgres restarts between a hold and its commit: the commit fails on a dead
+    connection, and the leases the worker took for it go back to the slack at once, not when
+    their TTL (here two minutes) runs out. Before, they held the node's slack until then."""
+    node = "n-commit"
+    engine = StandInEngine()
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        job = submit_completions(repo, "t-commit", 4, 8)
+        commit = repo.commit
+        held_at_commit: list[int] = []
+
+        def commit_after_a_restart(*args: Any, **kwargs: Any) -> list[int]:
+            if not held_at_commit:
+                snap = ledger.snapshot(node)
+                held_at_commit.append(len(snap.leases) if snap is not None else -1)
+                assert _kill_connections(settings.database_url) >= 1
+            return commit(*args, **kwargs)
+
+        repo.commit = commit_after_a_restart  # type: ignore[method-assign]
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+        after: list[PoolSnapshot | None] = []
+
+        async def run_past_the_failed_commit() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                for _ in range(200):
+                    await asyncio.sleep(0.05)
+                    if held_at_commit:
+                        break
+                # The dispatcher backs off a second after a store error; look inside it.
+                await asyncio.sleep(0.5)
+                after.append(ledger.snapshot(node))
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(run_past_the_failed_commit())
+
+        assert held_at_commit == [4], "the commit was not reached with the four leases held"
+        (snap,) = after
+        assert snap is not None
+        assert not snap.leases, f"leases of a failed commit still held: {snap.leases}"
+        assert snap.batch_in_use == 0
+        assert not engine.streamed  # nothing of the failed commit reached the engine
+        assert sum(repo.counted_states(job).values()) == 4  # nothing lost
