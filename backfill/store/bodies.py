@@ -48,10 +48,13 @@ LOCK_FILES = "SELECT id FROM files WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"
 
 # Copy the bodies of the unfinished items that still point into these files (a statement of
 # its own, after the lock: it sees every item committed until then).
+# The items are locked in id order first, as every statement that locks many items does: no
+# two can wait in a cycle (a cancel's end_items, a worker's commit).
 KEEP_BODIES = (
-    f"UPDATE items i SET body = {ITEM_BODY} FROM jobs j "
-    "WHERE j.input_file_id = ANY(:ids) AND i.job_id = j.id AND i.body IS NULL "
-    f"AND i.state NOT IN ({_TERMINAL_SQL})"
+    "WITH kept AS (SELECT i.id FROM items i JOIN jobs j ON i.job_id = j.id "
+    "  WHERE j.input_file_id = ANY(:ids) AND i.body IS NULL "
+    f"  AND i.state NOT IN ({_TERMINAL_SQL}) ORDER BY i.id FOR UPDATE OF i) "
+    f"UPDATE items i SET body = {ITEM_BODY} FROM kept WHERE i.id = kept.id"
 )
 
 # A create storing items that point into the file holds it: a delete (FOR UPDATE) waits for

@@ -23,7 +23,7 @@ from backfill.store.bodies import ITEM_BODY
 from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
 from backfill.store.database import Store
 from backfill.store.driver import session
-from backfill.store.moves import check_moves, decode_partial
+from backfill.store.moves import check_moves, decode_partial, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
 # The condition an item must meet to be claimed now (a WHERE clause over items).
@@ -299,6 +299,7 @@ class Claims(Store):
         check_moves([ItemState.RESERVED], ItemState.RUNNING)
         if not starts:
             return []
+        starts = in_id_order(starts, lambda s: s.item_id)
         with session(self.engine, durable=False) as tx:
             return tx.column(
                 START_MANY,
@@ -317,6 +318,7 @@ class Claims(Store):
         """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
         if not held:
             return []
+        held = in_id_order(held, lambda h: h[0])
         with self._tx() as conn:
             return list(
                 conn.execute(
@@ -331,6 +333,7 @@ class Claims(Store):
         check_moves([ItemState.RESERVED], ItemState.QUEUED)
         if not held:
             return []
+        held = in_id_order(held, lambda h: h[0])
         with self._tx(durable=False) as conn:
             rows = conn.execute(
                 text(UNCLAIM),

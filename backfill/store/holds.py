@@ -28,7 +28,7 @@ from backfill.states import ItemState
 from backfill.store.claims import Claims, claim_statements
 from backfill.store.counters import counters_cte
 from backfill.store.driver import session
-from backfill.store.moves import check_moves
+from backfill.store.moves import check_moves, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
 # The attempt rows a hold opens, one per held item (a new attempt number: none exists yet).
@@ -124,18 +124,28 @@ class Holds(Claims):
         check_moves([ItemState.RESERVED], ItemState.QUEUED)
         if not starts and not released:
             return []
-        gone: list[Any] = [None] * len(released)
+        rows: list[tuple[Any, ...]] = [
+            (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
+             s.prompt_tokens)
+            for s in starts
+        ]  # fmt: skip
+        rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in released]
+        ids, att, lid, fen, res, pt = (list(c) for c in zip(*in_id_order(rows, _id), strict=True))
         with session(self.engine, durable=False) as tx:
             return tx.column(
                 COMMIT,
                 {
-                    "ids": [s.item_id for s in starts] + [r[0] for r in released],
-                    "att": [s.attempt for s in starts] + [r[1] for r in released],
-                    "lid": [s.lease_id for s in starts] + gone,
-                    "fen": [s.fencing_token for s in starts] + gone,
-                    "res": [s.reservation_tokens for s in starts] + gone,
-                    "pt": [s.prompt_tokens for s in starts] + gone,
+                    "ids": ids,
+                    "att": att,
+                    "lid": lid,
+                    "fen": fen,
+                    "res": res,
+                    "pt": pt,
                     "ttl": lease_ttl_s,
                     "d": detail,
                 },
             )
+
+
+def _id(row: tuple[Any, ...]) -> int:
+    return int(row[0])

@@ -16,7 +16,14 @@ from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, AttemptOutcome, ItemSta
 from backfill.store.counters import CNT_FINISH, bump_counters
 from backfill.store.database import Store
 from backfill.store.driver import session
-from backfill.store.moves import NOT_BEFORE, ItemMove, check_moves, encode_partial, move_item
+from backfill.store.moves import (
+    NOT_BEFORE,
+    ItemMove,
+    check_moves,
+    encode_partial,
+    in_id_order,
+    move_item,
+)
 from backfill.store.records import ActiveLeaseRow, Finish, ItemRecord
 from backfill.store.recovery import active_row
 
@@ -45,7 +52,8 @@ FINISH = (
 END_ITEMS = (
     "WITH old AS (SELECT id, state, node, attempt, lease_id, fencing_token, "
     "  reservation_tokens, lease_expires_at FROM items "
-    "  WHERE job_id = :j AND state = ANY(:src) FOR UPDATE), "
+    # In id order, as every statement that locks many items: no two can wait in a cycle.
+    "  WHERE job_id = :j AND state = ANY(:src) ORDER BY id FOR UPDATE), "
     "moved AS (UPDATE items i SET state = :to, lease_id = NULL, "
     "  lease_expires_at = NULL, finished_at = now(), updated_at = now() "
     "  FROM old WHERE i.id = old.id "
@@ -140,6 +148,7 @@ class Items(Store):
                 raise IllegalTransition(f"finish() writes succeeded or failed, not {f.state}")
         if not finishes:
             return []
+        finishes = in_id_order(finishes, lambda f: f.item_id)
         with session(self.engine) as tx:
             return tx.column(
                 FINISH,

@@ -12,9 +12,9 @@ ends the attempt's row and moves the job's counters in the same transaction.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, text
 
@@ -38,6 +38,16 @@ END_ATTEMPT = (
 
 HELD_STATES = (ItemState.RESERVED, ItemState.RUNNING)
 """The states an attempt holds an item in: the sources of a guarded move."""
+
+
+T = TypeVar("T")
+
+
+def in_id_order(rows: Sequence[T], item_id: Callable[[T], int]) -> list[T]:
+    """``rows`` in item id order. Every statement that locks many items takes them in id
+    order (the hot path's statements follow their arrays), so no two can wait on each other
+    in a cycle: a deadlock Postgres would break after a second by aborting one of them."""
+    return sorted(rows, key=item_id)
 
 
 def check_moves(sources: Iterable[ItemState], target: ItemState) -> list[str]:
