@@ -80,7 +80,7 @@ from bench.protection_report import (
     tradeoff_points,
     verdicts,
 )
-from bench.protection_run import SCENARIOS, run_all
+from bench.protection_run import DEFAULT_SCENARIOS, SCENARIOS, run_all
 from worker import devengine
 
 NAME = "protection"
@@ -152,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--scenarios",
         default=None,
-        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all; alone-sched "
-        "only with --scheduler-cls)",
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but a-direct; "
+        "alone-sched and a-direct only with --scheduler-cls)",
     )
     p.add_argument(
         "--variant",
@@ -174,7 +174,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # database and the ledger keys are all cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     default_scenarios = [
-        s for s in SCENARIOS if s != "alone-sched" or args.scheduler_cls not in (None, "none")
+        s
+        for s in DEFAULT_SCENARIOS
+        if s != "alone-sched" or args.scheduler_cls not in (None, "none")
     ]
     chosen = args.scenarios or ",".join(default_scenarios)
     wanted = [s.strip() for s in chosen.split(",") if s.strip()]
@@ -241,9 +243,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"scenario (x{load.stretch.time_scale:.3g}), {machine()}",
     )
     print(f"plot: {plot_path}")
-    paired = pairs_report(summaries)
-    if paired is not None:
-        print(paired)
+    for other in ("a", "a-direct"):
+        paired = pairs_report(summaries, other)
+        if paired is not None:
+            print(paired)
     command = "python -m bench.protection " + " ".join(sys.argv[1:] if argv is None else argv)
     judged = closing_verdict(summaries, goals, load.median_prefill_s())
     print(

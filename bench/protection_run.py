@@ -20,8 +20,22 @@ from bench.stack import BackfillStack
 from worker import devengine
 from worker.enginespeed import EngineSpeed, measure_speed
 
-SCENARIOS = ("alone", "gateway", "batch-straight", "batch-backfill", "a", "b", "c", "alone-sched")
-BACKFILL_ENGINE_SCENARIOS = frozenset({"gateway", "batch-backfill", "a", "alone-sched"})
+SCENARIOS = (
+    "alone",
+    "gateway",
+    "batch-straight",
+    "batch-backfill",
+    "a",
+    "b",
+    "c",
+    "alone-sched",
+    "a-direct",
+)
+"""``a-direct`` (not in the default set): ``a``'s batch job with the interactive requests sent
+straight to the engine instead of through the gateway, which tells the gateway's part in
+``a``'s TTFT from the engine's."""
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "a-direct")
+BACKFILL_ENGINE_SCENARIOS = frozenset({"gateway", "batch-backfill", "a", "alone-sched", "a-direct"})
 
 
 def gateway_target(stack: BackfillStack, model: str) -> Target:
@@ -176,7 +190,7 @@ def _backfill_scenarios(
     logs: Path,
 ) -> None:
     """``gateway``, ``batch-backfill`` and ``a`` (once per variant) on ``server``."""
-    if not {"gateway", "batch-backfill", "a"} & set(wanted):
+    if not {"gateway", "batch-backfill", "a", "a-direct"} & set(wanted):
         return
     for i, variant in enumerate(variants):
         stack_logs = logs / f"backfill-{variant.name}"
@@ -194,5 +208,8 @@ def _backfill_scenarios(
                 one("batch-backfill", interactive=None, batch="backfill", stack=st)
             if "a" in wanted:
                 one(label, interactive=gw, batch="backfill", stack=st, overrides=variant.overrides)
+            if i == 0 and "a-direct" in wanted:
+                direct = Target(server.url, server.served_model_name, priority=0)
+                one("a-direct", interactive=direct, batch="backfill", stack=st)
         if "a" not in wanted:
             break
