@@ -22,7 +22,7 @@ from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store.bodies import ITEM_BODY
 from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
 from backfill.store.database import Store
-from backfill.store.driver import session
+from backfill.store.driver import array_literal, session
 from backfill.store.moves import check_moves, decode_partial, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
@@ -258,7 +258,7 @@ class Claims(Store):
         ]
         # Spare slots only matter where a tenant short of items can pass its turn on.
         spare = limit if len(view) > 1 else 0
-        params["slots"] = list(fairshare.claim_order(view, limit + spare))
+        params["slots"] = array_literal(fairshare.claim_order(view, limit + spare))
         return statements.fair, params
 
     def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
@@ -304,12 +304,12 @@ class Claims(Store):
             return tx.column(
                 START_MANY,
                 {
-                    "ids": [x.item_id for x in starts],
-                    "att": [x.attempt for x in starts],
-                    "lid": [x.lease_id for x in starts],
-                    "fen": [x.fencing_token for x in starts],
-                    "res": [x.reservation_tokens for x in starts],
-                    "pt": [x.prompt_tokens for x in starts],
+                    "ids": array_literal(x.item_id for x in starts),
+                    "att": array_literal(x.attempt for x in starts),
+                    "lid": array_literal(x.lease_id for x in starts),
+                    "fen": array_literal(x.fencing_token for x in starts),
+                    "res": array_literal(x.reservation_tokens for x in starts),
+                    "pt": array_literal(x.prompt_tokens for x in starts),
                     "ttl": lease_ttl_s,
                 },
             )

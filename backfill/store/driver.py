@@ -16,7 +16,7 @@ Driver errors leave as Backfill's own types, as :func:`backfill.postgres.transac
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
@@ -34,6 +34,30 @@ _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
 
 Row = tuple[Any, ...]
 """A row as the connection returns it (``Session.rows`` names its fields)."""
+
+
+def array_literal(values: Iterable[int | str | None]) -> str:
+    """A Postgres array literal of ``values`` (ints, strings, None), for a parameter that the
+    statement casts to its array type (``CAST(:ids AS bigint[])``).
+
+    psycopg dumps a Python list element by element in Python, each string checked against a
+    regular expression for quoting: on the claim path that was ~40% of the client's CPU
+    (``bench.claim``, 64-item batches, results in the finish). One literal built with string
+    methods costs a fraction of it, and the server parses it the same way."""
+    return (
+        "{"
+        + ",".join(
+            [
+                "NULL"
+                if v is None
+                else str(v)
+                if isinstance(v, int)
+                else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                for v in values
+            ]
+        )
+        + "}"
+    )
 
 
 @cache

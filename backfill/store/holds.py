@@ -27,7 +27,7 @@ from typing import Any
 from backfill.states import ItemState
 from backfill.store.claims import Claims, claim_statements
 from backfill.store.counters import counters_cte
-from backfill.store.driver import session
+from backfill.store.driver import array_literal, session
 from backfill.store.moves import check_moves, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
@@ -130,7 +130,9 @@ class Holds(Claims):
             for s in starts
         ]  # fmt: skip
         rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in released]
-        ids, att, lid, fen, res, pt = (list(c) for c in zip(*in_id_order(rows, _id), strict=True))
+        ids, att, lid, fen, res, pt = (
+            array_literal(c) for c in zip(*in_id_order(rows, _id), strict=True)
+        )
         with session(self.engine, durable=False) as tx:
             return tx.column(
                 COMMIT,

@@ -15,7 +15,7 @@ from backfill.errors import IllegalTransition
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, AttemptOutcome, ItemState
 from backfill.store.counters import CNT_FINISH, bump_counters
 from backfill.store.database import Store
-from backfill.store.driver import session
+from backfill.store.driver import array_literal, session
 from backfill.store.moves import (
     NOT_BEFORE,
     ItemMove,
@@ -153,14 +153,14 @@ class Items(Store):
             return tx.column(
                 FINISH,
                 {
-                    "ids": [f.item_id for f in finishes],
-                    "att": [f.attempt for f in finishes],
-                    "fen": [f.fencing_token for f in finishes],
-                    "st": [f.state.value for f in finishes],
-                    "res": [f.result for f in finishes],
-                    "err": [f.error for f in finishes],
-                    "out": [f.output_tokens for f in finishes],
-                    "pt": [f.prompt_tokens for f in finishes],
+                    "ids": array_literal(f.item_id for f in finishes),
+                    "att": array_literal(f.attempt for f in finishes),
+                    "fen": array_literal(f.fencing_token for f in finishes),
+                    "st": array_literal(f.state.value for f in finishes),
+                    "res": array_literal(f.result for f in finishes),
+                    "err": array_literal(f.error for f in finishes),
+                    "out": array_literal(f.output_tokens for f in finishes),
+                    "pt": array_literal(f.prompt_tokens for f in finishes),
                 },
             )
 
