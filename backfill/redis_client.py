@@ -84,10 +84,18 @@ def connect(url: str, **options: Any) -> SyncRedis:
     return redis.cluster.RedisCluster.from_url(first, startup_nodes=nodes, **options)
 
 
+# Connections the asyncio cluster client may open to one shard. redis-py's default (100) is a
+# hard limit: the 101st call in flight to a shard fails at once with MaxConnectionsError instead
+# of waiting, which a busy API process (one ledger call per interactive admission) or a
+# fleet-sized benchmark reaches. Redis itself accepts 10,000 clients.
+ASYNC_CLUSTER_CONNECTIONS = 2_000
+
+
 def connect_async(url: str, **options: Any) -> AsyncRedis:
     """An asyncio client for ``url`` (``options`` go to redis-py's constructor)."""
     if not is_cluster_url(url):
         return redis.asyncio.Redis.from_url(url, **options)
+    options.setdefault("max_connections", ASYNC_CLUSTER_CONNECTIONS)
     first, seeds = cluster_seeds(url)
     nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in seeds[1:]]
     return redis.asyncio.cluster.RedisCluster.from_url(first, startup_nodes=nodes, **options)
