@@ -152,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--scenarios",
         default=None,
-        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but a-direct; "
-        "alone-sched and a-direct only with --scheduler-cls)",
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all but a-direct "
+        "and b-sched; alone-sched, a-direct and b-sched only with --scheduler-cls)",
     )
     p.add_argument(
         "--variant",
@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"scenario (x{load.stretch.time_scale:.3g}), {machine()}",
     )
     print(f"plot: {plot_path}")
-    for other in ("a", "a-direct"):
+    for other in ("a", "a-direct", "b-sched"):
         paired = pairs_report(summaries, other)
         if paired is not None:
             print(paired)

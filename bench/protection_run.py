@@ -30,12 +30,17 @@ SCENARIOS = (
     "c",
     "alone-sched",
     "a-direct",
+    "b-sched",
 )
-"""``a-direct`` (not in the default set): ``a``'s batch job with the interactive requests sent
-straight to the engine instead of through the gateway, which tells the gateway's part in
-``a``'s TTFT from the engine's."""
-DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "a-direct")
-BACKFILL_ENGINE_SCENARIOS = frozenset({"gateway", "batch-backfill", "a", "alone-sched", "a-direct"})
+"""Not in the default set: ``a-direct``, ``a``'s batch job with the interactive requests sent
+straight to the engine instead of through the gateway (the gateway's part in ``a``'s TTFT);
+``b-sched``, ``b`` (interactive and a batch flood, both straight) on the step scheduler's
+engine (Backfill's worker's part, against ``a-direct``)."""
+EXTRA_SCENARIOS = frozenset({"a-direct", "b-sched"})
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s not in EXTRA_SCENARIOS)
+BACKFILL_ENGINE_SCENARIOS = frozenset(
+    {"gateway", "batch-backfill", "a", "alone-sched", "a-direct", "b-sched"}
+)
 
 
 def gateway_target(stack: BackfillStack, model: str) -> Target:
@@ -151,9 +156,11 @@ def run_all(
             def on_own(name: str, **kw: Any) -> None:
                 results.append(asyncio.run(run_scenario(name, server, policy, cfg, requests, **kw)))
 
+            straight = Target(server.url, server.served_model_name, priority=0)
             if "alone-sched" in wanted:
-                straight = Target(server.url, server.served_model_name, priority=0)
                 on_own("alone-sched", interactive=straight, batch=None)
+            if "b-sched" in wanted:
+                on_own("b-sched", interactive=straight, batch="straight")
             _backfill_scenarios(on_own, server, wanted, variants, logs)
         finally:
             server.stop()
