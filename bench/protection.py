@@ -167,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--plot",
         type=Path,
         default=None,
-        help=f"PNG path (default {PLOT.name} beside this file; --quick: bench/out/)",
+        help=f"PNG path (default {PLOT.name} beside this file; --quick or --scenarios: "
+        "bench/out/protection-quick.png)",
     )
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the engines, the API and worker processes, the scratch
@@ -234,7 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         + (f"{busy:.0%}" if busy is not None else "— (alone not run)")
         + f" (engine: {load.speed})"
     )
-    plot_path = args.plot or (PLOT if not args.quick else OUT_DIR / "protection-quick.png")
+    # Only a full run draws the committed plot; a quick run or a subset of scenarios would
+    # draw over it with a partial picture.
+    partial = args.quick or args.scenarios is not None
+    plot_path = args.plot or (OUT_DIR / "protection-quick.png" if partial else PLOT)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(
         summaries,
