@@ -13,12 +13,11 @@ import asyncio
 import json
 from typing import Any
 
-import psycopg
-
-from backfill.config import Settings, libpq_url
+from backfill.config import Settings
 from backfill.ledger import PoolSnapshot
 from backfill.states import ItemState
 from backfill.store import Repository
+from tests.integration.pg_faults import kill_connections
 from tests.integration.standin_engine import (
     StandInEngine,
     stand_in_dispatcher,
@@ -78,16 +77,6 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
         assert not snap.leases
 
 
-def _kill_connections(database_url: str) -> int:
-    """Terminate every other session of this test's database, as a Postgres restart does."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as admin:
-        row = admin.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settings) -> None:
     """Postgres restarts between a hold and its commit: the commit fails on a dead
     connection, and the leases the worker took for it go back to the slack at once, not when
@@ -103,7 +92,7 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
             if not held_at_commit:
                 snap = ledger.snapshot(node)
                 held_at_commit.append(len(snap.leases) if snap is not None else -1)
-                assert _kill_connections(settings.database_url) >= 1
+                assert kill_connections(settings.database_url) >= 1
             return commit(*args, **kwargs)
 
         repo.commit = commit_after_a_restart  # type: ignore[method-assign]

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import cast
 
-import psycopg
 import pytest
 from batch_api_support import api_settings, make_tenant
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine
 
-from backfill.config import Settings, libpq_url
+from backfill.config import Settings
 from backfill.engine.protocol import Engine
 from backfill.errors import StoreUnavailable
 from backfill.ledger import AsyncLedger, Lease, Ledger
@@ -30,6 +29,7 @@ from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import Finish, NewItem, Repository, Start
 from queue_api.app import create_app
+from tests.integration.pg_faults import kill_connections
 from worker.dispatch import DispatchConfig, NodeDispatcher
 from worker.dispatch_state import Flight
 from worker.prepare import run_plan
@@ -71,23 +71,13 @@ def test_the_api_answers_503_with_retry_after_while_no_connection_is_free(
         assert http.get("/v1/batches", headers=headers).status_code == 200
 
 
-def _kill_connections(database_url: str) -> int:
-    """Terminate every other session of this test's database, as a Postgres restart does."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as admin:
-        row = admin.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def test_a_connection_killed_under_a_driver_level_read_is_store_unavailable(
     settings: Settings, small_repo: Repository
 ) -> None:
     tenant = small_repo.create_tenant("acme")
     record = small_repo.create_file(tenant.id, "batch", "in.jsonl", b"{}\n")
     assert b"".join(small_repo.file_pieces(tenant.id, record.id) or []) == b"{}\n"
-    assert _kill_connections(settings.database_url) >= 1
+    assert kill_connections(settings.database_url) >= 1
     # The pooled connection is dead; the binary read goes through the driver directly.
     with pytest.raises(StoreUnavailable):
         b"".join(small_repo.file_pieces(tenant.id, record.id) or [])
