@@ -75,6 +75,10 @@ log = logging.getLogger("backfill.worker")
 # unstarted is not counted again when it is claimed again.
 _COUNTED_KEPT = 65_536
 
+# The longest pause after a claim that failed on a fault of the worker's own (it doubles from
+# a second with each failure in a row).
+FILL_FAULT_MAX_S = 30.0
+
 
 class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
     """Runs the claim -> reserve -> start -> stream -> finish loop for one node."""
@@ -99,18 +103,33 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         if self.config.scheduler_metrics_url:
             helpers.append(asyncio.create_task(self._watch_scheduler(), name="scheduler-watch"))
         try:
+            faults = 0
             while not self._stopping.is_set():
                 try:
                     started = await self._fill()
+                    faults = 0
                 except (StoreUnavailable, LedgerError) as exc:
                     log.warning("node %s: %s; retrying", self.config.node, exc)
-                    started = 0
                     await self._sleep(max(1.0, self.config.idle_poll_s))
+                    continue
+                except Exception:
+                    # A fault of the worker's own: the node must not stop dispatching for good
+                    # on it (the process would live on, feeding its engine nothing), and what
+                    # is in flight must not be abandoned. Logged, backed off, tried again.
+                    faults += 1
+                    pause = min(FILL_FAULT_MAX_S, max(1.0, self.config.idle_poll_s) * 2**faults)
+                    log.exception(
+                        "node %s: claiming failed; trying again in %.0f s", self.config.node, pause
+                    )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), pause)
                     continue
                 if started == 0:
                     await self._sleep(self.config.idle_poll_s)
-            await self._drain()
         finally:
+            # However the loop ended, what is in flight is drained (requeued, leases released)
+            # while the store and ledger are still open.
+            await self._drain()
             # The writer commits the batch it holds before it stops: cancelled in its flush
             # pause, that batch was lost, its items left running until the reaper came.
             await self._results.put(None)
@@ -127,6 +146,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             await self._flush_results()
+            await self._release_leftovers()
 
     def stop(self) -> None:
         """Stop claiming; in-flight items get the grace period, then are requeued."""
@@ -310,6 +330,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             item = checked.item
             verdict = after_reserve(outcome)
             if isinstance(verdict, Lease):
+                self._leases[verdict.lease_id] = verdict
                 self._typical_reservation = running_mean(self._typical_reservation, verdict.tokens)
                 leased[item.id] = Leased(checked, verdict)
                 continue
@@ -323,13 +344,10 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             # Landed or not, nothing of this commit is launched: its leases go back to the
             # slack now, not when their TTL runs out (a start that did land is never beaten
             # in Postgres either, and the reaper requeues it when its lease lapses there).
-            with contextlib.suppress(LedgerError):
-                await self.ledger.release_many([x.lease for x in leased.values()])
+            await self._release_leases([x.lease for x in leased.values()])
             raise
-        orphans = [x.lease for i, x in leased.items() if i not in applied]
-        if orphans:
-            # Their holds moved on (cancelled, reaped) between hold and commit.
-            await self.ledger.release_many(orphans)
+        # Those whose holds moved on (cancelled, reaped) between hold and commit.
+        await self._release_leases([x.lease for i, x in leased.items() if i not in applied])
         for item_id in applied:
             self._launch(leased[item_id])
         self.stats.started += len(applied)

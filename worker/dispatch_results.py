@@ -4,10 +4,9 @@ small batches, and their leases go back only once their results are durable."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
-from backfill.errors import BackfillError, StoreUnavailable
+from backfill.errors import StoreUnavailable
 from backfill.states import ItemState
 from worker.dispatch_state import DispatcherState, Finished
 
@@ -83,5 +82,4 @@ class ResultWriter(DispatcherState):
                 self.stats.stale_results += 1
             self._forget(flight)
         # Leases go back only once the results they produced are durable.
-        with contextlib.suppress(BackfillError):
-            await self.ledger.release_many([flight.lease for _, flight in batch])
+        await self._release_leases([flight.lease for _, flight in batch])

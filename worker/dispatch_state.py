@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -143,6 +143,10 @@ class DispatcherState:
         self.stats = DispatchStats()
         self._in_flight: dict[int, Flight] = {}
         self._by_lease: dict[str, int] = {}
+        # Every lease this dispatcher holds, from its reservation to its release: what is
+        # left here when the dispatcher stops is released then (see ``_release_leftovers``),
+        # whatever path lost track of it.
+        self._leases: dict[str, Lease] = {}
         # Preemption notices for leases this dispatcher does not know yet: a lease preempted
         # between its reservation and the item's registration (the notice comes while the
         # start is written to Postgres; the ledger prefers exactly those newest leases as
@@ -237,8 +241,39 @@ class DispatcherState:
 
     async def _release(self, flight: Flight) -> None:
         self._forget(flight)
-        with contextlib.suppress(BackfillError):
-            await self.ledger.release(flight.lease)
+        await self._release_leases([flight.lease])
+
+    async def _release_leases(self, leases: Sequence[Lease]) -> bool:
+        """Give ``leases`` back to the node's slack (one round trip); False when the ledger
+        call failed (logged): what it kept is released at the dispatcher's stop, else when
+        its TTL runs out, by the reaper."""
+        if not leases:
+            return True
+        try:
+            await self.ledger.release_many(leases)
+        except BackfillError as exc:
+            _log.warning(
+                "node %s: %d lease(s) not released: %s", self.config.node, len(leases), exc
+            )
+            return False
+        for lease in leases:
+            self._leases.pop(lease.lease_id, None)
+        return True
+
+    async def _release_leftovers(self) -> None:
+        """At the dispatcher's stop: release every lease it still holds. None should be left
+        (each attempt releases its own); one that is would hold the node's slack until the
+        reaper reclaims it, and a node whose workers restart without a reaper would stall."""
+        left = list(self._leases.values())
+        if not left:
+            return
+        _log.warning(
+            "node %s: %d lease(s) still held at stop (%s); releasing them",
+            self.config.node,
+            len(left),
+            ", ".join(lease.lease_id for lease in left[:5]),
+        )
+        await self._release_leases(left)
 
     def _partial(self, flight: Flight) -> str | None:
         text = "".join(flight.text.get(0, []))

@@ -8,7 +8,10 @@
 -- Returns one status per lease: 'released' (tokens freed now), 'already_released',
 -- 'expired', 'preempted', 'fenced', or 'unknown'. An unknown id is remembered as released
 -- (with its fencing token), so a rebuild from a slightly older Postgres read does not bring
--- it back.
+-- it back. A lease that expired but was not reaped yet stays lost to its holder ('expired':
+-- expiry is final), but its holder's release reclaims it now, as the reaper would: its tokens
+-- must not hold the node's slack until the next reap (a node whose dispatcher sees no slack
+-- reserves nothing, so nothing reclaims it in passing either).
 if #ARGV < 2 then bad('expected at least 2 arguments, got ' .. #ARGV) end
 local now = now_arg(ARGV[1])
 local count = int_arg(ARGV[2], 'count', 1)
@@ -26,6 +29,9 @@ for i, x in ipairs(leases) do
   if l then
     end_lease(l, 'released', now)
     status = 'released'
+  elseif status == 'expired' then
+    local raw = redis.call('HGET', K_LEASES, id)
+    if raw then end_lease(decode(id, raw), 'expired', now) end
   elseif status == 'unknown' then
     redis.call('HSET', K_ENDED, id, 'released:' .. fmt(fence))
     redis.call('ZADD', K_ENDED_AT, fmt(now), id)

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from backfill.config import Settings
+from backfill.errors import LedgerError
 from backfill.ledger import PoolSnapshot
 from backfill.states import ItemState
 from backfill.store import Repository
@@ -129,3 +130,115 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
         assert snap.batch_in_use == 0
         assert not engine.streamed  # nothing of the failed commit reached the engine
         assert sum(repo.counted_states(job).values()) == 4  # nothing lost
+
+
+def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_its_flights(
+    settings: Settings,
+) -> None:
+    """A fault of the worker's own while it claims (here the second claim raises): before,
+    it ended the dispatch loop with no drain, so the node stopped feeding its engine for good
+    and the items in flight were left to run on past their drain, with their leases cleaned
+    up (if at all) after the ledger client had closed. Now the fault is logged, the loop backs
+    off and claims again, and the job completes with nothing left held."""
+    node = "n-claim-fault"
+    engine = StandInEngine(hold_s=0.5)
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        job = submit_completions(repo, "t-claim-fault", 6, 8)
+        hold_claim = repo.hold_claim
+        calls: list[int] = []
+        held_at_fault: list[int] = []
+
+        def second_claim_breaks(*args: Any, **kwargs: Any) -> Any:
+            calls.append(len(calls))
+            if len(calls) == 2:
+                held_at_fault.append(dispatcher.in_flight)
+                raise RuntimeError("a fault of the worker's own")
+            return hold_claim(*args, **kwargs)
+
+        repo.hold_claim = second_claim_breaks  # type: ignore[method-assign]
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, claim_batch=2),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+
+        async def run_until_done() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                for _ in range(400):
+                    await asyncio.sleep(0.05)
+                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 6:
+                        break
+                    assert not runner.done(), "the dispatch loop ended on the fault"
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(run_until_done())
+
+        assert held_at_fault, "the second claim was never made"
+        assert held_at_fault[0] > 0, "nothing was in flight at the fault"
+        assert repo.counted_states(job) == {ItemState.SUCCEEDED: 6}
+        snap = ledger.snapshot(node)
+        assert snap is not None
+        assert not snap.leases, snap.leases
+        assert snap.batch_in_use == 0
+
+
+def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
+    settings: Settings,
+) -> None:
+    """The ledger refuses the release after an item's result is durable (a Redis blip):
+    before, the failure was swallowed and the lease held the node's slack until the reaper
+    reclaimed it (a node whose workers restart with no reaper running stalled on it). Now
+    the dispatcher keeps every lease it holds until it is released, and releases what is
+    left when it stops."""
+    node = "n-release"
+    engine = StandInEngine()
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        job = submit_completions(repo, "t-release", 1, 8)
+        release_many = aledger.release_many
+        refused: list[int] = []
+
+        async def first_release_fails(held: Any) -> Any:
+            if not refused:
+                refused.append(len(held))
+                raise LedgerError("the ledger did not answer")
+            return await release_many(held)
+
+        aledger.release_many = first_release_fails  # type: ignore[method-assign]
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+        before_stop: list[PoolSnapshot | None] = []
+
+        async def run_until_done() -> None:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                for _ in range(200):
+                    await asyncio.sleep(0.05)
+                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 1 and refused:
+                        break
+                before_stop.append(ledger.snapshot(node))
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        asyncio.run(run_until_done())
+
+        assert refused == [1], "the release was not refused once"
+        (held,) = before_stop
+        assert held is not None
+        assert len(held.leases) == 1, "the refused lease was not held"
+        snap = ledger.snapshot(node)
+        assert snap is not None
+        assert not snap.leases, f"a lease outlived its dispatcher: {snap.leases}"
+        assert snap.batch_in_use == 0

@@ -440,10 +440,37 @@ def test_an_expired_lease_is_lost_to_its_holder(ledger: Ledger, ledger_client: r
         ledger.settle("n1", a.lease_id, a.fencing_token, 1, now_ms=late).status
         is LeaseStatus.EXPIRED
     )
-    assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
     assert dump(ledger_client, ledger.keys.namespace) == before
     assert ledger.reap("n1", now_ms=late) == [a.lease_id]
     assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
+    assert (
+        ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status
+        is LeaseStatus.EXPIRED
+    )
+
+
+def test_the_holders_release_of_an_expired_lease_reclaims_it_at_once(ledger: Ledger) -> None:
+    """A holder that releases its lease just after the lease expired (its heartbeat came
+    late: a busy machine, a worker stopping) gets 'expired', and the lease's tokens go back to
+    the slack at once, as the reaper would give them. Before, the release changed nothing and
+    the tokens held the slack until the next reap: a node whose workers restart with no reaper
+    running (or before its next tick) saw no slack and stalled."""
+    open_pool(ledger)
+    a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
+    late = T0 + TTL
+    other = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=late - 1))
+    wrong = LeaseRef(a.node, a.lease_id, a.fencing_token + 1)
+    assert ledger.release(wrong, now_ms=late) is LeaseStatus.FENCED
+    snap = ledger.snapshot("n1", now_ms=late)
+    assert snap is not None
+    assert snap.batch_in_use == a.tokens + other.tokens  # a stale holder frees nothing
+    assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED
+    snap = ledger.snapshot("n1", now_ms=late)
+    assert snap is not None
+    assert snap.batch_in_use == other.tokens
+    assert [x.lease_id for x in snap.leases] == [other.lease_id]
+    assert ledger.reap("n1", now_ms=late) == []  # nothing left for the reaper
+    assert ledger.release(a, now_ms=late) is LeaseStatus.EXPIRED  # still final, still idempotent
     assert (
         ledger.heartbeat("n1", a.lease_id, a.fencing_token, now_ms=late).status
         is LeaseStatus.EXPIRED

@@ -283,6 +283,9 @@ class LedgerMachine(RuleBasedStateMachine):
             assert result is expected
             if expected is LeaseStatus.UNKNOWN:
                 self.ended[lease.lease_id] = ("released", lease.fencing_token)
+            elif expected is LeaseStatus.EXPIRED and lease.lease_id in self.live:
+                # Its holder's release reclaims an expired lease not yet reaped.
+                self.end(lease.lease_id, "expired")
 
     @rule(lease=leases, delta=st.sampled_from([-1, 1, 2**32]))
     def stale_release(self, lease: Lease | None, delta: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,49 @@ import pytest
 from backfill.states import ItemState
 from backfill.store import Finish
 from tests.reliability.conftest import LEASE_TTL_S, REAPER_S
+from tests.reliability.services import WorkerProcess
 from tests.reliability.support import Deployment, maintenance, report, sampling
 from tests.reliability.test_worker_kill import deployment_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _troubles(log: Path) -> list[str]:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [x for x in lines if " WARNING " in x or " ERROR " in x or "Traceback" in x]
+
+
+def _wait_or_tell(
+    d: Deployment,
+    job: str,
+    workers: list[WorkerProcess],
+    stops: list[float],
+    cond: Callable[[], bool],
+    timeout: float,
+    what: str,
+) -> None:
+    """``d.wait``; on a timeout, what a stuck run needs first: the items' states, the node's
+    pool, where each claim of the job stands, and each worker's warnings and errors (a stopped
+    process's shutdown included) and last lines (CI keeps only a part of the output)."""
+    try:
+        d.wait(cond, timeout, what)
+    except AssertionError as exc:
+        snap = d.ledger.snapshot(d.node)
+        claims = d.sql(
+            "SELECT state, node, count(*), min(not_before) FROM items "
+            "WHERE job_id = :j AND state NOT IN ('succeeded', 'failed') GROUP BY state, node",
+            j=job,
+        )
+        logs = "\n".join(
+            "\n".join(_troubles(x.log)[-20:]) + "\n" + x.log_text()[-1200:] for x in workers
+        )
+        raise AssertionError(
+            f"{exc}: {d.counts(job)}; stops so far {len(stops)}; pool {snap}; "
+            f"open items {claims}; alive {[x.alive() for x in workers]}\n{logs}"
+        ) from None
 
 
 def _held(d: Deployment, job: str) -> dict[int, int]:
@@ -146,23 +186,7 @@ def test_rolling_sigterm_requeues_in_flight_items_at_once(
             for w in [*workers, *workers]:
                 if d.done(job) == n:
                     break
-                try:
-                    d.wait(busy, 120, "items running")
-                except AssertionError as exc:
-                    # What a stuck run needs first: the items' states, the node's pool and
-                    # where each claim of this job stands (CI keeps only a part of the output).
-                    snap = d.ledger.snapshot(d.node)
-                    claims = d.sql(
-                        "SELECT state, node, count(*), min(not_before) FROM items "
-                        "WHERE job_id = :j AND state NOT IN ('succeeded', 'failed') "
-                        "GROUP BY state, node",
-                        j=job,
-                    )
-                    logs = "\n".join(x.log_text()[-1200:] for x in workers)
-                    raise AssertionError(
-                        f"{exc}: {d.counts(job)}; stops so far {len(stops)}; pool {snap}; "
-                        f"open items {claims}; alive {[x.alive() for x in workers]}\n{logs}"
-                    ) from None
+                _wait_or_tell(d, job, workers, stops, busy, 120, "items running")
                 before = d.sql(
                     "SELECT count(*) FROM attempts a JOIN items i ON i.id = a.item_id "
                     "WHERE i.job_id = :j AND a.outcome = 'released'",
@@ -181,7 +205,7 @@ def test_rolling_sigterm_requeues_in_flight_items_at_once(
                     break
                 w.start()  # the rolling restart: back before the next one stops
                 w.wait_ready()
-            d.wait(lambda: d.done(job) == n, 300, "every item")
+            _wait_or_tell(d, job, workers, stops, lambda: d.done(job) == n, 300, "every item")
             for w in workers:
                 if w.alive():
                     w.terminate()
