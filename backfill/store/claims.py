@@ -27,7 +27,7 @@ from backfill.store.moves import check_moves, decode_partial, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
 # The condition an item must meet to be claimed now (a WHERE clause over items).
-_CLAIMABLE_NOW = (
+CLAIMABLE_NOW = (
     f"state IN ({CLAIMABLE_SQL}) AND deadline > now() "
     "AND (not_before IS NULL OR not_before <= now()) "
     # Only a running job's items: never those of a job being validated, cancelled or
@@ -75,7 +75,7 @@ _CLAIM_MOVE = (
 _PICK_EDF = (
     "WITH picked AS ("
     "  SELECT id, state, row_number() OVER (ORDER BY deadline, id) AS ord FROM ("
-    f"    SELECT id, state, deadline FROM items WHERE {_CLAIMABLE_NOW}"
+    f"    SELECT id, state, deadline FROM items WHERE {CLAIMABLE_NOW}"
     "    ORDER BY deadline, id LIMIT :n FOR UPDATE SKIP LOCKED) e), "
 )
 
@@ -94,14 +94,14 @@ _PICK_FAIR = (
     "    row_number() OVER (PARTITION BY q.tenant_id ORDER BY c.deadline, c.id) AS k "
     "  FROM quota q CROSS JOIN LATERAL ("
     "    SELECT id, state, deadline FROM items"
-    f"    WHERE tenant_id = q.tenant_id AND {_CLAIMABLE_NOW}"
+    f"    WHERE tenant_id = q.tenant_id AND {CLAIMABLE_NOW}"
     "    ORDER BY deadline, id LIMIT q.n FOR UPDATE SKIP LOCKED) c), "
     "fair AS ("
     "  SELECT t.id, t.state, s.ord FROM taken t "
     "  JOIN slots s ON s.tenant_id = t.tenant_id AND s.k = t.k ORDER BY s.ord LIMIT :n), "
     "rest AS ("
     "  SELECT id, state, deadline FROM items"
-    f"  WHERE {_CLAIMABLE_NOW} AND id <> ALL (ARRAY(SELECT id FROM taken))"
+    f"  WHERE {CLAIMABLE_NOW} AND id <> ALL (ARRAY(SELECT id FROM taken))"
     "  ORDER BY deadline, id LIMIT greatest(0, :n - (SELECT count(*) FROM fair))"
     "  FOR UPDATE SKIP LOCKED), "
     "picked AS ("
