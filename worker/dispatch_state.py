@@ -243,22 +243,21 @@ class DispatcherState:
         self._forget(flight)
         await self._release_leases([flight.lease])
 
-    async def _release_leases(self, leases: Sequence[Lease]) -> bool:
-        """Give ``leases`` back to the node's slack (one round trip); False when the ledger
-        call failed (logged): what it kept is released at the dispatcher's stop, else when
-        its TTL runs out, by the reaper."""
+    async def _release_leases(self, leases: Sequence[Lease]) -> None:
+        """Give ``leases`` back to the node's slack (one round trip). When the ledger call
+        fails (logged), they stay held here and are released at the dispatcher's stop, else
+        when their TTL runs out, by the reaper."""
         if not leases:
-            return True
+            return
         try:
             await self.ledger.release_many(leases)
         except BackfillError as exc:
             _log.warning(
                 "node %s: %d lease(s) not released: %s", self.config.node, len(leases), exc
             )
-            return False
+            return
         for lease in leases:
             self._leases.pop(lease.lease_id, None)
-        return True
 
     async def _release_leftovers(self) -> None:
         """At the dispatcher's stop: release every lease it still holds. None should be left
