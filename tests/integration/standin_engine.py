@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
@@ -161,6 +161,42 @@ def stand_in_dispatcher(
         block_size=block,
         max_sequence_tokens=max_sequence_tokens,
     )
+
+
+def run_until(
+    dispatcher: NodeDispatcher,
+    ledger: AsyncLedger,
+    done: Callable[[], bool],
+    *,
+    polls: int = 400,
+    each: Callable[[], None] | None = None,
+    linger_s: float = 0.0,
+    before_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run ``dispatcher`` on an event loop of its own until ``done()``, checked every 0.05 s
+    (at most ``polls`` times; ``each()`` runs at every check); then, ``linger_s`` later,
+    ``before_stop()``; then stop it, wait for its drain and close ``ledger`` (its own async
+    ledger). Its run must not end before it is stopped: whatever it raises is raised here."""
+
+    async def main() -> None:
+        runner = asyncio.create_task(dispatcher.run())
+        try:
+            for _ in range(polls):
+                await asyncio.sleep(0.05)
+                assert not runner.done(), "the dispatch loop ended before it was stopped"
+                if each is not None:
+                    each()
+                if done():
+                    break
+            await asyncio.sleep(linger_s)
+            if before_stop is not None:
+                before_stop()
+        finally:
+            dispatcher.stop()
+            await asyncio.wait_for(runner, 30)
+            await ledger.aclose()
+
+    asyncio.run(main())
 
 
 AsyncLedgerT = TypeVar("AsyncLedgerT", bound=AsyncLedger)

@@ -9,13 +9,12 @@ slack stays full while the queue still holds work.
 
 from __future__ import annotations
 
-import asyncio
-
 from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import (
     StandInEngine,
+    run_until,
     stand_in_dispatcher,
     stand_in_node,
     submit_completions,
@@ -46,23 +45,15 @@ def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
             BLOCK,
             max_sequence_tokens=512,
         )
-        peak = 0
-
-        async def run_until_done() -> None:
-            nonlocal peak
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(1200):
-                    await asyncio.sleep(0.05)
-                    peak = max(peak, dispatcher.in_flight)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS:
-                        break
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_until_done())
+        seen: list[int] = [0]
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            polls=1200,
+            each=lambda: seen.append(dispatcher.in_flight),
+        )
+        peak = max(seen)
         stats = dispatcher.stats
         assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats
         assert peak >= 2, "the node never held more than one lease: the test shows nothing"

@@ -9,7 +9,6 @@ worker's own, or a body only an older version stored).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -21,6 +20,7 @@ from backfill.store import Repository
 from tests.integration.pg_faults import kill_connections
 from tests.integration.standin_engine import (
     StandInEngine,
+    run_until,
     stand_in_dispatcher,
     stand_in_node,
     submit_completions,
@@ -49,20 +49,7 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
             BLOCK,
             max_sequence_tokens=512,
         )
-
-        async def run_until_done() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(400):
-                    await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.FAILED):
-                        break
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_until_done())
+        run_until(dispatcher, aledger, lambda: bool(repo.counted_states(job).get(ItemState.FAILED)))
 
         counts = repo.counted_states(job)
         assert counts.get(ItemState.FAILED) == 1, counts
@@ -105,23 +92,15 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
             BLOCK,
         )
         after: list[PoolSnapshot | None] = []
-
-        async def run_past_the_failed_commit() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(200):
-                    await asyncio.sleep(0.05)
-                    if held_at_commit:
-                        break
-                # The dispatcher backs off a second after a store error; look inside it.
-                await asyncio.sleep(0.5)
-                after.append(ledger.snapshot(node))
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_past_the_failed_commit())
+        # The dispatcher backs off a second after a store error; look inside it.
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: bool(held_at_commit),
+            polls=200,
+            linger_s=0.5,
+            before_stop=lambda: after.append(ledger.snapshot(node)),
+        )
 
         assert held_at_commit == [4], "the commit was not reached with the four leases held"
         (snap,) = after
@@ -163,21 +142,10 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
             aledger,
             BLOCK,
         )
-
-        async def run_until_done() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(400):
-                    await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 6:
-                        break
-                    assert not runner.done(), "the dispatch loop ended on the fault"
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_until_done())
+        # run_until fails if the dispatch loop ends on the fault.
+        run_until(
+            dispatcher, aledger, lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == 6
+        )
 
         assert held_at_fault, "the second claim was never made"
         assert held_at_fault[0] > 0, "nothing was in flight at the fault"
@@ -218,21 +186,13 @@ def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
             BLOCK,
         )
         before_stop: list[PoolSnapshot | None] = []
-
-        async def run_until_done() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(200):
-                    await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 1 and refused:
-                        break
-                before_stop.append(ledger.snapshot(node))
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_until_done())
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == 1 and bool(refused),
+            polls=200,
+            before_stop=lambda: before_stop.append(ledger.snapshot(node)),
+        )
 
         assert refused == [1], "the release was not refused once"
         (held,) = before_stop

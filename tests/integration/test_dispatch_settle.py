@@ -24,6 +24,7 @@ from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import (
     StandInEngine,
+    run_until,
     stand_in_dispatcher,
     stand_in_node,
     submit_completions,
@@ -117,20 +118,9 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
             aledger,
             BLOCK,
         )
-
-        async def run_until_done() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                for _ in range(400):
-                    await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS:
-                        break
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
-
-        asyncio.run(run_until_done())
+        run_until(
+            dispatcher, aledger, lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
+        )
 
         assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
         # Every lease heard of its progress past the first settle step...
