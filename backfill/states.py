@@ -73,9 +73,11 @@ JOB_TERMINAL: frozenset[JobState] = frozenset(
 
 _I = ItemState
 ITEM_TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
-    _I.QUEUED: frozenset({_I.RESERVED, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
-    _I.DEFERRED: frozenset({_I.RESERVED, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
-    _I.PREEMPTED: frozenset({_I.RESERVED, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
+    # -> running: claimed and started in one transaction (the worker's path: the item is
+    # reserved for it only inside that transaction, ``backfill.store.open_claims``).
+    _I.QUEUED: frozenset({_I.RESERVED, _I.RUNNING, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
+    _I.DEFERRED: frozenset({_I.RESERVED, _I.RUNNING, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
+    _I.PREEMPTED: frozenset({_I.RESERVED, _I.RUNNING, _I.EXPIRED, _I.CANCELLED, _I.FAILED}),
     # reserved -> queued: the attempt gave the item back unstarted (graceful stop, or its
     # worker died and the reaper rescued it).
     _I.RESERVED: frozenset(

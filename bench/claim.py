@@ -3,10 +3,12 @@
 4 claimer processes, 64 items per claim. The peer is the bare Postgres-queue pattern on the
 same ``items`` table (same indexes): one ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
 LOCKED)`` to claim, one ``UPDATE`` to mark done. Backfill's path is what a worker does:
-``hold_claim`` (fair share between tenants, EDF within one, attempt fencing, counters, attempt
-rows), ``commit`` (lease ids and fencing tokens) and ``finish`` (fenced results, attempt
-outcomes, counters). ``--tenants N`` spreads the items over N tenants' jobs;
-``--plain-edf`` claims earliest deadline first across tenants, without fair share.
+``open_claim`` (fair share between tenants, EDF within one, ``SKIP LOCKED``, the transaction
+kept open where the worker counts tokens and reserves), ``start_claim`` (each item to running
+under a new attempt with its lease id and fencing token, its attempt row and the counters, one
+statement, then the commit) and ``finish`` (fenced results, attempt outcomes, counters).
+``--tenants N`` spreads the items over N tenants' jobs; ``--plain-edf`` claims earliest deadline
+first across tenants, without fair share.
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore
     repo = Repository.connect(url, pool_size=1, fair_share=FAIR_SHARE)
     done = 0
     fence = worker << 40
-    while batch := repo.hold_claim(f"node{worker}", PER_CLAIM, 30):
+    while True:
+        claim = repo.open_claim(f"node{worker}", PER_CLAIM, 30)
+        if not claim.items:
+            break
+        # Here the worker counts tokens and reserves a lease per item, the claim still open.
         starts = []
-        for c in batch:
+        for c in claim.items:
             fence += 1
             starts.append(Start(c.id, c.attempt, f"l{fence}", fence, 128, 20))
-        repo.commit(starts, 30)
+        repo.start_claim(claim, starts)
         done += len(
             repo.finish(
                 [
@@ -148,7 +154,7 @@ def main() -> None:
             [
                 ("raw SQL claim + done", n, args.tenants, CLAIMERS, PER_CLAIM, raw),
                 (
-                    "Backfill hold_claim + commit + finish"
+                    "Backfill open_claim + start_claim + finish"
                     + (" (plain EDF)" if args.plain_edf else " (fair share)"),
                     n,
                     args.tenants,

@@ -2,15 +2,16 @@
 
 One asyncio loop per GPU node, beside its vLLM server:
 
-1. hold a batch of items in Postgres (earliest deadline first, ``SKIP LOCKED``), never
-   more than the slack could admit;
+1. claim a batch of items in Postgres (fair share, earliest deadline first, ``SKIP
+   LOCKED``), never more than the slack could admit, keeping the claim's transaction open:
+   the items are locked for this node and not yet written;
 2. count each prompt's tokens with the engine's own tokenizer; refuse what breaks the batch
    class limit, and expire what cannot finish before its deadline (before any prefill);
 3. reserve ``prompt + max_output`` (block-rounded) per item from the node's batch slack in the
-   ledger — one pipelined round trip; items that do not fit are deferred, not started;
-4. commit the holds in one write: the leased items run (fenced by attempt and fencing
-   token), the rest go back to the queue; then stream each from the engine with the batch
-   priority;
+   ledger — one pipelined round trip; items the slack cannot take are left in the queue;
+4. start the claim in one write and commit it: the leased items run under a new attempt
+   (fenced by attempt and fencing token), the refused are settled, the rest unlock as they
+   were; then stream each from the engine with the batch priority;
 5. write results in batches and release each lease after its result is durable.
 
 Interactive load takes precedence in two ways: it shrinks the slack (fewer new items), and the
@@ -60,7 +61,7 @@ from backfill.errors import LedgerError, StaleWrite, StoreUnavailable
 from backfill.ledger import Denial, Lease, PartialBatchError
 from backfill.prefill import PromptCount, prefill_plan
 from backfill.states import ItemState
-from backfill.store import ClaimedItem, Start
+from backfill.store import ClaimedItem, OpenClaim
 from worker.dispatch_attempts import AttemptRunner
 from worker.dispatch_results import ResultWriter
 from worker.dispatch_state import DispatchStats, Flight
@@ -74,6 +75,9 @@ log = logging.getLogger("backfill.worker")
 # Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
 # unstarted is not counted again when it is claimed again.
 _COUNTED_KEPT = 65_536
+
+Refused = tuple[ClaimedItem, GiveBack | Fail | Expire]
+"""A claimed item that does not start, and what becomes of it."""
 
 # The longest pause after a claim that failed on a fault of the worker's own (it doubles from
 # a second with each failure in a row).
@@ -203,27 +207,31 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             return 0  # a stream broke while the snapshot was read: the engine may be gone
         claiming = time.monotonic()
         # Only work for the model this node's engine serves: a line's result must come from
-        # the model it names.
-        claimed = await asyncio.to_thread(
-            self.repo.hold_claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
+        # the model it names. The claim's items stay locked, unwritten, until its start.
+        claim = await asyncio.to_thread(
+            self.repo.open_claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
         )
-        if not claimed:
+        if not claim.items:
             return 0
-        self.stats.claimed += len(claimed)
-        ready = await self._check(claimed, claiming)
-        if not ready:
-            # Every claimed item was settled here (failed, expired, given back to be tried
-            # again): that is progress, not idleness. Sleeping an idle poll instead would let
-            # a poison item at the head of the queue stall the node once per retry.
-            return len(claimed)
-        return await self._reserve_and_start(ready)
+        try:
+            self.stats.claimed += len(claim.items)
+            ready, refused = await self._check(claim.items, claiming)
+            return await self._reserve_and_start(claim, ready, refused)
+        finally:
+            if claim.open:
+                # Ended before its start (a fault, a cancellation): nothing was written, the
+                # items unlock as they were.
+                with contextlib.suppress(StoreUnavailable):
+                    await asyncio.to_thread(self.repo.drop_claim, claim)
 
     async def _check(
         self, claimed: list[ClaimedItem], claiming: float | None = None
-    ) -> list[CheckedItem]:
+    ) -> tuple[list[CheckedItem], list[Refused]]:
         """Exact prompt tokens of what each item will run, class limit and deadline, before
-        any engine work. Deadlines are judged on Postgres' clock: the time left at the claim
-        (asked at ``claiming``, monotonic; now if not given) less the time counting took."""
+        any engine work: the items ready to reserve, and those refused with what becomes of
+        each (settled after the claim's start: their rows are locked until then). Deadlines
+        are judged on Postgres' clock: the time left at the claim (asked at ``claiming``,
+        monotonic; now if not given) less the time counting took."""
         if claiming is None:
             claiming = time.monotonic()
         counted = await asyncio.gather(*(self._prepare(c) for c in claimed), return_exceptions=True)
@@ -234,6 +242,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             decode_tokens_per_s=self._decode_rate,
         )
         ready: list[CheckedItem] = []
+        refused: list[Refused] = []
         for item, outcome in zip(claimed, counted, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 raise outcome
@@ -243,16 +252,10 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
                 ready.append(verdict)
             elif isinstance(verdict, EngineAbsent):
                 self._engine_down = True
-                await self._settle_claimed(item, verdict.give_back)
-            elif isinstance(verdict, Expire):
-                with contextlib.suppress(StaleWrite):
-                    await asyncio.to_thread(
-                        self.repo.expire_claimed, item.id, item.attempt, verdict.reason
-                    )
-                self.stats.expired += 1
+                refused.append((item, verdict.give_back))
             else:
-                await self._settle_claimed(item, verdict)
-        return ready
+                refused.append((item, verdict))
+        return ready, refused
 
     async def _prepare(self, item: ClaimedItem) -> CheckedItem:
         """Decide what ``item`` runs and count it exactly. A continuation the class limit
@@ -295,62 +298,76 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         self._typical_prompt = running_mean(self._typical_prompt, count.total)
         return count
 
-    async def _reserve_and_start(self, ready: list[CheckedItem]) -> int:
-        """Reserve leases for what the slack takes, then commit the holds: start the leased
-        ones, give the rest back to the queue (one write)."""
+    async def _reserve_and_start(
+        self, claim: OpenClaim, ready: list[CheckedItem], refused: list[Refused]
+    ) -> int:
+        """Reserve leases for what the slack takes, then start the claim: the leased items
+        run, the refused are held and settled, the rest is left in the queue untouched (no
+        write, no attempt spent). Returns how many items started or were settled."""
         cfg = self.config
         plan = await self._fit_to_slack(ready)
         fits = list(plan.fits)
-        # Holds the slack cannot take now: back to the queue with the commit, not deferred.
-        released = [(c.item.id, c.item.attempt) for c in plan.rest]
-        if not fits:
-            await self._commit([], released, plan.detail)
-            return 0
-        requests = [
-            reserve_request(
-                c, cfg.node, max_preemptions=cfg.max_preemptions, lease_ttl_s=cfg.lease_ttl_s
-            )
-            for c in fits
-        ]
-        try:
-            outcomes: list[Lease | Denial | BaseException] = list(
-                await self.ledger.reserve_many(requests)
-            )
-        except PartialBatchError as exc:
-            # Each reservation is its own atomic call: keep the admitted ones, give the
-            # others back below.
-            outcomes = list(exc.results)  # type: ignore[arg-type]
-        except LedgerError:
-            for c in fits:
-                await self._settle_claimed(c.item, GiveBack("ledger unavailable"))
-            await self._commit([], released, plan.detail)
-            raise
         leased: dict[int, Leased] = {}
-        for checked, outcome in zip(fits, outcomes, strict=True):
-            item = checked.item
-            verdict = after_reserve(outcome)
-            if isinstance(verdict, Lease):
-                self._leases[verdict.lease_id] = verdict
-                self._typical_reservation = running_mean(self._typical_reservation, verdict.tokens)
-                leased[item.id] = Leased(checked, verdict)
-                continue
-            if isinstance(outcome, BaseException):
-                log.warning("node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome)
-            await self._settle_claimed(item, verdict)
+        if fits:
+            requests = [
+                reserve_request(
+                    c, cfg.node, max_preemptions=cfg.max_preemptions, lease_ttl_s=cfg.lease_ttl_s
+                )
+                for c in fits
+            ]
+            try:
+                outcomes: list[Lease | Denial | BaseException] = list(
+                    await self.ledger.reserve_many(requests)
+                )
+            except PartialBatchError as exc:
+                # Each reservation is its own atomic call: keep the admitted ones, give the
+                # others back below.
+                outcomes = list(exc.results)  # type: ignore[arg-type]
+            except LedgerError:
+                # Nothing reserved: what fits stays in the queue as it was; the refused are
+                # settled all the same.
+                await self._start_claim(claim, {}, refused)
+                raise
+            for checked, outcome in zip(fits, outcomes, strict=True):
+                item = checked.item
+                verdict = after_reserve(outcome)
+                if isinstance(verdict, Lease):
+                    self._leases[verdict.lease_id] = verdict
+                    self._typical_reservation = running_mean(
+                        self._typical_reservation, verdict.tokens
+                    )
+                    leased[item.id] = Leased(checked, verdict)
+                    continue
+                if isinstance(outcome, BaseException):
+                    log.warning(
+                        "node %s: reserve failed for item %s: %s", cfg.node, item.id, outcome
+                    )
+                refused.append((item, verdict))
+        started = await self._start_claim(claim, leased, refused)
+        self.stats.started += started
+        return started + len(refused)
+
+    async def _start_claim(
+        self, claim: OpenClaim, leased: dict[int, Leased], refused: list[Refused]
+    ) -> int:
+        """Start ``claim`` (one write: the leased items run, the refused are held), launch
+        what started, then settle the refused; returns how many started."""
         starts = [x.start() for x in leased.values()]
+        held = [(item.id, item.attempt) for item, _ in refused]
         try:
-            applied = await self._commit(starts, released, plan.detail)
+            applied = set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
         except StoreUnavailable:
-            # Landed or not, nothing of this commit is launched: its leases go back to the
+            # Landed or not, nothing of this start is launched: its leases go back to the
             # slack now, not when their TTL runs out (a start that did land is never beaten
             # in Postgres either, and the reaper requeues it when its lease lapses there).
             await self._release_leases([x.lease for x in leased.values()])
             raise
-        # Those whose holds moved on (cancelled, reaped) between hold and commit.
+        # Those whose job was cancelled while the claim was open.
         await self._release_leases([x.lease for i, x in leased.items() if i not in applied])
         for item_id in applied:
             self._launch(leased[item_id])
-        self.stats.started += len(applied)
+        for item, outcome in refused:
+            await self._settle_claimed(item, outcome)
         return len(applied)
 
     def _launch(self, leased: Leased) -> None:
@@ -395,21 +412,16 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         slack = 0 if snap is None else snap.slack
         return fit_starts(ready, self.view(), slack, self.block_size)
 
-    async def _commit(
-        self, starts: list[Start], released: list[tuple[int, int]], detail: str
-    ) -> set[int]:
-        """Commit holds: start ``starts`` under their leases, give ``released`` back; returns
-        the ids started."""
-        if not starts and not released:
-            return set()
-        applied = await asyncio.to_thread(
-            self.repo.commit, starts, self.config.lease_ttl_s, released=released, detail=detail
-        )
-        return set(applied)
-
-    async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail) -> None:
+    async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail | Expire) -> None:
         """Write what becomes of a claimed item that does not start (fenced by its attempt:
         nothing to do if its claim moved on meanwhile)."""
+        if isinstance(outcome, Expire):
+            with contextlib.suppress(StaleWrite):
+                await asyncio.to_thread(
+                    self.repo.expire_claimed, item.id, item.attempt, outcome.reason
+                )
+            self.stats.expired += 1
+            return
         if isinstance(outcome, Fail):
             with contextlib.suppress(StaleWrite):
                 await asyncio.to_thread(self.repo.fail, item.id, item.attempt, outcome.error)

@@ -32,6 +32,7 @@ role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
 from backfill.store.database import Store, ensure_database
 from backfill.store.files import FILE_CHUNK_BYTES
+from backfill.store.open_claims import OpenClaim
 from backfill.store.protocol import (
     AttemptStore,
     BatchStore,
@@ -88,6 +89,7 @@ __all__ = [
     "NewItem",
     "NodeRecord",
     "NodeRecords",
+    "OpenClaim",
     "QueueStats",
     "Repository",
     "RevokedKey",

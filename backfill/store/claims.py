@@ -126,6 +126,14 @@ def claim_statements(extra: str = "") -> ClaimStatements:
     return ClaimStatements(edf=_PICK_EDF + move, fair=_PICK_FAIR + move)
 
 
+def pick_statements(select: str) -> ClaimStatements:
+    """The claim's pick, with and without fair share, followed by ``select`` over ``picked``
+    (id, state, ord: the items locked for the claim) instead of the claim's move."""
+    return ClaimStatements(
+        edf=_PICK_EDF.rstrip(", ") + " " + select, fair=_PICK_FAIR.rstrip(", ") + " " + select
+    )
+
+
 _CLAIMS = claim_statements()
 
 # reserved -> running for many claims at once, each with its lease and fencing token; opens their

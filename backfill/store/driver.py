@@ -86,6 +86,32 @@ class Session:
         return [r[0] for r in self.rows(statement, params)]
 
 
+def raw_connection(engine: Engine) -> Any:
+    """A pooled connection of ``engine`` (SQLAlchemy's pool proxy: ``driver_connection`` is
+    the psycopg connection; ``close()`` gives it back, ``invalidate()`` drops it)."""
+    try:
+        return engine.raw_connection()
+    except (OperationalError, PoolTimeout, psycopg.OperationalError) as exc:
+        # The pool hands a failed connect up as the driver's own error, not SQLAlchemy's:
+        # a server that is down (restarting) must read as unavailable, never crash a worker.
+        raise StoreUnavailable(f"no Postgres connection: {exc}") from exc
+
+
+@contextmanager
+def driver_errors() -> Iterator[None]:
+    """psycopg's errors as Backfill's own, as :func:`backfill.postgres.transaction` does."""
+    try:
+        yield
+    except psycopg.IntegrityError as exc:
+        raise Conflict(str(exc)) from exc
+    except psycopg.DataError as exc:
+        raise InvalidInput(f"value refused: {exc}") from exc
+    except (psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout) as exc:
+        # The second: the server ended a transaction left open too long (an open claim's
+        # bound), and the session with it.
+        raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
+
+
 @contextmanager
 def session(engine: Engine, *, durable: bool = True) -> Iterator[Session]:
     """One pipelined transaction on a pooled connection of ``engine``.
@@ -94,25 +120,14 @@ def session(engine: Engine, *, durable: bool = True) -> Iterator[Session]:
     :func:`backfill.postgres.transaction` for which writes may). A connection the server
     dropped is taken out of the pool.
     """
-    try:
-        fairy = engine.raw_connection()
-    except (OperationalError, PoolTimeout, psycopg.OperationalError) as exc:
-        # The pool hands a failed connect up as the driver's own error, not SQLAlchemy's:
-        # a server that is down (restarting) must read as unavailable, never crash a worker.
-        raise StoreUnavailable(f"no Postgres connection: {exc}") from exc
+    fairy = raw_connection(engine)
     conn = fairy.driver_connection
     assert isinstance(conn, psycopg.Connection)
     try:
-        with conn.pipeline(), conn.transaction():
+        with driver_errors(), conn.pipeline(), conn.transaction():
             if not durable:
                 conn.execute("SET LOCAL synchronous_commit = off")
             yield Session(conn)
-    except psycopg.IntegrityError as exc:
-        raise Conflict(str(exc)) from exc
-    except psycopg.DataError as exc:
-        raise InvalidInput(f"value refused: {exc}") from exc
-    except psycopg.OperationalError as exc:
-        raise StoreUnavailable(f"Postgres unavailable: {exc}") from exc
     finally:
         if conn.broken or conn.closed:
             fairy.invalidate()

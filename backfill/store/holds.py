@@ -1,4 +1,8 @@
-"""Held claims: the worker's claim path in two statements, a hold and its commit.
+"""Held claims: a claim path in two statements, a hold and its commit.
+
+The worker claims through open claims now (``backfill.store.open_claims``: one transaction,
+each item written once); holds stay for tools and the fleet benchmark's node, and a worker's
+refused items are held the same way (``reserved`` under their attempt) until it settles them.
 
 A **hold** is a claim that opens its attempts at once: one statement picks the claimable
 items (fair share between tenants, earliest deadline first within one, ``FOR UPDATE SKIP

@@ -32,27 +32,25 @@ from typing import Any, BinaryIO, Protocol
 from backfill.fairshare import TenantBacklog
 from backfill.states import ItemState, JobState
 from backfill.store import records as sr
+from backfill.store.open_claims import OpenClaim
 
 
 class AttemptStore(Protocol):
-    """Claims and attempts, as a node's dispatcher writes them: hold, commit (start or give
-    back), heartbeat, and the end of each attempt, every write fenced by its attempt (and
+    """Claims and attempts, as a node's dispatcher writes them: an open claim and its start
+    (or drop), heartbeat, and the end of each attempt, every write fenced by its attempt (and
     lease)."""
 
-    def hold_claim(
+    def open_claim(
         self, node: str, limit: int, lease_ttl_s: float, *, models: Sequence[str] | None = ...
-    ) -> list[sr.ClaimedItem]: ...
+    ) -> OpenClaim: ...
+
+    def start_claim(
+        self, claim: OpenClaim, starts: Sequence[sr.Start], held: Sequence[tuple[int, int]] = ...
+    ) -> list[int]: ...
+
+    def drop_claim(self, claim: OpenClaim) -> None: ...
 
     def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None: ...
-
-    def commit(
-        self,
-        starts: Sequence[sr.Start],
-        lease_ttl_s: float,
-        *,
-        released: Sequence[tuple[int, int]] = ...,
-        detail: str | None = ...,
-    ) -> list[int]: ...
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]: ...
 

@@ -32,7 +32,7 @@ from backfill.config import Settings
 from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.states import ItemState, JobState
-from backfill.store import NewItem, Repository, Start
+from backfill.store import NewItem, OpenClaim, Repository, Start
 from tests.e2e import helpers
 from tests.e2e.helpers import successes_per_item
 from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
@@ -374,16 +374,12 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
     the engine: it has no reservation any more."""
     d = deployment
     dispatcher = node.dispatchers[0]
-    real_commit = dispatcher.repo.commit
+    real_start = dispatcher.repo.start_claim
     preempted: list[str] = []
     raced: list[int] = []
 
-    def commit_after_a_preemption(
-        starts: Sequence[Start],
-        lease_ttl_s: float,
-        *,
-        released: Sequence[tuple[int, int]] = (),
-        detail: str | None = None,
+    def start_after_a_preemption(
+        claim: OpenClaim, starts: Sequence[Start], held: Sequence[tuple[int, int]] = ()
     ) -> list[int]:
         if not raced and starts:
             # Interactive takes the whole pool now: every batch lease is a victim.
@@ -393,16 +389,16 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
             raced.extend(s.item_id for s in starts if s.lease_id in lease.preempted)
             time.sleep(0.5)  # the notice reaches the dispatcher's listener meanwhile
             d.ledger.release(lease)
-        return real_commit(starts, lease_ttl_s, released=released, detail=detail)
+        return real_start(claim, starts, held)
 
-    # The worker starts its held claims in one commit: the race sits between the leases it
-    # reserved and that commit.
-    dispatcher.repo.commit = commit_after_a_preemption  # type: ignore[method-assign]
+    # The worker starts its claim in one write: the race sits between the leases it
+    # reserved and that start.
+    dispatcher.repo.start_claim = start_after_a_preemption  # type: ignore[method-assign]
     try:
         job = d.submit(6, max_tokens=64, tag="early-preempt")
         d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 6, 180, "all items")
     finally:
-        del dispatcher.repo.commit
+        del dispatcher.repo.start_claim
     assert raced, f"the race was not staged (preempted {preempted})"
     _assert_exactly_once(d, job, 6)
     with d.repo.engine.connect() as conn:

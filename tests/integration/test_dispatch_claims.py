@@ -9,6 +9,8 @@ slack stays full while the queue still holds work.
 
 from __future__ import annotations
 
+from sqlalchemy import text
+
 from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Repository
@@ -59,6 +61,17 @@ def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
         assert peak >= 2, "the node never held more than one lease: the test shows nothing"
         assert peak < ITEMS, "the slack held every item at once: the test shows nothing"
         assert stats.deferred == 0, stats
-        # The first claim, before any reservation is typical, takes the whole queue and gives
-        # back at once what the slack cannot hold; after that each claim is what fits.
+        # The first claim, before any reservation is typical, takes the whole queue and leaves
+        # at once what the slack cannot hold; after that each claim is what fits.
         assert stats.claimed < 2 * ITEMS, stats
+        # What a claim leaves costs nothing: no write, no attempt spent (a hold's commit gave
+        # it back as a released attempt, each claim of it counting against max_attempts).
+        with repo.engine.connect() as conn:
+            attempts = conn.execute(
+                text(
+                    "SELECT a.attempt, a.outcome FROM attempts a JOIN items i ON i.id = a.item_id "
+                    "WHERE i.job_id = :j"
+                ),
+                {"j": job},
+            ).all()
+        assert sorted(attempts) == [(1, "succeeded")] * ITEMS, attempts

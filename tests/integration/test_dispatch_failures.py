@@ -66,24 +66,24 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
 
 
 def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settings) -> None:
-    """Postgres restarts between a hold and its commit: the commit fails on a dead
-    connection, and the leases the worker took for it go back to the slack at once, not when
-    their TTL (here two minutes) runs out. Before, they held the node's slack until then."""
+    """Postgres restarts while a claim is open: its start fails on a dead connection, and
+    the leases the worker took for it go back to the slack at once, not when their TTL (here
+    two minutes) runs out. Before, they held the node's slack until then."""
     node = "n-commit"
     engine = StandInEngine()
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-commit", 4, 8)
-        commit = repo.commit
+        start_claim = repo.start_claim
         held_at_commit: list[int] = []
 
-        def commit_after_a_restart(*args: Any, **kwargs: Any) -> list[int]:
+        def start_after_a_restart(*args: Any, **kwargs: Any) -> list[int]:
             if not held_at_commit:
                 snap = ledger.snapshot(node)
                 held_at_commit.append(len(snap.leases) if snap is not None else -1)
                 assert kill_connections(settings.database_url) >= 1
-            return commit(*args, **kwargs)
+            return start_claim(*args, **kwargs)
 
-        repo.commit = commit_after_a_restart  # type: ignore[method-assign]
+        repo.start_claim = start_after_a_restart  # type: ignore[method-assign]
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
             engine,
@@ -123,7 +123,7 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
     engine = StandInEngine(hold_s=0.5)
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-claim-fault", 6, 8)
-        hold_claim = repo.hold_claim
+        open_claim = repo.open_claim
         calls: list[int] = []
         held_at_fault: list[int] = []
 
@@ -132,9 +132,9 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
             if len(calls) == 2:
                 held_at_fault.append(dispatcher.in_flight)
                 raise RuntimeError("a fault of the worker's own")
-            return hold_claim(*args, **kwargs)
+            return open_claim(*args, **kwargs)
 
-        repo.hold_claim = second_claim_breaks  # type: ignore[method-assign]
+        repo.open_claim = second_claim_breaks  # type: ignore[method-assign]
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, claim_batch=2),
             engine,

@@ -62,9 +62,12 @@ def test_every_nonterminal_item_state_can_still_finish() -> None:
         assert _reachable(ITEM_TRANSITIONS, state) & ITEM_TERMINAL
 
 
-def test_engine_work_only_starts_from_a_reservation() -> None:
-    # The invariant in the state machine: nothing runs without passing through reserved.
-    assert item_sources(ItemState.RUNNING) == {ItemState.RESERVED}
+def test_engine_work_only_starts_from_a_claim() -> None:
+    # Running is entered from a claim only: a hold (reserved) or, in the worker's open claim,
+    # straight from a claimable state in the transaction that holds the item locked; either
+    # way the start writes the ledger lease that covers it (tests/integration/test_open_claims).
+    # Nothing finished or in flight elsewhere ever becomes running again.
+    assert item_sources(ItemState.RUNNING) == {ItemState.RESERVED} | ITEM_CLAIMABLE
     assert item_sources(ItemState.RESERVED) == ITEM_CLAIMABLE
 
 

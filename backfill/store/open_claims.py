@@ -1,0 +1,247 @@
+"""Open claims: the worker's claim path in one transaction, its items written once.
+
+An **open claim** picks the claimable items (fair share between tenants, earliest deadline
+first within one, ``FOR UPDATE SKIP LOCKED``) and keeps its transaction open: the items are
+locked for this node, nothing is written yet. The worker counts their tokens and asks the
+ledger for leases meanwhile, then **starts** the claim: one statement moves each item it
+leased straight to ``running`` under a new attempt number (the fence against any older
+attempt) with its lease id and fencing token, writes each attempt's row once and moves the
+counters, and the transaction commits. An item the worker will not start now (the slack is
+full) is simply left: it unlocks at commit, untouched, and no attempt of it is spent. An item
+the worker refuses (a bad request, a deadline it cannot meet, a ledger denial) is *held* by the
+same statement (``reserved`` under the new attempt, as a hold of ``backfill.store.holds``),
+and the worker settles it after the commit, as it settles any hold; those are the rare path.
+
+Against a hold and its commit (two transactions, each item and its attempt row written twice
+before it runs), this is one transaction and one write of each. What it costs, and what keeps
+the invariant (``docs/scaling.md``, "The claim and the start in one transaction"):
+
+- The claim holds its row locks and a connection while the worker counts and reserves (tens
+  of milliseconds). ``idle_in_transaction_session_timeout`` bounds it at the claim's lease
+  TTL: a worker that stalls longer loses the transaction (its session ends), the start fails,
+  and the worker releases the leases it took; the items were never touched.
+- Other claimers skip the locked items; a cancel or expiry of their job waits for the start
+  (it locks them without skipping). The start moves only items whose job is still in
+  progress, so a cancel committed meanwhile keeps them from starting: the worker releases
+  their leases and the cancel, no longer waiting, ends them.
+- Items are locked in id order by every statement that locks many, and the start writes
+  nothing but rows it already holds and the counters (in job-id order, as every writer):
+  no wait cycle.
+- A start whose commit fails, or whose outcome is unknown (the connection dropped), launches
+  nothing: the worker releases its leases at once. If the commit did land, the items are
+  ``running`` under leases that are gone; no heartbeat extends them and the reaper requeues
+  them when they lapse, as any lost attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.rows import namedtuple_row
+
+from backfill.states import ITEM_CLAIMABLE, ItemState
+from backfill.store.bodies import ITEM_BODY
+from backfill.store.claims import Claims, ClaimStatements, pick_statements
+from backfill.store.counters import counters_cte, moved_from
+from backfill.store.driver import array_literal, driver_errors, raw_connection, to_psycopg
+from backfill.store.moves import check_moves
+from backfill.store.records import ClaimedItem, Start
+
+# The picked items as the worker needs them, in ``picked.ord`` order, still unwritten; each
+# under the attempt number its start will give it.
+_PICKED = (
+    f"SELECT i.id, i.job_id, i.attempt + 1 AS attempt, i.custom_id, {ITEM_BODY} AS body, "
+    "i.deadline, i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, i.preemptions, "
+    "i.partial_output, i.partial_tokens, j.endpoint, p.state AS from_state, "
+    "EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s "
+    "FROM picked p JOIN items i ON i.id = p.id JOIN jobs j ON j.id = i.job_id "
+    "WHERE p.state = ANY(:src) ORDER BY p.ord"
+)
+
+PICKS: ClaimStatements = pick_statements(_PICKED)
+
+# The counter moves of a start: each item leaves the state it was picked in, to running
+# (started) or reserved (held to be settled).
+CNT_OPEN_START = counters_cte(
+    {s.value: moved_from(s) for s in sorted(ITEM_CLAIMABLE)}
+    | {
+        "running": "count(*) FILTER (WHERE started)",
+        "reserved": "count(*) FILTER (WHERE NOT started)",
+    }
+)
+
+# Start the picked items with a lease (``:lid`` not NULL) and hold the others, one statement:
+# items, counters and each attempt's row (new: the attempt number is new). Only items of a
+# job still in progress: a cancel committed since the pick keeps them from starting. Returns
+# the ids started.
+START_OPEN = (
+    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[]), "
+    "CAST(:st AS text[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), CAST(:res AS int[]), "
+    "CAST(:pt AS int[])) AS v(id, a, s, l, f, r, p)), "
+    "moved AS (UPDATE items i SET "
+    "  state = CASE WHEN v.l IS NULL THEN 'reserved' ELSE 'running' END, "
+    "  attempt = v.a, node = :node, lease_id = v.l, fencing_token = v.f, not_before = NULL, "
+    "  reservation_tokens = coalesce(v.r, i.reservation_tokens), "
+    "  prompt_tokens = coalesce(v.p, i.prompt_tokens), "
+    "  lease_expires_at = now() + make_interval(secs => :ttl), "
+    "  started_at = CASE WHEN v.l IS NULL THEN i.started_at "
+    "    ELSE coalesce(i.started_at, now()) END, "
+    "  updated_at = now() "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a - 1 AND i.state = v.s "
+    "  AND coalesce((SELECT jb.state = 'in_progress' FROM jobs jb WHERE jb.id = i.job_id), "
+    "    false) "
+    "  RETURNING i.id, i.job_id, i.attempt, v.l, v.f, v.r, v.p, v.s AS from_state, "
+    "    v.l IS NOT NULL AS started), "
+    f"{CNT_OPEN_START}, "
+    "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, fencing_token, "
+    "  reserved_tokens, prompt_tokens) SELECT id, attempt, :node, l, f, r, p FROM moved) "
+    "SELECT id FROM moved WHERE started"
+)
+
+
+@dataclass(slots=True)
+class OpenClaim:
+    """A claim whose transaction is still open: ``items`` are locked for ``node``, nothing of
+    them is written yet. Started (:meth:`OpenClaims.start_claim`) or dropped
+    (:meth:`OpenClaims.drop_claim`) once, from any one thread at a time."""
+
+    node: str
+    lease_ttl_s: float
+    items: list[ClaimedItem]
+    _picked_from: dict[int, str] = field(repr=False)
+    _fairy: Any = field(repr=False)
+    """The pooled connection the transaction runs on; None once started or dropped."""
+
+    @property
+    def open(self) -> bool:
+        return self._fairy is not None
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._fairy is None:
+            raise RuntimeError("this claim was already started or dropped")
+        conn = self._fairy.driver_connection
+        assert isinstance(conn, psycopg.Connection)
+        return conn
+
+    def _close(self, *, commit: bool) -> None:
+        """End the transaction (commit or roll back) and give the connection back; a broken
+        one leaves the pool."""
+        fairy, self._fairy = self._fairy, None
+        if fairy is None:
+            return
+        conn = fairy.driver_connection
+        try:
+            with driver_errors():
+                if commit:
+                    conn.commit()
+                elif not conn.closed:
+                    conn.rollback()
+        finally:
+            if conn.broken or conn.closed:
+                fairy.invalidate()
+            fairy.close()
+
+
+class OpenClaims(Claims):
+    """Claiming items in an open transaction and starting them in it (the worker's path)."""
+
+    def open_claim(
+        self,
+        node: str,
+        limit: int,
+        lease_ttl_s: float,
+        *,
+        models: Sequence[str] | None = None,
+    ) -> OpenClaim:
+        """Pick up to ``limit`` claimable items for ``node`` and keep them locked in an open
+        transaction, in the order to start them (see :meth:`Claims.claim` for the order and
+        ``models``). Each item carries the attempt number its start will give it. An empty
+        claim comes back already closed. The transaction ends after ``lease_ttl_s`` idle
+        seconds at the latest (the server ends the session)."""
+        fairy = raw_connection(self.engine)
+        claim = OpenClaim(node, lease_ttl_s, [], {}, fairy)
+        try:
+            conn = claim._connection()
+            with driver_errors():
+                conn.execute(
+                    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+                    "set_config('synchronous_commit', 'off', true)",
+                    (str(max(int(lease_ttl_s * 1000), 1)),),
+                )
+                cur = conn.cursor(row_factory=namedtuple_row)
+
+                def read(statement: str, params: dict[str, Any]) -> list[Any]:
+                    return cur.execute(to_psycopg(statement), params, prepare=True).fetchall()
+
+                statement, params = self._claim_statement(
+                    read, node, limit, lease_ttl_s, models, PICKS
+                )
+                rows = read(statement, params)
+        except BaseException:
+            claim._close(commit=False)
+            raise
+        if not rows:
+            claim._close(commit=False)
+            return claim
+        claim.items = [self._claimed(r) for r in rows]
+        claim._picked_from = {r.id: r.from_state for r in rows}
+        return claim
+
+    def start_claim(
+        self, claim: OpenClaim, starts: Sequence[Start], held: Sequence[tuple[int, int]] = ()
+    ) -> list[int]:
+        """Start ``claim``: each of ``starts`` (it holds a ledger lease) goes to ``running``
+        under its lease and fencing token, each (item_id, attempt) of ``held`` to ``reserved``
+        (to be settled by the caller, as a hold), in one statement; the rest of the claim is
+        left as it was; the transaction commits. Returns the ids started: a start missing
+        from them was not made (its job was cancelled meanwhile) and its lease must be
+        released. Raises ``StoreUnavailable`` when the commit fails or its outcome is
+        unknown: launch nothing then, and release every lease."""
+        check_moves(ITEM_CLAIMABLE, ItemState.RUNNING)
+        if not claim.open:
+            raise RuntimeError("this claim was already started or dropped")
+        rows: list[tuple[Any, ...]] = [
+            (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
+             s.prompt_tokens)
+            for s in starts
+        ]  # fmt: skip
+        rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in held]
+        unknown = [r[0] for r in rows if r[0] not in claim._picked_from]
+        if unknown:
+            claim._close(commit=False)
+            raise ValueError(f"items {unknown} are not of this claim")
+        if not rows:
+            claim._close(commit=False)
+            return []
+        rows.sort(key=lambda r: int(r[0]))
+        ids, att, lid, fen, res, pt = (array_literal(c) for c in zip(*rows, strict=True))
+        try:
+            with driver_errors():
+                started = claim._connection().execute(
+                    to_psycopg(START_OPEN),
+                    {
+                        "ids": ids,
+                        "att": att,
+                        "st": array_literal(claim._picked_from[int(r[0])] for r in rows),
+                        "lid": lid,
+                        "fen": fen,
+                        "res": res,
+                        "pt": pt,
+                        "node": claim.node,
+                        "ttl": claim.lease_ttl_s,
+                    },
+                    prepare=True,
+                )
+                applied = [int(r[0]) for r in started.fetchall()]
+        except BaseException:
+            claim._close(commit=False)
+            raise
+        claim._close(commit=True)
+        return applied
+
+    def drop_claim(self, claim: OpenClaim) -> None:
+        """End ``claim`` writing nothing: its items unlock as they were (no attempt spent)."""
+        claim._close(commit=False)

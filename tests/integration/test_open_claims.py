@@ -1,0 +1,263 @@
+"""Open claims on a real Postgres: the claim keeps its items locked, unwritten, while the
+worker counts and reserves; its start writes each item and its attempt once; everything it
+does not start is left as it was; and the invariants of every claim hold (no item to two
+claimers, attempts fenced, counters exact, a cancel never loses to a start)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from backfill.config import libpq_url
+from backfill.errors import StoreUnavailable
+from backfill.finalize import cancel_job
+from backfill.states import ItemState, JobState
+from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start
+
+
+@pytest.fixture
+def repo(database_url: str) -> Iterator[Repository]:
+    r = Repository.connect(database_url, pool_size=10)
+    yield r
+    r.close()
+
+
+def _job(repo: Repository, n: int, tenant: str | None = None) -> JobRecord:
+    name = tenant or f"t{datetime.now(UTC).timestamp()}"
+    tenant_id = repo.create_tenant(name).id
+    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.create_job(
+        tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.insert_items(
+        job.id, (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n))
+    )
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job
+
+
+def _start(item: ClaimedItem, fence: int) -> Start:
+    return Start(item.id, item.attempt, f"lease-{fence}", fence, 128, 20)
+
+
+def _rows(url: str, item_id: int) -> tuple[tuple[object, ...], list[tuple[object, ...]]]:
+    """The item's (state, attempt, node, lease_id, fencing_token) and its attempt rows."""
+    with psycopg.connect(libpq_url(url)) as conn:
+        item = conn.execute(
+            "SELECT state, attempt, node, lease_id, fencing_token FROM items WHERE id = %s",
+            (item_id,),
+        ).fetchone()
+        attempts = conn.execute(
+            "SELECT attempt, node, lease_id, fencing_token, outcome FROM attempts "
+            "WHERE item_id = %s ORDER BY attempt",
+            (item_id,),
+        ).fetchall()
+    assert item is not None
+    return tuple(item), [tuple(a) for a in attempts]
+
+
+def _assert_counters_match(repo: Repository, job_id: str) -> None:
+    counts = repo.get_job(None, job_id).counts
+    truth = repo.counted_states(job_id)
+    for state in ItemState:
+        assert counts.count(state) == truth.get(state, 0), state
+
+
+def test_an_open_claim_locks_its_items_and_writes_nothing(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 5)
+    first = repo.open_claim("n1", 3, 30)
+    try:
+        assert [c.attempt for c in first.items] == [1, 1, 1]
+        # Nothing written while it is open: still queued, no attempt spent, no attempt row.
+        assert _rows(database_url, first.items[0].id) == (("queued", 0, None, None, None), [])
+        assert repo.get_job(None, job.id).counts.count(ItemState.QUEUED) == 5
+        # Another claimer skips the locked items.
+        second = repo.open_claim("n2", 5, 30)
+        assert {c.id for c in second.items}.isdisjoint(c.id for c in first.items)
+        assert len(second.items) == 2
+        repo.drop_claim(second)
+    finally:
+        repo.drop_claim(first)
+    # Dropped: every item claimable again, as it was.
+    again = repo.open_claim("n3", 10, 30)
+    assert len(again.items) == 5
+    assert all(c.attempt == 1 for c in again.items)
+    repo.drop_claim(again)
+    _assert_counters_match(repo, job.id)
+
+
+def test_the_start_writes_each_item_once_holds_the_refused_and_leaves_the_rest(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 3)
+    claim = repo.open_claim("n1", 3, 30)
+    a, b, c = claim.items
+    started = repo.start_claim(claim, [_start(a, 7)], held=[(b.id, b.attempt)])
+    assert started == [a.id]
+    assert not claim.open
+    assert _rows(database_url, a.id) == (
+        ("running", 1, "n1", "lease-7", 7),
+        [(1, "n1", "lease-7", 7, None)],
+    )
+    # Held to be settled by the worker, as a hold: reserved under the new attempt.
+    assert _rows(database_url, b.id) == (
+        ("reserved", 1, "n1", None, None),
+        [(1, "n1", None, None, None)],
+    )
+    # Left: untouched, no attempt spent.
+    assert _rows(database_url, c.id) == (("queued", 0, None, None, None), [])
+    counts = repo.get_job(None, job.id).counts
+    assert [counts.count(s) for s in (ItemState.RUNNING, ItemState.RESERVED, ItemState.QUEUED)] == [
+        1,
+        1,
+        1,
+    ]
+    _assert_counters_match(repo, job.id)
+    # The started attempt finishes under its fencing token; the held one settles as a hold.
+    done = Finish(a.id, a.attempt, 7, ItemState.SUCCEEDED, result="{}", output_tokens=3)
+    assert repo.finish([done]) == [a.id]
+    repo.give_back(b.id, b.attempt, ItemState.DEFERRED, retry_after_s=60, detail="no slack")
+    assert _rows(database_url, b.id)[1] == [(1, "n1", None, None, "deferred")]
+    (again,) = repo.open_claim("n2", 5, 30).items  # b is deferred: only c is claimable
+    assert (again.id, again.attempt) == (c.id, 1)
+    _assert_counters_match(repo, job.id)
+
+
+def test_an_item_claimed_again_starts_under_the_next_attempt(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 1)
+    claim = repo.open_claim("n1", 1, 30)
+    (first,) = claim.items
+    assert repo.start_claim(claim, [_start(first, 1)]) == [first.id]
+    repo.preempt(first.id, first.attempt, 1, partial_output="abc", partial_tokens=2)
+    claim = repo.open_claim("n2", 1, 30)
+    (second,) = claim.items
+    assert (second.attempt, second.partial_output, second.preemptions) == (2, "abc", 1)
+    assert repo.start_claim(claim, [_start(second, 2)]) == [first.id]
+    # The first attempt's late finish is fenced out; the second's applies.
+    late = Finish(first.id, 1, 1, ItemState.SUCCEEDED, result="{}", output_tokens=1)
+    assert repo.finish([late]) == []
+    done = Finish(first.id, 2, 2, ItemState.SUCCEEDED, result="{}", output_tokens=4)
+    assert repo.finish([done]) == [first.id]
+    assert [a[4] for a in _rows(database_url, first.id)[1]] == ["preempted", "succeeded"]
+    _assert_counters_match(repo, job.id)
+
+
+def test_a_claim_refuses_a_start_of_an_item_it_did_not_pick(repo: Repository) -> None:
+    _job(repo, 2)
+    claim = repo.open_claim("n1", 1, 30)
+    (item,) = claim.items
+    stranger = Start(item.id + 1, 1, "x", 1, 128, 20)
+    with pytest.raises(ValueError, match="not of this claim"):
+        repo.start_claim(claim, [stranger])
+    assert not claim.open  # dropped: nothing written
+    assert len(repo.open_claim("n2", 5, 30).items) == 2
+
+
+def test_a_cancel_waits_for_an_open_claim_and_its_start_starts_nothing(
+    repo: Repository, database_url: str
+) -> None:
+    """A cancel while a claim is open: the job leaves in_progress at once, its unstarted
+    items wait on the claim's locks; the start then moves none of them (the job is no longer
+    in progress) and the cancel ends them all: nothing of a cancelled job starts."""
+    job = _job(repo, 3)
+    claim = repo.open_claim("n1", 3, 30)
+    cancelled: list[JobRecord] = []
+    canceller = threading.Thread(
+        target=lambda: cancelled.append(cancel_job(repo, job.tenant_id, job.id))
+    )
+    canceller.start()
+    time.sleep(0.5)
+    assert canceller.is_alive(), "the cancel did not wait for the open claim's locks"
+    assert repo.get_job(None, job.id).state is JobState.CANCELLING
+    started = repo.start_claim(claim, [_start(c, k) for k, c in enumerate(claim.items, 1)])
+    canceller.join(10)
+    assert started == []
+    assert cancelled
+    assert cancelled[0].state is JobState.CANCELLED
+    assert repo.counted_states(job.id) == {ItemState.CANCELLED: 3}
+    assert _rows(database_url, claim.items[0].id)[1] == []  # no attempt was opened
+    _assert_counters_match(repo, job.id)
+
+
+def test_a_claim_left_open_too_long_loses_its_transaction_and_writes_nothing(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 2)
+    claim = repo.open_claim("n1", 2, 0.3)  # ends 0.3 s idle at the latest
+    time.sleep(1.0)
+    with pytest.raises(StoreUnavailable):
+        repo.start_claim(claim, [_start(c, k) for k, c in enumerate(claim.items, 1)])
+    assert not claim.open
+    assert _rows(database_url, claim.items[0].id) == (("queued", 0, None, None, None), [])
+    # The pool dropped the dead connection: the next claim works.
+    again = repo.open_claim("n2", 5, 30)
+    assert len(again.items) == 2
+    repo.drop_claim(again)
+    _assert_counters_match(repo, job.id)
+
+
+def test_open_claims_share_a_node_between_tenants(repo: Repository) -> None:
+    stamp = datetime.now(UTC).timestamp()
+    a = _job(repo, 20, f"a{stamp}")
+    b = _job(repo, 20, f"b{stamp}")
+    claim = repo.open_claim("n1", 10, 30)
+    jobs = Counter(c.job_id for c in claim.items)
+    repo.drop_claim(claim)
+    assert jobs == {a.id: 5, b.id: 5}
+
+
+def test_concurrent_open_claims_never_share_an_item(repo: Repository) -> None:
+    job = _job(repo, 2000)
+    seen: list[int] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def claimer(node: str) -> None:
+        fence = 0
+        try:
+            while True:
+                claim = repo.open_claim(node, 37, 30)
+                if not claim.items:
+                    return
+                with lock:
+                    seen.extend(c.id for c in claim.items)
+                starts = []
+                for c in claim.items:
+                    fence += 1
+                    starts.append(_start(c, fence))
+                # Every third item is left (the slack is "full"): claimed again later.
+                kept = starts[::3]
+                left = {s.item_id for s in starts} - {s.item_id for s in kept}
+                assert sorted(repo.start_claim(claim, kept)) == sorted(s.item_id for s in kept)
+                with lock:
+                    for item_id in left:
+                        seen.remove(item_id)
+                finishes = [
+                    Finish(s.item_id, s.attempt, s.fencing_token, ItemState.SUCCEEDED,
+                           result="{}", output_tokens=1)
+                    for s in kept
+                ]  # fmt: skip
+                assert sorted(repo.finish(finishes)) == sorted(s.item_id for s in kept)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(f"n{k}",)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [i for i, n in Counter(seen).items() if n > 1] == []
+    assert len(seen) == 2000
+    assert repo.counted_states(job.id) == {ItemState.SUCCEEDED: 2000}
+    _assert_counters_match(repo, job.id)
