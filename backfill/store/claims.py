@@ -136,6 +136,10 @@ def pick_statements(select: str) -> ClaimStatements:
 
 _CLAIMS = claim_statements()
 
+# The batch statements over items by id below check the state as ``(...) IS TRUE``: a filter,
+# so the planner finds each item by primary key rather than reading the partial indexes of
+# active items, dead entries and all (see ``FINISH`` in backfill.store.items).
+
 # reserved -> running for many claims at once, each with its lease and fencing token; opens their
 # attempt rows and moves the counters.
 START_MANY = (
@@ -146,7 +150,7 @@ START_MANY = (
     "  fencing_token = v.f, reservation_tokens = v.r, prompt_tokens = v.p, "
     "  lease_expires_at = now() + make_interval(secs => :ttl), "
     "  started_at = coalesce(i.started_at, now()), updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND (i.state = 'reserved') IS TRUE "
     "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p), "
     f"{CNT_START}, "
     "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, "
@@ -163,7 +167,7 @@ START_MANY = (
 HEARTBEAT = (
     "UPDATE items i SET lease_expires_at = now() + make_interval(secs => :t) "
     "FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[])) AS v(id, a) "
-    f"WHERE i.id = v.id AND i.attempt = v.a AND i.state IN ({ACTIVE_SQL}) "
+    f"WHERE i.id = v.id AND i.attempt = v.a AND (i.state IN ({ACTIVE_SQL})) IS TRUE "
     "RETURNING i.id"
 )
 
@@ -173,7 +177,7 @@ UNCLAIM = (
     "CAST(:att AS int[])) AS v(id, a)), "
     "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
     "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND (i.state = 'reserved') IS TRUE "
     "  RETURNING i.id, i.job_id, i.attempt, i.node), "
     f"{CNT_UNCLAIM}, "
     "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "

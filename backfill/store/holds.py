@@ -65,7 +65,7 @@ COMMIT = (
     "  started_at = CASE WHEN v.l IS NULL THEN i.started_at "
     "    ELSE coalesce(i.started_at, now()) END, "
     "  updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND i.state = 'reserved' "
+    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND (i.state = 'reserved') IS TRUE "
     "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p, "
     "    v.l IS NOT NULL AS started), "
     f"{CNT_COMMIT}, "
