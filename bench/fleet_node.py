@@ -3,10 +3,11 @@
 :class:`SimNode` makes the calls ``worker.dispatch.NodeDispatcher`` makes, in its order and
 batching, and with its pacing:
 
-- fill (``_fill``): ledger snapshot; claim ``min(room, claim_batch)``, fewer when the slack
-  judged by recent reservations is short; snapshot again and give back what the slack cannot
-  take (``_fit_to_slack``: one ``unclaim``); ``reserve_many`` for the rest (one round trip);
-  denials given back one by one (deferred); ``start_many``; orphans released. The prompts are
+- fill (``_fill``): ledger snapshot; an open claim of ``min(room, claim_batch)``, fewer when
+  the slack judged by recent reservations is short; snapshot again and leave what the slack
+  cannot take (``_fit_to_slack``: ``unclaim``, no write for Backfill); ``reserve_many`` for the
+  rest (one round trip); ``start_many`` starts the leased and holds the denied, then the denied
+  are given back one by one (deferred); orphans released. The prompts are
   not counted on an engine (there is none): items carry their counts, as items do after a
   first attempt. A claim that started something is followed at once by the next; otherwise
   the loop waits ``idle_poll_s`` or until an item leaves (the dispatcher's room event).
@@ -211,6 +212,14 @@ class SimNode:
         self.counters.claims += 1
         if not claimed:
             return 0
+        try:
+            return await self._start(claimed)
+        finally:
+            # A claim left open by a failure: ended, nothing written.
+            await self.plane.drop(self.name)
+
+    async def _start(self, claimed: list[Held]) -> int:
+        cfg, rec = self.cfg, self.rec
         self.counters.claimed += len(claimed)
         slack = await rec.timed("snapshot", self.plane.snapshot(self.name))
         fits: list[Held] = []
@@ -224,13 +233,13 @@ class SimNode:
         rest = claimed[len(fits) :]
         if rest:
             self.counters.unclaimed += len(rest)
-            await rec.timed("unclaim", self.plane.unclaim(rest))
+            await rec.timed("unclaim", self.plane.unclaim(self.name, rest))
         outcomes = await rec.timed("reserve", self.plane.reserve_many(self.name, fits))
         leased: list[Held] = []
+        refused: list[Held] = []
         for h, outcome in zip(fits, outcomes, strict=True):
             if isinstance(outcome, Denial | BaseException):
-                self.counters.deferred += 1
-                await rec.timed("give_back", self.plane.give_back(h))
+                refused.append(h)
                 continue
             lease: Lease | RawLease = outcome
             self._typical_reservation = (
@@ -243,9 +252,13 @@ class SimNode:
                     h.item_id, h.attempt, h.prompt_tokens, h.max_output_tokens, h.deadline_ms, lease
                 )
             )
-        if not leased:
-            return 0
-        applied = await rec.timed("start", self.plane.start_many(leased, cfg.lease_ttl_s))
+        applied = await rec.timed(
+            "start", self.plane.start_many(self.name, leased, refused, cfg.lease_ttl_s)
+        )
+        # The refused are settled after the start (their rows were the claim's until then).
+        for h in refused:
+            self.counters.deferred += 1
+            await rec.timed("give_back", self.plane.give_back(h))
         orphans = [h for h in leased if h.item_id not in applied]
         if orphans:
             await rec.timed("release", self.plane.release(orphans))

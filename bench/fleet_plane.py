@@ -18,7 +18,7 @@ from backfill.ledger import AsyncLedger, PartialBatchError, ReserveRequest
 from backfill.policy import ServiceClass
 from backfill.redis_client import AsyncRedis
 from backfill.states import ItemState
-from backfill.store import ClaimedItem, Finish, Repository, Start
+from backfill.store import ClaimedItem, Finish, OpenClaim, Repository, Start
 
 RESULT = json.dumps(
     {
@@ -76,10 +76,13 @@ class Plane(Protocol):
 
     async def snapshot(self, node: str) -> int: ...
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]: ...
-    async def unclaim(self, held: Sequence[Held]) -> None: ...
+    async def unclaim(self, node: str, held: Sequence[Held]) -> None: ...
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]: ...
     async def give_back(self, held: Held) -> None: ...
-    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
+    async def start_many(
+        self, node: str, leased: Sequence[Held], refused: Sequence[Held], ttl_s: float
+    ) -> set[int]: ...
+    async def drop(self, node: str) -> None: ...
     async def settle(self, node: str, held: Held, generated: int) -> None: ...
     async def settle_many(self, node: str, progress: Sequence[tuple[Held, int]]) -> None: ...
     async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]: ...
@@ -96,7 +99,9 @@ class Plane(Protocol):
 
 class BackfillPlane:
     """Backfill's own calls: the ``Repository`` in threads, the ``AsyncLedger``. Claims are
-    held claims as the worker's: ``claim`` holds, ``unclaim`` and ``start_many`` commit."""
+    open claims as the worker's: ``claim`` opens one per node (its items locked, unwritten),
+    ``unclaim`` leaves items in the queue (no write), ``start_many`` starts the leased and
+    holds the refused in one statement and commits, ``drop`` ends a claim writing nothing."""
 
     def __init__(
         self,
@@ -106,6 +111,7 @@ class BackfillPlane:
         listen_ledger: AsyncLedger | None = None,
     ) -> None:
         self.repo, self.ledger, self.cfg = repo, ledger, cfg
+        self._open: dict[str, OpenClaim] = {}
         # Each subscription holds a connection: not from the calls' bounded pool.
         self.listen_ledger = listen_ledger or ledger
 
@@ -122,9 +128,11 @@ class BackfillPlane:
         return 0 if snap is None or not snap.ready else snap.slack
 
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
-        claimed: list[ClaimedItem] = await asyncio.to_thread(
-            self.repo.hold_claim, node, want, ttl_s
-        )
+        await self.drop(node)
+        claim = await asyncio.to_thread(self.repo.open_claim, node, want, ttl_s)
+        if claim.open:
+            self._open[node] = claim
+        claimed: list[ClaimedItem] = claim.items
         return [
             Held(
                 c.id,
@@ -136,14 +144,14 @@ class BackfillPlane:
             for c in claimed
         ]
 
-    async def unclaim(self, held: Sequence[Held]) -> None:
-        await asyncio.to_thread(
-            self.repo.commit,
-            [],
-            self.cfg.lease_ttl_s,
-            released=[(h.item_id, h.attempt) for h in held],
-            detail="slack full",
-        )
+    async def unclaim(self, node: str, held: Sequence[Held]) -> None:
+        """Left in the queue by the open claim: nothing to write."""
+
+    async def drop(self, node: str) -> None:
+        claim = self._open.pop(node, None)
+        if claim is not None:
+            with contextlib.suppress(BackfillError):
+                await asyncio.to_thread(self.repo.drop_claim, claim)
 
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
         requests = [
@@ -176,7 +184,12 @@ class BackfillPlane:
                 detail="no slack",
             )
 
-    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+    async def start_many(
+        self, node: str, leased: Sequence[Held], refused: Sequence[Held], ttl_s: float
+    ) -> set[int]:
+        claim = self._open.pop(node, None)
+        if claim is None:
+            return set()
         starts = [
             Start(
                 h.item_id,
@@ -186,9 +199,10 @@ class BackfillPlane:
                 h.lease.tokens,
                 h.prompt_tokens,
             )
-            for h in held
+            for h in leased
         ]
-        return set(await asyncio.to_thread(self.repo.commit, starts, ttl_s))
+        held = [(h.item_id, h.attempt) for h in refused]
+        return set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         with contextlib.suppress(BackfillError):

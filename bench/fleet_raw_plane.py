@@ -95,7 +95,7 @@ class RawPlane:
         rows = await self._run(self.CLAIM, node, ttl_s, want)
         return [Held(r[0], r[1], r[2] or 0, r[3], int(r[4].timestamp() * 1000)) for r in rows]
 
-    async def unclaim(self, held: Sequence[Held]) -> None:
+    async def unclaim(self, node: str, held: Sequence[Held]) -> None:
         await self._run(
             "UPDATE items SET state = 'queued' WHERE id = ANY(%s)", [h.item_id for h in held]
         )
@@ -114,12 +114,19 @@ class RawPlane:
     async def give_back(self, held: Held) -> None:
         await self._run("UPDATE items SET state = 'deferred' WHERE id = %s", held.item_id)
 
-    async def start_many(self, held: Sequence[Held], ttl_s: float) -> set[int]:
+    async def start_many(
+        self, node: str, leased: Sequence[Held], refused: Sequence[Held], ttl_s: float
+    ) -> set[int]:
+        if not leased:
+            return set()
         rows = await self._run(
             "UPDATE items SET state = 'running' WHERE id = ANY(%s) RETURNING id",
-            [h.item_id for h in held],
+            [h.item_id for h in leased],
         )
         return {r[0] for r in rows}
+
+    async def drop(self, node: str) -> None:
+        """Nothing is left open: each call is its own statement."""
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         await self._client.hset(self._k(node)[1] + ":gen", held.lease.lease_id, generated)
