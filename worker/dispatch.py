@@ -57,8 +57,8 @@ from backfill.dispatch import (
     start_room,
 )
 from backfill.engine.protocol import EngineError, count_prefill
-from backfill.errors import LedgerError, StaleWrite, StoreUnavailable
-from backfill.ledger import Denial, Lease, PartialBatchError
+from backfill.errors import LedgerError, LedgerUnavailable, StaleWrite, StoreUnavailable
+from backfill.ledger import Denial, Lease, PartialBatchError, ReserveRequest
 from backfill.prefill import PromptCount, prefill_plan
 from backfill.states import ItemState
 from backfill.store import ClaimedItem, OpenClaim
@@ -323,9 +323,14 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
                 # Each reservation is its own atomic call: keep the admitted ones, give the
                 # others back below.
                 outcomes = list(exc.results)  # type: ignore[arg-type]
-            except LedgerError:
-                # Nothing reserved: what fits stays in the queue as it was; the refused are
+                await self._release_unconfirmed(
+                    [r for r, o in zip(requests, outcomes, strict=True) if isinstance(o, Exception)]
+                )
+            except (LedgerError, LedgerUnavailable):
+                # No answer: what fits stays in the queue as it was, and what Redis may have
+                # granted (a reply lost with its connection) is given back; the refused are
                 # settled all the same.
+                await self._release_unconfirmed(requests)
                 await self._start_claim(claim, {}, refused)
                 raise
             for checked, outcome in zip(fits, outcomes, strict=True):
@@ -346,6 +351,22 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         started = await self._start_claim(claim, leased, refused)
         self.stats.started += started
         return started + len(refused)
+
+    async def _release_unconfirmed(self, requests: list[ReserveRequest]) -> None:
+        """Give back reservations whose answer was lost (their call failed on its connection:
+        Redis may have granted them), so they do not hold the slack until their TTL runs out.
+        Best effort: a ledger still out of reach leaves them to the TTL, as before."""
+        if not requests:
+            return
+        try:
+            await self.ledger.release_unconfirmed(requests)
+        except (LedgerError, LedgerUnavailable) as exc:
+            log.warning(
+                "node %s: %d reservations of unknown outcome left to their TTL: %s",
+                self.config.node,
+                len(requests),
+                exc,
+            )
 
     async def _start_claim(
         self, claim: OpenClaim, leased: dict[int, Leased], refused: list[Refused]

@@ -171,6 +171,7 @@ class LedgerBinding(ABC, Generic[C, S]):
     restore_lease = operation(operations.restore_lease)
     release = operation(operations.release)
     release_many = operation(operations.release_many)
+    release_unconfirmed = operation(operations.release_unconfirmed)
     preempt = operation(operations.preempt)
     reap = operation(operations.reap)
     rebuild = operation(rebuild_plan)

@@ -202,6 +202,19 @@ class LedgerCalls:
             lambda r: [LeaseStatus(decoded(x)) for x in r],
         )
 
+    def release_unconfirmed(
+        self, node: str, reqs: Sequence[ReserveRequest], now_ms: int | None
+    ) -> ScriptCall[list[LeaseStatus]]:
+        args = [_arg(now_ms), str(len(reqs))]
+        for req in reqs:
+            args += [req.lease_id, req.owner]
+        return ScriptCall(
+            "release_unconfirmed",
+            self.keys.node(node).keys(),
+            args,
+            lambda r: [LeaseStatus(decoded(x)) for x in r],
+        )
+
     def preempt(
         self, node: str, tokens_needed: int, victims: Sequence[str] | None, now_ms: int | None
     ) -> ScriptCall[PreemptResult]:

@@ -368,6 +368,24 @@ def release_many(
     return statuses
 
 
+def release_unconfirmed(
+    calls: LedgerCalls, requests: Sequence[ReserveRequest], *, now_ms: int | None = None
+) -> Plan[list[LeaseStatus]]:
+    """Give back reservations whose answer was lost (a ``reserve_many`` that failed on its
+    connection: Redis may have granted them), by lease id and owner, in one round trip;
+    statuses come in request order. One never granted is refused should it still arrive."""
+    groups = by_node(requests, lambda r: r.node)
+    statuses: list[LeaseStatus] = yield Pipelined[LeaseStatus](
+        [
+            calls.release_unconfirmed(node, [requests[i] for i in idx], now_ms)
+            for node, idx in groups
+        ],
+        groups,
+        len(requests),
+    )
+    return statuses
+
+
 def preempt(
     calls: LedgerCalls,
     node: str,

@@ -75,6 +75,10 @@ class BatchLedger(SignalRedis, LeaseUpkeep, Protocol):
 
     async def release_many(self, held: Sequence[lv.HeldLease]) -> list[lv.LeaseStatus]: ...
 
+    async def release_unconfirmed(
+        self, requests: Sequence[lv.ReserveRequest]
+    ) -> list[lv.LeaseStatus]: ...
+
     async def listen_preemptions(self, node: str) -> AsyncPreemptionListener: ...
 
 

@@ -17,6 +17,7 @@ SCRIPTS = (
     "settle",
     "heartbeat",
     "release",
+    "release_unconfirmed",
     "preempt",
     "reap",
     "snapshot",

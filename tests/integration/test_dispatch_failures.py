@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from backfill.config import Settings
-from backfill.errors import LedgerError
+from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger import PoolSnapshot
 from backfill.states import ItemState
 from backfill.store import Repository
@@ -202,3 +202,52 @@ def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
         assert snap is not None
         assert not snap.leases, f"a lease outlived its dispatcher: {snap.leases}"
         assert snap.batch_in_use == 0
+
+
+def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
+    settings: Settings,
+) -> None:
+    """Redis grants a claim's reservations and the reply is lost with the connection: the
+    worker cannot tell what was granted and never learned the fencing tokens. Before, those
+    leases held the node's slack until their TTL (here two minutes) ran out; now the worker
+    gives them back by lease id and owner at once, and the items, untouched, run later."""
+    node = "n-lost-reply"
+    engine = StandInEngine()
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        job = submit_completions(repo, "t-lost-reply", 4, 8)
+        reserve_many = aledger.reserve_many
+        granted: list[int] = []
+        after: list[PoolSnapshot | None] = []
+
+        async def reply_lost(requests: Any) -> Any:
+            results = await reserve_many(requests)
+            if not granted:
+                granted.append(sum(1 for r in results if not hasattr(r, "reason")))
+                raise LedgerUnavailable("connection lost before the reply")
+            return results
+
+        aledger.reserve_many = reply_lost  # type: ignore[method-assign]
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+        # Looked at right after the lost reply, before the worker's retry (a second's backoff).
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: bool(granted),
+            polls=200,
+            linger_s=0.3,
+            before_stop=lambda: after.append(ledger.snapshot(node)),
+        )
+        assert granted == [4], "the reservations were not granted before the reply was lost"
+        (snap,) = after
+        assert snap is not None
+        assert not snap.leases, f"leases of a lost reply still held: {snap.leases}"
+        assert snap.batch_in_use == 0
+        assert not engine.streamed
+        # Untouched by the failed claim: still queued, no attempt spent.
+        assert repo.counted_states(job) == {ItemState.QUEUED: 4}

@@ -477,6 +477,35 @@ def test_the_holders_release_of_an_expired_lease_reclaims_it_at_once(ledger: Led
     )
 
 
+def test_reservations_whose_answer_was_lost_are_released_by_id_and_owner(
+    ledger: Ledger,
+) -> None:
+    """A ``reserve_many`` whose reply is lost with its connection may have been granted: its
+    holder knows the lease ids and owners it asked with, not the fencing tokens. Before, such
+    leases held the node's slack until their TTL ran out; now the holder gives them back at
+    once, and a reservation that never arrived is refused should it still come."""
+    open_pool(ledger)
+    granted = ReserveRequest("n1", BATCH, 100, 100, owner="n1/7/1")
+    other = admitted(ledger.reserve("n1", BATCH, 100, 100, owner="n1/8/1", now_ms=T0))
+    (lease,) = ledger.reserve_many([granted], now_ms=T0)
+    assert isinstance(lease, Lease)
+    never_sent = ReserveRequest("n1", BATCH, 100, 100, owner="n1/9/1")
+    wrong_owner = ReserveRequest("n1", BATCH, 1, 1, lease_id=other.lease_id, owner="n1/8/0")
+    statuses = ledger.release_unconfirmed([granted, never_sent, wrong_owner], now_ms=T0)
+    assert statuses == [LeaseStatus.RELEASED, LeaseStatus.UNKNOWN, LeaseStatus.FENCED]
+    snap = ledger.snapshot("n1", now_ms=T0)
+    assert snap is not None
+    assert [x.lease_id for x in snap.leases] == [other.lease_id]
+    assert snap.batch_in_use == other.tokens
+    # Idempotent; the one never granted is refused if it arrives late.
+    again = ledger.release_unconfirmed([granted, never_sent], now_ms=T0)
+    assert again == [LeaseStatus.ALREADY_RELEASED, LeaseStatus.ALREADY_RELEASED]
+    with pytest.raises(LedgerError, match="already ended"):
+        ledger.reserve_many([never_sent], now_ms=T0)
+    # The lease it released is over for its holder too.
+    assert ledger.release(lease, now_ms=T0) is LeaseStatus.ALREADY_RELEASED
+
+
 def test_reap_reclaims_only_leases_past_their_ttl(ledger: Ledger) -> None:
     open_pool(ledger)
     a = admitted(ledger.reserve("n1", BATCH, 100, 100, now_ms=T0))
