@@ -132,3 +132,26 @@ def session(engine: Engine, *, durable: bool = True) -> Iterator[Session]:
         if conn.broken or conn.closed:
             fairy.invalidate()
         fairy.close()
+
+
+def single(engine: Engine, statement: str, params: Mapping[str, Any]) -> list[Any]:
+    """Run one durable statement (SQLAlchemy's ``:name`` form) as its own transaction, prepared,
+    in one round trip: the server commits it as it ends (autocommit), where an explicit
+    transaction costs a second round trip for its COMMIT. For a statement whose writes, CTEs
+    and all, are the whole transaction. Its rows' first column."""
+    fairy = raw_connection(engine)
+    conn = fairy.driver_connection
+    assert isinstance(conn, psycopg.Connection)
+    try:
+        with driver_errors():
+            conn.autocommit = True
+            try:
+                cur = conn.execute(to_psycopg(statement), params, prepare=True)
+                return [r[0] for r in cur.fetchall()]
+            finally:
+                if not (conn.broken or conn.closed):
+                    conn.autocommit = False
+    finally:
+        if conn.broken or conn.closed:
+            fairy.invalidate()
+        fairy.close()
