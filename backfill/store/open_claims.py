@@ -35,6 +35,7 @@ the invariant (``docs/scaling.md``, "The claim and the start in one transaction"
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,10 +135,14 @@ class OpenClaim:
             return
         conn = fairy.driver_connection
         try:
-            with driver_errors():
-                if commit:
+            if commit:
+                with driver_errors():
                     conn.commit()
-                elif not conn.closed:
+            elif not (conn.closed or conn.broken):
+                # A rollback that fails leaves nothing behind: the server ends the transaction
+                # with the session, and the connection leaves the pool below. What failed
+                # before it is the error to report.
+                with contextlib.suppress(psycopg.Error):
                     conn.rollback()
         finally:
             if conn.broken or conn.closed:
