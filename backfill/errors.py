@@ -42,5 +42,10 @@ class LedgerError(BackfillError):
     """The ledger refused a call (malformed arguments, unknown node)."""
 
 
+class StaleEpoch(LedgerError):
+    """A newer ledger epoch is in place: another rebuild overtook this one (it may be retried
+    from a fresh read of Postgres)."""
+
+
 class LedgerUnavailable(StoreUnavailable):
     """Redis could not be reached, or the ledger is closed while it is rebuilt."""

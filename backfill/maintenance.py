@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from backfill import finalize
 from backfill.config import Settings
-from backfill.errors import LedgerError
+from backfill.errors import LedgerError, StaleEpoch
 from backfill.ledger import ActiveLease, LeaseRef, MaintenanceLedger, NodePool, RebuildReport
 from backfill.policy import ClassLimits, PoolPolicy
 from backfill.states import ItemState, JobState
@@ -42,12 +42,34 @@ def pool_policy(settings: Settings) -> PoolPolicy:
     )
 
 
+# How many times a rebuild overtaken by another (a newer epoch in place) starts over.
+REBUILD_TRIES = 5
+
+
 def ensure_ledger(
     repo: MaintenanceStore, ledger: MaintenanceLedger, *, max_preemptions: int
 ) -> RebuildReport | None:
     """Rebuild the ledger from Postgres if Redis lost it (every node), or the nodes it lost
     (closed for a lost lease, or on a shard that lost its data) while the rest of the fleet
-    goes on admitting; None when it was intact."""
+    goes on admitting; None when it was intact.
+
+    Several processes may find it lost at once (workers starting together on one node, the
+    maintenance tick): each rebuild takes a new epoch, and one overtaken by a newer one fails
+    on the stale epoch. It then starts over from a fresh read (the newer one may have left the
+    ledger whole, or the overtaken one may have closed what the newer one had opened)."""
+    for attempt in range(1, REBUILD_TRIES + 1):
+        try:
+            return _ensure_once(repo, ledger, max_preemptions=max_preemptions)
+        except StaleEpoch as exc:
+            if attempt == REBUILD_TRIES:
+                raise
+            log.info("ledger: rebuild overtaken by a newer one (%s); reading again", exc)
+    raise AssertionError("unreachable")
+
+
+def _ensure_once(
+    repo: MaintenanceStore, ledger: MaintenanceLedger, *, max_preemptions: int
+) -> RebuildReport | None:
     only = ledger.incomplete_nodes()
     if only is not None and not only:
         return None

@@ -27,7 +27,7 @@ from redis.exceptions import (
 )
 
 from backfill import keys as lk
-from backfill.errors import LedgerError, LedgerUnavailable
+from backfill.errors import LedgerError, LedgerUnavailable, StaleEpoch
 from backfill.ledger.values import PartialBatchError
 
 T = TypeVar("T")
@@ -92,6 +92,8 @@ key now (some are ``ResponseError`` by class), not refusals of the ledger."""
 def translate(exc: Exception) -> LedgerError | LedgerUnavailable:
     if isinstance(exc, ResponseError) and not isinstance(exc, _CLUSTER_UNAVAILABLE):
         message = str(exc).split(" script: ", 1)[0]
+        if "stale epoch" in message:
+            return StaleEpoch(message)
         return LedgerError(message)
     return LedgerUnavailable(f"Redis is unavailable: {exc}")
 

@@ -94,6 +94,50 @@ def test_ledger_is_rebuilt_from_postgres_and_batch_waits_until_then(
     assert ensure_ledger(repo, ledger, max_preemptions=3) is None  # intact: nothing to do
 
 
+def test_a_rebuild_overtaken_by_a_newer_one_starts_over_instead_of_failing(
+    settings: Settings, stores: tuple[Repository, Ledger]
+) -> None:
+    """Two workers of one node start together on a ledger Redis lost: each rebuilds it, each
+    under a new epoch. The one whose epoch was taken first registers the pool last and meets
+    the newer epoch: before, its rebuild failed ('stale epoch') and the worker stopped at
+    startup (seen in CI: `test_two_workers_on_one_node_never_over_reserve`). Now it starts
+    over from a fresh read and the ledger ends whole, its leases all back."""
+    repo, ledger = stores
+    _running_items(repo, ledger, 3)
+    before = ledger.snapshot("n1")
+    assert before is not None
+    _flush(settings)
+    other = Ledger.from_url(settings.redis_url, settings.redis_namespace, pool_policy(settings))
+    register = ledger._scripts["register_pool"]
+    overtaken: list[int] = []
+
+    def register_after_the_other_rebuild(*args: object, **kwargs: object) -> object:
+        if not overtaken:
+            # The other worker's whole rebuild lands between this one's epoch and its
+            # registration.
+            report = ensure_ledger(repo, other, max_preemptions=3)
+            assert report is not None
+            overtaken.append(report.epoch)
+        return register(*args, **kwargs)
+
+    ledger._scripts["register_pool"] = register_after_the_other_rebuild
+    try:
+        report = ensure_ledger(repo, ledger, max_preemptions=3)
+    finally:
+        ledger._scripts["register_pool"] = register
+        other.close()
+    assert overtaken, "the race was not staged"
+    # Whole, whoever finished it: ready, every lease back, new fences past the newest epoch.
+    after = ledger.snapshot("n1")
+    assert after is not None
+    assert after.ready
+    assert after.batch_in_use == before.batch_in_use
+    assert report is None or report.epoch > overtaken[0]
+    fresh = ledger.reserve("n1", "batch", 20, 100)
+    assert isinstance(fresh, Lease)
+    assert ensure_ledger(repo, ledger, max_preemptions=3) is None
+
+
 def test_a_node_closed_for_a_lost_lease_is_rebuilt_alone_while_the_others_admit(
     settings: Settings, stores: tuple[Repository, Ledger]
 ) -> None:
