@@ -128,14 +128,8 @@ class Holds(Claims):
         check_moves([ItemState.RESERVED], ItemState.QUEUED)
         if not starts and not released:
             return []
-        rows: list[tuple[Any, ...]] = [
-            (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
-             s.prompt_tokens)
-            for s in starts
-        ]  # fmt: skip
-        rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in released]
         ids, att, lid, fen, res, pt = (
-            array_literal(c) for c in zip(*in_id_order(rows, _id), strict=True)
+            array_literal(c) for c in zip(*start_rows(starts, released), strict=True)
         )
         with session(self.engine, durable=False) as tx:
             return tx.column(
@@ -153,5 +147,13 @@ class Holds(Claims):
             )
 
 
-def _id(row: tuple[Any, ...]) -> int:
-    return int(row[0])
+def start_rows(starts: Sequence[Start], others: Sequence[tuple[int, int]]) -> list[tuple[Any, ...]]:
+    """One row per item a start statement moves, in id order (the lock order): each of
+    ``starts`` with its lease, each (item_id, attempt) of ``others`` with none (not started)."""
+    rows: list[tuple[Any, ...]] = [
+        (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
+         s.prompt_tokens)
+        for s in starts
+    ]  # fmt: skip
+    rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in others]
+    return in_id_order(rows, lambda r: int(r[0]))

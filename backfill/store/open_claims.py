@@ -48,6 +48,7 @@ from backfill.store.bodies import ITEM_BODY
 from backfill.store.claims import Claims, ClaimStatements, pick_statements
 from backfill.store.counters import counters_cte, moved_from
 from backfill.store.driver import array_literal, driver_errors, raw_connection, to_psycopg
+from backfill.store.holds import start_rows
 from backfill.store.moves import check_moves
 from backfill.store.records import ClaimedItem, Start
 
@@ -211,12 +212,7 @@ class OpenClaims(Claims):
         check_moves(ITEM_CLAIMABLE, ItemState.RUNNING)
         if not claim.open:
             raise RuntimeError("this claim was already started or dropped")
-        rows: list[tuple[Any, ...]] = [
-            (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
-             s.prompt_tokens)
-            for s in starts
-        ]  # fmt: skip
-        rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in held]
+        rows = start_rows(starts, held)
         unknown = [r[0] for r in rows if r[0] not in claim._picked_from]
         if unknown:
             claim._close(commit=False)
@@ -224,7 +220,6 @@ class OpenClaims(Claims):
         if not rows:
             claim._close(commit=False)
             return []
-        rows.sort(key=lambda r: int(r[0]))
         ids, att, lid, fen, res, pt = (array_literal(c) for c in zip(*rows, strict=True))
         try:
             with driver_errors():

@@ -23,8 +23,9 @@ def repo(database_url: str) -> Iterator[Repository]:
     r.close()
 
 
-def _job(repo: Repository, n: int) -> JobRecord:
-    tenant_id = repo.create_tenant(f"t{datetime.now(UTC).timestamp()}").id
+def _job(repo: Repository, n: int, tenant: str | None = None) -> JobRecord:
+    """An in-progress job of ``n`` items, of a new tenant (named ``tenant``, or by the time)."""
+    tenant_id = repo.create_tenant(tenant or f"t{datetime.now(UTC).timestamp()}").id
     f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
     job = repo.create_job(
         tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)

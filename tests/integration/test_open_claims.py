@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -18,7 +18,8 @@ from backfill.config import libpq_url
 from backfill.errors import StoreUnavailable
 from backfill.finalize import cancel_job
 from backfill.states import ItemState, JobState
-from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start
+from backfill.store import ClaimedItem, Finish, JobRecord, Repository, Start
+from tests.integration.test_holds import _assert_counters_match, _job
 
 
 @pytest.fixture
@@ -26,20 +27,6 @@ def repo(database_url: str) -> Iterator[Repository]:
     r = Repository.connect(database_url, pool_size=10)
     yield r
     r.close()
-
-
-def _job(repo: Repository, n: int, tenant: str | None = None) -> JobRecord:
-    name = tenant or f"t{datetime.now(UTC).timestamp()}"
-    tenant_id = repo.create_tenant(name).id
-    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
-    job = repo.create_job(
-        tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    repo.insert_items(
-        job.id, (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n))
-    )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job
 
 
 def _start(item: ClaimedItem, fence: int) -> Start:
@@ -60,13 +47,6 @@ def _rows(url: str, item_id: int) -> tuple[tuple[object, ...], list[tuple[object
         ).fetchall()
     assert item is not None
     return tuple(item), [tuple(a) for a in attempts]
-
-
-def _assert_counters_match(repo: Repository, job_id: str) -> None:
-    counts = repo.get_job(None, job_id).counts
-    truth = repo.counted_states(job_id)
-    for state in ItemState:
-        assert counts.count(state) == truth.get(state, 0), state
 
 
 def test_an_open_claim_locks_its_items_and_writes_nothing(
