@@ -254,23 +254,38 @@ class Claims(Store):
     ) -> tuple[str, dict[str, Any]]:
         """The claim statement of ``statements`` and its parameters (with fair share, the
         plan read by ``read`` in the claim's transaction)."""
-        wanted = list(models) if models is not None else None
+        view = read(*self._share_view(node, models)) if self.fair_share else None
+        return self._planned_claim(view, node, limit, lease_ttl_s, models, statements)
+
+    @staticmethod
+    def _share_view(node: str, models: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
+        """The fair share plan's read: the tenants with work and what ``node`` holds of each."""
+        return _SHARE_VIEW, {"node": node, "models": list(models) if models is not None else None}
+
+    def _planned_claim(
+        self,
+        view: Sequence[Any] | None,
+        node: str,
+        limit: int,
+        lease_ttl_s: float,
+        models: Sequence[str] | None,
+        statements: ClaimStatements,
+    ) -> tuple[str, dict[str, Any]]:
+        """The claim statement of ``statements`` and its parameters, planned from the share
+        view's rows (None: no fair share, the earliest deadlines across every tenant)."""
         params: dict[str, Any] = {
             "n": limit,
             "node": node,
             "ttl": lease_ttl_s,
             "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
-            "models": wanted,
+            "models": list(models) if models is not None else None,
         }
-        if not self.fair_share:
+        if view is None:
             return statements.edf, params
-        view = [
-            fairshare.TenantUse(r[0], float(r[1]), int(r[2]))
-            for r in read(_SHARE_VIEW, {"node": node, "models": wanted})
-        ]
+        use = [fairshare.TenantUse(r[0], float(r[1]), int(r[2])) for r in view]
         # Spare slots only matter where a tenant short of items can pass its turn on.
-        spare = limit if len(view) > 1 else 0
-        params["slots"] = array_literal(fairshare.claim_order(view, limit + spare))
+        spare = limit if len(use) > 1 else 0
+        params["slots"] = array_literal(fairshare.claim_order(use, limit + spare))
         return statements.fair, params
 
     def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:

@@ -48,7 +48,7 @@ FINISH = (
     "att AS (UPDATE attempts t SET ended_at = now(), outcome = m.s, "
     "  output_tokens = m.out FROM moved m "
     "  WHERE t.item_id = m.id AND t.attempt = m.attempt) "
-    "SELECT id, job_id, s, out FROM moved"
+    "SELECT id FROM moved"
 )
 
 # Expire or cancel a job's unfinished items of the given sources; returns each with its old lease

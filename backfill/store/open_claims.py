@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.rows import namedtuple_row
 
 from backfill.states import ITEM_CLAIMABLE, ItemState
@@ -51,6 +52,8 @@ from backfill.store.driver import array_literal, driver_errors, raw_connection, 
 from backfill.store.holds import start_rows
 from backfill.store.moves import check_moves
 from backfill.store.records import ClaimedItem, Start
+
+IDLE = TransactionStatus.IDLE
 
 # The picked items as the worker needs them, in ``picked.ord`` order, still unwritten; each
 # under the attempt number its start will give it.
@@ -128,25 +131,32 @@ class OpenClaim:
         assert isinstance(conn, psycopg.Connection)
         return conn
 
-    def _close(self, *, commit: bool) -> None:
-        """End the transaction (commit or roll back) and give the connection back; a broken
-        one leaves the pool."""
+    def _close(self, *, failed: bool = False) -> None:
+        """End the transaction if it is still open and give the connection
+        back, as the pool lends it (its own transactions again); a broken one leaves the
+        pool. ``failed``: after an error, whose report this must never hide."""
         fairy, self._fairy = self._fairy, None
         if fairy is None:
             return
         conn = fairy.driver_connection
         try:
-            if commit:
-                with driver_errors():
-                    conn.commit()
-            elif not (conn.closed or conn.broken):
+            if not (conn.closed or conn.broken) and conn.info.transaction_status != IDLE:
                 # A rollback that fails leaves nothing behind: the server ends the transaction
                 # with the session, and the connection leaves the pool below. What failed
                 # before it is the error to report.
                 with contextlib.suppress(psycopg.Error):
-                    conn.rollback()
+                    if failed:
+                        conn.rollback()
+                    else:
+                        # Nothing is written before the start (the pick only locks), so a
+                        # COMMIT ends an unstarted claim as a rollback would; psycopg forgets a
+                        # connection's prepared statements at every ROLLBACK, and the next
+                        # claim would parse and plan them all again.
+                        conn.execute("COMMIT")
+            if not (conn.closed or conn.broken) and conn.info.transaction_status == IDLE:
+                conn.autocommit = False
         finally:
-            if conn.broken or conn.closed:
+            if conn.broken or conn.closed or conn.autocommit:
                 fairy.invalidate()
             fairy.close()
 
@@ -171,29 +181,40 @@ class OpenClaims(Claims):
         claim = OpenClaim(node, lease_ttl_s, [], {}, fairy)
         try:
             conn = claim._connection()
-            # Not pipelined with the reads: the server arms the idle-transaction timeout
-            # only when it reports ready for the next query, which a pipeline left open
-            # does not (measured: a claim left open ran on past its bound).
+            # The claim's own BEGIN and COMMIT, sent in the pipelines below with its statements:
+            # psycopg's implicit BEGIN is a round trip of its own.
+            conn.autocommit = True
             with driver_errors():
-                conn.execute(
-                    "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
-                    "set_config('synchronous_commit', 'off', true)",
-                    (str(max(int(lease_ttl_s * 1000), 1)),),
-                )
                 cur = conn.cursor(row_factory=namedtuple_row)
-
-                def read(statement: str, params: dict[str, Any]) -> list[Any]:
-                    return cur.execute(to_psycopg(statement), params, prepare=True).fetchall()
-
-                statement, params = self._claim_statement(
-                    read, node, limit, lease_ttl_s, models, PICKS
+                # BEGIN, the settings and the fair share plan's read in one round trip (with
+                # psycopg's own BEGIN, a round trip of its own, and one per statement).
+                with conn.pipeline():
+                    conn.execute("BEGIN")
+                    conn.execute(
+                        "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+                        "set_config('synchronous_commit', 'off', true)",
+                        (str(max(int(lease_ttl_s * 1000), 1)),),
+                        prepare=True,
+                    )
+                    if self.fair_share:
+                        view_statement, view_params = self._share_view(node, models)
+                        cur.execute(to_psycopg(view_statement), view_params, prepare=True)
+                view = cur.fetchall() if self.fair_share else None
+                statement, params = self._planned_claim(
+                    view, node, limit, lease_ttl_s, models, PICKS
                 )
-                rows = read(statement, params)
+                # The pick on its own, not pipelined: the server arms the idle-transaction
+                # bound when it reports ready, and disarms it at the next message; psycopg
+                # follows a pipeline's sync with a flush, so after a pipeline the bound is off
+                # (measured: a claim left open ran on past it; a test pins it).
+                rows: list[Any] = cur.execute(
+                    to_psycopg(statement), params, prepare=True
+                ).fetchall()
         except BaseException:
-            claim._close(commit=False)
+            claim._close(failed=True)
             raise
         if not rows:
-            claim._close(commit=False)
+            claim._close()
             return claim
         claim.items = [self._claimed(r) for r in rows]
         claim._picked_from = {r.id: r.from_state for r in rows}
@@ -215,36 +236,40 @@ class OpenClaims(Claims):
         rows = start_rows(starts, held)
         unknown = [r[0] for r in rows if r[0] not in claim._picked_from]
         if unknown:
-            claim._close(commit=False)
+            claim._close()
             raise ValueError(f"items {unknown} are not of this claim")
         if not rows:
-            claim._close(commit=False)
+            claim._close()
             return []
         ids, att, lid, fen, res, pt = (array_literal(c) for c in zip(*rows, strict=True))
         try:
+            conn = claim._connection()
             with driver_errors():
-                started = claim._connection().execute(
-                    to_psycopg(START_OPEN),
-                    {
-                        "ids": ids,
-                        "att": att,
-                        "st": array_literal(claim._picked_from[int(r[0])] for r in rows),
-                        "lid": lid,
-                        "fen": fen,
-                        "res": res,
-                        "pt": pt,
-                        "node": claim.node,
-                        "ttl": claim.lease_ttl_s,
-                    },
-                    prepare=True,
-                )
+                # The start and the COMMIT in one round trip.
+                with conn.pipeline():
+                    started = conn.execute(
+                        to_psycopg(START_OPEN),
+                        {
+                            "ids": ids,
+                            "att": att,
+                            "st": array_literal(claim._picked_from[int(r[0])] for r in rows),
+                            "lid": lid,
+                            "fen": fen,
+                            "res": res,
+                            "pt": pt,
+                            "node": claim.node,
+                            "ttl": claim.lease_ttl_s,
+                        },
+                        prepare=True,
+                    )
+                    conn.execute("COMMIT")
                 applied = [int(r[0]) for r in started.fetchall()]
         except BaseException:
-            claim._close(commit=False)
+            claim._close(failed=True)
             raise
-        claim._close(commit=True)
+        claim._close()
         return applied
 
     def drop_claim(self, claim: OpenClaim) -> None:
         """End ``claim`` writing nothing: its items unlock as they were (no attempt spent)."""
-        claim._close(commit=False)
+        claim._close()

@@ -5,6 +5,7 @@ claimers, attempts fenced, counters exact, a cancel never loses to a start)."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -241,3 +242,41 @@ def test_concurrent_open_claims_never_share_an_item(repo: Repository) -> None:
     assert len(seen) == 2000
     assert repo.counted_states(job.id) == {ItemState.SUCCEEDED: 2000}
     _assert_counters_match(repo, job.id)
+
+
+def test_a_claim_and_its_start_take_three_round_trips(database_url: str) -> None:
+    """BEGIN, the settings and the fair share read leave together; the pick alone (it arms the
+    idle bound); the start with its COMMIT: three waits on the server, not six. A dropped
+    claim keeps the connection's prepared statements: the next claim parses nothing again."""
+    repo = Repository.connect(database_url, pool_size=1)
+    try:
+        _job(repo, 20)
+        warm = repo.open_claim("n1", 4, 30)
+        repo.start_claim(warm, [_start(c, k) for k, c in enumerate(warm.items, 1)])
+        repo.drop_claim(repo.open_claim("n1", 4, 30))
+        fairy = repo.engine.raw_connection()
+        conn = fairy.driver_connection
+        fairy.close()
+        assert isinstance(conn, psycopg.Connection)
+        with tempfile.TemporaryFile("w+") as trace:
+            conn.pgconn.trace(trace.fileno())
+            try:
+                claim = repo.open_claim("n1", 4, 30)
+                started = repo.start_claim(
+                    claim, [_start(c, k) for k, c in enumerate(claim.items, 10)]
+                )
+            finally:
+                conn.pgconn.untrace()
+            trace.seek(0)
+            # (direction, message, its first field) of each protocol message
+            messages = [
+                (f[1], f[3], f[4].strip()[:24] if len(f) > 4 else "")
+                for f in (line.split("\t") for line in trace.read().splitlines())
+            ]
+    finally:
+        repo.close()
+    assert len(started) == 4
+    assert sorted(started) == sorted(c.id for c in claim.items)
+    waits = [m for m in messages if m[1] in ("ReadyForQuery", "Parse", "Sync", "Flush")]
+    assert len([m for m in messages if m[1] == "ReadyForQuery"]) == 3, waits
+    assert not [m for m in messages if m[1] == "Parse" and m[2].startswith('"_pg3')], waits
