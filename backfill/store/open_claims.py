@@ -46,7 +46,7 @@ from psycopg.rows import namedtuple_row
 
 from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store.bodies import ITEM_BODY
-from backfill.store.claims import Claims, ClaimStatements, pick_statements
+from backfill.store.claims import CLAIM_PLANNER, Claims, ClaimStatements, pick_statements
 from backfill.store.counters import counters_cte, moved_from
 from backfill.store.driver import array_literal, driver_errors, raw_connection, to_psycopg
 from backfill.store.holds import start_rows
@@ -192,7 +192,7 @@ class OpenClaims(Claims):
                     conn.execute("BEGIN")
                     conn.execute(
                         "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
-                        "set_config('synchronous_commit', 'off', true)",
+                        f"set_config('synchronous_commit', 'off', true), {CLAIM_PLANNER}",
                         (str(max(int(lease_ttl_s * 1000), 1)),),
                         prepare=True,
                     )
