@@ -132,9 +132,9 @@ class OpenClaim:
         return conn
 
     def _close(self, *, failed: bool = False) -> None:
-        """End the transaction if it is still open and give the connection
-        back, as the pool lends it (its own transactions again); a broken one leaves the
-        pool. ``failed``: after an error, whose report this must never hide."""
+        """End the transaction if it is still open (unstarted, it wrote nothing) and give the
+        connection back as the pool lent it (autocommit off); a broken one leaves the pool.
+        ``failed``: after an error, whose report this must never hide."""
         fairy, self._fairy = self._fairy, None
         if fairy is None:
             return
@@ -186,8 +186,8 @@ class OpenClaims(Claims):
             conn.autocommit = True
             with driver_errors():
                 cur = conn.cursor(row_factory=namedtuple_row)
-                # BEGIN, the settings and the fair share plan's read in one round trip (with
-                # psycopg's own BEGIN, a round trip of its own, and one per statement).
+                # BEGIN, the settings and the fair share plan's read in one round trip
+                # (psycopg's own BEGIN would be a round trip of its own, as each statement).
                 with conn.pipeline():
                     conn.execute("BEGIN")
                     conn.execute(
