@@ -109,9 +109,17 @@ class BackfillPlane:
         ledger: AsyncLedger,
         cfg: NodeConfig,
         listen_ledger: AsyncLedger | None = None,
+        open_limit: int = 4,
     ) -> None:
         self.repo, self.ledger, self.cfg = repo, ledger, cfg
         self._open: dict[str, OpenClaim] = {}
+        # An open claim holds a pooled connection until its node starts it, which takes a
+        # thread. A real node has a connection of its own; here the simulated nodes share a
+        # pool, and with every connection held by open claims and every thread waiting in
+        # another open_claim for one, no claim could start (measured: 1,000 nodes, 0 items/s,
+        # the claims ended by their idle bound). So at most ``open_limit`` are open at once,
+        # fewer than the pool's connections.
+        self._open_slots = asyncio.Semaphore(open_limit)
         # Each subscription holds a connection: not from the calls' bounded pool.
         self.listen_ledger = listen_ledger or ledger
 
@@ -129,9 +137,16 @@ class BackfillPlane:
 
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
         await self.drop(node)
-        claim = await asyncio.to_thread(self.repo.open_claim, node, want, ttl_s)
+        await self._open_slots.acquire()
+        try:
+            claim = await asyncio.to_thread(self.repo.open_claim, node, want, ttl_s)
+        except BaseException:
+            self._open_slots.release()
+            raise
         if claim.open:
             self._open[node] = claim
+        else:
+            self._open_slots.release()
         claimed: list[ClaimedItem] = claim.items
         return [
             Held(
@@ -150,8 +165,11 @@ class BackfillPlane:
     async def drop(self, node: str) -> None:
         claim = self._open.pop(node, None)
         if claim is not None:
-            with contextlib.suppress(BackfillError):
-                await asyncio.to_thread(self.repo.drop_claim, claim)
+            try:
+                with contextlib.suppress(BackfillError):
+                    await asyncio.to_thread(self.repo.drop_claim, claim)
+            finally:
+                self._open_slots.release()
 
     async def reserve_many(self, node: str, held: Sequence[Held]) -> list[Any]:
         requests = [
@@ -202,7 +220,10 @@ class BackfillPlane:
             for h in leased
         ]
         held = [(h.item_id, h.attempt) for h in refused]
-        return set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
+        try:
+            return set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
+        finally:
+            self._open_slots.release()
 
     async def settle(self, node: str, held: Held, generated: int) -> None:
         with contextlib.suppress(BackfillError):

@@ -29,7 +29,7 @@ from bench.fleet_point import OUTPUT_TOKENS
 from bench.fleet_raw_plane import RawPlane
 from bench.fleet_stats import process_cpu_s
 
-THREADS_PER_PROC = 16
+THREADS_PER_PROC = 48
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ async def _serve(share: Share) -> dict[str, Any]:
             client, share.namespace, policy, lease_ttl_ms=int(share.cfg.lease_ttl_s * 1000)
         )
         listen_ledger = AsyncLedger(listen_client, share.namespace, policy)
-        plane = BackfillPlane(repo, ledger, share.cfg, listen_ledger)
+        plane = BackfillPlane(
+            repo, ledger, share.cfg, listen_ledger, open_limit=THREADS_PER_PROC // 3
+        )
     rec = Recorder()
     model = h100_node()
     budget = (
