@@ -13,9 +13,11 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   to that share of the step's own time, priced by the fitted step-time model;
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
   model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
-  arriving mid-step waits at most one short step; lifted (vLLM's own token budget) once no
-  interactive request has been in the engine for ``lift_cap_after_s``, so batch alone loses
-  nothing to a cap that protects nobody.
+  arriving mid-step waits at most one short step; lifted once no interactive request has been
+  in the engine for ``lift_cap_after_s`` (to vLLM's own token budget, or as far as
+  ``lift_fixed_share`` or ``lifted_step_target_s`` bound it), so batch alone loses little to a
+  cap that protects nobody and the first interactive request after the quiet spell waits for
+  one such step.
 
 :func:`slot_victims` and :func:`kv_victims` choose which running batch sequences to preempt
 when interactive work waits for a sequence slot or for KV blocks: vLLM's priority policy
@@ -98,13 +100,20 @@ def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: in
 
 
 def lifted_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
-    """Batch prefill tokens a step may carry once the cap is lifted: vLLM's whole budget, or
-    what fits ``lifted_step_target_s`` by the model (never under the capped chunk)."""
-    target = settings.lifted_step_target_s
-    if target <= 0 or fit is None:
+    """Batch prefill tokens a step may carry once the cap is lifted (never under the capped
+    chunk, never over vLLM's budget): what fits ``lifted_step_target_s`` by the model; without
+    one, what keeps the step's fixed cost at ``lift_fixed_share`` of the step; vLLM's whole
+    budget before the model has a fit, or when the fit has no fixed cost to weigh."""
+    if fit is None:
         return token_budget
-    capped = chunk_cap(settings, fit, token_budget)
-    return max(capped, min(token_budget, fit.tokens_within(target)))
+    if settings.lifted_step_target_s > 0:
+        tokens = fit.tokens_within(settings.lifted_step_target_s)
+    elif settings.lift_fixed_share > 0 and fit.base_s > 0:
+        # base / (base + b * tokens) = share  <=>  b * tokens = base * (1 / share - 1)
+        tokens = fit.tokens_within(fit.base_s * (1 / settings.lift_fixed_share - 1))
+    else:
+        return token_budget
+    return max(chunk_cap(settings, fit, token_budget), min(token_budget, tokens))
 
 
 def cap_lifted(settings: SchedulerSettings, view: StepView) -> bool:

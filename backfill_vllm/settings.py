@@ -37,10 +37,17 @@ class SchedulerSettings:
     engine, and the first interactive request after the quiet spell waits at most one such
     step before the cap is back. 0: always capped (the simulator's ``backfill-step``)."""
     lifted_step_target_s: float = 0.0
-    """How far a lift goes: batch prefill up to what the step-time model says fits in this
-    long (never less than the capped chunk). 0: vLLM's whole token budget. On an engine whose
-    full-budget step is long (a CPU engine: ~1 s for 2,048 tokens) the first interactive
-    request after a quiet spell waits for that step; this bounds it."""
+    """How far a lift goes, in seconds: batch prefill up to what the step-time model says fits
+    in this long (never less than the capped chunk). 0: as ``lift_fixed_share`` says."""
+    lift_fixed_share: float = 0.0
+    """... or, with no target in seconds, as far as keeps a step's fixed cost (the fitted
+    line's intercept) at this share of the step: batch alone loses about this share against
+    vLLM's whole budget, and the first interactive request after a quiet spell waits at most
+    ``1 / share`` fixed costs for the step in flight. A constant in seconds cannot be right on
+    every engine: vLLM's 2,048-token step is ~1 s on one CPU, ~5 s on a CPU without bfloat16,
+    ~0.1 s on a GPU. 0 (default): vLLM's whole token budget. Not the default: on the CPU
+    without bfloat16, 0.05 did not shorten the 9 s a lone interactive request waited beside
+    batch (bench/RESULTS.md), so that wait is not the lifted step's."""
     chunk_tokens: int = 256
     """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
     min_chunk_tokens: int = 16
@@ -74,11 +81,13 @@ class SchedulerSettings:
             "starvation_s",
             "lift_cap_after_s",
             "lifted_step_target_s",
+            "lift_fixed_share",
         ):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, name, "a number >= 0")
         need(self.chunk_target_s > 0, "chunk_target_s", "> 0 seconds")
         need(self.ride_along_share <= 1, "ride_along_share", "between 0 and 1")
+        need(self.lift_fixed_share < 1, "lift_fixed_share", "below 1 (0: vLLM's whole budget)")
         need(self.chunk_tokens >= 1, "chunk_tokens", "at least 1")
         need(self.min_chunk_tokens >= 1, "min_chunk_tokens", "at least 1")
         need(self.starvation_steps >= 0, "starvation_steps", ">= 0 (0: no bound in steps)")

@@ -175,6 +175,39 @@ def test_a_lift_goes_only_as_far_as_its_step_target_when_one_is_set() -> None:
         SchedulerSettings(lifted_step_target_s=-1)
 
 
+def test_a_lift_with_a_fixed_share_stops_where_the_steps_fixed_cost_is_that_share() -> None:
+    # A CPU engine without bfloat16: ~0.07 s a step whatever it carries, 2.4 ms a token. The
+    # whole budget (2,048 tokens) is a ~5 s step; at a 5% share the step is ~1.4 s:
+    # 0.07 * 19 / 0.0024 = 554 tokens.
+    lift = DEFAULTS.lift_cap_after_s
+    share = SchedulerSettings(lift_fixed_share=0.05)
+    assert (
+        plan_step(view(seq("b1"), fit=StepFit(0.07, 0.0024, 50), quiet_s=lift), DEFAULTS).chunk_cap
+        == 2048
+    )
+    batch = (seq("b1"), seq("b2", prefill=3000))
+    slow = StepFit(base_s=0.07, per_token_s=0.0024, samples=50)
+    plan = plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), share)
+    assert plan.prefill_allowance == plan.chunk_cap == 554
+    assert slow.seconds(plan.chunk_cap) == pytest.approx(0.07 / 0.05, rel=0.01)
+    # Where the whole budget keeps the fixed cost under its share, the lift is the budget.
+    fast = StepFit(base_s=0.046, per_token_s=0.00048, samples=50)
+    assert plan_step(view(*batch, fit=fast, quiet_s=lift, budget=1024), share).chunk_cap == 1024
+    # A fit with no fixed cost has nothing to weigh: the whole budget.
+    flat = StepFit(base_s=0.0, per_token_s=0.0024, samples=50)
+    assert plan_step(view(*batch, fit=flat, quiet_s=lift, budget=2048), share).chunk_cap == 2048
+    # A larger share lifts less, never under the capped chunk; 0 is vLLM's whole budget.
+    half = SchedulerSettings(lift_fixed_share=0.5)
+    capped = plan_step(view(*batch, fit=slow, quiet_s=0.0, budget=2048), half).chunk_cap
+    assert plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), half).chunk_cap == max(
+        capped, 29
+    )
+    whole = SchedulerSettings(lift_fixed_share=0)
+    assert plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), whole).chunk_cap == 2048
+    with pytest.raises(SettingsError, match="LIFT_FIXED_SHARE"):
+        SchedulerSettings(lift_fixed_share=1)
+
+
 def test_an_interactive_request_waiting_pauses_every_resident_batch_sequence() -> None:
     plan = plan_step(
         view(seq("b1"), seq("b2", prefill=900), seq("i1", batch=False, resident=False)),
