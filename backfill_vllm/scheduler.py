@@ -135,7 +135,7 @@ class BackfillScheduler(Scheduler):
                     where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
         logger.info(
             "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s, lifted after "
-            "%.1f s without interactive work (to steps %.0f%% fixed cost); ride-along %.2f; "
+            "%.1f s without interactive work (lift fixed share %.2f); ride-along %.2f; "
             "starvation bound %d steps / "
             "%.2f s; metrics %s",
             __version__,
@@ -143,7 +143,7 @@ class BackfillScheduler(Scheduler):
             s.batch_priority,
             s.chunk_target_s,
             s.lift_cap_after_s,
-            100 * s.lift_fixed_share,
+            s.lift_fixed_share,
             s.ride_along_share,
             s.starvation_steps,
             s.starvation_s,
