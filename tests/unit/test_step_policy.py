@@ -180,13 +180,11 @@ def test_a_lift_with_a_fixed_share_stops_where_the_steps_fixed_cost_is_that_shar
     # whole budget (2,048 tokens) is a ~5 s step; at a 5% share the step is ~1.4 s:
     # 0.07 * 19 / 0.0024 = 554 tokens.
     lift = DEFAULTS.lift_cap_after_s
-    share = SchedulerSettings(lift_fixed_share=0.05)
-    assert (
-        plan_step(view(seq("b1"), fit=StepFit(0.07, 0.0024, 50), quiet_s=lift), DEFAULTS).chunk_cap
-        == 2048
-    )
     batch = (seq("b1"), seq("b2", prefill=3000))
     slow = StepFit(base_s=0.07, per_token_s=0.0024, samples=50)
+    # Off by default: vLLM's whole budget.
+    assert plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), DEFAULTS).chunk_cap == 2048
+    share = SchedulerSettings(lift_fixed_share=0.05)
     plan = plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), share)
     assert plan.prefill_allowance == plan.chunk_cap == 554
     assert slow.seconds(plan.chunk_cap) == pytest.approx(0.07 / 0.05, rel=0.01)
