@@ -139,11 +139,13 @@ async def decode_observations(
     in which all of them decode counts (after the last first token, before the first last
     token), so no prefill step is mistaken for a decode step. A case whose requests never
     decoded together (on a loaded machine the last prefill can end after the first request
-    has finished) is run again, up to ``DECODE_TRIES`` times, then left out."""
+    has finished) is run again with twice the output, so the window it needs is wider, up to
+    ``DECODE_TRIES`` times, then left out."""
     out: list[Observation] = []
     for n, prompt, output in cases:
-        for _ in range(DECODE_TRIES):
-            timings = await asyncio.gather(*(probe.request(prompt, output) for _ in range(n)))
+        for attempt in range(DECODE_TRIES):
+            tokens = output << attempt
+            timings = await asyncio.gather(*(probe.request(prompt, tokens) for _ in range(n)))
             start = max(t.first for t in timings)
             end = min(t.last for t in timings)
             gaps = []

@@ -234,11 +234,17 @@ class Maintenance(threading.Thread):
         self.failed_ticks = 0
         self.rebuilds = 0
         self.longest_s = 0.0
+        self.longest_gap_s = 0.0
+        """The longest time from one tick's start to the next's: the interval, the tick's own
+        run time and however late this thread woke on a busy machine."""
         self._halt = threading.Event()
 
     def run(self) -> None:
+        previous = time.monotonic()
         while not self._halt.wait(self.interval):
             began = time.monotonic()
+            self.longest_gap_s = max(self.longest_gap_s, began - previous)
+            previous = began
             try:
                 report = tick(self.repo, self.ledger, self.settings)
             except BackfillError:

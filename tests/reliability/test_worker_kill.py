@@ -34,10 +34,12 @@ TOP_UP = 500
 KILLS = 20
 WORKERS = 3
 MAX_TOKENS = 8
-# The reaper requeues a dead worker's item within a TTL (from its last heartbeat) plus one
-# reaper interval; a tick's own run time is the tolerance. A live worker then claims it as soon
-# as its slack has room: on this shared 2-core machine, under the load of restarting workers,
-# that has taken up to ~12 s more, so the bound on the next start is looser.
+# The reaper requeues a dead worker's item within a TTL (from its last heartbeat) plus the gap
+# to the next tick's start (an interval, the tick before's run time and a late wake-up) plus
+# that tick's run time; both are measured, and the tolerance covers the rest (the Postgres
+# round trips around the kill). A live worker then claims it as soon as its slack has room: on
+# this shared 2-core machine, under the load of restarting workers, that has taken up to ~12 s
+# more, so the bound on the next start is looser.
 TICK_TOLERANCE_S = 0.5
 RECLAIM_ALLOWANCE_S = 20.0
 
@@ -224,6 +226,7 @@ def test_sigkilled_workers_lose_nothing_double_nothing_and_leak_no_tokens(
             once[k] += v
     requeued, delays = _reclaim_delays(d, kills)
     bound = LEASE_TTL_S + REAPER_S
+    requeue_bound = LEASE_TTL_S + max(REAPER_S, upkeep.longest_gap_s) + upkeep.longest_s
     window_kills = sum(1 for k in kills if k.window_victims)
     report(
         "1 worker kill -9",
@@ -239,6 +242,7 @@ def test_sigkilled_workers_lose_nothing_double_nothing_and_leak_no_tokens(
         reclaim_p50_s=round(statistics.median(delays), 2) if delays else 0.0,
         ttl_plus_reaper_s=bound,
         longest_tick_s=round(upkeep.longest_s, 2),
+        longest_tick_gap_s=round(upkeep.longest_gap_s, 2),
         requeue_p50_s=round(statistics.median(requeued), 2) if requeued else 0.0,
         heartbeat_s=HEARTBEAT_S,
         ledger_samples=samples.samples,
@@ -251,10 +255,15 @@ def test_sigkilled_workers_lose_nothing_double_nothing_and_leak_no_tokens(
     assert window_kills >= 1, "no kill landed between a durable result and its lease release"
     assert delays, "no killed item was claimed again"
     assert len(delays) == len(requeued), "a killed item was requeued but never claimed again"
-    # The reaper's bound is the TTL, its interval and the run time of the tick that reaps: on a
-    # loaded machine one tick has taken 5.5 s (longest_tick_s), so that is the tolerance.
-    tolerance = max(TICK_TOLERANCE_S, upkeep.longest_s)
-    assert max(requeued) <= bound + tolerance, (sorted(requeued)[-5:], upkeep.longest_s)
+    # The reaper's bound is the TTL, the gap to the next tick and the run time of the tick that
+    # reaps: on a loaded machine one tick has taken 5.5 s (longest_tick_s), and the next tick
+    # starts an interval after the last one ended (CI once saw 4.13 s against 3.5 + 0.61 s,
+    # 2026-12-03), so both are measured.
+    assert max(requeued) <= requeue_bound + TICK_TOLERANCE_S, (
+        sorted(requeued)[-5:],
+        upkeep.longest_s,
+        upkeep.longest_gap_s,
+    )
     assert max(delays) <= bound + RECLAIM_ALLOWANCE_S, sorted(delays)[-5:]
     assert not samples.violations, samples.violations[:5]
     for job, n in jobs.items():
