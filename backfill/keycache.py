@@ -122,7 +122,7 @@ class RevocationListener:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
             try:
                 pubsub.subscribe(self._channel)
                 # An announcement may have been missed before (or between) subscriptions.

@@ -80,7 +80,7 @@ class AsyncPreemptionListener:
                 yield lease_id
 
     async def aclose(self) -> None:
-        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def __aenter__(self) -> AsyncPreemptionListener:
         return self

@@ -35,7 +35,7 @@ class Ledger(LedgerBinding[SyncRedis, Script]):
 
     def listen_preemptions(self, node: str) -> PreemptionListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
         try:
             pubsub.subscribe(self.keys.preempt_channel(node))
         except REDIS_ERRORS as exc:
@@ -65,7 +65,7 @@ class Ledger(LedgerBinding[SyncRedis, Script]):
             if isinstance(step, ScriptCall):
                 reply = self._scripts[step.script](keys=step.keys, args=step.args)
             elif isinstance(step, Command):
-                reply = self._client.execute_command(*step.args)  # type: ignore[no-untyped-call]
+                reply = self._client.execute_command(*step.args)  # type: ignore[no-untyped-call, unused-ignore]
             elif isinstance(step, Scan):
                 reply = list(self._client.scan_iter(match=step.pattern, count=1000))
             else:
