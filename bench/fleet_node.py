@@ -3,11 +3,12 @@
 :class:`SimNode` makes the calls ``worker.dispatch.NodeDispatcher`` makes, in its order and
 batching, and with its pacing:
 
-- fill (``_fill``): ledger snapshot; an open claim of ``min(room, claim_batch)``, fewer when
-  the slack judged by recent reservations is short; snapshot again and leave what the slack
-  cannot take (``_fit_to_slack``: ``unclaim``, no write for Backfill); ``reserve_many`` for the
-  rest (one round trip); ``start_many`` starts the leased and holds the denied, then the denied
-  are given back one by one (deferred); orphans released. The prompts are
+- fill (``_fill``): ledger snapshot; then the plane's ``claim_to_start``: an open claim of
+  ``min(room, claim_batch)``, fewer when the slack judged by recent reservations is short;
+  snapshot again and leave what the slack cannot take (``fit_to_slack``: ``unclaim``, no write
+  for Backfill); ``reserve_many`` for the rest (one round trip); ``start_many`` starts the
+  leased and holds the denied; then the denied are given back one by one (deferred); orphans
+  released. The prompts are
   not counted on an engine (there is none): items carry their counts, as items do after a
   first attempt. A claim that started something is followed at once by the next; otherwise
   the loop waits ``idle_poll_s`` or until an item leaves (the dispatcher's room event).
@@ -46,7 +47,6 @@ import redis.asyncio
 
 from backfill.clock import redis_time
 from backfill.errors import BackfillError
-from backfill.ledger import Denial, Lease
 from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
 from backfill.work_signals import (
     BudgetView,
@@ -56,7 +56,6 @@ from backfill.work_signals import (
 )
 from bench.fleet_model import NodeModel, Timeline
 from bench.fleet_plane import Held, NodeConfig, Plane
-from bench.fleet_raw_plane import RawLease
 from bench.fleet_stats import Histogram
 
 T = TypeVar("T")
@@ -92,11 +91,14 @@ class Recorder:
         try:
             return await call
         finally:
-            if self.measuring:
-                h = self.hist.get(name)
-                if h is None:
-                    h = self.hist[name] = Histogram()
-                h.add(time.perf_counter() - t0)
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.measuring:
+            h = self.hist.get(name)
+            if h is None:
+                h = self.hist[name] = Histogram()
+            h.add(seconds)
 
 
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]], attempts: int = 50) -> None:
@@ -208,61 +210,32 @@ class SimNode:
         want = min(room, cfg.claim_batch)
         if self._typical_reservation:
             want = max(1, min(want, slack // self._typical_reservation))
-        claimed = await rec.timed("claim", self.plane.claim(self.name, want, cfg.lease_ttl_s))
-        self.counters.claims += 1
-        if not claimed:
-            return 0
-        try:
-            return await self._start(claimed)
-        finally:
-            # A claim left open by a failure: ended, nothing written.
-            await self.plane.drop(self.name)
-
-    async def _start(self, claimed: list[Held]) -> int:
-        cfg, rec = self.cfg, self.rec
-        self.counters.claimed += len(claimed)
-        slack = await rec.timed("snapshot", self.plane.snapshot(self.name))
-        fits: list[Held] = []
-        used = 0
-        for h in claimed:
-            need = -(-(h.prompt_tokens + h.max_output_tokens) // cfg.block_size) * cfg.block_size
-            if used + need > slack and fits:
-                break
-            fits.append(h)
-            used += need
-        rest = claimed[len(fits) :]
-        if rest:
-            self.counters.unclaimed += len(rest)
-            await rec.timed("unclaim", self.plane.unclaim(self.name, rest))
-        outcomes = await rec.timed("reserve", self.plane.reserve_many(self.name, fits))
-        leased: list[Held] = []
-        refused: list[Held] = []
-        for h, outcome in zip(fits, outcomes, strict=True):
-            if isinstance(outcome, Denial | BaseException):
-                refused.append(h)
-                continue
-            lease: Lease | RawLease = outcome
-            self._typical_reservation = (
-                lease.tokens
-                if not self._typical_reservation
-                else (3 * self._typical_reservation + lease.tokens) // 4
-            )
-            leased.append(
-                Held(
-                    h.item_id, h.attempt, h.prompt_tokens, h.max_output_tokens, h.deadline_ms, lease
-                )
-            )
-        applied = await rec.timed(
-            "start", self.plane.start_many(self.name, leased, refused, cfg.lease_ttl_s)
+        opened = await rec.timed(
+            "claim_to_start",
+            self.plane.claim_to_start(self.name, want, cfg.lease_ttl_s, cfg.block_size),
         )
+        for name, seconds in opened.timings:
+            rec.add(name, seconds)
+        self.counters.claims += 1
+        if not opened.claimed:
+            return 0
+        self.counters.claimed += len(opened.claimed)
+        self.counters.unclaimed += len(opened.claimed) - opened.fits
+        for h in opened.leased:
+            tokens = h.lease.tokens
+            self._typical_reservation = (
+                tokens
+                if not self._typical_reservation
+                else (3 * self._typical_reservation + tokens) // 4
+            )
         # The refused are settled after the start (their rows were the claim's until then).
-        for h in refused:
+        for h in opened.refused:
             self.counters.deferred += 1
             await rec.timed("give_back", self.plane.give_back(h))
-        orphans = [h for h in leased if h.item_id not in applied]
+        orphans = [h for h in opened.leased if h.item_id not in opened.applied]
         if orphans:
             await rec.timed("release", self.plane.release(orphans))
-        started = [h for h in leased if h.item_id in applied]
+        started = [h for h in opened.leased if h.item_id in opened.applied]
         self._schedule(started)
         self.counters.started += len(started)
         return len(started)

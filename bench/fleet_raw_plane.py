@@ -16,7 +16,7 @@ import psycopg
 import redis.asyncio
 
 from backfill.keys import LedgerKeys
-from bench.fleet_plane import RESULT, Held
+from bench.fleet_plane import RESULT, Held, Opened, claim_to_start
 from bench.ledger import RAW_RELEASE, RAW_RESERVE
 
 
@@ -86,6 +86,9 @@ class RawPlane:
 
     def _k(self, node: str) -> tuple[str, str]:
         return f"{self._keys.namespace}:raw:{node}:pool", f"{self._keys.namespace}:raw:{node}:l"
+
+    async def claim_to_start(self, node: str, want: int, ttl_s: float, block_size: int) -> Opened:
+        return await claim_to_start(self, node, want, ttl_s, block_size)
 
     async def snapshot(self, node: str) -> int:
         used = await self._client.hget(self._k(node)[0], "used")
@@ -178,4 +181,4 @@ class RawPlane:
             while True:
                 await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

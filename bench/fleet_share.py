@@ -17,9 +17,9 @@ import redis.asyncio
 
 from backfill.config import get_settings, libpq_url
 from backfill.keys import LedgerKeys
-from backfill.ledger import AsyncLedger
+from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import pool_policy
-from backfill.redis_client import AsyncRedis, connect_async, is_cluster_url
+from backfill.redis_client import AsyncRedis, SyncRedis, connect, connect_async, is_cluster_url
 from backfill.store import Repository
 from backfill.work_signals import work_budget_policy
 from bench.fleet_model import h100_node
@@ -67,6 +67,7 @@ async def _serve(share: Share) -> dict[str, Any]:
         # a call when a pool is full rather than waiting (MaxConnectionsError), so no cap here.
         client = connect_async(share.redis_url)
         listen_client = connect_async(share.redis_url)
+        claim_client: SyncRedis = connect(share.redis_url)
     else:
         client = redis.asyncio.Redis(
             connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
@@ -75,6 +76,12 @@ async def _serve(share: Share) -> dict[str, Any]:
         )
         # Each node's preemption subscription holds a connection of its own.
         listen_client = redis.asyncio.Redis.from_url(share.redis_url)
+        # The claims' windows, one thread each (at most the open-claim slots at once).
+        claim_client = redis.Redis(
+            connection_pool=redis.BlockingConnectionPool.from_url(
+                share.redis_url, max_connections=THREADS_PER_PROC, timeout=30
+            )
+        )
     keys = LedgerKeys(share.namespace)
     plane: Plane
     repo: Repository | None = None
@@ -94,7 +101,14 @@ async def _serve(share: Share) -> dict[str, Any]:
         )
         listen_ledger = AsyncLedger(listen_client, share.namespace, policy)
         plane = BackfillPlane(
-            repo, ledger, share.cfg, listen_ledger, open_limit=THREADS_PER_PROC // 3
+            repo,
+            ledger,
+            share.cfg,
+            listen_ledger,
+            open_limit=THREADS_PER_PROC // 3,
+            claim_ledger=Ledger(
+                claim_client, share.namespace, policy, int(share.cfg.lease_ttl_s * 1000)
+            ),
         )
     rec = Recorder()
     model = h100_node()
@@ -131,4 +145,5 @@ async def _serve(share: Share) -> dict[str, Any]:
         repo.close()
     await client.aclose()
     await listen_client.aclose()
+    claim_client.close()
     return result
