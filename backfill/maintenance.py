@@ -178,7 +178,8 @@ def reap(
             "item %s failed: its worker was lost running it (cap %s)", r.item_id, max_lost_runs
         )
     released = sum(1 for status in ledger.release_many(_refs(lost)) if status.value == "released")
-    reaped = sum(len(ledger.reap(node)) for node in ledger.nodes())
+    # Every node's expired leases in one round trip: a fleet of 1,000 nodes took 1,000 a tick.
+    reaped = sum(len(ids) for ids in ledger.reap_many(ledger.nodes()))
     return Reaped(len(lost) - len(failed), len(failed), released, reaped)
 
 

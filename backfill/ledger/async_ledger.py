@@ -15,7 +15,16 @@ from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger.binding import LedgerBinding
 from backfill.ledger.listeners import AsyncPreemptionListener
 from backfill.ledger.scripts import script_source
-from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
+from backfill.ledger.steps import (
+    REDIS_ERRORS,
+    Command,
+    Commands,
+    Plan,
+    Scan,
+    ScriptCall,
+    Step,
+    translate,
+)
 from backfill.redis_client import AsyncRedis, connect_async
 
 T = TypeVar("T")
@@ -71,6 +80,8 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
                 reply = await self._scripts[step.script](keys=step.keys, args=step.args)
             elif isinstance(step, Command):
                 reply = await self._client.execute_command(*step.args)
+            elif isinstance(step, Commands):
+                reply = await self._pipeline_commands(step.commands)
             elif isinstance(step, Scan):
                 reply = [k async for k in self._client.scan_iter(match=step.pattern, count=1000)]
             else:
@@ -92,6 +103,14 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
             for i, r in zip(missing, again, strict=True):
                 replies[i] = r
         return replies
+
+    async def _pipeline_commands(self, commands: Sequence[Command[Any]]) -> list[Any]:
+        if not commands:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for c in commands:
+            pipe.execute_command(*c.args)
+        return list(await pipe.execute(raise_on_error=False))
 
     async def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)

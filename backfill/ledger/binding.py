@@ -174,4 +174,5 @@ class LedgerBinding(ABC, Generic[C, S]):
     release_unconfirmed = operation(operations.release_unconfirmed)
     preempt = operation(operations.preempt)
     reap = operation(operations.reap)
+    reap_many = operation(operations.reap_many)
     rebuild = operation(rebuild_plan)

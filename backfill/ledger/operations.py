@@ -14,7 +14,7 @@ from typing import TypeVar
 from backfill import keys as lk
 from backfill.errors import BackfillError, LedgerError
 from backfill.ledger.calls import LedgerCalls, NoPoolDenial, decoded, plain_denial
-from backfill.ledger.steps import Command, Pipelined, Plan, Scan, ScriptCall, by_node
+from backfill.ledger.steps import Command, Commands, Pipelined, Plan, Scan, ScriptCall, by_node
 from backfill.ledger.values import (
     ActiveLease,
     Denial,
@@ -110,27 +110,23 @@ def nodes(calls: LedgerCalls) -> Plan[list[str]]:
 def is_ready(calls: LedgerCalls) -> Plan[bool]:
     """False after Redis (or any shard of a cluster) lost the ledger's data, until a rebuild
     finishes: the ledger is built and every node it holds still has its ready marker."""
-    if not (yield Command(("EXISTS", calls.keys.built), bool)):
-        return False
-    members: set[bytes] = yield Command(("SMEMBERS", calls.keys.members), set)
-    for node in sorted(decoded(m) for m in members):
-        if not (yield Command(("EXISTS", calls.keys.node(node).ready), bool)):
-            return False
-    return True
+    missing = yield from incomplete_nodes(calls)
+    return missing is not None and not missing
 
 
 def incomplete_nodes(calls: LedgerCalls) -> Plan[frozenset[str] | None]:
     """The nodes a rebuild must restore: None when the ledger itself was lost (no built
     marker: every node), else the members whose ready marker is gone (a lost lease closed
-    them, or their shard lost its data); empty when the ledger is intact."""
+    them, or their shard lost its data); empty when the ledger is intact. The members'
+    markers are read in one round trip, however many nodes the fleet has."""
     if not (yield Command(("EXISTS", calls.keys.built), bool)):
         return None
     members: set[bytes] = yield Command(("SMEMBERS", calls.keys.members), set)
-    missing: set[str] = set()
-    for node in sorted(decoded(m) for m in members):
-        if not (yield Command(("EXISTS", calls.keys.node(node).ready), bool)):
-            missing.add(node)
-    return frozenset(missing)
+    nodes = sorted(decoded(m) for m in members)
+    ready: list[bool] = yield Commands(
+        [Command(("EXISTS", calls.keys.node(node).ready), bool) for node in nodes]
+    )
+    return frozenset(node for node, up in zip(nodes, ready, strict=True) if not up)
 
 
 def mark_incomplete(calls: LedgerCalls, node: str) -> Plan[bool]:
@@ -404,6 +400,23 @@ def reap(
 ) -> Plan[list[str]]:
     """Reclaim expired leases on ``node``; returns their ids."""
     reaped: list[str] = yield calls.reap(node, limit, now_ms)
+    return reaped
+
+
+def reap_many(
+    calls: LedgerCalls,
+    nodes: Sequence[str],
+    *,
+    limit: int = lk.REAP_BATCH,
+    now_ms: int | None = None,
+) -> Plan[list[list[str]]]:
+    """Reclaim expired leases on every node of ``nodes`` in one round trip (one script call
+    a node, each atomic); returns each node's reaped lease ids, in ``nodes``' order. A node
+    whose call failed raises :class:`PartialBatchError` after the rest were reaped."""
+    groups = [(node, [i]) for i, node in enumerate(nodes)]
+    reaped: list[list[str]] = yield Pipelined[list[str]](
+        [_as_batch(calls.reap(node, limit, now_ms)) for node in nodes], groups, len(nodes)
+    )
     return reaped
 
 

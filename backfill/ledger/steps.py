@@ -65,6 +65,21 @@ class Command(Generic[T]):
 
 
 @dataclass(frozen=True)
+class Commands:
+    """Plain commands sent in one round trip (on a cluster, grouped by the shard of each
+    command's key); the replies come back parsed, in order. A command Redis refused raises
+    (translated) once every reply is in."""
+
+    commands: list[Command[Any]]
+
+    def parse(self, replies: Sequence[Any]) -> list[Any]:
+        for reply in replies:
+            if isinstance(reply, REDIS_ERRORS):
+                raise translate(reply)
+        return [c.parse(r) for c, r in zip(self.commands, replies, strict=True)]
+
+
+@dataclass(frozen=True)
 class Scan:
     """Every key matching ``pattern``, over every shard of a cluster (``SCAN`` cursors are
     per server, so the client iterates; its reply is the list of keys)."""
@@ -75,7 +90,7 @@ class Scan:
         return sorted({k.decode() if isinstance(k, bytes) else str(k) for k in reply})
 
 
-Step = ScriptCall[Any] | Pipelined[Any] | Command[Any] | Scan
+Step = ScriptCall[Any] | Pipelined[Any] | Command[Any] | Commands | Scan
 Plan = Generator[Step, Any, T]
 """An operation: yields steps, is sent each step's parsed reply, returns its result."""
 

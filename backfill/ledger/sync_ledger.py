@@ -14,7 +14,16 @@ from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger.binding import LedgerBinding
 from backfill.ledger.listeners import PreemptionListener
 from backfill.ledger.scripts import script_source
-from backfill.ledger.steps import REDIS_ERRORS, Command, Plan, Scan, ScriptCall, Step, translate
+from backfill.ledger.steps import (
+    REDIS_ERRORS,
+    Command,
+    Commands,
+    Plan,
+    Scan,
+    ScriptCall,
+    Step,
+    translate,
+)
 from backfill.redis_client import SyncRedis, connect
 
 T = TypeVar("T")
@@ -66,6 +75,8 @@ class Ledger(LedgerBinding[SyncRedis, Script]):
                 reply = self._scripts[step.script](keys=step.keys, args=step.args)
             elif isinstance(step, Command):
                 reply = self._client.execute_command(*step.args)  # type: ignore[no-untyped-call, unused-ignore]
+            elif isinstance(step, Commands):
+                reply = self._pipeline_commands(step.commands)
             elif isinstance(step, Scan):
                 reply = list(self._client.scan_iter(match=step.pattern, count=1000))
             else:
@@ -87,6 +98,14 @@ class Ledger(LedgerBinding[SyncRedis, Script]):
             for i, r in zip(missing, again, strict=True):
                 replies[i] = r
         return replies
+
+    def _pipeline_commands(self, commands: Sequence[Command[Any]]) -> list[Any]:
+        if not commands:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for c in commands:
+            pipe.execute_command(*c.args)
+        return list(pipe.execute(raise_on_error=False))
 
     def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)

@@ -517,6 +517,55 @@ def test_reap_reclaims_only_leases_past_their_ttl(ledger: Ledger) -> None:
     assert snap.batch_in_use == b.tokens
 
 
+def test_reap_many_reclaims_each_nodes_expired_leases_in_order_of_the_nodes_given(
+    ledger: Ledger, redis_namespace: str, ledger_redis_url: str
+) -> None:
+    nodes = [f"n{i}" for i in range(1, 41)]  # on a cluster: keys on every shard
+    ledger.rebuild([NodePool(n, 10_000, 16) for n in nodes], [], epoch=1, now_ms=T0)
+    first = {n: admitted(ledger.reserve(n, BATCH, 100, 100, now_ms=T0)) for n in nodes[::3]}
+    later = {n: admitted(ledger.reserve(n, BATCH, 100, 100, now_ms=T0 + 5000)) for n in nodes[1::3]}
+    assert ledger.reap_many(nodes, now_ms=T0 + TTL - 1) == [[]] * len(nodes)
+    assert ledger.reap_many(nodes, now_ms=T0 + TTL) == [
+        [first[n].lease_id] if n in first else [] for n in nodes
+    ]
+    assert ledger.reap_many(list(reversed(nodes)), now_ms=T0 + TTL) == [[]] * len(nodes)
+    assert ledger.reap_many([]) == []
+    for n in nodes:
+        snap = ledger.snapshot(n, now_ms=T0 + TTL)
+        assert snap is not None
+        assert snap.batch_in_use == (later[n].tokens if n in later else 0)
+
+    async def reap_the_rest() -> list[list[str]]:
+        aledger = AsyncLedger.from_url(ledger_redis_url, redis_namespace, POLICY, lease_ttl_ms=TTL)
+        try:
+            return await aledger.reap_many(nodes, now_ms=T0 + 5000 + TTL)
+        finally:
+            await aledger.aclose()
+
+    assert asyncio.run(reap_the_rest()) == [
+        [later[n].lease_id] if n in later else [] for n in nodes
+    ]
+
+
+def test_the_ready_markers_of_a_whole_fleet_are_read_together(
+    ledger: Ledger, ledger_client: redis.Redis
+) -> None:
+    nodes = [f"n{i}" for i in range(1, 41)]
+    ledger.rebuild([NodePool(n, 10_000, 16) for n in nodes], [], epoch=1, now_ms=T0)
+    assert ledger.incomplete_nodes() == frozenset()
+    assert ledger.is_ready()
+    for n in ("n3", "n17", "n40"):
+        lose_node_keys(ledger_client, ledger, n)
+    assert ledger.incomplete_nodes() == {"n3", "n17", "n40"}
+    assert not ledger.is_ready()
+    lost = {"n3", "n17", "n40"}
+    ledger.rebuild(
+        [NodePool(n, 10_000, 16) for n in sorted(lost)], [], epoch=2, now_ms=T0, only=lost
+    )
+    assert ledger.incomplete_nodes() == frozenset()
+    assert ledger.is_ready()
+
+
 def test_reserve_reclaims_expired_leases_first(ledger: Ledger) -> None:
     open_pool(ledger)
     admitted(ledger.reserve("n1", BATCH, 3000, 3000, now_ms=T0))
