@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +47,25 @@ class Share:
 
 
 def child(share: Share, out: Any) -> None:
+    delivered = False
+
+    def deliver(result: dict[str, Any]) -> None:
+        nonlocal delivered
+        out.put(result)
+        delivered = True
+
     try:
-        out.put(asyncio.run(_serve(share)))
+        asyncio.run(_serve(share, deliver))
     except BaseException as exc:  # the parent must hear of it, not wait forever
-        out.put({"error": repr(exc)})
+        if not delivered:
+            out.put({"error": repr(exc)})
         raise
 
 
-async def _serve(share: Share) -> dict[str, Any]:
+async def _serve(share: Share, deliver: Callable[[dict[str, Any]], None]) -> None:
+    """Run the share's nodes; ``deliver`` the window's figures as soon as it closes, before
+    the teardown (a thread still inside a call can hold the teardown up; the parent then ends
+    this process once it has the figures)."""
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(THREADS_PER_PROC))
     settings = get_settings()
@@ -136,6 +148,7 @@ async def _serve(share: Share) -> dict[str, Any]:
         "cpu_s": cpu1 - cpu0,
         "hist": {k: h.to_json() for k, h in rec.hist.items()},
     }
+    deliver(result)
     for n in nodes:
         n.stop(drain=False)
     await cancel_all(tasks)
@@ -146,4 +159,3 @@ async def _serve(share: Share) -> dict[str, Any]:
     await client.aclose()
     await listen_client.aclose()
     claim_client.close()
-    return result
