@@ -8,10 +8,10 @@ batching, and with its pacing:
   snapshot again and leave what the slack cannot take (``fit_to_slack``: ``unclaim``, no write
   for Backfill); ``reserve_many`` for the rest (one round trip); ``start_many`` starts the
   leased and holds the denied; then the denied are given back one by one (deferred); orphans
-  released. The prompts are
-  not counted on an engine (there is none): items carry their counts, as items do after a
-  first attempt. A claim that started something is followed at once by the next; otherwise
-  the loop waits ``idle_poll_s`` or until an item leaves (the dispatcher's room event).
+  released. The prompts are not counted on an engine (there is none): items carry their
+  counts, as items do after a first attempt. A claim that started something is followed at
+  once by the next; otherwise the loop waits ``idle_poll_s`` or until an item leaves (the
+  dispatcher's room event).
 - generation (``_run``): a ledger ``settle`` each time an item's output grew by
   ``settle_every_tokens``, each awaited on its own (one task per item in the dispatcher);
   tokens come when the timing model (``bench.fleet_model``) says.
