@@ -18,8 +18,9 @@ batching, and with its pacing:
 - results (``_write_results``): finished items queue to one writer that waits
   ``result_flush_s``, takes up to 256, ``finish``es them in one statement, then
   ``release_many``.
-- heartbeat (``_heartbeat``) every ``heartbeat_interval_s``: one Postgres heartbeat of every
-  held item, then one ledger call heartbeating every lease (pipelined), as the worker does.
+- heartbeat (``_heartbeat``) every ``heartbeat_interval_s``: one Postgres heartbeat of the
+  held items whose claim is due (``claims_due``), then one ledger call heartbeating every
+  lease (pipelined), as the worker does.
 - observe (``_observe``) every second: snapshot + observe; work budget (``_step_budget``) every
   ``budget_interval_s``: Redis' clock, the gateway signals, the batch exchange, the publish.
 - a preemption listener (one pub/sub subscription) per node.
@@ -46,6 +47,7 @@ from typing import Any, TypeVar
 import redis.asyncio
 
 from backfill.clock import redis_time
+from backfill.dispatch import claims_due
 from backfill.errors import BackfillError
 from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
 from backfill.work_signals import (
@@ -77,6 +79,7 @@ class _Flight:
     held: Held
     timeline: Timeline
     generated: int = 0
+    claim_extended_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -330,12 +333,29 @@ class SimNode:
         flights = list(self._flights.values())
         if not flights:
             return
-        held = [f.held for f in flights]
-        await self.rec.timed(
-            "heartbeat_pg", self.plane.heartbeat_claims(held, self.cfg.lease_ttl_s)
+        cfg = self.cfg
+        sent = time.monotonic()
+        due = set(
+            claims_due(
+                {f.held.item_id: f.claim_extended_at for f in flights},
+                sent,
+                cfg.heartbeat_interval_s,
+                cfg.lease_ttl_s,
+            )
         )
+        if due:
+            extended = await self.rec.timed(
+                "heartbeat_pg",
+                self.plane.heartbeat_claims(
+                    [f.held for f in flights if f.held.item_id in due], cfg.lease_ttl_s
+                ),
+            )
+            for f in flights:
+                if f.held.item_id in extended:
+                    f.claim_extended_at = sent
         await self.rec.timed(
-            "heartbeat", self.plane.heartbeat_leases(self.name, held, self.cfg.lease_ttl_s)
+            "heartbeat",
+            self.plane.heartbeat_leases(self.name, [f.held for f in flights], cfg.lease_ttl_s),
         )
 
     async def _observe(self) -> None:

@@ -375,6 +375,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         what started, then settle the refused; returns how many started."""
         starts = [x.start() for x in leased.values()]
         held = [(item.id, item.attempt) for item, _ in refused]
+        sent = time.monotonic()
         try:
             applied = set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
         except StoreUnavailable:
@@ -386,12 +387,12 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         # Those whose job was cancelled while the claim was open.
         await self._release_leases([x.lease for i, x in leased.items() if i not in applied])
         for item_id in applied:
-            self._launch(leased[item_id])
+            self._launch(leased[item_id], claim_extended_at=sent)
         for item, outcome in refused:
             await self._settle_claimed(item, outcome)
         return len(applied)
 
-    def _launch(self, leased: Leased) -> None:
+    def _launch(self, leased: Leased, *, claim_extended_at: float) -> None:
         """Register a started attempt and run it (or, preempted already, stop it at once)."""
         checked, lease = leased.checked, leased.lease
         item, run = checked.item, checked.run
@@ -406,6 +407,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             # its first token must keep it, not store zero.
             generated=run.kept,
             text={0: [item.partial_output]} if run.kept and item.partial_output else {},
+            claim_extended_at=claim_extended_at,
         )
         self._in_flight[item.id] = flight
         self._by_lease[lease.lease_id] = item.id

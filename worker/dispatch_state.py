@@ -60,6 +60,9 @@ class Flight:
     prefill tokens."""
     last_chunk_at: float = field(default_factory=time.monotonic)
     """When the engine last sent anything for it (the stall watch's clock)."""
+    claim_extended_at: float = field(default_factory=time.monotonic)
+    """When its claim's expiry in Postgres was last set (taken before the write was sent):
+    the heartbeat extends it when due (``claims_due``)."""
 
     def view(self) -> FlightView:
         """This attempt as the plans see it."""

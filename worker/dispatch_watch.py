@@ -15,6 +15,7 @@ from backfill.dispatch import (
     StopReason,
     budget_opened,
     budget_signals,
+    claims_due,
     heartbeat_stop,
     prefilling,
     stalled,
@@ -48,14 +49,30 @@ class Watchers(DispatcherState):
             flights = list(self._in_flight.values())
             if not flights:
                 continue
-            try:
-                held = set(
-                    await asyncio.to_thread(
-                        self.repo.heartbeat,
-                        [(f.item.id, f.item.attempt) for f in flights],
-                        cfg.lease_ttl_s,
-                    )
+            # Each claim is rewritten in Postgres only when due; the rest stand as they are.
+            sent = time.monotonic()
+            due = set(
+                claims_due(
+                    {f.item.id: f.claim_extended_at for f in flights},
+                    sent,
+                    cfg.heartbeat_interval_s,
+                    cfg.lease_ttl_s,
                 )
+            )
+            held = {f.item.id for f in flights} - due
+            try:
+                if due:
+                    extended = set(
+                        await asyncio.to_thread(
+                            self.repo.heartbeat,
+                            [(f.item.id, f.item.attempt) for f in flights if f.item.id in due],
+                            cfg.lease_ttl_s,
+                        )
+                    )
+                    for f in flights:
+                        if f.item.id in extended:
+                            f.claim_extended_at = sent
+                    held |= extended
             except StoreUnavailable:
                 held = {f.item.id for f in flights}
             # The node's leases in one round trip; a lease whose call failed is left as it is

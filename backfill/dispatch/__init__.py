@@ -29,7 +29,7 @@ from backfill.dispatch.checks import (
     over_limit,
     seconds_needed,
 )
-from backfill.dispatch.claims import claim_size, start_room, startable
+from backfill.dispatch.claims import claim_size, claims_due, start_room, startable
 from backfill.dispatch.outcomes import (
     Expire,
     Fail,
@@ -84,6 +84,7 @@ __all__ = [
     "budget_opened",
     "budget_signals",
     "claim_size",
+    "claims_due",
     "engine_refusal",
     "error_json",
     "fit_starts",

@@ -1,14 +1,17 @@
-"""How many items a node starts and claims now: the first plans of a dispatch round.
+"""How many items a node starts and claims now: the first plans of a dispatch round, and
+which claims a heartbeat extends.
 
 :func:`start_room` bounds new attempts by the node's sequence cap, the work budget and a
 suspect engine; :func:`claim_size` bounds the claim by what the batch slack and the work
 budget's prefill room could take, judged by recent reservations and prompts, so a busy node
 does not churn items through claim -> deferred (each round costs Postgres writes).
+:func:`claims_due` picks the claims a heartbeat must extend in Postgres, so a claim is
+rewritten every few beats rather than every beat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from backfill.dispatch.view import BatchLoad, NodeView
 from backfill.work_budget import WorkBudget, admissible
@@ -62,3 +65,22 @@ def claim_size(view: NodeView, room: int, claim_batch: int, slack: int, block_si
         # goes back to the queue, and claiming it again costs Postgres writes each time.
         want = startable(view.load, view.budget, [view.typical_prompt] * want)
     return want
+
+
+def claims_due(
+    extended_at: Mapping[int, float], now: float, interval_s: float, ttl_s: float
+) -> list[int]:
+    """The claims (item ids) a heartbeat at ``now`` extends in Postgres: those extended more
+    than half the TTL less one and a half beats ago. ``extended_at`` is when each claim's
+    expiry was last set (on this clock, taken before the write was sent), so each expires
+    ``ttl_s`` after it at the earliest.
+
+    Each extension rewrites the item's row (its expiry is indexed, so no update is HOT): at
+    the defaults (30 s TTL, a 5 s beat) a claim is extended every other beat, beats a little
+    late or not, and has more than 15 s left at every beat on time (12.5 s at one a whole
+    interval late); a beat of a third of the TTL or longer extends every claim every beat, as
+    before. The ledger's lease is still beaten every beat, so a preempted or lost lease stops
+    its attempt within one beat as before; a claim ended in Postgres (its job cancelled or
+    expired) whose lease the tick's preempt notice did not stop (a lease past its preemptions)
+    is seen at its next extension, within two beats."""
+    return sorted(i for i, at in extended_at.items() if now - at > ttl_s / 2 - 1.5 * interval_s)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backfill.dispatch import BatchLoad, claim_size, running_mean, start_room, startable
+from backfill.dispatch import (
+    BatchLoad,
+    claim_size,
+    claims_due,
+    running_mean,
+    start_room,
+    startable,
+)
 from tests.unit.dispatch_builders import BLOCK, budget, flight, node, prefilling_flight
 
 
@@ -81,3 +88,32 @@ def test_without_a_prompt_seen_the_budget_does_not_shape_the_claim() -> None:
 def test_the_typical_figure_starts_at_the_first_value_then_moves_a_quarter() -> None:
     assert running_mean(0, 400) == 400
     assert running_mean(400, 800) == 500
+
+
+def test_a_claim_is_extended_every_other_beat_at_the_defaults_on_time_or_late() -> None:
+    # Defaults: 30 s TTL, a beat every 5 s. Extended at 0: due once 7.5 s have passed.
+    assert claims_due({1: 0.0}, 7.4, 5.0, 30.0) == []
+    assert claims_due({1: 0.0}, 7.5, 5.0, 30.0) == []
+    assert claims_due({1: 0.0}, 7.6, 5.0, 30.0) == [1]
+    for beat_s in (5.0, 5.05, 5.5):
+        extended_at, writes, least_left = 0.0, 0, 30.0
+        for beat in range(1, 61):
+            now = beat_s * beat
+            least_left = min(least_left, extended_at + 30.0 - now)
+            if claims_due({1: extended_at}, now, 5.0, 30.0):
+                extended_at, writes = now, writes + 1
+        assert writes == 30, beat_s
+        assert least_left > 15.0, beat_s
+
+
+def test_every_claim_is_extended_every_beat_when_the_beat_is_a_third_of_the_ttl() -> None:
+    # The reliability suite's 3 s TTL and 1 s beat: every claim at every beat, as before.
+    assert claims_due({1: 0.0, 2: 0.9}, 1.0, 1.0, 3.0) == [1, 2]
+    assert claims_due({7: 0.0, 3: 0.0}, 10.0, 10.0, 30.0) == [3, 7]
+    assert claims_due({}, 1.0, 1.0, 3.0) == []
+
+
+def test_claims_extended_at_different_times_come_due_apart() -> None:
+    at = {1: 0.0, 2: 5.0, 3: 10.0}
+    assert claims_due(at, 10.0, 5.0, 30.0) == [1]
+    assert claims_due(at, 15.0, 5.0, 30.0) == [1, 2]

@@ -1,0 +1,107 @@
+"""The worker's heartbeat rewrites a claim in Postgres only when it is due (``claims_due``):
+at a TTL long against the beat the claim's expiry stands for several beats while the ledger's
+lease is beaten every beat; at a TTL short against the beat it is extended as often as needed
+to stay well above half of it. Every item still succeeds once.
+
+Real Postgres and Redis; the engine is the stand-in, holding each answer a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+
+import pytest
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.states import ItemState
+from backfill.store import Repository
+from tests.integration.standin_engine import (
+    StandInEngine,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
+from worker.dispatch import DispatchConfig
+
+BLOCK = 16
+BEAT_S = 0.2
+
+
+def _claims(repo: Repository, job: str) -> dict[int, datetime]:
+    with repo.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, lease_expires_at FROM items WHERE job_id = :j "
+                "AND state IN ('reserved', 'running')"
+            ),
+            {"j": job},
+        ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+@pytest.mark.parametrize(("ttl_s", "node"), [(30.0, "n-beat-long"), (2.0, "n-beat-short")])
+def test_a_claim_is_rewritten_only_when_its_heartbeat_is_due(
+    settings: Settings, ttl_s: float, node: str
+) -> None:
+    engine = StandInEngine(blocks=256, block=BLOCK, hold_s=3.0)
+    with stand_in_node(settings, node, BLOCK, blocks=256) as (repo, ledger, aledger):
+        job = submit_completions(repo, f"t-{node}", 2, 16)
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(
+                node=node,
+                idle_poll_s=0.05,
+                heartbeat_interval_s=BEAT_S,
+                lease_ttl_s=ttl_s,
+                observe_interval_s=0,
+                work_budget=None,
+            ),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+
+        async def scenario() -> tuple[list[dict[int, datetime]], list[float]]:
+            runner = asyncio.create_task(dispatcher.run())
+            claims: list[dict[int, datetime]] = []
+            lease_expiries: list[float] = []
+            try:
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if len(_claims(repo, job)) == 2:
+                        break
+                # 2.4 s of beats (12), while both items are held by the engine.
+                began = time.monotonic()
+                while time.monotonic() - began < 2.4:
+                    claims.append(_claims(repo, job))
+                    snap = ledger.snapshot(node)
+                    assert snap is not None
+                    lease_expiries.append(max(x.expires_at_ms for x in snap.leases))
+                    await asyncio.sleep(BEAT_S / 2)
+                for _ in range(200):
+                    await asyncio.sleep(0.05)
+                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 2:
+                        break
+                return claims, lease_expiries
+            finally:
+                dispatcher.stop()
+                await asyncio.wait_for(runner, 30)
+                await aledger.aclose()
+
+        claims, lease_expiries = asyncio.run(scenario())
+        assert repo.counted_states(job) == {ItemState.SUCCEEDED: 2}
+    held = [c for c in claims if len(c) == 2]
+    assert len(held) >= 10, claims
+    # Each item's claim expiries over the window (both started in one statement, at one time).
+    expiries = {i: {c[i] for c in held} for i in held[0]}
+    # The ledger's lease is beaten every beat either way.
+    assert len(set(lease_expiries)) >= 5, lease_expiries
+    if ttl_s == 30.0:
+        # Due once 14.7 s have passed: not in these 2.4 s, so each claim kept its first expiry.
+        assert all(len(e) == 1 for e in expiries.values()), expiries
+    else:
+        # Due once 0.7 s have passed: each claim rewritten in these 2.4 s (about every 0.8 s).
+        assert all(len(e) >= 2 for e in expiries.values()), expiries
