@@ -183,8 +183,9 @@ class LocalCluster:
         return [n for n in self.nodes if n.alive()]
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        """Until every live node says ``cluster_state:ok``, sees the same masters, and every
-        live replica is in sync with its master."""
+        """Until every live node says ``cluster_state:ok``, sees the same masters (each slot
+        served by a live master, the same one on every node), and every live replica is in
+        sync with its master."""
         deadline = time.monotonic() + timeout_s
         self._wait(self._healthy, deadline, "the Redis Cluster to be healthy")
 
@@ -194,11 +195,26 @@ class LocalCluster:
             if any(n.cluster_state() != "ok" for n in live):
                 return False
             roles = [n.info("replication") for n in live]
+            views = [self._slot_owners(n) for n in live]
         except redis.RedisError:
             return False
-        if sum(1 for r in roles if r.get("role") == "master") != self.masters:
+        masters = {n.port for n, r in zip(live, roles, strict=True) if r.get("role") == "master"}
+        if len(masters) != self.masters:
+            return False
+        # A promoted replica says it is a master before every other node has learned it: until
+        # then a node still routes (and ``master_of`` still answers) its slots to the dead one.
+        if any(v != views[0] for v in views) or {port for *_, port in views[0]} != masters:
             return False
         return all(r.get("master_link_status") == "up" for r in roles if r.get("role") == "slave")
+
+    @staticmethod
+    def _slot_owners(node: Node) -> set[tuple[int, int, int]]:
+        """What ``node`` says of the slots: (first, last, port of the master serving them)."""
+        with node.client() as c:
+            return {
+                (int(start), int(end), int(master[1]))
+                for start, end, master, *_ in c.execute_command("CLUSTER SLOTS")
+            }
 
     def master_of(self, key: str) -> Node:
         """The master that serves ``key``'s hash slot, as the live nodes see it now."""
