@@ -20,7 +20,7 @@ batching, and with its pacing:
   ``release_many``.
 - heartbeat (``_heartbeat``) every ``heartbeat_interval_s``: one Postgres heartbeat of the
   held items whose claim is due (``claims_due``), then one ledger call heartbeating every
-  lease (pipelined), as the worker does.
+  lease (pipelined): the worker's calls (it makes the two on clocks of their own).
 - observe (``_observe``) every second: snapshot + observe; work budget (``_step_budget``) every
   ``budget_interval_s``: Redis' clock, the gateway signals, the batch exchange, the publish.
 - a preemption listener (one pub/sub subscription) per node.

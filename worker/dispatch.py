@@ -94,7 +94,8 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         """Dispatch until :meth:`stop`; then drain (grace period), requeue the rest, return."""
         writer = asyncio.create_task(self._write_results(), name="results")
         helpers = [
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._beat_claims(), name="claim-beats"),
+            asyncio.create_task(self._beat_leases(), name="lease-beats"),
             asyncio.create_task(self._listen_preemptions(), name="preemptions"),
             asyncio.create_task(self._report_progress(), name="progress"),
         ]

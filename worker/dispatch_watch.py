@@ -42,15 +42,16 @@ log = logging.getLogger("backfill.worker")
 class Watchers(DispatcherState):
     """The watches a node's dispatcher runs beside its attempts."""
 
-    async def _heartbeat(self) -> None:
+    async def _beat_claims(self) -> None:
+        """Extend each claim in Postgres when it is due (``claims_due``), and stop the attempts
+        whose claim is gone. Beats on its own clock: a ledger that answers late (a shard
+        failing over, a stalled server) does not hold a claim's extension up."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
-            flights = list(self._in_flight.values())
-            if not flights:
-                continue
-            # Each claim is rewritten in Postgres only when due; the rest stand as they are.
             sent = time.monotonic()
+            # Attempts being stopped too: their claims stand until their ends are written.
+            flights = list(self._in_flight.values())
             due = set(
                 claims_due(
                     {f.item.id: f.claim_extended_at for f in flights},
@@ -59,49 +60,55 @@ class Watchers(DispatcherState):
                     cfg.lease_ttl_s,
                 )
             )
-            held = {f.item.id for f in flights} - due
+            if not due:
+                continue
             try:
-                if due:
-                    extended = set(
-                        await asyncio.to_thread(
-                            self.repo.heartbeat,
-                            [(f.item.id, f.item.attempt) for f in flights if f.item.id in due],
-                            cfg.lease_ttl_s,
-                        )
+                extended = set(
+                    await asyncio.to_thread(
+                        self.repo.heartbeat,
+                        [(f.item.id, f.item.attempt) for f in flights if f.item.id in due],
+                        cfg.lease_ttl_s,
                     )
-                    for f in flights:
-                        if f.item.id in extended:
-                            f.claim_extended_at = sent
-                    held |= extended
+                )
             except StoreUnavailable:
-                held = {f.item.id for f in flights}
-            # The node's leases in one round trip; a lease whose call failed is left as it is
-            # (its next beat tries again).
-            beating = [f for f in flights if f.item.id in held]
+                continue  # each claim stands as it is; the next beat tries again
+            for flight in flights:
+                if flight.item.id not in due:
+                    continue
+                if flight.item.id in extended:
+                    flight.claim_extended_at = sent
+                elif (reason := heartbeat_stop(False, None)) is not None:
+                    self._cancel(flight, reason)
+
+    async def _beat_leases(self) -> None:
+        """Extend every lease of the node in the ledger (one round trip), and stop the attempts
+        whose lease was preempted or is lost. Beats on its own clock: a Postgres that answers
+        late does not hold a lease's extension up."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            # Attempts being stopped too (their leases stand until released), but not those
+            # whose claim is gone: nothing is to be written for them.
+            flights = [
+                f for f in self._in_flight.values() if f.stop_reason is not StopReason.CLAIM_LOST
+            ]
+            if not flights:
+                continue
             try:
-                beats = await self.ledger.heartbeat_many(  # one round trip (none for none)
+                beats = await self.ledger.heartbeat_many(
                     cfg.node,
-                    [(f.lease.lease_id, f.lease.fencing_token) for f in beating],
+                    [(f.lease.lease_id, f.lease.fencing_token) for f in flights],
                     ttl_ms=int(cfg.lease_ttl_s * 1000),
                 )
-            except BackfillError as exc:
-                beats = [exc] * len(beating)
-            statuses: dict[int, LeaseStatus | BackfillError] = {
-                f.item.id: beat.status if isinstance(beat, HeartbeatResult) else beat
-                for f, beat in zip(beating, beats, strict=True)
-            }
-            for flight in flights:
-                claim_held = flight.item.id in held
-                status: LeaseStatus | None = None
-                if claim_held:
-                    answer = statuses[flight.item.id]
-                    if not isinstance(answer, LeaseStatus):
-                        continue
-                    status = answer
-                reason = heartbeat_stop(claim_held, status)
+            except BackfillError:
+                continue  # each lease stands as it is; the next beat tries again
+            for flight, beat in zip(flights, beats, strict=True):
+                if not isinstance(beat, HeartbeatResult):
+                    continue  # this lease's call failed: left as it is
+                reason = heartbeat_stop(True, beat.status)
                 if reason is not None:
                     self._cancel(flight, reason)
-                elif status is LeaseStatus.UNKNOWN:
+                elif beat.status is LeaseStatus.UNKNOWN:
                     await self._lease_missing(flight)
 
     async def _lease_missing(self, flight: Flight) -> None:
