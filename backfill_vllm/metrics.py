@@ -43,7 +43,15 @@ class SchedulerMetrics:
     preemptions_seqs: int = 0
     """Batch sequences preempted so a waiting interactive request gets a sequence slot."""
     batch_requests: int = 0
+    lifted_steps: int = 0
+    """Steps with the chunk cap lifted (no interactive request in the engine for a while)."""
+    tokens_capped: int = 0
+    """Batch prefill tokens the chunk cap kept out of a step vLLM would have given them."""
     paused_now: int = 0
+    running_now: int = 0
+    """Batch requests in vLLM's running set after the last step (resident: they hold KV)."""
+    decoding_now: int = 0
+    """Of those, the ones past their prompt (decoding)."""
     longest_pause_s: float = 0.0
     longest_pause_steps: int = 0
     most_pauses_per_request: int = 0
@@ -98,6 +106,12 @@ class SchedulerMetrics:
             ),
             ("batch_ride_along", "Batch decode tokens carried in holding steps.", self.ride_along),
             ("batch_requests", "Batch requests seen.", self.batch_requests),
+            ("lifted_steps", "Steps with the batch prefill cap lifted.", self.lifted_steps),
+            (
+                "batch_tokens_capped",
+                "Batch prefill tokens the chunk cap kept out of a step.",
+                self.tokens_capped,
+            ),
         )
         for name, text, value in counters:
             family(f"backfill_sched_{name}_total", "counter", text, ("", value))
@@ -111,6 +125,12 @@ class SchedulerMetrics:
         fit = self.fit
         gauges: tuple[tuple[str, str, float], ...] = (
             ("batch_paused", "Batch sequences paused now.", self.paused_now),
+            ("batch_running", "Batch requests resident in the engine now.", self.running_now),
+            (
+                "batch_decoding",
+                "Batch requests resident and past their prompt now.",
+                self.decoding_now,
+            ),
             (
                 "batch_longest_pause_seconds",
                 "Longest pause of a batch sequence, seconds.",
@@ -134,8 +154,13 @@ class SchedulerMetrics:
             ),
             (
                 "step_model_per_token_seconds",
-                "Fitted step time each token adds.",
+                "Fitted step time each prompt token adds.",
                 fit.per_token_s if fit else 0.0,
+            ),
+            (
+                "step_model_per_decode_seconds",
+                "Fitted step time each decoding sequence adds.",
+                fit.decode_s if fit else 0.0,
             ),
             ("step_model_samples", "Steps the fit is made from.", fit.samples if fit else 0),
         )

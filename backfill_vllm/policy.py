@@ -87,6 +87,8 @@ class StepPlan:
     """Whether waiting batch requests may be admitted this step."""
     held_tokens: int
     """Tokens the paused sequences would have carried this step."""
+    lifted: bool = False
+    """The cap is lifted this step (no interactive request in the engine for a while)."""
 
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
@@ -144,9 +146,10 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
     interactive = [s for s in view.sequences if not s.batch]
     holding = any(not s.resident or s.prefill_tokens > 0 for s in interactive)
     if not holding:
-        if cap_lifted(settings, view):
+        lifted = cap_lifted(settings, view)
+        if lifted:
             cap = lifted_cap(settings, view.fit, view.token_budget)
-        return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0)
+        return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0, lifted)
 
     resident = [s for s in view.sequences if s.batch and s.resident]
     step_s = view.last_step_s if view.last_step_s > 0 else settings.chunk_target_s
@@ -187,7 +190,7 @@ def _ride_along_tokens(
     work = min(work, view.token_budget)
     if view.fit is None:
         return math.floor(settings.ride_along_share * min(work, cap))
-    return math.floor(settings.ride_along_share * view.fit.seconds(work) / view.fit.per_token_s)
+    return view.fit.decodes_within(settings.ride_along_share * view.fit.seconds(work))
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,8 +115,9 @@ class BackfillScheduler(Scheduler):
         self._tracks: dict[str, _BatchTrack] = {}
         self._plan: StepPlan | None = None
         self._allowance_left = 0
+        self._capped = 0
         self._preempt_reason: str | None = None
-        self._in_flight: dict[int, tuple[float, int]] = {}
+        self._in_flight: dict[int, tuple[float, int, int]] = {}
         self._last_update_s = 0.0
         self._last_step_s = 0.0
         self._interactive_seen_s = time.monotonic()
@@ -185,7 +186,7 @@ class BackfillScheduler(Scheduler):
         plan = plan_step(self._view(now), self.backfill)
         if plan.holding:
             self._make_room()
-        self._plan, self._allowance_left = plan, plan.prefill_allowance
+        self._plan, self._allowance_left, self._capped = plan, plan.prefill_allowance, 0
         try:
             output = super().schedule(throttle_prefills)
         finally:
@@ -194,7 +195,12 @@ class BackfillScheduler(Scheduler):
         if output.total_num_scheduled_tokens > 0:
             if len(self._in_flight) > 16:
                 self._in_flight.clear()  # outputs that never came back (engine reset)
-            self._in_flight[id(output)] = (time.monotonic(), output.total_num_scheduled_tokens)
+            decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
+            self._in_flight[id(output)] = (
+                time.monotonic(),
+                output.total_num_scheduled_tokens,
+                decodes,
+            )
         return output
 
     def _view(self, now: float) -> StepView:
@@ -261,10 +267,13 @@ class BackfillScheduler(Scheduler):
             # prefill, or not in this step.
             whole = self._allowance_left == plan.prefill_allowance
             self._allowance_left = 0
+            if not whole:
+                self._capped += granted
             return int(granted) if whole else 0
-        granted = min(granted, self._allowance_left)
-        self._allowance_left -= granted
-        return int(granted)
+        allowed = min(granted, self._allowance_left)
+        self._capped += granted - allowed
+        self._allowance_left -= allowed
+        return int(allowed)
 
     # -- room for interactive work ---------------------------------------------------------
 
@@ -351,9 +360,12 @@ class BackfillScheduler(Scheduler):
 
     def _account(self, plan: StepPlan, output: SchedulerOutput, now: float) -> None:
         scheduled = output.num_scheduled_tokens
+        resident = self._resident_batch()
         m = self.backfill_metrics
         with m.lock:
             m.steps += 1
+            m.lifted_steps += plan.lifted
+            m.tokens_capped += self._capped
             m.chunk_cap = plan.chunk_cap
             m.fit = self._step_model.fit()
             for request_id in scheduled:
@@ -381,11 +393,23 @@ class BackfillScheduler(Scheduler):
                 m.longest_pause_steps = max(m.longest_pause_steps, track.paused_steps)
                 m.longest_pause_s = max(m.longest_pause_s, now - track.pause_started_s)
             m.paused_now = paused_now
+            m.running_now, m.decoding_now = resident
             if paused_now:
                 m.paused_steps += 1
                 m.tokens_held += plan.held_tokens
             m.relief += sum(1 for r in plan.relieved if r in scheduled)
             m.ride_along += sum(1 for r in plan.riding if r in scheduled)
+
+    def _resident_batch(self) -> tuple[int, int]:
+        """Batch requests in the running set, and those of them past their prompts: one pass,
+        taken before the metrics lock so a scrape never waits on it."""
+        bar = self.backfill.batch_priority
+        running = decoding = 0
+        for r in self.running:
+            if r.priority >= bar:
+                running += 1
+                decoding += r.num_computed_tokens >= r.num_prompt_tokens
+        return running, decoding
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: Any
@@ -396,7 +420,7 @@ class BackfillScheduler(Scheduler):
             # The step ran from when it was scheduled, or from when the one before it came
             # back if it was queued behind that one (async scheduling).
             seconds = now - max(sent[0], self._last_update_s)
-            self._step_model.observe(sent[1], seconds)
+            self._step_model.observe(sent[1], seconds, decodes=sent[2])
             self._last_step_s = seconds
         self._last_update_s = now
         return super().update_from_output(scheduler_output, model_runner_output)

@@ -47,7 +47,8 @@ class SchedulerSettings:
     every engine: vLLM's 2,048-token step is ~1 s on one CPU, ~5 s on a CPU without bfloat16,
     ~0.1 s on a GPU. 0 (default): vLLM's whole token budget. Not the default: on the CPU
     without bfloat16, 0.05 did not shorten the 9 s a lone interactive request waited beside
-    batch (bench/RESULTS.md), so that wait is not the lifted step's."""
+    batch, and on a slow bfloat16 CPU it cost batch alone ~9% while interactive p50 beside
+    batch was no better (bench/RESULTS.md, 2026-12-04)."""
     chunk_tokens: int = 256
     """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
     min_chunk_tokens: int = 16

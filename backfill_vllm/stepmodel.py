@@ -1,9 +1,20 @@
-"""The engine's step time as a line in the tokens a step carries, fitted from measured steps.
+"""The engine's step time as a plane in the prefill and decode tokens a step carries, fitted
+from measured steps.
 
-``step_s ~= a + b * tokens``: ``a`` is what a step costs whatever it carries (launch, sampling,
-the scheduler itself), ``b`` what each token adds. Least squares over the most recent
-``window`` steps (running sums, so each observation costs O(1) and memory stays bounded); the
-fit follows the machine as its load changes, which on a shared CPU it does all the time.
+``step_s ~= a + bp * prefill + bd * decodes``: ``a`` is what a step costs whatever it carries
+(launch, sampling, the scheduler itself), ``bp`` what each prompt token adds, ``bd`` what each
+decoding sequence adds (its one token, and its attention over everything it has computed).
+Least squares over the most recent ``window`` steps (running sums, so each observation costs
+O(1) and memory stays bounded); the fit follows the machine as its load changes, which on a
+shared CPU it does all the time, as long as the steps carry a spread of prompt tokens (a window
+of steps all at the cap keeps the last fit that could see the line).
+
+Two regressors, not one line in all tokens: a line's intercept takes in the decoding
+sequences a busy engine carries in every step (measured on the CPU engine: 0.036 s with a few
+sequences, 0.125 s with ~50, the same engine), so it is not the step's fixed cost, and a
+share of the step kept for that cost (``lift_fixed_share``) stopped bounding anything. When
+the steps seen do not tell the two apart (no spread in one of them, or the two moving
+together), the fit falls back to the line in all tokens, then to time proportional to tokens.
 """
 
 from __future__ import annotations
@@ -12,80 +23,129 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+# A fit of two regressors needs their correlation below this (|r| < ~0.995): closer, and the
+# split between them is noise.
+_COLLINEAR = 0.99
+
 
 @dataclass(frozen=True, slots=True)
 class StepFit:
-    """A fitted step-time line."""
+    """A fitted step-time model."""
 
     base_s: float
     """``a``: seconds a step costs whatever it carries."""
     per_token_s: float
-    """``b``: seconds each scheduled token adds (> 0)."""
+    """``bp``: seconds each prompt (prefill) token adds (> 0)."""
     samples: int
+    per_decode_s: float | None = None
+    """``bd``: seconds each decoding sequence adds; None: as a prompt token (no separate fit)."""
 
-    def seconds(self, tokens: int) -> float:
-        return self.base_s + self.per_token_s * tokens
+    @property
+    def decode_s(self) -> float:
+        return self.per_token_s if self.per_decode_s is None else self.per_decode_s
+
+    def seconds(self, tokens: int, decodes: int = 0) -> float:
+        return self.base_s + self.per_token_s * tokens + self.decode_s * decodes
 
     def tokens_within(self, seconds: float) -> int:
-        """The most tokens whose marginal cost stays within ``seconds``."""
+        """The most prompt tokens whose marginal cost stays within ``seconds``."""
         # The epsilon keeps 0.01 s / 0.0005 s from flooring to 19.
         return max(0, math.floor(seconds / self.per_token_s + 1e-9))
 
+    def decodes_within(self, seconds: float) -> int:
+        """The most decoding sequences whose marginal cost stays within ``seconds``."""
+        return max(0, math.floor(seconds / self.decode_s + 1e-9))
+
 
 class StepTimeModel:
-    """Online least squares of step time on tokens over a sliding window."""
+    """Online least squares of step time on prefill tokens and decodes, over a sliding
+    window."""
 
     def __init__(self, window: int = 256, min_samples: int = 16) -> None:
         if window < 2 or not 2 <= min_samples <= window:
             raise ValueError("need window >= 2 and 2 <= min_samples <= window")
         self.window = window
         self.min_samples = min_samples
-        self._samples: deque[tuple[float, float]] = deque()
-        self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._samples: deque[tuple[float, float, float]] = deque()
+        # Sums of p, d, y, pp, dd, pd, py, dy.
+        self._s = [0.0] * 8
         self._since_resum = 0
+        self._held: StepFit | None = None
 
     def __len__(self) -> int:
         return len(self._samples)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One measured step; steps with no tokens or an impossible time are ignored."""
+    def observe(self, tokens: int, seconds: float, decodes: int = 0) -> None:
+        """One measured step: ``tokens`` scheduled in all, ``decodes`` of them one-token
+        decodes (the rest prompt tokens); steps with no tokens or an impossible time are
+        ignored."""
         if tokens <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        x, y = float(tokens), float(seconds)
-        self._samples.append((x, y))
-        self._add(x, y, 1.0)
+        d = float(min(max(decodes, 0), tokens))
+        sample = (float(tokens) - d, d, float(seconds))
+        self._samples.append(sample)
+        self._add(sample, 1.0)
         if len(self._samples) > self.window:
-            old_x, old_y = self._samples.popleft()
-            self._add(old_x, old_y, -1.0)
+            self._add(self._samples.popleft(), -1.0)
         self._since_resum += 1
         if self._since_resum >= 4 * self.window:
             # Subtracting evicted samples drifts in floating point; start the sums over.
-            self._sx = self._sy = self._sxx = self._sxy = 0.0
-            for sx, sy in self._samples:
-                self._add(sx, sy, 1.0)
+            self._s = [0.0] * 8
+            for kept in self._samples:
+                self._add(kept, 1.0)
             self._since_resum = 0
 
-    def _add(self, x: float, y: float, sign: float) -> None:
-        self._sx += sign * x
-        self._sy += sign * y
-        self._sxx += sign * x * x
-        self._sxy += sign * x * y
+    def _add(self, sample: tuple[float, float, float], sign: float) -> None:
+        p, d, y = sample
+        s = self._s
+        for i, v in enumerate((p, d, y, p * p, d * d, p * d, p * y, d * y)):
+            s[i] += sign * v
 
     def fit(self) -> StepFit | None:
-        """The fitted line, or None before ``min_samples`` steps. When the steps seen carry too
-        few distinct token counts for a slope (or the noise gives a slope <= 0), the time is
-        taken as proportional to tokens: a cap sized from it errs small, not large."""
+        """The fitted model, or None before ``min_samples`` steps.
+
+        A window whose steps all carry about the same prompt tokens says nothing of the fixed
+        cost or the price of a token: that is every step once the chunk cap is lifted (each
+        carries vLLM's whole budget, or the lift's bound). Such a window keeps the last fit
+        made from steps that did spread, so the cap sized from it does not drift on a fit of
+        noise. With no such fit yet, and too few distinct token counts for a slope (or noise
+        giving a slope <= 0), time is taken as proportional to tokens: a cap sized from it errs
+        small, not large."""
         n = len(self._samples)
         if n < self.min_samples:
             return None
-        mean_x, mean_y = self._sx / n, self._sy / n
-        var_x = self._sxx / n - mean_x * mean_x
-        cov = self._sxy / n - mean_x * mean_y
+        fit, informative = self._solve(n)
+        if informative:
+            self._held = fit
+            return fit
+        return self._held if self._held is not None else fit
+
+    def _solve(self, n: int) -> tuple[StepFit, bool]:
+        sp, sd, sy, spp, sdd, spd, spy, sdy = (v / n for v in self._s)
+        vp, vd = spp - sp * sp, sdd - sd * sd
+        cpd, cpy, cdy = spd - sp * sd, spy - sp * sy, sdy - sd * sy
+        det = vp * vd - cpd * cpd
+        if vp > 1.0 and vd > 1.0 and cpd * cpd < _COLLINEAR * vp * vd:
+            bp = (vd * cpy - cpd * cdy) / det
+            bd = (vp * cdy - cpd * cpy) / det
+            a = sy - bp * sp - bd * sd
+            if bp > 0 and bd > 0 and a >= 0:
+                return StepFit(a, bp, n, bd), _spread(vp, sp)
+        # The line in all tokens.
+        sx, sxx, sxy = sp + sd, spp + sdd + 2 * spd, spy + sdy
+        var_x = sxx - sx * sx
+        cov = sxy - sx * sy
         if var_x > 1.0 and cov > 0:
             b = cov / var_x
-            a = mean_y - b * mean_x
+            a = sy - b * sx
             if a < 0:
                 # A negative fixed cost is noise; keep the line through the mean.
-                a, b = 0.0, mean_y / mean_x
-            return StepFit(a, b, n)
-        return StepFit(0.0, mean_y / mean_x, n)
+                a, b = 0.0, sy / sx
+            return StepFit(a, b, n), _spread(var_x, sx)
+        return StepFit(0.0, sy / sx, n), False
+
+
+def _spread(variance: float, mean: float) -> bool:
+    """Whether token counts of this variance about this mean can place a line: a standard
+    deviation of at least 8 tokens and a tenth of the mean."""
+    return variance > 0 and math.sqrt(variance) >= max(8.0, 0.1 * mean)

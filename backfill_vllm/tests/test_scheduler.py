@@ -196,6 +196,9 @@ class ChunkCap(unittest.TestCase):
             s.add_request(make_request(f"b{i}", prompt=100, priority=BATCH))
         firsts = [run_step(s).num_scheduled_tokens for _ in range(3)]
         self.assertEqual(firsts[0], {"b0": 48})
+        # What the cap kept out is counted: at least b0's other 52 prompt tokens each step.
+        self.assertGreaterEqual(s.backfill_metrics.tokens_capped, 3 * 52)
+        self.assertEqual(s.backfill_metrics.lifted_steps, 0)
         self.assertEqual(firsts[1], {"b0": 48})
         self.assertEqual(firsts[2], {"b0": 4, "b1": 44})
         # Decodes are not counted against the cap.
@@ -223,6 +226,16 @@ class ChunkCap(unittest.TestCase):
         self.assertEqual(s.schedule().num_scheduled_tokens, {"b": 20})
         self.assertEqual(s.backfill_metrics.chunk_cap, 20)
 
+    def test_each_step_is_observed_with_its_decodes_apart_from_its_prompt_tokens(self) -> None:
+        s = make_scheduler(budget=512)
+        for i in range(2):
+            s.add_request(make_request(f"b{i}", prompt=100, priority=BATCH))
+        run_step(s)  # two prefills: 200 prompt tokens
+        s.add_request(make_request("b2", prompt=60, priority=BATCH))
+        run_step(s)  # two decodes and a third prefill
+        seen = [(p, d) for p, d, _ in s._step_model._samples]
+        self.assertEqual(seen, [(200.0, 0.0), (60.0, 2.0)])
+
     def test_the_cap_is_lifted_after_a_quiet_spell_and_back_when_interactive_arrives(
         self,
     ) -> None:
@@ -232,6 +245,8 @@ class ChunkCap(unittest.TestCase):
             s.add_request(make_request(f"b{i}", prompt=200, priority=BATCH))
         self.assertEqual(run_step(s).num_scheduled_tokens, {"b0": 200, "b1": 200})
         self.assertEqual(s.backfill_metrics.chunk_cap, 512)
+        self.assertEqual(s.backfill_metrics.lifted_steps, 1)
+        self.assertEqual(s.backfill_metrics.tokens_capped, 0)
         s.add_request(make_request("b2", prompt=200, priority=BATCH))
         s.add_request(make_request("i", prompt=100, priority=INTERACTIVE))
         self.assertEqual(run_step(s).num_scheduled_tokens, {"i": 100})  # batch paused
@@ -333,6 +348,10 @@ class Metrics(unittest.TestCase):
         self.assertIn('backfill_sched_info{batch_priority="10",version="0.1.0"', text)
         self.assertIn("backfill_sched_batch_paused_steps_total 1.0", text)
         self.assertIn("backfill_sched_batch_paused 1.0", text)
+        # The one batch request is resident and decoding (the engine's own view, which a
+        # client's streams can lag behind on a loaded machine).
+        self.assertIn("backfill_sched_batch_running 1.0", text)
+        self.assertIn("backfill_sched_batch_decoding 1.0", text)
         # A second scheduler in this process takes the port over.
         s2 = make_scheduler(settings=SchedulerSettings(metrics_port=port))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

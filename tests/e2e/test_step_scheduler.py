@@ -11,6 +11,12 @@ vLLM itself leaves open on SIGTERM is closed by the client, as the worker does).
 The engine's token budget per step is small (64), so an interactive prompt of ~1,900 tokens
 prefills over ~30 steps: long enough on a loaded 2-core machine to act while batch is
 paused. Assertions are on counts and counters; times are printed, bounded only loosely.
+
+Interactive work is sent once the engine itself says the batch requests are decoding (the
+scheduler's ``backfill_sched_batch_decoding`` gauge), not once their first tokens reach this
+client: on a loaded machine vLLM's API server streams tokens seconds behind its engine core,
+so a flood could finish in the engine before the client saw it start, and nothing would be
+left to pause.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -37,9 +43,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 BATCH, INTERACTIVE = 10, 0
 STEP_TOKENS = 64
 LONG_PROMPT = 1900
-# Batch requests that must still be decoding when interactive work arrives however fast the
-# machine (a 400-token one could finish first on a quiet one, and nothing paused).
-LONG_BATCH = 1900
+# The tiny model's engine core decodes a step in a few milliseconds, while a loaded API
+# server can take seconds to pass a request in or a token out: batch requests that must still
+# be decoding when interactive work reaches the core are long (the tiny model's whole context:
+# a 400-token one finished before the interactive request arrived, and nothing paused).
+MAX_MODEL_LEN = 4096
+LONG_BATCH = 3800
+# The first test's flood must also finish whole, so it is shorter.
+FLOOD_TOKENS = 1900
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +59,7 @@ def sched_engine() -> Iterator[devengine.EngineServer]:
         server = devengine.start_model(
             "tiny",
             kv_cache_gib=1,
+            max_model_len=MAX_MODEL_LEN,
             max_num_seqs=32,
             scheduler=True,
             # The starvation bound in seconds (1 s by default, tested on synthetic steps in
@@ -95,7 +107,6 @@ class Outcome:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    started: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def generate(
@@ -127,10 +138,33 @@ async def generate(
                     outcome.completion_tokens = chunk.usage.completion_tokens
                 if outcome.completion_tokens > 0 and outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - sent
-                    outcome.started.set()
                 outcome.finish_reason = chunk.finish_reason or outcome.finish_reason
     except EngineError as exc:
         outcome.error = str(exc)
+    return outcome
+
+
+async def complete(
+    client: httpx.AsyncClient, url: str, model: str, max_tokens: int, outcome: Outcome
+) -> Outcome:
+    """One batch completion answered whole (no stream): load for the engine that costs vLLM's
+    API server nothing a token, so it does not lag behind the engine core."""
+    body = {
+        "model": model,
+        "prompt": prompt(120),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "priority": BATCH,
+    }
+    try:
+        response = await client.post(f"{url}/v1/completions", json=body, timeout=900)
+        response.raise_for_status()
+        answer = response.json()
+        outcome.completion_tokens = answer["usage"]["completion_tokens"]
+        outcome.finish_reason = answer["choices"][0]["finish_reason"]
+    except httpx.HTTPError as exc:
+        outcome.error = repr(exc)
     return outcome
 
 
@@ -143,9 +177,27 @@ async def until_paused(
     """Until batch is paused now, or has paused since ``before`` (the counter keeps what a
     poll of the gauge falls between on a loaded machine); fails naming the counters."""
     pauses = "backfill_sched_batch_pauses_total"
+    start = time.monotonic()
+    # (seconds, batch resident, batch decoding, steps, pauses) at each poll: what the engine
+    # was doing, for a failure to say.
+    timeline: list[tuple[float, ...]] = []
 
     async def paused() -> bool:
         now = await counters(client, server)
+        timeline.append(
+            (
+                round(time.monotonic() - start, 2),
+                *(
+                    now.get(f"backfill_sched_{name}", -1)
+                    for name in (
+                        "batch_running",
+                        "batch_decoding",
+                        "steps_total",
+                        "batch_pauses_total",
+                    )
+                ),
+            )
+        )
         return now.get("backfill_sched_batch_paused", 0) > 0 or now.get(pauses, 0) > before.get(
             pauses, 0
         )
@@ -153,7 +205,44 @@ async def until_paused(
     if not await until(paused, timeout_s):
         now = await counters(client, server)
         seen = {k: v for k, v in now.items() if k.startswith(("backfill_sched", "vllm:num"))}
-        raise AssertionError(f"batch never paused in {timeout_s:.0f} s: {seen}")
+        raise AssertionError(
+            f"batch never paused in {timeout_s:.0f} s: {seen}; (s, batch resident, decoding, "
+            f"steps, pauses) at the first polls {timeline[:25]} and the last {timeline[-3:]}"
+        )
+
+
+def before_batch(at: dict[str, float]) -> int:
+    """Batch requests the engine had seen at ``at``."""
+    return int(at.get("backfill_sched_batch_requests_total", 0))
+
+
+async def until_batch(
+    client: httpx.AsyncClient,
+    server: devengine.EngineServer,
+    decoding: int,
+    requests: int = 0,
+    timeout_s: float = 300,
+) -> None:
+    """Until the engine has seen ``requests`` batch requests in all and has ``decoding`` of
+    them resident and past their prompts at once. Asks the scheduler alone: it answers from
+    the engine core, where vLLM's own ``/metrics`` can take seconds on a loaded machine."""
+    assert server.scheduler_metrics_url is not None
+    url = server.scheduler_metrics_url
+    start = time.monotonic()
+    polls: list[tuple[float, float, float]] = []
+
+    async def ready() -> bool:
+        now = _samples((await client.get(url)).text)
+        seen = now.get("backfill_sched_batch_requests_total", -1)
+        decoding_now = now.get("backfill_sched_batch_decoding", -1)
+        polls.append((round(time.monotonic() - start, 2), seen, decoding_now))
+        return seen >= requests and decoding_now >= decoding
+
+    if not await until(ready, timeout_s):
+        raise AssertionError(
+            f"never {requests} batch requests seen and {decoding} decoding in {timeout_s:.0f} "
+            f"s; (s, seen, decoding) at the first polls {polls[:25]} and the last {polls[-3:]}"
+        )
 
 
 async def until(
@@ -168,22 +257,27 @@ async def until(
 
 
 class Flood:
-    """``n`` batch requests started together; :meth:`resident` waits until each decodes."""
+    """``n`` batch requests started together, streamed the worker's way or (``client``
+    given) answered whole."""
 
-    def __init__(self, engine: HttpEngine, model: str, n: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        engine: HttpEngine,
+        model: str,
+        n: int,
+        max_tokens: int,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         self.outcomes = [Outcome() for _ in range(n)]
         self.max_tokens = max_tokens
         self.tasks = [
             asyncio.create_task(
-                generate(engine, model, 120, max_tokens, BATCH, f"flood-{next(_salt)}", o)
+                complete(client, engine.base_url, model, max_tokens, o)
+                if client is not None
+                else generate(engine, model, 120, max_tokens, BATCH, f"flood-{next(_salt)}", o)
             )
             for o in self.outcomes
         ]
-
-    async def resident(self, timeout_s: float = 300) -> None:
-        await asyncio.wait_for(
-            asyncio.gather(*(o.started.wait() for o in self.outcomes)), timeout_s
-        )
 
     async def finished(self, timeout_s: float = 900) -> list[Outcome]:
         return list(await asyncio.wait_for(asyncio.gather(*self.tasks), timeout_s))
@@ -204,18 +298,22 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
             model = server.served_model_name
             alone = await generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, "alone", Outcome())
             before = await counters(client, server)
-            flood = Flood(engine, model, 12, max_tokens=200)
-            await flood.resident()
-            inter = [
-                await generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"i{k}", Outcome())
-                for k in range(2)
-            ]
+            flood = Flood(engine, model, 12, max_tokens=FLOOD_TOKENS, client=client)
+            # Every flood request in the engine and batch decoding (not all twelve at once:
+            # a loaded API server can pass the last in after the first has finished).
+            await until_batch(client, server, requests=before_batch(before) + 12, decoding=1)
+            inter = await asyncio.gather(
+                *(
+                    generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"i{k}", Outcome())
+                    for k in range(2)
+                )
+            )
             during = await counters(client, server)
             done = await flood.finished()
             after = await counters(client, server)
 
         print(
-            f"\n[step-sched] TTFT alone {alone.ttft_s:.2f} s, with 12 batch resident "
+            f"\n[step-sched] TTFT alone {alone.ttft_s:.2f} s, two together beside 12 batch "
             f"{[round(o.ttft_s or -1, 2) for o in inter]} s (machine shared: indicative)"
         )
         for o in (alone, *inter):
@@ -230,14 +328,16 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
             delta("backfill_sched_batch_paused_steps_total", during)
             >= 2 * (LONG_PROMPT // STEP_TOKENS) * 0.5
         )
-        assert delta("backfill_sched_batch_pauses_total", during) >= 12
+        # Every resident batch sequence pausing is the engine-venv tests' (exact steps); here
+        # the engine paused what it held, in steps enough to cover half the two prefills.
+        assert delta("backfill_sched_batch_pauses_total", during) >= 1
         assert delta("backfill_sched_batch_tokens_held_total", during) > 0
         assert delta("backfill_sched_batch_preemptions_total") == 0
         assert delta("vllm:num_preemptions_total") == 0
         # Every batch request finished with every token it asked for.
         for o in done:
             assert o.error is None, o.error
-            assert (o.completion_tokens, o.finish_reason) == (200, "length"), o
+            assert (o.completion_tokens, o.finish_reason) == (FLOOD_TOKENS, "length"), o
         assert after["backfill_sched_batch_paused"] == 0
         # A loose bound only: the point is the counters above, and this machine is shared.
         assert max(o.ttft_s or 0 for o in inter) <= 4 * (alone.ttft_s or 0) + 5.0
@@ -253,7 +353,7 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=30) as client, HttpEngine(server.url) as engine:
             model = server.served_model_name
-            flood = Flood(engine, model, 6, max_tokens=150)
+            flood = Flood(engine, model, 6, max_tokens=150, client=client)
             # The worker's abort: close the stream of a paused request.
             victim_stream = engine.stream_completion(
                 Endpoint.COMPLETIONS,
@@ -290,7 +390,9 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
             first = await anext(aiter(victim_stream))
             assert first is not None
             await asyncio.wait_for(vanished_first.wait(), 300)
-            await flood.resident()
+            # The victim and the vanishing client are batch too (the flood may have finished
+            # in the engine already: it only has to finish whole).
+            await until_batch(client, server, decoding=2)
             before = await counters(client, server)
             inter_tasks = [
                 asyncio.create_task(
@@ -349,8 +451,9 @@ def test_engine_shutdown_while_batch_is_paused_exits_cleanly_and_no_stream_claim
     async def scenario() -> tuple[list[Outcome], int]:
         async with httpx.AsyncClient(timeout=30) as client, HttpEngine(server.url) as engine:
             model = server.served_model_name
-            flood = Flood(engine, model, streams - 1, max_tokens=1000)
-            await flood.resident()
+            before = before_batch(await counters(client, server))
+            flood = Flood(engine, model, streams - 1, max_tokens=LONG_BATCH)
+            await until_batch(client, server, requests=before + streams - 1, decoding=1)
             outcome = Outcome()
             inter = asyncio.create_task(
                 generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, "is", outcome)
@@ -375,7 +478,7 @@ def test_engine_shutdown_while_batch_is_paused_exits_cleanly_and_no_stream_claim
     # None that was cut off claims to have finished: a request is completed in full or
     # visibly broken off.
     assert len(outcomes) == streams
-    for o, asked in zip(outcomes, [4] + [1000] * (streams - 1), strict=True):
+    for o, asked in zip(outcomes, [4] + [LONG_BATCH] * (streams - 1), strict=True):
         if o.finish_reason == "length":
             assert o.completion_tokens == asked, o
     print(

@@ -87,9 +87,13 @@ def test_what_the_engine_scheduler_serves_is_what_the_worker_reads() -> None:
         paused_now=3,
         longest_pause_s=1.25,
         chunk_cap=48,
+        lifted_steps=30,
+        tokens_capped=4096,
         fit=StepFit(0.01, 0.0002, 64),
     )
     text = served.render()
     assert parse_scheduler_metrics(text) == SCHEDULER_SEEN
     assert "backfill_sched_chunk_cap_tokens 48.0" in text
     assert "backfill_sched_step_model_per_token_seconds 0.0002" in text
+    assert "backfill_sched_lifted_steps_total 30.0" in text
+    assert "backfill_sched_batch_tokens_capped_total 4096.0" in text

@@ -127,6 +127,79 @@ def test_the_model_follows_the_machine_as_it_slows_down() -> None:
     assert fit.per_token_s == pytest.approx(0.004, rel=0.01)
 
 
+def test_the_model_tells_the_fixed_cost_from_the_decodes_a_busy_engine_carries() -> None:
+    # What the CPU engine showed: a line in all tokens fitted 0.036 s "fixed" with a few
+    # decoding sequences and 0.125 s with ~50, on the same engine. With decodes apart, the
+    # fixed cost stays the engine's own, however many sequences decode.
+    def step(prefill: int, decodes: int) -> float:
+        return 0.036 + 0.00096 * prefill + 0.0018 * decodes
+
+    line, plane = StepTimeModel(window=128, min_samples=16), StepTimeModel(128, 16)
+    for i in range(300):
+        decodes = 40 + (i * 13) % 21  # a busy engine: 40-60 sequences decoding
+        prefill = 64 * (1 + (i * 29) % 32)
+        noise = 0.002 * ((i * 7919) % 11 - 5) / 5
+        line.observe(prefill + decodes, step(prefill, decodes) + noise)
+        plane.observe(prefill + decodes, step(prefill, decodes) + noise, decodes=decodes)
+    lined, fitted = line.fit(), plane.fit()
+    assert lined is not None
+    assert fitted is not None
+    assert lined.base_s > 2 * 0.036  # the decodes taken for fixed cost
+    assert fitted.base_s == pytest.approx(0.036, abs=0.004)
+    assert fitted.per_token_s == pytest.approx(0.00096, rel=0.03)
+    assert fitted.per_decode_s == pytest.approx(0.0018, rel=0.1)
+    assert fitted.seconds(1000, 50) == pytest.approx(step(1000, 50), rel=0.02)
+    assert fitted.decodes_within(0.018) == pytest.approx(10, abs=1)
+
+
+def test_the_model_falls_back_to_the_line_when_decodes_and_prompt_move_together() -> None:
+    model = StepTimeModel(window=32, min_samples=8)
+    for i in range(32):
+        decodes = 10 + i % 8
+        model.observe(11 * decodes, 0.01 + 0.001 * 11 * decodes, decodes=decodes)
+    fit = model.fit()
+    assert fit is not None
+    assert fit.per_decode_s is None  # one line in all tokens: no split the steps can tell
+    assert fit.per_token_s == pytest.approx(0.001, rel=0.01)
+    assert fit.decode_s == fit.per_token_s
+    # No decode ever seen: the line as before.
+    flat = StepTimeModel(window=32, min_samples=8)
+    for i in range(32):
+        flat.observe(100 + i, 0.01 + 0.001 * (100 + i), decodes=0)
+    got = flat.fit()
+    assert got is not None
+    assert got.per_decode_s is None
+    assert got.base_s == pytest.approx(0.01, abs=1e-6)
+
+
+def test_a_window_of_steps_all_at_the_cap_keeps_the_last_fit_that_could_see_the_line() -> None:
+    # Once the cap is lifted every step carries the whole budget: the fit of such a window is
+    # noise (measured: the fixed cost "grew" from 0.047 s to 0.137 s as the decodes filled up),
+    # so the model keeps the fit made while the steps still spread.
+    def step(prefill: int, decodes: int) -> float:
+        return 0.04 + 0.001 * prefill + 0.002 * decodes
+
+    model = StepTimeModel(window=64, min_samples=16)
+    for i in range(64):
+        decodes = 5 + i % 20
+        prefill = 32 * (1 + (i * 29) % 40)
+        model.observe(prefill + decodes, step(prefill, decodes), decodes=decodes)
+    seen = model.fit()
+    assert seen is not None
+    assert seen.base_s == pytest.approx(0.04, abs=0.002)
+    for i in range(200):  # lifted: 2,048 tokens a step, slower as the engine fills
+        decodes = 40 + i % 3
+        model.observe(2048, step(2048 - decodes, decodes) + 0.0005 * i, decodes=decodes)
+    assert model.fit() == seen
+    for i in range(64):  # an interactive spell: steps spread again, the model follows
+        decodes = 5 + i % 20
+        prefill = 32 * (1 + (i * 29) % 40)
+        model.observe(prefill + decodes, 2 * step(prefill, decodes), decodes=decodes)
+    slower = model.fit()
+    assert slower is not None
+    assert slower.per_token_s == pytest.approx(0.002, rel=0.02)
+
+
 # -- the plan ----------------------------------------------------------------------------
 
 
@@ -163,8 +236,10 @@ def test_a_lift_goes_only_as_far_as_its_step_target_when_one_is_set() -> None:
     bounded = SchedulerSettings(chunk_target_s=0.05, lifted_step_target_s=0.25)
     plan = plan_step(view(*batch, fit=fit, quiet_s=lift, budget=2048), bounded)
     assert plan.prefill_allowance == plan.chunk_cap == 500  # 0.25 s at 0.5 ms a token
+    assert plan.lifted
     capped = plan_step(view(*batch, fit=fit, quiet_s=0.0, budget=2048), bounded)
     assert capped.chunk_cap == 100  # the lift is 5x the capped chunk, not 20x
+    assert not capped.lifted
     # Never past vLLM's budget, never under the capped chunk, and the whole budget before
     # the model has a fit.
     assert plan_step(view(*batch, fit=fit, quiet_s=lift, budget=300), bounded).chunk_cap == 300
@@ -202,6 +277,10 @@ def test_a_lift_with_a_fixed_share_stops_where_the_steps_fixed_cost_is_that_shar
     )
     whole = SchedulerSettings(lift_fixed_share=0)
     assert plan_step(view(*batch, fit=slow, quiet_s=lift, budget=2048), whole).chunk_cap == 2048
+    # The fixed cost is the fit's own, not what the decoding sequences add: a busy engine
+    # (decodes fitted apart) is bounded as an idle one, 0.036 * 19 / 0.00096 = 712 tokens.
+    busy = StepFit(base_s=0.036, per_token_s=0.00096, samples=50, per_decode_s=0.0018)
+    assert plan_step(view(*batch, fit=busy, quiet_s=lift, budget=2048), share).chunk_cap == 712
     with pytest.raises(SettingsError, match="LIFT_FIXED_SHARE"):
         SchedulerSettings(lift_fixed_share=1)
 
