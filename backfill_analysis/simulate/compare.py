@@ -9,7 +9,7 @@ engine idle. A policy *harvests* its batch output rate over that.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,14 +124,15 @@ def sweep(
     *,
     seed: int = 0,
     policies: Sequence[str] = POLICY_NAMES,
+    values: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, list[tuple[float, PolicyResult]]]:
-    """Each policy across its knob (:data:`SWEEPS`)."""
+    """Each policy across its knob (:data:`SWEEPS`), at ``values[policy]`` where given."""
     trace, items = workload(scenario, trace_path, seed)
     curves: dict[str, list[tuple[float, PolicyResult]]] = {}
     for name in policies:
-        knob, values = SWEEPS[name]
+        knob, default = SWEEPS[name]
         points = []
-        for value in values:
+        for value in (values or {}).get(name, default):
             knobs = _with_knob(scenario.knobs, knob, value)
             points.append((value, simulate(_spec(scenario, trace, items, knobs), name)))
         curves[name] = points

@@ -5,6 +5,10 @@ utilisation); step times from the roofline cost model of the H100 datasheet; vLL
 defaults (8,192 batched tokens, 256 sequences). The Azure code trace is a whole service's
 traffic; one node of a four-node deployment sees every fourth request.
 
+``h200-llama-3.1-8b``: the same trace, backlog and knobs on one H200 (141 GB, 0.9
+utilisation), step times from the cost model fitted to steps timed on a real H200
+(``calibration/h200-llama-3.1-8b-torch.json``, ``bench.gpu_step_times``).
+
 ``cpu-smollm2``: this machine. SmolLM2-135M on vLLM's CPU backend with 1 GiB of KV (364
 blocks of 128), step times from the cost model fitted to it; the trace as the peer runs
 in ``bench/RESULTS.md`` replay it (from row 200, arrivals x70, prompts <= 1,500, outputs <= 64).
@@ -91,6 +95,23 @@ def h100_llama8b() -> Scenario:
     )
 
 
+def h200_llama8b(cost: costmodel.CostModel | None = None) -> Scenario:
+    """``h100-llama-3.1-8b`` on an H200's pool, with step times measured on one (or
+    ``cost``'s)."""
+    pool = plan(
+        model_preset("llama-3.1-8b"),
+        Hardware(gpu_memory_bytes=gpu_preset("h200").memory_bytes, block_size=16),
+    )
+    base = h100_llama8b()
+    engine = replace(
+        base.engine,
+        num_blocks=pool.num_blocks,
+        block_size=pool.block_size,
+        cost=cost or costmodel.load("h200-llama-3.1-8b-torch"),
+    )
+    return replace(base, name="h200-llama-3.1-8b", engine=engine)
+
+
 def cpu_smollm2() -> Scenario:
     engine = EngineConfig(
         364, 128, costmodel.load("vllm-cpu-smollm2"), max_num_batched_tokens=2048, max_num_seqs=128
@@ -123,7 +144,11 @@ def cpu_smollm2() -> Scenario:
     )
 
 
-SCENARIOS = {"h100-llama-3.1-8b": h100_llama8b, "cpu-smollm2": cpu_smollm2}
+SCENARIOS = {
+    "h100-llama-3.1-8b": h100_llama8b,
+    "h200-llama-3.1-8b": h200_llama8b,
+    "cpu-smollm2": cpu_smollm2,
+}
 
 
 def scenario(name: str, **overrides: object) -> Scenario:
