@@ -75,8 +75,22 @@ def check_url(url: str) -> str:
     return url
 
 
+# How long a call waits on a silent Redis before it fails (and the caller retries or reports
+# the ledger unavailable), and a connection on an unreachable one. redis-py 8 waits 5 s by
+# default; the 5.x-7.x releases the dependency range allows wait forever, so a stopped server
+# would hang a worker's heartbeat for good. A URL's own ``?socket_timeout=`` still wins.
+SOCKET_TIMEOUT_S = 5.0
+
+
+def _timeouts(options: dict[str, Any]) -> dict[str, Any]:
+    options.setdefault("socket_timeout", SOCKET_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", SOCKET_TIMEOUT_S)
+    return options
+
+
 def connect(url: str, **options: Any) -> SyncRedis:
     """A blocking client for ``url`` (``options`` go to redis-py's constructor)."""
+    options = _timeouts(options)
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **options)
     first, seeds = cluster_seeds(url)
@@ -93,6 +107,7 @@ ASYNC_CLUSTER_CONNECTIONS = 2_000
 
 def connect_async(url: str, **options: Any) -> AsyncRedis:
     """An asyncio client for ``url`` (``options`` go to redis-py's constructor)."""
+    options = _timeouts(options)
     if not is_cluster_url(url):
         return redis.asyncio.Redis.from_url(url, **options)
     options.setdefault("max_connections", ASYNC_CLUSTER_CONNECTIONS)

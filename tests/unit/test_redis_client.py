@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import pytest
 import redis
+import redis.asyncio.cluster
 from pydantic import ValidationError
 from redis.crc import key_slot
 
 from backfill.config import Settings
 from backfill.keys import LedgerKeys
-from backfill.redis_client import check_url, cluster_seeds, connect, is_cluster_url
+from backfill.redis_client import (
+    SOCKET_TIMEOUT_S,
+    check_url,
+    cluster_seeds,
+    connect,
+    connect_async,
+    is_cluster_url,
+)
 from worker.celery_app import make_app
 
 
@@ -74,3 +82,24 @@ def test_every_key_of_a_node_shares_the_node_slot_and_nodes_spread() -> None:
     assert len(slots) > 16  # one slot per node, not one for the whole ledger
     assert key_slot(keys.built.encode()) == key_slot(keys.members.encode())
     assert keys.pool("gpu-0").startswith("bf:")  # SCAN MATCH bf:* finds every key
+
+
+def test_a_client_waits_a_bounded_time_on_a_silent_redis_and_a_url_may_say_otherwise() -> None:
+    """redis-py before 8 waits forever by default; a stopped ledger must fail a call instead."""
+    client = connect("redis://127.0.0.1:6379/0")
+    told = connect("redis://127.0.0.1:6379/0?socket_timeout=2")
+    aclient = connect_async("redis://127.0.0.1:6379/0")
+    acluster = connect_async("redis+cluster://127.0.0.1:7000")
+    try:
+        for c in (client, aclient):
+            kwargs = c.connection_pool.connection_kwargs  # type: ignore[union-attr]
+            assert kwargs["socket_timeout"] == SOCKET_TIMEOUT_S
+            assert kwargs["socket_connect_timeout"] == SOCKET_TIMEOUT_S
+        told_kwargs = told.connection_pool.connection_kwargs  # type: ignore[union-attr]
+        assert told_kwargs["socket_timeout"] == 2
+        assert isinstance(acluster, redis.asyncio.cluster.RedisCluster)
+        cluster_kwargs = acluster.nodes_manager.connection_kwargs
+        assert cluster_kwargs["socket_timeout"] == SOCKET_TIMEOUT_S
+    finally:
+        client.close()
+        told.close()
