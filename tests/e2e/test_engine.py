@@ -282,7 +282,8 @@ def test_cancelling_the_consumer_aborts_the_request_in_the_engine(
 def test_resumed_completion_continues_within_the_original_budget(
     engine: EngineUnderTest,
 ) -> None:
-    max_tokens = 40
+    # Room past the ~10 tokens it is left at: an API server behind its engine merges chunks.
+    max_tokens = 120
     original = {
         "model": engine.model,
         "prompt": "Resume me:",
