@@ -107,6 +107,8 @@ class Outcome:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    first_at: float | None = None
+    """``time.monotonic()`` at the first token (a stream) or at the answer (whole)."""
 
 
 async def generate(
@@ -137,7 +139,8 @@ async def generate(
                 if chunk.usage is not None:
                     outcome.completion_tokens = chunk.usage.completion_tokens
                 if outcome.completion_tokens > 0 and outcome.ttft_s is None:
-                    outcome.ttft_s = time.monotonic() - sent
+                    outcome.first_at = time.monotonic()
+                    outcome.ttft_s = outcome.first_at - sent
                 outcome.finish_reason = chunk.finish_reason or outcome.finish_reason
     except EngineError as exc:
         outcome.error = str(exc)
@@ -161,6 +164,7 @@ async def complete(
         response = await client.post(f"{url}/v1/completions", json=body, timeout=900)
         response.raise_for_status()
         answer = response.json()
+        outcome.first_at = time.monotonic()
         outcome.completion_tokens = answer["usage"]["completion_tokens"]
         outcome.finish_reason = answer["choices"][0]["finish_reason"]
     except httpx.HTTPError as exc:
@@ -312,9 +316,22 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
             done = await flood.finished()
             after = await counters(client, server)
 
+        engine_side = {
+            k: round(during.get(k, 0.0) - before.get(k, 0.0), 3)
+            for k in (
+                "backfill_sched_steps_total",
+                "backfill_sched_batch_paused_steps_total",
+                "vllm:request_queue_time_seconds_sum",
+                "vllm:request_prefill_time_seconds_sum",
+            )
+        }
+        engine_side["longest_pause_s"] = round(
+            during.get("backfill_sched_batch_longest_pause_seconds", -1.0), 3
+        )
         print(
             f"\n[step-sched] TTFT alone {alone.ttft_s:.2f} s, two together beside 12 batch "
-            f"{[round(o.ttft_s or -1, 2) for o in inter]} s (machine shared: indicative)"
+            f"{[round(o.ttft_s or -1, 2) for o in inter]} s (machine shared: indicative); "
+            f"in the engine {engine_side}"
         )
         for o in (alone, *inter):
             assert o.error is None, o
@@ -339,8 +356,13 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
             assert o.error is None, o.error
             assert (o.completion_tokens, o.finish_reason) == (FLOOD_TOKENS, "length"), o
         assert after["backfill_sched_batch_paused"] == 0
-        # A loose bound only: the point is the counters above, and this machine is shared.
-        assert max(o.ttft_s or 0 for o in inter) <= 4 * (alone.ttft_s or 0) + 5.0
+        # Interactive went ahead of batch: each answered while the flood still ran (its 1,900
+        # tokens a request take ~1,900 steps, the two prefills ~60). Not a bound in seconds:
+        # CI's shared machine once took 7 s for what took 0.1-2.7 s here (alone: 0.13 s).
+        last_batch = max(o.first_at or 0.0 for o in done)
+        for o in inter:
+            assert o.first_at is not None, o
+            assert o.first_at < last_batch, (o, last_batch)
 
     asyncio.run(scenario())
 
