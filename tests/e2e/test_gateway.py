@@ -437,23 +437,26 @@ def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw:
                     held = gw.snapshot().interactive_in_use
                     break
         # The connection is closed mid-stream. Generous waits: on a starved machine the
-        # disconnect reaches the relay late (CI once: over 5 s); whether the engine was aborted
-        # rather than left to finish is judged below from the tokens it generated.
-        wait(lambda: gw.snapshot().interactive_in_use == 0, 30, "the lease released")
+        # disconnect reaches the relay late (CI once: over 5 s; beside a CPU hog at load 10 the
+        # lease was still held after 30 s); whether the engine was aborted rather than left to
+        # finish is judged below from the tokens it generated.
+        wait(lambda: gw.snapshot().interactive_in_use == 0, 90, "the lease released")
         wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 30, "the engine abort")
         wait(lambda: gw.metric("backfill_gateway_in_flight") == 0, 30, "the relay to end")
         if gw.metric(ended, outcome="disconnected") == disconnects_before:
             continue
         time.sleep(0.5)
         generated = gw.engine_metric("vllm:generation_tokens_total") - generated_before
-        if held == 0 and generated >= 480:
-            # The engine finished (and the lease went) before the client read its first
-            # event; the client then left a relay that was only flushing buffers.
+        if generated >= 480:
+            # The engine finished before the disconnect reached it: the lease went before the
+            # client read its first event (the client then left a relay only flushing
+            # buffers), or the client or relay was starved of CPU while the engine ran its
+            # ~1 s of tokens (seen beside two CPU hogs). Proves nothing; try again. A gateway
+            # that never aborts fails every try.
             continue
         assert held > 0, "the lease was not held while the stream was open"
-        assert generated < 480, f"the engine generated {generated} tokens: it was not aborted"
         return
-    pytest.fail("the engine finished every stream before the client could disconnect")
+    pytest.fail("the engine finished every stream before the client's disconnect reached it")
 
 
 def test_traffic_that_bypasses_the_gateway_narrows_batch_slack(gw: Gateway) -> None:

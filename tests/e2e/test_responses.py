@@ -273,14 +273,16 @@ def test_closing_a_responses_stream_aborts_the_request_in_the_engine(engine_url:
                 async for event in stream:
                     if event.get("type") == "response.output_text.delta":
                         deltas += 1
-                    if deltas >= 5:
+                    # Closed at the first delta: the engine (512 tokens of context here) can
+                    # finish 450 tokens before a client starved of CPU reads a fifth one.
+                    if deltas >= 1:
                         break
                 else:
                     return None  # ended before it could be closed: nothing tested
             after = await _idle(client, timeout_s=10)
             return deltas, before, after
 
-    for _ in range(4):
+    for _ in range(8):
         outcome = asyncio.run(one_try())
         if outcome is None:
             continue
