@@ -406,6 +406,25 @@ def test_a_request_that_cannot_get_room_is_refused_with_retry_after(gw: Gateway)
     wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "every lease released")
 
 
+def _interactive_state(gw: Gateway) -> str:
+    """What holds interactive room now, and where the gateway's relays stand: for a failure."""
+    snap = gw.snapshot()
+    leases = [
+        (lease.lease_id, lease.owner, snap.now_ms - lease.started_at_ms, lease.generated_tokens)
+        for lease in snap.leases
+        if lease.service_class == "interactive"
+    ]
+    outcomes = {
+        o: gw.metric("backfill_gateway_requests_total", outcome=o)
+        for o in ("completed", "disconnected", "engine_error")
+    }
+    return (
+        f"interactive leases (id, owner, age ms, generated) {leases}; relays in flight "
+        f"{gw.metric('backfill_gateway_in_flight')}; relays ended {outcomes}; engine running "
+        f"{gw.engine_metric('vllm:num_requests_running')}"
+    )
+
+
 def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw: Gateway) -> None:
     body = {
         "model": MODEL,
@@ -440,7 +459,10 @@ def test_client_disconnect_mid_stream_frees_the_lease_and_the_engine_request(gw:
         # disconnect reaches the relay late (CI once: over 5 s; beside a CPU hog at load 10 the
         # lease was still held after 30 s); whether the engine was aborted rather than left to
         # finish is judged below from the tokens it generated.
-        wait(lambda: gw.snapshot().interactive_in_use == 0, 90, "the lease released")
+        try:
+            wait(lambda: gw.snapshot().interactive_in_use == 0, 90, "the lease released")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {_interactive_state(gw)}") from None
         wait(lambda: gw.engine_metric("vllm:num_requests_running") == 0, 30, "the engine abort")
         wait(lambda: gw.metric("backfill_gateway_in_flight") == 0, 30, "the relay to end")
         if gw.metric(ended, outcome="disconnected") == disconnects_before:
