@@ -23,4 +23,5 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest "$@"
+# The slowest 15 tests close the log, so a slow machine shows where its time went.
+exec .venv/bin/python -m pytest --durations=15 "$@"
