@@ -12,8 +12,14 @@ vLLM calls for each request right before it allocates KV slots):
   ``num_computed_tokens`` (vLLM already skips running requests that get no tokens in a step,
   e.g. when the token budget runs out), so nothing is aborted or recomputed, and an abort or
   finish while paused is vLLM's ordinary path;
-- batch prefill, all batch requests together, gets at most the step's chunk cap;
-- waiting batch is not admitted while interactive work is pending.
+- batch prefill, all batch requests together, gets at most the step's chunk cap; a prefill
+  vLLM would not split (chunked prefill off, Mamba block alignment, encoder inputs, pooling,
+  a seeded request on CPU) gets its whole chunk or nothing, and a cut chunk keeps vLLM's MTP
+  prefill-lookahead rule;
+- waiting batch is not admitted while interactive work that can start this step is pending.
+  It is *set aside*: taken out of vLLM's waiting queues for the step and put back after it,
+  never given 0 tokens in vLLM's waiting scan, which reads 0 as "admit nobody else this
+  step" (vLLM 0.32) and would leave every interactive request behind it waiting.
 
 Because paused batch stays in ``running``, vLLM's priority policy still preempts batch first
 when a running interactive request needs a KV block. What it does not do is closed here,
@@ -44,8 +50,9 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.interface import PauseState  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -59,17 +66,14 @@ from backfill_vllm.policy import (  # noqa: E402
     plan_step,
     slot_victims,
 )
+from backfill_vllm.refusals import (  # noqa: E402
+    EngineFacts,
+    UnsupportedEngineConfigError,
+    refusal_line,
+    refusals,
+)
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
 from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
-
-
-def _unsplittable(request: Request) -> bool:
-    """A request whose prefill the chunk cap must not split: on CPU, one with a seed (vLLM
-    0.32's CPU runner rewinds a seeded request's generator after a partial prefill, which
-    torch's CPU generator refuses: "CPU Generator does not use offset", and the engine dies)."""
-    params = request.sampling_params
-    return params is not None and params.seed is not None and current_platform.is_cpu()
-
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
 logger = init_logger("vllm.backfill_vllm")
@@ -102,14 +106,11 @@ class BackfillScheduler(Scheduler):
         self, *args: Any, settings: SchedulerSettings | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        reasons = refusals(self._engine_facts())
+        if reasons:
+            raise UnsupportedEngineConfigError(refusal_line(reasons))
         self.backfill = settings or SchedulerSettings.from_env()
         s = self.backfill
-        if self.policy != SchedulingPolicy.PRIORITY:
-            logger.warning(
-                "backfill_vllm: the engine runs --scheduling-policy %s; batch is known by its "
-                "priority, so run --scheduling-policy priority (until then nothing is batch)",
-                self.policy.value,
-            )
         self.backfill_metrics = SchedulerMetrics(__version__, vllm_version, s.batch_priority)
         self._step_model = StepTimeModel(s.model_window, s.model_min_samples)
         self._tracks: dict[str, _BatchTrack] = {}
@@ -151,10 +152,59 @@ class BackfillScheduler(Scheduler):
             where,
         )
 
+    def _engine_facts(self) -> EngineFacts:
+        parallel = self.parallel_config
+        connector = getattr(self, "connector", None)
+        return EngineFacts(
+            scheduling_policy=self.policy.value,
+            pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+            data_parallel_size=int(parallel.data_parallel_size),
+            kv_connector=type(connector).__name__ if connector is not None else None,
+            num_spec_tokens=int(getattr(self, "num_spec_tokens", 0) or 0),
+        )
+
     # -- classes -------------------------------------------------------------------------
 
     def is_batch(self, request: Request) -> bool:
         return bool(request.priority >= self.backfill.batch_priority)
+
+    def _startable(self, request: Request, kv_holding: bool) -> bool:
+        """Whether vLLM's waiting scan could start ``request`` this step: not while it waits
+        for streaming input, a remote KV load or its grammar, nor from ``waiting`` while vLLM's
+        own pause state admits nothing new. Only such work holds batch back."""
+        if self._pause_state == PauseState.PAUSED_ALL:
+            return False
+        if not kv_holding and self._pause_state != PauseState.UNPAUSED:
+            return False
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            return False
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return request.request_id in self.finished_recving_kv_req_ids
+        if status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            wanted = request.structured_output_request
+            return (
+                wanted is not None
+                and wanted.grammar is not None
+                and not isinstance(wanted.grammar, Exception)
+            )
+        return True
+
+    def _whole_or_nothing(self, request: Request) -> bool:
+        """A request whose prefill chunk the cap must not cut, only grant or withhold whole:
+        where vLLM itself would not split it (chunked prefill off; Mamba/hybrid chunks aligned
+        to blocks; encoder inputs, whose placement vLLM has already sized; pooling requests),
+        and on CPU one with a seed (vLLM 0.32's CPU runner rewinds a seeded request's
+        generator after a partial prefill, which torch's CPU generator refuses: "CPU Generator
+        does not use offset", and the engine dies)."""
+        if not self.scheduler_config.enable_chunked_prefill:
+            return True
+        if getattr(self, "need_mamba_block_aligned_split", False):
+            return True
+        if request.has_encoder_inputs or request.pooling_params is not None:
+            return True
+        params = request.sampling_params
+        return params is not None and params.seed is not None and current_platform.is_cpu()
 
     def _waiting_interactive(self) -> Iterator[Request]:
         """Waiting interactive requests in the order vLLM admits them. Under the priority
@@ -165,11 +215,30 @@ class BackfillScheduler(Scheduler):
         for queue in (self.kv_holding_waiting, self.waiting):
             if ordered and (not queue or queue.peek_request().priority >= bar):
                 continue
+            kv_holding = queue is self.kv_holding_waiting
             for request in queue:
                 if request.priority < bar:
-                    yield request
+                    if self._startable(request, kv_holding):
+                        yield request
                 elif ordered:
                     break
+
+    def _set_aside_waiting_batch(self) -> list[tuple[RequestQueue, list[Request]]]:
+        """Take the waiting batch requests out of vLLM's queues for one step."""
+        bar = self.backfill.batch_priority
+        aside: list[tuple[RequestQueue, list[Request]]] = []
+        for queue in (self.kv_holding_waiting, self.waiting):
+            batch = [r for r in queue if r.priority >= bar]
+            if batch:
+                queue.remove_requests(batch)
+                aside.append((queue, batch))
+        return aside
+
+    @staticmethod
+    def _put_back(aside: list[tuple[RequestQueue, list[Request]]]) -> None:
+        for queue, batch in aside:
+            for request in batch:
+                queue.add_request(request)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -186,11 +255,19 @@ class BackfillScheduler(Scheduler):
         plan = plan_step(self._view(now), self.backfill)
         if plan.holding:
             self._make_room()
+        # Waiting batch that may not start this step is set aside, never given 0 tokens in
+        # vLLM's waiting scan (0.32 stops the scan there, whoever waits behind it).
+        aside = (
+            self._set_aside_waiting_batch()
+            if not plan.admit_batch or plan.prefill_allowance <= 0
+            else []
+        )
         self._plan, self._allowance_left, self._capped = plan, plan.prefill_allowance, 0
         try:
             output = super().schedule(throttle_prefills)
         finally:
             self._plan = None
+            self._put_back(aside)
         self._account(plan, output, now)
         if output.total_num_scheduled_tokens > 0:
             if len(self._in_flight) > 16:
@@ -262,7 +339,7 @@ class BackfillScheduler(Scheduler):
             return 0
         if request.num_tokens - num_computed_tokens <= 1:
             return int(granted)  # a decode token
-        if granted > self._allowance_left and _unsplittable(request):
+        if granted > self._allowance_left and self._whole_or_nothing(request):
             # Its prefill must not be cut by the cap: whole, as the step's first batch
             # prefill, or not in this step.
             whole = self._allowance_left == plan.prefill_allowance
@@ -271,6 +348,9 @@ class BackfillScheduler(Scheduler):
                 self._capped += granted
             return int(granted) if whole else 0
         allowed = min(granted, self._allowance_left)
+        if allowed < granted:
+            # A cut chunk keeps vLLM's rule too: never end within the MTP prefill lookahead.
+            allowed = super()._reserve_prefill_lookahead(request, num_computed_tokens, allowed)
         self._capped += granted - allowed
         self._allowance_left -= allowed
         return int(allowed)

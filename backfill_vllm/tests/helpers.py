@@ -67,14 +67,17 @@ def make_scheduler(
     settings: SchedulerSettings | None = None,
     stock: bool = False,
     async_scheduling: bool = False,
+    policy: str = "priority",
+    chunked_prefill: bool = True,
+    max_model_len: int = 2048,
 ) -> Any:
     """A ``BackfillScheduler`` (or with ``stock`` vLLM's own) over ``num_blocks`` KV blocks."""
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=2048,
-        enable_chunked_prefill=True,
-        policy="priority",
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked_prefill,
+        policy=policy,
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )

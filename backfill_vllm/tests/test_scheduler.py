@@ -12,6 +12,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from backfill_vllm.compat import UnsupportedVllmError, check_vllm_version
+from backfill_vllm.refusals import UnsupportedEngineConfigError
 from backfill_vllm.scheduler import BackfillAsyncScheduler, BackfillScheduler
 from backfill_vllm.settings import SchedulerSettings
 from backfill_vllm.tests.helpers import (
@@ -331,6 +332,111 @@ class PreemptForInteractive(unittest.TestCase):
         out = run_step(s)
         self.assertEqual(set(out.num_scheduled_tokens), {"i0"})
         self.assertEqual(s.backfill_metrics.preemptions_seqs, 1)
+
+
+def hold_kv_and_wait(scheduler, request) -> None:
+    """Move running ``request`` to vLLM's ``kv_holding_waiting`` with its KV blocks and computed
+    tokens kept: where a request whose KV a connector has loaded, or one resumed with its
+    blocks, waits (vLLM scans that queue before ``waiting``)."""
+    scheduler.running.remove(request)
+    request.status = RequestStatus.PREEMPTED
+    scheduler.kv_holding_waiting.add_request(request)
+
+
+class WaitingScan(unittest.TestCase):
+    """vLLM 0.32's waiting scan stops at a request granted 0 tokens: batch that may not start
+    is set aside, never granted 0 where interactive work waits behind it."""
+
+    def check_batch_at_the_head_of_kv_holding_waiting(self, stock: bool) -> None:
+        s = make_scheduler(budget=64, settings=NO_BOUND, stock=stock)
+        b = make_request("b", prompt=100, priority=BATCH, max_tokens=4)
+        s.add_request(b)
+        run_step(s)  # 64 of its 100 prompt tokens
+        self.assertEqual(b.num_computed_tokens, 64)
+        hold_kv_and_wait(s, b)
+        s.add_request(make_request("i", prompt=20, priority=INTERACTIVE, max_tokens=4))
+        first = run_step(s)
+        self.assertIn("i", first.num_scheduled_tokens)
+        if not stock:
+            self.assertNotIn("b", first.num_scheduled_tokens)  # holding: set aside
+            self.assertIn(b, s.kv_holding_waiting)  # and put back, with its blocks
+            self.assertEqual(b.num_computed_tokens, 64)
+        for _ in range(30):
+            if not s.has_unfinished_requests():
+                break
+            run_step(s)
+        self.assertFalse(s.has_unfinished_requests())
+        self.assertEqual(b.num_output_tokens, 4)
+
+    def test_interactive_is_admitted_past_batch_at_the_head_of_kv_holding_waiting(self) -> None:
+        self.check_batch_at_the_head_of_kv_holding_waiting(stock=False)
+
+    def test_stock_vllm_admits_both_in_that_case(self) -> None:
+        self.check_batch_at_the_head_of_kv_holding_waiting(stock=True)
+
+    def test_no_empty_steps_while_interactive_waits_behind_waiting_batch(self) -> None:
+        # Two batch requests wait (one holding KV), one interactive behind them: every step
+        # has work until all are done, and interactive is served first.
+        s = make_scheduler(budget=64, settings=NO_BOUND)
+        b0 = make_request("b0", prompt=100, priority=BATCH, max_tokens=4)
+        s.add_request(b0)
+        run_step(s)
+        hold_kv_and_wait(s, b0)
+        s.add_request(make_request("b1", prompt=30, priority=BATCH, max_tokens=4))
+        s.add_request(make_request("i", prompt=150, priority=INTERACTIVE, max_tokens=4))
+        empty = 0
+        order = []
+        for _ in range(40):
+            if not s.has_unfinished_requests():
+                break
+            out = run_step(s)
+            empty += out.total_num_scheduled_tokens == 0
+            order += [r for r in out.finished_req_ids if r not in order]
+        self.assertEqual(empty, 0)
+        self.assertFalse(s.has_unfinished_requests())
+        self.assertEqual(order[0], "i")
+
+    def test_interactive_that_cannot_start_does_not_hold_batch(self) -> None:
+        # An interactive request waiting for more streaming input cannot start: batch goes
+        # on decoding beside it (before: paused every step, with the starvation bound off).
+        s = make_scheduler(budget=64, settings=NO_BOUND)
+        batch = decode_batch(s, 2)
+        waiting = make_request("i", prompt=20, priority=INTERACTIVE, max_tokens=4)
+        s.add_request(waiting)
+        waiting.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+        for _ in range(5):
+            out = run_step(s)
+            self.assertEqual(set(out.num_scheduled_tokens), {r.request_id for r in batch})
+        self.assertEqual(s.backfill_metrics.paused_steps, 0)
+
+
+class EngineRefusals(unittest.TestCase):
+    def test_fcfs_is_refused_in_one_line(self) -> None:
+        with self.assertRaises(UnsupportedEngineConfigError) as err:
+            make_scheduler(policy="fcfs")
+        said = str(err.exception)
+        self.assertIn("--scheduling-policy fcfs", said)
+        self.assertNotIn("\n", said)
+        make_scheduler(policy="fcfs", stock=True)  # vLLM's own runs it
+
+
+class PrefillRules(unittest.TestCase):
+    def test_with_chunked_prefill_off_a_batch_prefill_runs_whole_as_on_stock(self) -> None:
+        settings = SchedulerSettings(chunk_tokens=256, lift_cap_after_s=0)
+        ours = make_scheduler(
+            budget=2048, chunked_prefill=False, settings=settings, max_model_len=2048
+        )
+        stock = make_scheduler(budget=2048, chunked_prefill=False, stock=True)
+        for s in (ours, stock):
+            s.add_request(make_request("b", prompt=1000, priority=BATCH, max_tokens=4))
+            s.add_request(make_request("c", prompt=300, priority=BATCH, max_tokens=4))
+        self.assertEqual(run_step(stock).num_scheduled_tokens, {"b": 1000, "c": 300})
+        # Never cut: the first batch prefill whole, the next in a later step, not 256 + ...
+        first = run_step(ours).num_scheduled_tokens
+        self.assertEqual(first, {"b": 1000})
+        second = run_step(ours).num_scheduled_tokens
+        self.assertEqual(second.get("c"), 300)
+        self.assertGreater(ours.backfill_metrics.tokens_capped, 0)
 
 
 class Metrics(unittest.TestCase):
