@@ -375,11 +375,14 @@ class BackfillScheduler(Scheduler):
             if not self.is_batch(r)
         )
         reached: list[Request] = []
+        chunks: list[int] = []
         for request in waiting:
             if budget <= 0:
                 break
+            left = max(1, request.num_tokens - request.num_computed_tokens)
             reached.append(request)
-            budget -= max(1, request.num_tokens - request.num_computed_tokens)
+            chunks.append(min(left, budget))  # its first chunk: what this step can give it
+            budget -= left
         free_slots = (
             self.max_num_active_reqs - len(self.running) - self.num_waiting_for_streaming_input
         )
@@ -389,8 +392,23 @@ class BackfillScheduler(Scheduler):
         if not admissible:
             return
         manager = self.kv_cache_manager
+        # Blocks this step allocates for each (its first chunk and lookahead slots, less what
+        # it holds already), in every KV cache group.
+        groups = max(1, len(self.kv_cache_config.kv_cache_groups))
         needs = [
-            cdiv(min(r.num_tokens, self.max_model_len) + 1, self.block_size) for r in admissible
+            groups
+            * max(
+                0,
+                cdiv(
+                    min(
+                        r.num_computed_tokens + chunk + self.num_lookahead_tokens,
+                        self.max_model_len,
+                    ),
+                    self.block_size,
+                )
+                - cdiv(r.num_computed_tokens, self.block_size),
+            )
+            for r, chunk in zip(admissible, chunks, strict=False)
         ]
         if self.running:
             needs[0] += manager.watermark_blocks
@@ -403,12 +421,19 @@ class BackfillScheduler(Scheduler):
             VictimView(
                 r.request_id,
                 r.num_computed_tokens,
-                cdiv(r.num_computed_tokens, self.block_size),
+                self._freed_blocks(r),
                 r.arrival_time,
             )
             for r in self.running
             if self.is_batch(r) and r.status == RequestStatus.RUNNING
         ]
+
+    def _freed_blocks(self, request: Request) -> int:
+        """KV blocks preempting ``request`` gives back to the free pool, in every group: only
+        those it alone holds (a block shared with another running request, a common prefix
+        in the prefix cache, stays held)."""
+        groups = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
+        return sum(1 for blocks in groups for b in blocks if b.ref_cnt == 1 and not b.is_null)
 
     def _preempt(self, request_ids: Iterable[str], reason: str) -> None:
         timestamp = time.monotonic()

@@ -124,12 +124,15 @@ def make_request(
     max_tokens: int = 8,
     arrival: float | None = None,
     seed: int | None = None,
+    shared_prefix: int = 0,
 ) -> Request:
-    """A request whose prompt no other request shares (no prefix-cache hits between them)."""
+    """A request whose prompt no other request shares (no prefix-cache hits between them), or
+    whose first ``shared_prefix`` tokens every request made with the same length shares."""
     salt = next(_seq)
+    head = [(7 * i) % 1000 + 1 for i in range(min(shared_prefix, prompt))]
     return Request(
         request_id=request_id,
-        prompt_token_ids=[(salt * 31 + i) % 1000 + 1 for i in range(prompt)],
+        prompt_token_ids=head + [(salt * 31 + i) % 1000 + 1 for i in range(prompt - len(head))],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed),
         pooling_params=None,
         arrival_time=arrival if arrival is not None else float(salt),

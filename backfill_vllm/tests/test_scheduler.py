@@ -61,7 +61,7 @@ class ClassDetection(unittest.TestCase):
         with self.assertRaises(UnsupportedVllmError) as err:
             check_vllm_version("0.31.2", {})
         said = str(err.exception)
-        self.assertIn("supports vLLM 0.32.0 only; this engine runs vLLM 0.31.2", said)
+        self.assertIn("supports vLLM 0.32.0, 0.33.0 only; this engine runs vLLM 0.31.2", said)
         self.assertNotIn("\n", said)
         check_vllm_version("0.31.2", {"BACKFILL_ALLOW_UNTESTED_VLLM": "1"})
 
@@ -318,6 +318,30 @@ class PreemptForInteractive(unittest.TestCase):
         out = run_step(s)
         self.assertIn("i", out.num_scheduled_tokens)
         self.assertEqual(s.backfill_metrics.preemptions_kv, 1)
+        while s.has_unfinished_requests():
+            run_step(s)
+        self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
+
+    def test_blocks_shared_with_another_request_are_not_counted_as_freed(self) -> None:
+        # 20 blocks of 16. Two batch requests share a 96-token prefix (6 blocks, held once)
+        # and hold ~3 blocks of their own each: 12 held, 8 free. An interactive prompt of 200
+        # tokens needs 13. Preempting one batch request frees its own 3 blocks, not the
+        # shared 6: both must go, or the interactive request still does not fit (and the one
+        # preempted was thrown away for nothing).
+        s = make_scheduler(num_blocks=21, budget=256, settings=NO_BOUND)
+        batch = [
+            make_request(f"b{k}", prompt=128, priority=BATCH, max_tokens=8, shared_prefix=96)
+            for k in range(2)
+        ]
+        for r in batch:
+            s.add_request(r)
+        while any(r.num_output_tokens < 2 for r in batch):
+            run_step(s)
+        self.assertEqual(s.kv_cache_manager.block_pool.get_num_free_blocks(), 8)
+        s.add_request(make_request("i", prompt=200, priority=INTERACTIVE, max_tokens=2))
+        out = run_step(s)
+        self.assertIn("i", out.num_scheduled_tokens)
+        self.assertEqual(s.backfill_metrics.preemptions_kv, 2)
         while s.has_unfinished_requests():
             run_step(s)
         self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
