@@ -45,6 +45,15 @@ class EngineScheduler:
     """Batch sequences the engine preempted for interactive work (KV or sequence slots)."""
     paused_now: int = 0
     longest_pause_s: float = 0.0
+    worker_batch_priority: int | None = None
+    """The priority the node's worker sends batch at (set by the worker when it publishes;
+    None as read from the engine)."""
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the worker sends batch at the priority the engine takes as batch (unknown
+        counts as agreeing)."""
+        return self.worker_batch_priority in (None, self.batch_priority)
 
     @property
     def name(self) -> str:

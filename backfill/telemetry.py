@@ -26,6 +26,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from backfill.engine_scheduler import read_scheduler
 from backfill.ledger import LedgerReadings
 from backfill.states import ITEM_TERMINAL, ItemState, JobState
 from backfill.store import QueueStats
@@ -216,6 +217,13 @@ class BackfillCollector:
             "When a node's work budget last changed (Unix time), labelled with why.",
             labels=["node", "reason"],
         )
+        mismatch = GaugeMetricFamily(
+            "backfill_engine_scheduler_priority_mismatch",
+            "1 where a node's engine scheduler takes batch at another priority than its "
+            "worker sends (the engine then does not pause that batch; the worker's work "
+            "budget keeps preempting for interactive TTFT).",
+            labels=["node"],
+        )
         if self.ledger is None:
             raise _NoLedger
         names = sorted(set(nodes) | set(self.ledger.nodes()))
@@ -258,9 +266,12 @@ class BackfillCollector:
                 ):
                     budget.add_metric([name, kind], value)
                 budget_change.add_metric([name, view.code], view.changed_at_s)
+            engine_scheduler = read_scheduler(self.ledger.client, self.ledger.keys, name)
+            if engine_scheduler is not None:
+                mismatch.add_metric([name], 0 if engine_scheduler.agrees else 1)
         by_state.add_metric(["interactive", ItemState.QUEUED.value], 0)
         by_state.add_metric(["interactive", ItemState.RUNNING.value], interactive_running)
-        return [kv, leases, denials, preemptions, budget, budget_change]
+        return [kv, leases, denials, preemptions, budget, budget_change, mismatch]
 
 
 def _guarded(source: str, section: Callable[[], list[Any]]) -> tuple[list[Any], bool]:

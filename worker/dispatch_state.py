@@ -184,6 +184,14 @@ class DispatcherState:
         )
 
     @property
+    def engine_pauses_batch(self) -> bool:
+        """Whether the engine's step scheduler pauses this worker's batch for interactive
+        work: it runs, and takes batch at the very priority this worker sends (a mismatch is
+        a misconfiguration, and the work budget keeps protecting interactive TTFT)."""
+        seen = self.engine_scheduler
+        return seen is not None and seen.batch_priority == self.config.batch_priority
+
+    @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from backfill.clock import redis_time
 from backfill.dispatch import (
@@ -171,6 +172,19 @@ class Watchers(DispatcherState):
         assert url is not None
         while True:
             seen = await read_engine_scheduler(url)
+            if seen is not None:
+                seen = replace(seen, worker_batch_priority=cfg.batch_priority)
+                was = self.engine_scheduler
+                if not seen.agrees and (was is None or was.agrees):
+                    log.error(
+                        "node %s: the engine's scheduler takes priority >= %d as batch, this "
+                        "worker sends batch at %d: the work budget keeps preempting for "
+                        "interactive TTFT (set BACKFILL_SCHED_BATCH_PRIORITY on the engine "
+                        "and BACKFILL_BATCH_PRIORITY here to one value)",
+                        cfg.node,
+                        seen.batch_priority,
+                        cfg.batch_priority,
+                    )
             if (seen is None) != (self.engine_scheduler is None):
                 log.info(
                     "node %s: %s",
@@ -242,7 +256,7 @@ class Watchers(DispatcherState):
         """How often the work budget steps now: less often while the engine's step scheduler
         pauses batch itself."""
         cfg = self.config
-        if self.engine_scheduler is not None:
+        if self.engine_pauses_batch:
             return cfg.budget_interval_with_scheduler_s
         return cfg.budget_interval_s
 
@@ -300,7 +314,7 @@ class Watchers(DispatcherState):
         budget = self.work_budget = decision.budget
         if decision.changed:
             log.info("node %s: work budget %s", cfg.node, describe(budget))
-        pauses = self.engine_scheduler is not None
+        pauses = self.engine_pauses_batch
         if decision.preempt and pauses:
             log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
         victims = ttft_victims(decision.preempt, pauses, self.view().running)

@@ -11,6 +11,7 @@ and why it last changed are in the capacity view.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -24,6 +25,7 @@ from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
+from backfill.telemetry import BackfillCollector
 from backfill.work_budget import BudgetReason
 from backfill.work_signals import InteractiveSignals
 from tests.e2e import helpers
@@ -279,4 +281,63 @@ def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_
     finally:
         thread.stop()
         thread.join(30)
+    assert thread.error is None
+
+
+def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting_for_ttft(
+    budget_settings: Settings,
+    stores: tuple[Repository, Ledger, redis.Redis],
+    scheduler_engine: devengine.EngineServer,
+) -> None:
+    # The engine's scheduler takes priority >= 10 as batch; this worker sends 11. The engine
+    # would still pause it, but a mismatch is a misconfiguration the worker does not trust:
+    # it says so in one line, publishes it (a metric), and its work budget keeps preempting
+    # for interactive TTFT as on a stock engine.
+    repo, ledger, client = stores
+    assert scheduler_engine.scheduler_metrics_url is not None
+    s = budget_settings.model_copy(
+        update={
+            "engine_scheduler_metrics_url": scheduler_engine.scheduler_metrics_url,
+            "batch_priority": 11,
+        }
+    )
+    thread = NodeThread(s, NODE, scheduler_engine.url)
+    errors: list[str] = []
+    catch = logging.Handler(logging.ERROR)
+    catch.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
+    worker_log = logging.getLogger("backfill.worker")
+    worker_log.addHandler(catch)
+    try:
+        thread.start()
+        try:
+            assert thread.started.wait(60), f"node did not start: {thread.error}"
+            d = _dispatcher(thread)
+            wait(lambda: d.engine_scheduler is not None, 30, "the engine's scheduler detected")
+            assert not d.engine_pauses_batch
+            said = [e for e in errors if "takes priority" in e]
+            assert len(said) == 1, said
+            assert "takes priority >= 10 as batch, this worker sends batch at 11" in said[0]
+            assert "\n" not in said[0]
+            gateway = FakeGateway(client, s)
+            job = _submit(repo, 30, max_tokens=MAX_TOKENS)
+            wait(lambda: d.in_flight >= 8, 60, "batch in flight")
+            end = time.monotonic() + 15
+            while d.stats.budget_preemptions == 0 and time.monotonic() < end:
+                gateway.publish(
+                    InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5)
+                )
+                time.sleep(0.1)
+            assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
+            gateway.clear()
+            metrics = list(BackfillCollector(repo, ledger).collect())
+            [mismatch] = [
+                m for m in metrics if m.name == "backfill_engine_scheduler_priority_mismatch"
+            ]
+            assert [(x.labels["node"], x.value) for x in mismatch.samples] == [(NODE, 1)]
+            wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
+        finally:
+            thread.stop()
+            thread.join(30)
+    finally:
+        worker_log.removeHandler(catch)
     assert thread.error is None
