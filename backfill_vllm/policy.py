@@ -8,7 +8,9 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   computed tokens and carry no tokens (nothing aborted, nothing recomputed), and no waiting
   batch request is admitted;
 - *relief*: a paused sequence at its starvation bound (``starvation_steps`` steps or
-  ``starvation_s`` seconds without progress) carries tokens in this step anyway;
+  ``starvation_s`` seconds without progress) carries tokens in this step anyway; a waiting
+  (or preempted) batch request at the same bound in seconds is admitted anyway, so a
+  sustained interactive load never holds batch back without bound;
 - *ride-along*: with ``ride_along_share`` > 0, batch decoders carry tokens in a holding step up
   to that share of the step's own time, priced by the fitted step-time model;
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
@@ -89,6 +91,8 @@ class StepPlan:
     """Tokens the paused sequences would have carried this step."""
     lifted: bool = False
     """The cap is lifted this step (no interactive request in the engine for a while)."""
+    admitted: frozenset[str] = frozenset()
+    """Waiting batch requests at their starvation bound: admitted in this holding step."""
 
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
@@ -166,8 +170,15 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         riders = candidates[:room]
     moving = relieved_ids | {s.request_id for s in riders}
     paused = [s for s in resident if s.request_id not in moving]
-    # Relieved prefills share one capped chunk; nobody else gets batch prefill while holding.
-    allowance = cap if any(s.prefill_tokens > 0 for s in relieved) else 0
+    # Waiting batch gets the same bound in seconds (it has no paused steps to count).
+    admitted = [
+        s
+        for s in view.sequences
+        if s.batch and not s.resident and starved(settings, s, view.now, step_s)
+    ]
+    # Relieved prefills and starved admissions share one capped chunk; nobody else gets
+    # batch prefill while holding.
+    allowance = cap if admitted or any(s.prefill_tokens > 0 for s in relieved) else 0
     return StepPlan(
         holding=True,
         paused=frozenset(s.request_id for s in paused),
@@ -177,6 +188,7 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         prefill_allowance=allowance,
         admit_batch=False,
         held_tokens=sum(_held(s, cap) for s in paused),
+        admitted=frozenset(s.request_id for s in admitted),
     )
 
 

@@ -223,12 +223,14 @@ class BackfillScheduler(Scheduler):
                 elif ordered:
                     break
 
-    def _set_aside_waiting_batch(self) -> list[tuple[RequestQueue, list[Request]]]:
-        """Take the waiting batch requests out of vLLM's queues for one step."""
+    def _set_aside_waiting_batch(
+        self, keep: frozenset[str]
+    ) -> list[tuple[RequestQueue, list[Request]]]:
+        """Take the waiting batch requests (but ``keep``) out of vLLM's queues for one step."""
         bar = self.backfill.batch_priority
         aside: list[tuple[RequestQueue, list[Request]]] = []
         for queue in (self.kv_holding_waiting, self.waiting):
-            batch = [r for r in queue if r.priority >= bar]
+            batch = [r for r in queue if r.priority >= bar and r.request_id not in keep]
             if batch:
                 queue.remove_requests(batch)
                 aside.append((queue, batch))
@@ -258,7 +260,7 @@ class BackfillScheduler(Scheduler):
         # Waiting batch that may not start this step is set aside, never given 0 tokens in
         # vLLM's waiting scan (0.32 stops the scan there, whoever waits behind it).
         aside = (
-            self._set_aside_waiting_batch()
+            self._set_aside_waiting_batch(plan.admitted)
             if not plan.admit_batch or plan.prefill_allowance <= 0
             else []
         )
@@ -299,6 +301,12 @@ class BackfillScheduler(Scheduler):
         if pending:
             sequences = [self._sequence(r, True) for r in self.running]
             sequences += [self._sequence(r, False) for r in waiting]
+            sequences += [
+                self._sequence(r, False)
+                for queue in (self.kv_holding_waiting, self.waiting)
+                for r in queue
+                if r.priority >= bar
+            ]
         return StepView(
             sequences,
             now,
@@ -335,7 +343,11 @@ class BackfillScheduler(Scheduler):
             return int(granted)
         if request.request_id in plan.paused:
             return 0
-        if request.status != RequestStatus.RUNNING and not plan.admit_batch:
+        if (
+            request.status != RequestStatus.RUNNING
+            and not plan.admit_batch
+            and request.request_id not in plan.admitted
+        ):
             return 0
         if request.num_tokens - num_computed_tokens <= 1:
             return int(granted)  # a decode token
@@ -502,7 +514,7 @@ class BackfillScheduler(Scheduler):
             if paused_now:
                 m.paused_steps += 1
                 m.tokens_held += plan.held_tokens
-            m.relief += sum(1 for r in plan.relieved if r in scheduled)
+            m.relief += sum(1 for r in plan.relieved | plan.admitted if r in scheduled)
             m.ride_along += sum(1 for r in plan.riding if r in scheduled)
 
     def _resident_batch(self) -> tuple[int, int]:

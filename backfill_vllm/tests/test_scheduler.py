@@ -5,6 +5,7 @@ runs; a stand-in samples the tokens). Run with the engine venv's python:
 from __future__ import annotations
 
 import socket
+import time
 import unittest
 import urllib.request
 
@@ -290,6 +291,34 @@ class StarvationBound(unittest.TestCase):
         s.add_request(make_request("i", prompt=320, priority=INTERACTIVE, max_tokens=2))
         outs = [run_step(s).num_scheduled_tokens for _ in range(5)]
         self.assertTrue(all("b0" in o for o in outs))
+
+    def test_waiting_batch_is_admitted_within_the_bound_under_sustained_interactive_load(
+        self,
+    ) -> None:
+        # A new interactive request arrives every step, so one always waits to prefill
+        # (holding), with room left in each step: a batch request waiting beside them is
+        # admitted once it has waited the bound in seconds (before: never while any
+        # interactive work was pending).
+        bound = 0.05
+        s = make_scheduler(
+            budget=64, settings=SchedulerSettings(starvation_steps=0, starvation_s=bound)
+        )
+        s.add_request(make_request("i0", prompt=20, priority=INTERACTIVE, max_tokens=2))
+        run_step(s)
+        s.add_request(make_request("b", prompt=40, priority=BATCH, max_tokens=4))
+        started = time.monotonic()
+        admitted_after = None
+        for k in range(1, 200):
+            s.add_request(make_request(f"i{k}", prompt=20, priority=INTERACTIVE, max_tokens=2))
+            out = run_step(s)
+            self.assertIn(f"i{k}", out.num_scheduled_tokens)  # interactive never waits
+            if "b" in out.num_scheduled_tokens:
+                admitted_after = time.monotonic() - started
+                break
+            time.sleep(0.002)
+        self.assertIsNotNone(admitted_after, "waiting batch never admitted while holding")
+        self.assertGreaterEqual(admitted_after, bound / 2)
+        self.assertGreater(s.backfill_metrics.relief, 0)
 
 
 class PreemptForInteractive(unittest.TestCase):

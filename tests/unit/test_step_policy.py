@@ -367,3 +367,32 @@ def test_kv_victims_free_blocks_only_for_requests_they_can_make_room_for() -> No
     # 2 free + 15 from batch cannot hold 30: nothing is thrown away for it.
     assert kv_victims(running, free_blocks=2, needs=[30]) == []
     assert kv_victims(running, free_blocks=2, needs=[4, 30]) == ["b"]
+
+
+def test_waiting_batch_at_its_bound_in_seconds_is_admitted_while_holding() -> None:
+    # Interactive waits (holding). Of two waiting batch requests, the one that has waited
+    # past starvation_s (1 s) is admitted with a capped chunk; the other stays out.
+    plan = plan_step(
+        view(
+            seq("i", batch=False, resident=False, prefill=50),
+            seq("old", resident=False, prefill=40, progress=0.0),
+            seq("new", resident=False, prefill=40, progress=0.9),
+            now=1.0,
+        ),
+        DEFAULTS,
+    )
+    assert plan.holding
+    assert not plan.admit_batch
+    assert plan.admitted == frozenset({"old"})
+    assert plan.prefill_allowance == plan.chunk_cap
+    no_bound = SchedulerSettings(starvation_steps=0, starvation_s=0)
+    plan = plan_step(
+        view(
+            seq("i", batch=False, resident=False, prefill=50),
+            seq("old", resident=False, prefill=40, progress=-1e6),
+            now=1.0,
+        ),
+        no_bound,
+    )
+    assert plan.admitted == frozenset()
+    assert plan.prefill_allowance == 0
