@@ -47,6 +47,8 @@ class SchedulerMetrics:
     """Steps with the chunk cap lifted (no interactive request in the engine for a while)."""
     tokens_capped: int = 0
     """Batch prefill tokens the chunk cap kept out of a step vLLM would have given them."""
+    step_outliers: int = 0
+    """Steps the step-time model kept out of its fit as outliers."""
     paused_now: int = 0
     running_now: int = 0
     """Batch requests in vLLM's running set after the last step (resident: they hold KV)."""
@@ -111,6 +113,11 @@ class SchedulerMetrics:
                 "batch_tokens_capped",
                 "Batch prefill tokens the chunk cap kept out of a step.",
                 self.tokens_capped,
+            ),
+            (
+                "step_outliers",
+                "Steps the step-time model kept out of its fit as outliers.",
+                self.step_outliers,
             ),
         )
         for name, text, value in counters:

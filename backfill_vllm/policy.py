@@ -97,11 +97,14 @@ class StepPlan:
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
     """Batch prefill tokens one step may carry: what the model says fits ``chunk_target_s``
-    (never under ``min_chunk_tokens``), ``chunk_tokens`` before it has a fit."""
+    (never under ``min_chunk_tokens`` nor over ``max_chunk_tokens``), ``chunk_tokens`` before
+    it has a fit."""
     if fit is None:
         cap = settings.chunk_tokens
     else:
         cap = max(settings.min_chunk_tokens, fit.tokens_within(settings.chunk_target_s))
+        # A near-flat slope (a bad fit) must not lift the cap to vLLM's whole budget.
+        cap = min(cap, settings.max_chunk_tokens)
     return max(1, min(cap, token_budget))
 
 

@@ -485,6 +485,7 @@ class BackfillScheduler(Scheduler):
             m.tokens_capped += self._capped
             m.chunk_cap = plan.chunk_cap
             m.fit = self._step_model.fit()
+            m.step_outliers = self._step_model.outliers
             for request_id in scheduled:
                 track = self._tracks.get(request_id)
                 if track is not None:

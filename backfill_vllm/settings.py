@@ -53,6 +53,10 @@ class SchedulerSettings:
     """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
     min_chunk_tokens: int = 16
     """The cap never goes below this (a slope fitted on a noisy machine can be huge)."""
+    max_chunk_tokens: int = 2048
+    """... nor above this while capped (a slope fitted near zero would otherwise give batch
+    vLLM's whole budget in a step interactive work may be waiting behind). The lift is not
+    bounded by it."""
     ride_along_share: float = 0.0
     """While interactive work waits or prefills, batch decode tokens may ride along up to this
     share of the step's own time (0: every batch sequence pauses)."""
@@ -91,6 +95,11 @@ class SchedulerSettings:
         need(self.lift_fixed_share < 1, "lift_fixed_share", "below 1 (0: vLLM's whole budget)")
         need(self.chunk_tokens >= 1, "chunk_tokens", "at least 1")
         need(self.min_chunk_tokens >= 1, "min_chunk_tokens", "at least 1")
+        need(
+            self.max_chunk_tokens >= self.min_chunk_tokens,
+            "max_chunk_tokens",
+            f"at least the least chunk ({self.min_chunk_tokens})",
+        )
         need(self.starvation_steps >= 0, "starvation_steps", ">= 0 (0: no bound in steps)")
         need(self.model_window >= 2, "model_window", "at least 2")
         need(

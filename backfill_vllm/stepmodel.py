@@ -9,6 +9,11 @@ O(1) and memory stays bounded); the fit follows the machine as its load changes,
 shared CPU it does all the time, as long as the steps carry a spread of prompt tokens (a window
 of steps all at the cap keeps the last fit that could see the line).
 
+A step far slower than the fitted plane predicts (``OUTLIER_FACTOR`` times: a pause of the
+whole process, a page-fault storm, a neighbour on the core) is not let into the fit, where one
+such step would raise the slope and shrink the cap for a whole window; a run of ``MAX_OUTLIER_RUN`` such steps in a row is the machine changing, not noise, and
+is let in.
+
 Two regressors, not one line in all tokens: a line's intercept takes in the decoding
 sequences a busy engine carries in every step (measured on the CPU engine: 0.036 s with a few
 sequences, 0.125 s with ~50, the same engine), so it is not the step's fixed cost, and a
@@ -26,6 +31,10 @@ from dataclasses import dataclass
 # A fit of two regressors needs their correlation below this (|r| < ~0.995): closer, and the
 # split between them is noise.
 _COLLINEAR = 0.99
+# A step this many times slower than the fit predicts is an outlier.
+OUTLIER_FACTOR = 4.0
+# ... unless this many come in a row: then the machine changed, and the fit must follow.
+MAX_OUTLIER_RUN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +80,9 @@ class StepTimeModel:
         self._s = [0.0] * 8
         self._since_resum = 0
         self._held: StepFit | None = None
+        self._outlier_run = 0
+        self.outliers = 0
+        """Steps kept out of the fit as outliers."""
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -83,6 +95,8 @@ class StepTimeModel:
             return
         d = float(min(max(decodes, 0), tokens))
         sample = (float(tokens) - d, d, float(seconds))
+        if self._outlier(sample):
+            return
         self._samples.append(sample)
         self._add(sample, 1.0)
         if len(self._samples) > self.window:
@@ -94,6 +108,26 @@ class StepTimeModel:
             for kept in self._samples:
                 self._add(kept, 1.0)
             self._since_resum = 0
+
+    def _outlier(self, sample: tuple[float, float, float]) -> bool:
+        """Whether to keep ``sample`` out of the fit (and count it)."""
+        n = len(self._samples)
+        if n < self.min_samples:
+            return False
+        fit, informative = self._solve(n)
+        if not informative and self._held is not None:
+            fit = self._held
+        p, d, y = sample
+        predicted = fit.base_s + fit.per_token_s * p + fit.decode_s * d
+        off = predicted > 0 and y > predicted * OUTLIER_FACTOR
+        if not off:
+            self._outlier_run = 0
+            return False
+        if self._outlier_run >= MAX_OUTLIER_RUN:
+            return False  # the machine changed: let its steps in until they fit again
+        self._outlier_run += 1
+        self.outliers += 1
+        return True
 
     def _add(self, sample: tuple[float, float, float], sign: float) -> None:
         p, d, y = sample

@@ -396,3 +396,36 @@ def test_waiting_batch_at_its_bound_in_seconds_is_admitted_while_holding() -> No
     )
     assert plan.admitted == frozenset()
     assert plan.prefill_allowance == 0
+
+
+def test_a_stalled_step_is_kept_out_of_the_fit_but_a_changed_machine_is_followed() -> None:
+    def step(prefill: int, decodes: int) -> float:
+        return 0.01 + 0.0001 * prefill + 0.0005 * decodes
+
+    model = StepTimeModel(window=64, min_samples=16)
+    for i in range(64):
+        decodes = 5 + i % 20
+        prefill = 16 * (1 + (i * 29) % 40)
+        model.observe(prefill + decodes, step(prefill, decodes), decodes=decodes)
+    before = model.fit()
+    assert before is not None
+    model.observe(256 + 10, 20 * step(256, 10), decodes=10)  # the process stalled for a step
+    assert model.fit() == before
+    assert model.outliers == 1
+    # Ten times slower, step after step: past MAX_OUTLIER_RUN in a row it is let in.
+    for i in range(64):
+        decodes = 5 + i % 20
+        prefill = 16 * (1 + (i * 29) % 40)
+        model.observe(prefill + decodes, 10 * step(prefill, decodes), decodes=decodes)
+    after = model.fit()
+    assert after is not None
+    assert after.per_token_s > 5 * before.per_token_s
+
+
+def test_a_flat_fit_never_lifts_the_capped_chunk_past_its_ceiling() -> None:
+    flat = StepFit(base_s=0.01, per_token_s=1e-9, samples=64, per_decode_s=0.0005)
+    assert chunk_cap(DEFAULTS, flat, 8192) == DEFAULTS.max_chunk_tokens
+    low = SchedulerSettings(max_chunk_tokens=300)
+    assert chunk_cap(low, flat, 8192) == 300
+    with pytest.raises(SettingsError, match="BACKFILL_SCHED_MAX_CHUNK_TOKENS"):
+        SchedulerSettings(min_chunk_tokens=64, max_chunk_tokens=32)
