@@ -11,8 +11,9 @@ of steps all at the cap keeps the last fit that could see the line).
 
 A step far slower than the fitted plane predicts (``OUTLIER_FACTOR`` times: a pause of the
 whole process, a page-fault storm, a neighbour on the core) is not let into the fit, where one
-such step would raise the slope and shrink the cap for a whole window; a run of ``MAX_OUTLIER_RUN`` such steps in a row is the machine changing, not noise, and
-is let in.
+such step would raise the slope and shrink the cap for a whole window; after a run of
+``MAX_OUTLIER_RUN`` such steps in a row the machine has changed, not stalled, and its steps
+are let in until they fit again.
 
 Two regressors, not one line in all tokens: a line's intercept takes in the decoding
 sequences a busy engine carries in every step (measured on the CPU engine: 0.036 s with a few
