@@ -47,6 +47,8 @@ class SchedulerMetrics:
     """Steps with the chunk cap lifted (no interactive request in the engine for a while)."""
     tokens_capped: int = 0
     """Batch prefill tokens the chunk cap kept out of a step vLLM would have given them."""
+    bounded_steps: int = 0
+    """Steps the whole-step bound trimmed batch in (interactive work present or likely)."""
     step_outliers: int = 0
     """Steps the step-time model kept out of its fit as outliers."""
     paused_now: int = 0
@@ -113,6 +115,11 @@ class SchedulerMetrics:
                 "batch_tokens_capped",
                 "Batch prefill tokens the chunk cap kept out of a step.",
                 self.tokens_capped,
+            ),
+            (
+                "bounded_steps",
+                "Steps the whole-step bound trimmed batch in.",
+                self.bounded_steps,
             ),
             (
                 "step_outliers",

@@ -13,6 +13,11 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   sustained interactive load never holds batch back without bound;
 - *ride-along*: with ``ride_along_share`` > 0, batch decoders carry tokens in a holding step up
   to that share of the step's own time, priced by the fitted step-time model;
+- the *whole-step bound*: while interactive work is in the engine or was within
+  ``interactive_likely_s``, batch decodes and prefill together add at most ``chunk_target_s``
+  to a step by the fitted model (half under async scheduling, where an arrival waits for the
+  step in flight and the one already scheduled behind it); batch decodes take turns when they
+  alone would pass it, the longest without progress first;
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
   model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
   arriving mid-step waits at most one short step; lifted once no interactive request has been
@@ -33,6 +38,7 @@ what it did. Nothing here imports vLLM.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +75,9 @@ class StepView:
     """The most tokens vLLM schedules in one step."""
     interactive_quiet_s: float = 0.0
     """Seconds since an interactive request was last in the engine (0 while one is)."""
+    async_steps: bool = False
+    """The engine schedules a step before the one in flight has come back (async
+    scheduling): an arrival waits for both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,8 @@ class StepPlan:
     """The cap is lifted this step (no interactive request in the engine for a while)."""
     admitted: frozenset[str] = frozenset()
     """Waiting batch requests at their starvation bound: admitted in this holding step."""
+    bounded: bool = False
+    """The whole-step bound trimmed batch in this step (decodes in turns, or prefill)."""
 
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
@@ -156,6 +167,8 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         lifted = cap_lifted(settings, view)
         if lifted:
             cap = lifted_cap(settings, view.fit, view.token_budget)
+        elif interactive_likely(settings, view) and view.fit is not None:
+            return _bounded_step(view, settings, view.fit, cap)
         return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0, lifted)
 
     resident = [s for s in view.sequences if s.batch and s.resident]
@@ -192,6 +205,62 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         admit_batch=False,
         held_tokens=sum(_held(s, cap) for s in paused),
         admitted=frozenset(s.request_id for s in admitted),
+    )
+
+
+def interactive_likely(settings: SchedulerSettings, view: StepView) -> bool:
+    """Whether interactive work is in the engine or was within ``interactive_likely_s``."""
+    return view.interactive_quiet_s < settings.interactive_likely_s
+
+
+def step_target_s(settings: SchedulerSettings, view: StepView) -> float:
+    """What batch may add to one step: ``chunk_target_s``, halved under async scheduling."""
+    return settings.chunk_target_s / (2 if view.async_steps else 1)
+
+
+def _bounded_step(view: StepView, settings: SchedulerSettings, fit: StepFit, cap: int) -> StepPlan:
+    """A step no interactive work waits in, but may arrive in: batch adds at most the step
+    target to it, decodes first (they hold KV and a slot already), in turns if need be."""
+    target = step_target_s(settings, view)
+    decoders = [s for s in view.sequences if s.batch and s.resident and s.prefill_tokens == 0]
+    room = fit.decodes_within(target)
+    if len(decoders) <= room:
+        left = target - fit.decode_s * len(decoders)
+        allowance = min(cap, max(settings.min_chunk_tokens, fit.tokens_within(left)))
+        return StepPlan(
+            holding=False,
+            paused=frozenset(),
+            relieved=frozenset(),
+            riding=frozenset(),
+            chunk_cap=cap,
+            prefill_allowance=allowance,
+            admit_batch=True,
+            held_tokens=0,
+            bounded=allowance < cap,
+        )
+    # Decodes alone pass the target: they take turns, the longest without progress first;
+    # batch prefill waits (the least chunk keeps it moving).
+    # Those that moved in the same step tie on their progress time: a tie-break that changes
+    # every step (not the id, which would favour the same few each time).
+    turn = sorted(
+        decoders,
+        key=lambda s: (
+            s.last_progress_s or 0.0,
+            zlib.crc32(f"{s.request_id}:{view.now!r}".encode()),
+        ),
+    )
+    moving = max(1, room)
+    paused = turn[moving:]
+    return StepPlan(
+        holding=False,
+        paused=frozenset(s.request_id for s in paused),
+        relieved=frozenset(),
+        riding=frozenset(),
+        chunk_cap=cap,
+        prefill_allowance=min(cap, settings.min_chunk_tokens),
+        admit_batch=True,
+        held_tokens=len(paused),
+        bounded=True,
     )
 
 

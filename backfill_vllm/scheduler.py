@@ -297,6 +297,8 @@ class BackfillScheduler(Scheduler):
                     break
         if present:
             self._interactive_seen_s = now
+        quiet_s = 0.0 if present else now - self._interactive_seen_s
+        likely = quiet_s < self.backfill.interactive_likely_s
         sequences: list[SequenceView] = []
         if pending:
             sequences = [self._sequence(r, True) for r in self.running]
@@ -307,13 +309,16 @@ class BackfillScheduler(Scheduler):
                 for r in queue
                 if r.priority >= bar
             ]
+        elif likely:
+            sequences = [self._sequence(r, True) for r in self.running]
         return StepView(
             sequences,
             now,
             self._step_model.fit(),
             self._last_step_s,
             self.max_num_scheduled_tokens,
-            interactive_quiet_s=now - self._interactive_seen_s,
+            interactive_quiet_s=quiet_s,
+            async_steps=bool(self.scheduler_config.async_scheduling),
         )
 
     def _sequence(self, request: Request, resident: bool) -> SequenceView:
@@ -482,6 +487,7 @@ class BackfillScheduler(Scheduler):
         with m.lock:
             m.steps += 1
             m.lifted_steps += plan.lifted
+            m.bounded_steps += plan.bounded
             m.tokens_capped += self._capped
             m.chunk_cap = plan.chunk_cap
             m.fit = self._step_model.fit()

@@ -57,6 +57,12 @@ class SchedulerSettings:
     """... nor above this while capped (a slope fitted near zero would otherwise give batch
     vLLM's whole budget in a step interactive work may be waiting behind). The lift is not
     bounded by it."""
+    interactive_likely_s: float = 2.0
+    """For this long after an interactive request was last in the engine, more are likely
+    (arrivals come in bursts), and every step is bounded whole: batch decodes and prefill
+    together add at most ``chunk_target_s`` to it by the fitted model (half that under async
+    scheduling, where an arrival also waits for the step already scheduled), batch decodes
+    running in turns when they alone would pass it. 0: only batch prefill is capped."""
     ride_along_share: float = 0.0
     """While interactive work waits or prefills, batch decode tokens may ride along up to this
     share of the step's own time (0: every batch sequence pauses)."""
@@ -87,6 +93,7 @@ class SchedulerSettings:
             "lift_cap_after_s",
             "lifted_step_target_s",
             "lift_fixed_share",
+            "interactive_likely_s",
         ):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, name, "a number >= 0")

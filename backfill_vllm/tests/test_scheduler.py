@@ -16,6 +16,7 @@ from backfill_vllm.compat import UnsupportedVllmError, check_vllm_version
 from backfill_vllm.refusals import UnsupportedEngineConfigError
 from backfill_vllm.scheduler import BackfillAsyncScheduler, BackfillScheduler
 from backfill_vllm.settings import SchedulerSettings
+from backfill_vllm.stepmodel import StepFit, StepTimeModel
 from backfill_vllm.tests.helpers import (
     BATCH,
     INTERACTIVE,
@@ -319,6 +320,58 @@ class StarvationBound(unittest.TestCase):
         self.assertIsNotNone(admitted_after, "waiting batch never admitted while holding")
         self.assertGreaterEqual(admitted_after, bound / 2)
         self.assertGreater(s.backfill_metrics.relief, 0)
+
+
+class _FixedFit(StepTimeModel):
+    """A step-time model that has already fitted ``fit`` (synthetic steps take microseconds)."""
+
+    def __init__(self, fit: StepFit) -> None:
+        super().__init__()
+        self._fixed = fit
+
+    def observe(self, tokens: int, seconds: float, decodes: int = 0) -> None:
+        pass
+
+    def fit(self) -> StepFit:
+        return self._fixed
+
+
+class WholeStepBound(unittest.TestCase):
+    """While interactive work is in the engine, batch decodes and prefill together add at most
+    the chunk target to a step (a decode at 1 ms, a target of 10 ms: 10 batch decodes a step,
+    5 under async scheduling)."""
+
+    def check(self, async_scheduling: bool, per_step: int) -> None:
+        s = make_scheduler(
+            max_num_seqs=32, budget=256, settings=NO_BOUND, async_scheduling=async_scheduling
+        )
+        s._step_model = _FixedFit(StepFit(0.005, 0.0001, 64, 0.001))
+        batch = decode_batch(s, 24, prompt=8, max_tokens=40)
+        i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=30)
+        s.add_request(i)
+        while i.num_output_tokens < 1:
+            run_step(s)
+        moved: dict[str, int] = {r.request_id: 0 for r in batch}
+        for _ in range(12):
+            out = run_step(s).num_scheduled_tokens
+            self.assertIn("i", out)  # the interactive stream decodes every step
+            ran = [r for r in out if r != "i"]
+            self.assertLessEqual(len(ran), per_step)
+            for r in ran:
+                moved[r] += 1
+        # In turns: every batch decoder moved within the 12 steps.
+        self.assertTrue(all(n > 0 for n in moved.values()), moved)
+        self.assertGreater(s.backfill_metrics.bounded_steps, 0)
+        while s.has_unfinished_requests():
+            run_step(s)
+        self.assertTrue(all(r.num_output_tokens == 40 for r in batch))
+        self.assertTrue(all(r.num_preemptions == 0 for r in batch))
+
+    def test_batch_decodes_take_turns_beside_an_interactive_stream(self) -> None:
+        self.check(async_scheduling=False, per_step=10)
+
+    def test_under_async_scheduling_the_bound_counts_the_step_already_scheduled(self) -> None:
+        self.check(async_scheduling=True, per_step=5)
 
 
 class PreemptForInteractive(unittest.TestCase):

@@ -40,8 +40,9 @@ def view(
     last_step_s: float = 0.01,
     budget: int = 2048,
     quiet_s: float = 0.0,
+    async_steps: bool = False,
 ) -> StepView:
-    return StepView(seqs, now, fit, last_step_s, budget, quiet_s)
+    return StepView(seqs, now, fit, last_step_s, budget, quiet_s, async_steps)
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -429,3 +430,38 @@ def test_a_flat_fit_never_lifts_the_capped_chunk_past_its_ceiling() -> None:
     assert chunk_cap(low, flat, 8192) == 300
     with pytest.raises(SettingsError, match="BACKFILL_SCHED_MAX_CHUNK_TOKENS"):
         SchedulerSettings(min_chunk_tokens=64, max_chunk_tokens=32)
+
+
+FIT = StepFit(base_s=0.005, per_token_s=0.0001, samples=64, per_decode_s=0.001)
+
+
+def test_while_interactive_is_likely_batch_decodes_take_turns_within_the_step_target() -> None:
+    # 0.01 s of batch a step at 1 ms a decode: 10 of 25 batch decoders move, the longest
+    # without progress first; an interactive decode rides in the same step.
+    decoders = [seq(f"b{k:02}", progress=float(k)) for k in range(25)]
+    plan = plan_step(view(*decoders, seq("i", batch=False), now=30.0, fit=FIT), DEFAULTS)
+    assert not plan.holding
+    assert plan.bounded
+    moving = {f"b{k:02}" for k in range(10)}
+    assert plan.paused == frozenset(s.request_id for s in decoders) - moving
+    # Under async scheduling an arrival also waits for the step already scheduled: half.
+    plan = plan_step(view(*decoders, now=30.0, fit=FIT, async_steps=True), DEFAULTS)
+    assert len(plan.paused) == 20
+
+
+def test_with_room_left_batch_prefill_gets_what_the_decodes_leave() -> None:
+    plan = plan_step(view(*(seq(f"b{k}") for k in range(6)), fit=FIT), DEFAULTS)
+    # 6 decodes = 6 ms of 10: 4 ms of prefill at 0.1 ms a token.
+    assert plan.paused == frozenset()
+    assert plan.prefill_allowance == 40
+    assert plan.bounded
+
+
+def test_past_the_likely_window_only_the_prefill_cap_applies() -> None:
+    decoders = [seq(f"b{k:02}") for k in range(25)]
+    quiet = DEFAULTS.interactive_likely_s
+    plan = plan_step(view(*decoders, fit=FIT, quiet_s=quiet), DEFAULTS)
+    assert plan.paused == frozenset()
+    assert not plan.bounded
+    off = SchedulerSettings(interactive_likely_s=0)
+    assert plan_step(view(*decoders, fit=FIT), off).paused == frozenset()
