@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,7 @@ class Outcome:
     error: str | None = None
     first_at: float | None = None
     """``time.monotonic()`` at the first token (a stream) or at the answer (whole)."""
+    text: str = ""
 
 
 async def generate(
@@ -363,6 +365,115 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
         for o in inter:
             assert o.first_at is not None, o
             assert o.first_at < last_batch, (o, last_batch)
+
+    asyncio.run(scenario())
+
+
+# The same instruction in front of every batch prompt (no salt): vLLM's prefix cache holds its
+# blocks once, shared by every request that starts with it.
+SHARED_PREFIX = [(i * 7) % 1000 + 3 for i in range(512)]
+
+
+async def batch_answer(
+    client: httpx.AsyncClient, url: str, body: dict[str, object], outcome: Outcome
+) -> Outcome:
+    """A batch completion answered whole: its text, tokens and finish in ``outcome``."""
+    try:
+        response = await client.post(
+            f"{url}/v1/completions", json={**body, "priority": BATCH}, timeout=900
+        )
+        response.raise_for_status()
+        answer = response.json()
+        outcome.first_at = time.monotonic()
+        outcome.completion_tokens = answer["usage"]["completion_tokens"]
+        outcome.finish_reason = answer["choices"][0]["finish_reason"]
+        outcome.error = None if outcome.finish_reason else "no finish"
+        outcome.text = answer["choices"][0]["text"]
+    except httpx.HTTPError as exc:
+        outcome.error = repr(exc)
+    return outcome
+
+
+def test_shared_prefixes_and_structured_outputs_among_paused_batch_lose_nothing(
+    sched_engine: devengine.EngineServer,
+) -> None:
+    # Batch whose prompts share a 512-token prefix (prefix-cache hits: blocks held by several
+    # requests at once, which a pause keeps and room-making must not count as freed) and
+    # batch constrained by a JSON schema (a grammar compiled before it may start), with
+    # interactive prefills arriving while they decode: batch pauses, nothing is preempted,
+    # every request ends whole and every constrained answer keeps its schema.
+    server = sched_engine
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client, HttpEngine(server.url) as engine:
+            model = server.served_model_name
+            before = await counters(client, server)
+            shared = [Outcome() for _ in range(6)]
+            constrained = [Outcome() for _ in range(3)]
+            tasks = [
+                batch_answer(
+                    client,
+                    server.url,
+                    {
+                        "model": model,
+                        "prompt": SHARED_PREFIX + prompt(32),
+                        "max_tokens": FLOOD_TOKENS,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                    },
+                    o,
+                )
+                for o in shared
+            ] + [
+                batch_answer(
+                    client,
+                    server.url,
+                    {
+                        "model": model,
+                        "prompt": SHARED_PREFIX + prompt(16),
+                        "max_tokens": 40,
+                        "structured_outputs": {"json": {"type": "string", "enum": ["yes", "no"]}},
+                    },
+                    o,
+                )
+                for o in constrained
+            ]
+            batch = asyncio.gather(*tasks)
+            await until_batch(client, server, requests=before_batch(before) + 9, decoding=1)
+            inter = await asyncio.gather(
+                *(
+                    generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"p{k}", Outcome())
+                    for k in range(2)
+                )
+            )
+            during = await counters(client, server)
+            await asyncio.wait_for(batch, 900)
+            after = await counters(client, server)
+
+        def delta(name: str, at: dict[str, float] = after) -> float:
+            return at.get(name, 0.0) - before.get(name, 0.0)
+
+        print(
+            f"\n[step-sched] shared prefix and JSON schema beside interactive: "
+            f"prefix-cache hits {delta('vllm:prefix_cache_hits_total'):.0f} tokens, paused "
+            f"steps {delta('backfill_sched_batch_paused_steps_total', during):.0f}, TTFT "
+            f"{[round(o.ttft_s or -1, 2) for o in inter]} s"
+        )
+        for o in inter:
+            assert o.error is None, o
+            assert o.completion_tokens == 4, o
+        for o in shared:
+            assert o.error is None, o
+            assert (o.completion_tokens, o.finish_reason) == (FLOOD_TOKENS, "length"), o
+        for o in constrained:
+            assert o.error is None, o
+            assert o.finish_reason == "stop", o
+            assert json.loads(o.text) in ("yes", "no"), o
+        assert delta("vllm:prefix_cache_hits_total") >= 5 * 512
+        assert delta("backfill_sched_batch_pauses_total", during) >= 1
+        assert delta("backfill_sched_batch_preemptions_total") == 0
+        assert delta("vllm:num_preemptions_total") == 0
+        assert after["backfill_sched_batch_paused"] == 0
 
     asyncio.run(scenario())
 
