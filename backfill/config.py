@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backfill.redis_client import SERVER_SCHEMES, check_url, is_cluster_url
@@ -137,6 +137,10 @@ class Settings(BaseSettings):
     # the engine pauses batch in the steps interactive work needs, and the work budget stops
     # preempting batch for interactive TTFT. None: the engine runs vLLM's own scheduler.
     engine_scheduler_metrics_url: str | None = None
+    # The key every engine is started with (vLLM's --api-key): the worker and the gateway send
+    # it, and nobody else reaches the engine's /v1 routes, where a request's priority decides
+    # what the engine's scheduler pauses. None: the engines take requests from anyone.
+    engine_api_key: SecretStr | None = None
     # Prompts one completions line (inputs one embeddings line) may carry: vLLM runs one
     # sequence per prompt or input; each is counted and reserved.
     batch_max_prompts_per_line: PositiveInt = 64

@@ -191,9 +191,12 @@ class InteractiveGateway:
         client = self._clients.get(url)
         if client is None:
             # No read timeout: a generation may take long; the caller's disconnect ends it.
+            key = self.settings.engine_api_key
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(30.0, read=None),
                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+                # The engines' own key (vLLM's --api-key), never the caller's.
+                headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
             )
             self._clients[url] = client
         return client

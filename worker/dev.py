@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -253,8 +254,15 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         endpoint = EMBEDDINGS if embeds else CHAT
         # An embedding model's runs are all prefill, which Backfill's step scheduler (made for
         # decode steps beside interactive work) is not tried with: vLLM's own schedules them.
+        # The engine answers only the gateway and the worker, which hold its key: nobody else
+        # can send it work, nor set a request's priority (what its scheduler pauses).
+        engine_key = secrets.token_urlsafe(24)
+        env["BACKFILL_ENGINE_API_KEY"] = engine_key
         server = devengine.start_model(
-            options.model, kv_cache_gib=1, scheduler=options.scheduler and not embeds
+            options.model,
+            kv_cache_gib=1,
+            scheduler=options.scheduler and not embeds,
+            api_key=engine_key,
         )
         stack.callback(server.stop)
         if server.scheduler_metrics_url is not None:

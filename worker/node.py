@@ -98,7 +98,10 @@ async def run_node(
 ) -> DispatchStats:
     """Serve ``node`` until ``stop`` is set; returns what was done."""
     policy = pool_policy(settings)
-    async with HttpEngine(engine_url) as engine:
+    key = settings.engine_api_key
+    async with HttpEngine(
+        engine_url, api_key=key.get_secret_value() if key is not None else None
+    ) as engine:
         facts = await wait_for_engine(engine, stop)
         if facts is None:
             return DispatchStats()

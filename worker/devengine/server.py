@@ -90,6 +90,8 @@ class EngineServer:
     ready_seconds: float = 0.0
     scheduler_metrics_url: str | None = None
     """Where Backfill's step scheduler serves its metrics; None: vLLM's stock scheduler."""
+    api_key: str | None = None
+    """The key its ``/v1`` routes take (vLLM's ``--api-key``); None: open to anyone."""
     _owns_workdir: bool = field(default=True, repr=False)
 
     @property
@@ -153,6 +155,7 @@ def start_engine(
     max_num_seqs: int | None = None,
     num_gpu_blocks_override: int | None = None,
     enable_log_requests: bool = False,
+    api_key: str | None = None,
     scheduler: bool = False,
     scheduler_settings: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
@@ -167,6 +170,9 @@ def start_engine(
     folder, removed on stop, unless given), and with ``die_with_parent`` is terminated by the
     kernel if this process dies first. Without ``dtype`` it serves the checkpoint's own dtype
     unless this CPU would emulate it (:func:`choose_dtype`).
+
+    With ``api_key`` its ``/v1`` routes answer only requests that carry it (vLLM's
+    ``--api-key``, passed in the environment, not on a command line others can read).
 
     With ``scheduler`` the engine runs Backfill's step scheduler (``--scheduler-cls``), taken
     from this checkout, with ``scheduler_settings`` (``BACKFILL_SCHED_*`` variables) and its
@@ -224,6 +230,9 @@ def start_engine(
         VLLM_NO_USAGE_STATS="1",
         VLLM_DO_NOT_TRACK="1",
     )
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     started = time.monotonic()
     process = harness.spawn(
         argv,
@@ -245,6 +254,7 @@ def start_engine(
         dtype=choice.dtype,
         dtype_reason=choice.reason,
         scheduler_metrics_url=metrics_url,
+        api_key=api_key or None,
         _owns_workdir=owns_workdir,
     )
     try:
