@@ -214,20 +214,30 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     repo, _, client = stores
     d = _dispatcher(node)
     gateway = FakeGateway(client, budget_settings)
-    job = _submit(repo, 30, max_tokens=MAX_TOKENS)
+    jobs = [_submit(repo, 30, max_tokens=MAX_TOKENS)]
     wait(lambda: d.in_flight >= 8, 60, "batch in flight")
-    # Pending for 2.5 s of a 2 s target: the target is spent, so the budget shrinks (to its
+    # Pending for 10 s of a 2 s target: the target is spent, so the budget shrinks (to its
     # floor within a few steps) and batch over it is preempted, decoding or not. The signal is
-    # kept fresh, as a gateway would while the request is still pending.
-    end = time.monotonic() + 15
+    # kept fresh, as a gateway would while the request is still pending, until the worker has
+    # preempted (90 s at most); batch is topped up meanwhile, so it is still in flight when the
+    # signal is read (a loaded CI machine once ran 27 of the 30 items out first, preempting
+    # none). 10 s, not just past the 1 s at-risk point: the worker reads the signal's age on
+    # Redis' clock, anchored from here, whose reading a stalled loop can set back a second.
+    end = time.monotonic() + 90
     while d.stats.budget_preemptions == 0 and time.monotonic() < end:
-        gateway.publish(InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5))
+        gateway.publish(InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 10))
+        if d.in_flight < 4 and len(jobs) < 10:
+            jobs.append(_submit(repo, 30, max_tokens=MAX_TOKENS))
         time.sleep(0.1)
-    assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
+    assert d.stats.budget_preemptions > 0, (
+        f"no work-budget preemption in 90 s over {len(jobs)} jobs: {d.work_budget}; "
+        f"clock offset {d.clock.offset_s():+.3f} s"
+    )
     assert _code(d) is BudgetReason.TTFT_AT_RISK
     gateway.clear()
-    wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 240, "all items")
-    done = repo.items(job, states=[ItemState.SUCCEEDED])
+    for job in jobs:
+        wait(lambda j=job: repo.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30, 240, "items")
+    done = [i for job in jobs for i in repo.items(job, states=[ItemState.SUCCEEDED])]
     assert any(i.preemptions > 0 for i in done), "no preempted item resumed"
     for item in done:
         usage = json.loads(item.result or "{}")["usage"]
