@@ -427,6 +427,8 @@ class BackfillScheduler(Scheduler):
             )
             for r, chunk in zip(admissible, chunks, strict=False)
         ]
+        # Prompt blocks running requests already hold (a shared prefix) take no free block.
+        needs = [max(0, n - self._held_hits(r)) for n, r in zip(needs, admissible, strict=False)]
         if self.running:
             needs[0] += manager.watermark_blocks
         self._preempt(
@@ -444,6 +446,20 @@ class BackfillScheduler(Scheduler):
             for r in self.running
             if self.is_batch(r) and r.status == RequestStatus.RUNNING
         ]
+
+    def _held_hits(self, request: Request) -> int:
+        """Blocks of ``request``'s prompt that the prefix cache has and running requests hold:
+        admitting it takes no free block for them (a cached block nobody holds sits in the
+        free pool, and taking it takes a free block)."""
+        manager = self.kv_cache_manager
+        if request.num_computed_tokens > 0 or not getattr(manager, "enable_caching", False):
+            return 0
+        if request.skip_reading_prefix_cache:
+            return 0
+        hit = manager.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return sum(1 for blocks in hit[0] for b in blocks if b.ref_cnt > 0 and not b.is_null)
 
     def _freed_blocks(self, request: Request) -> int:
         """KV blocks preempting ``request`` gives back to the free pool, in every group: only

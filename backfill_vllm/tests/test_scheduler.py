@@ -428,6 +428,26 @@ class PreemptForInteractive(unittest.TestCase):
             run_step(s)
         self.assertEqual([r.num_output_tokens for r in batch], [8, 8])
 
+    def test_prompt_blocks_a_running_request_holds_are_not_asked_of_the_free_pool(self) -> None:
+        # 20 blocks of 16. A batch request holds a 96-token prefix (6 blocks) and 3 of its
+        # own: 11 free. An interactive prompt of 200 tokens starting with that prefix takes 13
+        # blocks, 6 of them the cached prefix batch holds: 7 free blocks are enough, and no
+        # batch request is preempted (vLLM itself admits it so; before, the whole prompt was
+        # asked of the free pool and the batch request thrown away for nothing).
+        s = make_scheduler(num_blocks=21, budget=256, settings=NO_BOUND)
+        b = make_request("b", prompt=128, priority=BATCH, max_tokens=8, shared_prefix=96)
+        s.add_request(b)
+        while b.num_output_tokens < 2:
+            run_step(s)
+        self.assertEqual(s.kv_cache_manager.block_pool.get_num_free_blocks(), 11)
+        s.add_request(
+            make_request("i", prompt=200, priority=INTERACTIVE, max_tokens=2, shared_prefix=96)
+        )
+        out = run_step(s)
+        self.assertIn("i", out.num_scheduled_tokens)
+        self.assertEqual(s.backfill_metrics.preemptions_kv + s.backfill_metrics.preemptions_seqs, 0)
+        self.assertEqual(b.num_preemptions, 0)
+
     def test_no_batch_is_preempted_for_interactive_work_the_token_budget_cannot_reach(self) -> None:
         # Two slots, both batch; two interactive requests of 100 tokens and a budget of 64:
         # only the first can start this step, so only one batch request gives up its slot.
