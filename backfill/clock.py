@@ -37,6 +37,15 @@ run a process whose clock is off."""
 REFRESH_S = 10.0
 """How often a :class:`SharedClock` re-anchors on the reference clock by default."""
 
+POOR_FACTOR = 4.0
+"""A reading whose round trip is this many times the anchor's (and over ``POOR_FLOOR_S`` each
+way) is a poor one, even when a new anchor is due: a stalled event loop that resumes late
+lengthens the round trip and places the reading late, setting the clock back by up to half the
+stall. The anchor it would replace stays (the monotonic clock drifts parts per million), until
+it is ``STALE_AFTER`` refresh intervals old."""
+POOR_FLOOR_S = 0.005
+STALE_AFTER = 6
+
 
 def _seconds(reply: tuple[int, int] | list[int] | tuple[bytes, bytes]) -> float:
     """``TIME``'s ``(seconds, microseconds)`` reply as float seconds."""
@@ -64,6 +73,8 @@ class SharedClock:
         self._monotonic = monotonic
         # (reference seconds, monotonic seconds at that reading, half its round trip)
         self._anchor: tuple[float, float, float] | None = None
+        # When a poor reading was last turned down (the next try waits a refresh interval).
+        self._declined_mono_s = -float("inf")
 
     @property
     def anchored(self) -> bool:
@@ -88,16 +99,26 @@ class SharedClock:
 
     def due(self) -> bool:
         anchor = self._anchor
-        return anchor is None or self._monotonic() - anchor[1] >= self.refresh_s
+        if anchor is None:
+            return True
+        return self._monotonic() - max(anchor[1], self._declined_mono_s) >= self.refresh_s
 
     def anchor(self, reference_s: float, sent_mono_s: float, received_mono_s: float) -> None:
         """Take one reading of the reference clock, asked at ``sent_mono_s`` and answered at
         ``received_mono_s`` (this host's monotonic clock): the reading is placed at the
         midpoint. A reading with a longer round trip than the current anchor's, taken within
-        the refresh interval, is ignored (a slow reply is a poor anchor)."""
+        the refresh interval, is ignored (a slow reply is a poor anchor); so is a poor one
+        (``POOR_FACTOR``) after it, until the anchor is ``STALE_AFTER`` intervals old."""
         half = max(0.0, received_mono_s - sent_mono_s) / 2
-        if not self.due() and half > self.uncertainty_s:
-            return
+        current = self._anchor
+        if current is not None:
+            age = received_mono_s - current[1]
+            if age < self.refresh_s and half > current[2]:
+                return
+            poor = half > max(POOR_FACTOR * current[2], POOR_FLOOR_S)
+            if poor and age < STALE_AFTER * self.refresh_s:
+                self._declined_mono_s = received_mono_s
+                return
         self._anchor = (reference_s, sent_mono_s + half, half)
 
     async def sync(self, read: Callable[[], Awaitable[float]]) -> None:

@@ -57,9 +57,29 @@ def test_a_slower_reply_within_the_refresh_interval_does_not_replace_a_better_an
     clock.anchor(9999.0, 1001.0, 1003.0)  # a 2 s round trip: a poor reading
     ticks.t = 1001.001
     assert abs(clock.now() - 5001.0) < 1e-6
-    ticks.t = 1011.0  # due: any reading will do
-    clock.anchor(6000.0, 1011.0, 1011.5)
-    assert abs(clock.now() - (6000.0 - 0.25)) < 1e-9
+    ticks.t = 1011.0  # due: a reading as good will do, however late
+    clock.anchor(6000.0, 1011.0, 1011.003)
+    assert abs(clock.now() - (6000.0 - 0.0015)) < 1e-9
+
+
+def test_a_stalled_reading_does_not_set_the_clock_back_until_the_anchor_is_stale() -> None:
+    # Redis answers at once, but the loop resumes 3 s late: the reading, placed at the
+    # midpoint of a 3 s round trip, would read 1.5 s behind. The good anchor stays, and the
+    # next try waits a refresh interval; a poor reading is taken once the anchor is 60 s old.
+    ticks = Ticks()
+    clock = SharedClock(host=lambda: 0.0, monotonic=ticks, refresh_s=10)
+    clock.anchor(5000.0, 1000.0, 1000.002)
+    ticks.t = 1013.0
+    assert clock.due()
+    clock.anchor(5011.999, 1011.999, 1015.0)  # the true time at 1015.0 is 5015.0
+    ticks.t = 1015.0
+    assert abs(clock.now() - 5015.0) < 0.01
+    assert not clock.due()
+    ticks.t = 1025.1
+    assert clock.due()
+    ticks.t = 1063.0
+    clock.anchor(9999.0, 1061.0, 1063.0)  # 62 s after the anchor: stale, even a poor reading
+    assert abs(clock.now() - 10000.0) < 1e-6
 
 
 def test_refresh_reads_the_reference_only_when_due() -> None:
