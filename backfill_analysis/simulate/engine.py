@@ -54,6 +54,10 @@ class EngineConfig:
     """False: first come first served; request priorities are ignored (as vLLM's fcfs)."""
     step_schedule: StepSchedule | None = None
     """Backfill's step-shaping scheduler (``backfill-step``); None: vLLM's stock scheduler."""
+    async_scheduling: bool = False
+    """vLLM's async scheduling (its default on GPU): each step is scheduled while the one
+    before it runs, so a request arriving mid-step waits for that step and one more (the run
+    loop admits arrivals at the previous step's start); Backfill's step target is halved."""
 
     def __post_init__(self) -> None:
         if (
@@ -199,6 +203,9 @@ class Engine:
         """The last step's duration: what the next one is expected to take."""
         self._paused: dict[int, Sequence] = {}
         """Paused batch decoders, oldest progress first (a rider moves to the end)."""
+        self._interactive_seen_s = 0.0
+        """When interactive work last ran (the whole-step bound's window counts from it; from
+        the start, as the engine class's does)."""
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -370,7 +377,19 @@ class Engine:
         budget = cfg.max_num_batched_tokens
         # Backfill's scheduler: batch yields while an interactive sequence waits or prefills.
         holding = sched is not None and self.interactive_unstarted > 0
-        if holding:
+        if self.interactive_running():
+            self._interactive_seen_s = now
+        # The whole-step bound: interactive runs or is likely, none waits: batch decoders take
+        # turns within the step target (paused, the ones in turn ride along).
+        bounded = (
+            sched is not None
+            and not holding
+            and now - self._interactive_seen_s < sched.interactive_likely_s
+        )
+        target = 0.0
+        if sched is not None:
+            target = sched.chunk_target_s / (2 if cfg.async_scheduling else 1)
+        if holding or bounded:
             if len(self._decoding) > len(self._interactive_decoding):
                 self._pause_batch(now)
         elif self._paused:
@@ -385,15 +404,18 @@ class Engine:
         self._decode_blocks_granted = True
         budget -= len(self._decoding)
         riders: list[Sequence] = []
+        batch_s = target
         if holding and self._paused:
             # Paused decoders at their starvation bound carry a token, before anything else.
-            budget = self._take_riders(riders, budget, now, None)
+            budget, _ = self._take_riders(riders, budget, now, None)
+        elif bounded and self._paused:
+            # Decoders first, in turns, as many as the target holds; prefill gets the rest.
+            budget, batch_s = self._take_riders(riders, budget, now, target)
         # Partial prefills, in the order they started, then waiting sequences by priority.
         chunks: list[tuple[Sequence, int]] = []
         prefill_tokens = 0
         attention = 0.0
         preempted_now = bool(report.preempted)
-        batch_s = sched.chunk_target_s if sched is not None else 0.0
         batch_chunked = False
         # While holding, batch prefills at their starvation bound go before interactive ones:
         # the bound is a promise, and the chunk cap keeps what it costs short.
@@ -484,7 +506,7 @@ class Engine:
                     self._decode_length_sum + n_decode * k + sum(r.computed for r in alive),
                 )
             )
-            budget = self._take_riders(riders, budget, now, sched.ride_along_share * base)
+            budget, _ = self._take_riders(riders, budget, now, sched.ride_along_share * base)
         riders = [r for r in riders if r.state == PAUSED]
         report.batch_paused += len(self._paused) - len(riders)
         if n_decode == 0 and not chunks and not riders:
@@ -520,10 +542,10 @@ class Engine:
 
     def _take_riders(
         self, riders: list[Sequence], budget: int, now: float, allowance_s: float | None
-    ) -> int:
+    ) -> tuple[int, float]:
         """Paused decoders, oldest progress first, that carry a token this step: with
         ``allowance_s`` None those at their starvation bound, else as many as fit in that
-        much step time. Returns the token budget left."""
+        much step time. Returns the token budget and the step time left."""
         sched = self.config.step_schedule
         assert sched is not None
         cost = self.config.cost
@@ -548,7 +570,7 @@ class Engine:
             self._grant(seq, extra)
             riders.append(seq)
             budget -= 1
-        return budget
+        return budget, allowance_s if allowance_s is not None else 0.0
 
     def _finish_riders(self, report: StepReport, riders: list[Sequence], end: float) -> None:
         k = self.step_index - 1

@@ -47,6 +47,7 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         config.max_num_seqs,
         priority_scheduling=policy_cls.priority_scheduling,
         step_schedule=spec.knobs.step_schedule if policy_cls.shapes_steps else None,
+        async_scheduling=config.async_scheduling,
     )
     engine = Engine(engine_config)
     policy = policy_cls(engine, list(spec.batch), spec.knobs)
@@ -66,8 +67,12 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
     max_blocks = 0
     timeline: list[KvSample] = []
     next_sample = 0.0
+    # Under async scheduling the step starting now was scheduled when the one before it
+    # started: it takes only what had arrived by then.
+    scheduled_at = now
     while now < horizon:
-        while i < len(arrivals) and arrivals[i].arrival_s + overhead <= now:
+        cutoff = scheduled_at if config.async_scheduling else now
+        while i < len(arrivals) and arrivals[i].arrival_s + overhead <= cutoff:
             policy.on_interactive(arrivals[i], now)
             i += 1
         policy.before_step(now)
@@ -79,10 +84,13 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
             next_sample += spec.sample_every_s
         report = engine.step(now)
         if report.seconds <= 0:
-            # Idle: nothing to run until the next arrival (batch waits on policy or is done).
+            # Idle: nothing to run until the next arrival (batch waits on policy or is done);
+            # no step is in flight, so the next one takes what has arrived by its start.
             nxt = arrivals[i].arrival_s + overhead if i < len(arrivals) else horizon
             now = max(now, min(nxt, horizon, next_sample))
+            scheduled_at = now
             continue
+        scheduled_at = now
         steps += 1
         used = engine.blocks_in_use()
         max_blocks = max(max_blocks, used)

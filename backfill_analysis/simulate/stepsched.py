@@ -36,6 +36,11 @@ class StepSchedule:
     starvation_s: float = 1.0
     """... and within this long of its last progress: it progresses in the last step expected
     to end inside the bound (a step priced as the one before it); 0: no bound in seconds."""
+    interactive_likely_s: float = 0.0
+    """The whole-step bound (``BACKFILL_SCHED_INTERACTIVE_LIKELY_S``): while interactive work
+    runs and for this long after, batch decodes and prefill together add at most the chunk
+    target to a step (half under async scheduling), decoders in turns, oldest progress first;
+    0 (the simulator's default, as before the bound): only batch prefill is capped."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ride_along_share) and self.ride_along_share >= 0):
@@ -46,6 +51,8 @@ class StepSchedule:
             raise ValueError("starvation_steps must be >= 0 (0: no bound in steps)")
         if not (math.isfinite(self.starvation_s) and self.starvation_s >= 0):
             raise ValueError("starvation_s must be >= 0 seconds (0: no bound in seconds)")
+        if not (math.isfinite(self.interactive_likely_s) and self.interactive_likely_s >= 0):
+            raise ValueError("interactive_likely_s must be >= 0 seconds (0: no whole-step bound)")
 
 
 def starved(

@@ -49,10 +49,14 @@ def test_the_verdict_takes_the_most_batch_kept_with_both_ttft_ratios_within_the_
         _point("backfill-step", "d", 1.0, 1.3, 0.9),  # p99 over
         _point("priority", "e", 1.05, 1.05, 0.99),  # another policy
     ]
-    chosen = best(points, "backfill-step")
+    chosen = best(points, "backfill-step", 1.1)
     assert chosen is not None
     assert chosen.value == "b"
-    assert best(points[2:4], "backfill-step") is None
+    # At the headline goal (1.05x) only "a" is within it.
+    headline = best(points, "backfill-step")
+    assert headline is not None
+    assert headline.value == "a"
+    assert best(points[2:4], "backfill-step", 1.1) is None
 
 
 def test_the_engine_schedulers_own_step_model_reads_the_h200_steps_as_the_offline_fit() -> None:

@@ -6,6 +6,7 @@ a sequence slot takes them from batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -431,3 +432,79 @@ def test_the_step_scheduler_needs_priority_scheduling() -> None:
             priority_scheduling=False,
             step_schedule=StepSchedule(),
         )
+
+
+# -- the whole-step bound and async scheduling ---------------------------------------------
+
+
+def test_within_the_likely_window_batch_decoders_take_turns_within_the_step_target() -> None:
+    # 1 ms a decoder, a 10 ms target: 10 of 30 batch decoders a step, each in turn, beside an
+    # interactive decoder; with the bound off all 30 decode in every step.
+    bounded = StepSchedule(chunk_target_s=0.01, interactive_likely_s=2.0, starvation_s=0)
+    for schedule, per_step in ((bounded, 10), (StepSchedule(starvation_s=0), 30)):
+        engine = _engine(schedule)
+        batch, now = _decoding_batch(engine, 30, output=400)
+        inter = Sequence(99, 16, 200, INTERACTIVE, interactive=True)
+        engine.add(inter)
+        _, now = _run_until_first_token(engine, inter, now)
+        before = {s.key: _tokens(engine, s) for s in batch}
+        for _ in range(6):
+            report = engine.step(now)
+            _check_pool(engine)
+            now += report.seconds
+            assert report.batch_output_tokens == per_step
+            assert report.interactive_output_tokens == 1
+        moved = [_tokens(engine, s) - before[s.key] for s in batch]
+        assert all(m >= 1 for m in moved), moved  # in turns: everyone moved in 6 steps
+        assert sum(moved) == 6 * per_step
+
+
+def test_under_async_scheduling_the_step_target_is_halved() -> None:
+    schedule = StepSchedule(chunk_target_s=0.01, interactive_likely_s=2.0, starvation_s=0)
+    engine = Engine(
+        EngineConfig(
+            num_blocks=1000,
+            block_size=16,
+            cost=COST,
+            max_num_batched_tokens=256,
+            max_num_seqs=64,
+            step_schedule=schedule,
+            async_scheduling=True,
+        )
+    )
+    _decoding_batch(engine, 30, output=400)
+    inter = Sequence(99, 16, 200, INTERACTIVE, interactive=True)
+    engine.add(inter)
+    _, now = _run_until_first_token(engine, inter, 1.0)
+    assert engine.step(now).batch_output_tokens == 5
+
+
+def test_under_async_scheduling_an_arrival_waits_for_the_step_in_flight_and_the_next() -> None:
+    # The same lone arrivals beside a batch backlog that keeps every step busy: with async
+    # scheduling each first token comes about one step later (the step already scheduled when
+    # it arrived); a step here is at least the 10 ms overhead.
+    base = _spec()
+    items = batch_items(
+        BatchWorkload(
+            items=3000,
+            jobs=1,
+            prompt_mean=100,
+            prompt_min=32,
+            prompt_max=200,
+            max_output_tokens=400,
+            first_deadline_s=10_000,
+            last_deadline_s=10_000,
+        ),
+        seed=3,
+    )
+    ttft = {}
+    for flag in (False, True):
+        spec = dataclasses.replace(
+            base,
+            batch=items,
+            # Room for everyone: an arrival is admitted in the first step it can be.
+            engine=dataclasses.replace(base.engine, num_blocks=4000, async_scheduling=flag),
+            knobs=dataclasses.replace(base.knobs, batch_concurrency=8),
+        )
+        ttft[flag] = simulate(spec, "priority").ttft_p50_s
+    assert ttft[True] >= ttft[False] + COST.step_overhead_s, ttft
