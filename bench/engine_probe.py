@@ -58,6 +58,11 @@ class Probe:
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
         )
 
+    async def max_model_len(self) -> int:
+        """The served model's context, as the engine reports it (``/v1/models``)."""
+        models = (await self.client.get(f"{self.url}/v1/models")).json()["data"]
+        return int(next(m for m in models if m["id"] == self.model)["max_model_len"])
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -128,7 +133,7 @@ async def prefill_observations(
     return out
 
 
-DECODE_TRIES = 3
+DECODE_TRIES = 6
 """Runs of a decode case before it is left out for never decoding together."""
 
 
@@ -140,22 +145,28 @@ async def decode_observations(
     token), so no prefill step is mistaken for a decode step. A case whose requests never
     decoded together (on a loaded machine the last prefill can end after the first request
     has finished) is run again with twice the output, so the window it needs is wider, up to
-    ``DECODE_TRIES`` times, then left out."""
+    ``DECODE_TRIES`` times or the model's context, then left out (a CI run beside a busy
+    machine left one of four cases out after three tries)."""
+    context = await probe.max_model_len()
     out: list[Observation] = []
     for n, prompt, output in cases:
+        gaps: list[float] = []
+        tried = 0
         for attempt in range(DECODE_TRIES):
-            tokens = output << attempt
+            tokens = min(output << attempt, context - prompt - 1)
+            if tokens <= tried:
+                break  # the context allows no wider window
+            tried = tokens
             timings = await asyncio.gather(*(probe.request(prompt, tokens) for _ in range(n)))
             start = max(t.first for t in timings)
             end = min(t.last for t in timings)
-            gaps = []
             for t in timings:
                 inside = [x for x in t.token_times if start <= x <= end]
                 if len(inside) >= 2:
                     gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
             if gaps:
                 break
-        else:
+        if not gaps:
             continue
         done = sum(sum(1 for x in t.token_times if x < start) for t in timings) / n
         work = StepWork(
