@@ -149,6 +149,26 @@ async def generate(
     return outcome
 
 
+async def batch_answer(
+    client: httpx.AsyncClient, url: str, body: dict[str, object], outcome: Outcome
+) -> Outcome:
+    """A batch completion answered whole: its text, tokens and finish in ``outcome``."""
+    try:
+        response = await client.post(
+            f"{url}/v1/completions", json={**body, "priority": BATCH}, timeout=900
+        )
+        response.raise_for_status()
+        answer = response.json()
+        outcome.first_at = time.monotonic()
+        outcome.completion_tokens = answer["usage"]["completion_tokens"]
+        outcome.finish_reason = answer["choices"][0]["finish_reason"]
+        outcome.error = None if outcome.finish_reason else "no finish"
+        outcome.text = answer["choices"][0]["text"]
+    except httpx.HTTPError as exc:
+        outcome.error = repr(exc)
+    return outcome
+
+
 async def complete(
     client: httpx.AsyncClient, url: str, model: str, max_tokens: int, outcome: Outcome
 ) -> Outcome:
@@ -160,18 +180,8 @@ async def complete(
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
-        "priority": BATCH,
     }
-    try:
-        response = await client.post(f"{url}/v1/completions", json=body, timeout=900)
-        response.raise_for_status()
-        answer = response.json()
-        outcome.first_at = time.monotonic()
-        outcome.completion_tokens = answer["usage"]["completion_tokens"]
-        outcome.finish_reason = answer["choices"][0]["finish_reason"]
-    except httpx.HTTPError as exc:
-        outcome.error = repr(exc)
-    return outcome
+    return await batch_answer(client, url, body, outcome)
 
 
 async def until_paused(
@@ -372,26 +382,6 @@ def test_interactive_is_served_while_batch_pauses_and_batch_loses_nothing(
 # The same instruction in front of every batch prompt (no salt): vLLM's prefix cache holds its
 # blocks once, shared by every request that starts with it.
 SHARED_PREFIX = [(i * 7) % 1000 + 3 for i in range(512)]
-
-
-async def batch_answer(
-    client: httpx.AsyncClient, url: str, body: dict[str, object], outcome: Outcome
-) -> Outcome:
-    """A batch completion answered whole: its text, tokens and finish in ``outcome``."""
-    try:
-        response = await client.post(
-            f"{url}/v1/completions", json={**body, "priority": BATCH}, timeout=900
-        )
-        response.raise_for_status()
-        answer = response.json()
-        outcome.first_at = time.monotonic()
-        outcome.completion_tokens = answer["usage"]["completion_tokens"]
-        outcome.finish_reason = answer["choices"][0]["finish_reason"]
-        outcome.error = None if outcome.finish_reason else "no finish"
-        outcome.text = answer["choices"][0]["text"]
-    except httpx.HTTPError as exc:
-        outcome.error = repr(exc)
-    return outcome
 
 
 def test_shared_prefixes_and_structured_outputs_among_paused_batch_lose_nothing(
