@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,19 +38,27 @@ def _binary(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
-    """A port free now whose cluster bus port (port + 10000) is free too."""
+# Node ports (and their bus ports, port + 10000) lie below Linux's usual ephemeral range
+# (32768 and up): an outgoing connection elsewhere on the machine cannot take one between the
+# check here and the node's own bind.
+_PORTS = range(10000, 22768)
+_BUS_OFFSET = 10000
+
+
+def _free_port(taken: Collection[int] = ()) -> int:
+    """A port free now whose cluster bus port (port + 10000) is free too, neither of them in
+    ``taken`` (ports and bus ports of nodes started but maybe not yet listening)."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 > 65535:
+        port = random.choice(_PORTS)
+        pair = (port, port + _BUS_OFFSET)
+        if any(p in taken for p in pair):
             continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
+        try:
+            for p in pair:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
         return port
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
@@ -101,42 +110,61 @@ class LocalCluster:
     def _start(self, timeout_s: float) -> LocalCluster:
         if self.masters < 3 and self.replicas:
             raise ValueError("a cluster of fewer than three masters is built without replicas")
-        server, cli = _binary("redis-server"), _binary("redis-cli")
+        server = _binary("redis-server")
+        cli = _binary("redis-cli")
         for i in range(self.masters * (1 + self.replicas)):
             folder = self.root / f"node{i}"
             folder.mkdir(parents=True)
-            node = Node(_free_port(), folder)
-            node.process = subprocess.Popen(  # noqa: S603 - the installed binary, fixed flags
-                [
-                    server,
-                    "--port", str(node.port),
-                    "--bind", "127.0.0.1",
-                    "--dir", str(folder),
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                    # A replica takes over however long it was cut off (tests kill masters).
-                    "--cluster-replica-validity-factor", "0",
-                    # The shards that stay up keep serving while one is failing over.
-                    "--cluster-require-full-coverage", "no",
-                    "--save", "",
-                    "--appendonly", "no",
-                    "--maxmemory-policy", "noeviction",
-                    "--logfile", str(folder / "redis.log"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+            node = Node(_free_port(self._taken()), folder)
+            self._launch(server, node)
             self.nodes.append(node)
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
-            self._wait(partial(self._pings, node), deadline, f"redis-server on {node.port}")
+            what = f"redis-server on {node.port}"
+            self._wait(partial(self._answers, server, node), deadline, what)
         if self.masters >= 3:
             self._create(cli, timeout_s)
         else:
             self._assign_slots()
         self.wait_healthy(deadline - time.monotonic())
         return self
+
+    def _taken(self) -> set[int]:
+        return {p for n in self.nodes for p in (n.port, n.port + _BUS_OFFSET)}
+
+    @staticmethod
+    def _launch(server: str, node: Node) -> None:
+        node.process = subprocess.Popen(  # noqa: S603 - the installed binary, fixed flags
+            [
+                server,
+                "--port", str(node.port),
+                "--bind", "127.0.0.1",
+                "--dir", str(node.folder),
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                # A replica takes over however long it was cut off (tests kill masters).
+                "--cluster-replica-validity-factor", "0",
+                # The shards that stay up keep serving while one is failing over.
+                "--cluster-require-full-coverage", "no",
+                "--save", "",
+                "--appendonly", "no",
+                "--maxmemory-policy", "noeviction",
+                "--logfile", str(node.folder / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def _answers(self, server: str, node: Node) -> bool:
+        """Whether ``node`` answers a ping; a node that exited before it did (its port taken
+        by someone else between the check and its bind) starts again on another port."""
+        if node.process is not None and node.process.poll() is not None:
+            (node.folder / "nodes.conf").unlink(missing_ok=True)
+            node.port = _free_port(self._taken())
+            self._launch(server, node)
+            return False
+        return self._pings(node)
 
     def _create(self, cli: str, timeout_s: float) -> None:
         subprocess.run(  # noqa: S603 - the installed redis-cli, fixed flags
