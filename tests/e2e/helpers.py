@@ -4,10 +4,14 @@ batch run to completion through the openai SDK."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -47,6 +51,38 @@ def engine_url(model: str, what: str = "a vLLM engine", **flags: object) -> Iter
     """The URL of an ``engine_server``."""
     for server in engine_server(model, what, **flags):
         yield server.url
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def engine_core(server_pid: int) -> int:
+    """The engine core process under vLLM's API server (it runs the model's steps; the API
+    server keeps answering while it is stopped)."""
+    for child in _children(server_pid):
+        with contextlib.suppress(OSError):
+            if "EngineCore" in Path(f"/proc/{child}/comm").read_text() or "EngineCore" in (
+                Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+            ):
+                return child
+    raise AssertionError(f"no engine core process under {server_pid}: {_children(server_pid)}")
+
+
+@contextmanager
+def engine_core_stopped(server_pid: int) -> Iterator[None]:
+    """The engine core stopped (SIGSTOP) inside the block: no step runs, every stream stays
+    open and sends nothing, the API server still answers (``/tokenize``, ``/metrics``)."""
+    core = engine_core(server_pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(core, signal.SIGCONT)
 
 
 def wait(cond: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.05) -> None:

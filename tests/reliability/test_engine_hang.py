@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from backfill.states import ItemState
+from tests.e2e.helpers import engine_core
 from tests.reliability.conftest import EngineHandle, start_engine
 from tests.reliability.services import WorkerProcess, worker_env
 from tests.reliability.support import Deployment, maintenance, report
@@ -24,25 +25,6 @@ from tests.reliability.support import Deployment, maintenance, report
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STALL_S = 4.0
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def _engine_core(server_pid: int) -> int:
-    """The engine core process under vLLM's API server (it runs the model's steps)."""
-    for child in _children(server_pid):
-        with contextlib.suppress(OSError):
-            if "EngineCore" in Path(f"/proc/{child}/comm").read_text() or "EngineCore" in (
-                Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
-            ):
-                return child
-    raise AssertionError(f"no engine core process under {server_pid}: {_children(server_pid)}")
 
 
 @pytest.fixture
@@ -66,7 +48,7 @@ def test_a_hung_engine_gives_its_items_back_and_the_job_completes_once_it_runs_a
     d = deployment
     d.engine_url = hangable.url
     assert hangable.server is not None
-    core = _engine_core(hangable.server.pid)
+    core = engine_core(hangable.server.pid)
     n = 40
     job = d.submit(n, max_tokens=200, tag="hang")
     s = d.settings
