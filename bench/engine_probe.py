@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,36 @@ class Timing:
         return (self.last - self.first) / max(1, self.output_tokens - 1)
 
 
+_COUNTERS = (
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:iteration_tokens_total_count",
+    "vllm:generation_tokens_total",
+)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What vLLM counts from its engine core's own timestamps and steps, which a loaded API
+    server streaming seconds behind the core does not blur."""
+
+    token_gaps_s: float
+    """Time between a request's tokens, summed (``vllm:inter_token_latency_seconds``)."""
+    token_gaps: float
+    steps: float
+    """Engine steps that produced output (``vllm:iteration_tokens_total``'s count)."""
+    generated: float
+    """Tokens generated (``vllm:generation_tokens_total``)."""
+
+    def since(self, before: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            self.token_gaps_s - before.token_gaps_s,
+            self.token_gaps - before.token_gaps,
+            self.steps - before.steps,
+            self.generated - before.generated,
+        )
+
+
 class Probe:
     """A client for one server and model; every prompt it sends is fresh random tokens."""
 
@@ -65,6 +94,16 @@ class Probe:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def counters(self) -> EngineCounters:
+        """vLLM's own counters so far, from its ``/metrics``."""
+        text = (await self.client.get(f"{self.url}/metrics")).text
+        found = dict.fromkeys(_COUNTERS, 0.0)
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in found:
+                found[name] += float(line.rsplit(" ", 1)[1])
+        return EngineCounters(*(found[name] for name in _COUNTERS))
 
     def _prompt(self, tokens: int) -> list[int]:
         return [self.rng.randrange(_TOKEN_LO, _TOKEN_HI) for _ in range(tokens)]
@@ -135,45 +174,42 @@ async def prefill_observations(
 
 DECODE_TRIES = 6
 """Runs of a decode case before it is left out for never decoding together."""
+TOGETHER = 0.8
+"""The share of a case's requests that must decode in its steps on average."""
 
 
 async def decode_observations(
     probe: Probe, cases: Sequence[tuple[int, int, int]]
 ) -> list[Observation]:
-    """``(sequences, prompt, output)``: that many requests decode together. Only the window
-    in which all of them decode counts (after the last first token, before the first last
-    token), so no prefill step is mistaken for a decode step. A case whose requests never
-    decoded together (on a loaded machine the last prefill can end after the first request
-    has finished) is run again with twice the output, so the window it needs is wider, up to
-    ``DECODE_TRIES`` times or the model's context, then left out (a CI run beside a busy
-    machine left one of four cases out after three tries)."""
+    """``(sequences, prompt, output)``: that many requests decode together; a case's step time
+    is the engine's mean time between tokens over the case, from its core's own timestamps (a
+    client's arrival times on a loaded machine come in bursts, microseconds apart). The few
+    steps that also carry the case's prefills weigh little against its output. A case whose
+    requests did not decode together (fewer than ``TOGETHER`` of them per step on average, as
+    the engine counts its steps: on a loaded machine the API server can pass the last request
+    in after the first has finished) is run again with twice the output, up to
+    ``DECODE_TRIES`` times or the model's context, then left out."""
     context = await probe.max_model_len()
     out: list[Observation] = []
     for n, prompt, output in cases:
-        gaps: list[float] = []
+        seen: EngineCounters | None = None
         tried = 0
         for attempt in range(DECODE_TRIES):
             tokens = min(output << attempt, context - prompt - 1)
             if tokens <= tried:
                 break  # the context allows no wider window
             tried = tokens
-            timings = await asyncio.gather(*(probe.request(prompt, tokens) for _ in range(n)))
-            start = max(t.first for t in timings)
-            end = min(t.last for t in timings)
-            for t in timings:
-                inside = [x for x in t.token_times if start <= x <= end]
-                if len(inside) >= 2:
-                    gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
-            if gaps:
+            before = await probe.counters()
+            await asyncio.gather(*(probe.request(prompt, tokens) for _ in range(n)))
+            run = (await probe.counters()).since(before)
+            if run.token_gaps > 0 and run.steps > 0 and run.generated / run.steps >= TOGETHER * n:
+                seen = run
                 break
-        if not gaps:
+        if seen is None:
             continue
-        done = sum(sum(1 for x in t.token_times if x < start) for t in timings) / n
-        work = StepWork(
-            decode_tokens=n,
-            decode_context=int(n * (prompt + done + (len(timings[0].token_times) - done) / 2)),
-        )
-        out.append(Observation(work, statistics.median(gaps)))
+        # The mean context over the decode: the prompt and half the output.
+        work = StepWork(decode_tokens=n, decode_context=int(n * (prompt + tried / 2)))
+        out.append(Observation(work, seen.token_gaps_s / seen.token_gaps))
     return out
 
 
