@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,10 @@ TENANT_STATE = "backfill.tenant"
 
 REQUEST_ID_STATE = "backfill.request_id"
 """Where the edge leaves the request's id (also sent back as ``x-request-id``)."""
+
+ACCEPTED_STATE = "backfill.accepted"
+"""Where the edge leaves ``time.perf_counter()`` as the request reached it (the gateway's
+hop account starts there)."""
 
 UPLOAD_PATH = "/v1/files"
 INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -172,7 +177,9 @@ class RequestEdge:
             await self.app(scope, receive, send)
             return
         request_id = new_request_id()
-        scope.setdefault("state", {})[REQUEST_ID_STATE] = request_id
+        state = scope.setdefault("state", {})
+        state[ACCEPTED_STATE] = time.perf_counter()
+        state[REQUEST_ID_STATE] = request_id
         send = _with_request_id(send, request_id)
         rules = route_rules(scope["method"], scope["path"], self.limits)
         headers = Headers(scope=scope)

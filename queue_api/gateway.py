@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine, sse_lines
-from backfill.gateway.admission import InteractiveAdmission
+from backfill.gateway.admission import Admitted, InteractiveAdmission
 from backfill.gateway.leases import LeaseKeeper, used_tokens
 from backfill.gateway.nodes import ServingNode
 from backfill.gateway.placement import Admission
@@ -42,7 +42,7 @@ from backfill.refusals import InvalidRequest
 from backfill.store import Repository, TenantRecord
 from backfill.work_signals import PendingInteractive
 from queue_api import gateway_metrics as m
-from queue_api.edge import load_json_body
+from queue_api.edge import ACCEPTED_STATE, load_json_body
 
 log = logging.getLogger("backfill.gateway")
 
@@ -93,6 +93,22 @@ class _Relay:
     done: bool = False
     pending: PendingInteractive | None = None
     """The request as the work budget's signals count it, until its first token."""
+    headers_at: float | None = None
+    """When the engine's response headers came (the hop account's stamp before the first
+    event)."""
+    events: int = 0
+    """Events received from the engine so far."""
+
+    def received_event(self, now: float) -> None:
+        if self.events == 0 and self.headers_at is not None:
+            m.HOPS.labels("engine_first_chunk").observe(now - self.headers_at)
+        self.events += 1
+
+    def handed_on(self, received: float, now: float) -> None:
+        """An event received at ``received`` went to the client by ``now``."""
+        m.HOPS.labels("first_chunk_out" if self.events == 1 else "chunk_out").observe(
+            now - received
+        )
 
     def saw(self, event: Mapping[str, Any], now: float) -> None:
         usage = event.get("usage")
@@ -115,6 +131,16 @@ class _Relay:
         elif self.last_token is not None:
             m.INTER_TOKEN_LATENCY.labels(self.endpoint).observe(now - self.last_token)
         self.last_token = now
+
+
+def _hops(request: Request, received: float, admitted: Admitted) -> None:
+    """The hops of a request up to its lease: edge, parse, reserve (less the wait for room)."""
+    accepted = request.scope.get("state", {}).get(ACCEPTED_STATE)
+    if isinstance(accepted, float):
+        m.HOPS.labels("edge").observe(received - accepted)
+    m.HOPS.labels("parse").observe(admitted.counted_at - received)
+    reserve = admitted.admitted_at - admitted.counted_at - admitted.waited_s
+    m.HOPS.labels("reserve").observe(max(0.0, reserve))
 
 
 def _carries_tokens(choice: Mapping[str, Any]) -> bool:
@@ -257,6 +283,7 @@ class InteractiveGateway:
                 time.perf_counter() - admitted.admitted_at
             )
             m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
+            _hops(request, received, admitted)
             if shape.stream:
                 return await self._stream(
                     request, node, shape, sizing, payload, keeper, received, pending
@@ -291,12 +318,15 @@ class InteractiveGateway:
             json=payload,
             headers={"X-Request-Id": keeper.lease.lease_id, "Accept": "text/event-stream"},
         )
+        sent = time.perf_counter()
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.TransportError as exc:
             raise GatewayUnavailable(
                 f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
             ) from exc
+        headers_at = time.perf_counter()
+        m.HOPS.labels("engine_headers").observe(headers_at - sent)
         if upstream.is_error:
             try:
                 content = await upstream.aread()
@@ -312,7 +342,7 @@ class InteractiveGateway:
                 media_type="application/json",
                 headers=extra,
             )
-        relay = _Relay(shape.endpoint.value, received, pending=pending)
+        relay = _Relay(shape.endpoint.value, received, pending=pending, headers_at=headers_at)
         return _RelayResponse(
             self._relay(upstream, shape, sizing, keeper, relay),
             on_close=partial(self._finish, upstream, sizing, keeper, relay),
@@ -333,6 +363,8 @@ class InteractiveGateway:
             async for line in sse_lines(upstream):
                 if not line.startswith("data:"):
                     continue
+                line_at = time.perf_counter()
+                relay.received_event(line_at)
                 data = line[5:].strip()
                 if data == "[DONE]":
                     # Read on to the end of the body (the engine ends it right after): a
@@ -354,6 +386,7 @@ class InteractiveGateway:
                 if not event.get("choices") and "usage" in event and not shape.include_usage:
                     continue
                 yield f"data: {data}\n\n".encode()
+                relay.handed_on(line_at, time.perf_counter())
             outcome = "engine_error" if relay.error else "completed"
             if relay.done:
                 # Give the room back before the caller sees the end of the stream.
@@ -393,6 +426,7 @@ class InteractiveGateway:
         received: float,
     ) -> Response:
         client = self.client(node.engine_url)
+        sent = time.perf_counter()
         call = asyncio.ensure_future(
             client.post(
                 f"{node.engine_url}{shape.endpoint.value}",
@@ -422,6 +456,7 @@ class InteractiveGateway:
             raise GatewayUnavailable(
                 f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
             ) from exc
+        m.HOPS.labels("engine_answer").observe(time.perf_counter() - sent)
         usage: Mapping[str, Any] | None = None
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):

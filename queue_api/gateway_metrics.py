@@ -16,6 +16,10 @@ _ITL_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
     0.75, 1.0, 2.5, 5.0,
 )  # fmt: skip
+_HOP_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
 _TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 TIME_TO_FIRST_TOKEN = Histogram(
@@ -41,6 +45,19 @@ GATEWAY_OVERHEAD = Histogram(
     "(parsing, authentication, tokenizing, reserving).",
     ["endpoint"],
     buckets=_LATENCY_BUCKETS,
+)
+HOPS = Histogram(
+    "backfill_gateway_hop_seconds",
+    "Where an interactive request's time goes inside the API process, hop by hop (stamps "
+    "inside the process): edge (accepted -> handler: key, rate limit, routing), parse "
+    "(-> the prompt's size known: parse, and the engine's count when not admitted on a "
+    "bound), reserve (-> lease held, less any wait for room), engine_headers (-> the engine's "
+    "response headers: connection, request, the engine's accept), engine_first_chunk (-> the "
+    "first event from the engine), first_chunk_out (that event -> handed to the client), "
+    "chunk_out (each streamed event: received -> handed to the client), engine_answer (a "
+    "whole answer: request sent -> answer read).",
+    ["hop"],
+    buckets=_HOP_BUCKETS,
 )
 REQUEST_DURATION = Histogram(
     "backfill_gateway_request_duration_seconds",

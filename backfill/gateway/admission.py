@@ -68,6 +68,8 @@ class Admitted:
     """``time.perf_counter()`` once the prompt's size was known (counted or bounded)."""
     admitted_at: float
     """``time.perf_counter()`` once the lease was held."""
+    waited_s: float = 0.0
+    """Of that, the time spent waiting for room."""
 
 
 def _fitting(nodes: Sequence[ServingNode], sizing: Sizing) -> list[str]:
@@ -192,7 +194,15 @@ class InteractiveAdmission:
             await keeper.end(None)
             raise
         return Admitted(
-            shape, sizing, node, keeper, pending, bounded is not None, counted, admitted
+            shape,
+            sizing,
+            node,
+            keeper,
+            pending,
+            bounded is not None,
+            counted,
+            admitted,
+            admission.waited_s,
         )
 
     async def _admit_on_bound(

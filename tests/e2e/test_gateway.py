@@ -167,6 +167,7 @@ def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
     client = gw.sdk()
     reserved_before = gw.metric("backfill_gateway_reserved_tokens_count")
     ttft_before = gw.metric("backfill_gateway_time_to_first_token_seconds_count")
+    hops_before = hop_counts(gw)
 
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12
@@ -217,8 +218,40 @@ def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
 
     assert gw.metric("backfill_gateway_reserved_tokens_count") - reserved_before == 5
     assert gw.metric("backfill_gateway_time_to_first_token_seconds_count") - ttft_before == 2
+    # The hop account: every request to its lease, the three whole answers, the two streams'
+    # first event each way and each event after.
+    hops = {hop: n - hops_before[hop] for hop, n in hop_counts(gw).items()}
+    relayed = hops.pop("chunk_out")
+    assert hops == {
+        "edge": 5,
+        "parse": 5,
+        "reserve": 5,
+        "engine_answer": 3,
+        "engine_headers": 2,
+        "engine_first_chunk": 2,
+        "first_chunk_out": 2,
+    }
+    # Every event the client received but each stream's first (the usage event the caller
+    # of the second did not ask for is not relayed).
+    assert relayed == len(chunks) - 1 + len(streamed) - 1
     wait(lambda: gw.snapshot().interactive_in_use == 0, 5, "every lease released")
     assert gw.metric("backfill_gateway_in_flight") == 0
+
+
+HOPS = (
+    "edge",
+    "parse",
+    "reserve",
+    "engine_answer",
+    "engine_headers",
+    "engine_first_chunk",
+    "first_chunk_out",
+    "chunk_out",
+)
+
+
+def hop_counts(gw: Gateway) -> dict[str, float]:
+    return {hop: gw.metric("backfill_gateway_hop_seconds_count", hop=hop) for hop in HOPS}
 
 
 def test_an_obviously_huge_prompt_is_refused_before_tokenizing(gw: Gateway) -> None:
