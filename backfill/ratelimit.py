@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from backfill.redis_client import SyncRedis
+from backfill.redis_client import AsyncRedis, SyncRedis
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,15 @@ class RateDecision:
 class RateLimiter:
     """One bucket per tenant: ``rate_per_s`` sustained, ``burst`` at once."""
 
-    def __init__(self, client: SyncRedis, namespace: str, rate_per_s: float, burst: int) -> None:
+    def __init__(
+        self,
+        client: SyncRedis,
+        namespace: str,
+        rate_per_s: float,
+        burst: int,
+        *,
+        async_client: AsyncRedis | None = None,
+    ) -> None:
         if rate_per_s <= 0 or burst < 1:
             raise ValueError("rate_per_s must be > 0 and burst >= 1")
         self._client = client
@@ -42,16 +50,44 @@ class RateLimiter:
         self._rate = rate_per_s
         self._burst = burst
         self._script: Any = client.register_script(_SCRIPT)
+        self._async_script: Any = (
+            async_client.register_script(_SCRIPT) if async_client is not None else None
+        )
+
+    @property
+    def checks_async(self) -> bool:
+        """Whether :meth:`acheck` can run (an asyncio client was given)."""
+        return self._async_script is not None
 
     def check(self, tenant_id: str, cost: int = 1) -> RateDecision:
         try:
-            allowed, wait_ms = self._script(
-                keys=[rate_limit_key(self._namespace, tenant_id)],
-                args=[self._rate, self._burst, cost],
+            allowed, wait_ms = self._script(keys=self._keys(tenant_id), args=self._args(cost))
+        except redis.RedisError as exc:
+            log.warning("rate limit not checked (Redis: %s); letting the request through", exc)
+            return RateDecision(True)
+        return _decision(allowed, wait_ms)
+
+    async def acheck(self, tenant_id: str, cost: int = 1) -> RateDecision:
+        """:meth:`check` on the event loop, through the asyncio client."""
+        if self._async_script is None:
+            raise RuntimeError("this rate limiter was built without an asyncio client")
+        try:
+            allowed, wait_ms = await self._async_script(
+                keys=self._keys(tenant_id), args=self._args(cost)
             )
         except redis.RedisError as exc:
             log.warning("rate limit not checked (Redis: %s); letting the request through", exc)
             return RateDecision(True)
-        if int(allowed):
-            return RateDecision(True)
-        return RateDecision(False, max(int(wait_ms), 1) / 1000)
+        return _decision(allowed, wait_ms)
+
+    def _keys(self, tenant_id: str) -> list[str]:
+        return [rate_limit_key(self._namespace, tenant_id)]
+
+    def _args(self, cost: int) -> list[float]:
+        return [self._rate, self._burst, cost]
+
+
+def _decision(allowed: Any, wait_ms: Any) -> RateDecision:
+    if int(allowed):
+        return RateDecision(True)
+    return RateDecision(False, max(int(wait_ms), 1) / 1000)

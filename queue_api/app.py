@@ -13,7 +13,7 @@ from backfill.config import Settings, get_settings
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
-from backfill.redis_client import connect
+from backfill.redis_client import connect, connect_async
 from backfill.store import Repository
 from backfill.webhooks.outbox import WebhookStore
 from queue_api import errors, metrics
@@ -46,9 +46,19 @@ def create_app(
         app.state.webhooks = WebhookStore(repo.engine)
         keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
+        # The tenants' limit is checked on the event loop for keys the cache knows.
+        async_client = connect_async(
+            settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
+        )
         app.state.gate = Gate(
             keys,
-            RateLimiter(client, namespace, settings.rate_limit_per_s, settings.rate_limit_burst),
+            RateLimiter(
+                client,
+                namespace,
+                settings.rate_limit_per_s,
+                settings.rate_limit_burst,
+                async_client=async_client,
+            ),
             RateLimiter(
                 client,
                 namespace,
@@ -72,6 +82,7 @@ def create_app(
             revocations.stop()
             subscriber.close()
             client.close()
+            await async_client.aclose()
             if repository is None:
                 repo.close()
 

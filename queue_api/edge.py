@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.keycache import TenantKeyCache
-from backfill.ratelimit import RateLimiter
+from backfill.ratelimit import RateDecision, RateLimiter
 from backfill.refusals import InvalidRequest, RateLimited
 from backfill.store import TenantRecord
 from queue_api import errors
@@ -130,24 +130,29 @@ class Gate:
         self.anonymous = anonymous
 
     def authenticate(self, authorization: str, address: str) -> TenantRecord:
-        scheme, _, key = authorization.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise Unauthorized(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-            )
+        key = _bearer(authorization)
         known, tenant = self.keys.cached(key)
         if not known:
             self.admit_anonymous(address)
             tenant = self.keys.get(key)
         if tenant is None:
             raise Unauthorized("Incorrect API key provided.")
-        decision = self.tenants.check(tenant.id)
-        if not decision.allowed:
-            raise RateLimited(
-                "Too many requests for this tenant; retry after the time in Retry-After.",
-                retry_after_s=decision.retry_after_s,
-            )
+        _allowed(self.tenants.check(tenant.id))
+        return tenant
+
+    async def authenticate_cached(self, authorization: str) -> TenantRecord | None:
+        """:meth:`authenticate` on the event loop, for a key the key cache knows (its rate
+        limit checked through the asyncio client); None when only Postgres can tell (or no
+        asyncio client was given): then :meth:`authenticate`, in a worker thread."""
+        if not self.tenants.checks_async:
+            return None
+        key = _bearer(authorization)
+        known, tenant = self.keys.cached(key)
+        if not known:
+            return None
+        if tenant is None:
+            raise Unauthorized("Incorrect API key provided.")
+        _allowed(await self.tenants.acheck(tenant.id))
         return tenant
 
     def admit_anonymous(self, address: str) -> None:
@@ -158,6 +163,24 @@ class Gate:
                 "the time in Retry-After.",
                 retry_after_s=decision.retry_after_s,
             )
+
+
+def _bearer(authorization: str) -> str:
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+        )
+    return key
+
+
+def _allowed(decision: RateDecision) -> None:
+    if not decision.allowed:
+        raise RateLimited(
+            "Too many requests for this tenant; retry after the time in Retry-After.",
+            retry_after_s=decision.retry_after_s,
+        )
 
 
 def client_address(scope: Scope) -> str:
@@ -190,10 +213,14 @@ class RequestEdge:
             return
         gate: Gate | None = getattr(scope["app"].state, "gate", None)
         if gate is not None and (rules.needs_key or rules.anonymous_limited):
+            authorization = headers.get("authorization", "")
             try:
-                tenant = await anyio.to_thread.run_sync(
-                    _pass, gate, rules, headers.get("authorization", ""), client_address(scope)
-                )
+                tenant = await gate.authenticate_cached(authorization) if rules.needs_key else None
+                if tenant is None:
+                    # A thread hop: Postgres (a key not in the cache) and the sync Redis client.
+                    tenant = await anyio.to_thread.run_sync(
+                        _pass, gate, rules, authorization, client_address(scope)
+                    )
             except BackfillError as exc:
                 response = errors.backfill_error_response(exc)
                 if declared or "chunked" in headers.get("transfer-encoding", ""):
