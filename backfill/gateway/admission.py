@@ -69,7 +69,7 @@ class Admitted:
     admitted_at: float
     """``time.perf_counter()`` once the lease was held."""
     waited_s: float = 0.0
-    """Of that, the time spent waiting for room."""
+    """Of that, the time spent waiting for room (0 when the first try found it)."""
 
 
 def _fitting(nodes: Sequence[ServingNode], sizing: Sizing) -> list[str]:
@@ -202,7 +202,7 @@ class InteractiveAdmission:
             bounded is not None,
             counted,
             admitted,
-            admission.waited_s,
+            admission.waited_s if admission.attempts > 1 else 0.0,
         )
 
     async def _admit_on_bound(
