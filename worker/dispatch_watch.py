@@ -186,13 +186,16 @@ class Watchers(DispatcherState):
                         cfg.batch_priority,
                     )
             if (seen is None) != (self.engine_scheduler is None):
-                log.info(
-                    "node %s: %s",
-                    cfg.node,
-                    f"the engine runs {seen.name}: it pauses batch for interactive work"
-                    if seen is not None
-                    else f"no engine scheduler answers at {url}: the work budget preempts",
-                )
+                if seen is None:
+                    said = f"no engine scheduler answers at {url}: the work budget preempts"
+                elif seen.agrees:
+                    said = f"the engine runs {seen.name}: it pauses batch for interactive work"
+                else:
+                    said = (
+                        f"the engine runs {seen.name}, which is not trusted to pause this "
+                        "worker's batch (their batch priorities differ): the work budget preempts"
+                    )
+                log.info("node %s: %s", cfg.node, said)
             self.engine_scheduler = seen
             if seen is not None:
                 with contextlib.suppress(Exception):

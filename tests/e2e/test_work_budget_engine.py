@@ -313,9 +313,14 @@ def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting
     )
     thread = NodeThread(s, NODE, scheduler_engine.url)
     errors: list[str] = []
-    catch = logging.Handler(logging.ERROR)
-    catch.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
+    infos: list[str] = []
+    catch = logging.Handler(logging.INFO)
+    catch.emit = lambda record: (  # type: ignore[method-assign]
+        errors if record.levelno >= logging.ERROR else infos
+    ).append(record.getMessage())
     worker_log = logging.getLogger("backfill.worker")
+    level = worker_log.level
+    worker_log.setLevel(logging.INFO)
     worker_log.addHandler(catch)
     try:
         thread.start()
@@ -328,6 +333,9 @@ def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting
             assert len(said) == 1, said
             assert "takes priority >= 10 as batch, this worker sends batch at 11" in said[0]
             assert "\n" not in said[0]
+            # Nor does it say the engine pauses its batch (it would, but is not trusted to).
+            assert not [i for i in infos if "pauses batch" in i], infos
+            assert [i for i in infos if "the work budget preempts" in i], infos
             gateway = FakeGateway(client, s)
             job = _submit(repo, 30, max_tokens=MAX_TOKENS)
             wait(lambda: d.in_flight >= 8, 60, "batch in flight")
@@ -350,4 +358,5 @@ def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting
             thread.join(30)
     finally:
         worker_log.removeHandler(catch)
+        worker_log.setLevel(level)
     assert thread.error is None
