@@ -418,6 +418,20 @@ def _checked_lines(
             if budget_field in body and body[budget_field] is None:
                 del body[budget_field]  # null means "not given", as at OpenAI
                 rewritten = True
+        if endpoint == COMPLETIONS and "max_completion_tokens" in body:
+            # vLLM's completions request has no such field: it would ignore it and generate
+            # its own default (16 per prompt) past a reservation sized on it.
+            if "max_tokens" in body:
+                yield LineError(
+                    "invalid_parameter",
+                    "a /v1/completions line takes max_tokens; max_completion_tokens is a chat "
+                    "field (give max_tokens alone)",
+                    number,
+                    "body.max_completion_tokens",
+                )
+                continue
+            body["max_tokens"] = body.pop("max_completion_tokens")
+            rewritten = True
         defaulted = "max_completion_tokens" not in body and "max_tokens" not in body
         if defaulted:
             # Optional, as at OpenAI; the worst case Backfill reserves is the default, and the

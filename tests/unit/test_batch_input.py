@@ -107,6 +107,27 @@ def test_completions_accept_strings_and_token_ids() -> None:
     assert bad.errors[0].code == "invalid_prompt"
 
 
+def test_a_completions_line_budgeted_in_max_completion_tokens_is_stored_in_max_tokens() -> None:
+    # vLLM's completions request knows max_tokens only: a body holding max_completion_tokens
+    # alone would generate vLLM's default (16 per prompt) past a reservation of 1.
+    def completion(custom_id: str, **budget: int) -> dict[str, Any]:
+        body = {"model": "m", "prompt": ["once", "upon"], **budget}
+        return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS, "body": body}
+
+    ok = validate_batch_input(encode(completion("a", max_completion_tokens=1)), COMPLETIONS, LIMITS)
+    assert isinstance(ok, ValidatedBatch)
+    [item] = ok.items
+    stored = json.loads(item.body)
+    assert stored["max_tokens"] == 1
+    assert "max_completion_tokens" not in stored
+    assert item.max_output_tokens == 1
+    both = completion("b", max_completion_tokens=1, max_tokens=30)
+    bad = validate_batch_input(encode(both), COMPLETIONS, LIMITS)
+    assert isinstance(bad, InvalidBatch)
+    [error] = bad.errors
+    assert (error.code, error.param) == ("invalid_parameter", "body.max_completion_tokens")
+
+
 CASES: list[tuple[str, dict[str, Any] | str, str, str | None]] = [
     ("invalid JSON", "{", "invalid_json_line", None),
     ("NaN is not JSON", '{"custom_id": "a", "x": NaN}', "invalid_json_line", None),
