@@ -26,6 +26,7 @@ from typing import Any
 import pydantic_core
 
 from backfill.config import Settings
+from backfill.content_parts import media_part
 from backfill.embeddings import check_embedding_body
 from backfill.prefill import (
     CHAT,
@@ -214,6 +215,9 @@ def _chat_prompt_chars(messages: Any) -> PromptChars | str:
                     chars += len(text)
         elif content is not None:
             return f"body.messages[{index}].content must be a string, an array or null"
+    media = media_part(messages, "body.messages")
+    if media is not None:
+        return media
     return PromptChars(chars, chars)
 
 

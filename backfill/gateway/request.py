@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from backfill.content_parts import media_part
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest
 
@@ -107,6 +108,9 @@ def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
             raise InvalidRequest("messages must be a non-empty array", param="messages")
         if not all(isinstance(m, Mapping) for m in messages):
             raise InvalidRequest("each message must be an object", param="messages")
+        media = media_part(messages)
+        if media is not None:
+            raise InvalidRequest(media, param="messages")
         longest = sum(_content_bytes(m.get("content")) for m in messages)
         prompts = 1
         key = "max_tokens"

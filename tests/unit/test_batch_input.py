@@ -128,6 +128,21 @@ def test_a_completions_line_budgeted_in_max_completion_tokens_is_stored_in_max_t
     assert (error.code, error.param) == ("invalid_parameter", "body.max_completion_tokens")
 
 
+def test_a_chat_line_with_a_media_part_is_a_line_error_naming_the_part() -> None:
+    # The engine would fetch the URL itself (here a cloud metadata address).
+    media = {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/"}}
+    content = [{"type": "text", "text": "describe"}, media]
+    result = validate_batch_input(
+        encode(line("a", messages=[{"role": "user", "content": content}]), line("b")),
+        CHAT,
+        LIMITS,
+    )
+    assert isinstance(result, InvalidBatch)
+    [error] = result.errors
+    assert (error.code, error.line, error.param) == ("invalid_messages", 1, "body.messages")
+    assert error.message.startswith("body.messages[0].content[1] is a part of type 'image_url'")
+
+
 CASES: list[tuple[str, dict[str, Any] | str, str, str | None]] = [
     ("invalid JSON", "{", "invalid_json_line", None),
     ("NaN is not JSON", '{"custom_id": "a", "x": NaN}', "invalid_json_line", None),

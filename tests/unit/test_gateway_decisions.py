@@ -36,12 +36,35 @@ def chat(content: Any = "hello", **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}},
+        {"type": "video_url", "video_url": {"url": "http://127.0.0.1:6379/"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "f"}},
+        {"type": "text"},
+        "text",
+    ],
+)
+def test_a_chat_part_that_is_not_text_is_refused_naming_it(part: Any) -> None:
+    body = chat([{"type": "text", "text": "what is this?"}, part])
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request(CHAT, body)
+    assert refused.value.param == "messages"
+    assert refused.value.message.startswith("messages[0].content[1] is ")
+    assert "only text parts are accepted" in refused.value.message
+
+
 def test_chat_shape_counts_text_bytes_of_every_message_and_part() -> None:
     body = {
         "model": "m",
         "messages": [
             {"role": "system", "content": "héllo"},
-            {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}],
+            },
         ],
         "max_completion_tokens": 7,
         "n": 2,
