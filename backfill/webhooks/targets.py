@@ -5,7 +5,9 @@ the name resolves to at that moment; the send then connects to the address that 
 (not to the name again), so a name that resolves to a public address for the check and to a
 private one for the connection (DNS rebinding) reaches nothing inside. Loopback, private,
 link-local (cloud metadata: 169.254.169.254), shared (100.64/10), multicast, reserved and
-unspecified addresses are refused, and so are IPv4 addresses wrapped in IPv6;
+unspecified addresses are refused, and so are IPv4 addresses wrapped in IPv6 and every block
+of IANA's special-purpose address registries (:data:`SPECIAL_PURPOSE`: Python's ``is_global``
+lets some through, e.g. ``192.0.0.8``, ``fec0::1``, ``3fff::1``);
 ``BACKFILL_WEBHOOKS_ALLOW_PRIVATE`` allows them (a deployment that posts inside its own
 network).
 """
@@ -25,6 +27,51 @@ MAX_URL_CHARS = 2048
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Sequence[str]]
 """Host and port -> the addresses to try, in order."""
+
+
+SPECIAL_PURPOSE: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
+    (ipaddress.ip_network(block), name)
+    for block, name in (
+        # IANA IPv4 Special-Purpose Address Registry
+        ("0.0.0.0/8", "this network"),
+        ("10.0.0.0/8", "private use"),
+        ("100.64.0.0/10", "shared address space"),
+        ("127.0.0.0/8", "loopback"),
+        ("169.254.0.0/16", "link local"),
+        ("172.16.0.0/12", "private use"),
+        ("192.0.0.0/24", "IETF protocol assignments"),
+        ("192.0.2.0/24", "documentation (TEST-NET-1)"),
+        ("192.31.196.0/24", "AS112-v4"),
+        ("192.52.193.0/24", "AMT"),
+        ("192.88.99.0/24", "deprecated 6to4 relay anycast"),
+        ("192.168.0.0/16", "private use"),
+        ("192.175.48.0/24", "direct delegation AS112 service"),
+        ("198.18.0.0/15", "benchmarking"),
+        ("198.51.100.0/24", "documentation (TEST-NET-2)"),
+        ("203.0.113.0/24", "documentation (TEST-NET-3)"),
+        ("224.0.0.0/4", "multicast"),
+        ("240.0.0.0/4", "reserved"),
+        # IANA IPv6 Special-Purpose Address Registry
+        ("::/128", "unspecified"),
+        ("::1/128", "loopback"),
+        ("::ffff:0:0/96", "IPv4-mapped"),
+        ("64:ff9b::/96", "IPv4-IPv6 translation (NAT64 reaches IPv4 inside)"),
+        ("64:ff9b:1::/48", "local-use IPv4-IPv6 translation"),
+        ("100::/64", "discard-only"),
+        ("2001::/23", "IETF protocol assignments"),
+        ("2001:db8::/32", "documentation"),
+        ("2002::/16", "6to4"),
+        ("3fff::/20", "documentation"),
+        ("5f00::/16", "segment routing (SRv6) SIDs"),
+        ("fc00::/7", "unique local"),
+        ("fe80::/10", "link-local unicast"),
+        ("fec0::/10", "deprecated site-local"),
+        ("ff00::/8", "multicast"),
+    )
+)
+"""Blocks of IANA's special-purpose registries a delivery never goes to (unless private
+targets are allowed), whatever the registries say of their global reach: none is a tenant's
+webhook receiver."""
 
 
 class TargetRefused(InvalidInput):
@@ -93,6 +140,9 @@ def address_refusal(address: str, *, allow_private: bool) -> str | None:
         return f"{ip} is a link-local address (cloud metadata lives there)"
     if ip.is_private:
         return f"{ip} is a private address"
+    for block, name in SPECIAL_PURPOSE:
+        if ip.version == block.version and ip in block:
+            return f"{ip} is in {block}, a special-purpose block ({name})"
     if ip.is_multicast or ip.is_unspecified or ip.is_reserved or not ip.is_global:
         return f"{ip} is not a public unicast address"
     return None

@@ -142,6 +142,14 @@ def test_event_types_default_to_all_and_unknown_ones_are_refused() -> None:
         "fd00:ec2::254",
         "::ffff:127.0.0.1",
         "::",
+        # Special-purpose blocks Python's is_global lets through.
+        "192.0.0.8",
+        "192.0.0.9",
+        "fec0::1",
+        "3fff::1",
+        "64:ff9b::a00:1",
+        "192.88.99.1",
+        "5f00::1",
     ],
 )
 def test_inside_addresses_are_refused_by_default(address: str) -> None:
