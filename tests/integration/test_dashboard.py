@@ -102,6 +102,14 @@ def test_the_dashboard_is_served_as_static_files(server: LiveServer) -> None:
     assert "javascript" in script.headers["content-type"]
     home = httpx.get(server.base_url, timeout=10, follow_redirects=False)
     assert home.headers["location"] == "/dashboard/"
+    # A page that holds an API key: its own scripts only, never framed, nothing sniffed.
+    for answer in (page, script):
+        policy = answer.headers["content-security-policy"]
+        assert "script-src 'self'" in policy
+        assert "frame-ancestors 'none'" in policy
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["referrer-policy"] == "no-referrer"
 
 
 def test_the_dashboard_renders_a_tenants_jobs_progress_and_pools(
