@@ -3,7 +3,8 @@
 Decide apart from act: :func:`prepare` (pure) turns a claimed delivery into the request to
 send, ``backfill.webhooks.retry.after_attempt`` (pure) says what follows an attempt; the
 :class:`Sender` only claims, sends and records. A round's sends run side by side, each
-bounded by ``webhooks_timeout_s``, well inside the claim's lease.
+bounded by ``webhooks_timeout_s`` in all (connect, send and the answer's headers together:
+:class:`~backfill.webhooks.deadline.Deadline`), well inside the claim's lease.
 
 Delivery is at least once: a sender that dies after the endpoint answered but before the
 result was written leaves the delivery due again when its lease ends, and the next attempt
@@ -29,6 +30,7 @@ from sqlalchemy import create_engine
 
 from backfill.config import Settings
 from backfill.errors import StoreUnavailable
+from backfill.webhooks.deadline import Deadline
 from backfill.webhooks.events import event_body
 from backfill.webhooks.outbox import ClaimedDelivery, WebhookStore
 from backfill.webhooks.retry import (
@@ -177,20 +179,32 @@ class Sender:
         except TargetRefused as exc:
             return AttemptResult(error=str(exc))
         request = prepare(claimed, target, int(self._clock()))
-        extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+        limit = self.settings.webhooks_timeout_s
+        deadline = Deadline(limit)
+        extensions: dict[str, object] = {"trace": deadline.trace}
+        if target.scheme == "https":
+            extensions["sni_hostname"] = target.host
         try:
-            with self._http.stream(
-                "POST",
-                target.connect_url,
-                content=request.body,
-                headers=request.headers,
-                extensions=extensions,
-            ) as response:
+            with (
+                deadline,
+                self._http.stream(
+                    "POST",
+                    target.connect_url,
+                    content=request.body,
+                    headers=request.headers,
+                    extensions=extensions,
+                ) as response,
+            ):
                 # The answer's body is not wanted (and may be large): only its status.
                 return AttemptResult(status_code=response.status_code)
         except httpx.TimeoutException:
-            return AttemptResult(error=f"no answer within {self.settings.webhooks_timeout_s:g} s")
+            return AttemptResult(error=f"no answer within {limit:g} s")
         except httpx.HTTPError as exc:
+            if deadline.expired:
+                return AttemptResult(
+                    error=f"no whole answer within {limit:g} s (connect, send and the answer's "
+                    "headers together)"
+                )
             return AttemptResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
 
     def run(self, stop: threading.Event) -> None:

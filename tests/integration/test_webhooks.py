@@ -32,7 +32,7 @@ from batch_api_support import (
 from openai import OpenAI
 from openai.types.webhooks import BatchCancelledWebhookEvent, BatchCompletedWebhookEvent
 from sqlalchemy import text
-from webhook_receiver import Receiver, listening, new_receiver
+from webhook_receiver import Receiver, dripping, listening, new_receiver
 
 from backfill import batches
 from backfill.config import Settings
@@ -376,6 +376,30 @@ def test_a_delivery_that_fails_for_the_whole_retry_period_is_marked_failed(
     assert failed.failed_at is not None
     assert failed.attempts == len(receiver.received) >= 2
     assert sender.run_round().claimed == 0
+
+
+def test_a_receiver_that_drips_its_answer_is_cut_off_at_the_deadline_of_one_attempt(
+    repo: Repository, store: WebhookStore, hook_settings: Settings
+) -> None:
+    # Each byte comes within the read timeout; the answer never within the attempt's
+    # deadline (webhooks_timeout_s, 2 s here): a send per read held the round, and every
+    # other tenant's delivery in it, for the whole drip.
+    tenant = make_tenant(repo, "acme")
+    sender = Sender(store, hook_settings)
+    try:
+        with dripping(every_s=0.25, for_s=60) as url:
+            add_endpoint(store, hook_settings, tenant.id, url=url)
+            complete(repo, hook_settings, tenant)
+            started = time.monotonic()
+            report = sender.run_round()
+            took = time.monotonic() - started
+    finally:
+        sender.close()
+    assert report.retrying == 1
+    assert took < 2.0 + 8.0, took  # the deadline, and room for a busy machine
+    [pending] = store.deliveries(tenant.id)
+    assert pending.last_error is not None
+    assert "no whole answer within 2 s" in pending.last_error
 
 
 def test_a_target_that_turned_private_is_not_sent_to(

@@ -3,8 +3,11 @@ records every request it gets and answers what the test tells it to."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,3 +96,41 @@ def listening(receiver: Receiver, tls: ssl.SSLContext | None = None) -> Iterator
 
 def new_receiver() -> Receiver:
     return Receiver(free_port())
+
+
+@contextmanager
+def dripping(every_s: float = 0.25, for_s: float = 30.0) -> Iterator[str]:
+    """An endpoint that reads a request, then answers one byte every ``every_s`` (at most
+    ``for_s`` in all): each read of its answer comes well within any read timeout, the answer
+    never within a sender's deadline. Yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                conn.recv(65536)
+                answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n" + b"x-drip: y\r\n" * 200
+                end = time.monotonic() + for_s
+                for byte in answer:
+                    if stop.is_set() or time.monotonic() > end:
+                        return
+                    conn.sendall(bytes([byte]))
+                    time.sleep(every_s)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                conn, _ = listener.accept()
+                threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}/hooks/drip"
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
