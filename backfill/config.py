@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     max_line_bytes: PositiveInt = 1024 * 1024
     max_lines_per_batch: PositiveInt = 100_000
     max_active_batches_per_tenant: PositiveInt = 100
+    # File uploads and batch creates one API process works on at once (each holds a Postgres
+    # connection while it checks and stores a file): per tenant, and in all, well under the
+    # API's pool (10 + 10 overflow) so reads always find a connection; beyond, a 429.
+    max_ingests_per_tenant: PositiveInt = 2
+    max_ingests: PositiveInt = 6
     # Request bodies, counted on the bytes actually read (a chunked body declares no length):
     # an upload may carry max_file_bytes (plus its multipart envelope), an interactive
     # request this much, and every other route's JSON this much.

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
+from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
@@ -44,6 +45,7 @@ def create_app(
         app.state.settings = settings
         app.state.repository = repo
         app.state.webhooks = WebhookStore(repo.engine)
+        app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
         keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
         # The tenants' limit is checked on the event loop for keys the cache knows.

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from backfill.capacity_view import UsageSource
 from backfill.config import Settings
+from backfill.ingest_slots import IngestSlots
 from backfill.store import Repository, TenantRecord
 from backfill.webhooks.outbox import WebhookStore
 from queue_api.edge import TENANT_STATE, Gate, client_address
@@ -34,7 +35,13 @@ async def get_usage_source(request: Request) -> UsageSource | None:
     return source
 
 
+async def get_ingest_slots(request: Request) -> IngestSlots:
+    slots: IngestSlots = request.app.state.ingest_slots
+    return slots
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+IngestSlotsDep = Annotated[IngestSlots, Depends(get_ingest_slots)]
 RepositoryDep = Annotated[Repository, Depends(get_repository)]
 WebhookStoreDep = Annotated[WebhookStore, Depends(get_webhook_store)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]

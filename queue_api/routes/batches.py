@@ -13,7 +13,7 @@ from backfill.progress import job_progress
 from backfill.results import iter_result_lines, parse_result_states
 from backfill.store import JobRecord, Repository
 from backfill.windows import batch_throughput
-from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
+from queue_api.deps import IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -31,6 +31,7 @@ def create_batch(
     tenant: TenantDep,
     repo: RepositoryDep,
     settings: SettingsDep,
+    slots: IngestSlotsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)] = None,
 ) -> BatchObject:
     request = batches.BatchRequest(
@@ -41,7 +42,9 @@ def create_batch(
         output_expires_after=body.output_expires_after,
         idempotency_key=idempotency_key or None,
     )
-    return _render(batches.create_batch(repo, settings, tenant, request), settings, repo)
+    with slots.held(tenant.id):
+        job = batches.create_batch(repo, settings, tenant, request)
+    return _render(job, settings, repo)
 
 
 @router.get("")

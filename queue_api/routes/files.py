@@ -8,7 +8,7 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from backfill import batches
-from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
+from queue_api.deps import IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import FileDeleted, FileList, FileObject
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -21,6 +21,7 @@ def upload_file(
     tenant: TenantDep,
     repo: RepositoryDep,
     settings: SettingsDep,
+    slots: IngestSlotsDep,
     file: Annotated[UploadFile, File()],
     purpose: Annotated[str, Form()],
     expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
@@ -28,17 +29,18 @@ def upload_file(
 ) -> FileObject:
     # The server spooled the upload (to disk past 1 MB; the request edge capped its size):
     # it is checked and stored from there a piece at a time, never read whole.
-    record = batches.upload_file(
-        repo,
-        settings,
-        tenant.id,
-        filename=file.filename or "upload.jsonl",
-        purpose=purpose,
-        expires_after=None
-        if expires_anchor is None and expires_seconds is None
-        else {"anchor": expires_anchor, "seconds": expires_seconds},
-        content=file.file,
-    )
+    with slots.held(tenant.id):
+        record = batches.upload_file(
+            repo,
+            settings,
+            tenant.id,
+            filename=file.filename or "upload.jsonl",
+            purpose=purpose,
+            expires_after=None
+            if expires_anchor is None and expires_seconds is None
+            else {"anchor": expires_anchor, "seconds": expires_seconds},
+            content=file.file,
+        )
     return FileObject.of(record)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
+from fastapi import FastAPI
 from openai import OpenAI
 from openai.types import Batch
 from sqlalchemy import Row, text
@@ -37,6 +38,8 @@ T = TypeVar("T")
 class LiveServer:
     base_url: str
     settings: Settings
+    app: FastAPI | None = None
+    """The app the server runs (in this process): its state, for a test to look into."""
 
     def client(self, key: str) -> OpenAI:
         # No retries: tests look at the first answer (429s, 5xx) themselves.
@@ -46,8 +49,9 @@ class LiveServer:
 @contextmanager
 def serve(settings: Settings, *, repository: Repository | None = None) -> Iterator[LiveServer]:
     port = free_port()
+    app = create_app(settings, repository=repository)
     config = uvicorn.Config(
-        create_app(settings, repository=repository),
+        app,
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -62,7 +66,7 @@ def serve(settings: Settings, *, repository: Repository | None = None) -> Iterat
             raise RuntimeError("the API server did not start")
         time.sleep(0.01)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", settings)
+        yield LiveServer(f"http://127.0.0.1:{port}", settings, app)
     finally:
         server.should_exit = True
         thread.join(timeout=10)

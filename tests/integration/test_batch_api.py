@@ -553,6 +553,48 @@ def test_active_batch_limit_and_token_quota_are_429_without_retry(
         assert active.value.code == "active_batch_limit_reached"
 
 
+def test_uploads_and_creates_beyond_a_tenants_bound_are_429_and_other_tenants_go_on(
+    settings: Settings, repo: Repository
+) -> None:
+    # One tenant's creates and uploads in progress hold Postgres connections: beyond its
+    # bound the next is refused at once (before any work), and another tenant's go on.
+    tenant = make_tenant(repo, "acme")
+    other = make_tenant(repo, "other")
+    with serve(api_settings(settings, max_ingests_per_tenant=1, max_ingests=2)) as server:
+        assert server.app is not None
+        slots = server.app.state.ingest_slots
+        client, others = server.client(tenant.key), server.client(other.key)
+        uploaded = client.files.create(file=("a.jsonl", chat_file(2)), purpose="batch")
+        with slots.held(tenant.id):  # a create of acme's in progress
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.batches.create(
+                    input_file_id=uploaded.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+            assert refused.value.code == "too_many_concurrent_ingests"
+            assert int(refused.value.response.headers["Retry-After"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                client.files.create(file=("b.jsonl", chat_file(2)), purpose="batch")
+            # The other tenant's upload and create go on.
+            theirs = others.files.create(file=("c.jsonl", chat_file(2)), purpose="batch")
+            others.batches.create(
+                input_file_id=theirs.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            with slots.held(other.id):  # the API's bound in all (2) reached: a third waits
+                third = server.client(make_tenant(repo, "third").key)
+                with pytest.raises(openai.RateLimitError) as busy:
+                    third.files.create(file=("d.jsonl", chat_file(2)), purpose="batch")
+                assert "the API is processing 2" in busy.value.message
+        assert slots.in_use() == 0
+        # Nothing held: acme's create goes through, and the refused ones stored nothing.
+        created = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert created.status in ("validating", "in_progress")
+        assert [f.filename for f in client.files.list()] == ["a.jsonl"]
+
+
 def test_rate_limit_answers_429_with_retry_after(settings: Settings, repo: Repository) -> None:
     tenant = make_tenant(repo, "acme")
     other = make_tenant(repo, "other")
