@@ -132,6 +132,7 @@ class Sender:
         self._http.close()
 
     def run_round(self) -> RoundReport:
+        self.store.clear_expired_secrets()
         claimed = self.store.claim_due(
             self.settings.webhooks_claim_batch, self.settings.webhooks_lease_s
         )

@@ -336,6 +336,19 @@ class WebhookStore:
 
     # -- the sender ---------------------------------------------------------------------------
 
+    def clear_expired_secrets(self) -> int:
+        """Forget the rotated-out secrets whose window has ended (they sign nothing after it;
+        kept, they would only be one more secret to leak); returns how many."""
+        with self._tx() as conn:
+            result = conn.execute(
+                text(
+                    "UPDATE webhook_endpoints SET previous_secret = NULL, "
+                    "previous_secret_until = NULL WHERE previous_secret IS NOT NULL "
+                    "AND previous_secret_until <= now()"
+                )
+            )
+        return int(result.rowcount or 0)
+
     def claim_due(self, limit: int, lease_s: float) -> list[ClaimedDelivery]:
         """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted."""
         with self._tx() as conn:

@@ -648,6 +648,29 @@ def test_after_a_rotation_that_keeps_the_old_secret_both_secrets_verify_a_delive
         OpenAI(api_key="unused").webhooks.verify_signature(last.body, last.headers, secret=new)
 
 
+def test_a_rotated_out_secret_is_cleared_once_its_window_ends(
+    repo: Repository, store: WebhookStore, sender: Sender, hook_settings: Settings
+) -> None:
+    tenant = make_tenant(repo, "acme")
+    endpoint, old = add_endpoint(store, hook_settings, tenant.id, url="http://127.0.0.1:9/x")
+    store.rotate_secret(tenant.id, endpoint.id, keep_old_for_s=3600)
+    kept = "SELECT previous_secret FROM webhook_endpoints WHERE id = :i"
+    with repo.engine.begin() as conn:
+        assert conn.execute(text(kept), {"i": endpoint.id}).scalar_one() == old
+        sender.run_round()  # inside its window: kept
+        assert conn.execute(text(kept), {"i": endpoint.id}).scalar_one() == old
+        conn.execute(
+            text(
+                "UPDATE webhook_endpoints SET previous_secret_until = now() - interval '1 s' "
+                "WHERE id = :i"
+            ),
+            {"i": endpoint.id},
+        )
+    sender.run_round()
+    with repo.engine.connect() as conn:
+        assert conn.execute(text(kept), {"i": endpoint.id}).scalar_one() is None
+
+
 def test_a_batch_failed_by_the_stale_validating_recovery_is_an_event_too(
     repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
 ) -> None:
