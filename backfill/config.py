@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     # API's pool (10 + 10 overflow) so reads always find a connection; beyond, a 429.
     max_ingests_per_tenant: PositiveInt = 2
     max_ingests: PositiveInt = 6
+    # Retention: a batch that ended this long ago is purged with its items, attempts, webhook
+    # events and result files (OpenAI keeps batch data 30 days); 0 keeps everything. Each
+    # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per
+    # transaction.
+    retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0
+    retention_chunk_rows: PositiveInt = 5_000
+    retention_rows_per_tick: PositiveInt = 50_000
     # Request bodies, counted on the bytes actually read (a chunked body declares no length):
     # an upload may carry max_file_bytes (plus its multipart envelope), an interactive
     # request this much, and every other route's JSON this much.

@@ -27,6 +27,7 @@ from backfill.ledger import ActiveLease, LeaseRef, MaintenanceLedger, NodePool, 
 from backfill.policy import ClassLimits, PoolPolicy
 from backfill.states import ItemState, JobState
 from backfill.store import ActiveLeaseRow, MaintenanceStore
+from backfill.store.retention import PurgeReport
 
 log = logging.getLogger("backfill.maintenance")
 
@@ -155,6 +156,8 @@ class TickReport:
     finalized: dict[str, JobState] = field(default_factory=dict)
     recovered: dict[str, JobState] = field(default_factory=dict)
     expired_files: list[str] = field(default_factory=list)
+    purged: PurgeReport = field(default_factory=PurgeReport)
+    """Jobs past their retention, and the rows that went with them."""
 
 
 @dataclass(frozen=True)
@@ -204,4 +207,10 @@ def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) 
     )
     # Files past their expires_at already read as gone; here their rows and pieces go.
     report.expired_files = repo.delete_expired_files()
+    if settings.retention_s > 0:
+        report.purged = repo.purge_ended_jobs(
+            settings.retention_s,
+            chunk_rows=settings.retention_chunk_rows,
+            max_rows=settings.retention_rows_per_tick,
+        )
     return report

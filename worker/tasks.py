@@ -50,10 +50,17 @@ def maintenance_tick() -> dict[str, object]:
             report.finalized,
             report.recovered,
         )
+    if report.purged.rows or report.purged.jobs:
+        log.info(
+            "maintenance: purged %s jobs past their retention (%s items and webhook events)",
+            report.purged.jobs,
+            report.purged.rows,
+        )
     return {
         "requeued_lost": report.requeued_lost,
         "failed_lost": report.failed_lost,
         "expired_jobs": report.expired_jobs,
         "finalized": {k: v.value for k, v in report.finalized.items()},
         "recovered": {k: v.value for k, v in report.recovered.items()},
+        "purged_jobs": report.purged.jobs,
     }

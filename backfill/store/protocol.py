@@ -33,6 +33,7 @@ from backfill.fairshare import TenantBacklog
 from backfill.states import ItemState, JobState
 from backfill.store import records as sr
 from backfill.store.open_claims import OpenClaim
+from backfill.store.retention import PurgeReport
 
 
 class AttemptStore(Protocol):
@@ -259,3 +260,7 @@ class MaintenanceStore(JobLifecycle, NodeRecords, Protocol):
     def reap_lost(self, *, max_lost_runs: int | None = ...) -> list[sr.LostItem]: ...
 
     def delete_expired_files(self) -> list[str]: ...
+
+    def purge_ended_jobs(
+        self, older_than_s: float, *, chunk_rows: int = ..., max_rows: int = ...
+    ) -> PurgeReport: ...

@@ -15,11 +15,14 @@ from backfill.store.jobs import Jobs
 from backfill.store.nodes import Nodes
 from backfill.store.open_claims import OpenClaims
 from backfill.store.recovery import Recovery
+from backfill.store.retention import Retention
 from backfill.store.stats import Stats
 from backfill.store.tenants import Tenants
 
 
-class Repository(Tenants, Files, Nodes, Jobs, Ingest, OpenClaims, Holds, Items, Recovery, Stats):
+class Repository(
+    Tenants, Files, Nodes, Jobs, Ingest, OpenClaims, Holds, Items, Recovery, Stats, Retention
+):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 
     ``fair_share`` is how :meth:`claim` orders tenants: by weighted fair share of the node

@@ -1,0 +1,72 @@
+"""Retention: a batch that ended long enough ago is purged with everything it left.
+
+A job in a final state (completed, failed, expired, cancelled) whose end is older than the
+retention period goes, with its items and their attempts, its events, its webhook events and
+deliveries, and its output and error files (rendered from its items, they would be empty
+without them). Items go in chunks, each its own short transaction, and a tick does at most so
+many rows: a purge never holds locks long, nor a claim up; a job too large for one tick goes
+on in the next (past its retention, a job partly purged is no one's business but the purge's).
+The input file has its own expiry (``expires_after`` or the default), as at OpenAI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from backfill.store.database import Store
+
+ENDED_STATES = ("completed", "failed", "expired", "cancelled")
+
+DUE_JOBS = (
+    "SELECT id, output_file_id, error_file_id FROM jobs "
+    f"WHERE state IN ({', '.join(repr(s) for s in ENDED_STATES)}) "
+    "AND COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) "
+    "< now() - make_interval(secs => CAST(:age AS float8)) "
+    "ORDER BY COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) LIMIT :l"
+)
+# Attempts, and anything else hanging off an item, go with it (ON DELETE CASCADE).
+ITEM_CHUNK = "DELETE FROM items WHERE id IN (SELECT id FROM items WHERE job_id = :j LIMIT :n)"
+# Webhook deliveries go with their event; counters and job events with the job.
+WEBHOOK_CHUNK = (
+    "DELETE FROM webhook_events WHERE id IN "
+    "(SELECT id FROM webhook_events WHERE job_id = :j LIMIT :n)"
+)
+RESULT_FILES = "DELETE FROM files WHERE id = ANY(:ids)"
+JOB = "DELETE FROM jobs WHERE id = :j"
+
+
+@dataclass
+class PurgeReport:
+    jobs: int = 0
+    """Jobs purged whole."""
+    rows: int = 0
+    """Items and webhook events deleted (attempts and deliveries went with them)."""
+
+
+class Retention(Store):
+    def purge_ended_jobs(
+        self, older_than_s: float, *, chunk_rows: int = 5000, max_rows: int = 50_000
+    ) -> PurgeReport:
+        """Purge jobs that ended more than ``older_than_s`` ago, ``chunk_rows`` rows per
+        transaction, stopping once ``max_rows`` are gone (the rest in the next call)."""
+        report = PurgeReport()
+        with self._tx() as conn:
+            due = conn.execute(text(DUE_JOBS), {"age": older_than_s, "l": 100}).all()
+        for job_id, output_file, error_file in due:
+            for chunk in (ITEM_CHUNK, WEBHOOK_CHUNK):
+                while report.rows < max_rows:
+                    with self._tx() as conn:
+                        gone = conn.execute(text(chunk), {"j": job_id, "n": chunk_rows}).rowcount
+                    report.rows += gone or 0
+                    if (gone or 0) < chunk_rows:
+                        break
+                if report.rows >= max_rows:
+                    return report
+            with self._tx() as conn:
+                files = [f for f in (output_file, error_file) if f is not None]
+                if files:
+                    conn.execute(text(RESULT_FILES), {"ids": files})
+                report.jobs += conn.execute(text(JOB), {"j": job_id}).rowcount or 0
+        return report
