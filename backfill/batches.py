@@ -142,13 +142,16 @@ def upload_file(
     read once, a piece at a time: each piece is checked as it streams into storage, and the
     first that breaks a limit refuses the file with nothing stored. The scan records the
     file's bound of forecast tokens too, so a create need not read the file for it.
-    ``expires_after`` is OpenAI's expiration policy."""
+    ``expires_after`` is OpenAI's expiration policy; without it the file expires after
+    ``batch_file_expiry_s`` (30 days, OpenAI's default for batch files)."""
     if purpose != INPUT_PURPOSE:
         raise InvalidRequest(
             f"purpose {purpose!r} is not supported; Backfill stores files for 'batch'",
             param="purpose",
         )
     expires_after_s = check_expires_after(expires_after, "expires_after")
+    if expires_after_s is None and settings.batch_file_expiry_s > 0:
+        expires_after_s = settings.batch_file_expiry_s  # OpenAI's default for batch files
     source = io.BytesIO(content) if isinstance(content, bytes) else content
     scan = UploadScan(
         source, InputLimits.from_settings(settings), piece_bytes=settings.file_chunk_bytes

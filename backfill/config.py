@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per
     # transaction.
     retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0
+    # An input file uploaded without expires_after expires this long after its upload, as at
+    # OpenAI (files of purpose batch: 30 days); 0 keeps it until it is deleted.
+    batch_file_expiry_s: Annotated[int, Field(ge=0)] = 30 * 86_400
     retention_chunk_rows: PositiveInt = 5_000
     retention_rows_per_tick: PositiveInt = 50_000
     # Request bodies, counted on the bytes actually read (a chunked body declares no length):
