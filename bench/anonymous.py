@@ -14,13 +14,14 @@ import os
 import secrets
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 
 from backfill.store import Repository
 from bench.api_process import PYTHON_CLI, start_api, stop_api
-from bench.common import finish, parser, percentile, scratch_database, table
+from bench.common import beside_load, finish, parser, percentile, scratch_database, table
 
 NAME = "anonymous"
 GOAL_S = 0.5
@@ -86,24 +87,17 @@ def main() -> None:
             cpu_per_call = (_cpu_s(process.pid) - cpu_before) / len(lab)
             _keyed_latencies(base, key, 20)  # warm the key cache and connections
             alone = _keyed_latencies(base, key, reads)
-            stop = threading.Event()
 
-            def hammer(params: dict[str, int]) -> None:
+            def hammer(params: dict[str, int], stop: threading.Event) -> None:
                 with httpx.Client(base_url=base, timeout=300) as h:
                     while not stop.is_set():
                         h.post("/lab/kv", json=params)
 
-            threads = [
-                threading.Thread(target=hammer, args=(LARGEST[i % len(LARGEST)],), daemon=True)
-                for i in range(6)
-            ]
-            for t in threads:
-                t.start()
-            time.sleep(1.0)
-            loaded = _keyed_latencies(base, key, reads)
-            stop.set()
-            for t in threads:
-                t.join(timeout=120)
+            loaded = beside_load(
+                [partial(hammer, LARGEST[i % len(LARGEST)]) for i in range(6)],
+                partial(_keyed_latencies, base, key, reads),
+                join_s=120,
+            )
         finally:
             stop_api(process, namespace)
 

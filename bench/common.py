@@ -11,12 +11,13 @@ import os
 import platform
 import secrets
 import statistics
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -31,6 +32,9 @@ _OPS = {
     ">": lambda v, t: v > t,
     "<": lambda v, t: v < t,
 }
+
+
+T = TypeVar("T")
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -102,6 +106,28 @@ def finish(
     said = "ok" if ok else "short" + (f" ({reason})" if reason else "")
     print(f"{name}: {figure}={shown} (goal {op} {target}) {said}")
     return ok
+
+
+def beside_load(
+    loads: Sequence[Callable[[threading.Event], None]],
+    measure: Callable[[], T],
+    settle_s: float = 1.0,
+    join_s: float = 180.0,
+) -> T:
+    """``measure()`` while each of ``loads`` runs in a thread of its own (each is given an
+    event that says when to stop), ``settle_s`` after they started; they are stopped and
+    joined after."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=load, args=(stop,), daemon=True) for load in loads]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(settle_s)
+        return measure()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(join_s)
 
 
 class Stopwatch:
