@@ -101,7 +101,7 @@ def api(
 def migrate() -> None:
     """Bring the database schema to the latest version."""
     settings = _settings()
-    from backfill.migrate import upgrade  # noqa: PLC0415 - alembic loads only here
+    from migrations.migrate import upgrade  # noqa: PLC0415 - alembic loads only here
 
     try:
         upgrade(settings.database_url)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from backfill.config import get_settings, libpq_url
-from backfill.migrate import upgrade
+from migrations.migrate import upgrade
 
 OUT_DIR = Path(__file__).parent / "out"
 

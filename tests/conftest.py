@@ -23,8 +23,8 @@ import redis
 from hypothesis import HealthCheck, settings
 
 from backfill.config import Settings, libpq_url, normalise_database_url
-from backfill.migrate import upgrade
 from backfill.redis_client import SyncRedis, connect
+from migrations.migrate import upgrade
 from worker.redis_cluster import LocalCluster
 
 # Property tests judge what a function returns, never how fast: hypothesis's per-example time

@@ -36,8 +36,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backfill.config import Settings
 from backfill.errors import NotFound
-from backfill.migrate import upgrade
 from backfill.store import Repository, ensure_database
+from migrations.migrate import upgrade
 from worker import devengine, harness
 
 DOCS = Path(__file__).parent / "demo_docs"

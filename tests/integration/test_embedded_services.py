@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from backfill.config import Settings, libpq_url
-from backfill.migrate import upgrade
 from backfill.store import Repository, ensure_database
+from migrations.migrate import upgrade
 from tests.conftest import REDIS_URL
 from worker.dev import start_services
 from worker.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis

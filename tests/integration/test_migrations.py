@@ -8,8 +8,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from backfill.config import libpq_url
-from backfill.migrate import downgrade, upgrade
 from backfill.models import Base
+from migrations.migrate import downgrade, upgrade
 
 TABLES = {"tenants", "api_keys", "files", "nodes", "jobs", "job_counters", "items", "attempts"}
 

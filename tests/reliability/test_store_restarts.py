@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from backfill.config import Settings
-from backfill.migrate import upgrade
 from backfill.states import ItemState
+from migrations.migrate import upgrade
 from tests.integration.batch_api_support import api_settings, make_tenant, serve
 from tests.reliability.conftest import (
     LEASE_TTL_S,

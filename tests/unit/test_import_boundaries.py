@@ -25,13 +25,21 @@ queue or an inference engine."""
 
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The domain and its rules: depends on nothing above it.
-    "backfill": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli", "backfill_analysis"),
-    # The API talks to engines through the core's engine client, never through the worker.
-    "queue_api": ("worker", "backfill_cli"),
+    "backfill": (
+        *FRAMEWORKS,
+        "worker",
+        "queue_api",
+        "backfill_cli",
+        "backfill_analysis",
+        "migrations",
+    ),
+    # The API talks to engines through the core's engine client, never through the worker;
+    # the schema is migrated by the command line, never by the API.
+    "queue_api": ("worker", "backfill_cli", "migrations"),
     # The worker talks to the API's state through Postgres and Redis only.
     "worker": ("queue_api", "backfill_cli"),
     # Analysis tools (simulator, planner, lab) sit on the core; the API may use them (/lab).
-    "backfill_analysis": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli"),
+    "backfill_analysis": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli", "migrations"),
 }
 """Top-level package -> the top-level packages none of its modules may import. The command
 line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""

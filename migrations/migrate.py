@@ -1,4 +1,5 @@
-"""Run Alembic migrations from code (``backfill migrate``, tests, the dev command)."""
+"""Run Alembic migrations from code (``backfill migrate``, tests, the dev command), beside
+the migrations themselves: the core (``backfill``) never imports this package."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-import migrations
-
 
 def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config for the packaged ``migrations/`` folder, optionally for one URL."""
-    here = Path(migrations.__file__).parent
+    here = Path(__file__).parent
     cfg = Config(str(here / "alembic.ini"))
     cfg.set_main_option("script_location", str(here))
     if database_url:
