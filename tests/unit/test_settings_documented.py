@@ -1,0 +1,21 @@
+"""Every setting an operator can set is documented: each ``Settings`` field's variable
+(``BACKFILL_<NAME>``) is named, in full, in README.md or a page of docs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backfill.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_setting_is_named_in_the_documentation() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "".join(page.read_text(encoding="utf-8") for page in pages)
+    missing = [
+        f"BACKFILL_{name.upper()}"
+        for name in Settings.model_fields
+        if f"BACKFILL_{name.upper()}" not in text
+    ]
+    assert missing == [], f"settings no page names (add them to README's table): {missing}"
