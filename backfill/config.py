@@ -190,6 +190,9 @@ class Settings(BaseSettings):
     # for room when the caller does not say (header X-Backfill-Max-Wait), and how often the
     # gateway rereads the registered nodes.
     interactive_priority: int = 0
+    # Each tenant's interactive requests carry a cache_salt of its own: tenants never share
+    # the engine's prefix cache, so none can time another's prompts (backfill.cache_salt).
+    tenant_cache_salt: bool = True
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
     # What one interactive request may ask for: the longest wait for room (a longer
     # X-Backfill-Max-Wait is clamped to it, and the answer says so in

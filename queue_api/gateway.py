@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from backfill.cache_salt import cache_salt
 from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine, sse_lines
@@ -279,6 +280,8 @@ class InteractiveGateway:
         keeper, pending = admitted.keeper, admitted.pending
         try:
             payload = upstream_body(parsed.body, shape, sizing, self.settings.interactive_priority)
+            if self.settings.tenant_cache_salt:
+                payload["cache_salt"] = cache_salt(tenant.id)
             overhead = (admitted.counted_at - received) + (
                 time.perf_counter() - admitted.admitted_at
             )

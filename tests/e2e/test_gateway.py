@@ -27,6 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backfill.cache_salt import cache_salt
 from backfill.config import Settings
 from backfill.ledger import Lease, Ledger, PoolSnapshot
 from backfill.maintenance import pool_policy
@@ -589,3 +590,36 @@ def test_traffic_that_bypasses_the_gateway_narrows_batch_slack(gw: Gateway) -> N
     assert lowest < quiet.slack
     assert gw.snapshot().interactive_in_use == 0
     wait(lambda: gw.snapshot().observed_non_batch == 0, 30, "observed use to fall back")
+
+
+def test_tenants_do_not_share_the_engines_prefix_cache_and_a_tenant_shares_its_own(
+    gw: Gateway,
+) -> None:
+    # Two full KV blocks of the same prompt: a second request from the same tenant finds them
+    # cached; the same prompt from another tenant (even one sending the first's salt) does not.
+    prompt = " ".join(f"w{i}" for i in range(150))
+    assert gw.tokens(prompt) >= 2 * BLOCK
+    other = make_tenant(gw.repo, "other")
+    mine = gw.sdk()
+    theirs = openai.OpenAI(
+        api_key=other.key, base_url=f"{gw.api.base_url}/v1", max_retries=0, timeout=60
+    )
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+    def ask(client: openai.OpenAI, **extra: object) -> float:
+        """The prefix-cache hits (tokens) of one request, once the engine has counted its
+        lookup."""
+        before, asked = gw.engine_metric(hits), gw.engine_metric(queries)
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra)
+        wait(lambda: gw.engine_metric(queries) > asked, 30, "the engine counted the lookup")
+        return gw.engine_metric(hits) - before
+
+    third = make_tenant(gw.repo, "third")
+    forging = openai.OpenAI(
+        api_key=third.key, base_url=f"{gw.api.base_url}/v1", max_retries=0, timeout=60
+    )
+    assert ask(mine) == 0  # cold
+    assert ask(theirs) == 0  # the same prompt, another tenant: nothing shared
+    assert ask(forging, cache_salt=cache_salt(gw.tenant.id)) == 0  # a salt it chose: replaced
+    assert ask(theirs) >= 2 * BLOCK  # its own first request's blocks
+    assert ask(mine) >= 2 * BLOCK
