@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from backfill.cache_salt import cache_salt
 from backfill.dispatch import (
     Fail,
     FailureKind,
@@ -70,6 +71,9 @@ class AttemptRunner(DispatcherState):
         if flight.endpoint == Endpoint.EMBEDDINGS:
             await self._embed(flight, request, request_id)
             return
+        if self.config.tenant_cache_salt and flight.item.tenant_id:
+            # Tenants apart in the engine's prefix cache, whatever the line said.
+            request["cache_salt"] = cache_salt(flight.item.tenant_id)
         if flight.endpoint == Endpoint.RESPONSES:
             await self._respond(flight, request, request_id)
             return

@@ -71,6 +71,7 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
         heartbeat_interval_s=settings.heartbeat_interval_s,
         batch_priority=settings.batch_priority,
         stream_interval=settings.batch_stream_interval,
+        tenant_cache_salt=settings.tenant_cache_salt,
         max_preemptions=settings.max_preemptions_per_item,
         max_attempts=settings.max_attempts_per_item,
         grace_s=settings.shutdown_grace_s,

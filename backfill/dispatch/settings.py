@@ -25,6 +25,8 @@ class DispatchConfig:
     batch_priority: int = 10
     """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
     stream_interval: int = 1
+    tenant_cache_salt: bool = True
+    """Each item's requests carry its tenant's ``cache_salt`` (``backfill.cache_salt``)."""
     """Output tokens per streamed chunk asked of the engine (1: every token)."""
     max_preemptions: int = 3
     """At this many preemptions an item reserves as non-preemptible (no thrashing)."""

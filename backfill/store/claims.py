@@ -76,7 +76,8 @@ _CLAIM_MOVE = (
     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
     "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
     f"), {CNT_CLAIM}{{extra}} "
-    "SELECT m.*, j.endpoint FROM moved m JOIN jobs j ON j.id = m.job_id ORDER BY m.ord"
+    "SELECT m.*, j.endpoint, j.tenant_id FROM moved m JOIN jobs j ON j.id = m.job_id "
+    "ORDER BY m.ord"
 )
 
 # Claim without fair share: the earliest deadlines across every tenant.
@@ -249,6 +250,7 @@ class Claims(Store):
             partial_tokens=r.partial_tokens,
             endpoint=r.endpoint,
             deadline_left_s=r.deadline_left_s,
+            tenant_id=r.tenant_id,
         )
 
     def _claim_statement(

@@ -146,6 +146,8 @@ class ClaimedItem:
     deadline_left_s: float
     """Seconds to ``deadline`` at the claim, on Postgres' clock: what a worker judges the
     deadline by (its own clock may be off; the claim's age it measures on its monotonic one)."""
+    tenant_id: str = ""
+    """Whose batch it is (its requests carry the tenant's ``cache_salt``)."""
 
 
 @dataclass(frozen=True, slots=True)

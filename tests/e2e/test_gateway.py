@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -117,11 +117,16 @@ class Gateway:
         )
         return int(reply.json()["count"])
 
-    def submit_batch(self, n: int, max_tokens: int) -> str:
-        tenant = self.repo.create_tenant(f"batch-{time.monotonic_ns()}")
-        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    def submit_batch(
+        self, n: int, max_tokens: int, *, prompt: str | None = None, tenant_id: str | None = None
+    ) -> str:
+        """A job of ``n`` completions (of ``prompt``, or one of their own each), of a new
+        tenant's or ``tenant_id``'s, in progress."""
+        if tenant_id is None:
+            tenant_id = self.repo.create_tenant(f"batch-{time.monotonic_ns()}").id
+        f = self.repo.create_file(tenant_id, "batch", "in.jsonl", b"-")
         job = self.repo.create_job(
-            tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+            tenant_id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
         )
         items = [
             NewItem(
@@ -130,7 +135,7 @@ class Gateway:
                 json.dumps(
                     {
                         "model": MODEL,
-                        "prompt": f"document {i}: the fox",
+                        "prompt": prompt or f"document {i}: the fox",
                         "max_tokens": max_tokens,
                         "ignore_eos": True,
                     }
@@ -604,15 +609,14 @@ def test_tenants_do_not_share_the_engines_prefix_cache_and_a_tenant_shares_its_o
     theirs = openai.OpenAI(
         api_key=other.key, base_url=f"{gw.api.base_url}/v1", max_retries=0, timeout=60
     )
-    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
     def ask(client: openai.OpenAI, **extra: object) -> float:
-        """The prefix-cache hits (tokens) of one request, once the engine has counted its
-        lookup."""
-        before, asked = gw.engine_metric(hits), gw.engine_metric(queries)
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra)
-        wait(lambda: gw.engine_metric(queries) > asked, 30, "the engine counted the lookup")
-        return gw.engine_metric(hits) - before
+        return prefix_hits(
+            gw,
+            lambda: client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra
+            ),
+        )
 
     third = make_tenant(gw.repo, "third")
     forging = openai.OpenAI(
@@ -623,3 +627,29 @@ def test_tenants_do_not_share_the_engines_prefix_cache_and_a_tenant_shares_its_o
     assert ask(forging, cache_salt=cache_salt(gw.tenant.id)) == 0  # a salt it chose: replaced
     assert ask(theirs) >= 2 * BLOCK  # its own first request's blocks
     assert ask(mine) >= 2 * BLOCK
+
+
+def prefix_hits(gw: Gateway, send: Callable[[], object]) -> float:
+    """The engine's prefix-cache hits (tokens) while ``send`` runs, once it has counted the
+    lookups."""
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    before, asked = gw.engine_metric(hits), gw.engine_metric(queries)
+    send()
+    wait(lambda: gw.engine_metric(queries) > asked, 30, "the engine counted the lookup")
+    return gw.engine_metric(hits) - before
+
+
+def test_batch_items_of_two_tenants_do_not_share_the_prefix_cache(gw: Gateway) -> None:
+    # The worker sends each item with its tenant's cache_salt: a batch line of another tenant
+    # with the same prompt finds nothing cached; a later one of the same tenant does.
+    prompt = " ".join(f"b{i}" for i in range(150))
+    assert gw.tokens(prompt) >= 2 * BLOCK
+    first = gw.repo.create_tenant("first").id
+
+    def run(tenant_id: str | None) -> None:
+        job = gw.submit_batch(1, max_tokens=2, prompt=prompt, tenant_id=tenant_id)
+        wait(lambda: len(gw.successes_per_item(job)) == 1, 120, "the batch item")
+
+    assert prefix_hits(gw, lambda: run(first)) == 0  # cold
+    assert prefix_hits(gw, lambda: run(None)) == 0  # another tenant: nothing shared
+    assert prefix_hits(gw, lambda: run(first)) >= 2 * BLOCK  # its own blocks

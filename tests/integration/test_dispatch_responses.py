@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from backfill.cache_salt import cache_salt
 from backfill.config import Settings
 from backfill.engine.protocol import EventStream
 from backfill.states import ItemState
@@ -119,7 +120,9 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
 
         assert engine.closed == 1  # the preempted stream was closed: the engine aborts it
         ((first, sent, priority), (second, resent, _)) = engine.calls
-        assert sent == resent == body  # from the start: the earlier deltas are not continued
+        # From the start (the earlier deltas are not continued), in the tenant's cache salt.
+        tenant_id = repo.get_job(None, job).tenant_id
+        assert sent == resent == {**body, "cache_salt": cache_salt(tenant_id)}
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
         done = only_item(repo, job)
