@@ -4,10 +4,10 @@ batch's items are claimed, against the same claims with no purge, in one run.
 A scratch database holds one ended batch of ``--items`` items (with an attempt each, ~2 KB
 bodies: the size of a summarisation request) and one batch in progress. Claims take 16 items
 at a time and give them back, round after round, for a few seconds alone, then while
-maintenance ticks purge the ended batch (``Repository.purge_ended_jobs`` at its default chunk and rows per
-tick, a tick a second as the beat schedules it) until it is gone. Figure: claim p99 during the
-purge over claim p99 alone; the purge's rows per second and its longest transaction are
-reported too.
+maintenance ticks purge the ended batch (``Repository.purge_ended_jobs`` at its default chunk
+and rows per tick, a tick a second as the beat schedules it) until it is gone. Figure: claim
+p99 during the purge over claim p99 alone; the purge's rows per second and its longest tick
+are reported too.
 """
 
 from __future__ import annotations
