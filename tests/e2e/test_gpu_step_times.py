@@ -49,8 +49,11 @@ def test_the_gpu_step_timer_runs_and_checks_its_decoder_on_a_cpu(tmp_path: Path)
     assert {s["decodes"] > 0 and s["prefill"] > 0 for s in steps} == {True, False}
     assert measured["environment"]["model"] == "tiny"
     # The closing line: the simulator's cost model fitted to the eager times (this CPU is
-    # shared, so its verdict is not asserted, only that the fit ran).
+    # shared, so its verdict is not asserted, only that the fit ran: beside two busy loops the
+    # times can be too noisy for any valid model, which the line then says).
     last = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"gpu_step_times: fit_rms_relative_error=\d+\.\d+ \(goal <= 0\.1\) (ok|short)", last
+        r"gpu_step_times: fit_rms_relative_error=(\d+\.\d+ \(goal <= 0\.1\) (ok|short)|"
+        r"nan \(goal <= 0\.1\) short \(.+\))",
+        last,
     ), report

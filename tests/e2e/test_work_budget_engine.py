@@ -337,22 +337,34 @@ def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting
             assert not [i for i in infos if "pauses batch" in i], infos
             assert [i for i in infos if "the work budget preempts" in i], infos
             gateway = FakeGateway(client, s)
-            job = _submit(repo, 30, max_tokens=MAX_TOKENS)
+            jobs = [_submit(repo, 30, max_tokens=MAX_TOKENS)]
             wait(lambda: d.in_flight >= 8, 60, "batch in flight")
-            end = time.monotonic() + 15
+            # As in the at-risk test above: the signal kept fresh (10 s pending of a 2 s
+            # target) and batch topped up until the worker has preempted (90 s at most): beside
+            # two busy loops, 15 s of a 2.5 s signal shrank the budget but preempted nothing.
+            end = time.monotonic() + 90
             while d.stats.budget_preemptions == 0 and time.monotonic() < end:
                 gateway.publish(
-                    InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 2.5)
+                    InteractiveSignals(prefilling=1, oldest_pending_since_s=time.time() - 10)
                 )
+                if d.in_flight < 4 and len(jobs) < 10:
+                    jobs.append(_submit(repo, 30, max_tokens=MAX_TOKENS))
                 time.sleep(0.1)
-            assert d.stats.budget_preemptions > 0, f"no work-budget preemption: {d.work_budget}"
+            assert d.stats.budget_preemptions > 0, (
+                f"no work-budget preemption in 90 s over {len(jobs)} jobs: {d.work_budget}"
+            )
             gateway.clear()
             metrics = list(BackfillCollector(repo, ledger).collect())
             [mismatch] = [
                 m for m in metrics if m.name == "backfill_engine_scheduler_priority_mismatch"
             ]
             assert [(x.labels["node"], x.value) for x in mismatch.samples] == [(NODE, 1)]
-            wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
+            for job in jobs:
+                wait(
+                    lambda j=job: repo.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30,
+                    300,
+                    "items",
+                )
         finally:
             thread.stop()
             thread.join(30)
