@@ -98,11 +98,11 @@ class Settings(BaseSettings):
     # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per
     # transaction.
     retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0
+    retention_chunk_rows: PositiveInt = 5_000
+    retention_rows_per_tick: PositiveInt = 50_000
     # An input file uploaded without expires_after expires this long after its upload, as at
     # OpenAI (files of purpose batch: 30 days); 0 keeps it until it is deleted.
     batch_file_expiry_s: Annotated[int, Field(ge=0)] = 30 * 86_400
-    retention_chunk_rows: PositiveInt = 5_000
-    retention_rows_per_tick: PositiveInt = 50_000
     # Request bodies, counted on the bytes actually read (a chunked body declares no length):
     # an upload may carry max_file_bytes (plus its multipart envelope), an interactive
     # request this much, and every other route's JSON this much.
@@ -190,8 +190,9 @@ class Settings(BaseSettings):
     # for room when the caller does not say (header X-Backfill-Max-Wait), and how often the
     # gateway rereads the registered nodes.
     interactive_priority: int = 0
-    # Each tenant's interactive requests carry a cache_salt of its own: tenants never share
-    # the engine's prefix cache, so none can time another's prompts (backfill.cache_salt).
+    # Each tenant's requests (interactive, and batch but embeddings) carry a cache_salt of its
+    # own: tenants never share the engine's prefix cache, so none can time another's prompts
+    # (backfill.cache_salt).
     tenant_cache_salt: bool = True
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
     # What one interactive request may ask for: the longest wait for room (a longer

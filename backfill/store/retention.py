@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 
+from backfill.states import JOB_TERMINAL
 from backfill.store.database import Store
 
-ENDED_STATES = ("completed", "failed", "expired", "cancelled")
+ENDED_STATES = ", ".join(f"'{state.value}'" for state in sorted(JOB_TERMINAL))
 
 DUE_JOBS = (
     "SELECT id, output_file_id, error_file_id FROM jobs "
-    f"WHERE state IN ({', '.join(repr(s) for s in ENDED_STATES)}) "
+    f"WHERE state IN ({ENDED_STATES}) "
     "AND COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) "
     "< now() - make_interval(secs => CAST(:age AS float8)) "
     "ORDER BY COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) LIMIT :l"
