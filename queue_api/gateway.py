@@ -102,14 +102,13 @@ class _Relay:
 
     def received_event(self, now: float) -> None:
         if self.events == 0 and self.headers_at is not None:
-            m.HOPS.labels("engine_first_chunk").observe(now - self.headers_at)
+            m.HOP_ENGINE_FIRST_CHUNK.observe(now - self.headers_at)
         self.events += 1
 
     def handed_on(self, received: float, now: float) -> None:
         """An event received at ``received`` went to the client by ``now``."""
-        m.HOPS.labels("first_chunk_out" if self.events == 1 else "chunk_out").observe(
-            now - received
-        )
+        hop = m.HOP_FIRST_CHUNK_OUT if self.events == 1 else m.HOP_CHUNK_OUT
+        hop.observe(now - received)
 
     def saw(self, event: Mapping[str, Any], now: float) -> None:
         usage = event.get("usage")
@@ -138,10 +137,10 @@ def _hops(request: Request, received: float, admitted: Admitted) -> None:
     """The hops of a request up to its lease: edge, parse, reserve (less the wait for room)."""
     accepted = request.scope.get("state", {}).get(ACCEPTED_STATE)
     if isinstance(accepted, float):
-        m.HOPS.labels("edge").observe(received - accepted)
-    m.HOPS.labels("parse").observe(admitted.counted_at - received)
+        m.HOP_EDGE.observe(received - accepted)
+    m.HOP_PARSE.observe(admitted.counted_at - received)
     reserve = admitted.admitted_at - admitted.counted_at - admitted.waited_s
-    m.HOPS.labels("reserve").observe(max(0.0, reserve))
+    m.HOP_RESERVE.observe(max(0.0, reserve))
 
 
 def _carries_tokens(choice: Mapping[str, Any]) -> bool:
@@ -329,7 +328,7 @@ class InteractiveGateway:
                 f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
             ) from exc
         headers_at = time.perf_counter()
-        m.HOPS.labels("engine_headers").observe(headers_at - sent)
+        m.HOP_ENGINE_HEADERS.observe(headers_at - sent)
         if upstream.is_error:
             try:
                 content = await upstream.aread()
@@ -459,7 +458,7 @@ class InteractiveGateway:
             raise GatewayUnavailable(
                 f"the engine of node {node.name} is unreachable: {exc!r}", retry_after_s=1.0
             ) from exc
-        m.HOPS.labels("engine_answer").observe(time.perf_counter() - sent)
+        m.HOP_ENGINE_ANSWER.observe(time.perf_counter() - sent)
         usage: Mapping[str, Any] | None = None
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):

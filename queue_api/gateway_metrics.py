@@ -59,6 +59,14 @@ HOPS = Histogram(
     ["hop"],
     buckets=_HOP_BUCKETS,
 )
+# Bound once: the relay observes a hop for every streamed chunk, and a labels() lookup each
+# time would cost the stream more than the observation.
+HOP_EDGE, HOP_PARSE, HOP_RESERVE = (HOPS.labels(h) for h in ("edge", "parse", "reserve"))
+HOP_ENGINE_HEADERS = HOPS.labels("engine_headers")
+HOP_ENGINE_FIRST_CHUNK = HOPS.labels("engine_first_chunk")
+HOP_FIRST_CHUNK_OUT = HOPS.labels("first_chunk_out")
+HOP_CHUNK_OUT = HOPS.labels("chunk_out")
+HOP_ENGINE_ANSWER = HOPS.labels("engine_answer")
 REQUEST_DURATION = Histogram(
     "backfill_gateway_request_duration_seconds",
     "Admitted interactive requests: from receipt to the end of the response.",
