@@ -46,6 +46,8 @@ from backfill.webhooks.targets import Resolver, Target, TargetRefused, check_tar
 log = logging.getLogger("backfill.webhooks")
 
 USER_AGENT = "Backfill-Webhooks/1"
+CLEAR_SECRETS_EVERY_S = 60.0
+"""How often a sender forgets the rotated-out secrets whose window has ended."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class Sender:
         self.policy = retry_policy(settings)
         self._resolve = resolve
         self._clock = clock
+        self._clear_secrets_at = 0.0
         self._jitter = jitter
         # No pooled connections: a pooled one would be reused by address, with another
         # host's TLS name. No proxies from the environment: the send must reach the
@@ -132,7 +135,11 @@ class Sender:
         self._http.close()
 
     def run_round(self) -> RoundReport:
-        self.store.clear_expired_secrets()
+        now = time.monotonic()
+        if now >= self._clear_secrets_at:
+            # Housekeeping, not a round's work: at most once a minute.
+            self.store.clear_expired_secrets()
+            self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
         claimed = self.store.claim_due(
             self.settings.webhooks_claim_batch, self.settings.webhooks_lease_s
         )
