@@ -11,18 +11,22 @@ import os
 import platform
 import secrets
 import statistics
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import psycopg
 
 from backfill.config import get_settings, libpq_url
 from migrations.migrate import upgrade
+from worker import harness
 
 OUT_DIR = Path(__file__).parent / "out"
 
@@ -128,6 +132,39 @@ def beside_load(
         stop.set()
         for t in threads:
             t.join(join_s)
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def served(
+    name: str,
+    argv: Sequence[str | Path],
+    ready_url: str,
+    log: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server a benchmark starts (``argv``, output in ``log``) for the block, once
+    ``ready_url`` answers; stopped (its process group) after. Fails naming ``name`` and the
+    log's tail when it exits or does not answer in ``timeout_s``."""
+    proc = harness.spawn(argv, log, env=env, log_mode="wb")
+    try:
+        try:
+            harness.wait_ready(proc, partial(answers, ready_url), timeout_s, poll_s=0.1)
+        except harness.HarnessError as exc:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{name} {exc}: {tail}") from None
+        yield proc
+    finally:
+        harness.stop(proc, 15, group=True)
 
 
 class Stopwatch:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,7 +38,7 @@ from backfill.config import get_settings
 from backfill.ledger import Ledger, NodePool
 from backfill.maintenance import pool_policy
 from backfill.store import Repository
-from bench.common import finish, parser, percentile, scratch_database, table
+from bench.common import finish, parser, percentile, scratch_database, served, table
 from bench.nginx_proxy import nginx_proxy
 from worker import devengine
 
@@ -104,31 +105,13 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 
 @contextmanager
-def api_process(env: dict[str, str], port: int, prefix: Sequence[str] = ()) -> Iterator[str]:
-    cmd = [*prefix, sys.executable, "-m", "backfill_cli", "api", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def api_process(
+    env: dict[str, str], port: int, log: Path, prefix: Sequence[str] = ()
+) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"the API exited: {err[-2000:]}")
-            try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the API did not start in 60 s")
-            time.sleep(0.2)
+    argv = [*prefix, sys.executable, "-m", "backfill_cli", "api", "--port", str(port)]
+    with served("the API", argv, f"{url}/healthz", log, env=env):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _hops(api_url: str) -> dict[str, dict[float, float]]:
@@ -214,7 +197,10 @@ def main() -> None:
                     else nginx_proxy(server.url, devengine.free_port(), front)
                 )
                 with (
-                    api_process(env, devengine.free_port(), front) as api_url,
+                    tempfile.TemporaryDirectory(prefix="bench-gateway-") as logs,
+                    api_process(
+                        env, devengine.free_port(), Path(logs) / "api.log", front
+                    ) as api_url,
                     proxy as nginx,
                 ):
                     urls = {

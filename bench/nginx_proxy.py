@@ -9,12 +9,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from bench.common import served
 
 _CONFIG = """\
 worker_processes 1;
@@ -70,30 +69,7 @@ def nginx_proxy(
     with tempfile.TemporaryDirectory(prefix="bench-nginx-") as root:
         conf = Path(root) / "nginx.conf"
         conf.write_text(_CONFIG.format(root=root, upstream=upstream, port=port))
-        proc = subprocess.Popen(
-            [*prefix, binary, "-p", root, "-c", str(conf)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
         url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 20
-            while True:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                    raise RuntimeError(f"nginx exited: {err[-2000:]}")
-                try:
-                    if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("nginx did not answer in 20 s")
-                time.sleep(0.1)
-            yield url, proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        argv = [*prefix, binary, "-p", root, "-c", str(conf)]
+        with served("nginx", argv, f"{url}/v1/models", Path(root) / "out.log", timeout_s=20) as p:
+            yield url, p
