@@ -21,6 +21,7 @@ from batch_api_support import (
     run_worker,
     serve,
 )
+from openai.types import Batch
 
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
@@ -564,23 +565,23 @@ def test_uploads_and_creates_beyond_a_tenants_bound_are_429_and_other_tenants_go
         assert server.app is not None
         slots = server.app.state.ingest_slots
         client, others = server.client(tenant.key), server.client(other.key)
+
+        def create(sdk: openai.OpenAI, file_id: str) -> Batch:
+            return sdk.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+
         uploaded = client.files.create(file=("a.jsonl", chat_file(2)), purpose="batch")
         with slots.held(tenant.id):  # a create of acme's in progress
             with pytest.raises(openai.RateLimitError) as refused:
-                client.batches.create(
-                    input_file_id=uploaded.id,
-                    endpoint="/v1/chat/completions",
-                    completion_window="24h",
-                )
+                create(client, uploaded.id)
             assert refused.value.code == "too_many_concurrent_ingests"
             assert int(refused.value.response.headers["Retry-After"]) >= 1
             with pytest.raises(openai.RateLimitError):
                 client.files.create(file=("b.jsonl", chat_file(2)), purpose="batch")
             # The other tenant's upload and create go on.
             theirs = others.files.create(file=("c.jsonl", chat_file(2)), purpose="batch")
-            others.batches.create(
-                input_file_id=theirs.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
+            create(others, theirs.id)
             with slots.held(other.id):  # the API's bound in all (2) reached: a third waits
                 third = server.client(make_tenant(repo, "third").key)
                 with pytest.raises(openai.RateLimitError) as busy:
@@ -588,9 +589,7 @@ def test_uploads_and_creates_beyond_a_tenants_bound_are_429_and_other_tenants_go
                 assert "the API is processing 2" in busy.value.message
         assert slots.in_use() == 0
         # Nothing held: acme's create goes through, and the refused ones stored nothing.
-        created = client.batches.create(
-            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        created = create(client, uploaded.id)
         assert created.status in ("validating", "in_progress")
         assert [f.filename for f in client.files.list()] == ["a.jsonl"]
 
