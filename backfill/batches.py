@@ -1,19 +1,17 @@
-"""Submitting batches: files in, checks, items stored, job in progress. No HTTP here.
+"""Submitting batches: files in, checks, the job admitted. No HTTP here.
 
 Order of a create, cheapest refusal first: parameters (endpoint, window, metadata) -> a
 retried create (same ``Idempotency-Key``) returns the first job -> the input file ->
 active-batch limit -> the tenant's token quota and deadline feasibility (at the tenant's fair
-share of the throughput), on an upper bound of the file's tokens -> the job, then every line
-parsed and checked while it streams into one COPY, whose transaction also moves the job to
-``in_progress``. The first bad line aborts the COPY (nothing of the file is stored) and the job
-ends ``failed`` with ``errors`` naming each bad line, as OpenAI's Batch API does. A cancel
-during validation takes effect at once; the create then stores nothing (see
-``Repository.insert_items``).
+share of the throughput), on an upper bound of the file's tokens -> the model served -> the
+job, ``validating``. Then its file is checked line by line and its items stored
+(``backfill.batch_ingest``): in the request for a file of at most ``ingest_inline_bytes``, by
+an ingest process for a larger one (the create answers ``validating`` at once, as OpenAI's
+does, and no request does per-line work on a large file).
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import json
@@ -22,41 +20,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
-from backfill.batch_input import (
-    PROMPT_FIELD,
-    InputLimits,
-    InputLines,
-    InvalidBatch,
-    LineInvalid,
-    LocatedLines,
-    Tally,
-    forecast_tokens_upper_bound,
-    stream_valid_items,
-    validate_batch_input,
-)
+from backfill.batch_ingest import Admission, ingest_items, judge_tokens, stored_lines
+from backfill.batch_input import PROMPT_FIELD, InputLimits, forecast_tokens_upper_bound
 from backfill.config import Settings
-from backfill.errors import Conflict, NotFound, StaleWrite
-from backfill.fairshare import tokens_until_done
-from backfill.refusals import (
-    DeadlineInfeasible,
-    IdempotencyMismatch,
-    InvalidRequest,
-    LimitReached,
-    ModelNotFound,
-    QuotaExceeded,
-    Refusal,
-)
+from backfill.errors import Conflict, NotFound
+from backfill.refusals import IdempotencyMismatch, InvalidRequest, LimitReached, ModelNotFound
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
-from backfill.store import BatchStore, FileRecord, JobRecord, NewItem, TenantRecord
-from backfill.upload_scan import UploadScan, iter_lines, iter_located_lines, read_ahead
-from backfill.windows import (
-    DeadlinePlan,
-    batch_throughput,
-    checked_window,
-    format_window,
-    plan_deadline,
-)
+from backfill.store import BatchStore, FileRecord, JobRecord, TenantRecord
+from backfill.upload_scan import UploadScan
+from backfill.windows import batch_throughput, checked_window
 
 INPUT_PURPOSE = "batch"
 
@@ -181,20 +154,6 @@ def file_content(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[byt
     return iter_result_lines(repo, job.id, states)
 
 
-def _stored_lines(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
-    """An input file's lines, read from storage a piece at a time."""
-    return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
-
-
-def _located_lines(repo: BatchStore, tenant_id: str, file_id: str) -> InputLines:
-    """An input file's lines with where each lies in its stored pieces (so an item can point
-    at its line instead of copying its body), or just its lines for a file stored whole."""
-    chunks = repo.file_chunks(tenant_id, file_id)
-    if chunks is None:
-        return _stored_lines(repo, tenant_id, file_id)
-    return LocatedLines(iter_located_lines(read_ahead(chunks)))
-
-
 def _same_request(job: JobRecord, request: BatchRequest) -> bool:
     return (
         job.input_file_id == request.input_file_id
@@ -223,7 +182,8 @@ def create_batch(
     now: datetime | None = None,
     measured_tps: float | None = None,
 ) -> JobRecord:
-    """Check and store a batch; returns it ``in_progress`` (or ``failed`` for bad input)."""
+    """Check and admit a batch; returns it ``in_progress`` (or ``failed`` for bad input), or
+    ``validating`` when an ingest process is to check and store its file."""
     if request.endpoint not in PROMPT_FIELD:
         raise InvalidRequest(
             f"endpoint {request.endpoint!r} is not supported; use one of "
@@ -266,9 +226,8 @@ def create_batch(
 
     # The file is read from storage a piece at a time by each pass over it, never whole.
     def content() -> Iterator[bytes]:
-        return _stored_lines(repo, tenant.id, record.id)
+        return stored_lines(repo, tenant.id, record.id)
 
-    limits = InputLimits.from_settings(settings)
     # Quota and deadline are judged before anything is stored, on an upper bound of the
     # file's forecast tokens (the upload's scan recorded it; a file uploaded before is
     # scanned now), so a refusal is a clean 4xx with no job.
@@ -277,13 +236,20 @@ def create_batch(
         forecast = forecast_tokens_upper_bound(content())
     # Postgres' clock: the deadline is stored there and judged there (this host's may be off).
     now = now or repo.now()
-    tps = batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps)
-    plan = _judge_tokens(
-        repo, settings, tenant, forecast, now, window_s, tps, request.completion_window
+    admission = Admission(
+        forecast=forecast,
+        now=now,
+        window_s=window_s,
+        throughput_tps=batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps),
+        completion_window=request.completion_window,
     )
+    plan = judge_tokens(repo, settings, tenant, forecast, admission)
 
     model = first_model(content())
     _check_model_served(repo, settings, model, request.endpoint)
+    # A file past the inline bound is checked and stored by an ingest process: the create
+    # answers validating now, and no request does per-line work on a large file.
+    deferred = record.size_bytes > settings.ingest_inline_bytes
     job = repo.create_job(
         tenant.id,
         record.id,
@@ -294,109 +260,20 @@ def create_batch(
         idempotency_key=request.idempotency_key,
         model=model,
         output_expires_after_s=output_expires_after_s,
+        ingest_deferred=deferred,
     )
     if request.idempotency_key is not None and (
         job.state is not JobState.VALIDATING or not _same_request(job, request)
     ):
         # A concurrent create with the same key won the insert: answer with its job.
         return _retried(repo, tenant.id, job.id, request)
-
-    tally = Tally()
-
-    def items() -> Iterator[NewItem]:
-        lines = _located_lines(repo, tenant.id, record.id)
-        yield from stream_valid_items(lines, request.endpoint, limits, tally)
-        # The bound counts each line's output budget once: a line of several prompts (one
-        # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
-        # before the items commit.
-        exact = tally.max_output_tokens + tally.estimated_prompt_tokens
-        if exact > forecast:
-            try:
-                _judge_tokens(
-                    repo, settings, tenant, exact, now, window_s, tps, request.completion_window
-                )
-            except Refusal as refusal:
-                raise ForecastExceeded(refusal) from refusal
-
-    estimated = plan.estimated_completion.isoformat(timespec="seconds")
+    if deferred:
+        return job
     try:
-        # Parsing feeds the COPY line by line, so Postgres stores while Python parses; the
-        # first bad line aborts the COPY and nothing of the file is stored. The job moves to
-        # in_progress in the COPY's transaction: its items are claimable exactly from then.
-        repo.insert_items(
-            job.id,
-            items(),
-            start_reason=lambda n: f"{n} requests accepted; estimated completion {estimated}",
-        )
-    except StaleWrite:
-        # Cancelled (or expired, or recovered) while the items streamed in: none was stored.
-        return repo.get_job(tenant.id, job.id)
-    except LineInvalid:
-        checked = validate_batch_input(content(), request.endpoint, limits)
-        errors = checked.errors if isinstance(checked, InvalidBatch) else []
-        _fail(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
-        return repo.get_job(tenant.id, job.id)
-    except ForecastExceeded as exc:
-        refusal = exc.args[0]
-        _fail(repo, job.id, [_entry(refusal.code, refusal.message)], refusal.message)
-        return repo.get_job(tenant.id, job.id)
+        return ingest_items(repo, settings, tenant, job, admission, plan)
     except Conflict:
         # A concurrent create with the same Idempotency-Key stored the items first.
         return _retried(repo, tenant.id, job.id, request)
-    except BaseException:
-        _fail_quietly(repo, job.id)
-        raise
-    return repo.get_job(tenant.id, job.id)
-
-
-class ForecastExceeded(Exception):
-    """The exact forecast of a file, above the bound it was admitted on, breaks the quota or
-    the deadline (``args[0]``: the :class:`Refusal`)."""
-
-
-def _judge_tokens(
-    repo: BatchStore,
-    settings: Settings,
-    tenant: TenantRecord,
-    tokens: int,
-    now: datetime,
-    window_s: int,
-    throughput_tps: float,
-    completion_window: str,
-) -> DeadlinePlan:
-    """Refuse a batch of ``tokens`` forecast tokens that breaks the tenant's quota or cannot
-    finish within its window; else the plan of its completion."""
-    if tenant.enqueued_token_quota is not None:
-        enqueued = repo.enqueued_tokens(tenant.id)
-        if enqueued + tokens > tenant.enqueued_token_quota:
-            raise QuotaExceeded(
-                f"this batch needs up to {tokens} tokens; {enqueued} of the tenant's quota "
-                f"of {tenant.enqueued_token_quota} enqueued tokens are in use"
-            )
-    if settings.fair_share:
-        # Its tenant's backlog at its share, with the other tenants' work done meanwhile.
-        ahead = (
-            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, tokens) - tokens
-        )
-    else:
-        ahead = repo.backlog_tokens()
-    plan = plan_deadline(
-        now,
-        window_s,
-        backlog_tokens=ahead,
-        batch_tokens=tokens,
-        throughput_tps=throughput_tps,
-    )
-    if not plan.feasible:
-        needed_s = max(60, round((plan.estimated_completion - now).total_seconds()))
-        raise DeadlineInfeasible(
-            f"completion_window {completion_window!r} cannot be met: with the current "
-            f"backlog this batch would finish in about {format_window(needed_s)}; the "
-            f"earliest feasible completion_window is {plan.earliest_window!r}",
-            earliest_window=plan.earliest_window,
-            estimated_completion=int(plan.estimated_completion.timestamp()),
-        )
-    return plan
 
 
 def _check_model_served(
@@ -439,32 +316,3 @@ def first_model(content: bytes | Iterable[bytes]) -> str | None:
                 return None
             return model if isinstance(model, str) and len(model) <= 500 else None
     return None
-
-
-def _entry(code: str, message: str) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": None, "line": None}
-
-
-def _fail(repo: BatchStore, job_id: str, errors: list[dict[str, Any]], reason: str) -> None:
-    with contextlib.suppress(StaleWrite):
-        repo.move_job(job_id, JobState.FAILED, reason=reason, errors=errors)
-
-
-def _fail_quietly(repo: BatchStore, job_id: str) -> None:
-    """Mark a job whose items could not be stored; if even that fails, the periodic
-    ``recover_stale_validating`` will."""
-    # Best effort on an already failing path (Postgres may be the reason it fails).
-    with contextlib.suppress(Exception):
-        repo.move_job(
-            job_id,
-            JobState.FAILED,
-            reason="storing the items failed",
-            errors=[
-                {
-                    "code": "storage_failed",
-                    "message": "the requests could not be stored; create the batch again",
-                    "param": None,
-                    "line": None,
-                }
-            ],
-        )

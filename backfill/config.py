@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     # API's pool (10 + 10 overflow) so reads always find a connection; beyond, a 429.
     max_ingests_per_tenant: PositiveInt = 2
     max_ingests: PositiveInt = 6
+    # A batch whose input file is larger than this is checked and stored by an ingest process,
+    # not in the create's request: the create answers ``validating`` at once (as OpenAI's
+    # does) and the API does no per-line work on it; 0 defers every create. The API process
+    # starts ``ingesters`` ingest processes of its own (0: none; run ``backfill ingest``).
+    ingest_inline_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024
+    ingesters: Annotated[int, Field(ge=0)] = 1
     # Retention: a batch that ended this long ago is purged with its items, attempts, webhook
     # events and result files (OpenAI keeps batch data 30 days); 0 keeps everything. Each
     # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -26,6 +27,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
     text,
 )
@@ -172,6 +174,12 @@ class Job(Base):
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
     output_file_id: Mapped[str | None] = mapped_column(String(40))
     error_file_id: Mapped[str | None] = mapped_column(String(40))
+    # Validated and stored by an ingest process, not in the create's request (a large file;
+    # ``backfill.ingester``); how many ingests of it began; its place among its tenant's
+    # queued creates when it was made (tenants take turns in the queue).
+    ingest_deferred: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    ingest_attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    ingest_turn: Mapped[int] = mapped_column(Integer, server_default="0")
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     in_progress_at: Mapped[datetime | None] = mapped_column(TZ)
     finalizing_at: Mapped[datetime | None] = mapped_column(TZ)
@@ -197,6 +205,13 @@ class Job(Base):
             "ix_jobs_open_deadline",
             "deadline",
             postgresql_where=text("state IN ('validating', 'in_progress', 'cancelling')"),
+        ),
+        # The ingest processes' queue: deferred creates still validating.
+        Index(
+            "ix_jobs_ingest_queue",
+            "ingest_turn",
+            "created_at",
+            postgresql_where=text("state = 'validating' AND ingest_deferred"),
         ),
         # The fair-share claim asks which tenants have work (jobs in progress).
         Index(

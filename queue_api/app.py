@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
+from backfill.errors import StoreUnavailable
 from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
@@ -20,9 +21,19 @@ from backfill.webhooks.outbox import WebhookStore
 from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway
+from queue_api.ingest_processes import IngestProcesses
 from queue_api.routes import batches, capacity, dashboard, files, webhooks
 from queue_api.routes import gateway as gateway_routes
 from queue_api.routes import lab as lab_routes
+
+
+def _deferred_creates_wait(repo: Repository) -> bool:
+    """Whether deferred creates wait for an ingest (False if Postgres does not answer: the
+    API still starts, and its first deferred create starts the ingest processes)."""
+    try:
+        return repo.ingest_backlog()[0] > 0
+    except StoreUnavailable:
+        return False
 
 
 def create_app(
@@ -46,6 +57,10 @@ def create_app(
         app.state.repository = repo
         app.state.webhooks = WebhookStore(repo.engine)
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
+        ingesters = IngestProcesses(settings, settings.ingesters)
+        app.state.ingesters = ingesters
+        if settings.ingesters and _deferred_creates_wait(repo):
+            ingesters.ensure_started()  # deferred creates wait from before this process
         keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
         # The tenants' limit is checked on the event loop for keys the cache knows.
@@ -79,6 +94,7 @@ def create_app(
         try:
             yield
         finally:
+            ingesters.stop()
             await app.state.gateway.aclose()
             metrics.detach(app)
             revocations.stop()

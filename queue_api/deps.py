@@ -13,6 +13,7 @@ from backfill.ingest_slots import IngestSlots
 from backfill.store import Repository, TenantRecord
 from backfill.webhooks.outbox import WebhookStore
 from queue_api.edge import TENANT_STATE, Gate, client_address
+from queue_api.ingest_processes import IngestProcesses
 
 
 async def get_settings(request: Request) -> Settings:
@@ -40,7 +41,13 @@ async def get_ingest_slots(request: Request) -> IngestSlots:
     return slots
 
 
+async def get_ingesters(request: Request) -> IngestProcesses:
+    ingesters: IngestProcesses = request.app.state.ingesters
+    return ingesters
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+IngestersDep = Annotated[IngestProcesses, Depends(get_ingesters)]
 IngestSlotsDep = Annotated[IngestSlots, Depends(get_ingest_slots)]
 RepositoryDep = Annotated[Repository, Depends(get_repository)]
 WebhookStoreDep = Annotated[WebhookStore, Depends(get_webhook_store)]

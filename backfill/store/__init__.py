@@ -18,7 +18,9 @@ Rules it keeps:
 Where things are: :mod:`~backfill.store.records` (the values it returns),
 :mod:`~backfill.store.database` (pool, transactions, error translation, Postgres' clock),
 :mod:`~backfill.store.tenants`, :mod:`~backfill.store.files`, :mod:`~backfill.store.nodes`,
-:mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`, :mod:`~backfill.store.claims`,
+:mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`,
+:mod:`~backfill.store.ingest_queue` (deferred creates, taken by the ingest processes),
+:mod:`~backfill.store.claims`,
 :mod:`~backfill.store.holds` (the worker's claims: a hold, then a commit that starts or gives
 back), :mod:`~backfill.store.driver` (the hot path's statements as raw prepared psycopg calls),
 :mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
@@ -32,11 +34,13 @@ role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
 from backfill.store.database import Store, ensure_database
 from backfill.store.files import FILE_CHUNK_BYTES
+from backfill.store.ingest_queue import IngestTake
 from backfill.store.open_claims import OpenClaim
 from backfill.store.protocol import (
     AttemptStore,
     BatchStore,
     CapacityRecords,
+    IngestStore,
     ItemPages,
     JobLifecycle,
     JobMoves,
@@ -78,6 +82,8 @@ __all__ = [
     "FileRecord",
     "Finish",
     "FinishedTokenStats",
+    "IngestStore",
+    "IngestTake",
     "ItemPages",
     "ItemRecord",
     "JobCounts",

@@ -128,8 +128,11 @@ def move_job(
 # A new job unless the tenant already made one with this idempotency key (then nothing).
 CREATE_JOB = (
     "INSERT INTO jobs (id, tenant_id, input_file_id, endpoint, model, "
-    "completion_window, state, deadline, metadata, idempotency_key, output_expires_after_s) "
-    "VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k, :x) "
+    "completion_window, state, deadline, metadata, idempotency_key, output_expires_after_s, "
+    "ingest_deferred, ingest_turn) VALUES (:i, :t, :f, :e, :m, :w, :s, :d, :md, :k, :x, :g, "
+    "CASE WHEN :g THEN 1 + (SELECT count(*) FROM jobs q "
+    "WHERE q.tenant_id = CAST(:t AS varchar) AND q.state = 'validating' "
+    "AND q.ingest_deferred) ELSE 0 END) "
     "ON CONFLICT (tenant_id, idempotency_key) "
     "WHERE idempotency_key IS NOT NULL DO NOTHING RETURNING id"
 )
@@ -187,7 +190,7 @@ JOBS_PAST_DEADLINE = (
 RECOVER_VALIDATING = (
     "WITH stale AS (SELECT j.id, EXISTS (SELECT 1 FROM items i "
     "  WHERE i.job_id = j.id) AS stored FROM jobs j "
-    "  WHERE j.state = 'validating' AND j.created_at < :before "
+    "  WHERE j.state = 'validating' AND NOT j.ingest_deferred AND j.created_at < :before "
     "  ORDER BY j.created_at LIMIT :l FOR UPDATE OF j SKIP LOCKED), "
     "moved AS (UPDATE jobs j SET "
     "  state = CASE WHEN s.stored THEN 'in_progress' ELSE 'failed' END, "
@@ -227,8 +230,10 @@ class Jobs(Store):
         model: str | None = None,
         state: JobState = JobState.VALIDATING,
         output_expires_after_s: int | None = None,
+        ingest_deferred: bool = False,
     ) -> JobRecord:
-        """A new job with its counters row. Reusing an idempotency key returns the first job."""
+        """A new job with its counters row. Reusing an idempotency key returns the first job.
+        ``ingest_deferred``: an ingest process is to check and store its items."""
         job_id = ids.new_job_id()
         with self._tx() as conn:
             inserted = conn.execute(
@@ -245,6 +250,7 @@ class Jobs(Store):
                     "md": Jsonb(metadata) if metadata is not None else None,
                     "k": idempotency_key,
                     "x": output_expires_after_s,
+                    "g": ingest_deferred,
                 },
             ).first()
             if inserted is None:
@@ -355,7 +361,8 @@ class Jobs(Store):
         """Move on the ``validating`` jobs created before ``created_before`` whose create is
         gone (its API process died): a job whose items are stored goes on to
         ``in_progress`` (the COPY is all or nothing, so they are all there), any other
-        fails with ``errors``. A live create holds its job's row for as long as it stores
+        fails with ``errors``. A deferred create is left to the ingest processes (an ingest
+        that dies is begun again). A live create holds its job's row for as long as it stores
         (see ``insert_items``), so ``SKIP LOCKED`` leaves it alone however long it takes;
         and one that somehow resumes later finds its job moved and stores nothing."""
         for target in (JobState.IN_PROGRESS, JobState.FAILED):

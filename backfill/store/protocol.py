@@ -26,12 +26,14 @@ repository has it where the concrete one is handed over (``worker.node``, ``work
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, BinaryIO, Protocol
 
 from backfill.fairshare import TenantBacklog
 from backfill.states import ItemState, JobState
 from backfill.store import records as sr
+from backfill.store.ingest_queue import IngestTake
 from backfill.store.open_claims import OpenClaim
 from backfill.store.retention import PurgeReport
 
@@ -192,6 +194,7 @@ class BatchStore(JobMoves, ItemPages, Protocol):
         idempotency_key: str | None = ...,
         model: str | None = ...,
         output_expires_after_s: int | None = ...,
+        ingest_deferred: bool = ...,
     ) -> sr.JobRecord: ...
 
     def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None: ...
@@ -206,6 +209,8 @@ class BatchStore(JobMoves, ItemPages, Protocol):
 
     def count_active_jobs(self, tenant_id: str) -> int: ...
 
+    def tenant_by_id(self, tenant_id: str) -> sr.TenantRecord: ...
+
     def enqueued_tokens(self, tenant_id: str) -> int: ...
 
     def backlog_tokens(self) -> int: ...
@@ -215,6 +220,16 @@ class BatchStore(JobMoves, ItemPages, Protocol):
     def served_models(self, live_within_s: float) -> tuple[set[str], bool]: ...
 
     def served_endpoints(self, model: str, live_within_s: float) -> set[str] | None: ...
+
+
+class IngestStore(BatchStore, Protocol):
+    """An ingest process's store: the batch side, and the queue of deferred creates."""
+
+    def take_deferred_ingest(
+        self, *, scan: int = ...
+    ) -> AbstractContextManager[IngestTake | None]: ...
+
+    def ingest_backlog(self) -> tuple[int, float]: ...
 
 
 class JobLifecycle(JobMoves, ItemPages, Protocol):

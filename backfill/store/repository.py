@@ -10,6 +10,7 @@ from __future__ import annotations
 from backfill.store.files import Files
 from backfill.store.holds import Holds
 from backfill.store.ingest import Ingest
+from backfill.store.ingest_queue import IngestQueue
 from backfill.store.items import Items
 from backfill.store.jobs import Jobs
 from backfill.store.nodes import Nodes
@@ -21,7 +22,18 @@ from backfill.store.tenants import Tenants
 
 
 class Repository(
-    Tenants, Files, Nodes, Jobs, Ingest, OpenClaims, Holds, Items, Recovery, Stats, Retention
+    Tenants,
+    Files,
+    Nodes,
+    Jobs,
+    Ingest,
+    IngestQueue,
+    OpenClaims,
+    Holds,
+    Items,
+    Recovery,
+    Stats,
+    Retention,
 ):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 

@@ -41,6 +41,9 @@ CREATE_TENANT = (
 # One tenant by its unique name.
 TENANT_BY_NAME = f"SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.name = :n"
 
+# One tenant by its id.
+TENANT_BY_ID = f"SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.id = :i"
+
 # Change a tenant's share of the nodes; returns the tenant as it is now.
 SET_TENANT_WEIGHT = f"UPDATE tenants t SET weight = :w WHERE t.name = :n RETURNING {TENANT_COLUMNS}"
 
@@ -92,6 +95,13 @@ class Tenants(Store):
             row = conn.execute(text(TENANT_BY_NAME), {"n": name}).first()
         if row is None:
             raise NotFound(f"no tenant named {name!r}")
+        return TenantRecord(row[0], row[1], row[2], row[3])
+
+    def tenant_by_id(self, tenant_id: str) -> TenantRecord:
+        with self._tx() as conn:
+            row = conn.execute(text(TENANT_BY_ID), {"i": tenant_id}).first()
+        if row is None:
+            raise NotFound(f"no tenant {tenant_id!r}")
         return TenantRecord(row[0], row[1], row[2], row[3])
 
     def set_tenant_weight(self, name: str, weight: float) -> TenantRecord:

@@ -11,9 +11,10 @@ from backfill import batches, finalize
 from backfill.config import Settings
 from backfill.progress import job_progress
 from backfill.results import iter_result_lines, parse_result_states
+from backfill.states import JobState
 from backfill.store import JobRecord, Repository
 from backfill.windows import batch_throughput
-from queue_api.deps import IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
+from queue_api.deps import IngestersDep, IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -32,6 +33,7 @@ def create_batch(
     repo: RepositoryDep,
     settings: SettingsDep,
     slots: IngestSlotsDep,
+    ingesters: IngestersDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)] = None,
 ) -> BatchObject:
     request = batches.BatchRequest(
@@ -44,6 +46,8 @@ def create_batch(
     )
     with slots.held(tenant.id):
         job = batches.create_batch(repo, settings, tenant, request)
+    if job.state is JobState.VALIDATING:
+        ingesters.wake()  # a large file: an ingest process checks and stores it
     return _render(job, settings, repo)
 
 

@@ -66,6 +66,8 @@ class Create(threading.Thread):
 
     def __init__(self, repo: Repository, settings: Settings, tenant: TenantRecord, lines: int):
         super().__init__(daemon=True)
+        # The create checks and stores the file itself, in its request, whatever its size.
+        settings = settings.model_copy(update={"ingest_inline_bytes": 1 << 30})
         self.repo, self.settings, self.tenant = repo, settings, tenant
         content = chat_file(lines)
         upload = batches.upload_file(

@@ -189,6 +189,8 @@ def _submit(
     repo: Repository, settings: Settings, tenant: str, lines: int, window: str
 ) -> JobRecord:
     record = repo.tenant_by_name(tenant)
+    # Checked in the request, whatever the file's size: the backlog ahead is what is judged.
+    settings = settings.model_copy(update={"ingest_inline_bytes": 1 << 30})
     upload = batches.upload_file(
         repo, settings, record.id, filename="in.jsonl", purpose="batch", content=chat_file(lines)
     )

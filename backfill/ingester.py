@@ -1,0 +1,122 @@
+"""The ingest loop: take a deferred create, check its file and store its items, and again
+until none waits; then sleep until woken or a poll interval passes.
+
+It runs in a process of its own (the API starts one, ``backfill ingest`` runs one beside),
+at a lower CPU priority than the API's: a large file's per-line work never holds the API's
+interpreter, and a key lookup or a status read never waits behind it. The queue, the hold on
+a job and the count of its ingests are the store's (``backfill.store.ingest_queue``); what an
+ingest does is ``backfill.batch_ingest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from backfill.batch_ingest import ingest_deferred
+from backfill.config import Settings
+from backfill.states import JobState
+from backfill.store import IngestStore
+
+log = logging.getLogger("backfill.ingest")
+
+IDLE_POLL_S = 1.0
+"""How long an idle ingest loop sleeps before it looks at the queue again (a create in this
+API process wakes it at once; one made through another API process waits at most this)."""
+
+ERROR_PAUSE_S = 2.0
+
+
+class Signal(Protocol):
+    """A flag another thread or process sets (``threading.Event``,
+    ``multiprocessing.Event``)."""
+
+    def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def wait(self, timeout: float | None = ...) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    job_id: str
+    attempt: int
+    state: JobState | None
+    """The job's state after (None: it is gone)."""
+    seconds: float
+
+
+def ingest_next(repo: IngestStore, settings: Settings) -> Ingested | None:
+    """One deferred create checked and stored (or failed), held against every other ingest
+    while it runs; None when none waits."""
+    with repo.take_deferred_ingest() as take:
+        if take is None:
+            return None
+        started = time.monotonic()
+        job = ingest_deferred(repo, settings, take.job_id, take.attempt)
+        return Ingested(
+            take.job_id,
+            take.attempt,
+            job.state if job is not None else None,
+            time.monotonic() - started,
+        )
+
+
+def run(
+    repo: IngestStore,
+    settings: Settings,
+    stop: Signal,
+    wake: Signal | None = None,
+    *,
+    idle_poll_s: float = IDLE_POLL_S,
+) -> None:
+    """Ingest until ``stop`` is set. ``wake`` (set by whoever queues a create) cuts an idle
+    sleep short. An ingest stopped half way stores nothing; its job is taken again."""
+    while not stop.is_set():
+        try:
+            done = ingest_next(repo, settings)
+        except Exception:
+            log.exception("ingest: a deferred create could not be ingested; trying again")
+            stop.wait(ERROR_PAUSE_S)
+            continue
+        if done is not None:
+            log.info(
+                "ingest: batch %s %s in %.1f s (ingest %d)",
+                done.job_id,
+                done.state.value if done.state is not None else "gone",
+                done.seconds,
+                done.attempt,
+            )
+            continue
+        if wake is None:
+            stop.wait(idle_poll_s)
+        else:
+            wake.wait(idle_poll_s)
+            wake.clear()
+
+
+LOWER_PRIORITY = 10
+"""How much an ingest process lowers its CPU priority (``nice``): the API it sits beside
+answers first."""
+
+
+def serve(settings: Settings, stop: Signal, wake: Signal | None = None) -> None:
+    """An ingest process's body: its own small pool, a lower CPU priority, the loop."""
+    from backfill import logs  # noqa: PLC0415 - a fresh process configures its own logging
+    from backfill.store import Repository  # noqa: PLC0415 - the pool opens in the process
+
+    logs.configure(settings.log_level, settings.log_format, root=True)
+    with contextlib.suppress(OSError):
+        os.nice(LOWER_PRIORITY)
+    repo = Repository.connect(settings.database_url, pool_size=2)
+    try:
+        run(repo, settings, stop, wake)
+    finally:
+        repo.close()

@@ -1,0 +1,57 @@
+"""batch creates whose file is large are ingested off the request path (issue 35)
+
+A create answers ``validating`` after the cheap checks and leaves the file's validation and
+item ingest to an ingest process (``backfill.ingester``), which claims the job with a session
+advisory lock while it works: ``ingest_deferred`` marks such a job (the recovery of creates
+that died mid-request leaves it to the ingesters), ``ingest_attempts`` counts the ingests
+begun, so a file that takes an ingest process down each time fails its batch instead of
+looping, and ``ingest_turn`` is its place among its tenant's queued creates when it was made
+(tenants take turns: every tenant's first before anyone's second).
+
+Revision ID: 0011_deferred_ingest
+Revises: 0010_claim_fusion
+Create Date: 2026-12-06 01:00:00.000000
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0011_deferred_ingest"
+down_revision: str | None = "0010_claim_fusion"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.add_column(
+        "jobs",
+        sa.Column("ingest_deferred", sa.Boolean(), server_default=sa.false(), nullable=False),
+    )
+    op.add_column(
+        "jobs", sa.Column("ingest_attempts", sa.Integer(), server_default="0", nullable=False)
+    )
+    op.add_column(
+        "jobs", sa.Column("ingest_turn", sa.Integer(), server_default="0", nullable=False)
+    )
+    op.create_index(
+        "ix_jobs_ingest_queue",
+        "jobs",
+        ["ingest_turn", "created_at"],
+        unique=False,
+        postgresql_where=sa.text("state = 'validating' AND ingest_deferred"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_index(
+        "ix_jobs_ingest_queue",
+        table_name="jobs",
+        postgresql_where=sa.text("state = 'validating' AND ingest_deferred"),
+    )
+    op.drop_column("jobs", "ingest_turn")
+    op.drop_column("jobs", "ingest_attempts")
+    op.drop_column("jobs", "ingest_deferred")
