@@ -107,8 +107,37 @@ LOWER_PRIORITY = 10
 answers first."""
 
 
-def serve(settings: Settings, stop: Signal, wake: Signal | None = None) -> None:
-    """An ingest process's body: its own small pool, a lower CPU priority, the loop."""
+class ParentGone:
+    """``stop``, or set once the process that started this one is gone (an API process killed
+    outright never stops its ingest processes itself)."""
+
+    def __init__(self, stop: Signal, parent_pid: int) -> None:
+        self._stop = stop
+        self._parent_pid = parent_pid
+
+    def is_set(self) -> bool:
+        return self._stop.is_set() or os.getppid() != self._parent_pid
+
+    def set(self) -> None:
+        self._stop.set()
+
+    def clear(self) -> None:
+        self._stop.clear()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._stop.wait(timeout)
+        return self.is_set()
+
+
+def serve(
+    settings: Settings,
+    stop: Signal,
+    wake: Signal | None = None,
+    *,
+    parent_pid: int | None = None,
+) -> None:
+    """An ingest process's body: its own small pool, a lower CPU priority, the loop; with
+    ``parent_pid``, it ends when that process is gone too."""
     from backfill import logs  # noqa: PLC0415 - a fresh process configures its own logging
     from backfill.store import Repository  # noqa: PLC0415 - the pool opens in the process
 
@@ -116,6 +145,8 @@ def serve(settings: Settings, stop: Signal, wake: Signal | None = None) -> None:
     with contextlib.suppress(OSError):
         os.nice(LOWER_PRIORITY)
     repo = Repository.connect(settings.database_url, pool_size=2)
+    if parent_pid is not None:
+        stop = ParentGone(stop, parent_pid)
     try:
         run(repo, settings, stop, wake)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -10,7 +11,6 @@ from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
-from backfill.errors import StoreUnavailable
 from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
@@ -26,13 +26,17 @@ from queue_api.routes import batches, capacity, dashboard, files, webhooks
 from queue_api.routes import gateway as gateway_routes
 from queue_api.routes import lab as lab_routes
 
+log = logging.getLogger("backfill.api")
+
 
 def _deferred_creates_wait(repo: Repository) -> bool:
-    """Whether deferred creates wait for an ingest (False if Postgres does not answer: the
-    API still starts, and its first deferred create starts the ingest processes)."""
+    """Whether deferred creates wait for an ingest (False if Postgres does not answer, or its
+    schema is not migrated yet: the API still starts, and its first deferred create starts
+    the ingest processes)."""
     try:
         return repo.ingest_backlog()[0] > 0
-    except StoreUnavailable:
+    except Exception as exc:  # the driver and SQLAlchemy raise many types; none stops the API
+        log.warning("could not look for deferred creates at start-up: %s", exc)
         return False
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 from multiprocessing.process import BaseProcess
 
@@ -47,6 +48,7 @@ class IngestProcesses:
                 process = self._context.Process(
                     target=ingester.serve,
                     args=(self._settings, self._stop, self._wake),
+                    kwargs={"parent_pid": os.getpid()},
                     name="backfill-ingest",
                     daemon=True,
                 )

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from batch_api_support import (
@@ -37,6 +39,7 @@ from backfill.config import Settings, libpq_url
 from backfill.finalize import cancel_job, recover_stale_validating
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, Repository, TenantRecord
+from worker.harness import free_port, spawn, stop, wait_ready
 
 CHAT = "/v1/chat/completions"
 # Bounds that only turn a hang into a failure.
@@ -219,3 +222,74 @@ def test_the_recovery_of_dead_creates_leaves_deferred_ones_to_the_ingest(
     assert done.job_id == job.id
     assert done is not None
     assert done.state is JobState.IN_PROGRESS
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started, from any of its threads."""
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:\tZ") for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_an_api_process_killed_outright_leaves_no_ingest_process_behind(
+    deferring: Settings, repo: Repository, tmp_path: Path
+) -> None:
+    key = repo.create_api_key(repo.create_tenant("acme").id)
+    port = free_port()
+    env = dict(
+        os.environ,
+        BACKFILL_DATABASE_URL=deferring.database_url,
+        BACKFILL_REDIS_NAMESPACE=deferring.redis_namespace,
+        BACKFILL_INGEST_INLINE_BYTES="1024",
+    )
+    api = spawn(
+        [sys.executable, "-m", "backfill_cli", "api", "--port", str(port)],
+        tmp_path / "api.log",
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(api, lambda: _answers(f"{base}/healthz"), HANG_S)
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as h:
+            upload = h.post(
+                "/v1/files", files={"file": ("in.jsonl", chat_file(100))}, data={"purpose": "batch"}
+            ).raise_for_status()
+            batch = h.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": upload.json()["id"],
+                    "endpoint": CHAT,
+                    "completion_window": "24h",
+                },
+            ).raise_for_status()
+        assert batch.json()["status"] == "validating"
+        assert _wait_until_not_validating(repo, batch.json()["id"]).state is JobState.IN_PROGRESS
+        children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(api.pid)}
+        ingests = [pid for pid, argv in children.items() if b"spawn_main" in argv]
+        assert len(ingests) == 1, children
+        ingest = ingests[0]
+        api.kill()
+        api.wait()
+        deadline = time.monotonic() + HANG_S
+        while _alive(ingest):
+            assert time.monotonic() < deadline, "the ingest process outlived its API process"
+            time.sleep(0.2)
+    finally:
+        stop(api, 5, group=True)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
