@@ -16,12 +16,15 @@ and no 5xx anywhere.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import httpx
 
@@ -106,6 +109,53 @@ SIDES = {
 }
 
 
+def flood_process(
+    base: str, key: str, file_ids: list[str], threads: int, stop: Any, statuses: Any
+) -> None:
+    """Tenant A's client, a process of its own (its threads never share an interpreter with
+    B's client): ``threads`` flood threads until ``stop``; their statuses put on
+    ``statuses``."""
+    seen: Counter[int] = Counter()
+    local = threading.Event()
+
+    def one() -> None:
+        with httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        ) as client:
+            flood(client, file_ids, local, seen=seen)
+
+    workers = [threading.Thread(target=one, daemon=True) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    stop.wait()
+    local.set()
+    for w in workers:
+        w.join(180)
+    statuses.put(dict(seen))
+
+
+def flood_beside(
+    base: str, key: str, file_ids: list[str], threads: int, seen: Counter[int]
+) -> Callable[[threading.Event], None]:
+    """A load for ``beside_load``: A's flood in a process of its own, stopped with the
+    load."""
+
+    def load(stop: threading.Event) -> None:
+        context = multiprocessing.get_context("spawn")
+        child_stop = context.Event()
+        statuses = context.Queue()
+        child = context.Process(
+            target=flood_process, args=(base, key, file_ids, threads, child_stop, statuses)
+        )
+        child.start()
+        stop.wait()
+        child_stop.set()
+        seen.update(statuses.get(timeout=240))
+        child.join(60)
+
+    return load
+
+
 def run(url: str, side: str, flood_threads: int, lines: int, seconds: float) -> Run:
     namespace = f"bfbench{secrets.token_hex(3)}"
     repo = Repository.connect(url)
@@ -139,8 +189,9 @@ def run(url: str, side: str, flood_threads: int, lines: int, seconds: float) -> 
             alone = b_traffic(b, b_file, seconds)
             a_seen: Counter[int] = Counter()
             beside = beside_load(
-                [partial(flood, client("A"), a_files, seen=a_seen) for _ in range(flood_threads)],
+                [flood_beside(base, keys["A"], a_files, flood_threads, a_seen)],
                 partial(b_traffic, b, b_file, seconds),
+                settle_s=3.0,
             )
     finally:
         stop_api(process, namespace)
