@@ -23,13 +23,11 @@ from typing import Any
 from backfill.batch_input import (
     InputLimits,
     InputLines,
-    InvalidBatch,
     LineInvalid,
     LocatedLines,
     Tally,
     forecast_tokens_upper_bound,
     stream_valid_items,
-    validate_batch_input,
 )
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound, StaleWrite
@@ -164,12 +162,9 @@ def ingest_items(
     except StaleWrite:
         # Cancelled (or expired, or recovered) while the items streamed in: none was stored.
         pass
-    except LineInvalid:
-        checked = validate_batch_input(
-            stored_lines(repo, tenant.id, job.input_file_id), job.endpoint, limits
-        )
-        errors = checked.errors if isinstance(checked, InvalidBatch) else []
-        fail_job(repo, job.id, [e.as_dict() for e in errors], f"{len(errors)} invalid lines")
+    except LineInvalid as invalid:
+        errors = [e.as_dict() for e in invalid.errors]
+        fail_job(repo, job.id, errors, f"{len(errors)} invalid lines")
     except ForecastExceeded as exc:
         refusal = exc.args[0]
         fail_job(repo, job.id, [error_entry(refusal.code, refusal.message)], refusal.message)

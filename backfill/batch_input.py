@@ -617,21 +617,12 @@ def validate_batch_input(
     """Check every line of ``content`` for a batch on ``endpoint``."""
     tally = Tally()
     items: list[NewItem] = []
-    errors: list[LineError] = []
-    more_errors = 0
-    for checked in _checked_lines(content, endpoint, limits, tally):
-        if isinstance(checked, NewItem):
-            if not errors:
-                items.append(checked)
-        elif len(errors) < MAX_REPORTED_ERRORS:
-            errors.append(checked)
-        else:
-            more_errors += 1
-    if not errors:
-        errors.extend(_file_errors(tally, limits))
-    if errors:
-        if more_errors:
-            errors.append(LineError("too_many_errors", f"{more_errors} more errors not listed"))
+    checked_lines = _checked_lines(content, endpoint, limits, tally)
+    for checked in checked_lines:
+        if isinstance(checked, LineError):
+            return InvalidBatch(_every_error(checked, checked_lines))
+        items.append(checked)
+    if errors := _file_errors(tally, limits):
         return InvalidBatch(errors)
     assert tally.model is not None
     return ValidatedBatch(
@@ -640,6 +631,22 @@ def validate_batch_input(
         max_output_tokens=tally.max_output_tokens,
         estimated_prompt_tokens=tally.estimated_prompt_tokens,
     )
+
+
+def _every_error(first: LineError, rest: Iterator[NewItem | LineError]) -> list[LineError]:
+    """``first`` and every later line's error (the rest of the lines still checked), at most
+    ``MAX_REPORTED_ERRORS`` of them and then how many more."""
+    errors = [first]
+    more = 0
+    for checked in rest:
+        if isinstance(checked, LineError):
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(checked)
+            else:
+                more += 1
+    if more:
+        errors.append(LineError("too_many_errors", f"{more} more errors not listed"))
+    return errors
 
 
 def _file_errors(tally: Tally, limits: InputLimits) -> list[LineError]:
@@ -668,22 +675,28 @@ def _file_errors(tally: Tally, limits: InputLimits) -> list[LineError]:
 
 
 class LineInvalid(Exception):
-    """Raised by :func:`stream_valid_items` at the first problem (rolls back a COPY)."""
+    """Raised by :func:`stream_valid_items` when the file is invalid (rolls back a COPY):
+    ``errors`` names every problem, as :func:`validate_batch_input` does."""
+
+    def __init__(self, errors: list[LineError]) -> None:
+        super().__init__(errors[0].message)
+        self.errors = errors
 
 
 def stream_valid_items(
     content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem]:
     """The items of a file, yielded as each line checks out, so storing them can overlap
-    parsing; raises :class:`LineInvalid` at the first problem, after which
-    :func:`validate_batch_input` reports every problem. ``tally`` holds the totals once the
-    iterator is exhausted."""
-    for checked in _checked_lines(content, endpoint, limits, tally):
+    parsing; at the first problem it yields no more, checks the rest of the lines and raises
+    :class:`LineInvalid` with every problem (one pass over the file, whatever its errors).
+    ``tally`` holds the totals once the iterator is exhausted."""
+    checked_lines = _checked_lines(content, endpoint, limits, tally)
+    for checked in checked_lines:
         if isinstance(checked, LineError):
-            raise LineInvalid(checked.message)
+            raise LineInvalid(_every_error(checked, checked_lines))
         yield checked
-    if _file_errors(tally, limits):
-        raise LineInvalid("the file as a whole is invalid")
+    if errors := _file_errors(tally, limits):
+        raise LineInvalid(errors)
 
 
 MAX_TOKENS_FIELD = re.compile(rb'"max_(?:completion_|output_)?tokens"\s*:\s*(\d{1,12})')

@@ -102,7 +102,7 @@ def run(
             wake.clear()
 
 
-LOWER_PRIORITY = 10
+LOWER_PRIORITY = 19
 """How much an ingest process lowers its CPU priority (``nice``): the API it sits beside
 answers first."""
 

@@ -15,9 +15,12 @@ from backfill.batch_input import (
     MAX_REPORTED_ERRORS,
     InputLimits,
     InvalidBatch,
+    LineInvalid,
     LocatedLines,
+    Tally,
     ValidatedBatch,
     _loads,
+    stream_valid_items,
     validate_batch_input,
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
@@ -372,3 +375,20 @@ def test_what_the_fast_parser_refuses_the_reference_parser_judges(raw: bytes) ->
 def test_nan_is_refused_with_json_s_words() -> None:
     with pytest.raises(ValueError, match="NaN is not valid JSON"):
         _loads(b'{"a": NaN}')
+
+
+def test_the_stream_names_every_bad_line_in_its_one_pass_as_validation_does() -> None:
+    # An ingest streams a file into its COPY once: at the first bad line it stops storing,
+    # checks the rest, and reports what a second, whole validation would (no second pass).
+    content = encode(line("a"), line("b", max_tokens=-1), line("c"), "{not json", line("e"))
+    lines = [raw for raw in content.split(b"\n") if raw]
+    stored = []
+    with pytest.raises(LineInvalid) as raised:
+        stored.extend(stream_valid_items(iter(lines), CHAT, LIMITS, Tally()))
+    assert [i.custom_id for i in stored] == ["a"]
+    whole = validate_batch_input(content, CHAT, LIMITS)
+    assert isinstance(whole, InvalidBatch)
+    assert [(e.line, e.code) for e in raised.value.errors] == [
+        (e.line, e.code) for e in whole.errors
+    ]
+    assert [e.line for e in raised.value.errors] == [2, 4]
