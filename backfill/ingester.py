@@ -135,9 +135,11 @@ def serve(
     wake: Signal | None = None,
     *,
     parent_pid: int | None = None,
+    ready: Signal | None = None,
 ) -> None:
     """An ingest process's body: its own small pool, a lower CPU priority, the loop; with
-    ``parent_pid``, it ends when that process is gone too."""
+    ``parent_pid``, it ends when that process is gone too; ``ready`` is set once it is about
+    to look at the queue."""
     from backfill import logs  # noqa: PLC0415 - a fresh process configures its own logging
     from backfill.store import Repository  # noqa: PLC0415 - the pool opens in the process
 
@@ -147,6 +149,8 @@ def serve(
     repo = Repository.connect(settings.database_url, pool_size=2)
     if parent_pid is not None:
         stop = ParentGone(stop, parent_pid)
+    if ready is not None:
+        ready.set()
     try:
         run(repo, settings, stop, wake)
     finally:

@@ -90,7 +90,7 @@ def api(
     import uvicorn  # noqa: PLC0415 - the web stack loads only for this command
 
     uvicorn.run(
-        "queue_api.app:create_app",
+        "queue_api.app:served_app",
         factory=True,
         host=host,
         port=port,

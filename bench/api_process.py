@@ -29,7 +29,8 @@ def start_api(
 ) -> subprocess.Popen[bytes]:
     """``command api`` on 127.0.0.1:``port`` over the database at ``url`` and the Redis
     namespace ``namespace``, with tenant rate limits of 100,000/s and ``settings`` (more
-    ``BACKFILL_*`` variables) on top; returned once it answers /healthz (60 s at most)."""
+    ``BACKFILL_*`` variables) on top; returned once it answers /healthz and its ingest
+    process is ready (60 s at most)."""
     env = {
         **os.environ,
         "BACKFILL_DATABASE_URL": url,
@@ -47,7 +48,9 @@ def start_api(
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+            answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            # Up, and its ingest process ready for the first large create.
+            if answer.status_code == 200 and answer.json().get("ingest_ready", True):
                 return process
         except httpx.TransportError:
             pass

@@ -45,11 +45,14 @@ def create_app(
     *,
     repository: Repository | None = None,
     usage_source: UsageSource | None = None,
+    eager_ingesters: bool = False,
 ) -> FastAPI:
     """The API over one deployment's Postgres and Redis.
 
     ``usage_source`` feeds ``/v1/capacity`` with live usage; by default it is the ledger in
-    Redis, and nodes the ledger does not know show what Postgres knows.
+    Redis, and nodes the ledger does not know show what Postgres knows. The API's ingest
+    processes start with it when ``eager_ingesters`` (``backfill api``: ready for the first
+    large create), else at its first deferred create or if deferred creates wait.
     """
     settings = settings or get_settings()
 
@@ -63,8 +66,8 @@ def create_app(
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
         ingesters = IngestProcesses(settings, settings.ingesters)
         app.state.ingesters = ingesters
-        if settings.ingesters and _deferred_creates_wait(repo):
-            ingesters.ensure_started()  # deferred creates wait from before this process
+        if settings.ingesters and (eager_ingesters or _deferred_creates_wait(repo)):
+            ingesters.ensure_started()
         keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
         # The tenants' limit is checked on the event loop for keys the cache knows.
@@ -127,7 +130,14 @@ def create_app(
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:
         app.state.repository.ping()
-        return {"status": "ok"}
+        # Whether large creates are being ingested by a process of this API's (false until
+        # its first deferred create, unless ``backfill api`` started them with it).
+        return {"status": "ok", "ingest_ready": app.state.ingesters.ready}
 
     app.add_middleware(RequestEdge, settings=settings)
     return app
+
+
+def served_app() -> FastAPI:
+    """The app ``backfill api`` serves: its ingest processes start with it."""
+    return create_app(eager_ingesters=True)

@@ -31,12 +31,19 @@ class IngestProcesses:
         self._context = multiprocessing.get_context("spawn")
         self._stop = self._context.Event()
         self._wake = self._context.Event()
+        self._ready = self._context.Event()
         self._processes: list[BaseProcess] = []
         self._lock = threading.Lock()
 
     @property
     def running(self) -> int:
         return sum(1 for p in self._processes if p.is_alive())
+
+    @property
+    def ready(self) -> bool:
+        """Whether an ingest process has started and looks at the queue (or none is to
+        run)."""
+        return self._count == 0 or (self._ready.is_set() and self.running > 0)
 
     def ensure_started(self) -> None:
         """Start the processes if they are not running (again, if one died)."""
@@ -48,7 +55,7 @@ class IngestProcesses:
                 process = self._context.Process(
                     target=ingester.serve,
                     args=(self._settings, self._stop, self._wake),
-                    kwargs={"parent_pid": os.getpid()},
+                    kwargs={"parent_pid": os.getpid(), "ready": self._ready},
                     name="backfill-ingest",
                     daemon=True,
                 )
