@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Protocol
 
 from backfill.batch_ingest import ingest_deferred
@@ -31,17 +34,20 @@ API process wakes it at once; one made through another API process waits at most
 ERROR_PAUSE_S = 2.0
 
 
-class Signal(Protocol):
-    """A flag another thread or process sets (``threading.Event``,
-    ``multiprocessing.Event``)."""
+class Stop(Protocol):
+    """Says when the loop is to end (``threading.Event``)."""
 
     def is_set(self) -> bool: ...
 
-    def set(self) -> None: ...
+    def wait(self, timeout: float | None = ...) -> bool: ...
 
-    def clear(self) -> None: ...
+
+class Wake(Protocol):
+    """Cuts an idle loop's sleep short: set by whoever queues a create."""
 
     def wait(self, timeout: float | None = ...) -> bool: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +78,8 @@ def ingest_next(repo: IngestStore, settings: Settings) -> Ingested | None:
 def run(
     repo: IngestStore,
     settings: Settings,
-    stop: Signal,
-    wake: Signal | None = None,
+    stop: Stop,
+    wake: Wake | None = None,
     *,
     idle_poll_s: float = IDLE_POLL_S,
 ) -> None:
@@ -107,22 +113,33 @@ LOWER_PRIORITY = 19
 answers first."""
 
 
+class Doorbell:
+    """The ingest process's end of a pipe its API process writes a byte into for each create
+    it defers (a :class:`Wake`; no lock or semaphore shared between the processes)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        os.set_blocking(conn.fileno(), False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._conn.poll(timeout)
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._conn.fileno(), 4096):
+                pass
+
+
 class ParentGone:
     """``stop``, or set once the process that started this one is gone (an API process killed
     outright never stops its ingest processes itself)."""
 
-    def __init__(self, stop: Signal, parent_pid: int) -> None:
+    def __init__(self, stop: Stop, parent_pid: int) -> None:
         self._stop = stop
         self._parent_pid = parent_pid
 
     def is_set(self) -> bool:
         return self._stop.is_set() or os.getppid() != self._parent_pid
-
-    def set(self) -> None:
-        self._stop.set()
-
-    def clear(self) -> None:
-        self._stop.clear()
 
     def wait(self, timeout: float | None = None) -> bool:
         self._stop.wait(timeout)
@@ -131,27 +148,29 @@ class ParentGone:
 
 def serve(
     settings: Settings,
-    stop: Signal,
-    wake: Signal | None = None,
     *,
+    doorbell: Connection | None = None,
+    ready: Connection | None = None,
     parent_pid: int | None = None,
-    ready: Signal | None = None,
 ) -> None:
-    """An ingest process's body: its own small pool, a lower CPU priority, the loop; with
-    ``parent_pid``, it ends when that process is gone too; ``ready`` is set once it is about
-    to look at the queue."""
+    """An ingest process's body, until SIGTERM or SIGINT: its own small pool, the lowest CPU
+    priority, the loop. ``doorbell``: the pipe its API process rings for each deferred
+    create; ``ready``: a pipe it says ``ready`` on once it looks at the queue;
+    ``parent_pid``: it ends when that process is gone too."""
     from backfill import logs  # noqa: PLC0415 - a fresh process configures its own logging
     from backfill.store import Repository  # noqa: PLC0415 - the pool opens in the process
 
     logs.configure(settings.log_level, settings.log_format, root=True)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    stop: Stop = stopping if parent_pid is None else ParentGone(stopping, parent_pid)
     with contextlib.suppress(OSError):
         os.nice(LOWER_PRIORITY)
     repo = Repository.connect(settings.database_url, pool_size=2)
-    if parent_pid is not None:
-        stop = ParentGone(stop, parent_pid)
     if ready is not None:
-        ready.set()
+        ready.send_bytes(b"ready")
     try:
-        run(repo, settings, stop, wake)
+        run(repo, settings, stop, Doorbell(doorbell) if doorbell is not None else None)
     finally:
         repo.close()

@@ -8,9 +8,7 @@ never a traceback.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, TypeVar
@@ -266,13 +264,10 @@ def ingest() -> None:
     """Check and store the files of large batch creates (deferred by the API), until stopped.
     Run any number beside the API; each takes one batch at a time, tenants in turn."""
     settings = _settings()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     from backfill import ingester  # noqa: PLC0415 - the store loads only for this command
 
     out.print("ingesting deferred batch creates (Ctrl-C to stop)")
-    ingester.serve(settings, stop)
+    ingester.serve(settings)
 
 
 @app.command("beat")
