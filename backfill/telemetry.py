@@ -179,8 +179,29 @@ class BackfillCollector:
         done = repo.output_tokens_finished_within(window)
         useful.add_metric([f"{window:g}"], done / window)
 
+        waiting, oldest_s = repo.ingest_backlog()
+        ingest = GaugeMetricFamily(
+            "backfill_ingest_queue",
+            "Batch creates whose file waits for an ingest process (or is being ingested).",
+        )
+        ingest.add_metric([], waiting)
+        ingest_age = GaugeMetricFamily(
+            "backfill_ingest_queue_oldest_seconds",
+            "How long the oldest create waiting for an ingest process has waited (0: none).",
+        )
+        ingest_age.add_metric([], oldest_s)
+
         self._histograms.advance(repo, self.lookback_s, self.lag_s)
-        return [finished, job_gauge, misses, queued, useful, *self._histograms.families()]
+        return [
+            finished,
+            job_gauge,
+            misses,
+            queued,
+            useful,
+            ingest,
+            ingest_age,
+            *self._histograms.families(),
+        ]
 
     # -- ledger
 

@@ -112,6 +112,21 @@ def test_a_large_create_answers_validating_and_the_apis_ingest_process_stores_it
         assert server.app.state.ingesters.running == 1
 
 
+def test_creates_waiting_for_an_ingest_are_on_metrics(
+    deferring: Settings, repo: Repository
+) -> None:
+    tenant = make_tenant(repo, "acme")
+    # No ingest process of the API's own: the create waits for a `backfill ingest`.
+    with serve(api_settings(deferring, ingesters=0)) as server:
+        batch = submit_file(server.client(tenant.key), chat_file(500))
+        assert batch.status == "validating"
+        scraped = httpx.get(f"{server.base_url}/metrics").text
+        assert server.app is not None
+        assert server.app.state.ingesters.running == 0
+    assert "backfill_ingest_queue 1.0" in scraped.splitlines()
+    assert repo.get_job(None, batch.id).state is JobState.VALIDATING
+
+
 def test_an_ingest_that_dies_half_way_is_begun_again_and_stores_each_line_once(
     deferring: Settings, repo: Repository
 ) -> None:
