@@ -32,7 +32,7 @@ from backfill.batch_input import (
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound, StaleWrite
 from backfill.fairshare import tokens_until_done
-from backfill.refusals import DeadlineInfeasible, QuotaExceeded, Refusal
+from backfill.refusals import DeadlineInfeasible, QuotaExceeded, Refusal, StorageCapReached
 from backfill.states import JobState
 from backfill.store import BatchStore, JobRecord, NewItem, TenantRecord
 from backfill.upload_scan import iter_lines, iter_located_lines, read_ahead
@@ -56,8 +56,8 @@ class Admission:
 
 
 class ForecastExceeded(Exception):
-    """The exact forecast of a file, above the bound it was admitted on, breaks the quota or
-    the deadline (``args[0]``: the :class:`Refusal`)."""
+    """The exact figures of a file, above the bounds it was admitted on, break the quota, the
+    deadline or the tenant's storage cap (``args[0]``: the :class:`Refusal`)."""
 
 
 def stored_lines(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
@@ -135,10 +135,20 @@ def ingest_items(
     validating for the next ingest, up to :data:`MAX_INGEST_ATTEMPTS`)."""
     limits = InputLimits.from_settings(settings)
     tally = Tally()
+    stored = repo.stored_items(tenant.id)
 
     def items() -> Iterator[NewItem]:
         lines = located_lines(repo, tenant.id, job.input_file_id)
         yield from stream_valid_items(lines, job.endpoint, limits, tally)
+        cap = settings.max_stored_items_per_tenant
+        if stored + tally.lines > cap:
+            raise ForecastExceeded(
+                StorageCapReached(
+                    f"this batch has {tally.lines} requests; the tenant stores {stored} batch "
+                    f"items and may store {cap} (BACKFILL_MAX_STORED_ITEMS_PER_TENANT; "
+                    "finished batches count until they are purged)"
+                )
+            )
         # The bound counts each line's output budget once: a line of several prompts (one
         # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
         # before the items commit.

@@ -24,7 +24,13 @@ from backfill.batch_ingest import Admission, ingest_items, judge_tokens, stored_
 from backfill.batch_input import PROMPT_FIELD, InputLimits, forecast_tokens_upper_bound
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound
-from backfill.refusals import IdempotencyMismatch, InvalidRequest, LimitReached, ModelNotFound
+from backfill.refusals import (
+    IdempotencyMismatch,
+    InvalidRequest,
+    LimitReached,
+    ModelNotFound,
+    StorageCapReached,
+)
 from backfill.results import ERROR_STATES, OUTPUT_STATES, iter_result_lines
 from backfill.states import JobState
 from backfill.store import BatchStore, FileRecord, JobRecord, TenantRecord
@@ -125,9 +131,22 @@ def upload_file(
     expires_after_s = check_expires_after(expires_after, "expires_after")
     if expires_after_s is None and settings.batch_file_expiry_s > 0:
         expires_after_s = settings.batch_file_expiry_s  # OpenAI's default for batch files
+    cap = settings.max_stored_bytes_per_tenant
+    stored = repo.stored_input_bytes(tenant_id)
+    room = StorageCapReached(
+        f"the tenant stores {stored} bytes of input files and may store {cap} "
+        "(BACKFILL_MAX_STORED_BYTES_PER_TENANT); this file would pass that. Delete files it "
+        "no longer needs"
+    )
+    if stored >= cap:
+        raise room
     source = io.BytesIO(content) if isinstance(content, bytes) else content
     scan = UploadScan(
-        source, InputLimits.from_settings(settings), piece_bytes=settings.file_chunk_bytes
+        source,
+        InputLimits.from_settings(settings),
+        piece_bytes=settings.file_chunk_bytes,
+        room=room,
+        room_bytes=cap - stored,
     )
     return repo.create_file(
         tenant_id,
@@ -216,6 +235,13 @@ def create_batch(
             f"file {record.id} has purpose {record.purpose!r}; a batch needs a 'batch' file",
             code="invalid_input_file",
             param="input_file_id",
+        )
+    stored_items = repo.stored_items(tenant.id)
+    if stored_items >= settings.max_stored_items_per_tenant:
+        raise StorageCapReached(
+            f"the tenant stores {stored_items} batch items and may store "
+            f"{settings.max_stored_items_per_tenant} (finished batches count until they are "
+            "purged, BACKFILL_RETENTION_S after they end)"
         )
     active = repo.count_active_jobs(tenant.id)
     if active >= settings.max_active_batches_per_tenant:

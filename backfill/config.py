@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     max_line_bytes: PositiveInt = 1024 * 1024
     max_lines_per_batch: PositiveInt = 100_000
     max_active_batches_per_tenant: PositiveInt = 100
+    # What one tenant may keep stored: batch items (every state, until their batch is purged,
+    # see retention_s) and input file bytes (until the file is deleted or expires). Beyond,
+    # uploads and creates are refused (429, storage_cap_reached) and a batch whose items
+    # would pass the cap fails naming it.
+    max_stored_items_per_tenant: PositiveInt = 10_000_000
+    max_stored_bytes_per_tenant: PositiveInt = 100 * 1024**3
     # File uploads and batch creates one API process works on at once (each holds a Postgres
     # connection while it checks and stores a file): per tenant, and in all, well under the
     # API's pool (10 + 10 overflow) so reads always find a connection; beyond, a 429.

@@ -62,6 +62,13 @@ class LimitReached(Refusal):
     default_code = "active_batch_limit_reached"
 
 
+class StorageCapReached(LimitReached):
+    """The tenant stores as many items or input bytes as it may (finished work counts until
+    it is purged); it clears as files are deleted and ended batches purged."""
+
+    default_code = "storage_cap_reached"
+
+
 class QuotaExceeded(Refusal):
     """The tenant's enqueued-token quota would be exceeded."""
 

@@ -25,7 +25,7 @@ from backfill.batch_input import (
     InputLimits,
     LineSpot,
 )
-from backfill.refusals import InvalidRequest, PayloadTooLarge
+from backfill.refusals import InvalidRequest, PayloadTooLarge, Refusal
 
 UPLOAD_SCAN_BYTES = 64 * 1024
 """Bytes the scan looks at per step. Its memory is one step, the line carried over to the
@@ -45,8 +45,13 @@ class UploadScan:
         *,
         piece_bytes: int,
         scan_bytes: int = UPLOAD_SCAN_BYTES,
+        room: Refusal | None = None,
+        room_bytes: int | None = None,
     ) -> None:
         self.source = source
+        # The bytes the tenant may still store, and the refusal past them.
+        self.room = room
+        self.room_bytes = room_bytes
         self.limits = limits
         self.piece_bytes = piece_bytes
         # A piece ends at the first line end after piece_bytes: steps no longer than that.
@@ -75,6 +80,9 @@ class UploadScan:
                     f"file is larger than the limit of {limits.max_file_bytes} bytes",
                     param="file",
                 )
+            room = self.room
+            if room is not None and self.room_bytes is not None and self.size > self.room_bytes:
+                raise room
             buffer = carry + step if carry else step
             end = buffer.rfind(b"\n")
             if end < 0:

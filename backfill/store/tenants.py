@@ -44,6 +44,16 @@ TENANT_BY_NAME = f"SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.name = :n"
 # One tenant by its id.
 TENANT_BY_ID = f"SELECT {TENANT_COLUMNS} FROM tenants t WHERE t.id = :i"
 
+# What a tenant keeps stored: its batches' items (every state) and its input files' bytes.
+TENANT_STORED_ITEMS = (
+    "SELECT coalesce(sum(c.total), 0) FROM jobs j JOIN job_counters c ON c.job_id = j.id "
+    "WHERE j.tenant_id = :t"
+)
+TENANT_STORED_BYTES = (
+    "SELECT coalesce(sum(bytes), 0) FROM files "
+    "WHERE tenant_id = :t AND purpose = 'batch' AND job_id IS NULL"
+)
+
 # Change a tenant's share of the nodes; returns the tenant as it is now.
 SET_TENANT_WEIGHT = f"UPDATE tenants t SET weight = :w WHERE t.name = :n RETURNING {TENANT_COLUMNS}"
 
@@ -103,6 +113,16 @@ class Tenants(Store):
         if row is None:
             raise NotFound(f"no tenant {tenant_id!r}")
         return TenantRecord(row[0], row[1], row[2], row[3])
+
+    def stored_items(self, tenant_id: str) -> int:
+        """Items of the tenant's batches stored now, whatever their state."""
+        with self._tx() as conn:
+            return int(conn.execute(text(TENANT_STORED_ITEMS), {"t": tenant_id}).scalar_one())
+
+    def stored_input_bytes(self, tenant_id: str) -> int:
+        """Bytes of the tenant's input files stored now."""
+        with self._tx() as conn:
+            return int(conn.execute(text(TENANT_STORED_BYTES), {"t": tenant_id}).scalar_one())
 
     def set_tenant_weight(self, name: str, weight: float) -> TenantRecord:
         """Change a tenant's share; claims follow it at once, API feasibility checks once
