@@ -78,6 +78,24 @@ class WebhookEndpointDeleted(BaseModel):
     deleted: bool = True
 
 
+class TestWebhookBody(BaseModel):
+    """``POST /v1/webhook_endpoints/{id}/test``: the sample event's type."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    event_type: str = Field(max_length=64)
+
+
+class WebhookEndpointTestResult(BaseModel):
+    """What the endpoint answered to a sample event (OpenAI's ``webhook_endpoint.test``)."""
+
+    object: Literal["webhook_endpoint.test"] = "webhook_endpoint.test"
+    webhook_endpoint_id: str
+    event_type: str
+    status_code: int
+    success: Literal[True] = True
+
+
 class WebhookEventTypeList(BaseModel):
     object: Literal["list"] = "list"
     data: list[str]

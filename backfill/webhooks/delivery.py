@@ -73,6 +73,77 @@ def prepare(claimed: ClaimedDelivery, target: Target, now: int) -> OutgoingReque
     return OutgoingRequest(target, headers, body)
 
 
+class Poster:
+    """Sends one signed event to a checked target, bounded in all by ``webhooks_timeout_s``;
+    never raises (whatever went wrong is the attempt's error)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        resolve: Resolver = system_resolver,
+        clock: Callable[[], float] = time.time,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        """``verify``: how https targets' certificates are checked (the system's trust
+        store by default; tests pass their own authority). They are checked against the
+        URL's host name, not the address connected to."""
+        self.settings = settings
+        self._resolve = resolve
+        self._clock = clock
+        # No pooled connections: a pooled one would be reused by address, with another
+        # host's TLS name. No proxies from the environment: the send must reach the
+        # address that was checked. No redirects: a 3xx is a failed attempt.
+        self._http = httpx.Client(
+            timeout=settings.webhooks_timeout_s,
+            follow_redirects=False,
+            trust_env=False,
+            limits=httpx.Limits(max_keepalive_connections=0),
+            verify=verify,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def post(self, claimed: ClaimedDelivery) -> AttemptResult:
+        try:
+            target = check_target(
+                claimed.url,
+                allow_private=self.settings.webhooks_allow_private,
+                resolve=self._resolve,
+            )
+        except TargetRefused as exc:
+            return AttemptResult(error=str(exc))
+        request = prepare(claimed, target, int(self._clock()))
+        limit = self.settings.webhooks_timeout_s
+        deadline = Deadline(limit)
+        extensions: dict[str, object] = {"trace": deadline.trace}
+        if target.scheme == "https":
+            extensions["sni_hostname"] = target.host
+        try:
+            with (
+                deadline,
+                self._http.stream(
+                    "POST",
+                    target.connect_url,
+                    content=request.body,
+                    headers=request.headers,
+                    extensions=extensions,
+                ) as response,
+            ):
+                # The answer's body is not wanted (and may be large): only its status.
+                return AttemptResult(status_code=response.status_code)
+        except httpx.TimeoutException:
+            return AttemptResult(error=f"no answer within {limit:g} s")
+        except httpx.HTTPError as exc:
+            if deadline.expired:
+                return AttemptResult(
+                    error=f"no whole answer within {limit:g} s (connect, send and the answer's "
+                    "headers together)"
+                )
+            return AttemptResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+
 def retry_policy(settings: Settings) -> RetryPolicy:
     return RetryPolicy(
         base_s=settings.webhooks_retry_base_s,
@@ -106,33 +177,21 @@ class Sender:
         jitter: Callable[[], float] = random.random,
         verify: ssl.SSLContext | bool = True,
     ) -> None:
-        """``verify``: how https targets' certificates are checked (the system's trust
-        store by default; tests pass their own authority). They are checked against the
-        URL's host name, not the address connected to."""
+        """``verify``: how https targets' certificates are checked (see :class:`Poster`)."""
         self.store = store
         self.settings = settings
         self.policy = retry_policy(settings)
-        self._resolve = resolve
         self._clock = clock
         self._clear_secrets_at = 0.0
         self._jitter = jitter
-        # No pooled connections: a pooled one would be reused by address, with another
-        # host's TLS name. No proxies from the environment: the send must reach the
-        # address that was checked. No redirects: a 3xx is a failed attempt.
-        self._http = httpx.Client(
-            timeout=settings.webhooks_timeout_s,
-            follow_redirects=False,
-            trust_env=False,
-            limits=httpx.Limits(max_keepalive_connections=0),
-            verify=verify,
-        )
+        self._poster = Poster(settings, resolve=resolve, clock=clock, verify=verify)
         self._pool = ThreadPoolExecutor(
             max_workers=settings.webhooks_claim_batch, thread_name_prefix="webhook-send"
         )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._http.close()
+        self._poster.close()
 
     def run_round(self) -> RoundReport:
         now = time.monotonic()
@@ -178,42 +237,7 @@ class Sender:
 
     def send(self, claimed: ClaimedDelivery) -> AttemptResult:
         """One attempt; never raises (whatever went wrong is the attempt's error)."""
-        try:
-            target = check_target(
-                claimed.url,
-                allow_private=self.settings.webhooks_allow_private,
-                resolve=self._resolve,
-            )
-        except TargetRefused as exc:
-            return AttemptResult(error=str(exc))
-        request = prepare(claimed, target, int(self._clock()))
-        limit = self.settings.webhooks_timeout_s
-        deadline = Deadline(limit)
-        extensions: dict[str, object] = {"trace": deadline.trace}
-        if target.scheme == "https":
-            extensions["sni_hostname"] = target.host
-        try:
-            with (
-                deadline,
-                self._http.stream(
-                    "POST",
-                    target.connect_url,
-                    content=request.body,
-                    headers=request.headers,
-                    extensions=extensions,
-                ) as response,
-            ):
-                # The answer's body is not wanted (and may be large): only its status.
-                return AttemptResult(status_code=response.status_code)
-        except httpx.TimeoutException:
-            return AttemptResult(error=f"no answer within {limit:g} s")
-        except httpx.HTTPError as exc:
-            if deadline.expired:
-                return AttemptResult(
-                    error=f"no whole answer within {limit:g} s (connect, send and the answer's "
-                    "headers together)"
-                )
-            return AttemptResult(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return self._poster.post(claimed)
 
     def run(self, stop: threading.Event) -> None:
         """Rounds until ``stop`` is set: at once again after a round that found work, else

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from backfill.config import Settings
 from backfill.refusals import InvalidRequest
-from backfill.webhooks.events import parse_event_types
-from backfill.webhooks.outbox import EndpointRecord, WebhookStore
+from backfill.webhooks.delivery import Poster
+from backfill.webhooks.events import (
+    ALL_EVENT_TYPES,
+    new_event_id,
+    new_webhook_id,
+    parse_event_types,
+)
+from backfill.webhooks.outbox import ClaimedDelivery, EndpointRecord, WebhookStore
 from backfill.webhooks.targets import Resolver, TargetRefused, check_target, system_resolver
 
 MAX_NAME_CHARS = 200
@@ -79,3 +88,51 @@ def update_endpoint(
         url=None if url is None else _url(url, settings, resolve),
         event_types=wanted,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSent:
+    """What came of a sample event sent to an endpoint."""
+
+    event_type: str
+    status_code: int
+
+
+class SampleNotDelivered(InvalidRequest):
+    """The sample event reached no answer (refused target, no connection, no answer in
+    time)."""
+
+    default_code = "webhook_test_failed"
+
+
+def send_test_event(
+    store: WebhookStore, poster: Poster, tenant_id: str, endpoint_id: str, event_type: str
+) -> SampleSent:
+    """Send one sample event of ``event_type`` to one of the tenant's endpoints now, signed
+    as a real delivery is (its ``data.id`` names no batch), and say what the endpoint
+    answered. Nothing is recorded: it is not a delivery."""
+    if event_type not in ALL_EVENT_TYPES:
+        raise InvalidRequest(
+            f"event_type {event_type!r} is not one Backfill sends; it sends "
+            + ", ".join(ALL_EVENT_TYPES),
+            param="event_type",
+        )
+    url, secrets = store.endpoint_target(tenant_id, endpoint_id)
+    sample = ClaimedDelivery(
+        delivery_id=0,
+        attempt=1,
+        webhook_id=new_webhook_id(),
+        event_id=new_event_id(),
+        event_type=event_type,
+        batch_id="batch_test",
+        event_created_at=int(time.time()),
+        age_s=0.0,
+        url=url,
+        secrets=secrets,
+    )
+    result = poster.post(sample)
+    if result.status_code is None:
+        raise SampleNotDelivered(
+            f"the sample event was not delivered to {url}: {result.error}", param="url"
+        )
+    return SampleSent(event_type, result.status_code)

@@ -234,6 +234,22 @@ class WebhookStore:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
         return _endpoint(row)
 
+    def endpoint_target(self, tenant_id: str, endpoint_id: str) -> tuple[str, tuple[str, ...]]:
+        """An endpoint's URL and the secrets a delivery to it is signed with now (the
+        current one, and a rotated-out one still in its window)."""
+        with self._tx() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT url, secret, CASE WHEN previous_secret_until > now() "
+                    "THEN previous_secret END FROM webhook_endpoints "
+                    "WHERE id = :i AND tenant_id = :t"
+                ),
+                {"i": endpoint_id, "t": tenant_id},
+            ).first()
+        if row is None:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+        return row[0], (row[1],) if row[2] is None else (row[1], row[2])
+
     def endpoints(
         self, tenant_id: str, *, after: str | None = None, limit: int = 20
     ) -> list[EndpointRecord]:

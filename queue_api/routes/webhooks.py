@@ -8,17 +8,20 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from backfill.webhooks import endpoints
+from backfill.webhooks.delivery import Poster
 from backfill.webhooks.events import ALL_EVENT_TYPES
-from queue_api.deps import SettingsDep, TenantDep, WebhookStoreDep
+from queue_api.deps import IngestSlotsDep, SettingsDep, TenantDep, WebhookStoreDep
 from queue_api.webhook_schemas import (
     CreateWebhookBody,
     RotateSecretBody,
+    TestWebhookBody,
     UpdateWebhookBody,
     WebhookDeliveryList,
     WebhookDeliveryObject,
     WebhookEndpointDeleted,
     WebhookEndpointList,
     WebhookEndpointObject,
+    WebhookEndpointTestResult,
     WebhookEndpointWithSecret,
     WebhookEventTypeList,
 )
@@ -99,6 +102,29 @@ def rotate_secret(
         tenant.id, endpoint_id, keep_old_for_s=endpoints.KEEP_OLD_SECRET_S if keep else 0.0
     )
     return WebhookEndpointWithSecret.with_secret(record, secret)
+
+
+@router.post("/webhook_endpoints/{endpoint_id}/test")
+def send_test_event(
+    endpoint_id: str,
+    body: TestWebhookBody,
+    tenant: TenantDep,
+    store: WebhookStoreDep,
+    settings: SettingsDep,
+    slots: IngestSlotsDep,
+) -> WebhookEndpointTestResult:
+    """Send a sample event to the endpoint now, signed as a delivery is, and answer with the
+    status it returned. It holds one of the tenant's slots for slow work while it waits (at
+    most ``webhooks_timeout_s``)."""
+    with slots.held(tenant.id):
+        poster = Poster(settings)
+        try:
+            sent = endpoints.send_test_event(store, poster, tenant.id, endpoint_id, body.event_type)
+        finally:
+            poster.close()
+    return WebhookEndpointTestResult(
+        webhook_endpoint_id=endpoint_id, event_type=sent.event_type, status_code=sent.status_code
+    )
 
 
 @router.get("/webhook_event_types")

@@ -194,6 +194,41 @@ def test_the_sdk_creates_lists_updates_rotates_and_deletes_endpoints(
         live.client("sk-wrong").webhooks.list()
 
 
+def test_the_sdk_sends_a_signed_sample_event_and_hears_the_endpoints_answer(
+    repo: Repository, live: LiveServer, receiver: Receiver
+) -> None:
+    tenant = make_tenant(repo, "acme")
+    client = live.client(tenant.key)
+    created = client.webhooks.create(url=receiver.url, name="ops", event_types=["batch.failed"])
+    receiver.statuses.append(418)
+    with listening(receiver):
+        result = client.webhooks.test(created.id, event_type="batch.failed")
+    assert result.object == "webhook_endpoint.test"
+    assert result.webhook_endpoint_id == created.id
+    assert result.event_type == "batch.failed"
+    assert result.status_code == 418
+    (got,) = receiver.received
+    # Signed as a delivery is: the SDK verifies it with the endpoint's secret.
+    event = OpenAI(api_key="unused").webhooks.unwrap(
+        got.body, got.headers, secret=created.signing_secret
+    )
+    assert event.type == "batch.failed"
+    # Nothing is recorded: a sample is not a delivery.
+    assert count(repo, "webhook_deliveries") == 0
+    # An endpoint that does not answer is an error naming it; another tenant's is a 404; an
+    # event Backfill never sends is refused.
+    with pytest.raises(openai.BadRequestError) as unreachable:
+        client.webhooks.test(created.id, event_type="batch.completed")
+    assert unreachable.value.code == "webhook_test_failed"
+    with pytest.raises(openai.NotFoundError):
+        live.client(make_tenant(repo, "other").key).webhooks.test(
+            created.id, event_type="batch.completed"
+        )
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.webhooks.test(created.id, event_type="video.completed")
+    assert unknown.value.param == "event_type"
+
+
 def test_by_default_the_api_refuses_loopback_and_private_targets(
     repo: Repository, settings: Settings
 ) -> None:
