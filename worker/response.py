@@ -12,7 +12,7 @@ engine sends that is not stream-only.
 Text from an earlier attempt (a preempted item resumes from its partial output) is given as
 ``kept``: it goes in front of the text of this attempt. Logprobs and tool-call deltas of an
 earlier attempt are not kept, so a resumed answer's logprobs cover the tokens generated since
-the resume (README says so).
+the resume (docs/how-it-works.md says so).
 """
 
 from __future__ import annotations

@@ -19,4 +19,4 @@ def test_every_setting_is_named_in_the_documentation() -> None:
     names = [f"BACKFILL_{name.upper()}" for name in Settings.model_fields]
     names += [f"{PREFIX}{f.name.upper()}" for f in dataclasses.fields(SchedulerSettings)]
     missing = [name for name in names if name not in text]
-    assert missing == [], f"settings no page names (add them to README's table): {missing}"
+    assert missing == [], f"settings no page names (add them to docs/configuration.md): {missing}"

@@ -38,7 +38,7 @@ _STALE_WORKDIR_S = 120.0
 
 # Backfill's step scheduler for vLLM (``backfill_vllm/``, a package of its own beside this
 # one). The dev engine puts this checkout's copy on the engine's path; an operator installs it
-# into the engine's environment instead (README, "Backfill's scheduler in your engine").
+# into the engine's environment instead (docs/engine-scheduler.md).
 SCHEDULER_CLS = "backfill_vllm.scheduler.BackfillScheduler"
 # Measured on SmolLM2-135M (2 cores, 2026-12-03): with a 0.1 s target an interactive prompt
 # arriving beside a batch flood waited +0.10-0.15 s over alone, with 0.05 s +0.03-0.05 s, and
