@@ -315,6 +315,15 @@ def dev(
             "in the steps interactive work needs); --no-backfill-scheduler: vLLM's own."
         ),
     ] = True,
+    stay: Annotated[
+        bool | None,
+        typer.Option(
+            "--stay/--no-stay",
+            help="After the job, keep the API, worker and engine up until Ctrl-C (printing "
+            "the dashboard, CLI and SDK lines that work against them), or stop them and end. "
+            "Default: stay when run from a terminal.",
+        ),
+    ] = None,
 ) -> None:
     """Run everything on this machine and a real bulk summarisation job end to end."""
     settings = _settings()
@@ -326,6 +335,7 @@ def dev(
         max_tokens=max_tokens,
         services=services.value,
         scheduler=backfill_scheduler,
+        stay=stay,
     )
     code = run_dev(settings, options)
     raise typer.Exit(code)

@@ -15,6 +15,7 @@ accepted is lost (run it again and the job carries on).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -74,6 +75,9 @@ class DevOptions:
     # Backfill's step scheduler in the engine (backfill_vllm): batch pauses in the steps
     # interactive work needs. False: vLLM's own scheduler, the work budget preempts instead.
     scheduler: bool = True
+    # After the job: keep the API, worker and engine up until Ctrl-C, printing what works
+    # against them (True), or stop them and end (False). None: stay when run from a terminal.
+    stay: bool | None = None
 
 
 def dev_database_url(settings: Settings, *, named: bool) -> str:
@@ -325,7 +329,17 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
             batch_id = batch["id"]
             submitted = time.monotonic()
             batch = _watch(client, batch_id, n, server)
-            _report(client, batch, key, base, time.monotonic() - submitted, submitted - t0)
+            stay = options.stay if options.stay is not None else sys.stdin.isatty()
+            kept = logs / "results.jsonl"
+            _report(client, batch, time.monotonic() - submitted, submitted - t0, kept)
+            if stay:
+                _tour(base, key, batch)
+                _until_interrupted()
+            else:
+                console.print(
+                    "\nthe API, worker and engine are stopped (run from a terminal, or with "
+                    "--stay, they stay up after the job)"
+                )
             counts = batch.get("request_counts") or {}
             failed = int(counts.get("failed", 0)) if isinstance(counts, dict) else 0
             # Completed as OpenAI means it (every request ended); the demo wants them all.
@@ -371,11 +385,12 @@ def _watch(
 def _report(
     client: httpx.Client,
     batch: dict[str, object],
-    key: str,
-    base: str,
     batch_s: float,
     setup_s: float,
+    kept: Path,
 ) -> None:
+    """The job's end, its first results, and all of them written to ``kept`` (a file, so
+    nothing printed needs a server)."""
     counts = batch.get("request_counts")
     console.print(
         f"\nbatch {batch['id']} {batch['status']} in {batch_s:.0f} s from submission: {counts}"
@@ -383,21 +398,44 @@ def _report(
     )
     out = batch.get("output_file_id")
     if isinstance(out, str):
-        lines = client.get(f"/v1/files/{out}/content").text.splitlines()
+        text = client.get(f"/v1/files/{out}/content").text
+        kept.write_text(text, encoding="utf-8")
+        lines = text.splitlines()
         for line in lines[:3]:
             row = json.loads(line)
             body = row["response"]["body"]
             if body.get("object") == "list":  # an embedding
                 vector = body["data"][0]["embedding"]
                 head = ", ".join(f"{x:.3f}" for x in vector[:4])
-                text = f"{len(vector)} dimensions: [{head}, ...]"
+                summary = f"{len(vector)} dimensions: [{head}, ...]"
             else:
-                text = body["choices"][0]["message"]["content"].strip()
-            console.print(f"\n[bold]{row['custom_id']}[/]\n  {text}")
-        console.print(
-            f"\nall {len(lines)} results: curl -s -H 'Authorization: Bearer {key}' "
-            f"{base}/v1/files/{out}/content"
-        )
+                summary = body["choices"][0]["message"]["content"].strip()
+            console.print(f"\n[bold]{row['custom_id']}[/]\n  {summary}")
+        console.print(f"\nall {len(lines)} results: {kept}", soft_wrap=True)
     err = batch.get("error_file_id")
     if isinstance(err, str):
-        console.print(f"errors: {base}/v1/files/{err}/content")
+        errors = kept.with_name("errors.jsonl")
+        errors.write_text(client.get(f"/v1/files/{err}/content").text, encoding="utf-8")
+        console.print(f"errors: {errors}", soft_wrap=True)
+
+
+def _tour(base: str, key: str, batch: dict[str, object]) -> None:
+    """What works against the stack while it stays up."""
+    console.print(
+        "\n[bold]Still up[/] (Ctrl-C stops everything):"
+        f"\n  dashboard  {base}/dashboard/#key={key}"
+        f"\n  CLI        export BACKFILL_API_URL={base} BACKFILL_API_KEY={key}"
+        f"\n             backfill status {batch['id']}; backfill results {batch['id']}; "
+        "backfill capacity --watch"
+        f"\n  SDK        OpenAI(base_url='{base}/v1', api_key='{key}')"
+        ".batches.retrieve("
+        f"'{batch['id']}')",
+        soft_wrap=True,
+    )
+
+
+def _until_interrupted() -> None:
+    """Wait for Ctrl-C (or SIGTERM, which unwinds the same way)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)

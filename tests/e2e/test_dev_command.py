@@ -1,0 +1,96 @@
+"""README's first command, ``backfill dev`` (what ``scripts/demo.sh`` runs), end to end with
+the tiny model: the job completes, every result is written to a file the report names, and
+with ``--stay`` the API, worker and engine stay up after the job, so the dashboard, CLI and
+SDK lines it prints work, until Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from worker.harness import free_port
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+# Starting the tiny engine and running 26 documents; generous, a hang turns into a failure.
+RUN_S = 900
+
+
+def test_dev_runs_the_job_and_stays_up_with_what_it_prints_working(
+    database_url: str, redis_namespace: str
+) -> None:
+    port = free_port()
+    env = dict(
+        os.environ,
+        BACKFILL_DATABASE_URL=database_url,
+        BACKFILL_REDIS_NAMESPACE=redis_namespace,
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "backfill_cli",
+            "dev",
+            "--model",
+            "tiny",
+            "--services",
+            "external",
+            "--port",
+            str(port),
+            "--stay",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Still up"):
+                up.set()
+        up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert up.wait(RUN_S), "".join(lines)
+        text = "".join(lines)
+        assert proc.poll() is None, text
+        # Every result is in the file the report names (nothing printed needs a server).
+        results = re.search(r"all (\d+) results: (\S+)", text)
+        assert results is not None, text
+        kept = Path(results.group(2)).read_text().splitlines()
+        assert len(kept) == int(results.group(1)) > 0
+        # What it prints works against the stack it keeps up.
+        dashboard = re.search(r"dashboard\s+(\S+)/dashboard/#key=(\S+)", text)
+        assert dashboard is not None, text
+        base, key = dashboard.group(1), dashboard.group(2)
+        assert httpx.get(f"{base}/dashboard/", timeout=10).status_code == 200
+        listed = httpx.get(
+            f"{base}/v1/batches", headers={"Authorization": f"Bearer {key}"}, timeout=10
+        )
+        assert listed.json()["data"][0]["status"] == "completed"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 0, "".join(lines)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{base}/healthz", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(10)
