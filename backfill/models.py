@@ -461,5 +461,12 @@ class WebhookDelivery(Base):
             postgresql_where=text("state = 'pending'"),
         ),
         Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
+        # The sender's claim: each endpoint's due deliveries, oldest first.
+        Index(
+            "ix_webhook_deliveries_endpoint_due",
+            "endpoint_id",
+            "next_attempt_at",
+            postgresql_where=text("state = 'pending'"),
+        ),
         Index("ix_webhook_deliveries_tenant", "tenant_id", "id"),
     )

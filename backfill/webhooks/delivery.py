@@ -21,8 +21,9 @@ import random
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import httpx
@@ -163,6 +164,22 @@ class RoundReport:
     outcomes: dict[str, DeliveryState] = field(default_factory=dict)
     """webhook-id -> state after this round's attempt."""
 
+    def add(self, delivery: ClaimedDelivery, after: AfterAttempt, applied: bool) -> None:
+        if not applied:
+            self.stale += 1
+            return
+        self.outcomes[delivery.webhook_id] = after.state
+        if after.state is DeliveryState.DELIVERED:
+            self.delivered += 1
+        elif after.state is DeliveryState.FAILED:
+            self.failed += 1
+        else:
+            self.retrying += 1
+
+
+Outcome = tuple[ClaimedDelivery, AfterAttempt, bool]
+"""One attempt's delivery, what follows it, and whether its result was written."""
+
 
 class Sender:
     """Delivers due webhook events; :meth:`run_round` once, :meth:`run` until stopped."""
@@ -193,30 +210,31 @@ class Sender:
         self._pool.shutdown(wait=True)
         self._poster.close()
 
-    def run_round(self) -> RoundReport:
+    def _housekeeping(self) -> None:
         now = time.monotonic()
         if now >= self._clear_secrets_at:
             # Housekeeping, not a round's work: at most once a minute.
             self.store.clear_expired_secrets()
             self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
-        claimed = self.store.claim_due(
-            self.settings.webhooks_claim_batch, self.settings.webhooks_lease_s
+
+    def _claim(self, limit: int, busy: Counter[str]) -> list[ClaimedDelivery]:
+        return self.store.claim_due(
+            limit,
+            self.settings.webhooks_lease_s,
+            busy=busy,
+            per_endpoint=self.settings.webhooks_per_endpoint,
         )
+
+    def run_round(self) -> RoundReport:
+        """One claim of due deliveries, each attempted, all waited for."""
+        self._housekeeping()
+        claimed = self._claim(self.settings.webhooks_claim_batch, Counter())
         report = RoundReport(claimed=len(claimed))
-        for delivery, after, applied in self._pool.map(self._attempt, claimed):
-            if not applied:
-                report.stale += 1
-                continue
-            report.outcomes[delivery.webhook_id] = after.state
-            if after.state is DeliveryState.DELIVERED:
-                report.delivered += 1
-            elif after.state is DeliveryState.FAILED:
-                report.failed += 1
-            else:
-                report.retrying += 1
+        for outcome in self._pool.map(self._attempt, claimed):
+            report.add(*outcome)
         return report
 
-    def _attempt(self, claimed: ClaimedDelivery) -> tuple[ClaimedDelivery, AfterAttempt, bool]:
+    def _attempt(self, claimed: ClaimedDelivery) -> Outcome:
         result = self.send(claimed)
         after = after_attempt(
             result,
@@ -240,28 +258,52 @@ class Sender:
         return self._poster.post(claimed)
 
     def run(self, stop: threading.Event) -> None:
-        """Rounds until ``stop`` is set: at once again after a round that found work, else
-        after ``webhooks_poll_s``."""
-        while not stop.is_set():
+        """Until ``stop`` is set: claims as sends finish, so one slow receiver holds one send
+        slot for at most ``webhooks_timeout_s``, never a round of everyone's; each endpoint
+        has at most ``webhooks_per_endpoint`` attempts in flight, and endpoints take turns
+        at the free slots (``WebhookStore.claim_due``). Sends in flight when it stops are
+        finished first."""
+        in_flight: dict[Future[Outcome], ClaimedDelivery] = {}
+        poll_s = self.settings.webhooks_poll_s
+        try:
+            while not stop.is_set():
+                free = self.settings.webhooks_claim_batch - len(in_flight)
+                if free > 0:
+                    try:
+                        self._housekeeping()
+                        busy = Counter(c.endpoint_id for c in in_flight.values())
+                        for claimed in self._claim(free, busy):
+                            in_flight[self._pool.submit(self._attempt, claimed)] = claimed
+                    except StoreUnavailable as exc:
+                        log.warning("webhook sender: %s", exc)
+                    except Exception:
+                        log.exception("webhook sender: claiming failed")
+                if not in_flight:
+                    stop.wait(poll_s)
+                    continue
+                done, _ = wait(in_flight, timeout=poll_s, return_when=FIRST_COMPLETED)
+                self._settle(done, in_flight)
+        finally:
+            self._settle(wait(in_flight).done, in_flight)
+
+    def _settle(
+        self, done: set[Future[Outcome]], in_flight: dict[Future[Outcome], ClaimedDelivery]
+    ) -> None:
+        report = RoundReport(claimed=len(done))
+        for future in done:
+            claimed = in_flight.pop(future)
             try:
-                report = self.run_round()
-            except StoreUnavailable as exc:
-                log.warning("webhook sender: %s", exc)
-                stop.wait(self.settings.webhooks_poll_s)
-                continue
+                report.add(*future.result())
             except Exception:
-                log.exception("webhook sender round failed")
-                stop.wait(self.settings.webhooks_poll_s)
-                continue
-            if report.claimed:
-                log.info(
-                    "webhooks: %s delivered, %s to retry, %s failed",
-                    report.delivered,
-                    report.retrying,
-                    report.failed,
-                )
-            else:
-                stop.wait(self.settings.webhooks_poll_s)
+                # Its result was not written: the delivery is due again when its lease ends.
+                log.exception("webhook %s: recording the attempt failed", claimed.webhook_id)
+        if report.delivered or report.retrying or report.failed:
+            log.info(
+                "webhooks: %s delivered, %s to retry, %s failed",
+                report.delivered,
+                report.retrying,
+                report.failed,
+            )
 
 
 class SenderThread:

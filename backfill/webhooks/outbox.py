@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -80,6 +80,7 @@ class ClaimedDelivery:
     """Seconds from the event to this claim, on Postgres' clock."""
     url: str
     secrets: tuple[str, ...]
+    endpoint_id: str = ""
 
 
 class EndpointLimitReached(InvalidRequest):
@@ -365,14 +366,51 @@ class WebhookStore:
             )
         return int(result.rowcount or 0)
 
-    def claim_due(self, limit: int, lease_s: float) -> list[ClaimedDelivery]:
-        """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted."""
+    def claim_due(
+        self,
+        limit: int,
+        lease_s: float,
+        *,
+        busy: Mapping[str, int] | None = None,
+        per_endpoint: int | None = None,
+    ) -> list[ClaimedDelivery]:
+        """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted.
+
+        Endpoints take turns: each endpoint's oldest due delivery first, then each one's
+        second, and so on, so one endpoint's backlog (or a slow endpoint's retries) does not
+        hold every other tenant's deliveries behind it. With ``per_endpoint``, no endpoint
+        gets more than that many in flight, counting the ``busy`` ones this sender already
+        holds (endpoint id -> attempts in flight)."""
+        held = dict(busy or {})
+        cap = per_endpoint if per_endpoint is not None else limit
         with self._tx() as conn:
+            candidates = conn.execute(
+                text(
+                    "SELECT id, endpoint_id FROM (SELECT d.id, d.endpoint_id, d.next_attempt_at, "
+                    "  row_number() OVER (PARTITION BY d.endpoint_id "
+                    "  ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
+                    "  CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
+                    "    FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
+                    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d) q "
+                    "ORDER BY turn, next_attempt_at, id"
+                ),
+                {"per": cap},
+            ).all()
+            chosen: list[int] = []
+            for delivery_id, endpoint_id in candidates:
+                if len(chosen) >= limit:
+                    break
+                if held.get(endpoint_id, 0) >= cap:
+                    continue
+                held[endpoint_id] = held.get(endpoint_id, 0) + 1
+                chosen.append(delivery_id)
+            if not chosen:
+                return []
             rows = conn.execute(
                 text(
                     "WITH due AS (SELECT id FROM webhook_deliveries "
-                    "  WHERE state = 'pending' AND next_attempt_at <= now() "
-                    "  ORDER BY next_attempt_at LIMIT :l FOR UPDATE SKIP LOCKED) "
+                    "  WHERE id = ANY(:ids) AND state = 'pending' AND next_attempt_at <= now() "
+                    "  FOR UPDATE SKIP LOCKED) "
                     "UPDATE webhook_deliveries d SET attempts = d.attempts + 1, "
                     "  last_attempt_at = now(), "
                     "  next_attempt_at = now() + make_interval(secs => CAST(:lease AS float8)) "
@@ -381,9 +419,10 @@ class WebhookStore:
                     "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, e.job_id, "
                     "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
                     "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
-                    "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END"
+                    "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
+                    "  d.endpoint_id"
                 ),
-                {"l": limit, "lease": lease_s},
+                {"ids": chosen, "lease": lease_s},
             ).all()
         return [
             ClaimedDelivery(
@@ -397,6 +436,7 @@ class WebhookStore:
                 age_s=float(r[7]),
                 url=r[8],
                 secrets=(r[9],) if r[10] is None else (r[9], r[10]),
+                endpoint_id=r[11],
             )
             for r in rows
         ]

@@ -8,6 +8,9 @@ begun, so a file that takes an ingest process down each time fails its batch ins
 looping, and ``ingest_turn`` is its place among its tenant's queued creates when it was made
 (tenants take turns: every tenant's first before anyone's second).
 
+The webhook sender claims each endpoint's due deliveries in turn (one endpoint's backlog or a
+slow endpoint's retries no longer hold the others): ``ix_webhook_deliveries_endpoint_due``.
+
 Revision ID: 0011_deferred_ingest
 Revises: 0010_claim_fusion
 Create Date: 2026-12-06 01:00:00.000000
@@ -44,9 +47,21 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("state = 'validating' AND ingest_deferred"),
     )
+    op.create_index(
+        "ix_webhook_deliveries_endpoint_due",
+        "webhook_deliveries",
+        ["endpoint_id", "next_attempt_at"],
+        unique=False,
+        postgresql_where=sa.text("state = 'pending'"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(
+        "ix_webhook_deliveries_endpoint_due",
+        table_name="webhook_deliveries",
+        postgresql_where=sa.text("state = 'pending'"),
+    )
     op.drop_index(
         "ix_jobs_ingest_queue",
         table_name="jobs",

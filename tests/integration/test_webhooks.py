@@ -437,6 +437,66 @@ def test_a_receiver_that_drips_its_answer_is_cut_off_at_the_deadline_of_one_atte
     assert "no whole answer within 2 s" in pending.last_error
 
 
+def test_a_dripping_endpoint_holds_its_own_send_slots_not_another_tenants_delivery(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    # Four send slots, two per endpoint at most. Tenant A's endpoint drips its answers (each
+    # attempt ends at the 2 s deadline); tenant B's event comes once A's are in flight. B's
+    # delivery must not wait for a round of A's to end: it goes out while A's first attempts
+    # are still unanswered, and A never has more than two in flight.
+    settings = hook_settings.model_copy(
+        update={"webhooks_claim_batch": 4, "webhooks_per_endpoint": 2}
+    )
+    a = make_tenant(repo, "a")
+    b = make_tenant(repo, "b")
+    a_jobs = []
+    stop = threading.Event()
+    sender = Sender(store, settings)
+    thread = threading.Thread(target=sender.run, args=(stop,), daemon=True)
+    try:
+        with dripping(every_s=0.25, for_s=60) as url, listening(receiver):
+            add_endpoint(store, settings, a.id, url=url)
+            add_endpoint(store, settings, b.id, url=receiver.url)
+            a_jobs = [complete(repo, settings, a) for _ in range(5)]
+            thread.start()
+            deadline = time.monotonic() + 60
+            while _attempted(repo, a_jobs) < 2:
+                assert time.monotonic() < deadline, "A's deliveries were never claimed"
+                time.sleep(0.02)
+            complete(repo, settings, b)
+            assert receiver.got_one.wait(60), "B's delivery never came"
+            a_answered = _answered(repo, a_jobs)
+            a_attempted = _attempted(repo, a_jobs)
+    finally:
+        stop.set()
+        thread.join(30)
+        sender.close()
+    assert a_answered == 0, "B's delivery waited for A's attempts to end"
+    assert a_attempted <= 2
+    assert len(receiver.received) == 1
+
+
+def _attempted(repo: Repository, job_ids: list[str]) -> int:
+    return _deliveries_where(repo, job_ids, "d.attempts > 0")
+
+
+def _answered(repo: Repository, job_ids: list[str]) -> int:
+    return _deliveries_where(repo, job_ids, "d.last_error IS NOT NULL OR d.state <> 'pending'")
+
+
+def _deliveries_where(repo: Repository, job_ids: list[str], condition: str) -> int:
+    with repo.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM webhook_deliveries d JOIN webhook_events e "
+                    f"ON e.id = d.event_id WHERE e.job_id = ANY(:j) AND ({condition})"
+                ),
+                {"j": job_ids},
+            ).scalar_one()
+        )
+
+
 def test_a_target_that_turned_private_is_not_sent_to(
     repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
 ) -> None:
