@@ -262,6 +262,9 @@ class Settings(BaseSettings):
     # Attempts one sender has in flight to one endpoint at most: a slow endpoint holds this
     # many of the webhooks_claim_batch send slots, never all of them.
     webhooks_per_endpoint: PositiveInt = 2
+    # An endpoint whose every attempt has failed for this long is disabled (nothing is sent
+    # to it until its URL changes or it is enabled again), as Standard Webhooks senders do.
+    webhooks_disable_after_s: PositiveFloat = 5 * 86_400.0
     webhooks_lease_s: PositiveFloat = 60.0
     webhooks_max_endpoints: PositiveInt = 16
 

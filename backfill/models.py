@@ -411,6 +411,11 @@ class WebhookEndpoint(Base):
     previous_secret_until: Mapped[datetime | None] = mapped_column(TZ)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # Since when every attempt to it has failed (NULL: its last one was delivered); past
+    # BACKFILL_WEBHOOKS_DISABLE_AFTER_S of that it is disabled, with the last error as reason.
+    failing_since: Mapped[datetime | None] = mapped_column(TZ)
+    disabled_at: Mapped[datetime | None] = mapped_column(TZ)
+    disabled_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at"),)
 

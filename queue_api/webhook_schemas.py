@@ -25,6 +25,9 @@ class UpdateWebhookBody(BaseModel):
     url: str | None = Field(default=None, max_length=4096)
     event_types: list[str] | None = Field(default=None, max_length=64)
     name: str | None = Field(default=None, max_length=1000)
+    status: Literal["enabled"] | None = None
+    """Backfill's: ``"enabled"`` enables an endpoint disabled for failing (so does a new
+    ``url``)."""
 
 
 class RotateSecretBody(BaseModel):
@@ -42,6 +45,12 @@ class WebhookEndpointObject(BaseModel):
     created_at: int
     updated_at: int
     signing_secret_hint: str
+    status: Literal["enabled", "disabled"] = "enabled"
+    """Backfill's: ``disabled`` after every attempt failed for
+    ``BACKFILL_WEBHOOKS_DISABLE_AFTER_S``; nothing is sent until it is enabled again."""
+    disabled_reason: str | None = None
+    failing_since: int | None = None
+    """Backfill's: since when every attempt to it has failed (None: its last was delivered)."""
 
     @classmethod
     def of(cls, record: EndpointRecord) -> WebhookEndpointObject:
@@ -53,6 +62,9 @@ class WebhookEndpointObject(BaseModel):
             created_at=int(record.created_at.timestamp()),
             updated_at=int(record.updated_at.timestamp()),
             signing_secret_hint=record.signing_secret_hint,
+            status="disabled" if record.disabled_at is not None else "enabled",
+            disabled_reason=record.disabled_reason,
+            failing_since=(int(record.failing_since.timestamp()) if record.failing_since else None),
         )
 
 

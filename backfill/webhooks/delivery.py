@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -217,18 +217,23 @@ class Sender:
             self.store.clear_expired_secrets()
             self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
 
-    def _claim(self, limit: int, busy: Counter[str]) -> list[ClaimedDelivery]:
+    def _claim(self, limit: int, in_flight: Iterable[ClaimedDelivery]) -> list[ClaimedDelivery]:
+        """Up to ``limit`` more, beside those ``in_flight``: failing endpoints hold at most
+        half of the send slots (healthy ones are claimed first)."""
+        held = list(in_flight)
+        failing_slots = max(1, self.settings.webhooks_claim_batch // 2)
         return self.store.claim_due(
             limit,
             self.settings.webhooks_lease_s,
-            busy=busy,
+            busy=Counter(c.endpoint_id for c in held),
             per_endpoint=self.settings.webhooks_per_endpoint,
+            failing_room=failing_slots - sum(c.failing for c in held),
         )
 
     def run_round(self) -> RoundReport:
         """One claim of due deliveries, each attempted, all waited for."""
         self._housekeeping()
-        claimed = self._claim(self.settings.webhooks_claim_batch, Counter())
+        claimed = self._claim(self.settings.webhooks_claim_batch, ())
         report = RoundReport(claimed=len(claimed))
         for outcome in self._pool.map(self._attempt, claimed):
             report.add(*outcome)
@@ -251,7 +256,10 @@ class Sender:
                 claimed.attempt,
                 result.error or f"status {result.status_code}",
             )
-        return claimed, after, self.store.record_attempt(claimed, result, after)
+        applied = self.store.record_attempt(
+            claimed, result, after, disable_after_s=self.settings.webhooks_disable_after_s
+        )
+        return claimed, after, applied
 
     def send(self, claimed: ClaimedDelivery) -> AttemptResult:
         """One attempt; never raises (whatever went wrong is the attempt's error)."""
@@ -271,8 +279,7 @@ class Sender:
                 if free > 0:
                     try:
                         self._housekeeping()
-                        busy = Counter(c.endpoint_id for c in in_flight.values())
-                        for claimed in self._claim(free, busy):
+                        for claimed in self._claim(free, in_flight.values()):
                             in_flight[self._pool.submit(self._attempt, claimed)] = claimed
                     except StoreUnavailable as exc:
                         log.warning("webhook sender: %s", exc)

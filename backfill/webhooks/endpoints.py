@@ -77,8 +77,11 @@ def update_endpoint(
     url: str | None = None,
     event_types: list[str] | None = None,
     name: str | None = None,
+    enable: bool = False,
     resolve: Resolver = system_resolver,
 ) -> EndpointRecord:
+    """Change what is given; ``enable`` (or a new URL) enables an endpoint disabled for
+    failing."""
     wanted = None if event_types is None else _event_types(event_types)
     named = None if name is None else _name(name, url or "")
     return store.update_endpoint(
@@ -87,6 +90,7 @@ def update_endpoint(
         name=named,
         url=None if url is None else _url(url, settings, resolve),
         event_types=wanted,
+        enable=enable,
     )
 
 

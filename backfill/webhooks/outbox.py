@@ -42,6 +42,11 @@ class EndpointRecord:
     created_at: datetime
     updated_at: datetime
     signing_secret_hint: str
+    failing_since: datetime | None = None
+    """Since when every attempt to it has failed (None: its last one was delivered)."""
+    disabled_at: datetime | None = None
+    """When it was disabled for failing too long (None: enabled); nothing is sent to it."""
+    disabled_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,8 @@ class ClaimedDelivery:
     url: str
     secrets: tuple[str, ...]
     endpoint_id: str = ""
+    failing: bool = False
+    """Its endpoint's attempts were failing when it was claimed."""
 
 
 class EndpointLimitReached(InvalidRequest):
@@ -127,7 +134,10 @@ def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
     return len(endpoints)
 
 
-_ENDPOINT_COLUMNS = "id, tenant_id, name, url, event_types, created_at, updated_at, secret"
+_ENDPOINT_COLUMNS = (
+    "id, tenant_id, name, url, event_types, created_at, updated_at, secret, failing_since, "
+    "disabled_at, disabled_reason"
+)
 
 _DELIVERY_COLUMNS = (
     "d.webhook_id, d.endpoint_id, d.event_id, e.type, e.job_id, d.state, d.attempts, "
@@ -146,6 +156,9 @@ def _endpoint(row: Any) -> EndpointRecord:
         created_at=row[5],
         updated_at=row[6],
         signing_secret_hint=secret_hint(row[7]),
+        failing_since=row[8],
+        disabled_at=row[9],
+        disabled_reason=row[10],
     )
 
 
@@ -275,9 +288,11 @@ class WebhookStore:
         name: str | None = None,
         url: str | None = None,
         event_types: list[str] | None = None,
+        enable: bool = False,
     ) -> EndpointRecord:
         """Change what is given; ``updated_at`` moves only when something changed. Pending
-        deliveries go to the new URL."""
+        deliveries go to the new URL. A disabled endpoint is enabled again by a new URL or
+        by ``enable``."""
         with self._tx() as conn:
             row = conn.execute(
                 text(
@@ -285,10 +300,23 @@ class WebhookStore:
                     "url = coalesce(:u, w.url), event_types = coalesce(:e, w.event_types), "
                     "updated_at = CASE WHEN (coalesce(:n, w.name), coalesce(:u, w.url), "
                     "coalesce(:e, w.event_types)) IS DISTINCT FROM (w.name, w.url, "
-                    "w.event_types) THEN now() ELSE w.updated_at END "
+                    "w.event_types) THEN now() ELSE w.updated_at END, "
+                    "disabled_at = CASE WHEN :enable OR coalesce(:u, w.url) <> w.url THEN NULL "
+                    "ELSE w.disabled_at END, "
+                    "disabled_reason = CASE WHEN :enable OR coalesce(:u, w.url) <> w.url "
+                    "THEN NULL ELSE w.disabled_reason END, "
+                    "failing_since = CASE WHEN :enable OR coalesce(:u, w.url) <> w.url THEN NULL "
+                    "ELSE w.failing_since END "
                     f"WHERE id = :i AND tenant_id = :t RETURNING {_ENDPOINT_COLUMNS}"
                 ),
-                {"i": endpoint_id, "t": tenant_id, "n": name, "u": url, "e": event_types},
+                {
+                    "i": endpoint_id,
+                    "t": tenant_id,
+                    "n": name,
+                    "u": url,
+                    "e": event_types,
+                    "enable": enable,
+                },
             ).first()
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
@@ -373,6 +401,7 @@ class WebhookStore:
         *,
         busy: Mapping[str, int] | None = None,
         per_endpoint: int | None = None,
+        failing_room: int | None = None,
     ) -> list[ClaimedDelivery]:
         """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted.
 
@@ -380,28 +409,35 @@ class WebhookStore:
         second, and so on, so one endpoint's backlog (or a slow endpoint's retries) does not
         hold every other tenant's deliveries behind it. With ``per_endpoint``, no endpoint
         gets more than that many in flight, counting the ``busy`` ones this sender already
-        holds (endpoint id -> attempts in flight)."""
+        holds (endpoint id -> attempts in flight). Endpoints whose attempts are failing
+        come after the healthy ones, at most ``failing_room`` of theirs, and a disabled
+        endpoint's deliveries are not claimed at all."""
         held = dict(busy or {})
         cap = per_endpoint if per_endpoint is not None else limit
         with self._tx() as conn:
             candidates = conn.execute(
                 text(
-                    "SELECT id, endpoint_id FROM (SELECT d.id, d.endpoint_id, d.next_attempt_at, "
+                    "SELECT id, endpoint_id, failing FROM (SELECT d.id, d.endpoint_id, "
+                    "  d.next_attempt_at, p.failing_since IS NOT NULL AS failing, "
                     "  row_number() OVER (PARTITION BY d.endpoint_id "
                     "  ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
                     "  CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
                     "    FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
-                    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d) q "
-                    "ORDER BY turn, next_attempt_at, id"
+                    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d "
+                    "  WHERE p.disabled_at IS NULL) q "
+                    "ORDER BY failing, turn, next_attempt_at, id"
                 ),
                 {"per": cap},
             ).all()
             chosen: list[int] = []
-            for delivery_id, endpoint_id in candidates:
+            failing_left = failing_room if failing_room is not None else limit
+            for delivery_id, endpoint_id, failing in candidates:
                 if len(chosen) >= limit:
                     break
-                if held.get(endpoint_id, 0) >= cap:
+                if held.get(endpoint_id, 0) >= cap or (failing and failing_left <= 0):
                     continue
+                if failing:
+                    failing_left -= 1
                 held[endpoint_id] = held.get(endpoint_id, 0) + 1
                 chosen.append(delivery_id)
             if not chosen:
@@ -420,7 +456,7 @@ class WebhookStore:
                     "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
                     "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
                     "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
-                    "  d.endpoint_id"
+                    "  d.endpoint_id, p.failing_since IS NOT NULL"
                 ),
                 {"ids": chosen, "lease": lease_s},
             ).all()
@@ -437,15 +473,24 @@ class WebhookStore:
                 url=r[8],
                 secrets=(r[9],) if r[10] is None else (r[9], r[10]),
                 endpoint_id=r[11],
+                failing=bool(r[12]),
             )
             for r in rows
         ]
 
     def record_attempt(
-        self, claimed: ClaimedDelivery, result: AttemptResult, after: AfterAttempt
+        self,
+        claimed: ClaimedDelivery,
+        result: AttemptResult,
+        after: AfterAttempt,
+        *,
+        disable_after_s: float | None = None,
     ) -> bool:
         """Write an attempt's result and what follows; False when the claim is stale (its
-        lease ran out and another sender tried again, or the endpoint was deleted)."""
+        lease ran out and another sender tried again, or the endpoint was deleted). The
+        endpoint's health moves with it: a delivered attempt clears ``failing_since``, a
+        failed one sets it if clear, and an endpoint failing for ``disable_after_s`` is
+        disabled with this attempt's error as the reason."""
         error = None if result.error is None else result.error[:MAX_ERROR_CHARS]
         with self._tx() as conn:
             applied = conn.execute(
@@ -469,4 +514,28 @@ class WebhookStore:
                     "retry": after.retry_in_s,
                 },
             ).rowcount
+            if applied:
+                delivered = after.state is DeliveryState.DELIVERED
+                reason = error or f"the endpoint answered {result.status_code}"
+                conn.execute(
+                    text(
+                        "UPDATE webhook_endpoints SET failing_since = CASE WHEN :ok THEN NULL "
+                        "ELSE coalesce(failing_since, now()) END, "
+                        "disabled_at = CASE WHEN NOT :ok AND failing_since <= now() - "
+                        "make_interval(secs => CAST(:after AS float8)) THEN now() "
+                        "ELSE disabled_at END, "
+                        "disabled_reason = CASE WHEN NOT :ok AND failing_since <= now() - "
+                        "make_interval(secs => CAST(:after AS float8)) THEN "
+                        "'every attempt failed since ' || "
+                        "to_char(failing_since, 'YYYY-MM-DD HH24:MI:SS TZ') || '; the last: ' "
+                        "|| CAST(:reason AS text) ELSE disabled_reason END "
+                        "WHERE id = :e"
+                    ),
+                    {
+                        "ok": delivered,
+                        "after": disable_after_s,
+                        "reason": reason,
+                        "e": claimed.endpoint_id,
+                    },
+                )
         return bool(applied)

@@ -10,6 +10,9 @@ looping, and ``ingest_turn`` is its place among its tenant's queued creates when
 
 The webhook sender claims each endpoint's due deliveries in turn (one endpoint's backlog or a
 slow endpoint's retries no longer hold the others): ``ix_webhook_deliveries_endpoint_due``.
+An endpoint records since when its attempts fail (``failing_since``: its deliveries wait
+behind healthy endpoints' and hold at most half the send slots) and is disabled after long
+enough of it (``disabled_at``, ``disabled_reason``), as Standard Webhooks senders do.
 
 Revision ID: 0011_deferred_ingest
 Revises: 0010_claim_fusion
@@ -47,6 +50,11 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("state = 'validating' AND ingest_deferred"),
     )
+    for column in ("failing_since", "disabled_at"):
+        op.add_column(
+            "webhook_endpoints", sa.Column(column, sa.DateTime(timezone=True), nullable=True)
+        )
+    op.add_column("webhook_endpoints", sa.Column("disabled_reason", sa.Text(), nullable=True))
     op.create_index(
         "ix_webhook_deliveries_endpoint_due",
         "webhook_deliveries",
@@ -57,6 +65,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    for column in ("disabled_reason", "disabled_at", "failing_since"):
+        op.drop_column("webhook_endpoints", column)
     op.drop_index(
         "ix_webhook_deliveries_endpoint_due",
         table_name="webhook_deliveries",

@@ -78,6 +78,7 @@ def update_endpoint(
         url=body.url,
         event_types=body.event_types,
         name=body.name,
+        enable=body.status == "enabled",
     )
     return WebhookEndpointObject.of(record)
 

@@ -97,11 +97,15 @@ class HookedJob(NamedTuple):
 
 
 def hooked_job(
-    repo: Repository, store: WebhookStore, settings: Settings, receiver: Receiver
+    repo: Repository,
+    store: WebhookStore,
+    settings: Settings,
+    receiver: Receiver,
+    name: str = "acme",
 ) -> HookedJob:
-    """Tenant acme with an endpoint for every batch event at ``receiver``, and a job of theirs
-    completed (its event queued for delivery)."""
-    tenant = make_tenant(repo, "acme")
+    """Tenant ``name`` with an endpoint for every batch event at ``receiver``, and a job of
+    theirs completed (its event queued for delivery)."""
+    tenant = make_tenant(repo, name)
     endpoint, secret = add_endpoint(store, settings, tenant.id, url=receiver.url)
     return HookedJob(tenant, endpoint, secret, complete(repo, settings, tenant))
 
@@ -495,6 +499,65 @@ def _deliveries_where(repo: Repository, job_ids: list[str], condition: str) -> i
                 {"j": job_ids},
             ).scalar_one()
         )
+
+
+def test_an_endpoint_failing_too_long_is_disabled_and_enabled_again_by_its_tenant(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    settings = hook_settings.model_copy(update={"webhooks_disable_after_s": 1.0})
+    hooked = hooked_job(repo, store, settings, receiver)
+    receiver.default_status = 500
+    sender = Sender(store, settings)
+    try:
+        with listening(receiver), serve(settings) as server:
+            client = server.client(hooked.tenant.key)
+            deadline = time.monotonic() + 60
+            while store.endpoint(hooked.tenant.id, hooked.endpoint.id).disabled_at is None:
+                assert time.monotonic() < deadline, "never disabled"
+                sender.run_round()
+                time.sleep(0.1)
+            seen = client.webhooks.retrieve(hooked.endpoint.id).model_dump()
+            assert seen["status"] == "disabled"
+            assert "every attempt failed since" in seen["disabled_reason"]
+            assert "500" in seen["disabled_reason"]
+            # Nothing more is sent to it, though its delivery is still pending and due.
+            tried = len(receiver.received)
+            time.sleep(0.6)
+            assert sender.run_round().claimed == 0
+            assert len(receiver.received) == tried
+            [pending] = store.deliveries(hooked.tenant.id)
+            assert pending.state is DeliveryState.PENDING
+            # Its tenant enables it again; the next attempt is delivered and it is healthy.
+            receiver.default_status = 200
+            enabled = client.webhooks.update(hooked.endpoint.id, extra_body={"status": "enabled"})
+            assert enabled.model_dump()["status"] == "enabled"
+            reports = rounds_until(sender, delivered)
+    finally:
+        sender.close()
+    assert reports[-1].delivered == 1
+    again = store.endpoint(hooked.tenant.id, hooked.endpoint.id)
+    assert again.failing_since is None
+    assert again.disabled_at is None
+
+
+def test_healthy_endpoints_deliveries_are_claimed_before_a_failing_ones(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    failing = hooked_job(repo, store, hook_settings, receiver)
+    healthy = hooked_job(repo, store, hook_settings, new_receiver(), name="other")
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE webhook_endpoints SET failing_since = now() WHERE id = :e"),
+            {"e": failing.endpoint.id},
+        )
+    # The failing endpoint's delivery is the older one; the healthy one's goes first, and a
+    # failing endpoint gets none of the room left for failing ones when there is none.
+    (first,) = store.claim_due(1, 5.0)
+    assert first.endpoint_id == healthy.endpoint.id
+    assert store.claim_due(1, 5.0, failing_room=0) == []
+    (last,) = store.claim_due(1, 5.0)
+    assert last.endpoint_id == failing.endpoint.id
+    assert last.failing
 
 
 def test_a_target_that_turned_private_is_not_sent_to(
