@@ -258,7 +258,7 @@ class Settings(BaseSettings):
     webhooks_retry_max_delay_s: PositiveFloat = 3600.0
     webhooks_retry_for_s: PositiveFloat = 24 * 3600.0
     webhooks_poll_s: PositiveFloat = 1.0
-    webhooks_claim_batch: PositiveInt = 16
+    webhooks_claim_batch: PositiveInt = 64
     # Attempts one sender has in flight to one endpoint at most: a slow endpoint holds this
     # many of the webhooks_claim_batch send slots, never all of them.
     webhooks_per_endpoint: PositiveInt = 2

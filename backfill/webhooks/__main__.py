@@ -28,7 +28,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    engine = create_engine(settings.database_url, pool_size=2, max_overflow=2)
+    engine = create_engine(settings.database_url, pool_size=4, max_overflow=4)
     sender = Sender(WebhookStore(engine), settings)
     try:
         sender.run(stop)

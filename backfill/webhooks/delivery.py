@@ -180,6 +180,18 @@ class RoundReport:
 Outcome = tuple[ClaimedDelivery, AfterAttempt, bool]
 """One attempt's delivery, what follows it, and whether its result was written."""
 
+SLOW_SEND_S = 1.0
+"""A send in flight longer than this counts with the failing endpoints' sends: together they
+hold at most half of a sender's slots (an endpoint that drips its answer is found out by
+its first attempt, not after it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    claimed: ClaimedDelivery
+    started: float
+    """``time.monotonic()`` when its send was handed to the pool."""
+
 
 class Sender:
     """Delivers due webhook events; :meth:`run_round` once, :meth:`run` until stopped."""
@@ -217,17 +229,19 @@ class Sender:
             self.store.clear_expired_secrets()
             self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
 
-    def _claim(self, limit: int, in_flight: Iterable[ClaimedDelivery]) -> list[ClaimedDelivery]:
-        """Up to ``limit`` more, beside those ``in_flight``: failing endpoints hold at most
-        half of the send slots (healthy ones are claimed first)."""
+    def _claim(self, limit: int, in_flight: Iterable[InFlight]) -> list[ClaimedDelivery]:
+        """Up to ``limit`` more, beside those ``in_flight``: sends to failing endpoints and
+        sends already slower than ``SLOW_SEND_S`` hold at most half of the slots between
+        them (healthy endpoints are claimed first)."""
         held = list(in_flight)
-        failing_slots = max(1, self.settings.webhooks_claim_batch // 2)
+        now = time.monotonic()
+        slow = sum(1 for f in held if f.claimed.failing or now - f.started > SLOW_SEND_S)
         return self.store.claim_due(
             limit,
             self.settings.webhooks_lease_s,
-            busy=Counter(c.endpoint_id for c in held),
+            busy=Counter(f.claimed.endpoint_id for f in held),
             per_endpoint=self.settings.webhooks_per_endpoint,
-            failing_room=failing_slots - sum(c.failing for c in held),
+            failing_room=max(1, self.settings.webhooks_claim_batch // 2) - slow,
         )
 
     def run_round(self) -> RoundReport:
@@ -271,7 +285,7 @@ class Sender:
         has at most ``webhooks_per_endpoint`` attempts in flight, and endpoints take turns
         at the free slots (``WebhookStore.claim_due``). Sends in flight when it stops are
         finished first."""
-        in_flight: dict[Future[Outcome], ClaimedDelivery] = {}
+        in_flight: dict[Future[Outcome], InFlight] = {}
         poll_s = self.settings.webhooks_poll_s
         try:
             while not stop.is_set():
@@ -280,7 +294,8 @@ class Sender:
                     try:
                         self._housekeeping()
                         for claimed in self._claim(free, in_flight.values()):
-                            in_flight[self._pool.submit(self._attempt, claimed)] = claimed
+                            future = self._pool.submit(self._attempt, claimed)
+                            in_flight[future] = InFlight(claimed, time.monotonic())
                     except StoreUnavailable as exc:
                         log.warning("webhook sender: %s", exc)
                     except Exception:
@@ -294,11 +309,11 @@ class Sender:
             self._settle(wait(in_flight).done, in_flight)
 
     def _settle(
-        self, done: set[Future[Outcome]], in_flight: dict[Future[Outcome], ClaimedDelivery]
+        self, done: set[Future[Outcome]], in_flight: dict[Future[Outcome], InFlight]
     ) -> None:
         report = RoundReport(claimed=len(done))
         for future in done:
-            claimed = in_flight.pop(future)
+            claimed = in_flight.pop(future).claimed
             try:
                 report.add(*future.result())
             except Exception:
@@ -327,7 +342,7 @@ class SenderThread:
         return self
 
     def _main(self) -> None:
-        engine = create_engine(self.settings.database_url, pool_size=2, max_overflow=2)
+        engine = create_engine(self.settings.database_url, pool_size=4, max_overflow=4)
         sender = Sender(WebhookStore(engine), self.settings)
         try:
             sender.run(self._stop)
