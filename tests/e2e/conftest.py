@@ -46,13 +46,16 @@ class EngineUnderTest:
     """The model's folder when it is readable here (the engine runs on this machine)."""
     kv_cache_gib: int | None
     """The KV space the server was started with, when this session started it."""
+    pid: int | None = None
+    """The API server's process, when this session started it (its engine core can then be
+    stopped and continued: ``helpers.engine_core_stopped``)."""
 
 
-def _describe(url: str, kv_cache_gib: int | None) -> EngineUnderTest:
+def _describe(url: str, kv_cache_gib: int | None, pid: int | None = None) -> EngineUnderTest:
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     root = Path(models[0].get("root") or "")
     model_dir = root if (root / "config.json").is_file() else None
-    return EngineUnderTest(url, str(models[0]["id"]), model_dir, kv_cache_gib)
+    return EngineUnderTest(url, str(models[0]["id"]), model_dir, kv_cache_gib, pid)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +70,7 @@ def engine() -> Iterator[EngineUnderTest]:
     except devengine.DevEngineError as exc:
         pytest.fail(f"could not provision a vLLM engine for the e2e tests: {exc}", pytrace=False)
     try:
-        yield _describe(server.url, KV_CACHE_GIB)
+        yield _describe(server.url, KV_CACHE_GIB, server.process.pid)
     finally:
         server.stop()
 
