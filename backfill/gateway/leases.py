@@ -127,6 +127,10 @@ class LeaseBeats:
             log.warning("node %s: interactive progress not settled: %s", node, exc)
 
 
+RELEASE_RETRY_PAUSES_S = (0.2, 1.0)
+"""Pauses before a failed interactive release is tried again (then the TTL frees it)."""
+
+
 class LeaseKeeper:
     """An admitted lease while its request runs: kept alive by its process's
     :class:`LeaseBeats`, its progress recorded, restored if the ledger loses it, settled and
@@ -288,8 +292,8 @@ class LeaseKeeper:
             self._recovery.cancel()
         lease = self.lease
         self._events.lease_ended(used_tokens)
-        try:
-            if used_tokens is not None:
+        if used_tokens is not None:
+            try:
                 await self.ledger.settle(
                     lease.node,
                     lease.lease_id,
@@ -297,7 +301,17 @@ class LeaseKeeper:
                     self.generated,
                     reservation_tokens=max(1, used_tokens),
                 )
-            await self.ledger.release(lease)
-        except BackfillError as exc:
-            # The lease expires on its own within the TTL.
-            log.warning("interactive lease %s not released: %s", lease.lease_id, exc)
+            except BackfillError as exc:
+                log.warning("interactive lease %s not settled: %s", lease.lease_id, exc)
+        # The room goes back now: a release lost to a slow Redis answer (a starved machine)
+        # is tried again, and failing that the lease, no longer beaten, expires within its
+        # TTL and the next reap frees it.
+        for pause_s in (*RELEASE_RETRY_PAUSES_S, None):
+            try:
+                await self.ledger.release(lease)
+                return
+            except BackfillError as exc:
+                if pause_s is None:
+                    log.warning("interactive lease %s not released: %s", lease.lease_id, exc)
+                    return
+                await asyncio.sleep(pause_s)
