@@ -66,8 +66,13 @@ def receiver(arrivals: Arrivals) -> Iterator[int]:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        # The sender opens up to 64 connections at once: the default backlog of 5 refused
+        # some, and their retries (5 s later) were counted as the sender's delay.
+        request_queue_size = 1024
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
