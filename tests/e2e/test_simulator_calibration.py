@@ -56,16 +56,23 @@ def test_a_cost_model_is_fitted_to_every_term_and_replays_a_held_back_workload(
             f"round {round_}: {len(observations)} observations, fit RMS {rms:.1%}, load "
             f"average {os.getloadavg()[0]:.1f}"
         )
-        if rms <= MAX_FIT_ERROR:
+        prefills = [o for o in observations if o.with_request_overhead]
+        longest, shortest = max(prefills, key=lambda o: o.work.prefill_tokens), prefills[0]
+        # At a load of ~12 the tiny model's 32- and 768-token prefills measured alike (noise
+        # over the cost of 736 tokens) and the fit gave prefill no cost: such a round is
+        # noise too, as one over the error bound is.
+        sees_prefill = model.step_seconds(longest.work) > model.step_seconds(shortest.work)
+        if rms <= MAX_FIT_ERROR and sees_prefill:
             break
-        failures.append(f"round {round_}: fit RMS {rms:.1%}: {model}; {observations}")
+        failures.append(
+            f"round {round_}: fit RMS {rms:.1%}, prefill costed {sees_prefill}: {model}; "
+            f"{observations}"
+        )
     else:
         pytest.fail("no round gave a fit:\n" + "\n".join(failures))
-    prefills = [o for o in observations if o.with_request_overhead]
     decodes = [o for o in observations if not o.with_request_overhead]
     assert [o.work.prefill_tokens for o in prefills] == list(workload.prefill_lengths)
     assert len(decodes) == len(workload.decode_cases), "a decode case yielded no decode steps"
-    longest, shortest = max(prefills, key=lambda o: o.work.prefill_tokens), prefills[0]
     assert model.step_seconds(longest.work) > model.step_seconds(shortest.work), model
 
     check = held.against(model)
