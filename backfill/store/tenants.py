@@ -101,17 +101,16 @@ class Tenants(Store):
         return TenantRecord(tenant_id, name, enqueued_token_quota, weight)
 
     def tenant_by_name(self, name: str) -> TenantRecord:
-        with self._tx() as conn:
-            row = conn.execute(text(TENANT_BY_NAME), {"n": name}).first()
-        if row is None:
-            raise NotFound(f"no tenant named {name!r}")
-        return TenantRecord(row[0], row[1], row[2], row[3])
+        return self._one_tenant(TENANT_BY_NAME, {"n": name}, f"no tenant named {name!r}")
 
     def tenant_by_id(self, tenant_id: str) -> TenantRecord:
+        return self._one_tenant(TENANT_BY_ID, {"i": tenant_id}, f"no tenant {tenant_id!r}")
+
+    def _one_tenant(self, query: str, params: dict[str, str], missing: str) -> TenantRecord:
         with self._tx() as conn:
-            row = conn.execute(text(TENANT_BY_ID), {"i": tenant_id}).first()
+            row = conn.execute(text(query), params).first()
         if row is None:
-            raise NotFound(f"no tenant {tenant_id!r}")
+            raise NotFound(missing)
         return TenantRecord(row[0], row[1], row[2], row[3])
 
     def stored_items(self, tenant_id: str) -> int:
