@@ -49,6 +49,9 @@ class SchedulerMetrics:
     """Batch prefill tokens the chunk cap kept out of a step vLLM would have given them."""
     bounded_steps: int = 0
     """Steps the whole-step bound trimmed batch in (interactive work present or likely)."""
+    held_back_steps: int = 0
+    """Empty steps handed to vLLM in place of a batch-only step scheduled ahead (async
+    scheduling, interactive work likely): its loop waits for the step in flight first."""
     step_outliers: int = 0
     """Steps the step-time model kept out of its fit as outliers."""
     paused_now: int = 0
@@ -120,6 +123,11 @@ class SchedulerMetrics:
                 "bounded_steps",
                 "Steps the whole-step bound trimmed batch in.",
                 self.bounded_steps,
+            ),
+            (
+                "held_back_steps",
+                "Batch-only steps not scheduled ahead of the one in flight.",
+                self.held_back_steps,
             ),
             (
                 "step_outliers",

@@ -15,9 +15,14 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   to that share of the step's own time, priced by the fitted step-time model;
 - the *whole-step bound*: while interactive work is in the engine or was within
   ``interactive_likely_s``, batch decodes and prefill together add at most ``chunk_target_s``
-  to a step by the fitted model (half under async scheduling, where an arrival waits for the
-  step in flight and the one already scheduled behind it); batch decodes take turns when they
+  to a step by the fitted model (half for a step scheduled ahead under async scheduling, where
+  an arrival waits for the step in flight and that one); batch decodes take turns when they
   alone would pass it, the longest without progress first;
+- *held back*: under async scheduling, while interactive work is likely but none is in the
+  engine, a step that would carry batch alone is not scheduled ahead of the one in flight
+  (unless ``ahead_while_likely``): the plan empties it, vLLM's engine loop waits for the step
+  in flight, and an arrival meanwhile is in the next step instead of behind one more batch
+  step;
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
   model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
   arriving mid-step waits at most one short step; lifted once no interactive request has been
@@ -78,6 +83,9 @@ class StepView:
     async_steps: bool = False
     """The engine schedules a step before the one in flight has come back (async
     scheduling): an arrival waits for both."""
+    step_in_flight: bool = False
+    """A step scheduled before this one has not come back yet: this one is scheduled ahead
+    (async scheduling)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +112,9 @@ class StepPlan:
     """Waiting batch requests at their starvation bound: admitted in this holding step."""
     bounded: bool = False
     """The whole-step bound trimmed batch in this step (decodes in turns, or prefill)."""
+    held_back: bool = False
+    """Not scheduled ahead: this step carries nothing, so the engine waits for the step in
+    flight before it schedules the next (interactive work likely, none in the engine)."""
 
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
@@ -167,8 +178,11 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         lifted = cap_lifted(settings, view)
         if lifted:
             cap = lifted_cap(settings, view.fit, view.token_budget)
-        elif interactive_likely(settings, view) and view.fit is not None:
-            return _bounded_step(view, settings, view.fit, cap)
+        elif interactive_likely(settings, view):
+            if not interactive and not settings.ahead_while_likely and scheduled_ahead(view):
+                return _held_back_step(view, cap)
+            if view.fit is not None:
+                return _bounded_step(view, settings, view.fit, cap)
         return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0, lifted)
 
     resident = [s for s in view.sequences if s.batch and s.resident]
@@ -213,9 +227,32 @@ def interactive_likely(settings: SchedulerSettings, view: StepView) -> bool:
     return view.interactive_quiet_s < settings.interactive_likely_s
 
 
+def scheduled_ahead(view: StepView) -> bool:
+    """Whether this step is scheduled while the one before it still runs (async scheduling)."""
+    return view.async_steps and view.step_in_flight
+
+
 def step_target_s(settings: SchedulerSettings, view: StepView) -> float:
-    """What batch may add to one step: ``chunk_target_s``, halved under async scheduling."""
-    return settings.chunk_target_s / (2 if view.async_steps else 1)
+    """What batch may add to one step: ``chunk_target_s``, halved for a step scheduled ahead
+    (an arrival waits for the step in flight and this one)."""
+    return settings.chunk_target_s / (2 if scheduled_ahead(view) else 1)
+
+
+def _held_back_step(view: StepView, cap: int) -> StepPlan:
+    """An empty step in place of a batch-only one scheduled ahead: vLLM's engine loop then
+    waits for the step in flight and schedules the next with whatever arrived meanwhile."""
+    resident = [s for s in view.sequences if s.batch and s.resident]
+    return StepPlan(
+        holding=False,
+        paused=frozenset(s.request_id for s in resident),
+        relieved=frozenset(),
+        riding=frozenset(),
+        chunk_cap=cap,
+        prefill_allowance=0,
+        admit_batch=False,
+        held_tokens=0,
+        held_back=True,
+    )
 
 
 def _bounded_step(view: StepView, settings: SchedulerSettings, fit: StepFit, cap: int) -> StepPlan:

@@ -29,7 +29,12 @@ wait for batch to finish; the scheduler preempts batch for it (:func:`policy.slo
 :func:`policy.kv_victims`).
 
 Under async scheduling (vLLM's default where the executor supports it) the class builds as
-``BackfillAsyncScheduler``, the same rules over vLLM's ``AsyncScheduler``.
+``BackfillAsyncScheduler``, the same rules over vLLM's ``AsyncScheduler``. There vLLM's engine
+loop schedules each step while the one before it runs; while interactive work is likely and
+none is in the engine, a step that would carry batch alone is *held back* instead (the plan
+pauses every batch request and admits none, so vLLM builds an empty step): the loop then waits
+for the step in flight, and an interactive request arriving meanwhile is in the next step
+rather than behind one more batch step.
 """
 
 from __future__ import annotations
@@ -118,7 +123,11 @@ class BackfillScheduler(Scheduler):
         self._allowance_left = 0
         self._capped = 0
         self._preempt_reason: str | None = None
-        self._in_flight: dict[int, tuple[float, int, int]] = {}
+        self._in_flight: dict[int, tuple[int, float, int, int]] = {}
+        """Steps scheduled and not yet come back, by their output's id: (order, when
+        scheduled, tokens, decodes)."""
+        self._scheduled = 0
+        self._held_back_last = False
         self._last_update_s = 0.0
         self._last_step_s = 0.0
         self._interactive_seen_s = time.monotonic()
@@ -137,7 +146,8 @@ class BackfillScheduler(Scheduler):
                     where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
         logger.info(
             "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s, lifted after "
-            "%.1f s without interactive work (lift fixed share %.2f); ride-along %.2f; "
+            "%.1f s without interactive work (lift fixed share %.2f); whole-step bound %.1f s "
+            "after interactive work, batch-only steps %s within it; ride-along %.2f; "
             "starvation bound %d steps / "
             "%.2f s; metrics %s",
             __version__,
@@ -146,6 +156,8 @@ class BackfillScheduler(Scheduler):
             s.chunk_target_s,
             s.lift_cap_after_s,
             s.lift_fixed_share,
+            s.interactive_likely_s,
+            "scheduled ahead" if s.ahead_while_likely else "held back under async scheduling",
             s.ride_along_share,
             s.starvation_steps,
             s.starvation_s,
@@ -271,11 +283,14 @@ class BackfillScheduler(Scheduler):
             self._plan = None
             self._put_back(aside)
         self._account(plan, output, now)
+        self._held_back_last = plan.held_back
         if output.total_num_scheduled_tokens > 0:
             if len(self._in_flight) > 16:
                 self._in_flight.clear()  # outputs that never came back (engine reset)
             decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
+            self._scheduled += 1
             self._in_flight[id(output)] = (
+                self._scheduled,
                 time.monotonic(),
                 output.total_num_scheduled_tokens,
                 decodes,
@@ -319,6 +334,9 @@ class BackfillScheduler(Scheduler):
             self.max_num_scheduled_tokens,
             interactive_quiet_s=quiet_s,
             async_steps=bool(self.scheduler_config.async_scheduling),
+            # Never two steps held back in a row: after one, vLLM's loop has waited for the
+            # step in flight, so an entry still here is one that never came back.
+            step_in_flight=bool(self._in_flight) and not self._held_back_last,
         )
 
     def _sequence(self, request: Request, resident: bool) -> SequenceView:
@@ -502,6 +520,10 @@ class BackfillScheduler(Scheduler):
         m = self.backfill_metrics
         with m.lock:
             m.steps += 1
+            if plan.held_back:
+                # Nobody was paused: the step in flight carries them.
+                m.held_back_steps += 1
+                return
             m.lifted_steps += plan.lifted
             m.bounded_steps += plan.bounded
             m.tokens_capped += self._capped
@@ -557,10 +579,15 @@ class BackfillScheduler(Scheduler):
         now = time.monotonic()
         sent = self._in_flight.pop(id(scheduler_output), None)
         if sent is not None:
+            order, scheduled_s, tokens, decodes = sent
+            # Steps come back in the order they were scheduled: one scheduled before this
+            # one and still here never will.
+            for key in [k for k, v in self._in_flight.items() if v[0] < order]:
+                del self._in_flight[key]
             # The step ran from when it was scheduled, or from when the one before it came
             # back if it was queued behind that one (async scheduling).
-            seconds = now - max(sent[0], self._last_update_s)
-            self._step_model.observe(sent[1], seconds, decodes=sent[2])
+            seconds = now - max(scheduled_s, self._last_update_s)
+            self._step_model.observe(tokens, seconds, decodes=decodes)
             self._last_step_s = seconds
         self._last_update_s = now
         return super().update_from_output(scheduler_output, model_runner_output)

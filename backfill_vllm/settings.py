@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 PREFIX = "BACKFILL_SCHED_"
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True}
+_FLAGS |= {"0": False, "false": False, "no": False, "off": False}
 
 
 class SettingsError(ValueError):
@@ -60,9 +62,19 @@ class SchedulerSettings:
     interactive_likely_s: float = 2.0
     """For this long after an interactive request was last in the engine, more are likely
     (arrivals come in bursts), and every step is bounded whole: batch decodes and prefill
-    together add at most ``chunk_target_s`` to it by the fitted model (half that under async
-    scheduling, where an arrival also waits for the step already scheduled), batch decodes
-    running in turns when they alone would pass it. 0: only batch prefill is capped."""
+    together add at most ``chunk_target_s`` to it by the fitted model (half that for a step
+    scheduled ahead under async scheduling, where an arrival also waits for the step in
+    flight), batch decodes running in turns when they alone would pass it. 0: only batch
+    prefill is capped."""
+    ahead_while_likely: bool = False
+    """Under async scheduling (vLLM schedules a step while the one before it runs), whether
+    a step that would carry batch alone is still scheduled ahead while interactive work is
+    likely (``interactive_likely_s``) but none is in the engine. Off (default): such a step
+    waits for the one in flight (the scheduler hands vLLM an empty step, and vLLM's engine
+    loop then waits for the step in flight before it schedules again), so an interactive
+    request arriving mid-step waits for that step alone, not for the one queued behind it
+    too; batch pays the host's share of those steps (scheduling and input preparation, which
+    async scheduling hides). On: every step is scheduled ahead, as vLLM does."""
     ride_along_share: float = 0.0
     """While interactive work waits or prefills, batch decode tokens may ride along up to this
     share of the step's own time (0: every batch sequence pauses)."""
@@ -138,6 +150,12 @@ class SchedulerSettings:
             if not raw:
                 continue
             kind = type(getattr(defaults, name))
+            if kind is bool:
+                flag = _FLAGS.get(raw.lower())
+                if flag is None:
+                    raise SettingsError(f"{PREFIX}{name.upper()}={raw!r}: must be 1 or 0")
+                values[name] = flag
+                continue
             try:
                 values[name] = kind(raw)
             except ValueError:

@@ -21,7 +21,13 @@ stored with their fit in ``backfill_analysis/simulate/calibration/h200-llama-3.1
 Both sides run as vLLM runs on a GPU, with async scheduling (each step scheduled while the one
 before it runs: an arrival waits for the step in flight and the one already scheduled;
 ``--sync`` drops it), and Backfill's step scheduler with its whole-step bound for
-``--likely`` seconds after interactive work (2, the class's default; 0 turns it off).
+``--likely`` seconds after interactive work (2, the class's default; 0 turns it off). Within
+that window, with no interactive work in the engine, Backfill holds a batch-only step back
+rather than schedule it ahead of the one in flight (the class's default; ``--ahead`` schedules
+every step ahead, as vLLM does). A step not scheduled ahead (every step under ``--sync``, the
+first after an idle spell, one held back) first idles the device for the host's share of a
+step, ``--host-gap-ms`` (2 ms: scheduling, input preparation and output processing, which
+async scheduling hides; published figures for vLLM are 1-5 ms a step), on both sides.
 
 Ends with ``gpu_steps: kept_at_1.05x=<the most batch kept by a backfill-step setting with TTFT
 p50 and p99 within 1.05x of alone> (goal >= 0.6)``; the peer's best under the same bound, and
@@ -89,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help=f"store the fit in {STORED.name}")
     p.add_argument("--sync", action="store_true", help="without vLLM's async scheduling")
     p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="schedule every step ahead, also batch-only ones while interactive is likely",
+    )
+    p.add_argument(
+        "--host-gap-ms",
+        type=float,
+        default=2.0,
+        help="host time of a step not scheduled ahead, ms (2)",
+    )
+    p.add_argument(
         "--likely",
         type=float,
         default=2.0,
@@ -144,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     sc = h200_llama8b(model)
     sc = dataclasses.replace(
         sc,
-        engine=dataclasses.replace(sc.engine, async_scheduling=not args.sync),
+        engine=dataclasses.replace(
+            sc.engine, async_scheduling=not args.sync, host_gap_s=args.host_gap_ms / 1000
+        ),
         knobs=dataclasses.replace(
             sc.knobs,
             step_schedule=dataclasses.replace(
-                sc.knobs.step_schedule, interactive_likely_s=args.likely
+                sc.knobs.step_schedule,
+                interactive_likely_s=args.likely,
+                ahead_while_likely=args.ahead,
             ),
         ),
     )
@@ -187,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         table(["policy", "knob", "value", "p50_x", "p99_x", "kept", "harvest", "itl_p99_x"], rows)
     )
+    batch_only = "scheduled ahead" if args.ahead else "held back"
     print(
         f"async scheduling {'off' if args.sync else 'on'}, whole-step bound for {args.likely:g} s "
-        "after interactive work"
+        f"after interactive work, batch-only steps {batch_only} within it, host gap "
+        f"{args.host_gap_ms:g} ms a step not scheduled ahead"
     )
     for goal in (LOOSER_GOAL, TTFT_GOAL):
         for name in (BACKFILL, PEER):
@@ -211,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "scenario": sc.name,
         "async_scheduling": not args.sync,
         "interactive_likely_s": args.likely,
+        "ahead_while_likely": args.ahead,
+        "host_gap_s": args.host_gap_ms / 1000,
         "duration_s": sc.duration_s,
         "alone_ttft_p50_s": alone.ttft_p50_s,
         "alone_ttft_p99_s": alone.ttft_p99_s,

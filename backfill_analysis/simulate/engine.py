@@ -27,6 +27,7 @@ puts them back; paused sequences that ride along are stepped one by one.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,7 +58,13 @@ class EngineConfig:
     async_scheduling: bool = False
     """vLLM's async scheduling (its default on GPU): each step is scheduled while the one
     before it runs, so a request arriving mid-step waits for that step and one more (the run
-    loop admits arrivals at the previous step's start); Backfill's step target is halved."""
+    loop admits arrivals at the previous step's start); Backfill's step target is halved for
+    a step scheduled ahead."""
+    host_gap_s: float = 0.0
+    """Host time of one step (scheduling, input preparation, output processing) that async
+    scheduling hides behind the step before: a step not scheduled ahead (sync scheduling, the
+    first after an idle spell, or one Backfill holds back) leaves the device idle this long
+    first. 0: steps are device time only."""
 
     def __post_init__(self) -> None:
         if (
@@ -65,6 +72,8 @@ class EngineConfig:
             <= 0
         ):
             raise ValueError(f"engine limits must be positive: {self}")
+        if not (math.isfinite(self.host_gap_s) and self.host_gap_s >= 0):
+            raise ValueError("host_gap_s must be >= 0 seconds")
         if self.step_schedule is not None and not self.priority_scheduling:
             raise ValueError(
                 "the step-shaping scheduler tells batch from interactive by "
@@ -227,6 +236,15 @@ class Engine:
     def interactive_running(self) -> bool:
         return self.interactive_unstarted > 0 or bool(self._interactive_decoding)
 
+    def schedules_ahead(self, now: float) -> bool:
+        """Under async scheduling, whether the step starting ``now`` was scheduled while the one
+        before it ran: not when Backfill holds a batch-only step back while interactive work is
+        likely (``ahead_while_likely`` off), none being in the engine."""
+        sched = self.config.step_schedule
+        if sched is None or sched.ahead_while_likely or self.interactive_running():
+            return True
+        return now - self._interactive_seen_s >= sched.interactive_likely_s
+
     def interactive_blocks_in_use(self) -> int:
         """Blocks interactive sequences hold now (for the pool-over-time picture)."""
         k, bs = self.step_index, self.config.block_size
@@ -367,9 +385,11 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self, now: float) -> StepReport:
+    def step(self, now: float, *, ahead: bool = False, host_gap_s: float = 0.0) -> StepReport:
         """Schedule and run one step starting at ``now``; returns what happened (its
-        ``seconds`` is the step's duration, 0 when there was nothing to run)."""
+        ``seconds`` is the step's duration, ``host_gap_s`` of idle device first included; 0
+        when there was nothing to run). ``ahead``: it was scheduled while the step before it
+        ran (async scheduling), so an arrival during it also waits for the one after."""
         cfg = self.config
         sched = cfg.step_schedule
         report = StepReport(0.0, [], [], [], [], 0, 0)
@@ -388,7 +408,7 @@ class Engine:
         )
         target = 0.0
         if sched is not None:
-            target = sched.chunk_target_s / (2 if cfg.async_scheduling else 1)
+            target = sched.chunk_target_s / (2 if ahead else 1)
         if holding or bounded:
             if len(self._decoding) > len(self._interactive_decoding):
                 self._pause_batch(now)
@@ -514,7 +534,7 @@ class Engine:
             return report
         context = self._decode_length_sum + n_decode * k + sum(r.computed for r in riders)
         work = StepWork(prefill_tokens, attention, n_decode + len(riders), context)
-        report.seconds = cfg.cost.step_seconds(work)
+        report.seconds = host_gap_s + cfg.cost.step_seconds(work)
         self._last_step_s = report.seconds
         end = now + report.seconds
         self._finish_step(report, chunks, n_decode, end)

@@ -48,6 +48,7 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         priority_scheduling=policy_cls.priority_scheduling,
         step_schedule=spec.knobs.step_schedule if policy_cls.shapes_steps else None,
         async_scheduling=config.async_scheduling,
+        host_gap_s=config.host_gap_s,
     )
     engine = Engine(engine_config)
     policy = policy_cls(engine, list(spec.batch), spec.knobs)
@@ -68,10 +69,14 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
     timeline: list[KvSample] = []
     next_sample = 0.0
     # Under async scheduling the step starting now was scheduled when the one before it
-    # started: it takes only what had arrived by then.
+    # started: it takes only what had arrived by then, and its host time was hidden behind
+    # that step. A step not scheduled ahead takes what has arrived by now and idles the device
+    # for its host time first.
     scheduled_at = now
+    in_flight = False
     while now < horizon:
-        cutoff = scheduled_at if config.async_scheduling else now
+        ahead = config.async_scheduling and in_flight and engine.schedules_ahead(now)
+        cutoff = scheduled_at if ahead else now
         while i < len(arrivals) and arrivals[i].arrival_s + overhead <= cutoff:
             policy.on_interactive(arrivals[i], now)
             i += 1
@@ -82,15 +87,17 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
             inter = engine.interactive_blocks_in_use()
             timeline.append(KvSample(now, inter, engine.blocks_in_use() - inter))
             next_sample += spec.sample_every_s
-        report = engine.step(now)
+        report = engine.step(now, ahead=ahead, host_gap_s=0.0 if ahead else config.host_gap_s)
         if report.seconds <= 0:
             # Idle: nothing to run until the next arrival (batch waits on policy or is done);
             # no step is in flight, so the next one takes what has arrived by its start.
             nxt = arrivals[i].arrival_s + overhead if i < len(arrivals) else horizon
             now = max(now, min(nxt, horizon, next_sample))
             scheduled_at = now
+            in_flight = False
             continue
         scheduled_at = now
+        in_flight = True
         steps += 1
         used = engine.blocks_in_use()
         max_blocks = max(max_blocks, used)

@@ -41,6 +41,14 @@ class StepSchedule:
     runs and for this long after, batch decodes and prefill together add at most the chunk
     target to a step (half under async scheduling), decoders in turns, oldest progress first;
     0 (the simulator's default, as before the bound): only batch prefill is capped."""
+    ahead_while_likely: bool = False
+    """Under async scheduling, whether a step is still scheduled ahead of the one in flight
+    while interactive work is likely (the whole-step bound's window) but none is in the engine
+    (``BACKFILL_SCHED_AHEAD_WHILE_LIKELY``). False: such a batch-only step waits for the one in
+    flight, so an arrival waits for that step alone, as under sync scheduling, and the device
+    idles for the host's share of the next step (``EngineConfig.host_gap_s``), as the engine
+    class's default; True: every step is scheduled ahead, as vLLM does. Only with async
+    scheduling and a whole-step window (``interactive_likely_s`` > 0)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ride_along_share) and self.ride_along_share >= 0):

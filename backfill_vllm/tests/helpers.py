@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import tempfile
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +18,12 @@ from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -109,7 +114,7 @@ def make_scheduler(
         structured_output_manager=StructuredOutputManager(config),
     )
     if stock:
-        return Scheduler(**kwargs)
+        return (AsyncScheduler if async_scheduling else Scheduler)(**kwargs)
     return BackfillScheduler(settings=settings or SchedulerSettings(), **kwargs)
 
 
@@ -160,3 +165,61 @@ def run_step(scheduler: Any) -> SchedulerOutput:
 
 def blocks_of(scheduler: Any, request_id: str) -> list[int]:
     return list(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+class StandInExecutor:
+    """Stands in for vLLM's model executor under async scheduling (no model, no device): a
+    step is handed over by ``execute_model`` and its tokens (one per request whose prefill is
+    done, as :func:`run_step`'s) come back from ``sample_tokens``. Records every step with
+    tokens in the order the device would run them."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.handed: list[SchedulerOutput] = []
+        self._sampled: ModelRunnerOutput | None = None
+
+    def execute_model(self, output: SchedulerOutput, non_block: bool = False) -> Future[Any]:
+        if not output.total_num_scheduled_tokens:
+            return _done(EMPTY_MODEL_RUNNER_OUTPUT)
+        self.handed.append(output)
+        ids = list(output.num_scheduled_tokens)
+        requests = self.scheduler.requests
+        self._sampled = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: n for n, r in enumerate(ids)},
+            sampled_token_ids=[[] if requests[i].is_prefill_chunk else [TOKEN] for i in ids],
+        )
+        return _done(None)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Future[Any]:
+        return _done(self._sampled)
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+
+def engine_core(scheduler: Any) -> Any:
+    """vLLM's own ``EngineCore`` step loop under async scheduling (its batch queue of two
+    steps, ``step_with_batch_queue``) over ``scheduler`` and a :class:`StandInExecutor`:
+    nothing but the model and the process around it is left out. Call
+    ``core.step_with_batch_queue()`` as vLLM's busy loop does; requests added between calls
+    arrive as its input queue would add them."""
+    core = EngineCore.__new__(EngineCore)
+    core.scheduler = scheduler
+    core.model_executor = StandInExecutor(scheduler)
+    core.vllm_config = scheduler.vllm_config
+    core.batch_queue_size = 2
+    core.batch_queue = deque(maxlen=2)
+    core.is_mm_encoder_only = False
+    core.is_pooling_model = False
+    core.log_stats = False
+    core.aborts_queue = queue.Queue()
+    core._weight_version = "default"
+    core.check_for_draft_tokens = False
+    return core

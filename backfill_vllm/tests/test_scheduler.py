@@ -22,6 +22,7 @@ from backfill_vllm.tests.helpers import (
     INTERACTIVE,
     TOKEN,
     blocks_of,
+    engine_core,
     make_request,
     make_scheduler,
     run_step,
@@ -349,11 +350,23 @@ class WholeStepBound(unittest.TestCase):
         batch = decode_batch(s, 24, prompt=8, max_tokens=40)
         i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=30)
         s.add_request(i)
+        step = lambda: run_step(s)  # noqa: E731
+        if async_scheduling:
+            # vLLM's own loop: each step scheduled while the one before it runs.
+            core = engine_core(s)
+            handed = core.model_executor.handed
+
+            def step():
+                before = len(handed)
+                while len(handed) == before:
+                    core.step_with_batch_queue()
+                return handed[-1]
+
         while i.num_output_tokens < 1:
-            run_step(s)
+            step()
         moved: dict[str, int] = {r.request_id: 0 for r in batch}
         for _ in range(12):
-            out = run_step(s).num_scheduled_tokens
+            out = step().num_scheduled_tokens
             self.assertIn("i", out)  # the interactive stream decodes every step
             ran = [r for r in out if r != "i"]
             self.assertLessEqual(len(ran), per_step)
@@ -362,8 +375,11 @@ class WholeStepBound(unittest.TestCase):
         # In turns: every batch decoder moved within the 12 steps.
         self.assertTrue(all(n > 0 for n in moved.values()), moved)
         self.assertGreater(s.backfill_metrics.bounded_steps, 0)
-        while s.has_unfinished_requests():
-            run_step(s)
+        while s.has_unfinished_requests() or (async_scheduling and core.batch_queue):
+            if async_scheduling:
+                core.step_with_batch_queue()
+            else:
+                run_step(s)
         self.assertTrue(all(r.num_output_tokens == 40 for r in batch))
         self.assertTrue(all(r.num_preemptions == 0 for r in batch))
 
@@ -372,6 +388,102 @@ class WholeStepBound(unittest.TestCase):
 
     def test_under_async_scheduling_the_bound_counts_the_step_already_scheduled(self) -> None:
         self.check(async_scheduling=True, per_step=5)
+
+
+class HeldBackUnderAsync(unittest.TestCase):
+    """vLLM's engine loop under async scheduling (its own ``step_with_batch_queue``, a stand-in
+    for the model) schedules each step while the one before it runs, so an interactive request
+    arriving mid-step waits for that step and the one already queued behind it. While
+    interactive work is likely and none is in the engine, the class hands the loop an empty
+    step in place of a batch-only one scheduled ahead: the loop waits for the step in flight,
+    and the arrival is in the next step the device runs."""
+
+    def setUp(self) -> None:
+        self.updated: list = []
+
+    def drive(self, settings: SchedulerSettings | None = None, stock: bool = False):
+        s = make_scheduler(
+            async_scheduling=True, max_num_seqs=32, budget=256, settings=settings, stock=stock
+        )
+        core = engine_core(s)
+        update = s.update_from_output
+
+        def came_back(output, runner_output):
+            if output.total_num_scheduled_tokens:
+                self.updated.append(output)
+            return update(output, runner_output)
+
+        s.update_from_output = came_back
+        batch = [make_request(f"b{k}", prompt=8, priority=BATCH, max_tokens=60) for k in range(6)]
+        for r in batch:
+            s.add_request(r)
+        warm = make_request("i0", prompt=8, priority=INTERACTIVE, max_tokens=2)
+        s.add_request(warm)
+        for _ in range(60):
+            core.step_with_batch_queue()
+            if warm.is_finished() and all(r.num_output_tokens >= 4 for r in batch):
+                return s, core, batch
+        raise AssertionError("batch never got going")
+
+    def steps_run_before(self, s, core, request) -> int:
+        """Add ``request`` as a step comes back (it arrived while that step ran) and count the
+        steps with tokens the device runs after it arrived and before the first carrying it."""
+        for _ in range(4):
+            came = len(self.updated)
+            core.step_with_batch_queue()
+            if len(self.updated) > came:
+                break
+        s.add_request(request)
+        handed = core.model_executor.handed
+        in_flight = [o for o in handed if all(o is not u for u in self.updated)]
+        start = len(handed) - len(in_flight)
+        for _ in range(20):
+            core.step_with_batch_queue()
+            for n, output in enumerate(handed):
+                if request.request_id in output.num_scheduled_tokens:
+                    return n - start
+        raise AssertionError("the interactive request was never scheduled")
+
+    def test_an_arrival_waits_for_no_step_queued_behind_the_one_in_flight(self) -> None:
+        s, core, batch = self.drive()
+        i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=4)
+        self.assertEqual(self.steps_run_before(s, core, i), 0)
+        self.assertGreater(s.backfill_metrics.held_back_steps, 0)
+        while s.has_unfinished_requests() or core.batch_queue:
+            core.step_with_batch_queue()
+        self.assertEqual(i.num_output_tokens, 4)
+        self.assertTrue(all(r.num_output_tokens == 60 for r in batch))
+        self.assertTrue(all(r.num_preemptions == 0 for r in batch))
+
+    def test_stock_vllm_and_the_setting_on_run_one_batch_step_first(self) -> None:
+        for stock, settings in ((True, None), (False, SchedulerSettings(ahead_while_likely=True))):
+            self.updated = []
+            s, core, _ = self.drive(settings, stock=stock)
+            i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=4)
+            self.assertEqual(self.steps_run_before(s, core, i), 1, f"stock={stock}")
+
+    def test_past_the_likely_window_batch_steps_are_scheduled_ahead_again(self) -> None:
+        s, core, _ = self.drive(SchedulerSettings(interactive_likely_s=0.05))
+        time.sleep(0.1)
+        held = s.backfill_metrics.held_back_steps
+        handed = len(core.model_executor.handed)
+        for _ in range(6):
+            core.step_with_batch_queue()
+        self.assertEqual(s.backfill_metrics.held_back_steps, held)
+        self.assertEqual(len(core.model_executor.handed), handed + 6)  # a step every call
+
+    def test_an_interactive_stream_is_scheduled_ahead_beside_batch(self) -> None:
+        s, core, _ = self.drive()
+        i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=12)
+        s.add_request(i)
+        for _ in range(3):
+            core.step_with_batch_queue()
+        held = s.backfill_metrics.held_back_steps
+        handed = len(core.model_executor.handed)
+        for _ in range(6):
+            core.step_with_batch_queue()
+        self.assertEqual(s.backfill_metrics.held_back_steps, held)
+        self.assertEqual(len(core.model_executor.handed), handed + 6)
 
 
 class PreemptForInteractive(unittest.TestCase):

@@ -41,8 +41,9 @@ def view(
     budget: int = 2048,
     quiet_s: float = 0.0,
     async_steps: bool = False,
+    in_flight: bool = False,
 ) -> StepView:
-    return StepView(seqs, now, fit, last_step_s, budget, quiet_s, async_steps)
+    return StepView(seqs, now, fit, last_step_s, budget, quiet_s, async_steps, in_flight)
 
 
 # -- settings ----------------------------------------------------------------------------
@@ -444,8 +445,61 @@ def test_while_interactive_is_likely_batch_decodes_take_turns_within_the_step_ta
     assert plan.bounded
     moving = {f"b{k:02}" for k in range(10)}
     assert plan.paused == frozenset(s.request_id for s in decoders) - moving
-    # Under async scheduling an arrival also waits for the step already scheduled: half.
-    plan = plan_step(view(*decoders, now=30.0, fit=FIT, async_steps=True), DEFAULTS)
+    # A step scheduled ahead of the one in flight (async scheduling): an arrival also waits
+    # for it, so half.
+    ahead = SchedulerSettings(ahead_while_likely=True)
+    plan = plan_step(view(*decoders, now=30.0, fit=FIT, async_steps=True, in_flight=True), ahead)
+    assert len(plan.paused) == 20
+    # Scheduled with none in flight, the whole target.
+    plan = plan_step(view(*decoders, now=30.0, fit=FIT, async_steps=True), ahead)
+    assert len(plan.paused) == 15
+
+
+def test_a_batch_only_step_is_not_scheduled_ahead_while_interactive_is_likely() -> None:
+    # Async scheduling, a step in flight, interactive work a moment ago and none now: the
+    # step is emptied (held back), so vLLM's loop waits for the one in flight and schedules
+    # the next with whatever arrived meanwhile.
+    decoders = [seq(f"b{k}") for k in range(4)]
+    waiting = seq("w", resident=False, prefill=300)
+    plan = plan_step(
+        view(*decoders, waiting, fit=FIT, quiet_s=0.5, async_steps=True, in_flight=True),
+        DEFAULTS,
+    )
+    assert plan.held_back
+    assert plan.paused == frozenset(s.request_id for s in decoders)
+    assert plan.prefill_allowance == 0
+    assert not plan.admit_batch
+    assert not plan.holding  # nobody's pause: no pause is counted for it
+
+
+@pytest.mark.parametrize(
+    ("why", "kwargs", "settings"),
+    [
+        ("no step in flight", {"in_flight": False}, DEFAULTS),
+        ("sync scheduling", {"async_steps": False}, DEFAULTS),
+        ("past the likely window", {"quiet_s": 5.0}, DEFAULTS),
+        ("the setting on", {}, SchedulerSettings(ahead_while_likely=True)),
+    ],
+)
+def test_steps_are_scheduled_ahead_otherwise(
+    why: str, kwargs: dict[str, object], settings: SchedulerSettings
+) -> None:
+    args: dict[str, object] = {"quiet_s": 0.5, "async_steps": True, "in_flight": True}
+    args |= kwargs
+    plan = plan_step(view(*(seq(f"b{k}") for k in range(4)), fit=FIT, **args), settings)  # type: ignore[arg-type]
+    assert not plan.held_back, why
+    assert plan.prefill_allowance > 0, why
+
+
+def test_interactive_work_in_the_engine_is_scheduled_ahead_with_batch_beside_it() -> None:
+    # An interactive stream decodes: its next step is scheduled ahead as vLLM does (its
+    # tokens keep coming), batch within the halved target beside it.
+    decoders = [seq(f"b{k:02}") for k in range(25)]
+    plan = plan_step(
+        view(*decoders, seq("i", batch=False), fit=FIT, async_steps=True, in_flight=True),
+        DEFAULTS,
+    )
+    assert not plan.held_back
     assert len(plan.paused) == 20
 
 
@@ -465,3 +519,12 @@ def test_past_the_likely_window_only_the_prefill_cap_applies() -> None:
     assert not plan.bounded
     off = SchedulerSettings(interactive_likely_s=0)
     assert plan_step(view(*decoders, fit=FIT), off).paused == frozenset()
+
+
+def test_a_flag_setting_takes_one_or_zero_and_refuses_anything_else() -> None:
+    on = SchedulerSettings.from_env({"BACKFILL_SCHED_AHEAD_WHILE_LIKELY": "1"})
+    assert on.ahead_while_likely
+    off = SchedulerSettings.from_env({"BACKFILL_SCHED_AHEAD_WHILE_LIKELY": "false"})
+    assert not off.ahead_while_likely
+    with pytest.raises(SettingsError, match="BACKFILL_SCHED_AHEAD_WHILE_LIKELY='maybe'"):
+        SchedulerSettings.from_env({"BACKFILL_SCHED_AHEAD_WHILE_LIKELY": "maybe"})
