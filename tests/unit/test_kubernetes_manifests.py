@@ -348,7 +348,7 @@ def _probes(container: dict[str, Any]) -> list[dict[str, Any]]:
 def _port(container: dict[str, Any], port: int | str) -> int:
     if isinstance(port, int):
         return port
-    return next(p["containerPort"] for p in container["ports"] if p.get("name") == port)
+    return int(next(p["containerPort"] for p in container["ports"] if p.get("name") == port))
 
 
 def test_probes_point_at_routes_the_api_and_the_engine_serve(manifests: Rendered) -> None:
@@ -530,7 +530,7 @@ def test_compose_and_the_manifests_start_the_same_processes_with_the_same_settin
                 if why.get(var):
                     continue
                 field = var.removeprefix("BACKFILL_").lower()
-                restated = getattr(Settings(**{field: env[var]}), field)
+                restated = getattr(Settings.model_validate({field: env[var]}), field)
                 assert restated == Settings.model_fields[field].default, (
                     f"{svc['command'][0]}: {var}={env[var]} is a setting compose does not make "
                     f"(beyond defaults only: {CLUSTER_ONLY})"
