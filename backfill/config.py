@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backfill.redis_client import SERVER_SCHEMES, check_url, is_cluster_url
+from backfill.webhooks.sealing import parse_keys
 
 _PG_SCHEMES = {
     "postgres": "postgresql+psycopg",
@@ -48,7 +49,10 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 class Settings(BaseSettings):
     """Everything a Backfill process can be told from outside."""
 
-    model_config = SettingsConfigDict(env_prefix="BACKFILL_", extra="ignore")
+    # A bad value is named in the error, never echoed: some hold passwords and keys.
+    model_config = SettingsConfigDict(
+        env_prefix="BACKFILL_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
     # One Redis server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://h:p,
@@ -267,6 +271,10 @@ class Settings(BaseSettings):
     webhooks_disable_after_s: PositiveFloat = 5 * 86_400.0
     webhooks_lease_s: PositiveFloat = 60.0
     webhooks_max_endpoints: PositiveInt = 16
+    # Keys that seal webhook signing secrets at rest (``backfill.webhooks.sealing``): Fernet
+    # keys, comma-separated, the first sealing, every one opening (rotate by putting a new one
+    # first). Unset: secrets are stored in clear, and the API and the sender say so at start.
+    webhooks_secret_keys: SecretStr | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -302,6 +310,19 @@ class Settings(BaseSettings):
     def celery_broker_url(self) -> str:
         """Where Celery's messages go: BACKFILL_BROKER_URL, else BACKFILL_REDIS_URL."""
         return self.broker_url or self.redis_url
+
+    @property
+    def webhooks_seal_keys(self) -> tuple[str, ...]:
+        """The keys that seal webhook signing secrets, the sealing one first (none: clear)."""
+        keys = self.webhooks_secret_keys
+        return parse_keys(keys.get_secret_value()) if keys is not None else ()
+
+    @field_validator("webhooks_secret_keys")
+    @classmethod
+    def _webhooks_secret_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            parse_keys(value.get_secret_value())
+        return value
 
     @field_validator("redis_namespace")
     @classmethod

@@ -404,10 +404,11 @@ class WebhookEndpoint(Base):
     name: Mapped[str] = mapped_column(String(200))
     url: Mapped[str] = mapped_column(String(2048))
     event_types: Mapped[list[str]] = mapped_column(ARRAY(String(32)))
-    # The signing secret (the HMAC key must be at hand to sign, so it is kept as it is);
-    # a rotated-out secret keeps signing beside the new one until ``previous_secret_until``.
-    secret: Mapped[str] = mapped_column(String(100))
-    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    # The signing secret (the HMAC key must be at hand to sign: sealed under the deployment's
+    # keys, ``backfill.webhooks.sealing``, or in clear where none is set); a rotated-out
+    # secret keeps signing beside the new one until ``previous_secret_until``.
+    secret: Mapped[str] = mapped_column(Text)
+    previous_secret: Mapped[str | None] = mapped_column(Text)
     previous_secret_until: Mapped[datetime | None] = mapped_column(TZ)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from backfill.webhooks import sealing
 from backfill_cli.api_client import DEFAULT_API_URL
 from backfill_cli.client_commands import ApiOpt, KeyOpt, _ago_or_in, _client, one_line_errors, out
 
@@ -141,6 +142,13 @@ def deliveries(
             _ago_or_in(d.get("next_attempt_at"), now),
         )
     out.print(table)
+
+
+@webhooks_app.command("new-key")
+def new_key() -> None:
+    """Print a new key for BACKFILL_WEBHOOKS_SECRET_KEYS (seals signing secrets at rest; put
+    a new one first to rotate, and drop the old one once the sender has resealed)."""
+    print(sealing.new_key())
 
 
 def register(app: typer.Typer) -> None:

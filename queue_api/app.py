@@ -18,6 +18,7 @@ from backfill.ratelimit import RateLimiter
 from backfill.redis_client import connect, connect_async
 from backfill.store import Repository
 from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
 from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway
@@ -62,7 +63,10 @@ def create_app(
         client = connect(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         app.state.settings = settings
         app.state.repository = repo
-        app.state.webhooks = WebhookStore(repo.engine)
+        seal = SecretSeal(settings.webhooks_seal_keys)
+        if not seal.sealing:
+            log.warning(CLEAR_SECRETS_WARNING)
+        app.state.webhooks = WebhookStore(repo.engine, seal)
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
         ingesters = IngestProcesses(settings, settings.ingesters)
         app.state.ingesters = ingesters

@@ -2,6 +2,7 @@
 
 - ``events``: the event types and the bytes of an event (pure).
 - ``signing``: secrets and Standard Webhooks signatures as OpenAI makes them (pure).
+- ``sealing``: signing secrets encrypted at rest under the deployment's keys.
 - ``targets``: which URLs and addresses a delivery may go to.
 - ``outbox``: every statement about endpoints, events and deliveries (the outbox is written
   in the transaction that ends the batch, so an event exists exactly when the end committed).

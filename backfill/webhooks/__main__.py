@@ -16,6 +16,7 @@ from backfill import logs
 from backfill.config import get_settings
 from backfill.webhooks.delivery import Sender
 from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.sealing import SecretSeal
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     engine = create_engine(settings.database_url, pool_size=4, max_overflow=4)
-    sender = Sender(WebhookStore(engine), settings)
+    sender = Sender(WebhookStore(engine, SecretSeal(settings.webhooks_seal_keys)), settings)
     try:
         sender.run(stop)
     finally:

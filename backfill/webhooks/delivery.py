@@ -41,6 +41,7 @@ from backfill.webhooks.retry import (
     RetryPolicy,
     after_attempt,
 )
+from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
 from backfill.webhooks.signing import signed_headers
 from backfill.webhooks.targets import Resolver, Target, TargetRefused, check_target, system_resolver
 
@@ -48,7 +49,8 @@ log = logging.getLogger("backfill.webhooks")
 
 USER_AGENT = "Backfill-Webhooks/1"
 CLEAR_SECRETS_EVERY_S = 60.0
-"""How often a sender forgets the rotated-out secrets whose window has ended."""
+"""How often a sender forgets the rotated-out secrets whose window has ended, and seals the
+secrets still stored in clear or under an older key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +214,7 @@ class Sender:
         self.policy = retry_policy(settings)
         self._clock = clock
         self._clear_secrets_at = 0.0
+        self._reseal_after = ""
         self._jitter = jitter
         self._poster = Poster(settings, resolve=resolve, clock=clock, verify=verify)
         self._pool = ThreadPoolExecutor(
@@ -227,6 +230,10 @@ class Sender:
         if now >= self._clear_secrets_at:
             # Housekeeping, not a round's work: at most once a minute.
             self.store.clear_expired_secrets()
+            if self.store.seal.sealing:
+                resealed, self._reseal_after = self.store.reseal_secrets(self._reseal_after)
+                if resealed:
+                    log.info("sealed the signing secrets of %d webhook endpoints", resealed)
             self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
 
     def _claim(self, limit: int, in_flight: Iterable[InFlight]) -> list[ClaimedDelivery]:
@@ -285,6 +292,8 @@ class Sender:
         has at most ``webhooks_per_endpoint`` attempts in flight, and endpoints take turns
         at the free slots (``WebhookStore.claim_due``). Sends in flight when it stops are
         finished first."""
+        if not self.store.seal.sealing:
+            log.warning(CLEAR_SECRETS_WARNING)
         in_flight: dict[Future[Outcome], InFlight] = {}
         poll_s = self.settings.webhooks_poll_s
         try:
@@ -343,7 +352,9 @@ class SenderThread:
 
     def _main(self) -> None:
         engine = create_engine(self.settings.database_url, pool_size=4, max_overflow=4)
-        sender = Sender(WebhookStore(engine), self.settings)
+        sender = Sender(
+            WebhookStore(engine, SecretSeal(self.settings.webhooks_seal_keys)), self.settings
+        )
         try:
             sender.run(self._stop)
         finally:

@@ -27,6 +27,7 @@ from backfill.refusals import InvalidRequest
 from backfill.states import JobState
 from backfill.webhooks.events import EVENT_OF_STATE, new_event_id, new_webhook_id
 from backfill.webhooks.retry import AfterAttempt, AttemptResult, DeliveryState
+from backfill.webhooks.sealing import SecretSeal
 from backfill.webhooks.signing import new_secret, secret_hint
 
 MAX_ERROR_CHARS = 500
@@ -146,7 +147,7 @@ _DELIVERY_COLUMNS = (
 )
 
 
-def _endpoint(row: Any) -> EndpointRecord:
+def _endpoint(row: Any, seal: SecretSeal) -> EndpointRecord:
     return EndpointRecord(
         id=row[0],
         tenant_id=row[1],
@@ -155,7 +156,7 @@ def _endpoint(row: Any) -> EndpointRecord:
         event_types=list(row[4]),
         created_at=row[5],
         updated_at=row[6],
-        signing_secret_hint=secret_hint(row[7]),
+        signing_secret_hint=secret_hint(seal.open(row[7])),
         failing_since=row[8],
         disabled_at=row[9],
         disabled_reason=row[10],
@@ -189,8 +190,10 @@ def new_endpoint_id() -> str:
 class WebhookStore:
     """Postgres access for webhooks, over the deployment's engine (thread-safe)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, seal: SecretSeal | None = None) -> None:
         self.engine = engine
+        self.seal = seal or SecretSeal()
+        """Signing secrets are stored as it seals them, and opened with it."""
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
@@ -230,10 +233,10 @@ class WebhookStore:
                     "n": name,
                     "u": url,
                     "e": event_types,
-                    "s": secret,
+                    "s": self.seal.seal(secret),
                 },
             ).one()
-        return _endpoint(row), secret
+        return _endpoint(row, self.seal), secret
 
     def endpoint(self, tenant_id: str, endpoint_id: str) -> EndpointRecord:
         with self._tx() as conn:
@@ -246,7 +249,7 @@ class WebhookStore:
             ).first()
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row)
+        return _endpoint(row, self.seal)
 
     def endpoint_target(self, tenant_id: str, endpoint_id: str) -> tuple[str, tuple[str, ...]]:
         """An endpoint's URL and the secrets a delivery to it is signed with now (the
@@ -262,7 +265,11 @@ class WebhookStore:
             ).first()
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return row[0], (row[1],) if row[2] is None else (row[1], row[2])
+        return row[0], self._open(row[1], row[2])
+
+    def _open(self, secret: str, previous: str | None) -> tuple[str, ...]:
+        opened = self.seal.open(secret)
+        return (opened,) if previous is None else (opened, self.seal.open(previous))
 
     def endpoints(
         self, tenant_id: str, *, after: str | None = None, limit: int = 20
@@ -278,7 +285,7 @@ class WebhookStore:
                 ),
                 {"t": tenant_id, "after": after, "l": limit},
             ).all()
-        return [_endpoint(r) for r in rows]
+        return [_endpoint(r, self.seal) for r in rows]
 
     def update_endpoint(
         self,
@@ -320,7 +327,7 @@ class WebhookStore:
             ).first()
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row)
+        return _endpoint(row, self.seal)
 
     def rotate_secret(
         self, tenant_id: str, endpoint_id: str, *, keep_old_for_s: float = 0.0
@@ -336,11 +343,16 @@ class WebhookStore:
                     "secret = :s, updated_at = now() "
                     f"WHERE id = :i AND tenant_id = :t RETURNING {_ENDPOINT_COLUMNS}"
                 ),
-                {"i": endpoint_id, "t": tenant_id, "s": secret, "keep": keep_old_for_s},
+                {
+                    "i": endpoint_id,
+                    "t": tenant_id,
+                    "s": self.seal.seal(secret),
+                    "keep": keep_old_for_s,
+                },
             ).first()
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row), secret
+        return _endpoint(row, self.seal), secret
 
     def delete_endpoint(self, tenant_id: str, endpoint_id: str) -> None:
         """The endpoint and its delivery log; a send in flight to it records nothing."""
@@ -393,6 +405,34 @@ class WebhookStore:
                 )
             )
         return int(result.rowcount or 0)
+
+    def reseal_secrets(self, after: str = "", limit: int = 100) -> tuple[int, str]:
+        """Seal, under the first key, the secrets of up to ``limit`` endpoints after id
+        ``after`` that are stored in clear or under another key; returns how many endpoints
+        changed and where the next call starts ("" once the walk is done)."""
+        changed = 0
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, secret, previous_secret FROM webhook_endpoints WHERE id > :a "
+                    "ORDER BY id LIMIT :l FOR NO KEY UPDATE SKIP LOCKED"
+                ),
+                {"a": after, "l": limit},
+            ).all()
+            for endpoint_id, secret, previous in rows:
+                sealed = self.seal.reseal(secret)
+                sealed_previous = self.seal.reseal(previous) if previous is not None else None
+                if sealed is None and sealed_previous is None:
+                    continue
+                conn.execute(
+                    text(
+                        "UPDATE webhook_endpoints SET secret = :s, "
+                        "previous_secret = COALESCE(:p, previous_secret) WHERE id = :i"
+                    ),
+                    {"i": endpoint_id, "s": sealed or secret, "p": sealed_previous},
+                )
+                changed += 1
+        return changed, rows[-1][0] if len(rows) == limit else ""
 
     def claim_due(
         self,
@@ -471,7 +511,7 @@ class WebhookStore:
                 event_created_at=int(r[6]),
                 age_s=float(r[7]),
                 url=r[8],
-                secrets=(r[9],) if r[10] is None else (r[9], r[10]),
+                secrets=self._open(r[9], r[10]),
                 endpoint_id=r[11],
                 failing=bool(r[12]),
             )

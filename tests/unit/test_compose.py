@@ -23,7 +23,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-SECRETS = {"BACKFILL_POSTGRES_PASSWORD": "test-secret", "GRAFANA_ADMIN_PASSWORD": "test-secret"}
+SECRETS = {
+    "BACKFILL_POSTGRES_PASSWORD": "test-secret",
+    "GRAFANA_ADMIN_PASSWORD": "test-secret",
+    "BACKFILL_ENGINE_API_KEY": "test-secret",
+    "BACKFILL_WEBHOOKS_SECRET_KEYS": "Ty7q2cU1vJ8mFQ6yQZ2r3oKk0xWm4eHnB5pL9sDaG1c=",
+}
 
 
 def compose() -> dict[str, Any]:
@@ -145,6 +150,12 @@ def test_no_password_is_written_in_the_file() -> None:
     grafana = all_services["grafana"]["environment"]
     assert _required_secret(grafana["GF_SECURITY_ADMIN_PASSWORD"]) in SECRETS
     assert str(grafana.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "false"
+
+
+def test_webhook_signing_secrets_are_sealed_under_a_key_compose_requires() -> None:
+    env = compose()["x-backfill-env"]
+    assert _required_secret(env["BACKFILL_WEBHOOKS_SECRET_KEYS"]) in SECRETS
+    assert _required_secret(env["BACKFILL_ENGINE_API_KEY"]) in SECRETS
 
 
 def test_prometheus_scrapes_the_api_and_grafana_is_provisioned() -> None:

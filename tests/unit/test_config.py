@@ -67,3 +67,21 @@ def test_the_default_wait_must_fit_the_wait_cap() -> None:
     Settings(gateway_max_wait_s=60, gateway_max_wait_cap_s=60)
     with pytest.raises(ValueError, match="BACKFILL_GATEWAY_MAX_WAIT_CAP_S"):
         Settings(gateway_max_wait_s=61, gateway_max_wait_cap_s=60)
+
+
+def test_a_webhook_sealing_key_that_is_no_key_is_refused_by_name_and_never_echoed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BACKFILL_WEBHOOKS_SECRET_KEYS", "CHANGE-ME")
+    with pytest.raises(ValidationError, match="BACKFILL_WEBHOOKS_SECRET_KEYS: key 1 of 1") as e:
+        Settings()
+    assert "CHANGE-ME" not in str(e.value)
+    monkeypatch.setenv(
+        "BACKFILL_WEBHOOKS_SECRET_KEYS", "Ty7q2cU1vJ8mFQ6yQZ2r3oKk0xWm4eHnB5pL9sDaG1c=, x"
+    )
+    with pytest.raises(ValidationError, match="key 2 of 2"):
+        Settings()
+    monkeypatch.setenv(
+        "BACKFILL_WEBHOOKS_SECRET_KEYS", "Ty7q2cU1vJ8mFQ6yQZ2r3oKk0xWm4eHnB5pL9sDaG1c="
+    )
+    assert Settings().webhooks_seal_keys == ("Ty7q2cU1vJ8mFQ6yQZ2r3oKk0xWm4eHnB5pL9sDaG1c=",)

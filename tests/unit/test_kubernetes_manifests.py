@@ -30,6 +30,7 @@ from starlette.routing import Match
 import backfill_vllm
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
+from backfill.webhooks.sealing import new_key
 from backfill_vllm.compat import ALLOW_UNTESTED, SUPPORTED_VLLM, release
 from backfill_vllm.refusals import EngineFacts, refusals
 from backfill_vllm.settings import PREFIX as SCHED_PREFIX
@@ -166,7 +167,12 @@ def rendered_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for overlay in OVERLAYS:
         example = tree / "overlays" / overlay / "secrets.env.example"
         if example.exists():
-            shutil.copy(example, example.with_name("secrets.env"))
+            # As an operator fills it in: the sealing keys' placeholder is refused at start.
+            filled = example.read_text().replace(
+                "BACKFILL_WEBHOOKS_SECRET_KEYS=CHANGE-ME",
+                f"BACKFILL_WEBHOOKS_SECRET_KEYS={new_key()}",
+            )
+            example.with_name("secrets.env").write_text(filled)
     return tree
 
 
