@@ -6,6 +6,8 @@ unknown fields, parses every object unchanged. Times are unix seconds, as OpenAI
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
@@ -55,6 +57,27 @@ class FileList(BaseModel):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+def file_list_json(records: Sequence[FileRecord], has_more: bool) -> bytes:
+    """A :class:`FileList` of ``records`` as JSON, written directly: the same object, field
+    for field, but a page of 10,000 files built as models cost ~70 us a file (0.4-0.9 s a
+    page on a busy API, holding its interpreter), written here a few."""
+    dumps = json.dumps
+    data = ",".join(
+        f'{{"id":{dumps(r.id)},"object":"file","bytes":{r.size_bytes},'
+        f'"created_at":{int(r.created_at.timestamp())},'
+        f'"filename":{dumps(r.filename, ensure_ascii=False)},"purpose":{dumps(r.purpose)},'
+        f'"status":"processed","status_details":null,'
+        f'"expires_at":{"null" if r.expires_at is None else int(r.expires_at.timestamp())}}}'
+        for r in records
+    )
+    first = dumps(records[0].id) if records else "null"
+    last = dumps(records[-1].id) if records else "null"
+    more = "true" if has_more else "false"
+    return (
+        f'{{"object":"list","data":[{data}],"first_id":{first},"last_id":{last},"has_more":{more}}}'
+    ).encode()
 
 
 class FileDeleted(BaseModel):
