@@ -25,13 +25,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from sqlalchemy import create_engine
 
-from backfill.config import Settings
+from backfill.config import Settings, libpq_url
 from backfill.errors import StoreUnavailable
 from backfill.webhooks.deadline import Deadline
+from backfill.webhooks.doorbell import Doorbell
 from backfill.webhooks.events import event_body
 from backfill.webhooks.outbox import ClaimedDelivery, WebhookStore
 from backfill.webhooks.retry import (
@@ -296,10 +298,14 @@ class Sender:
             log.warning(CLEAR_SECRETS_WARNING)
         in_flight: dict[Future[Outcome], InFlight] = {}
         poll_s = self.settings.webhooks_poll_s
+        # Deliveries queued while it idles ring the bell: it claims at once, not at its poll.
+        bell = Doorbell(libpq_url(self.store.engine.url.render_as_string(hide_password=False)))
+        look, next_poll = True, 0.0
         try:
             while not stop.is_set():
                 free = self.settings.webhooks_claim_batch - len(in_flight)
-                if free > 0:
+                if free > 0 and (look or time.monotonic() >= next_poll):
+                    next_poll = time.monotonic() + poll_s
                     try:
                         self._housekeeping()
                         for claimed in self._claim(free, in_flight.values()):
@@ -309,12 +315,17 @@ class Sender:
                         log.warning("webhook sender: %s", exc)
                     except Exception:
                         log.exception("webhook sender: claiming failed")
-                if not in_flight:
-                    stop.wait(poll_s)
-                    continue
-                done, _ = wait(in_flight, timeout=poll_s, return_when=FIRST_COMPLETED)
-                self._settle(done, in_flight)
+                rung = bell.rung()
+                # At most a second at a time, so a stop is seen soon whatever the poll.
+                until_poll = max(0.0, next_poll - time.monotonic())
+                waited: list[Future[Any]] = [*in_flight, rung]
+                done, _ = wait(waited, timeout=min(1.0, until_poll), return_when=FIRST_COMPLETED)
+                sent: set[Future[Outcome]] = {f for f in in_flight if f in done}
+                # A send ended (a slot is free) or the bell rang: look again now.
+                look = bool(sent) or rung.done()
+                self._settle(sent, in_flight)
         finally:
+            bell.close()
             self._settle(wait(in_flight).done, in_flight)
 
     def _settle(

@@ -25,6 +25,7 @@ from backfill.errors import NotFound
 from backfill.postgres import transaction
 from backfill.refusals import InvalidRequest
 from backfill.states import JobState
+from backfill.webhooks.doorbell import CHANNEL
 from backfill.webhooks.events import EVENT_OF_STATE, new_event_id, new_webhook_id
 from backfill.webhooks.retry import AfterAttempt, AttemptResult, DeliveryState
 from backfill.webhooks.sealing import SecretSeal
@@ -132,6 +133,8 @@ def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
             "webhook_ids": [new_webhook_id() for _ in endpoints],
         },
     )
+    # Wakes an idle sender when (and only if) this transaction commits.
+    conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
     return len(endpoints)
 
 

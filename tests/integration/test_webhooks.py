@@ -851,3 +851,35 @@ def test_a_batch_failed_by_the_stale_validating_recovery_is_an_event_too(
     assert recovered == {job.id: JobState.FAILED}
     log = store.deliveries(tenant.id)
     assert [(d.event_type, d.batch_id) for d in log] == [("batch.failed", job.id)]
+
+
+def test_an_idle_sender_delivers_at_once_when_a_batch_ends_not_at_its_next_poll(
+    repo: Repository, store: WebhookStore, hook_settings: Settings, receiver: Receiver
+) -> None:
+    # A poll of a minute: only the doorbell (NOTIFY in the transaction that ends the batch)
+    # can bring the delivery within seconds.
+    settings = hook_settings.model_copy(update={"webhooks_poll_s": 60.0})
+    tenant = make_tenant(repo, "acme")
+    add_endpoint(store, settings, tenant.id, url=receiver.url)
+    thread = SenderThread(settings).start()
+    try:
+        with listening(receiver):
+            time.sleep(1.5)  # past its first look: idle, waiting on its poll
+            complete(repo, settings, tenant)
+            assert receiver.got_one.wait(15), "delivered only at the poll"
+            # Its listening connection lost: it listens again and looks at once.
+            receiver.got_one.clear()
+            with repo.engine.begin() as conn:
+                killed = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE query LIKE 'LISTEN backfill_webhooks%' "
+                        "AND datname = current_database()"
+                    )
+                ).scalar_one()
+            assert killed >= 1
+            complete(repo, settings, tenant)
+            assert receiver.got_one.wait(15), "not delivered after the doorbell's reconnect"
+    finally:
+        thread.stop()
+    assert len(receiver.received) == 2
