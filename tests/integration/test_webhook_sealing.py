@@ -5,11 +5,16 @@ clear are sealed once keys are set, and a key rotation reseals every endpoint.""
 from __future__ import annotations
 
 import pytest
-from batch_api_support import LiveServer, api_settings, make_tenant, serve
+from batch_api_support import LiveServer, make_tenant, serve
 from openai import OpenAI
 from pydantic import SecretStr
 from sqlalchemy import text
-from test_webhooks import complete, delivered, hooked_job, rounds_until
+from test_webhooks import (
+    complete,
+    delivered,
+    hooked_job,
+    rounds_until,
+)
 from webhook_receiver import Receiver, listening, new_receiver
 
 from backfill.config import Settings
@@ -24,16 +29,9 @@ STORED = "SELECT secret, previous_secret FROM webhook_endpoints WHERE id = :i"
 
 
 @pytest.fixture
-def hook_settings(settings: Settings) -> Settings:
-    return api_settings(
-        settings,
-        webhooks_allow_private=True,
-        webhooks_retry_base_s=0.2,
-        webhooks_timeout_s=2.0,
-        webhooks_lease_s=5.0,
-        webhooks_poll_s=0.1,
-        webhooks_secret_keys=SecretStr(KEY_A),
-    )
+def sealed_settings(hook_settings: Settings) -> Settings:
+    """test_webhooks' settings, with key A sealing."""
+    return hook_settings.model_copy(update={"webhooks_secret_keys": SecretStr(KEY_A)})
 
 
 @pytest.fixture
@@ -56,10 +54,10 @@ def deliver(store: WebhookStore, settings: Settings) -> None:
 
 
 def test_a_secret_is_stored_sealed_and_deliveries_are_signed_with_it_in_clear(
-    repo: Repository, hook_settings: Settings, receiver: Receiver
+    repo: Repository, sealed_settings: Settings, receiver: Receiver
 ) -> None:
-    store = WebhookStore(repo.engine, SecretSeal(hook_settings.webhooks_seal_keys))
-    job = hooked_job(repo, store, hook_settings, receiver)
+    store = WebhookStore(repo.engine, SecretSeal(sealed_settings.webhooks_seal_keys))
+    job = hooked_job(repo, store, sealed_settings, receiver)
     endpoint, old = job.endpoint, job.secret
     _, new = store.rotate_secret(job.tenant.id, endpoint.id, keep_old_for_s=3600)
     for value in stored(repo, endpoint.id):
@@ -69,17 +67,17 @@ def test_a_secret_is_stored_sealed_and_deliveries_are_signed_with_it_in_clear(
         assert new.removeprefix("whsec_") not in value
     assert store.endpoint(job.tenant.id, endpoint.id).signing_secret_hint.endswith(new[-4:])
     with listening(receiver):
-        deliver(store, hook_settings)
+        deliver(store, sealed_settings)
     [got] = receiver.received
     for secret in (old, new):
         OpenAI(api_key="unused").webhooks.verify_signature(got.body, got.headers, secret=secret)
 
 
 def test_the_api_seals_what_the_sdk_creates(
-    repo: Repository, hook_settings: Settings, receiver: Receiver
+    repo: Repository, sealed_settings: Settings, receiver: Receiver
 ) -> None:
     live: LiveServer
-    with serve(hook_settings) as live:
+    with serve(sealed_settings) as live:
         tenant = make_tenant(repo, "acme")
         endpoint = live.client(tenant.key).webhooks.create(
             url=receiver.url, name="ops", event_types=["batch.completed"]
@@ -89,39 +87,39 @@ def test_the_api_seals_what_the_sdk_creates(
         value, _ = stored(repo, endpoint.id)
         assert value.startswith(SEALED)
         assert secret.removeprefix("whsec_") not in value
-        complete(repo, hook_settings, tenant)
-        store = WebhookStore(repo.engine, SecretSeal(hook_settings.webhooks_seal_keys))
+        complete(repo, sealed_settings, tenant)
+        store = WebhookStore(repo.engine, SecretSeal(sealed_settings.webhooks_seal_keys))
         with listening(receiver):
-            deliver(store, hook_settings)
+            deliver(store, sealed_settings)
     [got] = receiver.received
     OpenAI(api_key="unused").webhooks.verify_signature(got.body, got.headers, secret=secret)
 
 
 def test_clear_secrets_are_sealed_once_keys_are_set_and_resealed_when_the_key_rotates(
-    repo: Repository, hook_settings: Settings, receiver: Receiver
+    repo: Repository, sealed_settings: Settings, receiver: Receiver
 ) -> None:
     # Stored before any key was set: in clear.
     clear = WebhookStore(repo.engine)
     tenant = make_tenant(repo, "acme")
-    endpoint, old = add_endpoint(clear, hook_settings, tenant.id, url=receiver.url)
+    endpoint, old = add_endpoint(clear, sealed_settings, tenant.id, url=receiver.url)
     _, new = clear.rotate_secret(tenant.id, endpoint.id, keep_old_for_s=3600)
     assert stored(repo, endpoint.id) == (new, old)
     # Key A set: a sender's housekeeping seals both.
     sealed_a = WebhookStore(repo.engine, SecretSeal([KEY_A]))
-    complete(repo, hook_settings, tenant)
+    complete(repo, sealed_settings, tenant)
     with listening(receiver):
-        deliver(sealed_a, hook_settings)
+        deliver(sealed_a, sealed_settings)
     secret, previous = stored(repo, endpoint.id)
     assert secret.startswith(SEALED)
     assert previous is not None
     assert previous.startswith(SEALED)
     assert SecretSeal([KEY_A]).open(secret) == new
     # Rotation: B first, A still opening; the sender reseals under B, and A can go.
-    rotated = hook_settings.model_copy(
+    rotated = sealed_settings.model_copy(
         update={"webhooks_secret_keys": SecretStr(f"{KEY_B},{KEY_A}")}
     )
     sealed_b = WebhookStore(repo.engine, SecretSeal(rotated.webhooks_seal_keys))
-    complete(repo, hook_settings, tenant)
+    complete(repo, sealed_settings, tenant)
     with listening(receiver):
         deliver(sealed_b, rotated)
     secret, previous = stored(repo, endpoint.id)

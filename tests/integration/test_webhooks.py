@@ -49,20 +49,6 @@ from backfill.webhooks.retry import DeliveryState
 
 
 @pytest.fixture
-def hook_settings(settings: Settings) -> Settings:
-    """Deliveries to 127.0.0.1 allowed (the receiver), retries quick, leases short."""
-    return api_settings(
-        settings,
-        webhooks_allow_private=True,
-        webhooks_retry_base_s=0.2,
-        webhooks_retry_max_delay_s=0.5,
-        webhooks_timeout_s=2.0,
-        webhooks_lease_s=5.0,
-        webhooks_poll_s=0.1,
-    )
-
-
-@pytest.fixture
 def store(repo: Repository) -> WebhookStore:
     return WebhookStore(repo.engine)
 

@@ -483,12 +483,9 @@ def test_under_async_scheduling_the_step_target_is_halved() -> None:
     assert engine.step(now + report.seconds).batch_output_tokens == 10
 
 
-def test_under_async_scheduling_an_arrival_waits_for_the_step_in_flight_and_the_next() -> None:
-    # The same lone arrivals beside a batch backlog that keeps every step busy: with async
-    # scheduling each first token comes about one step later (the step already scheduled when
-    # it arrived); a step here is at least the 10 ms overhead.
-    base = _spec()
-    items = batch_items(
+def _busy_backlog() -> list[BatchItem]:
+    """A batch backlog that keeps every step of the test spec's engine busy."""
+    return batch_items(
         BatchWorkload(
             items=3000,
             jobs=1,
@@ -501,6 +498,14 @@ def test_under_async_scheduling_an_arrival_waits_for_the_step_in_flight_and_the_
         ),
         seed=3,
     )
+
+
+def test_under_async_scheduling_an_arrival_waits_for_the_step_in_flight_and_the_next() -> None:
+    # The same lone arrivals beside a batch backlog that keeps every step busy: with async
+    # scheduling each first token comes about one step later (the step already scheduled when
+    # it arrived); a step here is at least the 10 ms overhead.
+    base = _spec()
+    items = _busy_backlog()
     ttft = {}
     for flag in (False, True):
         spec = dataclasses.replace(
@@ -519,19 +524,7 @@ def test_batch_only_steps_held_back_while_interactive_is_likely_spare_arrivals_a
     # that keeps every step busy: scheduled ahead, an arrival waits for the step in flight and
     # the one queued behind it; held back (the default), for the step in flight alone.
     base = _spec()
-    items = batch_items(
-        BatchWorkload(
-            items=3000,
-            jobs=1,
-            prompt_mean=100,
-            prompt_min=32,
-            prompt_max=200,
-            max_output_tokens=400,
-            first_deadline_s=10_000,
-            last_deadline_s=10_000,
-        ),
-        seed=3,
-    )
+    items = _busy_backlog()
     gap = 0.002
     results = {}
     for ahead in (True, False):
