@@ -86,7 +86,10 @@ def test_dev_runs_the_job_and_stays_up_with_what_it_prints_working(
         )
         assert listed.json()["data"][0]["status"] == "completed"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(120) == 0, "".join(lines)
+        # Its stops are bounded (the worker's drain 45 s, the API 10 s, the engine 20 s, each
+        # killed past its bound), and beside a busy machine they run to their bounds: 120 s
+        # was passed there (run 12 of the hunt). A stop that hangs still fails here.
+        assert proc.wait(300) == 0, "".join(lines)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{base}/healthz", timeout=2)
     finally:
