@@ -134,7 +134,9 @@ def start_services(settings: Settings, services: str, stack: ExitStack) -> Setti
 
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM ends the run like Ctrl-C does: through every cleanup, services last."""
+    """SIGTERM ends the run like Ctrl-C does: through every cleanup, services last. Ctrl-C
+    always does, even where the run was started with SIGINT ignored (a shell's background
+    job: Python then never raises KeyboardInterrupt, and the run stayed up for good)."""
 
     def _exit(signum: int, _frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
@@ -143,10 +145,12 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield  # only the main thread may set handlers
         return
     previous = signal.signal(signal.SIGTERM, _exit)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def repeated_lines(text: str) -> int:

@@ -34,25 +34,19 @@ def test_dev_runs_the_job_and_stays_up_with_what_it_prints_working(
         BACKFILL_DATABASE_URL=database_url,
         BACKFILL_REDIS_NAMESPACE=redis_namespace,
     )
+    command = [sys.executable, "-m", "backfill_cli", "dev", "--model", "tiny"]
+    command += ["--services", "external", "--port", str(port), "--stay"]
+    # As a shell's background job starts it: SIGINT ignored (`trap "" INT`, kept across the
+    # exec; Ctrl-C must stop it all the same: it stayed up for good), in a session of its own
+    # so a failure here can take down what it started (its API and worker share its group).
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "backfill_cli",
-            "dev",
-            "--model",
-            "tiny",
-            "--services",
-            "external",
-            "--port",
-            str(port),
-            "--stay",
-        ],
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         cwd=ROOT,
+        start_new_session=True,
     )
     lines: list[str] = []
     up = threading.Event()
@@ -94,6 +88,6 @@ def test_dev_runs_the_job_and_stays_up_with_what_it_prints_working(
             httpx.get(f"{base}/healthz", timeout=2)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(10)
