@@ -28,7 +28,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -202,9 +202,11 @@ async def until_paused(
     server: devengine.EngineServer,
     before: dict[str, float],
     timeout_s: float = 120,
+    sent: Sequence[tuple[str, Outcome]] = (),
 ) -> None:
     """Until batch is paused now, or has paused since ``before`` (the counter keeps what a
-    poll of the gauge falls between on a loaded machine); fails naming the counters."""
+    poll of the gauge falls between on a loaded machine); fails naming the counters and what
+    became of the requests ``sent`` for the pause (named outcomes)."""
     pauses = "backfill_sched_batch_pauses_total"
     start = time.monotonic()
     # (seconds, batch resident, batch decoding, steps, pauses) at each poll: what the engine
@@ -234,9 +236,11 @@ async def until_paused(
     if not await until(paused, timeout_s):
         now = await counters(client, server)
         seen = {k: v for k, v in now.items() if k.startswith(("backfill_sched", "vllm:num"))}
+        fates = [(name, o.completion_tokens, o.finish_reason, o.error) for name, o in sent]
         raise AssertionError(
             f"batch never paused in {timeout_s:.0f} s: {seen}; (s, batch resident, decoding, "
-            f"steps, pauses) at the first polls {timeline[:25]} and the last {timeline[-3:]}"
+            f"steps, pauses) at the first polls {timeline[:25]} and the last {timeline[-3:]}; "
+            f"(request, tokens, finish, error) of those sent for it: {fates}"
         )
 
 
@@ -531,15 +535,18 @@ def test_abort_and_client_disconnect_while_paused_lose_no_other_request(
             # requests, which must finish whole, and interactive ones batch pauses for.
             with helpers.engine_core_stopped(server.process.pid):
                 flood = Flood(engine, model, 6, max_tokens=150, client=client)
+                inter_outcomes = [Outcome() for _ in range(3)]
                 inter_tasks = [
                     asyncio.create_task(
-                        generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"ia{k}", Outcome())
+                        generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"ia{k}", o)
                     )
-                    for k in range(3)
+                    for k, o in enumerate(inter_outcomes)
                 ]
                 await asyncio.sleep(INTERACTIVE_IN_S)
 
-            await until_paused(client, server, before)
+            sent = [(f"ia{k}", o) for k, o in enumerate(inter_outcomes)]
+            sent += [(f"flood{k}", o) for k, o in enumerate(flood.outcomes)]
+            await until_paused(client, server, before, sent=sent)
             # Stopped again, so the abort and the disconnect reach the core while the pause
             # it was seen in still holds.
             with helpers.engine_core_stopped(server.process.pid):
