@@ -193,6 +193,9 @@ class Settings(BaseSettings):
     # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
     rate_limit_per_s: PositiveFloat = 50.0
     rate_limit_burst: PositiveInt = 200
+    # An API process takes a busy tenant's tokens from its bucket a few at a time and spends
+    # them on its next requests for at most this long (0: one Redis round trip per request).
+    rate_limit_credit_hold_s: Annotated[float, Field(ge=0, le=5)] = 0.25
     # Per client address, for what answers without a key (the capacity lab, /metrics,
     # /healthz) and for keys not known to be good (each costs a Postgres lookup).
     anonymous_rate_limit_per_s: PositiveFloat = 5.0

@@ -2,17 +2,23 @@
 
 Redis trouble lets requests through (fail open): the rate limit protects the service from one
 tenant's burst, and refusing every tenant because Redis blinked would be the worse outage.
+
+On the event loop (:meth:`RateLimiter.acheck`, the API's path for a known key) a busy tenant's
+requests are paid from rate credits (:mod:`backfill.rate_credits`) when ``credit_hold_s`` is
+set: a few tokens taken at once, so most requests cost no round trip to Redis.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import redis
 
+from backfill.rate_credits import Ask, CreditBook, max_take
 from backfill.redis_client import AsyncRedis, SyncRedis
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,10 @@ class RateLimiter:
         burst: int,
         *,
         async_client: AsyncRedis | None = None,
+        credit_hold_s: float = 0.0,
     ) -> None:
+        """``credit_hold_s`` (> 0, with ``async_client``): :meth:`acheck` spends rate credits
+        held at most that long; 0 asks the bucket on every request."""
         if rate_per_s <= 0 or burst < 1:
             raise ValueError("rate_per_s must be > 0 and burst >= 1")
         self._client = client
@@ -53,6 +62,11 @@ class RateLimiter:
         self._async_script: Any = (
             async_client.register_script(_SCRIPT) if async_client is not None else None
         )
+        self._credits = (
+            CreditBook(max_take(rate_per_s, burst, credit_hold_s), credit_hold_s)
+            if credit_hold_s > 0
+            else None
+        )
 
     @property
     def checks_async(self) -> bool:
@@ -61,7 +75,7 @@ class RateLimiter:
 
     def check(self, tenant_id: str, cost: int = 1) -> RateDecision:
         try:
-            allowed, wait_ms = self._script(keys=self._keys(tenant_id), args=self._args(cost))
+            allowed, wait_ms, _ = self._script(keys=self._keys(tenant_id), args=self._args(cost))
         except redis.RedisError as exc:
             log.warning("rate limit not checked (Redis: %s); letting the request through", exc)
             return RateDecision(True)
@@ -71,13 +85,20 @@ class RateLimiter:
         """:meth:`check` on the event loop, through the asyncio client."""
         if self._async_script is None:
             raise RuntimeError("this rate limiter was built without an asyncio client")
+        book = self._credits
+        now = time.monotonic()
+        if book is not None and book.spend(tenant_id, cost, now):
+            return RateDecision(True)
+        ask = book.ask(tenant_id, cost, now) if book is not None else Ask(cost, 0)
         try:
-            allowed, wait_ms = await self._async_script(
-                keys=self._keys(tenant_id), args=self._args(cost)
+            allowed, wait_ms, taken = await self._async_script(
+                keys=self._keys(tenant_id), args=[*self._args(cost), ask.take, ask.refund]
             )
         except redis.RedisError as exc:
             log.warning("rate limit not checked (Redis: %s); letting the request through", exc)
             return RateDecision(True)
+        if book is not None:
+            book.got(tenant_id, ask, int(taken), cost, now)
         return _decision(allowed, wait_ms)
 
     def _keys(self, tenant_id: str) -> list[str]:

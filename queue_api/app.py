@@ -86,6 +86,7 @@ def create_app(
                 settings.rate_limit_per_s,
                 settings.rate_limit_burst,
                 async_client=async_client,
+                credit_hold_s=settings.rate_limit_credit_hold_s,
             ),
             RateLimiter(
                 client,
