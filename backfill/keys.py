@@ -23,6 +23,12 @@ a node's name::
     {ns}:{ledger:node}:ended         hash     lease id -> "reason:fencing_token" of leases that
                                               ended lately (released, expired, preempted)
     {ns}:{ledger:node}:ended_at      zset     lease id -> when it ended (ms), for trimming
+    {ns}:{ledger:node}:owners        hash     owner -> the interactive tokens its live leases
+                                              hold (the gateway owns a tenant's leases as
+                                              ``gateway/{tenant_id}``): what a tenant's share
+                                              of the node is checked against; changed with
+                                              the pool's interactive in use, by the same
+                                              scripts, so the two never part
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),
@@ -110,6 +116,7 @@ class NodeKeys:
     ended: str
     ended_at: str
     ready: str
+    owners: str
     channel: str
 
     def keys(self) -> list[str]:
@@ -122,6 +129,7 @@ class NodeKeys:
             self.ended,
             self.ended_at,
             self.ready,
+            self.owners,
         ]
 
 
@@ -165,6 +173,7 @@ class LedgerKeys:
             ended=f"{p}:ended",
             ended_at=f"{p}:ended_at",
             ready=f"{p}:ready",
+            owners=f"{p}:owners",
             channel=self.preempt_channel(node),
         )
 

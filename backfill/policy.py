@@ -18,6 +18,9 @@ Symbols (tokens, per node)::
     batch slack       = max(0, C - max(R, I_eff + h) - B - s)
     interactive room  = max(0, C - I - B)     interactive may use all but batch's share,
                                               and may preempt batch to get more
+    tenant share      = floor(C x share)      what one tenant's interactive leases may hold
+                                              on the node (a tenant holding none is not
+                                              refused by it)
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class Reason(StrEnum):
     """Batch: the slack outside the interactive reserve and interactive use is too small."""
     NO_ROOM = "no_room"
     """Interactive: the pool is full even counting what preempting batch would free."""
+    TENANT_SHARE = "tenant_share"
+    """Interactive: the tenant's leases on the node hold its share of the node already; it
+    waits for its own leases to end, whatever room other tenants have."""
     LEDGER_REBUILDING = "ledger_rebuilding"
     """The ledger lost its data and is rebuilt from Postgres; batch admission is closed."""
 
@@ -234,6 +240,9 @@ class AdmissionRequest:
     """Batch only: False once an item reached its preemption cap."""
     allow_preemption: bool = True
     """Interactive only: whether batch may be preempted to make room."""
+    tenant_share_ppm: int | None = None
+    """Interactive only: the millionths of the node's capacity its tenant's interactive
+    leases may hold with it (:func:`tenant_share_tokens`); None: no bound."""
 
     @property
     def sequence_tokens(self) -> int:
@@ -250,6 +259,21 @@ def charged_tokens(request: AdmissionRequest, block_size: int, policy: PoolPolic
     ):
         max_output = policy.batch_overcommit.charged_output(max_output)
     return reservation_tokens(request.prompt_tokens, max_output, block_size, request.n)
+
+
+def tenant_share_ppm(share: float) -> int | None:
+    """A tenant's share of a node (a fraction in (0, 1]) in millionths, as the ledger takes
+    it; None for a share of 1, which bounds nothing."""
+    if not 0 < share <= 1:
+        raise ValueError("a tenant share must be in (0, 1]")
+    ppm = min(PPM, max(1, round(share * PPM)))
+    return None if ppm == PPM else ppm
+
+
+def tenant_share_tokens(capacity_tokens: int, share_ppm: int) -> int:
+    """The interactive tokens one tenant's leases may hold on a pool of ``capacity_tokens``
+    (integer, so the reserve script computes the same bound bit for bit)."""
+    return capacity_tokens * share_ppm // PPM
 
 
 def batch_slack(state: PoolState, policy: PoolPolicy) -> int:
@@ -358,8 +382,11 @@ def decide(
     state: PoolState,
     policy: PoolPolicy,
     leases: Sequence[VictimCandidate] = (),
+    *,
+    tenant_in_use: int = 0,
 ) -> Decision:
-    """Admit, defer, reject, or preempt-then-admit ``request`` on the pool in ``state``."""
+    """Admit, defer, reject, or preempt-then-admit ``request`` on the pool in ``state``;
+    ``tenant_in_use`` is what the interactive leases of the request's tenant hold on it."""
     cls = request.service_class
     limit = policy.limits(cls).max_sequence_tokens
     if request.sequence_tokens > limit:
@@ -383,6 +410,20 @@ def decide(
         )
     retry = policy.defer_retry_after_s
     reserve = policy.reserve_tokens(c)
+    share = request.tenant_share_ppm
+    if cls is ServiceClass.INTERACTIVE and share is not None:
+        # Before room and preemption: a tenant at its share waits for its own leases, and
+        # preempts no batch for what it may not hold.
+        bound = tenant_share_tokens(c, share)
+        if tenant_in_use > 0 and tenant_in_use + tokens > bound:
+            return Decision(
+                DecisionKind.DEFER,
+                Reason.TENANT_SHARE,
+                f"interactive reservation of {tokens} with the {tenant_in_use} its tenant "
+                f"holds on the node exceeds the tenant's share of {bound}",
+                tokens,
+                retry,
+            )
     if cls is ServiceClass.BATCH:
         if not state.ready:
             return Decision(

@@ -114,6 +114,7 @@ class LedgerCalls:
                 "1" if req.preemptible else "0",
                 _arg(req.deadline_ms),
                 "1" if req.allow_preemption else "0",
+                _arg(req.tenant_share_ppm),
             ]
         retry = self.policy.defer_retry_after_s
 
@@ -125,6 +126,7 @@ class LedgerCalls:
             if decoded(reply[0]) == "denied":
                 reason = Reason(decoded(reply[1]))
                 permanent = reason in (Reason.OVER_CLASS_LIMIT, Reason.LARGER_THAN_POOL)
+                share = reason is Reason.TENANT_SHARE
                 return Denial(
                     node,
                     req.service_class,
@@ -133,6 +135,8 @@ class LedgerCalls:
                     int(reply[3]),
                     int(reply[4]),
                     None if permanent else retry,
+                    int(reply[5]) if share else None,
+                    int(reply[6]) if share else None,
                 )
             return Lease(
                 lease_id=req.lease_id,

@@ -184,6 +184,7 @@ def reserve(
     deadline_ms: int | None = None,
     allow_preemption: bool = True,
     ttl_ms: int | None = None,
+    tenant_share_ppm: int | None = None,
     now_ms: int | None = None,
 ) -> Plan[Lease | Denial]:
     """Reserve on ``node`` per the policy, or say why not."""
@@ -198,6 +199,7 @@ def reserve(
         deadline_ms=deadline_ms,
         allow_preemption=allow_preemption,
         ttl_ms=ttl_ms,
+        tenant_share_ppm=tenant_share_ppm,
         **({"lease_id": lease_id} if lease_id else {}),
     )
     replies = yield calls.reserve(node, [req], now_ms)

@@ -101,6 +101,7 @@ class InteractiveLedger(LeaseUpkeep, Protocol):
         owner: str = ...,
         allow_preemption: bool = ...,
         ttl_ms: int | None = ...,
+        tenant_share_ppm: int | None = ...,
     ) -> lv.Lease | lv.Denial: ...
 
     async def settle(

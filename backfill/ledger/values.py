@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from backfill.errors import LedgerError
-from backfill.policy import PoolState, Reason, ServiceClass
+from backfill.policy import PPM, PoolState, Reason, ServiceClass
 
 
 class LeaseStatus(StrEnum):
@@ -65,6 +65,10 @@ class Denial:
     room: int
     retry_after_s: float | None
     """``None`` when waiting cannot help (over the class limit, or larger than the pool)."""
+    tenant_in_use: int | None = None
+    """``tenant_share`` only: what the owner's interactive leases hold on the node."""
+    tenant_bound: int | None = None
+    """``tenant_share`` only: what they may hold (the tenant's share of the node)."""
 
     @property
     def permanent(self) -> bool:
@@ -208,9 +212,18 @@ class ReserveRequest:
     deadline_ms: int | None = None
     allow_preemption: bool = True
     ttl_ms: int | None = None
+    tenant_share_ppm: int | None = None
+    """Interactive only: the millionths of the node's capacity that the interactive leases
+    of ``owner`` (the gateway owns a tenant's as ``gateway/{tenant_id}``) may hold with this
+    one (``backfill.policy.tenant_share_tokens``); None: no bound."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "service_class", ServiceClass(self.service_class))
+        share = self.tenant_share_ppm
+        if share is not None and (
+            not 1 <= share <= PPM or self.service_class is not ServiceClass.INTERACTIVE
+        ):
+            raise ValueError("tenant_share_ppm is 1..1,000,000, for interactive requests only")
         # max_output_tokens 0: an embedding, which holds its prompt alone.
         if (
             self.prompt_tokens < 0

@@ -7,15 +7,16 @@
 --   KEYS[4] fence counter  KEYS[5] ended hash (id -> reason:fence)  KEYS[6] ended_at zset
 --   KEYS[7] the node's ready marker (holds its epoch: the node's ledger is complete; absent
 --           after a loss of data until a rebuild restores it)
--- All seven share the node's hash tag, so each script runs on one Redis Cluster shard.
+--   KEYS[8] owners hash (owner -> interactive tokens its live leases hold; see hold())
+-- All eight share the node's hash tag, so each script runs on one Redis Cluster shard.
 --
 -- Redis runs a script to the end or stops at the first error, keeping earlier writes: every
 -- script validates all of its arguments before its first write.
 --
 -- Numbers go to redis.call through fmt(): Lua turns numbers into strings with "%.14g", which
 -- would round fencing tokens (up to 2^53).
-local K_POOL, K_LEASES, K_EXPIRY, K_FENCE, K_ENDED, K_ENDED_AT, K_READY =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local K_POOL, K_LEASES, K_EXPIRY, K_FENCE, K_ENDED, K_ENDED_AT, K_READY, K_OWNERS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 
 local function fmt(n) return string.format('%d', n) end
 
@@ -114,12 +115,34 @@ local function used_field(class)
   return 'b_used'
 end
 
+-- Change what live lease `l` holds by `delta` tokens (positive when it is admitted or
+-- restored, negative when it shrinks or ends): its class's use in the pool hash and, for an
+-- interactive lease, its owner's in the owners hash, which a tenant's share is checked
+-- against. Every change of a lease's tokens goes through here, so the two never part. An
+-- owner holding nothing leaves the hash (it does not grow with every tenant ever seen; a
+-- count below zero, from leases admitted before owners were counted, goes with it).
+-- Returns the class's new use.
+local function hold(l, delta)
+  local used = redis.call('HINCRBY', K_POOL, used_field(l.class), fmt(delta))
+  if l.class == 'interactive' then
+    if redis.call('HINCRBY', K_OWNERS, l.owner, fmt(delta)) <= 0 then
+      redis.call('HDEL', K_OWNERS, l.owner)
+    end
+  end
+  return used
+end
+
+-- The interactive tokens `owner`'s live leases hold on this node.
+local function owner_holds(owner)
+  return tonumber(redis.call('HGET', K_OWNERS, owner) or '0')
+end
+
 local function end_lease(l, reason, now)
   redis.call('HDEL', K_LEASES, l.id)
   redis.call('ZREM', K_EXPIRY, l.id)
   redis.call('HSET', K_ENDED, l.id, reason .. ':' .. fmt(l.fence))
   redis.call('ZADD', K_ENDED_AT, fmt(now), l.id)
-  redis.call('HINCRBY', K_POOL, used_field(l.class), fmt(-l.tokens))
+  hold(l, -l.tokens)
 end
 
 -- Reclaim up to `limit` leases whose expiry is at or before now; returns their ids.

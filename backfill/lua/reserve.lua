@@ -5,7 +5,7 @@
 -- KEYS: the per-node keys (see _lib.lua)
 -- ARGV[1]  preempt channel of the node
 -- ARGV[2]  now_ms ('' = Redis TIME)
--- ARGV[3]  count of requests that follow (>= 1); then, per request, 10 values:
+-- ARGV[3]  count of requests that follow (>= 1); then, per request, 11 values:
 --   lease id (a live id returns that lease: reserve is idempotent; ids must be distinct)
 --   class: 'interactive' | 'batch'
 --   prompt_tokens (>= 0)
@@ -17,11 +17,16 @@
 --   preemptible: '1' | '0' (batch items at their preemption cap send '0')
 --   deadline_ms ('' or '0' = none)
 --   allow_preempt: '1' | '0' (interactive: may preempt batch to get room)
+--   tenant_share_ppm: '' = none, else 1..1,000,000 (interactive only): the millionths of the
+--     node's capacity that the interactive leases of this request's owner (the gateway owns
+--     a tenant's leases as gateway/{tenant_id}) may hold with it, rounded down; an owner that
+--     holds nothing on the node is not refused by it, so no request is refused for good
 --
 -- Returns one reply per request:
 --   {'admitted' | 'existing', fence, tokens, expires_ms, started_ms, generated, {victim ids}}
 --     (victims were preempted, and published, to make room), or
---   {'denied', reason, tokens, slack, room}; each denial also adds 1 to the pool hash's
+--   {'denied', reason, tokens, slack, room}, and for 'tenant_share' also what the owner
+--   holds and its bound, {..., held, bound}; each denial also adds 1 to the pool hash's
 --   'denied:<class>:<reason>' field (a monotonic count for /metrics), or
 --   {'no_pool'} for every request when the node has no pool and no ready marker: the caller
 --   tells an unknown node (an error) from one whose keys were lost (rebuilding) by the
@@ -30,11 +35,11 @@ if #ARGV < 3 then bad('expected at least 3 arguments, got ' .. #ARGV) end
 local channel = str_arg(ARGV[1], 'channel', false)
 local now = now_arg(ARGV[2])
 local count = int_arg(ARGV[3], 'count', 1)
-argc(3 + 10 * count)
+argc(3 + 11 * count)
 
 local reqs, ids = {}, {}
 for i = 0, count - 1 do
-  local b = 3 + 10 * i
+  local b = 3 + 11 * i
   local r = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = class_arg(ARGV[b + 2]),
     prompt = int_arg(ARGV[b + 3], 'prompt_tokens', 0),
     max_out = int_arg(ARGV[b + 4], 'max_output_tokens', 0),
@@ -42,8 +47,12 @@ for i = 0, count - 1 do
     owner = str_arg(ARGV[b + 7], 'owner', true),
     preemptible = flag_arg(ARGV[b + 8], 'preemptible'),
     deadline = opt_int(ARGV[b + 9], 'deadline_ms', 0, 0),
-    allow_preempt = flag_arg(ARGV[b + 10], 'allow_preempt')}
+    allow_preempt = flag_arg(ARGV[b + 10], 'allow_preempt'),
+    share = opt_int(ARGV[b + 11], 'tenant_share_ppm', 1, nil)}
   if r.prompt + r.max_out < 1 then bad('a reservation holds at least one token') end
+  if r.share and (r.share > PPM or r.class ~= 'interactive') then
+    bad('bad tenant_share_ppm (1..' .. PPM .. ', interactive only): ' .. fmt(r.share))
+  end
   if ids[r.id] then bad('lease id ' .. r.id .. ' appears twice') end
   ids[r.id] = true
   reqs[#reqs + 1] = r
@@ -94,6 +103,18 @@ local function decide(r)
   if r.class == 'batch' then ceiling = batch_ceiling(pool) end
   if tokens > ceiling then return denied('larger_than_pool', tokens) end
 
+  if r.share then
+    -- Checked before room and preemption: a tenant over its share waits for its own leases
+    -- to end, and preempts no batch on the way.
+    local held = owner_holds(r.owner)
+    local bound = math.floor(pool.capacity * r.share / PPM)
+    if held > 0 and held + tokens > bound then
+      local d = denied('tenant_share', tokens)
+      d[6], d[7] = held, bound
+      return d
+    end
+  end
+
   local victims = {}
   if r.class == 'batch' then
     if not ready then return denied('ledger_rebuilding', tokens) end
@@ -127,8 +148,7 @@ local function decide(r)
     generated = 0, started = now, deadline = r.deadline, ttl = r.ttl}
   redis.call('HSET', K_LEASES, l.id, encode(l))
   redis.call('ZADD', K_EXPIRY, fmt(l.expires), l.id)
-  local field = used_field(r.class)
-  pool[field] = redis.call('HINCRBY', K_POOL, field, fmt(tokens))
+  pool[used_field(r.class)] = hold(l, tokens)
   return {'admitted', l.fence, l.tokens, l.expires, l.started, 0, victim_ids}
 end
 

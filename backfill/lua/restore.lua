@@ -49,7 +49,7 @@ for _, l in ipairs(leases) do
   else
     redis.call('HSET', K_LEASES, l.id, encode(l))
     redis.call('ZADD', K_EXPIRY, fmt(l.expires), l.id)
-    redis.call('HINCRBY', K_POOL, used_field(l.class), fmt(l.tokens))
+    hold(l, l.tokens)
     restored = restored + 1
   end
 end

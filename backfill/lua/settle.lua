@@ -36,8 +36,5 @@ if shrink_to ~= nil then
   end
 end
 redis.call('HSET', K_LEASES, id, encode(l))
-if freed > 0 then
-  local field = used_field(l.class)
-  pool[field] = redis.call('HINCRBY', K_POOL, field, fmt(-freed))
-end
+if freed > 0 then pool[used_field(l.class)] = hold(l, -freed) end
 return {'ok', l.tokens, l.generated, pool.i_used, pool.b_used}

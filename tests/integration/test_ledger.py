@@ -588,21 +588,28 @@ def test_ended_leases_are_forgotten_after_a_while(ledger: Ledger) -> None:
 
 def reserve_request(lease_id: str, service: str = "batch", seq: str = "1") -> list[str]:
     """One request's arguments to the reserve script: a well-formed one unless told otherwise."""
-    return [lease_id, service, "1", "1", "1", "100", "", "1", "", seq]
+    return [lease_id, service, "1", "1", "1", "100", "", "1", "", seq, ""]
 
 
 NODE_SCRIPTS_BAD_ARGS: list[tuple[str, list[str]]] = [
-    ("reserve", ["ch", "", "1", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1"]),
+    ("reserve", ["ch", "", "1", "ls_x", "vip", "1", "1", "1", "100", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "-1", "1", "1", "100", "", "1", "", "1", ""]),
     # a reservation of nothing (no prompt, no output)
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "0", "0", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "-1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1.5", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "inf", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "yes", "", "1"]),
-    ("reserve", ["ch", "", "1", "", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "x", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1"]),
-    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "0", "0", "1", "100", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "-1", "1", "100", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1.5", "100", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "inf", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "yes", "", "1", ""]),
+    ("reserve", ["ch", "", "1", "", "batch", "1", "1", "1", "100", "", "1", "", "1", ""]),
+    ("reserve", ["ch", "x", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", "1", ""]),
+    (
+        "reserve",
+        ["ch", "", "1", "ls_x", "batch", "1", "1", "1", "100", "", "1", "", ""],
+    ),  # 10 of 11
+    # a tenant share of nothing, of more than the whole node, or on a batch request
+    ("reserve", ["ch", "", "1", *reserve_request("ls_x", "interactive")[:-1], "0"]),
+    ("reserve", ["ch", "", "1", *reserve_request("ls_x", "interactive")[:-1], "1000001"]),
+    ("reserve", ["ch", "", "1", *reserve_request("ls_x")[:-1], "500000"]),
     ("reserve", ["ch", "", "0"]),
     # the second request of a batch is malformed: the first is not admitted either
     ("reserve", ["ch", "", "2", *reserve_request("ls_x"), *reserve_request("ls_y", seq="2")]),

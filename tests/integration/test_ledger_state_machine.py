@@ -3,8 +3,10 @@ beside a plain-Python model of what it should hold; after every step the two mus
 
 Checked after every step: reserved tokens equal the sum of live leases; 0 <= reserved <=
 capacity; batch is never admitted beyond its slack; interactive within its reserve is never
-denied because of batch; fencing tokens only grow, across Redis data loss too. At the end every
-live lease is released and the pool must be back at zero (no tokens leak).
+denied because of batch; fencing tokens only grow, across Redis data loss too; what the ledger
+counts each owner's interactive leases to hold (a tenant's share is checked against it) is the
+sum of that owner's live interactive leases. At the end every live lease is released and the
+pool must be back at zero, every owner's count with it (no tokens leak).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ POLICY = PoolPolicy(
     safety_margin_tokens=256,
 )
 RESERVE = POLICY.reserve_tokens(CAPACITY)
+OWNERS = ("", "gateway/t1", "gateway/t2")
 
 READY, FLUSHED, PHASE_ONE = "ready", "flushed", "phase one"
 
@@ -123,6 +126,14 @@ class LedgerMachine(RuleBasedStateMachine):
     def used(self, cls: ServiceClass) -> int:
         return sum(h.tokens for h in self.live.values() if h.service_class is cls)
 
+    def owners(self) -> dict[str, int]:
+        """Each owner's interactive tokens, as the ledger should count them (none at 0)."""
+        held: dict[str, int] = {}
+        for h in self.live.values():
+            if h.service_class is ServiceClass.INTERACTIVE:
+                held[h.lease.owner] = held.get(h.lease.owner, 0) + h.tokens
+        return {owner: tokens for owner, tokens in held.items() if tokens}
+
     def state(self) -> PoolState:
         return PoolState(
             CAPACITY,
@@ -169,6 +180,8 @@ class LedgerMachine(RuleBasedStateMachine):
         preemptible=st.booleans(),
         allow_preemption=st.booleans(),
         deadline=st.sampled_from([None, 1, 2, 3]),
+        owner=st.sampled_from(OWNERS),
+        share=st.sampled_from([None, 250_000, 500_000]),
     )
     def reserve(
         self,
@@ -179,12 +192,24 @@ class LedgerMachine(RuleBasedStateMachine):
         preemptible: bool,
         allow_preemption: bool,
         deadline: int | None,
+        owner: str,
+        share: int | None,
     ) -> Lease | None:
-        request = AdmissionRequest(cls, prompt, out, n, preemptible, allow_preemption)
+        if cls is ServiceClass.BATCH:
+            share = None
+        request = AdmissionRequest(
+            cls, prompt, out, n, preemptible, allow_preemption, tenant_share_ppm=share
+        )
         if self.phase != FLUSHED:
             self.reap_model()  # reserve reclaims expired leases first
         before = self.state()
-        expected = decide(request, before, POLICY, list(self.live.values()))
+        expected = decide(
+            request,
+            before,
+            POLICY,
+            list(self.live.values()),
+            tenant_in_use=self.owners().get(owner, 0),
+        )
         deadline_ms = None if deadline is None else T0 + deadline * 1000
         result = self.ledger.reserve(
             NODE,
@@ -195,6 +220,8 @@ class LedgerMachine(RuleBasedStateMachine):
             preemptible=preemptible,
             allow_preemption=allow_preemption,
             deadline_ms=deadline_ms,
+            owner=owner,
+            tenant_share_ppm=share,
             now_ms=self.now,
         )
         if self.phase == FLUSHED:
@@ -205,7 +232,7 @@ class LedgerMachine(RuleBasedStateMachine):
             cls is ServiceClass.INTERACTIVE
             and expected.tokens > 0
             and before.interactive_in_use + expected.tokens <= RESERVE
-            and expected.code is not Reason.OVER_CLASS_LIMIT
+            and expected.code not in (Reason.OVER_CLASS_LIMIT, Reason.TENANT_SHARE)
         )
         if within_reserve:
             assert isinstance(result, Lease), f"interactive within the reserve denied: {result}"
@@ -400,6 +427,11 @@ class LedgerMachine(RuleBasedStateMachine):
         assert {
             x.lease_id: (x.tokens, x.expires_at_ms, x.generated_tokens) for x in snap.leases
         } == {i: (h.tokens, h.expires_at_ms, h.generated) for i, h in self.live.items()}
+        assert self.counted_owners() == self.owners()
+
+    def counted_owners(self) -> dict[str, int]:
+        raw = self.client.hgetall(self.ledger.keys.node(NODE).owners)
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     def teardown(self) -> None:
         try:
@@ -412,6 +444,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert snap is not None
             assert snap.reserved == 0, "tokens leaked"
             assert snap.leases == ()
+            assert self.counted_owners() == {}, "an owner's tokens leaked"
         finally:
             for key in self.client.scan_iter(match=f"{self.namespace}:*"):
                 self.client.delete(key)
@@ -440,3 +473,13 @@ def test_decide_kinds_are_all_reachable_in_the_machine_pool() -> None:
         decide(AdmissionRequest(ServiceClass.INTERACTIVE, 300, 100), busy, POLICY, [victim]).kind,
     }
     assert kinds == set(DecisionKind)
+
+
+def test_a_tenant_share_refusal_is_reachable_in_the_machine_pool() -> None:
+    """Guards the machine's sizes: a tenant's share can refuse, and let through, its requests."""
+    empty = PoolState(CAPACITY, BLOCK)
+    quarter = AdmissionRequest(ServiceClass.INTERACTIVE, 700, 700, 1, tenant_share_ppm=250_000)
+    assert decide(quarter, empty, POLICY, tenant_in_use=16).code is Reason.TENANT_SHARE
+    assert decide(quarter, empty, POLICY).admitted  # holding nothing: not refused by it
+    small = AdmissionRequest(ServiceClass.INTERACTIVE, 100, 100, 1, tenant_share_ppm=500_000)
+    assert decide(small, empty, POLICY, tenant_in_use=1024).admitted

@@ -25,6 +25,8 @@ from backfill.policy import (
     interactive_room,
     overcommit_from_ratios,
     reservation_tokens,
+    tenant_share_ppm,
+    tenant_share_tokens,
 )
 
 BATCH = ServiceClass.BATCH
@@ -293,6 +295,42 @@ def test_interactive_is_deferred_when_even_preemption_cannot_make_room() -> None
     assert (d.kind, d.code) == (DecisionKind.DEFER, Reason.NO_ROOM)
     no_preempt = req(INTERACTIVE, 1000, 1000, allow_preemption=False)
     assert decide(no_preempt, state, POLICY, [FakeLease("x", 6000)]).code is Reason.NO_ROOM
+
+
+def test_a_tenant_at_its_share_waits_even_where_the_pool_has_room() -> None:
+    # A share of 0.5 of 10,000 tokens: 5,000; the tenant holds 4,000 of them.
+    request = req(INTERACTIVE, 1000, 1000, tenant_share_ppm=500_000)
+    state = PoolState(10_000, 16, interactive_in_use=4000)
+    d = decide(request, state, POLICY, tenant_in_use=4000)
+    assert (d.kind, d.code) == (DecisionKind.DEFER, Reason.TENANT_SHARE)
+    assert d.retry_after_s is not None
+    assert "share of 5000" in d.reason
+    # Another tenant on the same pool, or this one with room under its share, is admitted.
+    assert decide(request, state, POLICY, tenant_in_use=0).admitted
+    assert decide(req(INTERACTIVE, 500, 492, tenant_share_ppm=500_000), state, POLICY,
+                  tenant_in_use=4000).admitted  # fmt: skip
+
+
+def test_a_tenant_over_its_share_preempts_no_batch() -> None:
+    leases = [FakeLease("b", 6000)]
+    state = PoolState(10_000, 16, interactive_in_use=4000, batch_in_use=6000)
+    request = req(INTERACTIVE, 1000, 1000, tenant_share_ppm=500_000)
+    d = decide(request, state, POLICY, leases, tenant_in_use=4000)
+    assert (d.code, d.victims) == (Reason.TENANT_SHARE, ())
+
+
+def test_a_tenant_holding_nothing_is_never_refused_by_its_share() -> None:
+    request = req(INTERACTIVE, 1000, 1000, tenant_share_ppm=100_000)  # more than its 1,000
+    assert decide(request, PoolState(10_000, 16), POLICY).admitted
+
+
+def test_a_tenant_share_is_counted_in_millionths_and_one_is_no_bound() -> None:
+    assert tenant_share_ppm(0.5) == 500_000
+    assert tenant_share_ppm(0.0000001) == 1
+    assert tenant_share_ppm(1.0) is None
+    assert tenant_share_tokens(10_000, 333_333) == 3333  # rounded down, as the script does
+    with pytest.raises(ValueError, match="share"):
+        tenant_share_ppm(0.0)
 
 
 def test_interactive_larger_than_the_whole_pool_is_rejected() -> None:
