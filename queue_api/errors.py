@@ -137,6 +137,11 @@ def backfill_error_response(exc: Exception) -> JSONResponse:
 
 def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    return http_error_response(request, exc)
+
+
+def http_error_response(request: Request, exc: HTTPException) -> JSONResponse:
+    """The answer to an HTTP error (a route's, or the request edge's body limit)."""
     if exc.status_code == 404 and exc.detail == "Not Found":
         message = f"Invalid URL ({request.method} {request.url.path})"
     else:
