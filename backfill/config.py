@@ -228,6 +228,12 @@ class Settings(BaseSettings):
     # when that fits without preempting; else count exactly. The reservation is settled to
     # the engine's count when it reports one.
     gateway_bound_admission: bool = True
+    # What one tenant's interactive requests may hold of a node at once, as a fraction of its
+    # measured pool: one tenant's flood leaves the rest to the others (what the flood may not
+    # hold stays with batch, which an arriving tenant preempts), and the flooding tenant waits
+    # for its own requests to end (429 tenant_interactive_share once its wait is over). A
+    # tenant holding nothing on a node is never refused by it. 1: no bound.
+    gateway_tenant_share: Annotated[float, Field(gt=0, le=1)] = 0.5
 
     # Batch work budget per node (``backfill.work_budget``): the interactive TTFT target it
     # protects, its floor and ceiling (batch sequences in flight, batch prompt tokens in

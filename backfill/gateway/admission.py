@@ -33,6 +33,7 @@ from backfill.gateway.signals import SignalPublisher
 from backfill.gateway.sizing import RequestCaps, Sizing, check_bound, check_sequences, size_request
 from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
+from backfill.policy import tenant_share_ppm
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
 from backfill.store import NodeRecords
@@ -112,6 +113,9 @@ class InteractiveAdmission:
             max_wait_s=settings.gateway_max_wait_cap_s,
         )
         self._overheads: dict[tuple[str, tuple[str, ...]], int | None] = {}
+        self.tenant_share_ppm = tenant_share_ppm(settings.gateway_tenant_share)
+        """What one owner's (tenant's) interactive leases may hold of a node, in millionths
+        of its capacity; None: no bound."""
 
     async def aclose(self) -> None:
         await self.beats.aclose()
@@ -150,7 +154,9 @@ class InteractiveAdmission:
     ) -> Admitted:
         """Admit ``request`` on a bound of its prompt where that is safe and room is there at
         once, else on the engine's exact count, waiting up to ``max_wait_s``; the lease is
-        kept (heartbeats) from then on, until the caller ends it."""
+        kept (heartbeats) from then on, until the caller ends it. ``owner`` names the
+        request's tenant (``gateway/{tenant_id}``): the leases of one owner on a node are
+        held to the tenant share (``gateway_tenant_share``) together."""
         shape, body, nodes = request.shape, request.body, request.nodes
         limit = self._limit(nodes)
         cap = self.caps.max_request_tokens
@@ -269,6 +275,7 @@ class InteractiveAdmission:
                 max_wait_s=max_wait_s,
                 allow_preemption=allow_preemption,
                 disconnected=disconnected,
+                tenant_share_ppm=self.tenant_share_ppm,
             )
         except BaseException:
             pending.end()

@@ -19,6 +19,7 @@ from backfill.gateway.refusals import (
     GatewayUnavailable,
     NoInteractiveRoom,
     ReservationTooLarge,
+    TenantShareExceeded,
 )
 from backfill.gateway.sizing import Sizing
 from backfill.ledger import Denial, InteractiveLedger, Lease, PoolSnapshot
@@ -121,12 +122,15 @@ async def admit(
     disconnected: Callable[[], Awaitable[bool]] | None = None,
     clock: Callable[[], float] = time.monotonic,
     allow_preemption: bool = True,
+    tenant_share_ppm: int | None = None,
 ) -> Admission:
     """Reserve ``sizing`` on the first of ``nodes`` (ranked by load when there are several)
     that admits it, preempting batch where that makes room (unless ``allow_preemption`` is
-    False); wait up to ``max_wait_s``.
+    False); wait up to ``max_wait_s``. With ``tenant_share_ppm``, ``owner``'s interactive
+    leases on a node may hold that share of it at most (a tenant's leases share an owner).
 
-    Raises :class:`NoInteractiveRoom` or :class:`GatewayUnavailable` (with a retry hint) when
+    Raises :class:`NoInteractiveRoom`, :class:`TenantShareExceeded` (the tenant holds its
+    share of the nodes that had room) or :class:`GatewayUnavailable` (with a retry hint) when
     the wait runs out, :class:`ReservationTooLarge` when no node could ever hold it, and
     :class:`ClientGone` when ``disconnected`` says the caller left. Reserve is idempotent per
     lease id, so one id serves every try.
@@ -144,6 +148,7 @@ async def admit(
             order = await _ranked(ledger, order, sizing)
         permanent: list[Denial] = []
         reasons: set[str] = set()
+        share: Denial | None = None
         for node in order:
             attempts += 1
             try:
@@ -157,6 +162,7 @@ async def admit(
                     owner=owner,
                     allow_preemption=allow_preemption,
                     ttl_ms=ttl_ms,
+                    tenant_share_ppm=tenant_share_ppm,
                 )
             except LedgerUnavailable as exc:
                 raise GatewayUnavailable(
@@ -169,6 +175,8 @@ async def admit(
             if isinstance(outcome, Lease):
                 return Admission(outcome, clock() - start, attempts)
             reasons.add(outcome.reason.value)
+            if outcome.reason is Reason.TENANT_SHARE:
+                share = outcome
             if outcome.permanent:
                 permanent.append(outcome)
         if permanent and len(permanent) == len(order):
@@ -176,6 +184,17 @@ async def admit(
         now = clock()
         if now >= deadline:
             hint = max(t.retry_after_s, 1.0)
+            if share is not None and reasons <= {Reason.NO_ROOM.value, share.reason.value}:
+                # Its own leases hold the tenant back where others' left room.
+                raise TenantShareExceeded(
+                    f"Your interactive requests hold {share.tenant_in_use} of the "
+                    f"{share.tenant_bound} KV tokens one tenant may hold on node {share.node} "
+                    f"(BACKFILL_GATEWAY_TENANT_SHARE), and {sizing.sequences} x "
+                    f"{sizing.sequence_tokens} more do not fit under it; waited "
+                    f"{now - start:.2f} s for your own requests to end. Retry after the time "
+                    "in Retry-After.",
+                    retry_after_s=hint,
+                )
             if reasons <= {Reason.NO_ROOM.value}:
                 raise NoInteractiveRoom(
                     f"No node serving this model has room for {sizing.sequences} x "

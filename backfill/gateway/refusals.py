@@ -61,6 +61,16 @@ class NoInteractiveRoom(GatewayRefusal):
     reason = "no_room"
 
 
+class TenantShareExceeded(NoInteractiveRoom):
+    """The caller's tenant holds its share of every serving node it could use
+    (``BACKFILL_GATEWAY_TENANT_SHARE``), for as long as the caller was willing to wait: its
+    own requests must end first, whatever room other tenants have. A 429, as a full pool is,
+    with a code of its own."""
+
+    default_code = "tenant_interactive_share"
+    reason = "tenant_share"
+
+
 class GatewayUnavailable(GatewayRefusal):
     """The gateway cannot admit now for reasons other than load: the ledger is down or being
     rebuilt, or no serving engine answers."""

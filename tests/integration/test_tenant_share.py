@@ -1,5 +1,5 @@
 """A tenant's share of a node's interactive reservations, in the ledger against a real Redis
-(one server and a Redis Cluster: ``ledger_client``).
+(one server and a Redis Cluster: ``ledger_client``) and in the gateway's admission loop.
 
 One tenant's interactive requests (all owned ``gateway/{tenant_id}``) may hold at most their
 share of a node (``tenant_share_ppm`` of its capacity) while another tenant's are admitted
@@ -10,10 +10,17 @@ a lease gives its owner exactly that room back.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import redis
 
+from backfill.gateway.placement import Admission, AdmissionTiming, admit
+from backfill.gateway.refusals import NoInteractiveRoom, TenantShareExceeded
+from backfill.gateway.sizing import Sizing
 from backfill.ledger import (
+    AsyncLedger,
     Denial,
     Lease,
     LeaseStatus,
@@ -217,3 +224,64 @@ def test_the_policy_decides_the_share_as_the_ledger_does(ledger: Ledger) -> None
     assert tenant_share_tokens(CAPACITY, HALF) == 2048
     assert tenant_share_ppm(0.5) == HALF
     assert tenant_share_ppm(1.0) is None
+
+
+# -- the gateway's admission loop
+
+FAST = AdmissionTiming(first_backoff_s=0.01, max_backoff_s=0.05)
+
+
+def sizing(tokens: int) -> Sizing:
+    return Sizing(0, tokens, 1, output_defaulted=False)
+
+
+def test_the_gateway_refuses_a_tenant_at_its_share_naming_it_and_admits_another(
+    redis_namespace: str,
+) -> None:
+    sync = Ledger(redis.Redis.from_url("redis://127.0.0.1:6379/0"), redis_namespace, POLICY)
+    sync.rebuild([NodePool("n1", CAPACITY, BLOCK)], [], epoch=1)
+
+    async def main() -> None:
+        ledger = AsyncLedger.from_url("redis://127.0.0.1:6379/0", redis_namespace, POLICY)
+
+        async def go(owner: str, tokens: int, wait_s: float = 0.0) -> Admission:
+            return await admit(
+                ledger,
+                ["n1"],
+                sizing(tokens),
+                lease_id=f"gw_{time.monotonic_ns()}",
+                owner=owner,
+                ttl_ms=10_000,
+                max_wait_s=wait_s,
+                timing=FAST,
+                tenant_share_ppm=HALF,
+            )
+
+        try:
+            held = [await go(A, 1024), await go(A, 1024)]
+            with pytest.raises(TenantShareExceeded) as caught:
+                await go(A, 1024, wait_s=0.2)
+            refusal = caught.value
+            assert isinstance(refusal, NoInteractiveRoom)  # a 429, with a code of its own
+            assert (refusal.code, refusal.reason) == ("tenant_interactive_share", "tenant_share")
+            assert (refusal.retry_after_s or 0) >= 1
+            assert "2048 of the 2048" in refusal.message
+            assert (await go(B, 1024)).lease.node == "n1"
+
+            # A waits (X-Backfill-Max-Wait) for its own lease to end, not for B's.
+            async def release_later() -> None:
+                await asyncio.sleep(0.3)
+                await ledger.release(held[0].lease)
+
+            releaser = asyncio.create_task(release_later())
+            waited = await go(A, 1024, wait_s=5.0)
+            await releaser
+            assert waited.waited_s >= 0.25
+            assert waited.attempts > 1
+        finally:
+            await ledger.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sync.close()
