@@ -28,7 +28,8 @@ a node's name::
                                               ``gateway/{tenant_id}``): what a tenant's share
                                               of the node is checked against; changed with
                                               the pool's interactive in use, by the same
-                                              scripts, so the two never part
+                                              scripts, so the two never part (and counted
+                                              again from the live leases by each ``reap``)
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),

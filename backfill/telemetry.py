@@ -227,6 +227,13 @@ class BackfillCollector:
             "Batch leases preempted to make room for interactive work.",
             labels=["node"],
         )
+        recounts = CounterMetricFamily(
+            "backfill_interactive_owner_recounts",
+            "Owners whose interactive tokens on a node (what a tenant's share is checked "
+            "against) the periodic reap found off the live leases and put right; stays 0 "
+            "while every process runs the same ledger scripts.",
+            labels=["node"],
+        )
         budget = GaugeMetricFamily(
             "backfill_work_budget",
             "A node's batch work budget (max_seqs, max_prefill_tokens, hold) and what batch "
@@ -276,6 +283,7 @@ class BackfillCollector:
             for (service_class, reason), n in sorted(counts.denials.items()):
                 denials.add_metric([name, service_class, reason], n)
             preemptions.add_metric([name], counts.preemptions)
+            recounts.add_metric([name], counts.owners_recounted)
             view = read_budget(self.ledger.client, self.ledger.keys, name)
             if view is not None:
                 for kind, value in (
@@ -292,7 +300,7 @@ class BackfillCollector:
                 mismatch.add_metric([name], 0 if engine_scheduler.agrees else 1)
         by_state.add_metric(["interactive", ItemState.QUEUED.value], 0)
         by_state.add_metric(["interactive", ItemState.RUNNING.value], interactive_running)
-        return [kv, leases, denials, preemptions, budget, budget_change, mismatch]
+        return [kv, leases, denials, preemptions, recounts, budget, budget_change, mismatch]
 
 
 def _guarded(source: str, section: Callable[[], list[Any]]) -> tuple[list[Any], bool]:

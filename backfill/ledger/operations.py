@@ -98,7 +98,11 @@ def counters(calls: LedgerCalls, node: str) -> Plan[PoolCounters]:
         if name.startswith("denied:"):
             _, service_class, reason = name.split(":", 2)
             denials[(service_class, reason)] = int(value)
-    return PoolCounters(denials, int(fields.get("preemptions", "0")))
+    return PoolCounters(
+        denials,
+        int(fields.get("preemptions", "0")),
+        int(fields.get("owners_recounted", "0")),
+    )
 
 
 def nodes(calls: LedgerCalls) -> Plan[list[str]]:

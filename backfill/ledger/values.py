@@ -155,6 +155,10 @@ class PoolCounters:
     """(service class, reason) -> reservations refused."""
     preemptions: int
     """Batch leases preempted to make room for interactive work."""
+    owners_recounted: int = 0
+    """Owners whose interactive count the periodic reap found off the live leases and put
+    right (0 while every script counts them: a process on an older version wrote the ledger,
+    or a bug)."""
 
 
 @dataclass(frozen=True)

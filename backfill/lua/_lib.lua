@@ -137,6 +137,38 @@ local function owner_holds(owner)
   return tonumber(redis.call('HGET', K_OWNERS, owner) or '0')
 end
 
+-- Count each owner's interactive tokens again from the live leases, replacing the owners hash;
+-- returns how many owners' counts were off. hold() keeps the two together; this puts them back
+-- together after something that did not (a process still on a version from before owners were
+-- counted, during a rolling upgrade): a count left too high would shrink its tenant's share on
+-- the node for good.
+local function recount_owners()
+  local counts, found = {}, {}
+  local all = redis.call('HGETALL', K_LEASES)
+  for i = 1, #all, 2 do
+    local l = decode(all[i], all[i + 1])
+    if l.class == 'interactive' and l.tokens > 0 then
+      counts[l.owner] = (counts[l.owner] or 0) + l.tokens
+    end
+  end
+  local stored = redis.call('HGETALL', K_OWNERS)
+  for i = 1, #stored, 2 do found[stored[i]] = tonumber(stored[i + 1]) end
+  local off = 0
+  for owner, n in pairs(found) do
+    if counts[owner] ~= n then
+      off = off + 1
+      if counts[owner] == nil then redis.call('HDEL', K_OWNERS, owner) end
+    end
+  end
+  for owner, n in pairs(counts) do
+    if found[owner] ~= n then
+      if found[owner] == nil then off = off + 1 end
+      redis.call('HSET', K_OWNERS, owner, fmt(n))
+    end
+  end
+  return off
+end
+
 local function end_lease(l, reason, now)
   redis.call('HDEL', K_LEASES, l.id)
   redis.call('ZREM', K_EXPIRY, l.id)

@@ -115,6 +115,7 @@ def test_metrics_need_no_key_and_report_queue_jobs_and_pools(
         == 1
     )
     assert value(s, "backfill_preemptions_total", **node) == 1
+    assert value(s, "backfill_interactive_owner_recounts_total", **node) == 0
     assert value(s, "backfill_useful_tokens_per_second", window_s="60") == pytest.approx(3 / 60)
     # Histograms exist from the first scrape (their window trails now by a moment).
     assert ("backfill_output_tokens_count", ()) in s

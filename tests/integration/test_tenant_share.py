@@ -285,3 +285,23 @@ def test_the_gateway_refuses_a_tenant_at_its_share_naming_it_and_admits_another(
         asyncio.run(main())
     finally:
         sync.close()
+
+
+def test_the_periodic_reap_recounts_what_each_owner_holds_from_the_live_leases(
+    ledger: Ledger, ledger_client: redis.Redis
+) -> None:
+    """Whatever wrote the ledger without counting owners (a process still on a version from
+    before they were counted, during a rolling upgrade, reaping or releasing a lease), a count
+    off the live leases lasts one reap at most: a count left too high would shrink a tenant's
+    share on the node for good."""
+    admitted(reserve(ledger, A, 1024))
+    owners_key = ledger.keys.node("n1").owners
+    ledger_client.hincrby(owners_key, A, 1024)  # a lease ended by a script that did not count
+    ledger_client.hincrby(owners_key, B, 512)  # one admitted by such a script, long gone
+    assert refused(reserve(ledger, A, 16)).reason is Reason.TENANT_SHARE
+    assert ledger.reap("n1", now_ms=T0) == []
+    assert owners(ledger, ledger_client) == {A: 1024}
+    admitted(reserve(ledger, A, 1024))
+    assert ledger.counters("n1").owners_recounted == 2
+    assert ledger.reap("n1", now_ms=T0) == []
+    assert ledger.counters("n1").owners_recounted == 2  # nothing off since
