@@ -15,7 +15,7 @@ from typing import Protocol
 
 import pytest
 
-from bench.calibrate_simulator import SHORT, fit, measure, sized_to
+from bench.simulator.calibrate import SHORT, fit, measure, sized_to
 from worker.enginespeed import EngineSpeed
 
 pytestmark = pytest.mark.e2e

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fairness_run import Interval, phase
+from bench.fairness.run import Interval, phase
 
 
 def test_a_phase_counts_each_items_tokens_by_its_overlap() -> None:

@@ -7,10 +7,10 @@ import math
 import pytest
 
 from backfill_analysis.simulate.costmodel import CostModel
-from bench.fleet_model import NodeModel, Timeline, h100_node
-from bench.fleet_point import CALLS, Point
-from bench.fleet_report import report
-from bench.fleet_stats import Histogram, cpu_delta, merged
+from bench.fleet.model import NodeModel, Timeline, h100_node
+from bench.fleet.point import CALLS, Point
+from bench.fleet.report import report
+from bench.fleet.stats import Histogram, cpu_delta, merged
 
 # One step: 10 ms + 1 ms per prefill token / 1 ms per decoding sequence (easy arithmetic).
 SIMPLE = NodeModel(CostModel("simple", 0.010, 0.001, 0.0, 0.001, 0.0), max_batched_tokens=100)

@@ -13,8 +13,8 @@ from backfill_analysis.simulate import costmodel
 from backfill_analysis.simulate.scenario import h100_llama8b, scenario
 from backfill_vllm.stepmodel import StepTimeModel
 from bench.common import table
-from bench.gpu_fit import fit, step_work
-from bench.gpu_steps import STORED, Point, best, step_rows
+from bench.simulator.gpu_fit import fit, step_work
+from bench.simulator.gpu_steps import STORED, Point, best, step_rows
 
 
 def test_the_stored_h200_model_is_the_fit_of_its_own_measurements() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import common
-from bench.interactive_overhead import SHAPES, Comparison, Side, _shapes
+from bench.protection.overhead import SHAPES, Comparison, Side, _shapes
 
 
 def _side(name: str, ttfts: list[float]) -> Side:

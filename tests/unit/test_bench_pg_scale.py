@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from bench.pg_scale_plan import (
+from bench.pg_scale.plan import (
     copy_index,
     partition_bounds,
     partition_ddl,

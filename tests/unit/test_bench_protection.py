@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from backfill_analysis.simulate.trace import TraceOptions, TraceRequest, load_trace
-from bench.protection import TRACE, TRACE_ROWS, TRACE_SKIP
-from bench.protection_plan import TARGET_BUSY, busy_share, overload_reason, size_stretch, verdict
-from bench.protection_record import ScenarioResult, parse_variant
-from bench.protection_report import HEADERS, closing_verdict, plot, rows, tradeoff_points, verdicts
-from bench.protection_run import scheduler_policy
-from bench.replay import InteractiveResult, Target, interactive_body, sse_data
+from bench.protection.compare import TRACE, TRACE_ROWS, TRACE_SKIP
+from bench.protection.plan import TARGET_BUSY, busy_share, overload_reason, size_stretch, verdict
+from bench.protection.record import ScenarioResult, parse_variant
+from bench.protection.replay import InteractiveResult, Target, interactive_body, sse_data
+from bench.protection.report import HEADERS, closing_verdict, plot, rows, tradeoff_points, verdicts
+from bench.protection.run import scheduler_policy
 from bench.stack import counters, settings_env
 from worker.enginespeed import EngineSpeed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.protection_pairs import bucket, buckets, pairs, report
+from bench.protection.pairs import bucket, buckets, pairs, report
 
 
 def _scenario(name: str, ttfts: list[float | None], arrivals: list[float]) -> dict[str, Any]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.throughput import _rows, summarise
-from bench.throughput_workload import SIDES, STEP_SIDE, SideRun, Workload
+from bench.throughput.compare import _rows, summarise
+from bench.throughput.workload import SIDES, STEP_SIDE, SideRun, Workload
 
 
 def _run(side: str, round_no: int, seconds: float) -> SideRun:

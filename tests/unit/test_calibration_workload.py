@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.calibrate_simulator import FULL, SHORT, sized_to
+from bench.simulator.calibrate import FULL, SHORT, sized_to
 from worker.enginespeed import EngineSpeed
 
 # Measured with worker.enginespeed (notes/vllm-cpu.md): SmolLM2 in bfloat16 on an AVX2 EPYC,

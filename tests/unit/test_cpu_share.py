@@ -1,4 +1,5 @@
-"""bench.cpu_share: CPU time per role from two process snapshots (pure), and a live snapshot."""
+"""bench.protection.cpu_share: CPU time per role from two process snapshots (pure), and a live
+snapshot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from bench.cpu_share import ProcessTime, shares, snapshot
+from bench.protection.cpu_share import ProcessTime, shares, snapshot
 
 
 def test_each_process_counts_for_the_nearest_root_above_it_then_by_name() -> None:

@@ -1,0 +1,249 @@
+"""One tenant's flood of batch creates beside another tenant's reads and creates.
+
+``backfill api`` in its own process over a scratch database. Tenant A uploads large files
+whose last line is bad (every line is read, then refused: the costliest create) and then
+``--flood`` threads create batches of them as fast as they can; tenant B meanwhile reads
+(``GET /v1/batches?limit=1``) and creates a batch of a small file, one request at a time. B
+is measured alone first, then beside the flood, against the same API. The run is made twice:
+at the defaults (a file over ``BACKFILL_INGEST_INLINE_BYTES`` is checked and stored by the
+API's ingest process, the create answers ``validating`` at once), and with every create
+checked in its request (as before ingests were deferred; the API's bounds on creates in
+progress, ``BACKFILL_MAX_INGESTS_PER_TENANT`` and ``BACKFILL_MAX_INGESTS``, at their defaults
+both times). Figure: B's read p99 beside the flood over B's alone, at the defaults; goal <= 2x
+and no 5xx anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import httpx
+
+from backfill.store import Repository
+from bench.api.server import start_api, stop_api
+from bench.common import beside_load, finish, parser, percentile, scratch_database, table
+
+NAME = "isolation"
+GOAL = 2.0
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(lines: int, *, bad_last: bool) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 8}
+    out = [
+        json.dumps({"custom_id": f"r{i}", "method": "POST", "url": CHAT, "body": body})
+        for i in range(lines)
+    ]
+    if bad_last:
+        out[-1] = '{"custom_id": "last", "method": "POST", "url": "/v1/nowhere", "body": {}}'
+    return ("\n".join(out) + "\n").encode()
+
+
+@dataclass
+class Run:
+    alone: Seen
+    beside: Seen
+    flood: Counter[int]
+
+
+@dataclass
+class Seen:
+    reads_ms: list[float] = field(default_factory=list)
+    creates_ms: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+
+
+def b_traffic(client: httpx.Client, file_id: str, seconds: float) -> Seen:
+    """B: reads, and a create every tenth request, one at a time for ``seconds``."""
+    seen = Seen()
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        started = time.perf_counter()
+        if n % 10 == 0:
+            answer = client.post(
+                "/v1/batches",
+                json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"},
+            )
+            seen.creates_ms.append((time.perf_counter() - started) * 1000)
+        else:
+            answer = client.get("/v1/batches", params={"limit": 1})
+            seen.reads_ms.append((time.perf_counter() - started) * 1000)
+        seen.statuses[answer.status_code] += 1
+    return seen
+
+
+def flood(
+    client: httpx.Client, file_ids: list[str], stop: threading.Event, *, seen: Counter[int]
+) -> None:
+    i = 0
+    while not stop.is_set():
+        answer = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": file_ids[i % len(file_ids)],
+                "endpoint": CHAT,
+                "completion_window": "24h",
+            },
+        )
+        seen[answer.status_code] += 1
+        if answer.status_code == 429:
+            # As the openai SDK does: wait what Retry-After says.
+            time.sleep(float(answer.headers.get("Retry-After", "1")))
+        i += 1
+
+
+SIDES = {
+    "deferred": {},
+    "inline": {"BACKFILL_INGEST_INLINE_BYTES": str(1 << 40)},
+}
+
+
+def flood_process(
+    base: str, key: str, file_ids: list[str], threads: int, stop: Any, statuses: Any
+) -> None:
+    """Tenant A's client, a process of its own (its threads never share an interpreter with
+    B's client): ``threads`` flood threads until ``stop``; their statuses put on
+    ``statuses``."""
+    seen: Counter[int] = Counter()
+    local = threading.Event()
+
+    def one() -> None:
+        with httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        ) as client:
+            flood(client, file_ids, local, seen=seen)
+
+    workers = [threading.Thread(target=one, daemon=True) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    stop.wait()
+    local.set()
+    for w in workers:
+        w.join(180)
+    statuses.put(dict(seen))
+
+
+def flood_beside(
+    base: str, key: str, file_ids: list[str], threads: int, seen: Counter[int]
+) -> Callable[[threading.Event], None]:
+    """A load for ``beside_load``: A's flood in a process of its own, stopped with the
+    load."""
+
+    def load(stop: threading.Event) -> None:
+        context = multiprocessing.get_context("spawn")
+        child_stop = context.Event()
+        statuses = context.Queue()
+        child = context.Process(
+            target=flood_process, args=(base, key, file_ids, threads, child_stop, statuses)
+        )
+        child.start()
+        stop.wait()
+        child_stop.set()
+        seen.update(statuses.get(timeout=240))
+        child.join(60)
+
+    return load
+
+
+def run(url: str, side: str, flood_threads: int, lines: int, seconds: float) -> Run:
+    namespace = f"bfbench{secrets.token_hex(3)}"
+    repo = Repository.connect(url)
+    keys = {t: repo.create_api_key(repo.create_tenant(f"{t}-{namespace}").id) for t in "AB"}
+    repo.close()
+    port = 18_000 + secrets.randbelow(2000)
+    settings = {"BACKFILL_MAX_LINES_PER_BATCH": str(max(lines, 100_000)), **SIDES[side]}
+    process = start_api(url, namespace, port, settings)
+    base = f"http://127.0.0.1:{port}"
+
+    def client(tenant: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {keys[tenant]}"}, timeout=120
+        )
+
+    try:
+        with client("A") as a, client("B") as b:
+            big = jsonl(lines, bad_last=True)
+            a_files = [
+                a.post("/v1/files", files={"file": ("big.jsonl", big)}, data={"purpose": "batch"})
+                .raise_for_status()
+                .json()["id"]
+                for _ in range(3)
+            ]
+            small = b.post(
+                "/v1/files",
+                files={"file": ("small.jsonl", jsonl(20, bad_last=False))},
+                data={"purpose": "batch"},
+            )
+            b_file = small.raise_for_status().json()["id"]
+            alone = b_traffic(b, b_file, seconds)
+            a_seen: Counter[int] = Counter()
+            beside = beside_load(
+                [flood_beside(base, keys["A"], a_files, flood_threads, a_seen)],
+                partial(b_traffic, b, b_file, seconds),
+                settle_s=3.0,
+            )
+    finally:
+        stop_api(process, namespace)
+    return Run(alone, beside, a_seen)
+
+
+def main() -> None:
+    p = parser(NAME, __doc__ or "")
+    p.add_argument("--flood", type=int, default=24, help="tenant A's concurrent creates")
+    args = p.parse_args()
+    lines = 20_000 if args.quick else 60_000
+    seconds = 8.0 if args.quick else 30.0
+    results: dict[str, Run] = {}
+    for side in SIDES:
+        # A database each: what one side's flood queued is not the next side's work.
+        with scratch_database("bfbench_iso") as url:
+            results[side] = run(url, side, args.flood, lines, seconds)
+    rows: list[tuple[object, ...]] = []
+    details: dict[str, object] = {"flood": args.flood, "lines": lines, "seconds": seconds}
+    for side, r in results.items():
+        for phase, seen in (("B alone", r.alone), ("B beside A's flood", r.beside)):
+            rows.append(
+                (
+                    f"{side}: {phase}",
+                    len(seen.reads_ms),
+                    percentile(seen.reads_ms, 50),
+                    percentile(seen.reads_ms, 99),
+                    percentile(seen.creates_ms, 50),
+                    percentile(seen.creates_ms, 99),
+                    _errors(seen.statuses),
+                )
+            )
+        rows.append((f"{side}: A's creates", r.flood.total(), "", "", "", "", _errors(r.flood)))
+        details[side] = {
+            "b_alone_read_p99_ms": percentile(r.alone.reads_ms, 99),
+            "b_beside_read_p99_ms": percentile(r.beside.reads_ms, 99),
+            "b_beside_create_p99_ms": percentile(r.beside.creates_ms, 99),
+            "a_statuses": dict(r.flood),
+            "b_statuses": dict(r.beside.statuses),
+        }
+    headers = ["side", "reads", "read p50 ms", "read p99 ms", "create p50 ms", "create p99 ms"]
+    print(table([*headers, "5xx"], rows))
+    ok = results["deferred"]
+    ratio = percentile(ok.beside.reads_ms, 99) / percentile(ok.alone.reads_ms, 99)
+    errors = _errors(ok.beside.statuses) + _errors(ok.flood)
+    details["five_xx_deferred"] = errors
+    finish(NAME, "b_read_p99_ratio", ratio, "<=", GOAL, details, holds=errors == 0)
+
+
+def _errors(statuses: Counter[int]) -> int:
+    return sum(n for status, n in statuses.items() if status >= 500)
+
+
+if __name__ == "__main__":
+    main()
