@@ -1,1 +1,2 @@
-"""Benchmarks: Backfill and its named peer measured in the same run (python -m bench.NAME)."""
+"""Benchmarks: Backfill and its named peer measured in the same run (python -m bench.NAME),
+grouped by family (bench/README.md)."""
