@@ -8,6 +8,5 @@ COPY backfill_analysis ./backfill_analysis
 COPY queue_api ./queue_api
 COPY worker ./worker
 COPY migrations ./migrations
-COPY bench ./bench
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["backfill"]

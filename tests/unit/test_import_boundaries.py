@@ -2,7 +2,9 @@
 
 Every module of every layer is parsed, and every import counts: at the top, inside a function
 (the lazy imports of the command line), under ``TYPE_CHECKING``. A second check imports the
-whole core in a fresh interpreter and looks for frameworks pulled in indirectly.
+whole core in a fresh interpreter and looks for frameworks pulled in indirectly. A third
+keeps the benchmarks (``bench``, run from a checkout, not in the wheel) out of every package a
+wheel installs.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import ast
 import pkgutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import tomllib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import backfill
@@ -43,6 +47,20 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 """Top-level package -> the top-level packages none of its modules may import. The command
 line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""
+
+SHIPPED = (
+    "backfill",
+    "backfill_cli",
+    "backfill_analysis",
+    "queue_api",
+    "worker",
+    "migrations",
+    "backfill_vllm",
+)
+"""Every top-level package a wheel installs (``backfill_vllm`` is a wheel of its own)."""
+
+BENCHMARKS = "bench"
+"""Run from a checkout (``python -m bench.NAME``, the checkout on ``sys.path``), never installed."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +96,9 @@ def imports_of(source: str, module: str, *, is_package: bool = False) -> Iterato
             yield Import(module, target, node.lineno)
 
 
-def layer_imports() -> Iterator[Import]:
-    for layer in FORBIDDEN:
-        folder = ROOT / layer
-        for path in sorted(folder.rglob("*.py")):
+def package_imports(packages: Iterable[str]) -> Iterator[Import]:
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
             yield from imports_of(
                 path.read_text(encoding="utf-8"),
                 _module_name(path),
@@ -100,7 +117,7 @@ def violations(found: Iterator[Import]) -> list[str]:
 
 
 def test_layers_import_only_what_they_may() -> None:
-    found = list(layer_imports())
+    found = list(package_imports(FORBIDDEN))
     assert any(i.module == "backfill.states" for i in found), "the core was not parsed"
     bad = violations(iter(found))
     assert not bad, "layering broken:\n" + "\n".join(bad)
@@ -143,3 +160,25 @@ def test_core_modules_pull_in_no_framework() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == "", f"core imports frameworks: {out}"
+
+
+def test_no_installed_package_imports_the_benchmarks() -> None:
+    # The wheel leaves bench out, so an installed Backfill that imported it would fail on the
+    # first call that reached the import, far from any checkout.
+    found = list(package_imports(SHIPPED))
+    assert any(i.module == "worker.dispatch" for i in found), "the worker was not parsed"
+    bad = [
+        f"{i.module}:{i.line} imports {i.target}"
+        for i in found
+        if i.target.split(".")[0] == BENCHMARKS
+    ]
+    assert not bad, "an installed package imports the benchmarks:\n" + "\n".join(bad)
+
+
+def test_the_wheel_leaves_the_benchmarks_out() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    find = config["tool"]["setuptools"]["packages"]["find"]
+    assert any(fnmatch("backfill", pattern) for pattern in find["include"])
+    assert not any(fnmatch(BENCHMARKS, pattern) for pattern in find["include"]), find
+    # Still type-checked with the rest.
+    assert BENCHMARKS in config["tool"]["mypy"]["packages"]
