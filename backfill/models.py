@@ -271,6 +271,10 @@ class Item(Base):
     body_len: Mapped[int | None] = mapped_column(Integer)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     max_output_tokens: Mapped[int] = mapped_column(Integer)
+    # The line gave no output budget: ``max_output_tokens`` is what ingest could reserve (the
+    # default, or less where the prompt's lower bound leaves less), and each run gets no more
+    # than the class limit leaves its exact prompt (``backfill.output_budget``).
+    output_defaulted: Mapped[bool] = mapped_column(Boolean, server_default=false())
     reservation_tokens: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), server_default=ItemState.QUEUED.value)
     deadline: Mapped[datetime] = mapped_column(TZ)

@@ -72,7 +72,7 @@ _CLAIM_MOVE = (
     "    updated_at = now() "
     "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
     f"  RETURNING i.id, i.job_id, i.attempt, i.custom_id, {ITEM_BODY} AS body, i.deadline, "
-    "    i.prompt_tokens, i.max_output_tokens, i.reservation_tokens, "
+    "    i.prompt_tokens, i.max_output_tokens, i.output_defaulted, i.reservation_tokens, "
     "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
     "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
     f"), {CNT_CLAIM}{{extra}} "
@@ -251,6 +251,7 @@ class Claims(Store):
             endpoint=r.endpoint,
             deadline_left_s=r.deadline_left_s,
             tenant_id=r.tenant_id,
+            output_defaulted=r.output_defaulted,
         )
 
     def _claim_statement(

@@ -21,7 +21,7 @@ from backfill.store.records import NewItem
 # Stream a job's items into items, binary (bodies are not escaped).
 COPY_ITEMS = (
     "COPY items (job_id, tenant_id, line_no, custom_id, body, body_seq, body_at, body_len, "
-    "max_output_tokens, prompt_tokens, reservation_tokens, deadline) "
+    "max_output_tokens, output_defaulted, prompt_tokens, reservation_tokens, deadline) "
     "FROM STDIN (FORMAT BINARY)"
 )
 
@@ -103,6 +103,7 @@ class Ingest(Store):
                         "int4",
                         "int4",
                         "int4",
+                        "bool",
                         "int4",
                         "int4",
                         "timestamptz",
@@ -125,6 +126,7 @@ class Ingest(Store):
                             it.body_at,
                             it.body_len,
                             it.max_output_tokens,
+                            it.output_defaulted,
                             it.prompt_tokens,
                             it.reservation_tokens,
                             deadline,

@@ -118,6 +118,9 @@ class NewItem:
     max_output_tokens: int
     prompt_tokens: int | None = None
     reservation_tokens: int | None = None
+    output_defaulted: bool = False
+    """The line gave no output budget: ``max_output_tokens`` is what ingest reserved for it
+    (``backfill.batch_input``), fitted to the exact prompt at each run."""
     body_seq: int | None = None
     """The input file's piece (``file_chunks.seq``) that holds the body's bytes."""
     body_at: int | None = None
@@ -148,6 +151,10 @@ class ClaimedItem:
     deadline by (its own clock may be off; the claim's age it measures on its monotonic one)."""
     tenant_id: str = ""
     """Whose batch it is (its requests carry the tenant's ``cache_salt``)."""
+    output_defaulted: bool = False
+    """The line gave no output budget: each run may generate what is left of
+    ``max_output_tokens`` and no more than the class limit leaves its exact prompt
+    (``backfill.output_budget``)."""
 
 
 @dataclass(frozen=True, slots=True)
