@@ -10,8 +10,11 @@ Two stages, cheapest first:
 Token limits are checked here only where the answer is certain. A token of a byte-level
 vocabulary covers at most ``max_bytes_per_token`` bytes, and a character is at least one byte,
 so ``ceil(prompt characters / max_bytes_per_token)`` is a lower bound on prompt tokens: a line
-whose bound plus ``max_tokens`` already exceeds the class limit can never run. Exact counts
-come from the engine's own tokenizer in the worker, before any engine work.
+whose bound plus ``max_tokens`` already exceeds the class limit can never run. A line without
+``max_tokens`` is never refused for the default: it is stored with what the limit leaves the
+bound, at most the default (``backfill.output_budget``), and refused only where its prompt
+alone fills the limit. Exact counts come from the engine's own tokenizer in the worker, before
+any engine work.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import pydantic_core
 from backfill.config import Settings
 from backfill.content_parts import media_part
 from backfill.embeddings import check_embedding_body
+from backfill.output_budget import fitted_output
 from backfill.prefill import (
     CHAT,
     COMPLETIONS,
@@ -72,8 +76,9 @@ class InputLimits:
     max_bytes_per_token: int
     max_prompts_per_line: int = 64
     default_max_tokens: int = 2048
-    """What a line without ``max_tokens`` (``max_output_tokens`` for ``/v1/responses``) gets,
-    written into its body, so it is reserved."""
+    """The most a line without ``max_tokens`` (``max_output_tokens`` for ``/v1/responses``)
+    may generate: it gets what the limit leaves its prompt, at most this
+    (``backfill.output_budget``)."""
     max_embedding_inputs: int = 50_000
     """OpenAI's limit on the inputs of one ``/v1/embeddings`` batch, all its lines together."""
 
@@ -437,12 +442,13 @@ def _checked_lines(
             body["max_tokens"] = body.pop("max_completion_tokens")
             rewritten = True
         defaulted = "max_completion_tokens" not in body and "max_tokens" not in body
-        if defaulted:
-            # Optional, as at OpenAI; the worst case Backfill reserves is the default, and the
-            # engine is held to it.
-            body["max_tokens"] = limits.default_max_tokens
-            rewritten = True
-        max_tokens: Any = body.get("max_completion_tokens", body.get("max_tokens"))
+        # Optional, as at OpenAI: a line without a budget gets what the limit leaves its
+        # prompt, at most the default (fitted below, and to the exact prompt at each run).
+        max_tokens: Any = (
+            limits.default_max_tokens
+            if defaulted
+            else body.get("max_completion_tokens", body.get("max_tokens"))
+        )
         if not _is_positive_int(max_tokens) or (
             "max_tokens" in body and not _is_positive_int(body["max_tokens"])
         ):
@@ -472,7 +478,17 @@ def _checked_lines(
             yield LineError(exc.code, exc.message, number, f"body.{exc.param or prompt_field}")
             continue
 
-        if max_tokens > limit:
+        least_prompt_tokens = math.ceil(chars.longest / per_token)
+        if defaulted:
+            max_tokens = fitted_output(max_tokens, limit, least_prompt_tokens)
+            if max_tokens < 1:
+                yield _no_room(least_prompt_tokens, limit, number, f"body.{prompt_field}")
+                continue
+            # Stored as the line's budget: what is reserved, and what a resumed run
+            # continues from; each run sends the engine what is left of it.
+            body["max_tokens"] = max_tokens
+            rewritten = True
+        elif max_tokens > limit:
             yield LineError(
                 "max_tokens_too_large",
                 f"max_tokens {max_tokens} exceeds the batch limit of {limit} tokens per sequence",
@@ -480,14 +496,11 @@ def _checked_lines(
                 "body.max_tokens",
             )
             continue
-        least_prompt_tokens = math.ceil(chars.longest / per_token)
-        if least_prompt_tokens + max_tokens > limit:
+        elif least_prompt_tokens + max_tokens > limit:
             yield LineError(
                 "request_too_long",
                 f"the prompt is at least {least_prompt_tokens} tokens; "
-                f"with max_tokens {max_tokens}"
-                + (" (the default, BACKFILL_BATCH_DEFAULT_MAX_TOKENS)" if defaulted else "")
-                + f" it exceeds the batch limit of {limit}",
+                f"with max_tokens {max_tokens} it exceeds the batch limit of {limit}",
                 number,
                 f"body.{prompt_field}",
             )
@@ -499,7 +512,7 @@ def _checked_lines(
         tally.prompt_chars += chars.total + (_rendered_chars(body) if endpoint == CHAT else 0)
         span = body_span(raw, body) if spot is not None and not rewritten else None
         if span is None:
-            yield NewItem(number, custom_id, _dumps(body), max_tokens)
+            yield NewItem(number, custom_id, _dumps(body), max_tokens, output_defaulted=defaulted)
         else:
             assert spot is not None
             yield NewItem(
@@ -507,6 +520,7 @@ def _checked_lines(
                 custom_id,
                 None,
                 max_tokens,
+                output_defaulted=defaulted,
                 body_seq=spot[0],
                 body_at=spot[1] + span[0],
                 body_len=span[1],
@@ -543,13 +557,23 @@ def _embedding_item(
     return NewItem(number, custom_id, _dumps(body), 0)
 
 
-def _output_budget(body: dict[str, Any], default: int) -> int | str:
-    """A Responses line's ``max_output_tokens`` (the default written in when it is absent or
-    null), or why it is invalid."""
+def _no_room(least_prompt_tokens: int, limit: int, number: int, param: str) -> LineError:
+    """A line without an output budget whose prompt alone fills the limit."""
+    return LineError(
+        "request_too_long",
+        f"the prompt is at least {least_prompt_tokens} tokens; it leaves no room for output "
+        f"within the batch limit of {limit} tokens per sequence",
+        number,
+        param,
+    )
+
+
+def _output_budget(body: dict[str, Any]) -> int | str | None:
+    """A Responses line's ``max_output_tokens`` (None when absent or null), or why it is
+    invalid."""
     value = body.get("max_output_tokens")
     if value is None:
-        body["max_output_tokens"] = default
-        return default
+        return None
     if type(value) is float and math.isfinite(value) and value.is_integer():
         value = body["max_output_tokens"] = int(value)
     if not _is_positive_int(value):
@@ -579,36 +603,41 @@ def _responses_item(
     if refused is not None:
         code = "invalid_input" if refused.code == "invalid_request" else refused.code
         return LineError(code, refused.message, number, f"body.{refused.param or 'input'}")
-    defaulted = body.get("max_output_tokens") is None
-    max_output = _output_budget(body, limits.default_max_tokens)
-    if isinstance(max_output, str):
-        return LineError("invalid_max_tokens", max_output, number, "body.max_output_tokens")
+    given = _output_budget(body)
+    if isinstance(given, str):
+        return LineError("invalid_max_tokens", given, number, "body.max_output_tokens")
     limit = limits.max_sequence_tokens
-    if max_output > limit:
+    least_prompt_tokens = math.ceil(chars / limits.max_bytes_per_token)
+    if given is None:
+        # As a chat line without max_tokens: what the limit leaves the prompt, at most the
+        # default, written in (and fitted to the exact prompt at each run).
+        max_output = fitted_output(limits.default_max_tokens, limit, least_prompt_tokens)
+        if max_output < 1:
+            return _no_room(least_prompt_tokens, limit, number, "body.input")
+        body["max_output_tokens"] = max_output
+    elif given > limit:
         return LineError(
             "max_tokens_too_large",
-            f"max_output_tokens {max_output} exceeds the batch limit of {limit} tokens per "
-            "sequence",
+            f"max_output_tokens {given} exceeds the batch limit of {limit} tokens per sequence",
             number,
             "body.max_output_tokens",
         )
-    least_prompt_tokens = math.ceil(chars / limits.max_bytes_per_token)
-    if least_prompt_tokens + max_output > limit:
+    elif least_prompt_tokens + given > limit:
         return LineError(
             "request_too_long",
             f"the prompt is at least {least_prompt_tokens} tokens; with max_output_tokens "
-            f"{max_output}"
-            + (" (the default, BACKFILL_BATCH_DEFAULT_MAX_TOKENS)" if defaulted else "")
-            + f" it exceeds the batch limit of {limit}",
+            f"{given} it exceeds the batch limit of {limit}",
             number,
             "body.input",
         )
+    else:
+        max_output = given
     tally.lines += 1
     tally.max_output_tokens += max_output
     tally.prompt_chars += chars + (
         len(_dumps({"tools": body["tools"]})) if body.get("tools") else 0
     )
-    return NewItem(number, custom_id, _dumps(body), max_output)
+    return NewItem(number, custom_id, _dumps(body), max_output, output_defaulted=given is None)
 
 
 def validate_batch_input(

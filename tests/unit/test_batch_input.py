@@ -55,22 +55,61 @@ def test_a_line_without_max_tokens_gets_the_default_written_into_it() -> None:
     limits = dataclasses.replace(LIMITS, default_max_tokens=300)
     bare = line("a")
     del bare["body"]["max_tokens"]
-    result = validate_batch_input(encode(bare, line("b", max_tokens=None)), CHAT, limits)
+    result = validate_batch_input(
+        encode(bare, line("b", max_tokens=None), line("c", max_tokens=300)), CHAT, limits
+    )
     assert isinstance(result, ValidatedBatch)
-    assert [i.max_output_tokens for i in result.items] == [300, 300]
-    assert [json.loads(i.body)["max_tokens"] for i in result.items] == [300, 300]
-    assert result.max_output_tokens == 600
+    assert [i.max_output_tokens for i in result.items] == [300, 300, 300]
+    assert [json.loads(i.body)["max_tokens"] for i in result.items] == [300, 300, 300]
+    assert [i.output_defaulted for i in result.items] == [True, True, False]
+    assert result.max_output_tokens == 900
 
 
-def test_a_default_max_tokens_that_cannot_fit_is_a_line_error_naming_it() -> None:
-    limits = dataclasses.replace(LIMITS, default_max_tokens=4000)
-    bare = line("a", messages=[{"role": "user", "content": "x" * 4_000}])
+def _bare(custom_id: str, prompt_chars: int) -> dict[str, Any]:
+    bare = line(custom_id, messages=[{"role": "user", "content": "x" * prompt_chars}])
     del bare["body"]["max_tokens"]
-    result = validate_batch_input(encode(bare), CHAT, limits)
+    return bare
+
+
+def test_a_long_prompt_without_max_tokens_is_accepted_with_what_the_limit_leaves() -> None:
+    # As OpenAI and vLLM give a request without max_tokens what the context leaves: never a
+    # failure for the default. 4,000 characters are at least 250 tokens (16 bytes a token at
+    # most), which leave 3,846 of the limit of 4,096: less than the default of 4,000.
+    limits = dataclasses.replace(LIMITS, default_max_tokens=4000)
+    result = validate_batch_input(encode(_bare("long", 4_000), _bare("short", 16)), CHAT, limits)
+    assert isinstance(result, ValidatedBatch), result
+    long, short = result.items
+    assert (long.max_output_tokens, long.output_defaulted) == (4096 - 250, True)
+    assert json.loads(long.body or "")["max_tokens"] == 4096 - 250
+    assert short.max_output_tokens == 4000  # the default, where the prompt leaves more
+    assert result.max_output_tokens == 4096 - 250 + 4000
+
+
+def test_a_default_beyond_the_limit_leaves_a_short_prompt_what_the_limit_leaves() -> None:
+    limits = dataclasses.replace(LIMITS, default_max_tokens=10_000)
+    result = validate_batch_input(encode(_bare("a", 16)), CHAT, limits)
+    assert isinstance(result, ValidatedBatch), result
+    assert result.items[0].max_output_tokens == 4096 - 1
+
+
+def test_a_long_prompt_with_max_tokens_given_still_fails() -> None:
+    # The caller's own budget is theirs: it is never cut to fit.
+    given = line("a", messages=[{"role": "user", "content": "x" * 4_000}], max_tokens=4000)
+    result = validate_batch_input(encode(given), CHAT, LIMITS)
     assert isinstance(result, InvalidBatch)
     (error,) = result.errors
-    assert error.code == "request_too_long"
-    assert "BACKFILL_BATCH_DEFAULT_MAX_TOKENS" in error.message
+    assert (error.code, error.param) == ("request_too_long", "body.messages")
+    assert "at least 250 tokens; with max_tokens 4000" in error.message
+    assert "DEFAULT" not in error.message
+
+
+def test_a_prompt_that_alone_fills_the_limit_is_refused_without_max_tokens() -> None:
+    # 65,536 characters are at least 4,096 tokens: nothing of the limit is left for output.
+    result = validate_batch_input(encode(_bare("a", 16 * 4096)), CHAT, LIMITS)
+    assert isinstance(result, InvalidBatch)
+    (error,) = result.errors
+    assert (error.code, error.param) == ("request_too_long", "body.messages")
+    assert "at least 4096 tokens; it leaves no room for output" in error.message
 
 
 def test_a_valid_file_becomes_items_in_line_order() -> None:
@@ -108,6 +147,23 @@ def test_completions_accept_strings_and_token_ids() -> None:
     bad = validate_batch_input(encode(completion("a", {"x": 1})), COMPLETIONS, LIMITS)
     assert isinstance(bad, InvalidBatch)
     assert bad.errors[0].code == "invalid_prompt"
+
+
+def test_a_completions_line_without_max_tokens_gets_what_its_longest_prompt_leaves() -> None:
+    # Every prompt is a sequence of its own under the one max_tokens: the longest bounds it.
+    limits = dataclasses.replace(LIMITS, default_max_tokens=4000)
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": "m", "prompt": ["y", "x" * 4_000]},
+    }
+    ok = validate_batch_input(encode(line), COMPLETIONS, limits)
+    assert isinstance(ok, ValidatedBatch), ok
+    [item] = ok.items
+    assert (item.max_output_tokens, item.output_defaulted) == (4096 - 250, True)
+    assert json.loads(item.body or "")["max_tokens"] == 4096 - 250
+    assert ok.max_output_tokens == 2 * (4096 - 250)
 
 
 def test_a_completions_line_budgeted_in_max_completion_tokens_is_stored_in_max_tokens() -> None:

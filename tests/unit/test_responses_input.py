@@ -197,12 +197,26 @@ def test_the_class_limit_lower_bound_counts_instructions_and_input() -> None:
     assert "at least 500 tokens" in message
 
 
-def test_the_default_budget_is_named_when_it_breaks_the_limit() -> None:
+def test_a_long_input_without_max_output_tokens_gets_what_the_limit_leaves() -> None:
+    # Never refused for the default: 7,200 characters are at least 450 tokens, which leave
+    # 62 of the limit of 512, less than the default of 64.
     bare = line(input="y" * 7200)
     del bare["body"]["max_output_tokens"]
-    [(code, _, message)] = errors_of(bare)
-    assert code == "request_too_long"
-    assert "BACKFILL_BATCH_DEFAULT_MAX_TOKENS" in message
+    given = line("b", input="y" * 7200, max_output_tokens=64)
+    [(code, param, message)] = errors_of(given)
+    assert (code, param) == ("request_too_long", "body.input")
+    assert "with max_output_tokens 64" in message
+    [item] = validated(bare).items
+    assert (item.max_output_tokens, item.output_defaulted) == (512 - 450, True)
+    assert stored(item.body or "")["max_output_tokens"] == 512 - 450
+
+
+def test_an_input_that_alone_fills_the_limit_is_refused_without_max_output_tokens() -> None:
+    bare = line(input="y" * 16 * 512)
+    del bare["body"]["max_output_tokens"]
+    [(code, param, message)] = errors_of(bare)
+    assert (code, param) == ("request_too_long", "body.input")
+    assert "at least 512 tokens; it leaves no room for output" in message
 
 
 def test_the_prompt_is_counted_as_vllm_renders_it_a_chat_prompt() -> None:
