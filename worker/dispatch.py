@@ -49,10 +49,12 @@ from backfill.dispatch import (
     StopReason,
     after_reserve,
     claim_size,
+    fit_output,
     fit_starts,
     judge,
     over_limit,
     reserve_request,
+    run_output,
     running_mean,
     start_room,
 )
@@ -259,16 +261,21 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         return ready, refused
 
     async def _prepare(self, item: ClaimedItem) -> CheckedItem:
-        """Decide what ``item`` runs and count it exactly. A continuation the class limit
-        would refuse (its re-tokenized partial output came out longer) runs from the start."""
+        """Decide what ``item`` runs and count it exactly; a line that gave no output budget
+        gets what the class limit leaves the count (``fit_output``). A continuation the class
+        limit would refuse (its re-tokenized partial output came out longer) runs from the
+        start."""
+        limit = self.max_sequence_tokens
         run = run_plan(item)
         original = None if run.kept else await self._count_original(item, run.request)
         count = original or await self._count(run.request, item.endpoint)
+        run = fit_output(item, run, count, limit)
         if run.kept and not run.complete:
-            left = item.max_output_tokens - run.kept
-            if over_limit(count, left, self.max_sequence_tokens) is not None:
+            fitted = run.max_output is not None
+            if over_limit(count, run_output(item, run), limit, fitted=fitted) is not None:
                 run = run_plan(item, from_start=True)
                 original = count = await self._count_original(item, run.request)
+                run = fit_output(item, run, count, limit)
         prompt_tokens = (
             original.total
             if original is not None

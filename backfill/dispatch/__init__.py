@@ -25,8 +25,10 @@ from backfill.dispatch.checks import (
     Limits,
     RunPlan,
     Verdict,
+    fit_output,
     judge,
     over_limit,
+    run_output,
     seconds_needed,
 )
 from backfill.dispatch.claims import claim_size, claims_due, start_room, startable
@@ -87,6 +89,7 @@ __all__ = [
     "claims_due",
     "engine_refusal",
     "error_json",
+    "fit_output",
     "fit_starts",
     "heartbeat_stop",
     "judge",
@@ -95,6 +98,7 @@ __all__ = [
     "prefilling",
     "reserve_request",
     "retry_or_fail",
+    "run_output",
     "running_mean",
     "seconds_needed",
     "stalled",

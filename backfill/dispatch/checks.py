@@ -4,7 +4,8 @@ An item runs either its own request or, after a preemption, the request that con
 its partial output (a :class:`RunPlan`; the worker builds it, ``worker.prepare.run_plan``).
 Whatever runs is what gets counted and reserved: the resumed prompt carries the partial
 output as re-tokenized text, whose count can differ from the tokens generated, so it is
-counted as the engine will see it, not derived.
+counted as the engine will see it, not derived. An item whose line gave no output budget has
+its run's budget fitted to that count (:func:`fit_output`), and the request says so.
 
 :func:`judge` takes what counting an item came to (a :class:`CheckedItem`, or the error that
 stopped the count) and says what becomes of it: it starts, it fails (refused, or out of
@@ -13,7 +14,7 @@ attempts), it goes back to the queue, or it expires because it cannot finish in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from backfill.dispatch.outcomes import (
@@ -25,6 +26,7 @@ from backfill.dispatch.outcomes import (
     retry_or_fail,
 )
 from backfill.engine.protocol import EngineRejected, EngineUnavailable
+from backfill.output_budget import fitted_output, with_output_budget
 from backfill.policy import reservation_tokens
 from backfill.prefill import PromptCount
 from backfill.refusals import InvalidRequest
@@ -42,6 +44,36 @@ class RunPlan:
     """Output tokens of earlier attempts this run continues from (0: from the start)."""
     complete: bool = False
     """Earlier attempts produced the whole answer: nothing is left to run."""
+    max_output: int | None = None
+    """What this run may generate where :func:`fit_output` fitted it to the prompt (the line
+    gave no budget), as ``request`` says; below 1 where the prompt leaves no room. None: what
+    is left of the item's budget."""
+
+
+def run_output(item: ClaimedItem, run: RunPlan) -> int:
+    """What ``run`` of ``item`` may generate, per sequence."""
+    if not item.max_output_tokens:
+        return 0  # an embedding: it holds its prompt alone
+    if run.max_output is not None:
+        return run.max_output
+    return max(1, item.max_output_tokens - run.kept)
+
+
+def fit_output(item: ClaimedItem, run: RunPlan, count: PromptCount, limit: int) -> RunPlan:
+    """``run`` as it goes to the engine. An item whose line gave no output budget may generate
+    what is left of the budget stored at ingest (the default at most), cut to what ``limit``
+    leaves its exact prompt (the longest sequence's), and its request carries that in the
+    field the engine obeys: the reservation covers exactly what the engine may generate (as
+    OpenAI and vLLM give a request without a budget what the context leaves). Any other run
+    is returned as it is: a budget the caller gave is theirs, and over the limit it fails."""
+    if not item.output_defaulted or not item.max_output_tokens or run.complete:
+        return run
+    room = fitted_output(item.max_output_tokens - run.kept, limit, count.longest)
+    if room < 1:
+        return replace(run, max_output=room)  # refused by over_limit: nothing is sent
+    return replace(
+        run, request=with_output_budget(item.endpoint, run.request, room), max_output=room
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +90,7 @@ class CheckedItem:
 
     @property
     def max_output(self) -> int:
-        if not self.item.max_output_tokens:
-            return 0  # an embedding: it holds its prompt alone
-        return max(1, self.item.max_output_tokens - self.run.kept)
+        return run_output(self.item, self.run)
 
     def reservation(self, block_size: int) -> int:
         """The worst case this run can hold: every sequence's prompt and output, in blocks."""
@@ -69,8 +99,16 @@ class CheckedItem:
         )
 
 
-def over_limit(count: PromptCount, max_output: int, limit: int) -> str | None:
-    """Why a run breaks the class limit (per sequence), or None."""
+def over_limit(
+    count: PromptCount, max_output: int, limit: int, *, fitted: bool = False
+) -> str | None:
+    """Why a run breaks the class limit (per sequence), or None. A ``fitted`` run (its line
+    gave no budget, :func:`fit_output`) breaks it only where its prompt leaves no room."""
+    if fitted and max_output < 1:
+        return (
+            f"the prompt ({count.longest} tokens) leaves no room for output within the batch "
+            f"limit of {limit} tokens per sequence"
+        )
     total = count.longest + max_output
     if total <= limit:
         return None
@@ -85,10 +123,7 @@ def seconds_needed(
 ) -> float:
     """A run's expected time: its prefill, then its output one token per step (sequences
     decode side by side)."""
-    return (
-        checked.count.total / prefill_tokens_per_s
-        + (checked.item.max_output_tokens - checked.run.kept) / decode_tokens_per_s
-    )
+    return checked.count.total / prefill_tokens_per_s + checked.max_output / decode_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +168,12 @@ def judge(
         # Not the engine's absence but something about this item: it fails the same way each
         # time it is tried, so it counts against the item's attempts.
         return retry_or_fail(item.attempt, limits.max_attempts, FailureKind.PROMPT, counted)
-    refused = over_limit(counted.count, counted.max_output, limits.max_sequence_tokens)
+    refused = over_limit(
+        counted.count,
+        counted.max_output,
+        limits.max_sequence_tokens,
+        fitted=counted.run.max_output is not None,
+    )
     if refused is not None:
         return Fail(http_error_record(400, "context_length_exceeded", refused))
     rate = limits.decode_tokens_per_s

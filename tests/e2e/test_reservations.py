@@ -8,24 +8,35 @@ For each, the engine is asked directly what it prefills for the same body
 (``usage.prompt_tokens`` of a one-token run); the lease that covered it must hold that plus
 every sequence's output budget. The worker also checks each attempt's final usage against its
 lease (``reservation_violations``), which must stay 0.
+
+Lines without an output budget, under a batch limit below the model's context: each gets what
+the limit leaves its exact prompt (at most the default), the engine is sent exactly that and
+generates it (``ignore_eos``), and the lease covers it; a property test over the budget fields
+(``max_tokens``, ``max_completion_tokens``, both, null, none; ``n``; chat and completions)
+holds every run to its lease.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import hypothesis
 import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
 from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.ledger import Ledger
+from backfill.prefill import CHAT, COMPLETIONS, RESPONSES
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from tests.e2e import helpers
@@ -111,13 +122,14 @@ class Stack:
 
     def engine_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         """What the engine itself prefills for ``body``: its usage of a one-token run."""
+        budget = "max_output_tokens" if endpoint == RESPONSES else "max_tokens"
         reply = httpx.post(
             f"{self.engine_url}{endpoint}",
-            json={**body, "model": MODEL, "max_tokens": 1, "stream": False},
+            json={**body, "model": MODEL, budget: 1, "stream": False},
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
-        return int(reply.json()["usage"]["prompt_tokens"])
+        return _usage(reply.json())[0]
 
     def batch_in_use(self) -> int:
         snap = self.ledger.snapshot(NODE)
@@ -147,6 +159,14 @@ def _batch_line(custom_id: str, url: str, body: dict[str, Any], max_tokens: int)
 
 
 def _run_batch(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
+    job_id = _run_to_end(stack, url, lines)
+    failed = stack.repo.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
+    assert not failed, [(i.custom_id, i.error) for i in failed]
+    return job_id
+
+
+def _run_to_end(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
+    """A batch of ``lines``, run until each of its items has ended, however."""
     client = stack.api.client(stack.tenant.key)
     f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint=url, completion_window="1h")  # type: ignore[arg-type]
@@ -159,15 +179,16 @@ def _run_batch(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
         return sum(counts.get(s, 0) for s in ended) == len(lines)
 
     wait(finished, 600, f"every item to end: {stack.repo.counted_states(batch.id)}")
-    failed = stack.repo.items(batch.id, states=[ItemState.FAILED, ItemState.EXPIRED])
-    assert not failed, [(i.custom_id, i.error) for i in failed]
     return batch.id
 
 
 def _reservations(stack: Stack, job_id: str) -> dict[str, int]:
     with stack.repo.engine.connect() as conn:
         rows = conn.execute(
-            text("SELECT custom_id, reservation_tokens FROM items WHERE job_id = :j"),
+            text(
+                "SELECT custom_id, reservation_tokens FROM items "
+                "WHERE job_id = :j AND reservation_tokens IS NOT NULL"
+            ),
             {"j": job_id},
         ).all()
     return {r[0]: int(r[1]) for r in rows}
@@ -273,3 +294,232 @@ def test_a_resumed_item_stored_with_lax_numbers_finishes_and_frees_its_lease(
     assert result["choices"][0]["text"].startswith(" and the")
     assert result["usage"]["completion_tokens"] == 24
     wait(lambda: stack.batch_in_use() == 0, 30, "the lease freed")
+
+
+# A batch limit under the model's context (512), and a default under the limit: a line without
+# max_tokens may generate min(DEFAULT, LIMIT - prompt). An engine sent no budget would generate
+# up to 512 - prompt, and one sent the default unfitted would exceed the limit.
+LIMIT = 384
+DEFAULT = 300
+LONG_TEXT = "the deadline of the job " * 40
+"""About 200 tokens: what the limit leaves it is less than the default."""
+
+
+@contextmanager
+def _bounded(settings: Settings, engine_url: str, default: int) -> Iterator[Stack]:
+    s = node_settings(
+        settings,
+        max_in_flight_per_node=8,
+        work_budget_enabled=False,
+        batch_max_sequence_tokens=LIMIT,
+        batch_default_max_tokens=default,
+    )
+    with node_beside(s, NODE, engine_url) as beside:
+        repo, ledger, node = beside.repo, beside.ledger, beside.node
+        with serve(s) as api:
+            yield Stack(s, repo, ledger, engine_url, api, make_tenant(repo, "d"), node)
+
+
+@pytest.fixture
+def bounded(settings: Settings, engine_url: str) -> Iterator[Stack]:
+    with _bounded(settings, engine_url, DEFAULT) as stack:
+        yield stack
+
+
+def _line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    # ignore_eos: the engine generates all its budget allows, so its usage is that budget.
+    full = {**body, "model": MODEL, "ignore_eos": True, "temperature": 0}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": full}
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One finished item: what the engine reported, and what was reserved for it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    reserved: int
+
+
+def _ran(stack: Stack, job_id: str) -> dict[str, Ran]:
+    """The job's succeeded items, by custom_id."""
+    reserved = _reservations(stack, job_id)
+    ran: dict[str, Ran] = {}
+    for item in stack.repo.items(job_id, states=[ItemState.SUCCEEDED]):
+        prompt, completion = _usage(json.loads(item.result or "{}"))
+        ran[item.custom_id] = Ran(prompt, completion, reserved[item.custom_id])
+    return ran
+
+
+def _usage(answer: dict[str, Any]) -> tuple[int, int]:
+    """An answer's prompt and output tokens (a Response names them input and output)."""
+    usage = answer["usage"]
+    if "input_tokens" in usage:
+        return int(usage["input_tokens"]), int(usage["output_tokens"])
+    return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+
+
+def _errors(stack: Stack, job_id: str) -> dict[str, str]:
+    """The job's failed and expired items' errors, by custom_id."""
+    ended = stack.repo.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
+    return {i.custom_id: i.error or "" for i in ended}
+
+
+def test_a_line_without_max_tokens_gets_what_the_limit_leaves_its_prompt(bounded: Stack) -> None:
+    # Before, the default was written into the line and the long ones failed at the worker
+    # (prompt + 300 > 384, context_length_exceeded): a request OpenAI or vLLM would run.
+    chat = [
+        _line("chat long", CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]}),
+        _line("chat short", CHAT, {"messages": MESSAGES}),
+    ]
+    completions = [_line("completions long", COMPLETIONS, {"prompt": LONG_TEXT})]
+    responses = [_line("responses long", RESPONSES, {"input": LONG_TEXT})]
+    ran = {
+        **_ran(bounded, _run_batch(bounded, CHAT, chat)),
+        **_ran(bounded, _run_batch(bounded, COMPLETIONS, completions)),
+        **_ran(bounded, _run_batch(bounded, RESPONSES, responses)),
+    }
+    for line in chat + completions + responses:
+        name = line["custom_id"]
+        prompt = bounded.engine_prompt_tokens(line["url"], line["body"])
+        got = ran[name]
+        assert got.prompt_tokens == prompt, name
+        budget = min(DEFAULT, LIMIT - prompt)
+        if name.endswith("long"):
+            assert budget < DEFAULT, (
+                f"{name}: its prompt ({prompt}) must leave less than the default"
+            )
+        # The engine generated exactly the fitted budget: it was sent that, in the field it
+        # obeys (with no budget it would have gone on to the model's 512).
+        assert got.completion_tokens == budget, (name, got, prompt)
+        assert got.reserved == round_up_to_block(prompt + budget, BLOCK), (name, got)
+        assert got.prompt_tokens + got.completion_tokens <= got.reserved
+    assert bounded.reservation_violations() == 0
+
+
+SMALL_DEFAULT = 40
+"""The property's default: every sequence generates 40 tokens at most, so it runs fast."""
+PROMPT_TEXT = {"short": "summarise the text", "long": "the deadline of the job " * 70}
+"""The long one is about 350 tokens (chat a few more): the limit leaves it less than 40."""
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    """A generated line: its endpoint, its prompt ("both": a completions list of the short
+    and the long one), and how it gives its output budget."""
+
+    url: str
+    shape: str
+    kind: str
+    """"none" (no field), "null", "max_tokens", "max_completion_tokens" or "both"."""
+    budget: int
+    n: bool
+    """Whether the body says ``n: 1``."""
+
+    @property
+    def defaulted(self) -> bool:
+        return self.kind in ("none", "null")
+
+    @property
+    def sequences(self) -> int:
+        return 2 if self.shape == "both" else 1
+
+    @property
+    def longest(self) -> str:
+        return "long" if self.shape == "both" else self.shape
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if self.url == CHAT:
+            body["messages"] = [{"role": "user", "content": PROMPT_TEXT[self.shape]}]
+        elif self.shape == "both":
+            body["prompt"] = [PROMPT_TEXT["short"], PROMPT_TEXT["long"]]
+        else:
+            body["prompt"] = PROMPT_TEXT[self.shape]
+        if self.kind == "null":
+            body["max_tokens"] = None
+        elif self.kind == "both":
+            # vLLM's chat request obeys max_completion_tokens; Backfill holds the larger.
+            body["max_completion_tokens"] = self.budget
+            body["max_tokens"] = self.budget + 5
+        elif self.kind != "none":
+            body[self.kind] = self.budget
+        if self.n:
+            body["n"] = 1
+        return body
+
+
+@st.composite
+def _budget_lines(draw: st.DrawFn) -> list[BudgetLine]:
+    lines = []
+    for _ in range(draw(st.integers(2, 5))):
+        url = draw(st.sampled_from([CHAT, COMPLETIONS]))
+        chat = url == CHAT
+        shapes = ["short", "long"] + ([] if chat else ["both"])
+        kinds = ["none", "null", "max_tokens", "max_completion_tokens"] + (["both"] if chat else [])
+        lines.append(
+            BudgetLine(
+                url,
+                draw(st.sampled_from(shapes)),
+                draw(st.sampled_from(kinds)),
+                draw(st.integers(1, SMALL_DEFAULT)),
+                draw(st.booleans()),
+            )
+        )
+    return lines
+
+
+def test_what_the_engine_generates_never_exceeds_what_was_reserved(
+    settings: Settings, engine_url: str
+) -> None:
+    # Every way a line may give its output budget or leave it out: without one it never fails
+    # and gets what the limit leaves its longest prompt, at most the default; with one it gets
+    # exactly that or, over the limit, fails; and what the engine holds fits the lease.
+    with _bounded(settings, engine_url, SMALL_DEFAULT) as stack:
+        prompt_tokens = {
+            (url, shape): stack.engine_prompt_tokens(
+                url, BudgetLine(url, shape, "none", 1, False).body()
+            )
+            for url in (CHAT, COMPLETIONS)
+            for shape in ("short", "long")
+        }
+        assert all(
+            SMALL_DEFAULT > LIMIT - prompt_tokens[u, "long"] > 0 for u in (CHAT, COMPLETIONS)
+        )
+
+        @hypothesis.settings(
+            max_examples=8,
+            database=None,
+            derandomize=True,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
+        @given(lines=_budget_lines())
+        def check(lines: list[BudgetLine]) -> None:
+            ran: dict[str, Ran] = {}
+            errors: dict[str, str] = {}
+            for url in (CHAT, COMPLETIONS):
+                batch = [
+                    _line(str(i), url, line.body())
+                    for i, line in enumerate(lines)
+                    if line.url == url
+                ]
+                if batch:
+                    job_id = _run_to_end(stack, url, batch)
+                    ran.update(_ran(stack, job_id))
+                    errors.update(_errors(stack, job_id))
+            assert len(ran) + len(errors) == len(lines)
+            for i, line in enumerate(lines):
+                longest = prompt_tokens[line.url, line.longest]
+                held = line.budget + 5 if line.kind == "both" else line.budget
+                if not line.defaulted and longest + held > LIMIT:
+                    assert "context_length_exceeded" in errors.get(str(i), ""), (line, errors)
+                    continue
+                assert str(i) in ran, (line, errors.get(str(i)))
+                got = ran[str(i)]
+                sent = min(SMALL_DEFAULT, LIMIT - longest) if line.defaulted else line.budget
+                assert got.completion_tokens == line.sequences * sent, (line, got, longest)
+                assert got.prompt_tokens + got.completion_tokens <= got.reserved, (line, got)
+            assert stack.reservation_violations() == 0
+
+        check()
