@@ -175,9 +175,11 @@ class Settings(BaseSettings):
     # Prompts one completions line (inputs one embeddings line) may carry: vLLM runs one
     # sequence per prompt or input; each is counted and reserved.
     batch_max_prompts_per_line: PositiveInt = 64
-    # Output tokens a batch line without max_tokens (or max_completion_tokens; max_output_tokens
-    # on /v1/responses) may generate: OpenAI does not require the field, Backfill must reserve a
-    # worst case, so it writes this into the line (the engine gets exactly what is reserved).
+    # The most output tokens a batch line without max_tokens (or max_completion_tokens;
+    # max_output_tokens on /v1/responses) may generate: OpenAI does not require the field and
+    # then generates what the context leaves, Backfill must reserve a worst case, so such a line
+    # gets what the batch limit leaves its prompt, at most this; the engine is sent exactly what
+    # is reserved (backfill.output_budget).
     batch_default_max_tokens: PositiveInt = 2048
     # A batch naming a model that no live node serves is refused (model_not_found, naming
     # those served) while any node is live; true lets it wait for a node that serves it.
