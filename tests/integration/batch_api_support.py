@@ -65,6 +65,11 @@ def serve(settings: Settings, *, repository: Repository | None = None) -> Iterat
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the API server did not start")
         time.sleep(0.01)
+    # The key cache is cleared when its revocation listener subscribes (it may have missed an
+    # announcement before): on a loaded machine that came after a test's first requests, and
+    # a test counting key lookups saw two where the first was forgotten.
+    if not app.state.revocations.subscribed.wait(20):
+        raise RuntimeError("the API's key revocation listener did not subscribe in 20 s")
     try:
         yield LiveServer(f"http://127.0.0.1:{port}", settings, app)
     finally:
