@@ -1,7 +1,7 @@
 """The ``backfill`` command: serve the API, migrate the database, manage tenants.
 
 Each layer is imported inside the commands that run it (FastAPI and uvicorn in ``api``,
-Celery in ``worker`` and ``beat``, the engine tooling in ``dev``), so every other command
+Celery in ``worker`` and ``beat``, the dev kit (``devkit``) in ``dev``), so every other command
 stays fast and works without them. Every failure is one line on stderr and a non-zero exit,
 never a traceback.
 """
@@ -327,7 +327,15 @@ def dev(
 ) -> None:
     """Run everything on this machine and a real bulk summarisation job end to end."""
     settings = _settings()
-    from worker.dev import DevOptions, run_dev  # noqa: PLC0415 - engine tooling loads here
+    try:
+        from devkit.dev import DevOptions, run_dev  # noqa: PLC0415 - the dev kit loads only here
+    except ModuleNotFoundError as exc:
+        if exc.name != "devkit":
+            raise
+        # The production image (Dockerfile) leaves devkit out; a checkout and the wheel have it.
+        raise CommandFailed(
+            "this installation has no devkit package: run it from a checkout or the wheel"
+        ) from exc
 
     options = DevOptions(
         model=model,

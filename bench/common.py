@@ -25,8 +25,8 @@ import httpx
 import psycopg
 
 from backfill.config import get_settings, libpq_url
+from devkit import harness
 from migrations.migrate import upgrade
-from worker import harness
 
 OUT_DIR = Path(__file__).parent / "out"
 

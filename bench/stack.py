@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backfill.config import get_settings, libpq_url
 from backfill.store import Repository
 from bench.common import scratch_database
-from worker import harness
+from devkit import harness
 
 BACKFILL = [sys.executable, "-m", "backfill_cli"]
 BATCH_ENDED = {"completed", "failed", "expired", "cancelled"}

@@ -6,7 +6,7 @@ starts the API and a worker (a real Celery worker with beat), submits the bundle
 documents as an OpenAI batch through the API, shows live progress, and prints summaries.
 
 PostgreSQL and Redis: unless BACKFILL_DATABASE_URL / BACKFILL_REDIS_URL name servers, it starts
-embedded ones from wheels (:mod:`worker.embedded`; data under ``$BACKFILL_HOME/embedded``, kept
+embedded ones from wheels (:mod:`devkit.embedded`; data under ``$BACKFILL_HOME/embedded``, kept
 between runs) and stops them last, after the worker has requeued its items.
 
 Ctrl-C (or SIGTERM) stops everything it started; in-flight items are requeued, nothing
@@ -38,8 +38,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.store import Repository, ensure_database
+from devkit import devengine, harness
 from migrations.migrate import upgrade
-from worker import devengine, harness
 
 DOCS = Path(__file__).parent / "demo_docs"
 PROMPT = (
@@ -107,7 +107,7 @@ def start_services(settings: Settings, services: str, stack: ExitStack) -> Setti
     update: dict[str, str] = {}
     said: list[str] = []
     if _embed(services, DATABASE_ENV) or _embed(services, REDIS_ENV):
-        from worker import embedded  # noqa: PLC0415 - only when embedding
+        from devkit import embedded  # noqa: PLC0415 - only when embedding
 
         try:
             if _embed(services, DATABASE_ENV):

@@ -39,8 +39,8 @@ from pathlib import Path
 import psycopg
 import redis
 
-from worker import harness
-from worker.devengine import backfill_home
+from devkit import harness
+from devkit.devengine import backfill_home
 
 START_TIMEOUT_S = 60.0
 

@@ -7,7 +7,7 @@ Redis isolation: each test gets its own ledger namespace (key prefix) and its ke
 deleted afterwards, so tests can run beside a live deployment or each other.
 Redis Cluster: tests that ask for ``ledger_redis_url`` run twice, on the one Redis server and on
 a real three-master cluster this session starts from the installed ``redis-server``
-(``tests/redis_cluster.py``).
+(``devkit/redis_cluster.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, settings
 
 from backfill.config import Settings, libpq_url, normalise_database_url
 from backfill.redis_client import SyncRedis, connect
+from devkit.redis_cluster import LocalCluster
 from migrations.migrate import upgrade
-from worker.redis_cluster import LocalCluster
 
 # Property tests judge what a function returns, never how fast: hypothesis's per-example time
 # limit (200 ms) and its too-slow health check fail them on a busy machine (seen: an LRU trace of

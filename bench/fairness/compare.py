@@ -40,7 +40,7 @@ from typing import Any
 
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.fairness.run import Config, config, fmt, run_stack, say
-from worker import devengine
+from devkit import devengine
 
 NAME = "fairness"
 SHARE_GOAL = 0.45

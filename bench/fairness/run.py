@@ -23,7 +23,7 @@ from backfill.store import Repository
 from bench.stack import BackfillStack
 from bench.throughput.engine import cpu_seconds
 from bench.throughput.workload import Workload, request_lines
-from worker import devengine
+from devkit import devengine
 
 WINDOW = "24h"
 

@@ -17,7 +17,7 @@ per second of Postgres (this database's backends and the server's own processes)
 the harness itself. ``--sweep`` runs N = 10, 100, 300, 1000 and plots ``bench/fleet/fleet.png``.
 ``--redis-shards 1,3`` also runs Backfill's side with the ledger on a Redis Cluster of that
 many masters (no replicas), started here from the installed ``redis-server``
-(``worker.redis_cluster``): the scaling from one shard to several, on the same machine.
+(``devkit.redis_cluster``): the scaling from one shard to several, on the same machine.
 
 This module is the command line; one point runs in :mod:`bench.fleet.run`, each harness
 process's nodes in :mod:`bench.fleet.share`, what is measured in :mod:`bench.fleet.point` and
@@ -37,7 +37,7 @@ from bench.fleet.plane import NodeConfig
 from bench.fleet.point import CALLS, GOAL_CLAIM_P99_S, GOAL_ITEMS_PER_S, GOAL_RESERVE_P99_S, Point
 from bench.fleet.report import plot, report
 from bench.fleet.run import run_point
-from worker.redis_cluster import LocalCluster
+from devkit.redis_cluster import LocalCluster
 
 NAME = "fleet"
 

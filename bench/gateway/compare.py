@@ -40,7 +40,7 @@ from backfill.maintenance import pool_policy
 from backfill.store import Repository
 from bench.common import finish, parser, percentile, scratch_database, served, table
 from bench.gateway.nginx import nginx_proxy
-from worker import devengine
+from devkit import devengine
 
 NAME = "gateway"
 GOAL_RATIO = 1.5

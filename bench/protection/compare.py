@@ -81,7 +81,7 @@ from bench.protection.report import (
     verdicts,
 )
 from bench.protection.run import DEFAULT_SCENARIOS, SCENARIOS, run_all
-from worker import devengine
+from devkit import devengine
 
 NAME = "protection"
 TRACE = AZURE_CODE_TRACE

@@ -40,7 +40,7 @@ import httpx
 
 from bench.common import finish, parser, percentile, table
 from bench.stack import BackfillStack
-from worker.devengine import server as devengine
+from devkit.devengine import server as devengine
 
 NAME = "interactive_overhead"
 SCHEDULER_GOAL = 1.02

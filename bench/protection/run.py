@@ -17,8 +17,8 @@ from bench.protection.record import Config, ScenarioResult, Variant, say
 from bench.protection.replay import Target
 from bench.protection.scenario import run_scenario
 from bench.stack import BackfillStack
-from worker import devengine
-from worker.enginespeed import EngineSpeed, measure_speed
+from devkit import devengine
+from devkit.enginespeed import EngineSpeed, measure_speed
 
 SCENARIOS = (
     "alone",

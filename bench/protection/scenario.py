@@ -25,7 +25,7 @@ from bench.protection.replay import (
     summarisation_body,
 )
 from bench.stack import BackfillStack, counters
-from worker import devengine
+from devkit import devengine
 
 ENGINE_COUNTERS = (
     "vllm:num_preemptions_total",

@@ -2,8 +2,8 @@
 
     python -m bench.calibrate_simulator [--quick] [--model smollm2] [--engine-url URL] [--write]
 
-Starts the engine (``worker.devengine``) unless given one; measures its speed
-(:mod:`worker.enginespeed`); measures prefill steps (one prompt at a time) and decode steps
+Starts the engine (``devkit.devengine``) unless given one; measures its speed
+(:mod:`devkit.enginespeed`); measures prefill steps (one prompt at a time) and decode steps
 (many sequences decoding together, short and long contexts); fits
 ``step = a + b*prefill + d*prefill_attention + c*decodes + e*context`` plus a per-request
 overhead (:func:`backfill_analysis.simulate.costmodel.fit_cost_model`); then replays a held-back
@@ -43,7 +43,7 @@ from backfill_analysis.simulate.costmodel import (
 from backfill_analysis.simulate.engine import EngineConfig
 from bench.common import finish, parser, table
 from bench.simulator.engine_probe import Probe, decode_observations, prefill_observations, warm_up
-from worker.enginespeed import EngineSpeed, measure_speed
+from devkit.enginespeed import EngineSpeed, measure_speed
 
 NAME = "calibrate_simulator"
 GOAL = 0.15
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url, dtype = args.engine_url, "dtype unknown (engine given)"
     if url is None:
-        from worker import devengine  # noqa: PLC0415 - only when we start the engine
+        from devkit import devengine  # noqa: PLC0415 - only when we start the engine
 
         server = devengine.start_model(args.model, kv_cache_gib=1)
         url, dtype = server.url, server.dtype

@@ -51,7 +51,7 @@ from bench.stack import BackfillStack
 from bench.throughput.engine import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from bench.throughput.sides import THROUGHPUT_SETTINGS, run_backfill, run_direct, run_vllm_batch
 from bench.throughput.workload import SIDES, STEP_GOAL, STEP_SIDE, SideRun, Workload, workloads
-from worker import devengine
+from devkit import devengine
 
 NAME = "throughput"
 

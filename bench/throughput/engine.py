@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from backfill.capacity import parse_engine_load
-from worker import devengine
+from devkit import devengine
 
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048

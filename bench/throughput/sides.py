@@ -27,7 +27,7 @@ from bench.throughput.engine import (
     prefix_cache_hits,
 )
 from bench.throughput.workload import SideRun, Workload, jsonl, request_lines, usage_totals
-from worker import devengine
+from devkit import devengine
 
 # Runs vLLM's batch runner exactly as ``python -m vllm.entrypoints.openai.run_batch`` does,
 # with a timer around its processing coroutine: its log timestamps have one-second resolution,

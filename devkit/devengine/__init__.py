@@ -10,7 +10,7 @@ serialises them, a marker file records what finished):
     it pins torch and transformers versions the core must not depend on.
 ``build-model {tiny,smollm2}``
     Builds a checkpoint offline with the engine venv's python (scripts in
-    ``worker/model_build/``). ``tiny`` is a random-weight Llama for testing the machinery;
+    ``devkit/model_build/``). ``tiny`` is a random-weight Llama for testing the machinery;
     ``smollm2`` is SmolLM2-135M-Instruct converted from the GGUF inside a PyPI wheel, for
     readable text. ``tiny-embed`` is ``tiny`` served as an embedding model (vLLM's pooling
     runner, ``--runner pooling --convert embed``): it answers ``/v1/embeddings`` only.
@@ -21,19 +21,19 @@ serialises them, a marker file records what finished):
     several times slower (:func:`choose_dtype`); the ready line says which.
 
 ``running_engine()`` does all three and yields the base URL; tests and ``backfill dev`` use it.
-Run ``python -m worker.devengine --help`` for the command line.
+Run ``python -m devkit.devengine --help`` for the command line.
 
-The package: :mod:`~worker.devengine.models` (what can be built, and in which dtype it is
-served), :mod:`~worker.devengine.provisioning` (install, build-model),
-:mod:`~worker.devengine.server` (serve: one server's start, readiness and stop) and
-:mod:`~worker.devengine.cli`; this module gathers what tests, ``backfill dev`` and the
+The package: :mod:`~devkit.devengine.models` (what can be built, and in which dtype it is
+served), :mod:`~devkit.devengine.provisioning` (install, build-model),
+:mod:`~devkit.devengine.server` (serve: one server's start, readiness and stop) and
+:mod:`~devkit.devengine.cli`; this module gathers what tests, ``backfill dev`` and the
 benchmarks use.
 """
 
 from __future__ import annotations
 
-from worker.devengine.errors import DevEngineError
-from worker.devengine.models import (
+from devkit.devengine.errors import DevEngineError
+from devkit.devengine.models import (
     MODELS,
     NATIVE_BF16_FLAGS,
     POOLING_ARGS,
@@ -44,7 +44,7 @@ from worker.devengine.models import (
     cpu_flags,
     parse_cpu_flags,
 )
-from worker.devengine.provisioning import (
+from devkit.devengine.provisioning import (
     VLLM_CPU_VERSION,
     VLLM_GPU_VERSIONS,
     StepResult,
@@ -56,7 +56,7 @@ from worker.devengine.provisioning import (
     provision,
     venv_python,
 )
-from worker.devengine.server import (
+from devkit.devengine.server import (
     CPU_CHUNK_TARGET_S,
     READY_TIMEOUT_S,
     SCHEDULER_CLS,
@@ -67,7 +67,7 @@ from worker.devengine.server import (
     start_model,
     sweep_stale_workdirs,
 )
-from worker.harness import free_port
+from devkit.harness import free_port
 
 __all__ = [
     "CPU_CHUNK_TARGET_S",

@@ -1,5 +1,5 @@
-"""``python -m worker.devengine``: :mod:`worker.devengine.cli`."""
+"""``python -m devkit.devengine``: :mod:`devkit.devengine.cli`."""
 
-from worker.devengine.cli import main
+from devkit.devengine.cli import main
 
 raise SystemExit(main())

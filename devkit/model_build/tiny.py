@@ -1,6 +1,6 @@
 """Build a tiny random-weight Llama and a byte-level BPE tokenizer, offline and deterministic.
 
-Run with the engine venv's python (``worker.devengine build-model tiny``). The output is
+Run with the engine venv's python (``devkit.devengine build-model tiny``). The output is
 gibberish by design: it exercises the engine's machinery (scheduling, KV blocks, streaming,
 aborts) at thousands of tokens per second on two CPU cores.
 """

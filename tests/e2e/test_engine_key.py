@@ -13,10 +13,10 @@ import pytest
 from pydantic import SecretStr
 
 from backfill.config import Settings
+from devkit import devengine
 from tests.e2e import helpers
 from tests.e2e.helpers import node_beside, node_settings, run_batch
 from tests.integration.batch_api_support import make_tenant, serve
-from worker import devengine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

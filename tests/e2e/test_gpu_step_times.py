@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import devengine
+from devkit import devengine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

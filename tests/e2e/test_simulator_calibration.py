@@ -16,7 +16,7 @@ from typing import Protocol
 import pytest
 
 from bench.simulator.calibrate import SHORT, fit, measure, sized_to
-from worker.enginespeed import EngineSpeed
+from devkit.enginespeed import EngineSpeed
 
 pytestmark = pytest.mark.e2e
 

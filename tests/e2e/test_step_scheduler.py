@@ -37,8 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.engine.http import HttpEngine, sse_lines
 from backfill.engine.protocol import Endpoint, EngineError
+from devkit import devengine
 from tests.e2e import helpers
-from worker import devengine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 

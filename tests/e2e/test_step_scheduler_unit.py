@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from backfill_vllm.compat import SUPPORTED_VLLM
-from worker import devengine
+from devkit import devengine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 

@@ -21,8 +21,8 @@ from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs
 from backfill.states import JobState
 from backfill.store import Repository
+from devkit import devengine
 from tests.integration.batch_api_support import api_settings, chat_line, make_tenant, serve
-from worker import devengine
 from worker.node import NodeThread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]

@@ -28,9 +28,9 @@ from backfill.store import NewItem, Repository
 from backfill.telemetry import BackfillCollector
 from backfill.work_budget import BudgetReason
 from backfill.work_signals import InteractiveSignals
+from devkit import devengine
 from tests.e2e import helpers
 from tests.e2e.helpers import wait
-from worker import devengine
 from worker.dispatch import NodeDispatcher
 from worker.node import NodeThread
 

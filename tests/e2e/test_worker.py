@@ -33,10 +33,10 @@ from backfill.ledger import Lease, Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, OpenClaim, Repository, Start
+from devkit.enginespeed import EngineSpeed, measure_speed
 from tests.e2e import helpers
 from tests.e2e.helpers import successes_per_item
 from tests.integration.batch_api_support import api_settings, chat_line, jsonl, make_tenant, serve
-from worker.enginespeed import EngineSpeed, measure_speed
 from worker.node import NodeThread
 
 # A guard against hangs: the waits inside follow the engine's measured speed.

@@ -26,8 +26,8 @@ from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Finish, Repository
 from backfill.store.bodies import ITEM_BODY
+from devkit.harness import free_port
 from queue_api.app import create_app
-from worker.harness import free_port
 
 CHAT = "/v1/chat/completions"
 

@@ -14,7 +14,7 @@ from openai import OpenAI
 from sqlalchemy import text
 
 from backfill.store import Repository, key_id
-from worker.harness import free_port
+from devkit.harness import free_port
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

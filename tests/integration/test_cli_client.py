@@ -25,7 +25,7 @@ from backfill.config import Settings
 from backfill.ledger import Ledger, NodePool
 from backfill.store import Repository
 from backfill_cli.app import app
-from worker.harness import free_port
+from devkit.harness import free_port
 
 BACKFILL = str(Path(sys.executable).parent / "backfill")
 

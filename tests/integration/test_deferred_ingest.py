@@ -39,7 +39,7 @@ from backfill.config import Settings, libpq_url
 from backfill.finalize import cancel_job, recover_stale_validating
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, Repository, TenantRecord
-from worker.harness import free_port, spawn, stop, wait_ready
+from devkit.harness import free_port, spawn, stop, wait_ready
 
 CHAT = "/v1/chat/completions"
 # Bounds that only turn a hang into a failure.

@@ -17,10 +17,10 @@ import redis
 
 from backfill.config import Settings, libpq_url
 from backfill.store import Repository, ensure_database
+from devkit.dev import start_services
+from devkit.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis
 from migrations.migrate import upgrade
 from tests.conftest import REDIS_URL
-from worker.dev import start_services
-from worker.embedded import EmbeddedServer, EmbeddedServiceError, start_postgres, start_redis
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,7 +135,7 @@ def test_servers_left_by_a_killed_run_are_stopped_by_the_next(tmp_path: Path) ->
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from worker.embedded import start_postgres, start_redis\n"
+        "from devkit.embedded import start_postgres, start_redis\n"
         "pg = start_postgres(Path(sys.argv[1])); rd = start_redis(Path(sys.argv[1]))\n"
         "print(pg.pid, rd.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -170,7 +170,7 @@ def test_a_second_live_run_is_refused_rather_than_sharing_the_data(tmp_path: Pat
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from worker.embedded import start_postgres\n"
+        "from devkit.embedded import start_postgres\n"
         "pg = start_postgres(Path(sys.argv[1]))\n"
         "print(pg.pid, flush=True)\n"
         "try:\n"
@@ -225,7 +225,7 @@ def test_sigterm_to_dev_stops_the_services_it_started(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from backfill.config import Settings\n"
-        "from worker import dev, devengine\n"
+        "from devkit import dev, devengine\n"
         "def never_ready(*args, **kwargs):\n"
         "    print('engine: waiting', flush=True)\n"
         "    time.sleep(600)\n"

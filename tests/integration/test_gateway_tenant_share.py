@@ -32,8 +32,8 @@ from backfill.ledger import Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.policy import ServiceClass
 from backfill.store import Repository
+from devkit.harness import free_port
 from queue_api import gateway_metrics
-from worker.harness import free_port
 
 NODE = "n-share"
 BLOCK = 16

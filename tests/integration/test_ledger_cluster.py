@@ -22,9 +22,9 @@ from backfill.ledger import ActiveLease, Lease, LeaseStatus, Ledger, NodePool, R
 from backfill.maintenance import ensure_ledger
 from backfill.policy import ClassLimits, PoolPolicy, Reason, ServiceClass
 from backfill.store import Repository
+from devkit.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 from tests.integration.test_ledger import at
 from tests.integration.test_maintenance import _running_items
-from worker.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 
 POLICY = PoolPolicy(
     interactive=ClassLimits(4096),

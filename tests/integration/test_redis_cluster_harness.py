@@ -1,4 +1,4 @@
-"""The benchmarks' and tests' own Redis Cluster (``worker.redis_cluster``) with fewer than the
+"""The benchmarks' and tests' own Redis Cluster (``devkit.redis_cluster``) with fewer than the
 three masters ``redis-cli --cluster create`` insists on: a one-shard cluster (what
 ``bench.fleet --redis-shards 1`` starts) serves every slot, and the ledger runs on it."""
 
@@ -12,8 +12,8 @@ import pytest
 from backfill.ledger import Lease, Ledger, NodePool
 from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
 from backfill.redis_client import connect
-from worker import redis_cluster
-from worker.redis_cluster import LocalCluster
+from devkit import redis_cluster
+from devkit.redis_cluster import LocalCluster
 
 POLICY = PoolPolicy(interactive=ClassLimits(4096), batch=ClassLimits(4096))
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from worker.harness import free_port
+from devkit.harness import free_port
 
 
 @dataclass(frozen=True)

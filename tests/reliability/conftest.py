@@ -22,8 +22,8 @@ from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.store import Repository
+from devkit import devengine
 from tests.reliability.support import Deployment
-from worker import devengine
 
 BLOCKS = 48
 BLOCK = 128

@@ -35,7 +35,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-from worker import harness
+from devkit import harness
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> float:

@@ -25,6 +25,7 @@ import pytest
 
 from backfill.config import Settings
 from backfill.states import ItemState
+from devkit.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 from tests.reliability.conftest import (
     LEASE_TTL_S,
     REAPER_S,
@@ -34,7 +35,6 @@ from tests.reliability.conftest import (
 )
 from tests.reliability.support import maintenance, report, sampling
 from tests.reliability.test_worker_kill import deployment_workers
-from worker.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 

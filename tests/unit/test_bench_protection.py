@@ -19,7 +19,7 @@ from bench.protection.replay import InteractiveResult, Target, interactive_body,
 from bench.protection.report import HEADERS, closing_verdict, plot, rows, tradeoff_points, verdicts
 from bench.protection.run import scheduler_policy
 from bench.stack import counters, settings_env
-from worker.enginespeed import EngineSpeed
+from devkit.enginespeed import EngineSpeed
 
 
 def _engine(generated: float) -> dict[str, float]:

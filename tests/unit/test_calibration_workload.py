@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from bench.simulator.calibrate import FULL, SHORT, sized_to
-from worker.enginespeed import EngineSpeed
+from devkit.enginespeed import EngineSpeed
 
-# Measured with worker.enginespeed (notes/vllm-cpu.md): SmolLM2 in bfloat16 on an AVX2 EPYC,
+# Measured with devkit.enginespeed (notes/vllm-cpu.md): SmolLM2 in bfloat16 on an AVX2 EPYC,
 # and the tiny model on this 2-core machine under load.
 EMULATED_BF16 = EngineSpeed(prefill_tokens_per_s=70, decode_tokens_per_s=16)
 TINY = EngineSpeed(prefill_tokens_per_s=4_000, decode_tokens_per_s=30)

@@ -6,7 +6,7 @@ import json
 
 from backfill.batch_input import InputLimits, ValidatedBatch, validate_batch_input
 from backfill.config import Settings
-from worker.dev import DOCS, EMBEDDINGS, SAMPLING, batch_lines, copied_lines, repeated_lines
+from devkit.dev import DOCS, EMBEDDINGS, SAMPLING, batch_lines, copied_lines, repeated_lines
 
 
 def test_repeated_lines_counts_lines_and_sentences_a_summary_repeats() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker import devengine
-from worker.devengine import server as engine_server
+from devkit import devengine
+from devkit.devengine import server as engine_server
 
 
 def test_a_finished_install_is_reused_without_running_pip(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The process harness (worker.harness) the dev tooling, the benchmarks and the tests share:
+"""The process harness (devkit.harness) the dev tooling, the benchmarks and the tests share:
 spawn, wait until ready, stop (with its group), a free port; over real child processes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import harness
+from devkit import harness
 
 # A child that leaves a grandchild in its group, says it is ready through a file, and waits.
 READY_WITH_GRANDCHILD = """

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from worker.steprun import StepFailed, StepOutput, describe, run_step
+from devkit.steprun import StepFailed, StepOutput, describe, run_step
 
 _SLOW_PIP = """
 import sys, time
