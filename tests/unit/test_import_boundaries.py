@@ -4,7 +4,8 @@ Every module of every layer is parsed, and every import counts: at the top, insi
 (the lazy imports of the command line), under ``TYPE_CHECKING``. A second check imports the
 whole core in a fresh interpreter and looks for frameworks pulled in indirectly. A third
 keeps the benchmarks (``bench``, run from a checkout, not in the wheel) out of every package a
-wheel installs.
+wheel installs. The dev kit (``devkit``: ``backfill dev``, the dev engine, the harnesses) is
+imported by no production package, and by the command line only inside its commands.
 """
 
 from __future__ import annotations
@@ -36,17 +37,30 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "backfill_cli",
         "backfill_analysis",
         "migrations",
+        "devkit",
     ),
     # The API talks to engines through the core's engine client, never through the worker;
     # the schema is migrated by the command line, never by the API.
-    "queue_api": ("worker", "backfill_cli", "migrations"),
-    # The worker talks to the API's state through Postgres and Redis only.
-    "worker": ("queue_api", "backfill_cli"),
+    "queue_api": ("worker", "backfill_cli", "migrations", "devkit"),
+    # The worker talks to the API's state through Postgres and Redis only; it runs in
+    # production, so nothing of the dev kit (a dev engine, embedded services) is in reach.
+    "worker": ("queue_api", "backfill_cli", "devkit"),
     # Analysis tools (simulator, planner, lab) sit on the core; the API may use them (/lab).
-    "backfill_analysis": (*FRAMEWORKS, "worker", "queue_api", "backfill_cli", "migrations"),
+    "backfill_analysis": (
+        *FRAMEWORKS,
+        "worker",
+        "queue_api",
+        "backfill_cli",
+        "migrations",
+        "devkit",
+    ),
+    "migrations": ("devkit",),
+    # The engine's scheduler is a wheel of its own, installed into the engine's environment.
+    "backfill_vllm": ("devkit",),
 }
 """Top-level package -> the top-level packages none of its modules may import. The command
-line (``backfill_cli``) is the one place that wires every layer together, so it has no row."""
+line (``backfill_cli``) is the one place that wires every layer together, so it has no row;
+the dev kit (``devkit``) may import every production package, so it has none either."""
 
 SHIPPED = (
     "backfill",
@@ -54,6 +68,7 @@ SHIPPED = (
     "backfill_analysis",
     "queue_api",
     "worker",
+    "devkit",
     "migrations",
     "backfill_vllm",
 )
@@ -61,6 +76,11 @@ SHIPPED = (
 
 BENCHMARKS = "bench"
 """Run from a checkout (``python -m bench.NAME``, the checkout on ``sys.path``), never installed."""
+
+DEVKIT = "devkit"
+"""What runs Backfill on one machine or in tests (``backfill dev``, the dev engine, embedded
+services, harnesses): shipped, so ``backfill dev`` runs from an installed package, but never
+loaded by a production process."""
 
 
 @dataclass(frozen=True)
@@ -182,3 +202,44 @@ def test_the_wheel_leaves_the_benchmarks_out() -> None:
     assert not any(fnmatch(BENCHMARKS, pattern) for pattern in find["include"]), find
     # Still type-checked with the rest.
     assert BENCHMARKS in config["tool"]["mypy"]["packages"]
+
+
+def devkit_imports_outside_functions(source: str, module: str) -> list[int]:
+    """Lines of ``source`` that import devkit when the module loads, not when a function runs."""
+    tree = ast.parse(source)
+    inside: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            inside.update(ast.walk(node))
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom) and node not in inside
+        if any(i.target.split(".")[0] == DEVKIT for i in imports_of(ast.unparse(node), module))
+    ]
+
+
+def test_the_command_line_loads_devkit_only_inside_its_commands() -> None:
+    # `backfill worker` and `backfill api` share the command line's modules with `backfill dev`:
+    # one import of devkit at module level would load the dev kit into every production process.
+    bad = []
+    for path in sorted((ROOT / "backfill_cli").rglob("*.py")):
+        module = _module_name(path)
+        lines = devkit_imports_outside_functions(path.read_text(encoding="utf-8"), module)
+        bad += [f"{module}:{line} imports {DEVKIT} at module level" for line in lines]
+    assert not bad, "\n".join(bad)
+    top_level = "import sys\nif sys.argv:\n    from devkit import dev\n"
+    assert devkit_imports_outside_functions(top_level, "backfill_cli.x") == [3]
+    assert devkit_imports_outside_functions("def dev() -> None:\n    import devkit\n", "x") == []
+
+
+def test_the_wheel_ships_devkit_and_its_demo_documents() -> None:
+    # `backfill dev` is README's first command: it runs from `pip install` as from a checkout.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    find = config["tool"]["setuptools"]["packages"]["find"]
+    assert any(fnmatch(DEVKIT, pattern) for pattern in find["include"]), find
+    data = config["tool"]["setuptools"]["package-data"][DEVKIT]
+    docs = [p.relative_to(ROOT / DEVKIT) for p in (ROOT / DEVKIT / "demo_docs").glob("*.txt")]
+    assert docs, "the demo documents moved"
+    assert all(any(fnmatch(str(d), pattern) for pattern in data) for d in docs), data
+    assert DEVKIT in config["tool"]["mypy"]["packages"]
