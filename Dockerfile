@@ -1,4 +1,5 @@
-# The Backfill image: API, worker and beat all run from it (see docker-compose.yml).
+# The Backfill image: API, worker and beat all run from it (see docker-compose.yml). devkit/
+# (backfill dev, the dev engine, embedded services) stays out: no production process loads it.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
