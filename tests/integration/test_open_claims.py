@@ -157,9 +157,16 @@ def test_a_cancel_waits_for_an_open_claim_and_its_start_starts_nothing(
         target=lambda: cancelled.append(cancel_job(repo, job.tenant_id, job.id))
     )
     canceller.start()
-    time.sleep(0.5)
+    # The cancel's first step (the job leaves in_progress) commits on its own; on a loaded
+    # machine that took longer than the half second this test once slept for it.
+    deadline = time.monotonic() + 60
+    while repo.get_job(None, job.id).state is not JobState.CANCELLING:
+        assert time.monotonic() < deadline, "the job never left in_progress in 60 s"
+        assert canceller.is_alive(), f"the cancel ended before the claim's start: {cancelled}"
+        time.sleep(0.02)
+    # Its items are locked by the open claim: the cancel waits for them.
+    time.sleep(0.2)
     assert canceller.is_alive(), "the cancel did not wait for the open claim's locks"
-    assert repo.get_job(None, job.id).state is JobState.CANCELLING
     started = repo.start_claim(claim, [_start(c, k) for k, c in enumerate(claim.items, 1)])
     canceller.join(10)
     assert started == []
