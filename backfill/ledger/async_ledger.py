@@ -14,7 +14,6 @@ from redis.exceptions import NoScriptError
 from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger.binding import LedgerBinding
 from backfill.ledger.listeners import AsyncPreemptionListener
-from backfill.ledger.scripts import script_source
 from backfill.ledger.steps import (
     REDIS_ERRORS,
     Command,
@@ -23,6 +22,7 @@ from backfill.ledger.steps import (
     Scan,
     ScriptCall,
     Step,
+    eval_args,
     translate,
 )
 from backfill.redis_client import AsyncRedis, connect_async
@@ -77,7 +77,7 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
     async def _carry_out(self, step: Step) -> Any:
         try:
             if isinstance(step, ScriptCall):
-                reply = await self._scripts[step.script](keys=step.keys, args=step.args)
+                reply = await self._script_call(step)
             elif isinstance(step, Command):
                 reply = await self._client.execute_command(*step.args)
             elif isinstance(step, Commands):
@@ -90,16 +90,26 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
             raise translate(exc) from exc
         return step.parse(reply)
 
+    async def _script_call(self, call: ScriptCall[Any]) -> Any:
+        try:
+            return await self._scripts[call.script](keys=call.keys, args=call.args)
+        except NoScriptError:
+            # redis-py loaded the script again and still found it missing: after a failover
+            # its view of the cluster may load it elsewhere (a promoted replica has no
+            # scripts). EVAL goes where the keys are and caches the script there.
+            return await self._client.execute_command(*eval_args(call))
+
     async def _pipeline_retrying(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
         if not calls:
             return []
         replies = await self._pipeline(calls)
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
-            # NOSCRIPT refuses a call before it runs, so running those again is safe.
-            for name in {calls[i].script for i in missing}:
-                await self._client.script_load(script_source(name))
-            again = await self._pipeline([calls[i] for i in missing])
+            # NOSCRIPT refuses a call before it runs, so running those again is safe; as EVAL,
+            # which goes where the keys are and caches the script there (SCRIPT LOAD after a
+            # failover may go by a stale view of the cluster, and a promoted replica has no
+            # scripts of its own).
+            again = await self._pipeline([calls[i] for i in missing], by_source=True)
             for i, r in zip(missing, again, strict=True):
                 replies[i] = r
         return replies
@@ -112,12 +122,17 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
             pipe.execute_command(*c.args)
         return list(await pipe.execute(raise_on_error=False))
 
-    async def _pipeline(self, calls: Sequence[ScriptCall[Any]]) -> list[Any]:
+    async def _pipeline(
+        self, calls: Sequence[ScriptCall[Any]], *, by_source: bool = False
+    ) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         for c in calls:
             # As a raw command: redis-py's cluster pipeline refuses its evalsha() method but
-            # routes EVALSHA by its keys (each call's keys share one slot).
-            pipe.execute_command(
-                "EVALSHA", self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args
-            )
+            # routes EVALSHA (and EVAL) by its keys (each call's keys share one slot).
+            if by_source:
+                pipe.execute_command(*eval_args(c))
+            else:
+                pipe.execute_command(
+                    "EVALSHA", self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args
+                )
         return list(await pipe.execute(raise_on_error=False))

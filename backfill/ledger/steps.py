@@ -28,6 +28,7 @@ from redis.exceptions import (
 
 from backfill import keys as lk
 from backfill.errors import LedgerError, LedgerUnavailable, StaleEpoch
+from backfill.ledger.scripts import script_source
 from backfill.ledger.values import PartialBatchError
 
 T = TypeVar("T")
@@ -158,3 +159,9 @@ def parse_all(
         first = next(r for r in per_call if isinstance(r, Exception))
         raise PartialBatchError(f"{failed} of {len(calls)} calls failed; first: {first}", results)
     return results
+
+
+def eval_args(call: ScriptCall[Any]) -> tuple[Any, ...]:
+    """``call`` as an EVAL command (the script's whole source, its keys and arguments): what
+    runs a call where its script is not cached, e.g. on a replica promoted by a failover."""
+    return ("EVAL", script_source(call.script), len(call.keys), *call.keys, *call.args)
