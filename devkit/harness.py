@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,11 +44,44 @@ class NotReady(HarnessError):
         self.timeout_s = timeout_s
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The ports the kernel gives the local end of outgoing connections."""
+
+BELOW_EPHEMERAL = 6_000
+"""How many ports under the ephemeral range :func:`free_port` picks from (26768-32767 with
+Linux's default range: clear of the local Redis Cluster's nodes and bus ports,
+``devkit.redis_cluster``)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the child binds it a moment later)."""
+    """A port nothing listens on right now, below the kernel's ephemeral range.
+
+    The child binds it a moment later, and an engine's scheduler metrics only after its model
+    has loaded (tens of seconds). Meanwhile a port of the ephemeral range may become the local
+    end of any outgoing connection on the machine, and the bind then fails: the hunt's run 16
+    lost an engine's metrics port so (``Address already in use``). Below the range only
+    another listener can take it, and the bind here checks that none has."""
+    low = _ephemeral_low()
+    if low - BELOW_EPHEMERAL >= 1024:
+        for _ in range(100):
+            port = random.randrange(low - BELOW_EPHEMERAL, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:

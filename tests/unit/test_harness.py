@@ -111,3 +111,16 @@ def test_a_free_port_can_be_bound() -> None:
     port = harness.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_is_bindable() -> None:
+    # Was: the kernel's pick (bind to port 0), from the ephemeral range, which any outgoing
+    # connection on the machine may take as its local port before the child binds it: an
+    # engine's scheduler metrics, bound after its model loads, lost its port so in run 16.
+    low = harness._ephemeral_low()
+    ports = {harness.free_port() for _ in range(20)}
+    assert all(low - harness.BELOW_EPHEMERAL <= p < low for p in ports), (low, sorted(ports))
+    assert len(ports) > 1, "always the same port: concurrent starters would collide"
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
