@@ -204,6 +204,7 @@ class DispatcherState:
             engine_suspect=self._engine_suspect,
             typical_reservation=self._typical_reservation,
             typical_prompt=self._typical_prompt,
+            leases_held=len(self._leases),
         )
 
     def _flights(self, views: Iterable[FlightView]) -> list[Flight]:

@@ -54,7 +54,7 @@ def claim_size(view: NodeView, room: int, claim_batch: int, slack: int, block_si
     want = min(room, claim_batch)
     if view.typical_reservation:
         fit = slack // view.typical_reservation
-        if fit == 0 and view.flights:
+        if fit == 0 and view.holds_leases:
             # Less slack than one typical reservation while leases are held: the claim would
             # be deferred at reserve time (a retry delay for the item, writes for Postgres)
             # and requeued. A lease ending frees slack and wakes the loop.

@@ -45,7 +45,7 @@ def fit_starts(
         # The first item goes to the ledger even when it looks too big only if the node holds
         # nothing (the slack may have grown; a denial then says why); with leases held it goes
         # back to the queue at once instead of being deferred.
-        if used + need > slack and (fits or view.flights):
+        if used + need > slack and (fits or view.holds_leases):
             break
         fits.append(item)
         used += need

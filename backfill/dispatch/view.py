@@ -90,6 +90,16 @@ class NodeView:
     """Recent reservations' running mean (0: none yet)."""
     typical_prompt: int = 0
     """Recent prompt counts' running mean (0: none yet)."""
+    leases_held: int = 0
+    """Leases the node's dispatcher holds in the ledger, also those whose attempts have left
+    ``flights`` but whose release is still on its way."""
+
+    @property
+    def holds_leases(self) -> bool:
+        """Whether the node's slack is held by any lease of this dispatcher's: a lease ending
+        will free some, so a reservation that does not fit now waits for that rather than
+        going to the ledger to be denied (and deferred)."""
+        return bool(self.flights) or self.leases_held > 0
 
     @property
     def active(self) -> tuple[FlightView, ...]:

@@ -71,6 +71,12 @@ def test_a_busy_node_claims_nothing_its_slack_cannot_take() -> None:
     assert claim_size(view, room=64, claim_batch=64, slack=500, block_size=BLOCK) == 0
 
 
+def test_a_node_releasing_its_last_leases_claims_nothing_its_slack_cannot_take() -> None:
+    # No attempt in flight, but leases not yet released: they free slack when they land.
+    view = node(typical_reservation=1000, leases_held=1)
+    assert claim_size(view, room=64, claim_batch=64, slack=500, block_size=BLOCK) == 0
+
+
 def test_claims_no_more_than_the_prefill_budget_could_start() -> None:
     view = node(
         prefilling_flight(1, 500), budget=budget(max_prefill_tokens=1024), typical_prompt=200

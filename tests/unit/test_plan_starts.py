@@ -45,6 +45,14 @@ def test_an_idle_node_sends_its_first_item_to_the_ledger_even_when_it_looks_too_
     assert busy.fits == ()
 
 
+def test_a_node_whose_last_leases_are_still_being_released_is_not_idle() -> None:
+    # Its attempts have left the flight table, but their leases still hold the slack until
+    # the release lands: an item that does not fit would only be denied and deferred.
+    plan = fit_starts([checked(1, prompt=1000)], node(leases_held=2), slack=100, block_size=BLOCK)
+    assert plan.fits == ()
+    assert [c.item.id for c in plan.rest] == [1]
+
+
 def test_the_work_budget_cuts_the_prefix_and_says_so() -> None:
     items = [checked(i, prompt=300) for i in range(1, 4)]
     view = node(prefilling_flight(9, 500), budget=budget(max_prefill_tokens=1024))
