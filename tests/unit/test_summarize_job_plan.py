@@ -1,0 +1,144 @@
+"""A summarisation job's shape, forecast and batch files; the driver's decisions for a
+document; the steps' request lines."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backfill.summarize.chunks import ChunkTooSmall
+from backfill.summarize.decide import (
+    DocumentState,
+    StepState,
+    StepView,
+    decide_document,
+)
+from backfill.summarize.job_plan import BatchCut, JobShape, job_tokens
+from backfill.summarize.prompts import (
+    SEPARATOR_TOKENS,
+    batch_line,
+    custom_id,
+    map_messages,
+    parse_custom_id,
+    reduce_messages,
+)
+from backfill.summarize.reduce_plan import ReduceInfeasible, plan_reduce
+
+SHAPE = JobShape(
+    context_tokens=2048, map_prompt_tokens=30, reduce_prompt_tokens=60, summary_tokens=128
+)
+
+
+def test_the_shape_gives_the_chunk_budget_and_the_fan_in():
+    assert SHAPE.chunk_budget.text_tokens == 2048 - 30 - 128 - 8
+    assert SHAPE.fan_in == (2048 - 60 - 128 - 8) // (128 + SEPARATOR_TOKENS)
+
+
+def test_a_shape_that_cannot_reduce_is_refused():
+    with pytest.raises(ReduceInfeasible):
+        JobShape(1024, 30, 60, 400).check()
+    with pytest.raises(ChunkTooSmall):
+        JobShape(256, 30, 60, 300).check()
+
+
+def test_the_forecast_counts_the_reduce_steps():
+    one = SHAPE.document_tokens([500])
+    assert one == 30 + 500 + 128  # one chunk: no reduce
+    chunks = [1800] * 40
+    plan = plan_reduce(40, SHAPE.fan_in)
+    assert plan.depth == 2
+    maps = 40 * (30 + 1800 + 128)
+    reduces = sum(60 + len(s.children) * (128 + SEPARATOR_TOKENS) + 128 for s in plan.steps)
+    assert SHAPE.document_tokens(chunks) == maps + reduces
+    assert job_tokens(SHAPE, [[500], chunks]) == one + maps + reduces
+    assert SHAPE.document_steps(40) == 40 + len(plan.steps)
+
+
+@given(sizes=st.lists(st.integers(min_value=1, max_value=50), max_size=300))
+def test_batch_files_stay_within_both_limits_and_keep_every_line(sizes):
+    cut = BatchCut(max_lines=7, max_bytes=120)
+    files: list[list[int]] = []
+    for size in sizes:
+        if cut.starts_new_file(size) or not files:
+            files.append([])
+        files[-1].append(size)
+    assert [s for f in files for s in f] == sizes
+    assert all(len(f) <= 7 and sum(f) <= 120 for f in files)
+    # A file is cut only where the next line would not fit.
+    for first, second in itertools.pairwise(files):
+        assert len(first) == 7 or sum(first) + second[0] > 120
+
+
+def test_a_line_longer_than_a_file_is_refused():
+    with pytest.raises(ValueError, match="over a file's"):
+        BatchCut(max_lines=10, max_bytes=100).starts_new_file(101)
+
+
+# --- the driver's decisions ----------------------------------------------------------------
+
+DONE = StepState.SUCCEEDED
+
+
+def done(summary: str, tokens: int = 10) -> StepView:
+    return StepView(DONE, summary, prompt_tokens=tokens, completion_tokens=2)
+
+
+def test_a_document_of_one_chunk_ends_with_its_map_summary():
+    decision = decide_document(1, 4, {0: done("S")})
+    assert decision.ended is DocumentState.SUCCEEDED
+    assert decision.summary == "S"
+    assert decision.split_depth == 0
+    assert decide_document(1, 4, {0: StepView(StepState.PENDING)}).ended is None
+
+
+def test_reduce_steps_are_created_as_their_children_finish_and_once():
+    steps = {0: done("a"), 1: done("b"), 2: StepView(StepState.PENDING), 3: done("d"), 4: done("e")}
+    # 5 chunks at fan-in 2: (0,1) (2,3) (4) -> ...
+    decision = decide_document(5, 2, steps)
+    assert [(n.step.children, n.summaries) for n in decision.create] == [((0, 1), ("a", "b"))]
+    steps[decision.create[0].step.node] = StepView(StepState.PENDING)
+    assert decide_document(5, 2, steps).create == ()  # created already: not again
+    steps[2] = done("c")
+    assert [n.step.children for n in decide_document(5, 2, steps).create] == [(2, 3)]
+
+
+def test_the_root_summary_ends_the_document_with_all_usage():
+    plan = plan_reduce(3, 4)
+    steps = {0: done("a"), 1: done("b"), 2: done("c"), plan.root: done("whole", tokens=40)}
+    decision = decide_document(3, 4, steps)
+    assert decision.ended is DocumentState.SUCCEEDED
+    assert decision.summary == "whole"
+    assert decision.prompt_tokens == 70
+    assert decision.completion_tokens == 8
+    assert decision.split_depth == 1
+
+
+def test_a_failed_step_fails_the_document_and_creates_nothing():
+    steps = {0: done("a"), 1: StepView(StepState.FAILED, error="expired"), 2: done("c")}
+    decision = decide_document(3, 2, steps)
+    assert decision.ended is DocumentState.FAILED
+    assert decision.error == "map step 1 failed: expired"
+    assert decision.create == ()
+
+
+# --- request lines -------------------------------------------------------------------------
+
+
+def test_a_step_line_is_a_chat_batch_line_its_id_naming_document_and_node():
+    line = json.loads(batch_line(12, 3, "m", map_messages("Summarise.", "Text."), 64))
+    assert line["custom_id"] == "12:3"
+    assert line["url"] == "/v1/chat/completions"
+    assert line["body"] == {
+        "model": "m",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Summarise.\n\nText."}],
+    }
+    assert parse_custom_id(custom_id(12, 3)) == (12, 3)
+    assert parse_custom_id("user-id") is None
+    assert parse_custom_id("1:x") is None
+    content = reduce_messages("Be brief.", [" one ", "two"])[0]["content"]
+    assert content.endswith("Be brief.\n\none\n\n---\n\ntwo")
