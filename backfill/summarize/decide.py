@@ -12,31 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
 from backfill.summarize.reduce_plan import ReducePlan, ReduceStep, plan_reduce, ready_steps
-
-
-class StepState(StrEnum):
-    PENDING = "pending"
-    """Created; its item is queued or running in one of the job's batches (or its batch is
-    still to be made)."""
-    SUCCEEDED = "succeeded"
-    """Its item finished with a summary."""
-    FAILED = "failed"
-    """Its item failed, expired or was cancelled."""
-
-
-class DocumentState(StrEnum):
-    PENDING = "pending"
-    """Steps still to run."""
-    SUCCEEDED = "succeeded"
-    """Summarised: the summary is its root step's."""
-    FAILED = "failed"
-    """Not summarised: a row error of the source, or a step that failed."""
-
-
-DOCUMENT_ENDED = frozenset({DocumentState.SUCCEEDED, DocumentState.FAILED})
+from backfill.summarize.states import DocumentState, StepState
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backfill.summarize.chunks import ChunkTooSmall
-from backfill.summarize.decide import (
-    DocumentState,
-    StepState,
-    StepView,
-    decide_document,
-)
+from backfill.summarize.decide import StepView, decide_document
 from backfill.summarize.job_plan import BatchCut, JobShape, job_tokens
+from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import (
     SEPARATOR_TOKENS,
     batch_line,
@@ -27,6 +23,7 @@ from backfill.summarize.prompts import (
     reduce_messages,
 )
 from backfill.summarize.reduce_plan import ReduceInfeasible, plan_reduce
+from backfill.summarize.states import DocumentState, StepState, SummaryJobState, sources_of
 
 SHAPE = JobShape(
     context_tokens=2048, map_prompt_tokens=30, reduce_prompt_tokens=60, summary_tokens=128
@@ -142,3 +139,32 @@ def test_a_step_line_is_a_chat_batch_line_its_id_naming_document_and_node():
     assert parse_custom_id("1:x") is None
     content = reduce_messages("Be brief.", [" one ", "two"])[0]["content"]
     assert content.endswith("Be brief.\n\none\n\n---\n\ntwo")
+
+
+def test_a_job_is_cancelled_from_receiving_or_through_cancelling():
+    assert sources_of(SummaryJobState.CANCELLED) == {
+        SummaryJobState.RECEIVING,
+        SummaryJobState.CANCELLING,
+    }
+    assert sources_of(SummaryJobState.IN_PROGRESS) == {SummaryJobState.RECEIVING}
+
+
+def test_a_finished_item_becomes_its_steps_outcome():
+    body = {
+        "choices": [{"message": {"role": "assistant", "content": " The gist. "}}],
+        "usage": {"prompt_tokens": 900, "completion_tokens": 40},
+    }
+    assert step_outcome("succeeded", json.dumps(body), None) == StepView(
+        StepState.SUCCEEDED, "The gist.", 900, 40
+    )
+    assert step_outcome("running", None, None) is None
+    expired = step_outcome("expired", None, "needed 3m, 1m left")
+    assert expired is not None
+    assert expired.state is StepState.FAILED
+    assert expired.error == "expired: needed 3m, 1m left"
+    failed = step_outcome("failed", None, json.dumps({"error": {"message": "too long"}}))
+    assert failed is not None
+    assert failed.error == "failed: too long"
+    empty = {"choices": [{"message": {"content": ""}}], "usage": {"prompt_tokens": 5}}
+    assert step_outcome("succeeded", json.dumps(empty), None).state is StepState.FAILED
+    assert step_outcome("succeeded", "not json", None).state is StepState.FAILED

@@ -1,0 +1,57 @@
+"""What a finished batch item says about its step: the summary and usage of a chat
+completion that succeeded, or why the step failed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from backfill.summarize.decide import StepView
+from backfill.summarize.states import StepState
+
+_ENDED = {"failed", "expired", "cancelled"}
+
+
+def _loaded(value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _message(error: Any) -> str:
+    if isinstance(error, dict):
+        inner = error.get("error", error)
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])
+    return str(error) if error else "no reason given"
+
+
+def step_outcome(item_state: str, result: str | None, error: str | None) -> StepView | None:
+    """The step's view after its item ended in ``item_state`` (None: not ended yet)."""
+    if item_state in _ENDED:
+        return StepView(StepState.FAILED, error=f"{item_state}: {_message(_loaded(error))}")
+    if item_state != "succeeded":
+        return None
+    body = _loaded(result)
+    try:
+        choice = body["choices"][0]
+        text = choice["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return StepView(StepState.FAILED, error="the response carries no message")
+    usage = body.get("usage") or {}
+    if not isinstance(text, str) or not text.strip():
+        return StepView(
+            StepState.FAILED,
+            error="the model returned an empty summary",
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+        )
+    return StepView(
+        StepState.SUCCEEDED,
+        summary=text.strip(),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+    )
