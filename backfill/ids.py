@@ -13,6 +13,10 @@ def new_job_id() -> str:
     return f"batch_{_token()}"
 
 
+def new_summary_job_id() -> str:
+    return f"sumjob_{_token()}"
+
+
 def new_file_id() -> str:
     return f"file-{_token()}"
 

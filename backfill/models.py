@@ -510,6 +510,8 @@ class SummaryJob(Base):
     fan_in: Mapped[int] = mapped_column(Integer)
     # Every step the documents received can make, reduce steps at their bound.
     forecast_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    # Model calls those documents make, map and reduce (progress is steps ended of these).
+    planned_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
     deadline: Mapped[datetime | None] = mapped_column(TZ)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
@@ -572,8 +574,8 @@ class SummaryStep(Base):
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     node: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # Its Batch API line, until its batch is made.
-    line: Mapped[str | None] = mapped_column(Text)
+    # Its request body (JSON), until its batch is made; the bound of its line's bytes.
+    body: Mapped[str | None] = mapped_column(Text)
     line_bytes: Mapped[int] = mapped_column(Integer)
     # The job's batch that carries it (summary_batches.batch_no); NULL: not in one yet.
     batch_no: Mapped[int | None] = mapped_column(Integer)

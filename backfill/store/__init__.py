@@ -47,6 +47,7 @@ from backfill.store.protocol import (
     MaintenanceStore,
     NodeRecords,
     QueueStats,
+    SummaryStore,
 )
 from backfill.store.records import (
     ActiveLeaseRow,
@@ -101,6 +102,7 @@ __all__ = [
     "RevokedKey",
     "Start",
     "Store",
+    "SummaryStore",
     "TenantRecord",
     "ensure_database",
     "key_digest",

@@ -25,7 +25,7 @@ repository has it where the concrete one is handed over (``worker.node``, ``work
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, BinaryIO, Protocol
@@ -36,6 +36,17 @@ from backfill.store import records as sr
 from backfill.store.ingest_queue import IngestTake
 from backfill.store.open_claims import OpenClaim
 from backfill.store.retention import PurgeReport
+from backfill.store.summaries import (
+    DocumentRow,
+    FinishedStep,
+    NewDocument,
+    NewStep,
+    SummaryCounts,
+    SummaryJobRecord,
+)
+from backfill.summarize.decide import StepView
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.states import SummaryJobState
 
 
 class AttemptStore(Protocol):
@@ -285,3 +296,81 @@ class MaintenanceStore(JobLifecycle, NodeRecords, Protocol):
     def purge_ended_jobs(
         self, older_than_s: float, *, chunk_rows: int = ..., max_rows: int = ...
     ) -> PurgeReport: ...
+
+
+class SummaryStore(BatchStore, JobLifecycle, Protocol):
+    """Summarisation jobs: their documents, steps and batches (``backfill.store.summaries``),
+    and the batch side and job moves their batches are made and cancelled with
+    (``backfill.summarize.driver``, ``backfill.summarize.jobs``)."""
+
+    def create_file(  # both roles' uses: an upload, and a result file row
+        self,
+        tenant_id: str,
+        purpose: str,
+        filename: str,
+        content: bytes | BinaryIO | Iterable[bytes] | None,
+        *,
+        size_bytes: int | None = ...,
+        job_id: str | None = ...,
+        chunk_bytes: int = ...,
+        expires_after_s: int | None = ...,
+        tokens_bound: Callable[[], int | None] | None = ...,
+    ) -> sr.FileRecord: ...
+
+    def create_summary_job(
+        self, tenant_id: str, model: str, instruction: str, window: str, shape: JobShape
+    ) -> SummaryJobRecord: ...
+
+    def get_summary_job(self, tenant_id: str | None, job_id: str) -> SummaryJobRecord: ...
+
+    def list_summary_jobs(self, tenant_id: str, limit: int = ...) -> list[SummaryJobRecord]: ...
+
+    def add_documents(self, job_id: str, documents: Sequence[NewDocument]) -> int: ...
+
+    def move_summary_job(
+        self,
+        job_id: str,
+        to: SummaryJobState,
+        *,
+        deadline: datetime | None = ...,
+        error: str | None = ...,
+    ) -> None: ...
+
+    def open_summary_jobs(self, limit: int = ...) -> list[str]: ...
+
+    def unbatched_steps(self, job_id: str, limit: int) -> list[tuple[int, int, int]]: ...
+
+    def number_batch(self, job_id: str, steps: Sequence[tuple[int, int]]) -> int: ...
+
+    def batches_to_make(self, job_id: str) -> list[int]: ...
+
+    def batch_steps(
+        self, job_id: str, batch_no: int, page: int = ...
+    ) -> Iterator[tuple[int, int, bytes]]: ...
+
+    def set_batch(self, job_id: str, batch_no: int, batch_id: str) -> None: ...
+
+    def summary_batch_ids(self, job_id: str) -> list[str]: ...
+
+    def finished_steps(self, job_id: str, limit: int) -> list[FinishedStep]: ...
+
+    def end_steps(self, job_id: str, outcomes: Mapping[tuple[int, int], StepView]) -> None: ...
+
+    def touched_documents(self, job_id: str, limit: int) -> list[tuple[int, int]]: ...
+
+    def steps_of(self, job_id: str, seqs: Sequence[int]) -> dict[int, dict[int, StepView]]: ...
+
+    def decide_documents(
+        self,
+        job_id: str,
+        new_steps: Mapping[int, Sequence[NewStep]],
+        ended: Mapping[int, DocumentRow],
+    ) -> None: ...
+
+    def fail_pending_documents(self, job_id: str, error: str) -> int: ...
+
+    def summary_counts(self, job_id: str) -> SummaryCounts: ...
+
+    def document_page(self, job_id: str, after_seq: int, limit: int) -> list[DocumentRow]: ...
+
+    def driver_lock(self, job_id: str) -> AbstractContextManager[bool]: ...

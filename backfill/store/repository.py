@@ -18,6 +18,7 @@ from backfill.store.open_claims import OpenClaims
 from backfill.store.recovery import Recovery
 from backfill.store.retention import Retention
 from backfill.store.stats import Stats
+from backfill.store.summaries import Summaries
 from backfill.store.tenants import Tenants
 
 
@@ -34,6 +35,7 @@ class Repository(
     Recovery,
     Stats,
     Retention,
+    Summaries,
 ):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 

@@ -43,10 +43,17 @@ def parse_custom_id(value: str) -> tuple[int, int] | None:
     return int(seq), int(node)
 
 
-def batch_line(
-    seq: int, node: int, model: str, messages: list[dict[str, str]], max_tokens: int
-) -> bytes:
-    """One Batch API input line (with its newline)."""
+def request_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> bytes:
+    """A step's request body (JSON): what it stores until its batch is made."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
-    line = {"custom_id": custom_id(seq, node), "method": "POST", "url": CHAT_URL, "body": body}
-    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def batch_line(seq: int, node: int, body: bytes) -> bytes:
+    """The step's Batch API input line (with its newline), around its stored body."""
+    head = json.dumps({"custom_id": custom_id(seq, node), "method": "POST", "url": CHAT_URL})
+    return head[:-1].encode() + b', "body": ' + body + b"}\n"
+
+
+LINE_OVERHEAD = len(batch_line(2**31 - 1, 2**31 - 1, b""))
+"""Bytes a line adds around its body, at most (the longest numbers a step has)."""

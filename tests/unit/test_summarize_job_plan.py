@@ -15,12 +15,14 @@ from backfill.summarize.decide import StepView, decide_document
 from backfill.summarize.job_plan import BatchCut, JobShape, job_tokens
 from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import (
+    LINE_OVERHEAD,
     SEPARATOR_TOKENS,
     batch_line,
     custom_id,
     map_messages,
     parse_custom_id,
     reduce_messages,
+    request_body,
 )
 from backfill.summarize.reduce_plan import ReduceInfeasible, plan_reduce
 from backfill.summarize.states import DocumentState, StepState, SummaryJobState, sources_of
@@ -126,7 +128,9 @@ def test_a_failed_step_fails_the_document_and_creates_nothing():
 
 
 def test_a_step_line_is_a_chat_batch_line_its_id_naming_document_and_node():
-    line = json.loads(batch_line(12, 3, "m", map_messages("Summarise.", "Text."), 64))
+    body = request_body("m", map_messages("Summarise.", "Text."), 64)
+    line = json.loads(batch_line(12, 3, body))
+    assert len(batch_line(12, 3, body)) <= len(body) + LINE_OVERHEAD
     assert line["custom_id"] == "12:3"
     assert line["url"] == "/v1/chat/completions"
     assert line["body"] == {

@@ -1,0 +1,195 @@
+"""Summarisation jobs over real Postgres: a job spanning several batch files under one
+deadline, long documents map-reduced by the driver, cancel mid-job, and a driver killed
+mid-way that loses and doubles nothing."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from batch_api_support import run_worker
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.errors import BackfillError
+from backfill.refusals import DeadlineInfeasible
+from backfill.states import JobState
+from backfill.store import Repository
+from backfill.summarize import driver, jobs
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.reduce_plan import plan_reduce
+from backfill.summarize.states import DocumentState, SummaryJobState
+
+_TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+def count(text_: str) -> int:
+    return 1 + len(_TOKENS.findall(text_))
+
+
+# A small context: a map chunk holds ~120 tokens of text, a reduce step 4 summaries.
+SHAPE = JobShape(
+    context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=64
+)
+LONG = "\n\n".join(
+    f"Paragraph {i} of the long report. " + "It has several words in each sentence. " * 6
+    for i in range(30)
+)
+SHORT = ["A short note.", "Another short note.", "A third one.", "Four.", "Five, the last."]
+
+
+@pytest.fixture
+def small_batches(settings: Settings) -> Settings:
+    # Batch files of at most 4 lines: a job of a few documents spans several.
+    return settings.model_copy(update={"max_lines_per_batch": 4, "node_live_s": 0.001})
+
+
+def _new_job(repo: Repository, settings: Settings, window: str = "1h") -> tuple[str, str]:
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", SHAPE.summary_tokens, window)
+    job = jobs.create_job(repo, settings, tenant, request, SHAPE)
+    documents = [jobs.prepare_document(job, "long", LONG, count)]
+    documents += [jobs.prepare_document(job, f"s{i}", t, count) for i, t in enumerate(SHORT)]
+    documents.append(jobs.prepare_document(job, "blank", "   ", count))
+    jobs.add_documents(repo, job, documents)
+    return tenant.id, job.id
+
+
+def _batch_items(repo: Repository, job_id: str) -> list[tuple[str, str]]:
+    with repo.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT i.job_id, i.custom_id FROM items i JOIN summary_batches b "
+                "ON b.batch_id = i.job_id WHERE b.job_id = :j"
+            ),
+            {"j": job_id},
+        ).all()
+    return [(r.job_id, r.custom_id) for r in rows]
+
+
+def _run_to_end(repo: Repository, settings: Settings, job_id: str, rounds: int = 30) -> None:
+    for _ in range(rounds):
+        driver.drive(repo, settings)
+        if repo.get_summary_job(None, job_id).state is not SummaryJobState.IN_PROGRESS:
+            return
+        run_worker(repo)
+    raise AssertionError("the job did not end")
+
+
+def test_a_job_over_several_batch_files_map_reduces_its_long_document(
+    repo: Repository, small_batches: Settings
+) -> None:
+    tenant_id, job_id = _new_job(repo, small_batches)
+    job = repo.get_summary_job(tenant_id, job_id)
+    long_doc = repo.document_page(job_id, -1, 10)[0]
+    chunks = long_doc.chunks
+    assert chunks > 4  # longer than the context: split
+    plan = plan_reduce(chunks, job.fan_in)
+    assert plan.depth >= 1
+    assert job.planned_steps == plan.nodes + len(SHORT)
+    assert job.forecast_tokens > 0
+
+    started = jobs.start_job(repo, small_batches, repo.tenant_by_id(tenant_id), job)
+    assert started.state is SummaryJobState.IN_PROGRESS
+    assert started.deadline is not None
+    driver.drive(repo, small_batches)
+    batch_ids = repo.summary_batch_ids(job_id)
+    assert len(batch_ids) == -(-(chunks + len(SHORT)) // 4)  # several files, 4 lines each
+    deadlines = {repo.get_job(tenant_id, b).deadline for b in batch_ids}
+    assert deadlines == {started.deadline}  # one deadline for the whole job
+
+    _run_to_end(repo, small_batches, job_id)
+    assert repo.get_summary_job(tenant_id, job_id).state is SummaryJobState.COMPLETED
+    rows = {r.id: r for r in jobs.result_rows(repo, job_id)}
+    assert rows["long"].summary == f"answer to 0:{plan.root}"
+    assert rows["long"].chunks == chunks
+    assert rows["long"].split_depth == plan.depth
+    # Every step's usage is counted (the stand-in worker's answers report 5 and 3 tokens).
+    assert (rows["long"].prompt_tokens, rows["long"].completion_tokens) == (
+        5 * plan.nodes,
+        3 * plan.nodes,
+    )
+    for i in range(len(SHORT)):
+        assert rows[f"s{i}"].summary == f"answer to {i + 1}:0"
+        assert rows[f"s{i}"].split_depth == 0
+    assert rows["blank"].summary is None
+    assert rows["blank"].error == "empty text"
+    # Every step ran once: the map steps and each reduce step of the long document.
+    ids = [cid for _, cid in _batch_items(repo, job_id)]
+    assert sorted(ids) == sorted(
+        [f"0:{n}" for n in range(plan.nodes)] + [f"{i + 1}:0" for i in range(len(SHORT))]
+    )
+
+
+def test_a_driver_killed_mid_way_loses_and_doubles_nothing(
+    repo: Repository, small_batches: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant_id, job_id = _new_job(repo, small_batches)
+    jobs.start_job(
+        repo, small_batches, repo.tenant_by_id(tenant_id), repo.get_summary_job(None, job_id)
+    )
+    real_set_batch = Repository.set_batch
+    real_decide = Repository.decide_documents
+    crashes = {"set_batch": 2, "decide": 2}
+
+    def set_batch_then_die(self: Repository, *args: object) -> None:
+        # The batch was made (its items stored) but the driver dies before noting it.
+        if crashes["set_batch"]:
+            crashes["set_batch"] -= 1
+            raise BackfillError("the driver was killed")
+        real_set_batch(self, *args)  # type: ignore[arg-type]
+
+    def decide_then_die(self: Repository, *args: object) -> None:
+        if crashes["decide"]:
+            crashes["decide"] -= 1
+            raise BackfillError("the driver was killed")
+        real_decide(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Repository, "set_batch", set_batch_then_die)
+    monkeypatch.setattr(Repository, "decide_documents", decide_then_die)
+    _run_to_end(repo, small_batches, job_id, rounds=40)
+    assert crashes == {"set_batch": 0, "decide": 0}
+
+    job = repo.get_summary_job(tenant_id, job_id)
+    assert job.state is SummaryJobState.COMPLETED
+    long_doc = repo.document_page(job_id, -1, 1)[0]
+    plan = plan_reduce(long_doc.chunks, job.fan_in)
+    items = _batch_items(repo, job_id)
+    ids = [cid for _, cid in items]
+    assert len(ids) == len(set(ids)) == plan.nodes + len(SHORT)
+    assert long_doc.state is DocumentState.SUCCEEDED
+    assert long_doc.summary == f"answer to 0:{plan.root}"
+
+
+def test_cancel_mid_job_cancels_its_batches_and_keeps_what_was_summarised(
+    repo: Repository, small_batches: Settings
+) -> None:
+    tenant_id, job_id = _new_job(repo, small_batches)
+    tenant = repo.tenant_by_id(tenant_id)
+    jobs.start_job(repo, small_batches, tenant, repo.get_summary_job(None, job_id))
+    driver.drive(repo, small_batches)
+    run_worker(repo, limit=3)  # three map steps end
+    driver.drive(repo, small_batches)
+
+    assert jobs.cancel_job(repo, tenant, job_id).state is SummaryJobState.CANCELLING
+    driver.drive(repo, small_batches)
+    job = repo.get_summary_job(tenant_id, job_id)
+    assert job.state is SummaryJobState.CANCELLED
+    for batch_id in repo.summary_batch_ids(job_id):
+        assert repo.get_job(tenant_id, batch_id).state in (JobState.CANCELLED, JobState.CANCELLING)
+    rows = list(jobs.result_rows(repo, job_id))
+    assert {r.error for r in rows if r.summary is None} <= {"cancelled", "empty text"}
+    assert run_worker(repo) == {}  # nothing of it is claimed any more
+    assert repo.claim("node-test", 100, 30.0) == []
+
+
+def test_a_job_whose_whole_forecast_misses_its_deadline_is_refused_at_start(
+    repo: Repository, small_batches: Settings
+) -> None:
+    slow = small_batches.model_copy(update={"batch_throughput_tokens_per_s": 1.0})
+    tenant_id, job_id = _new_job(repo, slow, window="5m")
+    job = repo.get_summary_job(None, job_id)
+    with pytest.raises(DeadlineInfeasible, match="earliest feasible"):
+        jobs.start_job(repo, slow, repo.tenant_by_id(tenant_id), job)
+    assert repo.get_summary_job(None, job_id).state is SummaryJobState.RECEIVING
+    assert repo.summary_batch_ids(job_id) == []
