@@ -23,7 +23,7 @@ from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway
 from queue_api.ingest_processes import IngestProcesses
-from queue_api.routes import batches, capacity, dashboard, files, webhooks
+from queue_api.routes import batches, capacity, dashboard, files, summaries, webhooks
 from queue_api.routes import gateway as gateway_routes
 from queue_api.routes import lab as lab_routes
 
@@ -125,6 +125,7 @@ def create_app(
     errors.install(app)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(summaries.router)
     app.include_router(capacity.router)
     app.include_router(webhooks.router)
     gateway_routes.install(app)

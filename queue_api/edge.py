@@ -60,6 +60,9 @@ hop account starts there)."""
 
 UPLOAD_PATH = "/v1/files"
 INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+SUMMARY_JOBS_PATH = "/v1/summary_jobs/"
+"""A summarisation job's documents (``.../{id}/documents``) come in pages as large as an
+upload."""
 ANONYMOUS_LIMITED = ("/lab/", "/metrics", "/healthz")
 """Routes that answer without a key but do work (compute, Postgres, Redis)."""
 
@@ -99,6 +102,8 @@ def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
             return RouteRules(limits.upload_bytes, True, False, "file")
         if path in INTERACTIVE_PATHS:
             return RouteRules(limits.interactive_bytes, True, False)
+        if method == "POST" and path.startswith(SUMMARY_JOBS_PATH) and path.endswith("/documents"):
+            return RouteRules(limits.upload_bytes, True, False, "documents")
         return RouteRules(limits.json_bytes, True, False)
     limited = any(path == p.rstrip("/") or path.startswith(p) for p in ANONYMOUS_LIMITED)
     return RouteRules(limits.json_bytes, False, limited)

@@ -1,4 +1,5 @@
-"""Celery tasks: the periodic maintenance tick."""
+"""Celery tasks: the periodic maintenance tick (and with it the summarisation jobs' reduce
+driver)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from backfill.config import get_settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.store import Repository
+from backfill.summarize import driver as summary_driver
 from worker.celery_app import app
 
 log = logging.getLogger("backfill.maintenance")
@@ -32,7 +34,18 @@ def maintenance_tick() -> dict[str, object]:
     """Rebuild the ledger if lost, reap silent attempts, expire, stop cancelled work, finalize,
     recover creates that died in validating."""
     repo, ledger = _stores()
-    report = tick(repo, ledger, get_settings())
+    settings = get_settings()
+    report = tick(repo, ledger, settings)
+    # Summarisation jobs move on as their batches do: chunk summaries in, reduce steps out.
+    summaries = summary_driver.drive(repo, settings)
+    if summaries.batches or summaries.jobs_ended:
+        log.info(
+            "summaries: %s reduce steps made, %s batches made, %s documents and %s jobs ended",
+            summaries.reduce_steps,
+            summaries.batches,
+            summaries.documents_ended,
+            summaries.jobs_ended,
+        )
     if (
         report.requeued_lost
         or report.failed_lost
@@ -63,4 +76,6 @@ def maintenance_tick() -> dict[str, object]:
         "finalized": {k: v.value for k, v in report.finalized.items()},
         "recovered": {k: v.value for k, v in report.recovered.items()},
         "purged_jobs": report.purged.jobs,
+        "summary_steps_harvested": summaries.harvested,
+        "summary_batches_made": summaries.batches,
     }

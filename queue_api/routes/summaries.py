@@ -1,0 +1,168 @@
+"""``/v1/summary_jobs``: summarisation jobs, a dataset of documents in and one summary per
+document out (``backfill.summarize``). Create a job, send its documents (JSON lines, in as
+many requests as needed), start it, watch it, cancel it, read its results as they come.
+
+The engine's own numbers shape the job: its context length, and what its chat template makes
+of the instructions; documents are split with its tokenizer (``/tokenize``), so a chunk fits
+as the engine counts it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from backfill.engine.protocol import Engine, EngineError
+from backfill.gateway.refusals import GatewayUnavailable
+from backfill.refusals import InvalidRequest, ModelNotFound
+from backfill.store import Repository
+from backfill.store.records import TenantRecord
+from backfill.store.summaries import NewDocument, SummaryJobRecord
+from backfill.summarize import jobs
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.prompts import map_messages, reduce_messages
+from backfill.summarize.writer import SummaryRow
+from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
+from queue_api.summary_schemas import CreateSummaryJobBody, DocumentsAdded, SummaryJobObject
+
+router = APIRouter(prefix="/v1/summary_jobs", tags=["summaries"])
+
+
+def _render(repo: Repository, job: SummaryJobRecord) -> SummaryJobObject:
+    counts = repo.summary_counts(job.id)
+    progress = jobs.progress(job, counts, repo.now())
+    return SummaryJobObject.of(job, progress, repo.summary_batch_ids(job.id))
+
+
+async def _serving_engine(request: Request, model: str) -> tuple[Engine, int]:
+    """An engine serving ``model`` and its context length."""
+    gateway = request.app.state.gateway
+    nodes, any_node = await gateway.admission.directory.serving(model)
+    nodes = [n for n in nodes if n.max_model_len]
+    if not nodes:
+        if any_node:
+            raise ModelNotFound(f"The model `{model}` is not served by any node", param="model")
+        raise GatewayUnavailable("no engine is registered yet", retry_after_s=5.0)
+    return gateway.engine(nodes[0].engine_url), int(nodes[0].max_model_len)
+
+
+@router.post("")
+async def create_summary_job(
+    body: CreateSummaryJobBody,
+    request: Request,
+    tenant: TenantDep,
+    repo: RepositoryDep,
+    settings: SettingsDep,
+) -> SummaryJobObject:
+    engine, context = await _serving_engine(request, body.model)
+    try:
+        map_tokens = await engine.tokenize_chat(map_messages(body.instruction, ""), body.model)
+        reduce_tokens = await engine.tokenize_chat(
+            reduce_messages(body.instruction, []), body.model
+        )
+    except EngineError as exc:
+        raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
+    shape = JobShape(context, map_tokens, reduce_tokens, body.max_summary_tokens)
+    request_ = jobs.SummaryJobRequest(
+        body.model, body.instruction, body.max_summary_tokens, body.completion_window
+    )
+    job = await run_in_threadpool(jobs.create_job, repo, settings, tenant, request_, shape)
+    return await run_in_threadpool(_render, repo, job)
+
+
+def _document_rows(raw: bytes) -> list[tuple[str | None, str | None, str | None]]:
+    """``(id, text, error)`` of each JSON line of a documents body."""
+    rows = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except ValueError:
+            raise InvalidRequest(f"line {number} is not JSON", param="documents") from None
+        if not isinstance(record, dict):
+            raise InvalidRequest(f"line {number} is not a JSON object", param="documents")
+        doc_id, text, error = record.get("id"), record.get("text"), record.get("error")
+        for name, value in (("id", doc_id), ("text", text), ("error", error)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequest(f"line {number}: {name} must be a string", param=name)
+        rows.append((doc_id, text, error))
+    return rows
+
+
+@router.post("/{job_id}/documents")
+async def add_documents(
+    job_id: str, request: Request, tenant: TenantDep, repo: RepositoryDep
+) -> DocumentsAdded:
+    """Documents as JSON lines: ``{"id": ..., "text": ...}``, or ``{"id": ..., "error": ...}``
+    for a row the client could not read (it is kept, with its error, in the results)."""
+    job = await run_in_threadpool(repo.get_summary_job, tenant.id, job_id)
+    engine, _ = await _serving_engine(request, job.model)
+    rows = _document_rows(await request.body())
+
+    def count(text: str) -> int:
+        return int(anyio.from_thread.run(engine.tokenize_prompt, text, job.model))
+
+    def prepare_and_store() -> DocumentsAdded:
+        documents = [
+            NewDocument(doc_id, error=error)
+            if error is not None
+            else jobs.prepare_document(job, doc_id, text, count)
+            for doc_id, text, error in rows
+        ]
+        first = jobs.add_documents(repo, job, documents)
+        return DocumentsAdded(
+            first=first,
+            received=len(documents),
+            failed=sum(d.error is not None for d in documents),
+            split=sum(len(d.bodies) > 1 for d in documents),
+        )
+
+    try:
+        return await anyio.to_thread.run_sync(prepare_and_store)
+    except EngineError as exc:
+        raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
+
+
+def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:
+    job = repo.get_summary_job(tenant.id, job_id)
+    return _render(repo, jobs.start_job(repo, settings, tenant, job))
+
+
+@router.post("/{job_id}/start")
+def start_summary_job(
+    job_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
+) -> SummaryJobObject:
+    """Admit the job on its whole forecast (refused when its window cannot be met) and run
+    it under one deadline."""
+    return _start(repo, settings, tenant, job_id)
+
+
+@router.get("/{job_id}")
+def retrieve_summary_job(job_id: str, tenant: TenantDep, repo: RepositoryDep) -> SummaryJobObject:
+    return _render(repo, repo.get_summary_job(tenant.id, job_id))
+
+
+@router.post("/{job_id}/cancel")
+def cancel_summary_job(job_id: str, tenant: TenantDep, repo: RepositoryDep) -> SummaryJobObject:
+    return _render(repo, jobs.cancel_job(repo, tenant, job_id))
+
+
+def _lines(rows: Any) -> Any:
+    row: SummaryRow
+    for row in rows:
+        yield json.dumps(asdict(row), ensure_ascii=False) + "\n"
+
+
+@router.get("/{job_id}/results", response_model=None)
+def summary_results(job_id: str, tenant: TenantDep, repo: RepositoryDep) -> StreamingResponse:
+    """One JSON line per document, in source order: its id, summary, error, usage, chunks and
+    split depth; documents still running have no summary yet."""
+    job = repo.get_summary_job(tenant.id, job_id)
+    return StreamingResponse(_lines(jobs.result_rows(repo, job.id)), media_type="application/jsonl")

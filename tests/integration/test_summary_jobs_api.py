@@ -1,0 +1,182 @@
+"""``/v1/summary_jobs`` through the real API and Postgres: create (shaped by the engine's
+context and template counts), send documents, start, watch, cancel, read results. The engine
+is a stand-in on HTTP that answers what the API asks of it (``/v1/models`` and ``/tokenize``,
+a word count); the batch items are run by the stand-in worker."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from batch_api_support import LiveServer, Tenant, run_worker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from backfill.config import Settings
+from backfill.store import Repository
+from backfill.summarize import driver
+from devkit.harness import free_port
+
+MODEL = "tiny-model"
+P = "/summary_jobs"
+CONTEXT = 400
+_TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+def _count(text: str) -> int:
+    return 1 + len(_TOKENS.findall(text))
+
+
+async def _models(_: Request) -> JSONResponse:
+    return JSONResponse({"data": [{"id": MODEL, "max_model_len": CONTEXT, "root": MODEL}]})
+
+
+async def _tokenize(request: Request) -> JSONResponse:
+    body = await request.json()
+    if "messages" in body:
+        text = "".join(m["content"] for m in body["messages"]) + " <assistant>"
+    else:
+        text = body["prompt"]
+    return JSONResponse({"count": _count(text), "max_model_len": CONTEXT})
+
+
+@pytest.fixture
+def engine_url() -> Iterator[str]:
+    app = Starlette(
+        routes=[Route("/v1/models", _models), Route("/tokenize", _tokenize, methods=["POST"])]
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def api(
+    repo: Repository, engine_url: str, server: LiveServer, acme: Tenant
+) -> Iterator[httpx.Client]:
+    repo.upsert_node("node-1", engine_url, MODEL, 1000, 16, 0)
+    with httpx.Client(
+        base_url=f"{server.base_url}/v1",
+        headers={"Authorization": f"Bearer {acme.key}"},
+        timeout=60,
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+def settings_(settings: Settings) -> Settings:
+    return settings.model_copy(update={"max_lines_per_batch": 4})
+
+
+LONG = "\n\n".join(
+    f"Paragraph {i} of the long report. " + "It has several words in each sentence. " * 6
+    for i in range(30)
+)
+
+
+def _send(api: httpx.Client, job_id: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    answer = api.post(f"{P}/{job_id}/documents", content=body)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_a_job_through_the_api_map_reduces_and_reads_back_as_rows(
+    api: httpx.Client, repo: Repository, settings_: Settings
+) -> None:
+    created = api.post(
+        P, json={"model": MODEL, "max_summary_tokens": 48, "completion_window": "1h"}
+    )
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["status"] == "receiving"
+    assert job["context_tokens"] == CONTEXT
+    assert job["fan_in"] >= 2
+
+    first = _send(api, job["id"], [{"id": "long", "text": LONG}, {"id": "a", "text": "Short."}])
+    assert first == {
+        "object": "summary_job.documents",
+        "first": 0,
+        "received": 2,
+        "failed": 0,
+        "split": 1,
+    }
+    second = _send(
+        api, job["id"], [{"id": "b", "text": "Also short."}, {"id": "c", "error": "missing text"}]
+    )
+    assert (second["first"], second["failed"]) == (2, 1)
+
+    started = api.post(f"{P}/{job['id']}/start").json()
+    assert started["status"] == "in_progress"
+    assert started["expires_at"] is not None
+    for _ in range(40):
+        driver.drive(repo, settings_)
+        status = api.get(f"{P}/{job['id']}").json()
+        if status["status"] != "in_progress":
+            break
+        run_worker(repo)
+    assert status["status"] == "completed"
+    assert len(status["batches"]) >= 2  # several batch files under the one job
+    progress = status["progress"]
+    assert progress["documents"] == {"pending": 0, "succeeded": 3, "failed": 1}
+    assert progress["steps_done"] == progress["steps_planned"]
+
+    lines = [json.loads(x) for x in api.get(f"{P}/{job['id']}/results").text.splitlines()]
+    assert [row["id"] for row in lines] == ["long", "a", "b", "c"]
+    assert lines[0]["chunks"] > 1
+    assert lines[0]["split_depth"] >= 1
+    assert lines[0]["summary"].startswith("answer to 0:")
+    assert lines[1]["summary"] == "answer to 1:0"
+    assert lines[3] == {
+        "id": "c",
+        "summary": None,
+        "error": "missing text",
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "chunks": 1,
+        "split_depth": 0,
+    }
+
+
+def test_cancel_mid_job_through_the_api(
+    api: httpx.Client, repo: Repository, settings_: Settings
+) -> None:
+    job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, job["id"], [{"id": "long", "text": LONG}, {"id": "a", "text": "Short."}])
+    api.post(f"{P}/{job['id']}/start")
+    driver.drive(repo, settings_)
+    run_worker(repo, limit=2)
+    cancelling = api.post(f"{P}/{job['id']}/cancel").json()
+    assert cancelling["status"] == "cancelling"
+    driver.drive(repo, settings_)
+    assert api.get(f"{P}/{job['id']}").json()["status"] == "cancelled"
+    late = api.post(f"{P}/{job['id']}/documents", content=b'{"id": "x", "text": "late"}\n')
+    assert late.status_code == 409
+
+
+def test_odd_requests_get_clear_errors(api: httpx.Client) -> None:
+    too_long = api.post(P, json={"model": MODEL, "max_summary_tokens": 300})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "max_summary_tokens"
+    unknown = api.post(P, json={"model": "no-such-model"})
+    assert unknown.status_code == 404
+    job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    bad = api.post(f"{P}/{job['id']}/documents", content=b'{"id": "a", "text": "x"}\nnot json\n')
+    assert bad.status_code == 400
+    assert "line 2" in bad.json()["error"]["message"]
+    assert api.get(f"{P}/sumjob_nope").status_code == 404
