@@ -203,6 +203,49 @@ class ApiClient:
                 if line.strip():
                     yield line.encode() + b"\n"
 
+    # -- summarisation jobs (/v1/summary_jobs) ------------------------------------------------
+
+    def create_summary_job(
+        self, model: str, instruction: str, max_summary_tokens: int, completion_window: str
+    ) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "instruction": instruction,
+            "max_summary_tokens": max_summary_tokens,
+            "completion_window": completion_window,
+        }
+        return self._json("POST", "/v1/summary_jobs", json=body)
+
+    def add_summary_documents(self, job_id: str, lines: bytes) -> dict[str, Any]:
+        """One page of documents, as JSON lines (the engine counts them: no read timeout)."""
+        return self._json(
+            "POST", f"/v1/summary_jobs/{job_id}/documents", content=lines, timeout=None
+        )
+
+    def start_summary_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/summary_jobs/{job_id}/start")
+
+    def summary_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/summary_jobs/{job_id}")
+
+    def cancel_summary_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/summary_jobs/{job_id}/cancel")
+
+    def summary_results(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job's result rows as the API streams them (partial while it runs)."""
+        with (
+            self._translated(),
+            self._http.stream(
+                "GET", f"/v1/summary_jobs/{job_id}/results", timeout=None
+            ) as response,
+        ):
+            if response.status_code >= 400:
+                response.read()
+                raise _explain(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
 
 def summarisation_lines(
     documents: Iterable[tuple[str, str]], model: str, max_tokens: int, prompt: str

@@ -21,7 +21,7 @@ from backfill import logs
 from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
 from backfill.redis_client import connect
-from backfill_cli import capacity_commands, client_commands, webhook_commands
+from backfill_cli import capacity_commands, client_commands, summary_commands, webhook_commands
 
 app = typer.Typer(
     help="Backfill: a batch LLM job queue that fills the KV-cache slack interactive traffic "
@@ -34,6 +34,7 @@ tenants_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=Tr
 app.add_typer(tenants_app, name="tenants")
 # The tenant's commands (submit, status, results, ...) talk to the API over HTTP.
 client_commands.register(app)
+summary_commands.register(app)
 webhook_commands.register(app)
 # Capacity planning and the simulator: pure computation, no services.
 capacity_commands.register(app)

@@ -345,8 +345,17 @@ def status(
     watch: WatchOpt = False,
     interval: IntervalOpt = 1.0,
 ) -> None:
-    """A batch's progress: items by state, tokens, ETA (live with --watch)."""
+    """A batch's progress: items by state, tokens, ETA (live with --watch); for a summary
+    job, its documents, steps and ETA."""
+    from backfill_cli import summary_commands as summaries  # noqa: PLC0415 (a cycle)
+
     with _client(api, key) as client:
+        if summaries.is_summary_job(batch_id):
+            if watch:
+                summaries.watch_summary(client, batch_id, interval)
+            else:
+                out.print(summaries.render_summary_status(client.summary_job(batch_id)))
+            return
         if not watch:
             out.print(render_status(client.batch(batch_id)))
             return
@@ -378,7 +387,19 @@ def results(
         ),
     ] = None,
 ) -> None:
-    """Stream a batch's finished results as JSONL (while it runs, too)."""
+    """Stream a batch's finished results as JSONL (while it runs, too); a summary job's
+    rows (ids, summaries, usage, split depth, errors) into -o FILE.parquet, .csv or .jsonl."""
+    from backfill_cli import summary_commands as summaries  # noqa: PLC0415 (a cycle)
+
+    if summaries.is_summary_job(batch_id):
+        if output is None:
+            raise ApiError(
+                "a summary job's results go into a file: -o out.parquet (or .csv, .jsonl)"
+            )
+        with _client(api, key) as client:
+            rows = summaries.write_summary_results(client, batch_id, output)
+        err.print(f"{rows} rows written to {output}", markup=False)
+        return
     wanted = [s.strip() for value in state or [] for s in value.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(RESULT_STATES))
     if unknown:
@@ -408,9 +429,15 @@ def cancel(
     api: ApiOpt = DEFAULT_API_URL,
     key: KeyOpt = None,
 ) -> None:
-    """Cancel a batch: unfinished items stop; finished results are kept."""
+    """Cancel a batch (or a summary job): unfinished items stop; finished results are kept."""
+    from backfill_cli import summary_commands as summaries  # noqa: PLC0415 (a cycle)
+
     with _client(api, key) as client:
-        batch = client.cancel(batch_id)
+        batch = (
+            client.cancel_summary_job(batch_id)
+            if summaries.is_summary_job(batch_id)
+            else client.cancel(batch_id)
+        )
     out.print(f"{batch['id']} {batch['status']}")
 
 

@@ -10,9 +10,12 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import uvicorn
 from batch_api_support import LiveServer, Tenant, run_worker
@@ -20,10 +23,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from typer.testing import CliRunner
 
 from backfill.config import Settings
 from backfill.store import Repository
 from backfill.summarize import driver
+from backfill_cli.app import app
 from devkit.harness import free_port
 
 MODEL = "tiny-model"
@@ -180,3 +185,73 @@ def test_odd_requests_get_clear_errors(api: httpx.Client) -> None:
     assert bad.status_code == 400
     assert "line 2" in bad.json()["error"]["message"]
     assert api.get(f"{P}/sumjob_nope").status_code == 404
+
+
+def _cli(server: LiveServer, key: str, *args: str) -> tuple[int, str, str]:
+    env = {"BACKFILL_API_URL": server.base_url, "BACKFILL_API_KEY": key, "COLUMNS": "160"}
+    result = CliRunner().invoke(app, list(args), env=env, catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_cli_summarises_a_parquet_file_into_a_parquet_of_summaries(
+    api: httpx.Client,
+    repo: Repository,
+    server: LiveServer,
+    acme: Tenant,
+    settings_: Settings,
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "docs.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "doc": ["long", "a", "a", "b"],
+                "body": [LONG, "Short one.", "A repeated id.", ""],
+            }
+        ),
+        source,
+    )
+    code, stdout, stderr = _cli(
+        server,
+        acme.key,
+        "summarize",
+        str(source),
+        "--model",
+        MODEL,
+        "--text-column",
+        "body",
+        "--id-column",
+        "doc",
+        "--max-summary-tokens",
+        "48",
+    )
+    assert code == 0, stderr
+    job_id = stdout.strip()
+    assert job_id.startswith("sumjob_")
+    assert "4 documents (1 split, 2 not readable)" in stderr
+    for _ in range(40):
+        driver.drive(repo, settings_)
+        if repo.get_summary_job(None, job_id).state.value != "in_progress":
+            break
+        run_worker(repo)
+    code, stdout, stderr = _cli(server, acme.key, "status", job_id)
+    assert code == 0, stderr
+    assert "completed" in stdout
+
+    output = tmp_path / "out.parquet"
+    code, _, stderr = _cli(server, acme.key, "results", job_id, "-o", str(output))
+    assert code == 0, stderr
+    rows = pq.read_table(output).to_pylist()
+    assert [r["id"] for r in rows] == ["long", "a", "a", "b"]
+    assert rows[0]["summary"].startswith("answer to 0:")
+    assert rows[0]["split_depth"] >= 1
+    assert rows[1]["summary"] == "answer to 1:0"
+    assert rows[2]["error"].startswith("duplicate id 'a'")
+    assert rows[3]["error"] == "empty text"
+    assert not list(tmp_path.glob("*.part*"))
+
+    code, _, stderr = _cli(server, acme.key, "results", job_id, "-o", str(tmp_path / "o.xlsx"))
+    assert code == 1
+    assert "name a file ending in .parquet, .csv, .jsonl" in stderr

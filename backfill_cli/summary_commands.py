@@ -1,0 +1,204 @@
+"""``backfill summarize SOURCE``: a summarisation job over a dataset, and its results as one.
+
+SOURCE is a folder of ``.txt``/``.md``/``.html`` documents, or a JSONL, CSV or Parquet file
+(``--text-column``, ``--id-column``). It is read a row at a time (``backfill.summarize``'s
+readers) and sent to the API in pages, so a file larger than memory goes through; the API
+splits what is too long for the model and the server map-reduces it. ``backfill results
+JOB -o out.parquet`` (or ``.csv``, ``.jsonl``) writes the job's rows: the source ids with their
+summaries, usage, split depth and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from backfill.summarize.documents import Document, SourceInvalid, SourceRow
+from backfill.summarize.folder import read_folder
+from backfill.summarize.prompts import DEFAULT_INSTRUCTION
+from backfill.summarize.tables import read_table
+from backfill.summarize.writer import ResultsWriter, UnknownFormat, row_from_record
+from backfill_cli.api_client import DEFAULT_API_URL, ApiClient, ApiError
+from backfill_cli.client_commands import (
+    TERMINAL,
+    ApiOpt,
+    IntervalOpt,
+    KeyOpt,
+    _ago_or_in,
+    _client,
+    _watch,
+    err,
+    one_line_errors,
+)
+
+SUMMARY_JOB_PREFIX = "sumjob_"
+PAGE_BYTES = 4 * 1024 * 1024
+"""Documents sent per request, at most (a document longer than this goes alone)."""
+
+
+def is_summary_job(job_id: str) -> bool:
+    return job_id.startswith(SUMMARY_JOB_PREFIX)
+
+
+def source_rows(
+    source: Path, text_column: str | None, id_column: str | None
+) -> Iterator[SourceRow]:
+    """The rows of a folder or a table file, read as they are needed."""
+    try:
+        if source.is_dir():
+            return read_folder(source)
+        if not text_column:
+            raise SourceInvalid(f"{source} is a table: name its text column with --text-column")
+        return read_table(source, text_column, id_column)
+    except SourceInvalid as exc:
+        raise ApiError(str(exc)) from None
+
+
+def document_pages(rows: Iterator[SourceRow], page_bytes: int = PAGE_BYTES) -> Iterator[bytes]:
+    """JSON lines of documents (and of rows that cannot be summarised, with their error),
+    cut into pages of about ``page_bytes``."""
+    page: list[bytes] = []
+    size = 0
+    for row in rows:
+        if isinstance(row, Document):
+            record: dict[str, Any] = {"id": row.id, "text": row.text}
+        else:
+            record = {"id": row.id if row.id is not None else f"row {row.row}", "error": row.error}
+        line = json.dumps(record, ensure_ascii=False).encode() + b"\n"
+        if page and size + len(line) > page_bytes:
+            yield b"".join(page)
+            page, size = [], 0
+        page.append(line)
+        size += len(line)
+    if page:
+        yield b"".join(page)
+
+
+def render_summary_status(job: dict[str, Any], now: float | None = None) -> RenderableType:
+    now = time.time() if now is None else now
+    progress = job.get("progress") or {}
+    documents = progress.get("documents") or {}
+    done, planned = int(progress.get("steps_done", 0)), int(progress.get("steps_planned", 0))
+    header = Text.assemble(
+        (str(job.get("id")), "bold"),
+        "  ",
+        (str(job.get("status")), "cyan"),
+        f"  model {job.get('model')}",
+    )
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(
+        ProgressBar(total=max(planned, 1), completed=done, width=40),
+        f"{done}/{planned} steps (map and reduce) finished",
+    )
+    facts = Table.grid(padding=(0, 2))
+    facts.add_row(
+        "documents",
+        ", ".join(f"{documents.get(s, 0)} {s}" for s in ("pending", "succeeded", "failed")),
+    )
+    facts.add_row(
+        "tokens",
+        f"{progress.get('prompt_tokens', 0)} prompt, {progress.get('completion_tokens', 0)} output",
+    )
+    facts.add_row("batches", str(len(job.get("batches") or [])))
+    facts.add_row("ETA", _ago_or_in(progress.get("eta"), now))
+    facts.add_row("deadline", _ago_or_in(job.get("expires_at"), now))
+    if job.get("error"):
+        facts.add_row("error", str(job["error"]))
+    return Group(header, bar, facts)
+
+
+def watch_summary(client: ApiClient, job_id: str, interval: float) -> None:
+    def frame() -> tuple[RenderableType, bool]:
+        job = client.summary_job(job_id)
+        return render_summary_status(job), job.get("status") in TERMINAL
+
+    _watch(frame, interval)
+
+
+@one_line_errors
+def summarize(
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A folder of .txt/.md/.html documents, or a .jsonl, .csv or .parquet file.",
+            show_default=False,
+        ),
+    ],
+    model: Annotated[str, typer.Option(help="The model that summarises.", show_default=False)],
+    text_column: Annotated[
+        str | None, typer.Option(help="The column of a table that holds the text.")
+    ] = None,
+    id_column: Annotated[
+        str | None,
+        typer.Option(help="The column of a table with each row's id (default: its number)."),
+    ] = None,
+    instruction: Annotated[str, typer.Option(help="What to ask of each document.")] = (
+        DEFAULT_INSTRUCTION
+    ),
+    max_summary_tokens: Annotated[int, typer.Option(min=1, help="Summary length cap.")] = 256,
+    window: Annotated[str, typer.Option(help="Completion window, e.g. 30m, 2h, 24h.")] = "24h",
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Follow the job to its end.")
+    ] = False,
+    interval: IntervalOpt = 1.0,
+    api: ApiOpt = DEFAULT_API_URL,
+    key: KeyOpt = None,
+) -> None:
+    """Summarise every document of SOURCE in one job (long ones map-reduced); prints the
+    job id on stdout."""
+    rows = source_rows(source, text_column, id_column)
+    with _client(api, key) as client:
+        job = client.create_summary_job(model, instruction, max_summary_tokens, window)
+        received = split = failed = 0
+        try:
+            for page in document_pages(rows):
+                added = client.add_summary_documents(job["id"], page)
+                received += int(added["received"])
+                split += int(added["split"])
+                failed += int(added["failed"])
+        except SourceInvalid as exc:
+            client.cancel_summary_job(job["id"])
+            raise ApiError(str(exc)) from None
+        except (OSError, ApiError):
+            client.cancel_summary_job(job["id"])
+            raise
+        if not received:
+            client.cancel_summary_job(job["id"])
+            raise ApiError(f"{source} holds no documents")
+        job = client.start_summary_job(job["id"])
+        err.print(
+            f"summary job {job['id']}: {received} documents ({split} split, {failed} not "
+            f"readable), {job['status']}, window {window}",
+            markup=False,
+        )
+        print(job["id"])
+        if watch:
+            watch_summary(client, job["id"], interval)
+
+
+def write_summary_results(client: ApiClient, job_id: str, output: Path) -> int:
+    """The job's rows into ``output`` (its format by its suffix); a file that exists is
+    complete (written as ``.part`` and renamed)."""
+    partial = output.with_name(output.name + ".part" + output.suffix)
+    try:
+        writer = ResultsWriter(partial)
+    except UnknownFormat as exc:
+        raise ApiError(str(exc).replace(str(partial), str(output))) from None
+    with writer:
+        for record in client.summary_results(job_id):
+            writer.write(row_from_record(record))
+    partial.replace(output)
+    return writer.rows
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(summarize)
