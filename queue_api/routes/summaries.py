@@ -60,7 +60,9 @@ async def create_summary_job(
     repo: RepositoryDep,
     settings: SettingsDep,
 ) -> SummaryJobObject:
-    engine, context = await _serving_engine(request, body.model)
+    engine, model_context = await _serving_engine(request, body.model)
+    # A step is refused at run time past the batch class's limit, as past the model's.
+    context = min(model_context, settings.batch_max_sequence_tokens)
     try:
         map_tokens = await engine.tokenize_chat(map_messages(body.instruction, ""), body.model)
         reduce_tokens = await engine.tokenize_chat(
