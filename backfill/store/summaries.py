@@ -205,6 +205,13 @@ END_DOCUMENT = (
     "prompt_tokens = :pt, completion_tokens = :ct, split_depth = :depth, touched = false "
     "WHERE job_id = :i AND seq = :seq AND state = 'pending'"
 )
+# Pending steps no batch was made for (none numbered, or numbered and not made).
+FAIL_UNMADE = (
+    "UPDATE summary_steps s SET state = 'failed', error = :error "
+    "WHERE s.job_id = :i AND s.state = 'pending' AND (s.batch_no IS NULL OR EXISTS ("
+    "  SELECT 1 FROM summary_batches b WHERE b.job_id = s.job_id AND b.batch_no = s.batch_no "
+    "  AND b.batch_id IS NULL)) RETURNING s.seq"
+)
 FAIL_PENDING = (
     "UPDATE summary_documents SET state = 'failed', error = :error, touched = false "
     "WHERE job_id = :i AND state = 'pending'"
@@ -504,6 +511,15 @@ class Summaries(Store):
                         "depth": doc.split_depth,
                     },
                 )
+
+    def fail_unmade_steps(self, job_id: str, error: str) -> int:
+        """Fail the pending steps no batch was made for, and mark their documents for the
+        driver, in one transaction; returns how many."""
+        with self._tx() as conn:
+            seqs = list(conn.execute(text(FAIL_UNMADE), {"i": job_id, "error": error}).scalars())
+            if seqs:
+                conn.execute(text(TOUCH_DOCUMENTS), {"i": job_id, "seqs": sorted(set(seqs))})
+        return len(seqs)
 
     def fail_pending_documents(self, job_id: str, error: str) -> int:
         with self._tx() as conn:

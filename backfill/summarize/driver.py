@@ -27,7 +27,6 @@ import io
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 
 from backfill import finalize
 from backfill.batch_ingest import Admission, ingest_items
@@ -89,13 +88,22 @@ def drive_job(
     if job.state is not SummaryJobState.IN_PROGRESS:
         return
     report.harvested += harvest(repo, job)
+    _decide(repo, job, report)
+    if job.deadline is not None and repo.now() >= job.deadline:
+        # Past its deadline no batch of it is made: the steps without one fail as expired.
+        if repo.fail_unmade_steps(job.id, "expired: the job's deadline passed before it ran"):
+            _decide(repo, job, report)
+    else:
+        report.batches += make_batches(repo, settings, job)
+    if _end_if_done(repo, job):
+        report.jobs_ended += 1
+
+
+def _decide(repo: SummaryStore, job: SummaryJobRecord, report: DriverReport) -> None:
     decided, created, ended = decide(repo, job)
     report.decided += decided
     report.reduce_steps += created
     report.documents_ended += ended
-    report.batches += make_batches(repo, settings, job)
-    if _end_if_done(repo, job):
-        report.jobs_ended += 1
 
 
 def harvest(repo: SummaryStore, job: SummaryJobRecord) -> int:
@@ -164,8 +172,6 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
 def make_batches(repo: SummaryStore, settings: Settings, job: SummaryJobRecord) -> int:
     """Cut the steps no batch carries into numbered batches, then make every numbered batch
     not made yet; returns how many were made."""
-    if job.deadline is not None and repo.now() >= job.deadline:
-        _expire_unbatched(repo, job)
     cut_steps = 0
     while cut_steps < MAX_ROUND_STEPS:
         steps = repo.unbatched_steps(job.id, settings.max_lines_per_batch)
@@ -224,28 +230,31 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
     key = batch_key(job.id, batch_no)
     existing = repo.job_id_for_idempotency_key(tenant.id, key)
     if existing is not None:
-        repo.set_batch(job.id, batch_no, existing)
-        return existing
-    lines = (batch_line(seq, node, body) for seq, node, body in repo.batch_steps(job.id, batch_no))
-    reader = io.BufferedReader(_LinesReader(lines))
-    record = upload_file(
-        repo,
-        settings,
-        tenant.id,
-        filename=f"{job.id}-{batch_no}.jsonl",
-        purpose=INPUT_PURPOSE,
-        content=reader,
-    )
-    batch = repo.create_job(
-        tenant.id,
-        record.id,
-        CHAT_URL,
-        job.completion_window,
-        job.deadline,
-        metadata={"summary_job": job.id, "summary_batch": str(batch_no)},
-        idempotency_key=key,
-        model=job.model,
-    )
+        # Made before the driver stopped: its items may still be to store.
+        batch = repo.get_job(tenant.id, existing)
+        record = repo.get_file(tenant.id, batch.input_file_id)
+    else:
+        lines = (
+            batch_line(seq, node, body) for seq, node, body in repo.batch_steps(job.id, batch_no)
+        )
+        record = upload_file(
+            repo,
+            settings,
+            tenant.id,
+            filename=f"{job.id}-{batch_no}.jsonl",
+            purpose=INPUT_PURPOSE,
+            content=io.BufferedReader(_LinesReader(lines)),
+        )
+        batch = repo.create_job(
+            tenant.id,
+            record.id,
+            CHAT_URL,
+            job.completion_window,
+            job.deadline,
+            metadata={"summary_job": job.id, "summary_batch": str(batch_no)},
+            idempotency_key=key,
+            model=job.model,
+        )
     if batch.state is JobState.VALIDATING and batch.input_file_id == record.id:
         # The job was admitted on its whole forecast at its start; its batches run under its
         # deadline without being judged again one by one.
@@ -265,22 +274,11 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
     return batch.id
 
 
-def _expire_unbatched(repo: SummaryStore, job: SummaryJobRecord) -> None:
-    """Steps made after the job's deadline never run: they fail as expired."""
-    while True:
-        steps = repo.unbatched_steps(job.id, HARVEST_PAGE)
-        if not steps:
-            return
-        failed = StepView(StepState.FAILED, error="expired: the job's deadline passed")
-        repo.end_steps(job.id, {(seq, node): failed for seq, node, _ in steps})
-        repo.number_batch(job.id, [(seq, node) for seq, node, _ in steps])
-
-
 def _end_if_done(repo: SummaryStore, job: SummaryJobRecord) -> bool:
     counts = repo.summary_counts(job.id)
     if counts.documents.get(DocumentState.PENDING, 0):
         return False
-    late = job.deadline is not None and repo.now() >= job.deadline - timedelta(seconds=0)
+    late = job.deadline is not None and repo.now() >= job.deadline
     failed = counts.documents.get(DocumentState.FAILED, 0)
     target = SummaryJobState.EXPIRED if late and failed else SummaryJobState.COMPLETED
     with contextlib.suppress(StaleWrite):

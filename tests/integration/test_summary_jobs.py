@@ -193,3 +193,57 @@ def test_a_job_whose_whole_forecast_misses_its_deadline_is_refused_at_start(
         jobs.start_job(repo, slow, repo.tenant_by_id(tenant_id), job)
     assert repo.get_summary_job(None, job_id).state is SummaryJobState.RECEIVING
     assert repo.summary_batch_ids(job_id) == []
+
+
+def test_a_driver_killed_between_making_a_batch_and_storing_its_items_stores_them_next_round(
+    repo: Repository, small_batches: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant_id, job_id = _new_job(repo, small_batches)
+    jobs.start_job(
+        repo, small_batches, repo.tenant_by_id(tenant_id), repo.get_summary_job(None, job_id)
+    )
+    real_ingest = driver.ingest_items
+    kills = {"left": 1}
+
+    def killed_before_ingest(*args: object, **kwargs: object) -> object:
+        if kills["left"]:
+            kills["left"] -= 1
+            raise BackfillError("the driver was killed")
+        return real_ingest(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(driver, "ingest_items", killed_before_ingest)
+    driver.drive(repo, small_batches)  # the first batch is created, its items not stored
+    assert repo.summary_batch_ids(job_id) == []
+    _run_to_end(repo, small_batches, job_id)
+    job = repo.get_summary_job(tenant_id, job_id)
+    assert job.state is SummaryJobState.COMPLETED
+    counts = repo.summary_counts(job_id)
+    assert counts.documents == {DocumentState.SUCCEEDED: 6, DocumentState.FAILED: 1}
+    ids = [cid for _, cid in _batch_items(repo, job_id)]
+    assert len(ids) == len(set(ids)) == job.planned_steps
+
+
+def test_past_its_deadline_a_job_makes_no_batch_and_ends_expired(
+    repo: Repository, small_batches: Settings
+) -> None:
+    tenant_id, job_id = _new_job(repo, small_batches)
+    jobs.start_job(
+        repo, small_batches, repo.tenant_by_id(tenant_id), repo.get_summary_job(None, job_id)
+    )
+    driver.drive(repo, small_batches)
+    run_worker(repo)  # the map steps end; the long document's reduce steps are still to make
+    batches = len(repo.summary_batch_ids(job_id))
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE summary_jobs SET deadline = now() - interval '1 second' WHERE id = :j"),
+            {"j": job_id},
+        )
+    driver.drive(repo, small_batches)
+    job = repo.get_summary_job(tenant_id, job_id)
+    assert job.state is SummaryJobState.EXPIRED
+    assert len(repo.summary_batch_ids(job_id)) == batches  # no reduce batch was made
+    rows = {r.id: r for r in jobs.result_rows(repo, job_id)}
+    assert rows["long"].summary is None
+    assert rows["long"].error is not None
+    assert "expired" in rows["long"].error
+    assert rows["s0"].summary == "answer to 1:0"  # what was summarised is kept
