@@ -94,11 +94,12 @@ def prepare_document(
     shape = job.shape
     limit = shape.chunk_budget.text_tokens
     bound = len(text.encode("utf-8", "surrogatepass")) + BYTES_BOUND_SLACK
-    if bound <= limit:
-        chunks, tokens = [text], [bound]
+    whole = bound if bound <= limit else count(text)
+    if whole <= limit:
+        chunks, tokens = [text], [whole]
     else:
         chunks = split_document(text, limit, count)
-        tokens = [count(chunk) for chunk in chunks] if len(chunks) > 1 else [count(text)]
+        tokens = [count(chunk) for chunk in chunks]
     bodies = [
         request_body(job.model, map_messages(job.instruction, chunk), shape.summary_tokens)
         for chunk in chunks
@@ -116,7 +117,7 @@ def add_documents(repo: SummaryStore, job: SummaryJobRecord, documents: list[New
     """Store documents prepared for ``job``, numbered after those it has (a step's custom id
     is made from its document's number when its batch is)."""
     if job.state is not SummaryJobState.RECEIVING:
-        raise NotCancellable(
+        raise StaleWrite(
             f"summary job {job.id} is {job.state.value}: it takes documents only while receiving"
         )
     return repo.add_documents(job.id, documents)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import itertools
 import json
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backfill.store.summaries import SummaryJobRecord
 from backfill.summarize.chunks import ChunkTooSmall
 from backfill.summarize.decide import StepView, decide_document
 from backfill.summarize.job_plan import BatchCut, JobShape, job_tokens
+from backfill.summarize.jobs import prepare_document
 from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import (
     LINE_OVERHEAD,
@@ -172,3 +175,64 @@ def test_a_finished_item_becomes_its_steps_outcome():
     empty = {"choices": [{"message": {"content": ""}}], "usage": {"prompt_tokens": 5}}
     assert step_outcome("succeeded", json.dumps(empty), None).state is StepState.FAILED
     assert step_outcome("succeeded", "not json", None).state is StepState.FAILED
+
+
+def _job_record(shape: JobShape) -> SummaryJobRecord:
+    now = datetime.now(UTC)
+    return SummaryJobRecord(
+        id="sumjob_x",
+        tenant_id="t",
+        model="m",
+        instruction="Summarise.",
+        completion_window="1h",
+        state=SummaryJobState.RECEIVING,
+        shape=shape,
+        fan_in=shape.fan_in,
+        forecast_tokens=0,
+        planned_steps=0,
+        deadline=None,
+        error=None,
+        created_at=now,
+        started_at=None,
+        ended_at=None,
+    )
+
+
+def test_a_document_whose_bytes_fit_is_one_map_step_without_counting():
+    calls: list[str] = []
+
+    def counting(text: str) -> int:
+        calls.append(text)
+        return len(text.split()) + 1
+
+    job = _job_record(SHAPE)
+    doc = prepare_document(job, "a", "A short document.", counting)
+    assert calls == []
+    assert len(doc.bodies) == 1
+    assert json.loads(doc.bodies[0])["messages"][0]["content"] == "Summarise.\n\nA short document."
+    assert doc.planned_steps == 1
+    assert doc.split_depth == 0
+
+
+def test_a_long_document_is_split_and_its_forecast_counts_its_reduce():
+    def counting(text: str) -> int:
+        return len(text.split()) + 1
+
+    job = _job_record(SHAPE)
+    text = "\n\n".join("word " * 300 for _ in range(20))  # 6,000 words; a chunk holds 1,882 tokens
+    doc = prepare_document(job, "long", text, counting)
+    chunks = [
+        json.loads(b)["messages"][0]["content"].removeprefix("Summarise.\n\n") for b in doc.bodies
+    ]
+    assert "".join(chunks) == text
+    assert len(chunks) > 1
+    plan = plan_reduce(len(chunks), SHAPE.fan_in)
+    assert doc.planned_steps == plan.nodes
+    assert doc.split_depth == plan.depth == 1
+    assert doc.forecast_tokens == SHAPE.document_tokens([counting(c) for c in chunks])
+
+
+def test_blank_or_overlong_id_rows_are_recorded_not_split():
+    job = _job_record(SHAPE)
+    assert prepare_document(job, "a", "  ", len).error == "empty text"
+    assert prepare_document(job, "x" * 600, "text", len).error == "id too long"
