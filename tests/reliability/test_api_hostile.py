@@ -59,6 +59,9 @@ MAX_FILE = 64 * 1024
 MAX_LINE = 8 * 1024
 EXAMPLES = 25
 GATEWAY = re.compile(r"^/v1/(chat/)?completions$")
+ENGINE_SHAPED = ("POST", "/v1/summary_jobs")
+"""A summary job's create asks an engine for its context and template counts: without one
+registered it is a 503 with Retry-After, as the gateway's routes are."""
 
 
 class Captured(logging.Handler):
@@ -126,7 +129,9 @@ def test_no_generated_request_gets_a_server_error(api: Api) -> None:
     for result in schema.get_all_operations():
         assert isinstance(result, Ok), f"the API's OpenAPI schema is invalid: {result}"
         operation = result.ok()
-        if GATEWAY.match(operation.path):
+        if GATEWAY.match(operation.path) or (operation.method.upper(), operation.path) == (
+            ENGINE_SHAPED
+        ):
             continue  # the interactive gateway proxies to engines this deployment lacks
         for mode in GenerationMode:
 
