@@ -23,6 +23,11 @@ Every step, before vLLM's own scheduler runs, :func:`plan_step` decides from a
   (unless ``ahead_while_likely``): the plan empties it, vLLM's engine loop waits for the step
   in flight, and an arrival meanwhile is in the next step instead of behind one more batch
   step;
+- *idle-ready*: while interactive work is in the engine and for ``idle_ready_s`` after, batch
+  sits out every step (paused, none admitted, the starvation bound still holding): the engine
+  runs interactive work alone or idles, and the next arrival of a burst starts at once instead
+  of waiting for a step in flight, whose fixed cost no cap on batch tokens shortens; batch
+  makes up for it past the window, best with the cap lifted there (``lift_cap_after_s``);
 - the *chunk cap*: batch prefill tokens per step, all batch sequences together, sized from the
   model so the step stays within ``chunk_target_s`` of batch prefill: an interactive request
   arriving mid-step waits at most one short step; lifted once no interactive request has been
@@ -115,6 +120,9 @@ class StepPlan:
     held_back: bool = False
     """Not scheduled ahead: this step carries nothing, so the engine waits for the step in
     flight before it schedules the next (interactive work likely, none in the engine)."""
+    idle_ready: bool = False
+    """Batch sits this step out (interactive work in the engine, none waiting, or right after
+    it): only a sequence at its starvation bound moves."""
 
 
 def chunk_cap(settings: SchedulerSettings, fit: StepFit | None, token_budget: int) -> int:
@@ -174,24 +182,44 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
     cap = chunk_cap(settings, view.fit, view.token_budget)
     interactive = [s for s in view.sequences if not s.batch]
     holding = any(not s.resident or s.prefill_tokens > 0 for s in interactive)
+    if not holding and idle_ready(settings.idle_ready_s, view.interactive_quiet_s):
+        return _yielding_step(view, settings, cap, holding=False)
     if not holding:
         lifted = cap_lifted(settings, view)
         if lifted:
             cap = lifted_cap(settings, view.fit, view.token_budget)
-        elif interactive_likely(settings, view):
+        if interactive_likely(settings, view):
+            # A lifted step too (a lift sooner than the window's end): it is the longest.
             if not interactive and not settings.ahead_while_likely and scheduled_ahead(view):
                 return _held_back_step(view, cap)
-            if view.fit is not None:
+            if not lifted and view.fit is not None:
                 return _bounded_step(view, settings, view.fit, cap)
         return StepPlan(False, frozenset(), frozenset(), frozenset(), cap, cap, True, 0, lifted)
+    return _yielding_step(view, settings, cap, holding=True)
 
+
+def idle_ready(window_s: float, interactive_quiet_s: float) -> bool:
+    """Whether batch sits a step out, leaving the engine to interactive work and idle for its
+    next arrival: interactive work is in the engine (``interactive_quiet_s`` is 0) or was
+    within ``window_s`` (``idle_ready_s``; 0: never). The simulator
+    (``backfill_analysis.simulate``) runs this same rule."""
+    return interactive_quiet_s < window_s
+
+
+def _yielding_step(
+    view: StepView, settings: SchedulerSettings, cap: int, *, holding: bool
+) -> StepPlan:
+    """Batch yields the step (``holding``: to interactive work waiting or prefilling; else to
+    the arrival expected right after interactive work): resident batch pauses, none is
+    admitted, but for those at their starvation bound (and, holding, the ride-along share)."""
+    interactive = [s for s in view.sequences if not s.batch]
     resident = [s for s in view.sequences if s.batch and s.resident]
     step_s = view.last_step_s if view.last_step_s > 0 else settings.chunk_target_s
     relieved = [s for s in resident if starved(settings, s, view.now, step_s)]
     relieved_ids = {s.request_id for s in relieved}
 
     riders: list[SequenceView] = []
-    if settings.ride_along_share > 0:
+    if holding and settings.ride_along_share > 0:
         room = _ride_along_tokens(view, settings, interactive, cap)
         candidates = sorted(
             (s for s in resident if s.prefill_tokens == 0 and s.request_id not in relieved_ids),
@@ -210,7 +238,7 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
     # batch prefill while holding.
     allowance = cap if admitted or any(s.prefill_tokens > 0 for s in relieved) else 0
     return StepPlan(
-        holding=True,
+        holding=holding,
         paused=frozenset(s.request_id for s in paused),
         relieved=frozenset(relieved_ids),
         riding=frozenset(s.request_id for s in riders),
@@ -219,6 +247,7 @@ def plan_step(view: StepView, settings: SchedulerSettings) -> StepPlan:
         admit_batch=False,
         held_tokens=sum(_held(s, cap) for s in paused),
         admitted=frozenset(s.request_id for s in admitted),
+        idle_ready=not holding,
     )
 
 

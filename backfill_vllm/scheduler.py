@@ -67,6 +67,7 @@ from backfill_vllm.policy import (  # noqa: E402
     StepPlan,
     StepView,
     VictimView,
+    idle_ready,
     kv_victims,
     plan_step,
     slot_victims,
@@ -314,8 +315,10 @@ class BackfillScheduler(Scheduler):
             self._interactive_seen_s = now
         quiet_s = 0.0 if present else now - self._interactive_seen_s
         likely = quiet_s < self.backfill.interactive_likely_s
+        # Idle-ready: batch sits out, but for those at their starvation bound, waiting ones too.
+        idle = idle_ready(self.backfill.idle_ready_s, quiet_s)
         sequences: list[SequenceView] = []
-        if pending:
+        if pending or idle:
             sequences = [self._sequence(r, True) for r in self.running]
             sequences += [self._sequence(r, False) for r in waiting]
             sequences += [

@@ -75,6 +75,14 @@ class SchedulerSettings:
     request arriving mid-step waits for that step alone, not for the one queued behind it
     too; batch pays the host's share of those steps (scheduling and input preparation, which
     async scheduling hides). On: every step is scheduled ahead, as vLLM does."""
+    idle_ready_s: float = 0.0
+    """Idle-ready: while an interactive request is in the engine and for this long after,
+    batch sits out every step: its sequences stay resident and carry nothing, none is
+    admitted (the starvation bound still holds), so interactive work runs alone and the next
+    arrival of a burst finds the engine idle instead of behind a step in flight (the fixed
+    cost of a step and the batch decodes in it). Batch loses those windows; set
+    ``lift_cap_after_s`` to the same, so it makes up for them in long steps between bursts.
+    0 (default): off."""
     ride_along_share: float = 0.0
     """While interactive work waits or prefills, batch decode tokens may ride along up to this
     share of the step's own time (0: every batch sequence pauses)."""
@@ -106,6 +114,7 @@ class SchedulerSettings:
             "lifted_step_target_s",
             "lift_fixed_share",
             "interactive_likely_s",
+            "idle_ready_s",
         ):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, name, "a number >= 0")

@@ -486,6 +486,48 @@ class HeldBackUnderAsync(unittest.TestCase):
         self.assertEqual(len(core.model_executor.handed), handed + 6)
 
 
+class IdleReady(unittest.TestCase):
+    """With ``idle_ready_s``, batch sits out while interactive work is in the engine and for
+    that long after: the steps carry the interactive request alone, then nothing (the engine
+    idles, ready for the next arrival of a burst), and past the window batch carries on where
+    it was, its KV kept."""
+
+    def test_batch_sits_out_beside_an_interactive_request_and_right_after_it(self) -> None:
+        window = 0.3
+        settings = SchedulerSettings(idle_ready_s=window, starvation_s=0)
+        s = make_scheduler(max_num_seqs=32, budget=256, settings=settings)
+        time.sleep(window)  # the window counts from the start too
+        batch = decode_batch(s, 4, prompt=8, max_tokens=40)
+        i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=6)
+        s.add_request(i)
+        s.add_request(make_request("w", prompt=8, priority=BATCH, max_tokens=4))
+        steps = 0
+        while i.num_output_tokens < 6:
+            out = run_step(s)
+            self.assertEqual(set(out.num_scheduled_tokens), {"i"})  # prefill and decodes
+            steps += 1
+        self.assertEqual(steps, 6)
+        out = run_step(s)
+        self.assertEqual(out.total_num_scheduled_tokens, 0)  # idle, ready
+        self.assertTrue(all(r.status == RequestStatus.RUNNING for r in batch))
+        time.sleep(window)
+        out = run_step(s)
+        self.assertEqual(set(out.num_scheduled_tokens), {"b0", "b1", "b2", "b3", "w"})
+        while s.has_unfinished_requests():
+            run_step(s)
+        self.assertTrue(all(r.num_output_tokens == 40 for r in batch))
+        self.assertTrue(all(r.num_preemptions == 0 for r in batch))
+
+    def test_without_the_setting_batch_decodes_beside_the_interactive_stream(self) -> None:
+        s = make_scheduler(max_num_seqs=32, budget=256, settings=NO_BOUND)
+        decode_batch(s, 4, prompt=8, max_tokens=40)
+        i = make_request("i", prompt=8, priority=INTERACTIVE, max_tokens=6)
+        s.add_request(i)
+        run_step(s)  # its prefill: batch holds
+        out = run_step(s)
+        self.assertIn("b0", out.num_scheduled_tokens)
+
+
 class PreemptForInteractive(unittest.TestCase):
     def test_a_full_sequence_limit_preempts_batch_for_waiting_interactive(self) -> None:
         s = make_scheduler(max_num_seqs=2, budget=256, settings=NO_BOUND)

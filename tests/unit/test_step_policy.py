@@ -11,7 +11,9 @@ from backfill_vllm.policy import (
     StepView,
     VictimView,
     chunk_cap,
+    idle_ready,
     kv_victims,
+    lifted_cap,
     plan_step,
     slot_victims,
 )
@@ -528,3 +530,103 @@ def test_a_flag_setting_takes_one_or_zero_and_refuses_anything_else() -> None:
     assert not off.ahead_while_likely
     with pytest.raises(SettingsError, match="BACKFILL_SCHED_AHEAD_WHILE_LIKELY='maybe'"):
         SchedulerSettings.from_env({"BACKFILL_SCHED_AHEAD_WHILE_LIKELY": "maybe"})
+
+
+# -- idle-ready: batch sits out while interactive work is in the engine and right after ------
+
+
+def test_right_after_interactive_work_batch_sits_out_and_leaves_the_engine_idle() -> None:
+    # Interactive arrivals come in bursts: for ``idle_ready_s`` after the last one left the
+    # engine, batch carries nothing (decoders paused, no prefill, nobody admitted), so the
+    # next arrival of the burst finds no step in flight.
+    decoders = [seq(f"b{k}", progress=0.9) for k in range(4)]
+    prefilling = seq("p", prefill=500, progress=0.9)
+    waiting = seq("w", resident=False, prefill=300, progress=0.9)
+    settings = SchedulerSettings(idle_ready_s=0.5)
+    plan = plan_step(view(*decoders, prefilling, waiting, now=1.0, fit=FIT, quiet_s=0.2), settings)
+    assert plan.idle_ready
+    assert plan.paused == frozenset({"b0", "b1", "b2", "b3", "p"})
+    assert plan.prefill_allowance == 0
+    assert not plan.admit_batch
+    assert plan.admitted == frozenset()
+    assert not plan.holding  # no interactive request waits on it
+    assert plan.held_tokens == 4 + plan.chunk_cap  # what they would have carried: a chunk
+
+
+def test_beside_a_decoding_interactive_request_batch_sits_out_rather_than_ride_in_turns() -> None:
+    # Without the setting, batch decodes take turns within the step target beside it (the
+    # whole-step bound); with it, the interactive stream's steps carry no batch at all.
+    decoders = [seq(f"b{k:02}", progress=0.9) for k in range(25)]
+    streaming = seq("i", batch=False)
+    bounded = plan_step(view(*decoders, streaming, now=1.0, fit=FIT), DEFAULTS)
+    assert bounded.bounded
+    assert len(bounded.paused) == 15
+    idle = plan_step(
+        view(*decoders, streaming, now=1.0, fit=FIT), SchedulerSettings(idle_ready_s=1)
+    )
+    assert idle.idle_ready
+    assert idle.paused == frozenset(s.request_id for s in decoders)
+    assert idle.prefill_allowance == 0
+
+
+@pytest.mark.parametrize(
+    ("why", "quiet_s", "settings"),
+    [
+        ("past the window", 0.5, SchedulerSettings(idle_ready_s=0.5)),
+        ("the setting off (the default)", 0.2, SchedulerSettings(interactive_likely_s=0)),
+    ],
+)
+def test_batch_runs_past_the_idle_window_or_with_the_setting_off(
+    why: str, quiet_s: float, settings: SchedulerSettings
+) -> None:
+    seqs = [seq(f"b{k}", progress=0.9) for k in range(4)]
+    plan = plan_step(view(*seqs, now=1.0, fit=FIT, quiet_s=quiet_s), settings)
+    assert not plan.idle_ready, why
+    assert plan.paused == frozenset(), why
+    assert plan.prefill_allowance > 0, why
+
+
+def test_batch_at_its_starvation_bound_moves_in_an_idle_window() -> None:
+    # The bound in seconds holds here as while holding: the resident sequence and the
+    # waiting one due by it move, in one capped chunk; the rest sit out.
+    settings = SchedulerSettings(idle_ready_s=2.0, starvation_s=1.0)
+    due = seq("due", progress=0.0)
+    fresh = seq("fresh", progress=0.95)
+    late = seq("late", resident=False, prefill=300, progress=0.0)
+    plan = plan_step(view(due, fresh, late, now=1.0, fit=FIT, quiet_s=0.1), settings)
+    assert plan.idle_ready
+    assert plan.relieved == frozenset({"due"})
+    assert plan.admitted == frozenset({"late"})
+    assert plan.paused == frozenset({"fresh"})
+    assert plan.prefill_allowance == chunk_cap(settings, FIT, 2048)
+
+
+def test_the_idle_window_is_a_setting_that_refuses_a_negative_value() -> None:
+    got = SchedulerSettings.from_env({"BACKFILL_SCHED_IDLE_READY_S": "0.75"})
+    assert got.idle_ready_s == 0.75
+    assert SchedulerSettings().idle_ready_s == 0.0
+    with pytest.raises(SettingsError, match="BACKFILL_SCHED_IDLE_READY_S"):
+        SchedulerSettings(idle_ready_s=-1.0)
+
+
+def test_the_idle_rule_reads_the_window_against_the_quiet_time() -> None:
+    assert idle_ready(0.5, 0.0)  # interactive work in the engine
+    assert idle_ready(0.5, 0.2)
+    assert not idle_ready(0.5, 0.5)
+    assert not idle_ready(0.0, 0.0)
+
+
+def test_a_lifted_batch_only_step_is_held_back_while_interactive_is_likely() -> None:
+    # A lift sooner than the likely window's end (idle-ready's setting): the lifted step, the
+    # longest batch makes, is not scheduled ahead of the one in flight either.
+    settings = SchedulerSettings(lift_cap_after_s=1.0, interactive_likely_s=30.0)
+    decoders = [seq(f"b{k}") for k in range(4)]
+    args: dict[str, object] = {"fit": FIT, "quiet_s": 5.0, "async_steps": True}
+    held = plan_step(view(*decoders, in_flight=True, **args), settings)  # type: ignore[arg-type]
+    assert held.held_back
+    assert held.prefill_allowance == 0
+    # With nothing in flight it runs lifted, not bounded.
+    plan = plan_step(view(*decoders, **args), settings)  # type: ignore[arg-type]
+    assert plan.lifted
+    assert not plan.bounded
+    assert plan.prefill_allowance == lifted_cap(settings, FIT, 2048)
