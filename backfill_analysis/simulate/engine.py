@@ -38,6 +38,7 @@ from backfill_analysis.simulate.stepsched import (
     chunk_tokens,
     decode_token_seconds,
     prefill_seconds,
+    sits_out,
     starved,
 )
 
@@ -397,19 +398,39 @@ class Engine:
         budget = cfg.max_num_batched_tokens
         # Backfill's scheduler: batch yields while an interactive sequence waits or prefills.
         holding = sched is not None and self.interactive_unstarted > 0
-        if self.interactive_running():
+        present = self.interactive_running()
+        if present:
             self._interactive_seen_s = now
+        # Idle-ready: interactive work in the engine (none waiting) or right after it, batch
+        # sits the step out (the engine class's rule), as while holding: only its starved
+        # sequences move.
+        idle = (
+            sched is not None
+            and not holding
+            and sits_out(sched, 0.0 if present else now - self._interactive_seen_s)
+        )
+        yielding = holding or idle
+        # The lift: no interactive work for a while, batch prefill is no longer capped.
+        lifted = (
+            sched is not None
+            and sched.lift_cap_after_s > 0
+            and not present
+            and now - self._interactive_seen_s >= sched.lift_cap_after_s
+        )
         # The whole-step bound: interactive runs or is likely, none waits: batch decoders take
         # turns within the step target (paused, the ones in turn ride along).
         bounded = (
             sched is not None
-            and not holding
+            and not yielding
+            and not lifted
             and now - self._interactive_seen_s < sched.interactive_likely_s
         )
         target = 0.0
         if sched is not None:
             target = sched.chunk_target_s / (2 if ahead else 1)
-        if holding or bounded:
+            if lifted:
+                target = sched.lifted_step_target_s or math.inf
+        if yielding or bounded:
             if len(self._decoding) > len(self._interactive_decoding):
                 self._pause_batch(now)
         elif self._paused:
@@ -425,7 +446,7 @@ class Engine:
         budget -= len(self._decoding)
         riders: list[Sequence] = []
         batch_s = target
-        if holding and self._paused:
+        if yielding and self._paused:
             # Paused decoders at their starvation bound carry a token, before anything else.
             budget, _ = self._take_riders(riders, budget, now, None)
         elif bounded and self._paused:
@@ -441,7 +462,7 @@ class Engine:
         # the bound is a promise, and the chunk cap keeps what it costs short.
         order = (
             sorted(self._prefilling, key=lambda s: s.interactive)
-            if holding
+            if yielding
             else list(self._prefilling)
         )
         for seq in order:
@@ -453,7 +474,7 @@ class Engine:
             capped = sched is not None and not seq.interactive
             if capped:
                 assert sched is not None
-                if holding and not starved(
+                if yielding and not starved(
                     sched, seq.progress_step, seq.progress_s, k, now, self._last_step_s
                 ):
                     report.batch_paused += 1
@@ -494,7 +515,7 @@ class Engine:
             chunk = min(seq.target, budget)
             capped = sched is not None and not seq.interactive
             if capped:
-                if holding:
+                if yielding:
                     break
                 chunk = self._batch_chunk(0, batch_s, chunk, batch_chunked)
                 if chunk == 0:
@@ -542,6 +563,25 @@ class Engine:
         return report
 
     # -- Backfill's step-shaping scheduler ---------------------------------------------------
+
+    def wake_s(self, now: float) -> float | None:
+        """With batch sitting out (idle-ready) and nothing to run, when it may move again
+        without an arrival: the window's end or a paused sequence's starvation bound, whichever
+        is first (never sooner than a millisecond on); None when batch is not sitting out."""
+        sched = self.config.step_schedule
+        if sched is None or sched.idle_ready_s <= 0 or self.interactive_running():
+            return None  # interactive work runs: the engine is not idle
+        # (A nanosecond on: seen + window - seen may round below the window.)
+        end = self._interactive_seen_s + sched.idle_ready_s + 1e-9
+        if end <= now:
+            return None
+        if sched.starvation_s > 0:
+            batch = [s for s in self._prefilling if not s.interactive]
+            batch += list(self._paused.values())
+            if batch:
+                oldest = min(s.progress_s for s in batch)
+                end = min(end, oldest + sched.starvation_s - 2 * self._last_step_s + 1e-6)
+        return max(end, now + 1e-3)
 
     def _pause_batch(self, now: float) -> None:
         """Batch decoders leave the aggregate and stay resident, carrying no tokens."""

@@ -92,6 +92,10 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
             # Idle: nothing to run until the next arrival (batch waits on policy or is done);
             # no step is in flight, so the next one takes what has arrived by its start.
             nxt = arrivals[i].arrival_s + overhead if i < len(arrivals) else horizon
+            # ... or until batch, sitting out right after interactive work, may move again.
+            wake = engine.wake_s(now)
+            if wake is not None:
+                nxt = min(nxt, wake)
             now = max(now, min(nxt, horizon, next_sample))
             scheduled_at = now
             in_flight = False

@@ -14,9 +14,16 @@ the real scheduler fits from measured step times and the simulator knows exactly
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backfill_analysis.simulate.costmodel import CostModel
+
+IdleRule = Callable[[float, float], bool]
+"""The engine class's idle-ready rule, ``backfill_vllm.policy.idle_ready(window_s,
+interactive_quiet_s)``: handed in by whoever runs the simulator from
+a checkout (``bench.gpu_steps``), so the simulated engine runs the rule the engine runs, not a
+copy (the engine class is a wheel of its own, not installed beside this package)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,32 @@ class StepSchedule:
     class's default; True: every step is scheduled ahead, as vLLM does. Only with async
     scheduling and a whole-step window (``interactive_likely_s`` > 0)."""
 
+    lift_cap_after_s: float = 0.0
+    """The lift (``BACKFILL_SCHED_LIFT_CAP_AFTER_S``): with no interactive work in the engine
+    for this long, batch prefill is no longer capped, up to ``lifted_step_target_s`` of step
+    time (0 there: vLLM's whole token budget). 0 (the simulator's default): always capped."""
+    lifted_step_target_s: float = 0.0
+    """How far a lift goes (``BACKFILL_SCHED_LIFTED_STEP_TARGET_S``), in step time."""
+    idle_ready_s: float = 0.0
+    """Idle-ready (``BACKFILL_SCHED_IDLE_READY_S``): while interactive work is in the engine
+    and for this long after, batch sits steps out (but for sequences at their starvation
+    bound), so interactive work runs alone and the next arrival of a burst finds the engine
+    idle. 0: off. Needs ``idle_rule``."""
+    idle_rule: IdleRule | None = None
+    """The rule that decides it, the engine class's own (:data:`IdleRule`)."""
+
     def __post_init__(self) -> None:
+        for name in ("lift_cap_after_s", "lifted_step_target_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0 seconds")
+        if not (math.isfinite(self.idle_ready_s) and self.idle_ready_s >= 0):
+            raise ValueError("idle_ready_s must be >= 0 seconds (0: off)")
+        if self.idle_ready_s > 0 and self.idle_rule is None:
+            raise ValueError(
+                "idle_ready_s needs the engine class's rule: pass "
+                "idle_rule=backfill_vllm.policy.idle_ready"
+            )
         if not (math.isfinite(self.ride_along_share) and self.ride_along_share >= 0):
             raise ValueError("ride_along_share must be a number >= 0")
         if not (math.isfinite(self.chunk_target_s) and self.chunk_target_s > 0):
@@ -61,6 +93,16 @@ class StepSchedule:
             raise ValueError("starvation_s must be >= 0 seconds (0: no bound in seconds)")
         if not (math.isfinite(self.interactive_likely_s) and self.interactive_likely_s >= 0):
             raise ValueError("interactive_likely_s must be >= 0 seconds (0: no whole-step bound)")
+
+
+def sits_out(schedule: StepSchedule, interactive_quiet_s: float) -> bool:
+    """Whether batch sits this step out, leaving the engine to interactive work and idle for
+    its next arrival (the engine class's rule, :attr:`StepSchedule.idle_rule`);
+    ``interactive_quiet_s`` is 0 while interactive work is in the engine."""
+    rule = schedule.idle_rule
+    if rule is None or schedule.idle_ready_s <= 0:
+        return False
+    return rule(schedule.idle_ready_s, interactive_quiet_s)
 
 
 def starved(
@@ -89,6 +131,8 @@ def chunk_tokens(cost: CostModel, start: int, seconds: float, limit: int) -> int
     most ``seconds`` to a step."""
     if seconds <= 0 or limit <= 0:
         return 0
+    if math.isinf(seconds):
+        return limit
     b, d = cost.per_prefill_token_s, cost.per_prefill_attention_s
     if d > 0:
         # d/2 n^2 + (b + d*start + d/2) n <= seconds

@@ -15,6 +15,7 @@ from backfill.work_budget import WorkBudgetPolicy
 from backfill_analysis.simulate.costmodel import CostModel, StepWork
 from backfill_analysis.simulate.engine import (
     DECODE,
+    DONE,
     PAUSED,
     Engine,
     EngineConfig,
@@ -26,6 +27,7 @@ from backfill_analysis.simulate.run import simulate
 from backfill_analysis.simulate.stepsched import StepSchedule, chunk_tokens, prefill_seconds
 from backfill_analysis.simulate.trace import TraceRequest
 from backfill_analysis.simulate.workload import BatchItem, BatchWorkload, batch_items
+from backfill_vllm.policy import idle_ready
 from tests.unit.test_simulator import COST, _blocks, _check_pool, _run_to_completion, _spec
 
 BATCH, INTERACTIVE = 10, 0
@@ -548,3 +550,119 @@ def test_batch_only_steps_held_back_while_interactive_is_likely_spare_arrivals_a
     # The host gap is paid, but a step not scheduled ahead carries the whole step target
     # (one scheduled ahead, half): batch loses little or gains.
     assert held.batch_tokens_per_s > 0.9 * ahead.batch_tokens_per_s, (held, ahead)
+
+
+# -- idle-ready: the engine class's rule, run by the simulated engine ------------------------
+
+
+def _idle(window: float = 1.0, **changes: float) -> StepSchedule:
+    return StepSchedule(
+        idle_ready_s=window,
+        idle_rule=idle_ready,
+        starvation_s=0,
+        **changes,  # type: ignore[arg-type]
+    )
+
+
+def test_idle_ready_needs_the_engine_classes_own_rule() -> None:
+    with pytest.raises(ValueError, match=r"idle_rule=backfill_vllm\.policy\.idle_ready"):
+        StepSchedule(idle_ready_s=1.0)
+    with pytest.raises(ValueError, match="idle_ready_s"):
+        StepSchedule(idle_ready_s=-1.0, idle_rule=idle_ready)
+    assert StepSchedule(idle_ready_s=1.0, idle_rule=idle_ready).idle_ready_s == 1.0
+
+
+def test_batch_sits_out_beside_interactive_work_and_for_the_window_after_it() -> None:
+    engine = _engine(_idle(1.0))
+    # The window counts from the start too: batch sits out its first second.
+    batch = [Sequence(i, 40, 2000, BATCH, interactive=False) for i in range(8)]
+    for s in batch:
+        engine.add(s)
+    assert engine.step(0.0).seconds == 0
+    assert engine.wake_s(0.0) == pytest.approx(1.0)
+    now = 1.0
+    while any(s.first_token_s < 0 for s in batch):
+        now += engine.step(now).seconds
+    inter = Sequence(99, 16, 5, INTERACTIVE, interactive=True)
+    engine.add(inter)
+    # Its prefill (holding, as before) and its decodes (idle-ready): no batch token.
+    started = now
+    while inter.state != DONE:
+        report = engine.step(now)
+        _check_pool(engine)
+        assert report.batch_output_tokens == 0
+        assert report.batch_paused == 8
+        now += report.seconds
+    # Then the engine idles, ready, until the window's end (counted from the last step
+    # interactive work was in), and batch carries on there where it was.
+    report = engine.step(now)
+    assert report.seconds == 0
+    wake = engine.wake_s(now)
+    assert wake is not None
+    assert started < wake - 1.0 < now
+    assert engine.step(wake).batch_output_tokens == 8
+    assert engine.wake_s(wake) is None
+    assert all(s.state == DECODE for s in batch)
+
+
+def test_the_simulated_engine_runs_the_rule_it_is_handed() -> None:
+    calls: list[tuple[float, float]] = []
+
+    def never(window_s: float, quiet_s: float) -> bool:
+        calls.append((window_s, quiet_s))
+        return False
+
+    engine = _engine(StepSchedule(idle_ready_s=1.0, idle_rule=never, starvation_s=0))
+    _, now = _decoding_batch(engine, 8, output=2000)
+    inter = Sequence(99, 16, 5, INTERACTIVE, interactive=True)
+    engine.add(inter)
+    _, now = _run_until_first_token(engine, inter, now)
+    report = engine.step(now)  # it decodes: not holding, the rule decides (no: batch moves)
+    assert report.batch_output_tokens == 8
+    assert calls[-1] == (1.0, 0.0)  # interactive work in the engine: quiet 0
+
+
+def test_past_the_window_the_lift_runs_batch_prefill_in_long_steps() -> None:
+    schedule = _idle(1.0, chunk_target_s=0.002, lift_cap_after_s=1.0, lifted_step_target_s=0.02)
+    engine = _engine(schedule, tokens=2048)
+    inter = Sequence(99, 16, 2, INTERACTIVE, interactive=True)
+    engine.add(inter)
+    now = 0.0
+    while inter.state != DONE:
+        now += engine.step(now).seconds
+    engine.add(Sequence(1, 1000, 10, BATCH, interactive=False))
+    assert engine.step(now).seconds == 0  # within the window: idle-ready
+    # Past it, 0.02 s of prefill a step (200 tokens at 0.1 ms), not the 2 ms chunk (20).
+    report = engine.step(now + 1.0)
+    assert report.batch_prefill_tokens == 200
+
+
+def test_idle_ready_spares_the_rest_of_a_burst_the_step_in_flight() -> None:
+    # Async scheduling, ten bursts of four alike requests 0.5 s apart, a batch backlog that
+    # keeps every step busy. Alone, each finds the engine idle. With batch sitting out for 2 s
+    # after interactive work, the three after each burst's first do too: interactive alone's
+    # TTFT to the microsecond; under the whole-step bound alone they wait for a step in flight.
+    # Batch still runs between the bursts.
+    base = _spec()
+    trace = [
+        TraceRequest(20.0 * burst + 0.5 * k + 1.0, 200, 5) for burst in range(10) for k in range(4)
+    ]
+    engine = dataclasses.replace(base.engine, num_blocks=4000, async_scheduling=True)
+    base = dataclasses.replace(base, interactive=trace, engine=engine, duration_s=200.0)
+    alone = simulate(dataclasses.replace(base, batch=[]), "priority")
+    ttft = alone.ttfts[0]
+    assert alone.ttfts == pytest.approx([ttft] * 40, abs=1e-9)
+    results = {}
+    bound = StepSchedule(chunk_target_s=0.01, interactive_likely_s=2.0)
+    for name, schedule in (("bound", bound), ("idle", _idle(2.0))):
+        spec = dataclasses.replace(
+            base,
+            batch=_busy_backlog(),
+            knobs=dataclasses.replace(base.knobs, batch_concurrency=8, step_schedule=schedule),
+        )
+        results[name] = simulate(spec, "backfill-step")
+    idle = sorted(results["idle"].ttfts)
+    assert idle[:30] == pytest.approx([ttft] * 30, abs=1e-6), idle
+    assert results["idle"].ttft_p50_s == pytest.approx(ttft, abs=1e-6)
+    assert results["bound"].ttft_p50_s > ttft + COST.step_overhead_s / 2
+    assert results["idle"].batch_tokens_per_s > 0.5 * results["bound"].batch_tokens_per_s
