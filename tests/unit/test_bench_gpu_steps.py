@@ -5,16 +5,26 @@ setting that keeps the most batch within the TTFT goal."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 
 from backfill_analysis.simulate import costmodel
 from backfill_analysis.simulate.scenario import h100_llama8b, scenario
+from backfill_vllm.policy import idle_ready
 from backfill_vllm.stepmodel import StepTimeModel
 from bench.common import table
 from bench.simulator.gpu_fit import fit, step_work
-from bench.simulator.gpu_steps import STORED, Point, best, step_rows
+from bench.simulator.gpu_steps import (
+    STORED,
+    Point,
+    at_kept,
+    best,
+    idle_ready_scenario,
+    pareto,
+    step_rows,
+)
 
 
 def test_the_stored_h200_model_is_the_fit_of_its_own_measurements() -> None:
@@ -89,3 +99,31 @@ def test_the_step_table_shows_a_step_that_failed_on_the_gpu_beside_the_timed_one
     assert len({len(r) for r in rows}) == 1
     shown = table([str(i) for i in range(len(rows[0]))], rows)
     assert shown.splitlines()[-1].split()[4] == "failed"
+
+
+def test_the_pareto_front_keeps_the_points_nothing_beats_on_kept_p50_and_p99() -> None:
+    points = [
+        _point("backfill-step", "a", 1.04, 1.01, 0.60),
+        _point("backfill-step", "b", 1.05, 1.02, 0.55),  # a beats it on all three
+        _point("backfill-step+idle", "c", 1.02, 1.00, 0.40),  # less kept, better TTFT
+        _point("backfill-step", "d", 1.30, 1.10, 0.80),  # the most kept
+        _point("backfill-step", "e", 1.04, 1.01, 0.60),  # equal to a: both stay
+    ]
+    assert [p.value for p in pareto(points)] == ["d", "a", "e", "c"]
+
+
+def test_the_peer_is_read_at_the_same_batch_kept_along_its_curve() -> None:
+    curve = [_point("priority", "8", 1.2, 1.0, 0.2), _point("priority", "32", 1.6, 1.2, 0.6)]
+    assert at_kept(curve, 0.5) == pytest.approx((1.5, 1.15))
+    assert at_kept(curve, 0.2) == pytest.approx((1.2, 1.0))
+    p50, p99 = at_kept(curve, 0.9)  # past its end: not made up
+    assert math.isnan(p50)
+    assert math.isnan(p99)
+
+
+def test_the_idle_ready_sweep_runs_the_engine_classes_own_rule() -> None:
+    sc = idle_ready_scenario(scenario("h200-llama-3.1-8b"), 2.0, 0.02, 3.0)
+    step = sc.knobs.step_schedule
+    assert step.idle_rule is idle_ready
+    assert (step.idle_ready_s, step.lift_cap_after_s, step.lifted_step_target_s) == (2.0, 2.0, 0.02)
+    assert step.starvation_s == 3.0
