@@ -254,14 +254,6 @@ def _embedding_input_chars(value: Any) -> PromptChars | str:
     return _prompt_list_chars(value, "input", embedding_inputs)
 
 
-_PROMPT_CHARS: dict[str, Callable[[Any], PromptChars | str]] = {
-    CHAT: _chat_prompt_chars,
-    COMPLETIONS: _completion_prompt_chars,
-    EMBEDDINGS: _embedding_input_chars,
-}
-"""The endpoints whose prompt is one field (a Responses prompt is checked whole, see
-:func:`_responses_item`)."""
-
 _RENDERED_BESIDE_MESSAGES = ("tools", "documents", "chat_template_kwargs")
 """Chat fields the template renders into the prompt beside the messages: their JSON size
 counts toward the forecasts (not toward the limit's lower bound: a template may leave them
@@ -287,274 +279,392 @@ class Tally:
         return math.ceil(self.prompt_chars / CHARS_PER_TOKEN_ESTIMATE)
 
 
+@dataclass(slots=True)
+class _Line:
+    """A request line whose envelope checked out, for its endpoint's checker: the body is
+    rewritten in place where the stored body differs from the line's."""
+
+    number: int
+    raw: bytes
+    spot: LineSpot | None
+    custom_id: str
+    body: dict[str, Any]
+
+    def error(self, code: str, message: str, param: str | None) -> LineError:
+        return LineError(code, message, self.number, param)
+
+
+LineChecker = Callable[[_Line, InputLimits, Tally], NewItem | LineError]
+"""An endpoint's check of a line's body: the item to store, or why the line is refused."""
+
+
 def _checked_lines(
     content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem | LineError]:
-    """Each request line of ``content``, checked: a NewItem if valid, else a LineError."""
-    prompt_chars_of = _PROMPT_CHARS.get(endpoint, _chat_prompt_chars)
-    prompt_field = PROMPT_FIELD[endpoint]
+    """Each request line of ``content``, checked: a NewItem if valid, else a LineError. The
+    envelope is checked alike for every endpoint, the body by the endpoint's checker."""
+    check_body = _CHECKERS[endpoint]
     seen: set[str] = set()
-    limit = limits.max_sequence_tokens
-    per_token = limits.max_bytes_per_token
-
     for number, (raw, spot) in enumerate(_lines_of(content), start=1):
         if not raw.strip():
             continue
-        if len(raw) > limits.max_line_bytes:
-            yield LineError(
-                "line_too_long",
-                f"line is {len(raw)} bytes; the limit is {limits.max_line_bytes}",
-                number,
-            )
-            continue
-        try:
-            request = _loads(raw)
-        except ValueError as exc:
-            yield LineError("invalid_json_line", f"line is not valid JSON: {exc}", number)
-            continue
-        if type(request) is not dict:
-            yield LineError("invalid_json_line", "line must be a JSON object", number)
-            continue
-
-        custom_id = request.get("custom_id")
-        if type(custom_id) is not str or not custom_id:
-            yield LineError(
-                "missing_custom_id", "custom_id must be a non-empty string", number, "custom_id"
-            )
-            continue
-        if len(custom_id) > MAX_CUSTOM_ID_CHARS:
-            yield LineError(
-                "invalid_custom_id",
-                f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
-                number,
-                "custom_id",
-            )
-            continue
-        if "\x00" in custom_id:
-            # Postgres text cannot hold NUL; refused here, before anything is stored.
-            yield LineError(
-                "invalid_custom_id", "custom_id must not contain NUL (\\u0000)", number, "custom_id"
-            )
-            continue
-        if custom_id in seen:
-            yield LineError(
-                "duplicate_custom_id",
-                f"custom_id {custom_id!r} appears more than once in the file",
-                number,
-                "custom_id",
-            )
-            continue
-        seen.add(custom_id)
-
-        if request.get("method") != "POST":
-            yield LineError("invalid_method", "method must be 'POST'", number, "method")
-            continue
-        if request.get("url") != endpoint:
-            yield LineError(
-                "mismatched_endpoint",
-                f"url {request.get('url')!r} does not match the batch's endpoint {endpoint!r}",
-                number,
-                "url",
-            )
-            continue
-        body = request.get("body")
-        if type(body) is not dict:
-            yield LineError("invalid_body", "body must be a JSON object", number, "body")
-            continue
-
-        line_model = body.get("model")
-        if type(line_model) is not str or not line_model:
-            yield LineError(
-                "missing_model", "body.model must be a non-empty string", number, "body.model"
-            )
-            continue
-        if tally.model is None:
-            tally.model = line_model
-        elif line_model != tally.model:
-            yield LineError(
-                "mismatched_model",
-                f"body.model {line_model!r} differs from {tally.model!r}: a batch runs one model",
-                number,
-                "body.model",
-            )
-            continue
-        if endpoint == EMBEDDINGS:
-            refused = check_embedding_body(body)
-            if refused is not None:
-                yield LineError(refused.code, refused.message, number, f"body.{refused.param}")
-                continue
-        if endpoint == RESPONSES:
-            yield _responses_item(number, custom_id, body, limits, tally)
-            continue
-
-        if prompt_field not in body:
-            yield LineError(
-                "missing_prompt",
-                f"body.{prompt_field} is required for {endpoint}",
-                number,
-                f"body.{prompt_field}",
-            )
-            continue
-        chars = prompt_chars_of(body[prompt_field])
-        if type(chars) is str:
-            yield LineError(f"invalid_{prompt_field}", chars, number, f"body.{prompt_field}")
-            continue
-        assert isinstance(chars, PromptChars)
-        if chars.prompts > limits.max_prompts_per_line:
-            yield LineError(
-                "too_many_prompts",
-                f"body.{prompt_field} holds {chars.prompts} prompts; a line may hold at most "
-                f"{limits.max_prompts_per_line} (each runs as a sequence of its own: put "
-                "the rest on lines of their own)",
-                number,
-                f"body.{prompt_field}",
-            )
-            continue
-        if endpoint == EMBEDDINGS:
-            yield _embedding_item(number, custom_id, body, chars, limits, tally)
-            continue
-        # Whether the stored body differs from the line's: then the item keeps a copy.
-        rewritten = any(type(body[key]) is float for key in _INTEGER_FIELDS.intersection(body))
-        malformed = normalise_fields(body, chat=endpoint == CHAT)
-        if malformed is not None:
-            param, message = malformed
-            budget = param in ("max_tokens", "max_completion_tokens")
-            code = "invalid_max_tokens" if budget else "invalid_parameter"
-            yield LineError(code, message, number, f"body.{param}")
-            continue
-
-        for budget_field in ("max_completion_tokens", "max_tokens"):
-            if budget_field in body and body[budget_field] is None:
-                del body[budget_field]  # null means "not given", as at OpenAI
-                rewritten = True
-        if endpoint == COMPLETIONS and "max_completion_tokens" in body:
-            # vLLM's completions request has no such field: it would ignore it and generate
-            # its own default (16 per prompt) past a reservation sized on it.
-            if "max_tokens" in body:
-                yield LineError(
-                    "invalid_parameter",
-                    "a /v1/completions line takes max_tokens; max_completion_tokens is a chat "
-                    "field (give max_tokens alone)",
-                    number,
-                    "body.max_completion_tokens",
-                )
-                continue
-            body["max_tokens"] = body.pop("max_completion_tokens")
-            rewritten = True
-        defaulted = "max_completion_tokens" not in body and "max_tokens" not in body
-        # Optional, as at OpenAI: a line without a budget gets what the limit leaves its
-        # prompt, at most the default (fitted below, and to the exact prompt at each run).
-        max_tokens: Any = (
-            limits.default_max_tokens
-            if defaulted
-            else body.get("max_completion_tokens", body.get("max_tokens"))
-        )
-        if not _is_positive_int(max_tokens) or (
-            "max_tokens" in body and not _is_positive_int(body["max_tokens"])
-        ):
-            yield LineError(
-                "invalid_max_tokens",
-                "max_tokens must be a positive integer",
-                number,
-                "body.max_tokens",
-            )
-            continue
-        if "max_tokens" in body:
-            max_tokens = max(max_tokens, body["max_tokens"])
-
-        if body.get("stream"):
-            yield LineError(
-                "unsupported_parameter", "stream is not supported in batches", number, "body.stream"
-            )
-            continue
-        if body.get("n") not in (1, None) or body.get("best_of") not in (1, None):
-            yield LineError(
-                "unsupported_parameter", "n and best_of must be 1 in batches", number, "body.n"
-            )
-            continue
-        try:
-            prefill_plan(endpoint, body)
-        except InvalidRequest as exc:
-            yield LineError(exc.code, exc.message, number, f"body.{exc.param or prompt_field}")
-            continue
-
-        least_prompt_tokens = math.ceil(chars.longest / per_token)
-        if defaulted:
-            max_tokens = fitted_output(max_tokens, limit, least_prompt_tokens)
-            if max_tokens < 1:
-                yield _no_room(least_prompt_tokens, limit, number, f"body.{prompt_field}")
-                continue
-            # Stored as the line's budget: what is reserved, and what a resumed run
-            # continues from; each run sends the engine what is left of it.
-            body["max_tokens"] = max_tokens
-            rewritten = True
-        elif max_tokens > limit:
-            yield LineError(
-                "max_tokens_too_large",
-                f"max_tokens {max_tokens} exceeds the batch limit of {limit} tokens per sequence",
-                number,
-                "body.max_tokens",
-            )
-            continue
-        elif least_prompt_tokens + max_tokens > limit:
-            yield LineError(
-                "request_too_long",
-                f"the prompt is at least {least_prompt_tokens} tokens; "
-                f"with max_tokens {max_tokens} it exceeds the batch limit of {limit}",
-                number,
-                f"body.{prompt_field}",
-            )
-            continue
-
-        tally.lines += 1
-        # Every prompt of a line is a sequence of its own, with its own output budget.
-        tally.max_output_tokens += max_tokens * chars.prompts
-        tally.prompt_chars += chars.total + (_rendered_chars(body) if endpoint == CHAT else 0)
-        span = body_span(raw, body) if spot is not None and not rewritten else None
-        if span is None:
-            yield NewItem(number, custom_id, _dumps(body), max_tokens, output_defaulted=defaulted)
-        else:
-            assert spot is not None
-            yield NewItem(
-                number,
-                custom_id,
-                None,
-                max_tokens,
-                output_defaulted=defaulted,
-                body_seq=spot[0],
-                body_at=spot[1] + span[0],
-                body_len=span[1],
-            )
+        line = _request_line(raw, spot, number, endpoint, limits, seen, tally)
+        yield line if isinstance(line, LineError) else check_body(line, limits, tally)
 
 
-def _embedding_item(
+# The envelope: rules every endpoint shares.
+
+
+def _request_line(
+    raw: bytes,
+    spot: LineSpot | None,
     number: int,
-    custom_id: str,
-    body: dict[str, Any],
+    endpoint: str,
+    limits: InputLimits,
+    seen: set[str],
+    tally: Tally,
+) -> _Line | LineError:
+    """A line's envelope (JSON, ``custom_id``, method, url, body, model), or its first fault;
+    a valid ``custom_id`` joins ``seen`` and the first model becomes the batch's."""
+    request = _request_of(raw, number, limits)
+    if isinstance(request, LineError):
+        return request
+    custom_id = _custom_id(request, number, seen)
+    if isinstance(custom_id, LineError):
+        return custom_id
+    if request.get("method") != "POST":
+        return LineError("invalid_method", "method must be 'POST'", number, "method")
+    if request.get("url") != endpoint:
+        return LineError(
+            "mismatched_endpoint",
+            f"url {request.get('url')!r} does not match the batch's endpoint {endpoint!r}",
+            number,
+            "url",
+        )
+    body = request.get("body")
+    if type(body) is not dict:
+        return LineError("invalid_body", "body must be a JSON object", number, "body")
+    line = _Line(number, raw, spot, custom_id, body)
+    return _model_error(line, tally) or line
+
+
+def _request_of(raw: bytes, number: int, limits: InputLimits) -> dict[str, Any] | LineError:
+    if len(raw) > limits.max_line_bytes:
+        return LineError(
+            "line_too_long",
+            f"line is {len(raw)} bytes; the limit is {limits.max_line_bytes}",
+            number,
+        )
+    try:
+        request = _loads(raw)
+    except ValueError as exc:
+        return LineError("invalid_json_line", f"line is not valid JSON: {exc}", number)
+    if type(request) is not dict:
+        return LineError("invalid_json_line", "line must be a JSON object", number)
+    return request
+
+
+def _custom_id(request: dict[str, Any], number: int, seen: set[str]) -> str | LineError:
+    custom_id = request.get("custom_id")
+    if type(custom_id) is not str or not custom_id:
+        return LineError(
+            "missing_custom_id", "custom_id must be a non-empty string", number, "custom_id"
+        )
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return LineError(
+            "invalid_custom_id",
+            f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters",
+            number,
+            "custom_id",
+        )
+    if "\x00" in custom_id:
+        # Postgres text cannot hold NUL; refused here, before anything is stored.
+        return LineError(
+            "invalid_custom_id", "custom_id must not contain NUL (\\u0000)", number, "custom_id"
+        )
+    if custom_id in seen:
+        return LineError(
+            "duplicate_custom_id",
+            f"custom_id {custom_id!r} appears more than once in the file",
+            number,
+            "custom_id",
+        )
+    seen.add(custom_id)
+    return custom_id
+
+
+def _model_error(line: _Line, tally: Tally) -> LineError | None:
+    """Every line names the same model: a batch runs one."""
+    line_model = line.body.get("model")
+    if type(line_model) is not str or not line_model:
+        return line.error("missing_model", "body.model must be a non-empty string", "body.model")
+    if tally.model is None:
+        tally.model = line_model
+    elif line_model != tally.model:
+        return line.error(
+            "mismatched_model",
+            f"body.model {line_model!r} differs from {tally.model!r}: a batch runs one model",
+            "body.model",
+        )
+    return None
+
+
+# The field rules the endpoints' checkers share.
+
+
+def _prompt_of(
+    line: _Line,
+    endpoint: str,
+    prompt_chars_of: Callable[[Any], PromptChars | str],
+    limits: InputLimits,
+) -> PromptChars | LineError:
+    """The characters of the line's prompt field, or why it is missing, invalid or holds more
+    prompts than a line may."""
+    prompt_field = PROMPT_FIELD[endpoint]
+    param = f"body.{prompt_field}"
+    if prompt_field not in line.body:
+        return line.error("missing_prompt", f"{param} is required for {endpoint}", param)
+    chars = prompt_chars_of(line.body[prompt_field])
+    if isinstance(chars, str):
+        return line.error(f"invalid_{prompt_field}", chars, param)
+    if chars.prompts > limits.max_prompts_per_line:
+        return line.error(
+            "too_many_prompts",
+            f"{param} holds {chars.prompts} prompts; a line may hold at most "
+            f"{limits.max_prompts_per_line} (each runs as a sequence of its own: put "
+            "the rest on lines of their own)",
+            param,
+        )
+    return chars
+
+
+def _normalised(line: _Line, *, chat: bool) -> bool | LineError:
+    """The body's fields in the engine's types (an integral float an integer) and a null
+    budget dropped (null means "not given", as at OpenAI); whether that rewrote the body."""
+    body = line.body
+    rewritten = any(type(body[key]) is float for key in _INTEGER_FIELDS.intersection(body))
+    malformed = normalise_fields(body, chat=chat)
+    if malformed is not None:
+        param, message = malformed
+        budget = param in ("max_tokens", "max_completion_tokens")
+        code = "invalid_max_tokens" if budget else "invalid_parameter"
+        return line.error(code, message, f"body.{param}")
+    for budget_field in ("max_completion_tokens", "max_tokens"):
+        if budget_field in body and body[budget_field] is None:
+            del body[budget_field]
+            rewritten = True
+    return rewritten
+
+
+@dataclass(slots=True)
+class _Budget:
+    """A generating line's output budget: given, or the default (``defaulted``); whether the
+    stored body differs from the line's (then the item keeps a copy)."""
+
+    max_tokens: int
+    defaulted: bool
+    rewritten: bool
+
+
+def _given_budget(line: _Line, limits: InputLimits, rewritten: bool) -> _Budget | LineError:
+    # Optional, as at OpenAI: a line without a budget gets what the limit leaves its
+    # prompt, at most the default (fitted in :func:`_fitted`, and to the exact prompt at
+    # each run).
+    body = line.body
+    defaulted = "max_completion_tokens" not in body and "max_tokens" not in body
+    max_tokens: Any = (
+        limits.default_max_tokens
+        if defaulted
+        else body.get("max_completion_tokens", body.get("max_tokens"))
+    )
+    if not _is_positive_int(max_tokens) or (
+        "max_tokens" in body and not _is_positive_int(body["max_tokens"])
+    ):
+        return line.error(
+            "invalid_max_tokens", "max_tokens must be a positive integer", "body.max_tokens"
+        )
+    if "max_tokens" in body:
+        max_tokens = max(max_tokens, body["max_tokens"])
+    return _Budget(max_tokens, defaulted, rewritten)
+
+
+def _batch_only_error(line: _Line, endpoint: str) -> LineError | None:
+    """What a batch line cannot ask for (a stream, more than one choice), and a prompt whose
+    prefill cannot be counted."""
+    body = line.body
+    if body.get("stream"):
+        return line.error(
+            "unsupported_parameter", "stream is not supported in batches", "body.stream"
+        )
+    if body.get("n") not in (1, None) or body.get("best_of") not in (1, None):
+        return line.error("unsupported_parameter", "n and best_of must be 1 in batches", "body.n")
+    try:
+        prefill_plan(endpoint, body)
+    except InvalidRequest as exc:
+        return line.error(exc.code, exc.message, f"body.{exc.param or PROMPT_FIELD[endpoint]}")
+    return None
+
+
+def _fitted(
+    line: _Line, budget: _Budget, chars: PromptChars, limits: InputLimits, prompt_param: str
+) -> LineError | None:
+    """The class limit's lower bound: a given budget must fit beside the prompt, a default
+    is cut to what the prompt leaves (and written into the body)."""
+    limit = limits.max_sequence_tokens
+    least_prompt_tokens = math.ceil(chars.longest / limits.max_bytes_per_token)
+    if budget.defaulted:
+        budget.max_tokens = fitted_output(budget.max_tokens, limit, least_prompt_tokens)
+        if budget.max_tokens < 1:
+            return _no_room(least_prompt_tokens, limit, line.number, prompt_param)
+        # Stored as the line's budget: what is reserved, and what a resumed run
+        # continues from; each run sends the engine what is left of it.
+        line.body["max_tokens"] = budget.max_tokens
+        budget.rewritten = True
+    elif budget.max_tokens > limit:
+        return line.error(
+            "max_tokens_too_large",
+            f"max_tokens {budget.max_tokens} exceeds the batch limit of {limit} tokens per "
+            "sequence",
+            "body.max_tokens",
+        )
+    elif least_prompt_tokens + budget.max_tokens > limit:
+        return line.error(
+            "request_too_long",
+            f"the prompt is at least {least_prompt_tokens} tokens; "
+            f"with max_tokens {budget.max_tokens} it exceeds the batch limit of {limit}",
+            prompt_param,
+        )
+    return None
+
+
+def _generated_item(
+    line: _Line,
+    endpoint: str,
     chars: PromptChars,
+    budget: _Budget,
     limits: InputLimits,
     tally: Tally,
 ) -> NewItem | LineError:
-    """An embeddings line whose body passed :func:`check_embedding_body`: no output, so no
-    ``max_tokens``; the class limit bounds each input alone."""
+    """A chat or completions line past its prompt and budget checks: the batch-only rules,
+    the class limit, then the item (pointing at the line's bytes where they are its body)."""
+    refused = _batch_only_error(line, endpoint) or _fitted(
+        line, budget, chars, limits, f"body.{PROMPT_FIELD[endpoint]}"
+    )
+    if refused is not None:
+        return refused
+    tally.lines += 1
+    # Every prompt of a line is a sequence of its own, with its own output budget.
+    tally.max_output_tokens += budget.max_tokens * chars.prompts
+    tally.prompt_chars += chars.total
+    span = (
+        body_span(line.raw, line.body) if line.spot is not None and not budget.rewritten else None
+    )
+    if span is None:
+        return NewItem(
+            line.number,
+            line.custom_id,
+            _dumps(line.body),
+            budget.max_tokens,
+            output_defaulted=budget.defaulted,
+        )
+    assert line.spot is not None
+    return NewItem(
+        line.number,
+        line.custom_id,
+        None,
+        budget.max_tokens,
+        output_defaulted=budget.defaulted,
+        body_seq=line.spot[0],
+        body_at=line.spot[1] + span[0],
+        body_len=span[1],
+    )
+
+
+# A checker per endpoint.
+
+
+def _chat_item(line: _Line, limits: InputLimits, tally: Tally) -> NewItem | LineError:
+    """A ``/v1/chat/completions`` line: its messages, its budget (``max_completion_tokens``
+    or ``max_tokens``), and the fields the template renders beside the messages counted
+    toward the forecasts."""
+    chars = _prompt_of(line, CHAT, _chat_prompt_chars, limits)
+    if isinstance(chars, LineError):
+        return chars
+    rewritten = _normalised(line, chat=True)
+    if isinstance(rewritten, LineError):
+        return rewritten
+    budget = _given_budget(line, limits, rewritten)
+    if isinstance(budget, LineError):
+        return budget
+    item = _generated_item(line, CHAT, chars, budget, limits, tally)
+    if isinstance(item, NewItem):
+        tally.prompt_chars += _rendered_chars(line.body)
+    return item
+
+
+def _completions_item(line: _Line, limits: InputLimits, tally: Tally) -> NewItem | LineError:
+    """A ``/v1/completions`` line: its prompt (a string, token ids, or a list of either, each
+    a sequence of its own) and its budget, in ``max_tokens`` alone."""
+    chars = _prompt_of(line, COMPLETIONS, _completion_prompt_chars, limits)
+    if isinstance(chars, LineError):
+        return chars
+    rewritten = _normalised(line, chat=False)
+    if isinstance(rewritten, LineError):
+        return rewritten
+    moved = _completions_budget_field(line)
+    if isinstance(moved, LineError):
+        return moved
+    budget = _given_budget(line, limits, rewritten or moved)
+    if isinstance(budget, LineError):
+        return budget
+    return _generated_item(line, COMPLETIONS, chars, budget, limits, tally)
+
+
+def _completions_budget_field(line: _Line) -> bool | LineError:
+    """``max_completion_tokens`` moved to ``max_tokens``: vLLM's completions request has no
+    such field: it would ignore it and generate its own default (16 per prompt) past a
+    reservation sized on it. Whether the body was rewritten."""
+    body = line.body
+    if "max_completion_tokens" not in body:
+        return False
+    if "max_tokens" in body:
+        return line.error(
+            "invalid_parameter",
+            "a /v1/completions line takes max_tokens; max_completion_tokens is a chat "
+            "field (give max_tokens alone)",
+            "body.max_completion_tokens",
+        )
+    body["max_tokens"] = body.pop("max_completion_tokens")
+    return True
+
+
+def _embeddings_item(line: _Line, limits: InputLimits, tally: Tally) -> NewItem | LineError:
+    """A ``/v1/embeddings`` line: its body against the allowlist
+    (:func:`check_embedding_body`), its inputs; no output, so no ``max_tokens``; the class
+    limit bounds each input alone."""
+    refused = check_embedding_body(line.body)
+    if refused is not None:
+        return line.error(refused.code, refused.message, f"body.{refused.param}")
+    chars = _prompt_of(line, EMBEDDINGS, _embedding_input_chars, limits)
+    if isinstance(chars, LineError):
+        return chars
     try:
-        prefill_plan(EMBEDDINGS, body)
+        prefill_plan(EMBEDDINGS, line.body)
     except InvalidRequest as exc:
-        return LineError(exc.code, exc.message, number, f"body.{exc.param or 'input'}")
+        return line.error(exc.code, exc.message, f"body.{exc.param or 'input'}")
     limit = limits.max_sequence_tokens
     least_prompt_tokens = math.ceil(chars.longest / limits.max_bytes_per_token)
     if least_prompt_tokens > limit:
-        return LineError(
+        return line.error(
             "request_too_long",
             f"an input is at least {least_prompt_tokens} tokens; it exceeds the batch limit "
             f"of {limit}",
-            number,
             "body.input",
         )
     tally.lines += 1
     tally.prompt_chars += chars.total
     tally.embedding_inputs += chars.prompts
-    return NewItem(number, custom_id, _dumps(body), 0)
+    return NewItem(line.number, line.custom_id, _dumps(line.body), 0)
 
 
 def _no_room(least_prompt_tokens: int, limit: int, number: int, param: str) -> LineError:
@@ -582,12 +692,11 @@ def _output_budget(body: dict[str, Any]) -> int | str | None:
     return value
 
 
-def _responses_item(
-    number: int, custom_id: str, body: dict[str, Any], limits: InputLimits, tally: Tally
-) -> NewItem | LineError:
-    """A Responses line (``backfill.responses``): its body checked against the allowlist,
-    its prompt rendered as vLLM renders it (which refuses what cannot be counted), its output
-    budget given or defaulted, and the class limit's lower bound."""
+def _responses_item(line: _Line, limits: InputLimits, tally: Tally) -> NewItem | LineError:
+    """A ``/v1/responses`` line (``backfill.responses``): its body checked against the
+    allowlist, its prompt rendered as vLLM renders it (which refuses what cannot be counted),
+    its output budget given or defaulted, and the class limit's lower bound."""
+    number, custom_id, body = line.number, line.custom_id, line.body
     refused = check_responses_body(body)
     if refused is None:
         malformed = normalise_fields(body, chat=True)
@@ -638,6 +747,15 @@ def _responses_item(
         len(_dumps({"tools": body["tools"]})) if body.get("tools") else 0
     )
     return NewItem(number, custom_id, _dumps(body), max_output, output_defaulted=given is None)
+
+
+_CHECKERS: dict[str, LineChecker] = {
+    CHAT: _chat_item,
+    COMPLETIONS: _completions_item,
+    EMBEDDINGS: _embeddings_item,
+    RESPONSES: _responses_item,
+}
+"""The checker of each endpoint a batch may target (the keys of :data:`PROMPT_FIELD`)."""
 
 
 def validate_batch_input(
