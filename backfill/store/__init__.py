@@ -1,5 +1,9 @@
-"""The store: the one gateway for SQL. Every statement Backfill sends to Postgres is in this
-package, each a named query beside the code that runs it.
+"""The store: the gateway for SQL. Every statement Backfill sends to Postgres about tenants,
+files, nodes, jobs and items is in this package, each a named query beside the code that runs
+it. The one other module that sends SQL is the webhook outbox (``backfill.webhooks.outbox``):
+it owns the ``webhook_*`` tables, its sender claims deliveries there, and its
+``enqueue_batch_event`` is called by :mod:`~backfill.store.jobs` inside a job move's own
+transaction (``backfill.webhooks.doorbell`` only LISTENs for it).
 
 Rules it keeps:
 - Every state change is a guarded ``UPDATE ... WHERE state = ANY(sources)`` checked against
@@ -10,8 +14,8 @@ Rules it keeps:
 - Per-job counters change in the same transaction as the items they count, and counter rows
   are always locked last and in job-id order, so concurrent writers cannot deadlock on them.
 - Hot paths move rows in batches: COPY for ingest, ``FOR UPDATE SKIP LOCKED`` claims of many
-  items at once, array-parameter updates for results; the claim path's statements (hold,
-  commit, finish) skip SQLAlchemy (``driver``).
+  items at once, array-parameter updates for results; the claim path's statements (open
+  claim, start, finish) skip SQLAlchemy (``driver``).
 - Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
   statement carries the plan out), earliest deadline first within a tenant.
 
@@ -20,13 +24,13 @@ Where things are: :mod:`~backfill.store.records` (the values it returns),
 :mod:`~backfill.store.tenants`, :mod:`~backfill.store.files`, :mod:`~backfill.store.nodes`,
 :mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`,
 :mod:`~backfill.store.ingest_queue` (deferred creates, taken by the ingest processes),
-:mod:`~backfill.store.claims`,
-:mod:`~backfill.store.holds` (the worker's claims: a hold, then a commit that starts or gives
-back), :mod:`~backfill.store.driver` (the hot path's statements as raw prepared psycopg calls),
-:mod:`~backfill.store.items` (moves after a claim), :mod:`~backfill.store.moves` (the guarded
-single-item move), :mod:`~backfill.store.counters`, :mod:`~backfill.store.recovery` (ledger
-rebuild rows, the reaper), :mod:`~backfill.store.stats`, and
-:class:`~backfill.store.repository.Repository`, all of them on one engine; consumers take the
+:mod:`~backfill.store.claims` (the claim's pick, in fair share order, and heartbeats),
+:mod:`~backfill.store.open_claims` (the worker's claims: a pick kept open, then one statement
+that starts or holds), :mod:`~backfill.store.driver` (the hot path's statements as raw
+prepared psycopg calls), :mod:`~backfill.store.items` (moves after a claim),
+:mod:`~backfill.store.moves` (the guarded single-item move), :mod:`~backfill.store.counters`,
+:mod:`~backfill.store.recovery` (ledger rebuild rows, the reaper), :mod:`~backfill.store.stats`,
+and :class:`~backfill.store.repository.Repository`, all of them on one engine; consumers take the
 role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`BatchStore`,
 ...), not the whole repository.
 """

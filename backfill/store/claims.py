@@ -1,9 +1,11 @@
-"""Claims: the worker's path from a claimable item to a running attempt, and back when unstarted.
+"""The claim's pick: which claimable items a node takes, in which order, and the heartbeat
+that keeps a claim's items held.
 
 Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
 statement carries the plan out), earliest deadline first within a tenant. ``FOR UPDATE SKIP
-LOCKED`` lets many claimers run at once without handing one item to two; each claim bumps
-the item's attempt number, which fences out any older attempt's writes.
+LOCKED`` lets many claimers run at once without handing one item to two. The worker's claim
+(``backfill.store.open_claims``) sends :data:`PICKS` in an open transaction and starts the
+items under a new attempt number, which fences out any older attempt's writes.
 """
 
 from __future__ import annotations
@@ -16,13 +18,11 @@ from typing import Any
 from sqlalchemy import text
 
 from backfill import fairshare
-from backfill.errors import StaleWrite
 from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
 from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store.bodies import ITEM_BODY
-from backfill.store.counters import CNT_CLAIM, CNT_START, CNT_UNCLAIM
 from backfill.store.database import Store
-from backfill.store.driver import array_literal, session
+from backfill.store.driver import array_literal
 from backfill.store.moves import check_moves, decode_partial, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
@@ -61,24 +61,6 @@ _SHARE_VIEW = (
 # bitmap scan, which reads every claimable item and sorts them all to keep ``:n`` (plain EDF,
 # 20,000 waiting: 27,975 buffers and 24 ms against 1.2 ms once analyzed; test_claim_plan.py).
 CLAIM_PLANNER = "set_config('enable_bitmapscan', 'off', true)"
-
-# Moves the ``picked`` items to ``reserved`` for this attempt, counts them, and returns them
-# in ``picked.ord`` order; ``{extra}``: more CTEs over ``moved`` in the same statement.
-_CLAIM_MOVE = (
-    "moved AS ("
-    "  UPDATE items i SET state = 'reserved', attempt = i.attempt + 1, "
-    "    node = :node, lease_id = NULL, fencing_token = NULL, not_before = NULL, "
-    "    lease_expires_at = now() + make_interval(secs => :ttl), "
-    "    updated_at = now() "
-    "  FROM picked p WHERE i.id = p.id AND p.state = ANY(:src) "
-    f"  RETURNING i.id, i.job_id, i.attempt, i.custom_id, {ITEM_BODY} AS body, i.deadline, "
-    "    i.prompt_tokens, i.max_output_tokens, i.output_defaulted, i.reservation_tokens, "
-    "    i.preemptions, i.partial_output, i.partial_tokens, p.state AS from_state, p.ord, "
-    "    EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s"
-    f"), {CNT_CLAIM}{{extra}} "
-    "SELECT m.*, j.endpoint, j.tenant_id FROM moved m JOIN jobs j ON j.id = m.job_id "
-    "ORDER BY m.ord"
-)
 
 # Claim without fair share: the earliest deadlines across every tenant.
 _PICK_EDF = (
@@ -122,55 +104,38 @@ _PICK_FAIR = (
 
 @dataclass(frozen=True, slots=True)
 class ClaimStatements:
-    """The claim statement with and without fair share, both with the same extra CTEs."""
+    """The claim's statement with and without fair share."""
 
     edf: str
     fair: str
 
 
-def claim_statements(extra: str = "") -> ClaimStatements:
-    """The claim statements; ``extra``: CTEs over ``moved`` (the claimed rows, as the claim
-    returns them) written in the same statement, e.g. a hold's attempt rows."""
-    move = _CLAIM_MOVE.format(extra=f", {extra}" if extra else "")
-    return ClaimStatements(edf=_PICK_EDF + move, fair=_PICK_FAIR + move)
-
-
 def pick_statements(select: str) -> ClaimStatements:
     """The claim's pick, with and without fair share, followed by ``select`` over ``picked``
-    (id, state, ord: the items locked for the claim) instead of the claim's move."""
+    (id, state, ord: the items locked for the claim)."""
     return ClaimStatements(
         edf=_PICK_EDF.rstrip(", ") + " " + select, fair=_PICK_FAIR.rstrip(", ") + " " + select
     )
 
 
-_CLAIMS = claim_statements()
+# The picked items as the worker needs them, in ``picked.ord`` order, still unwritten; each
+# under the attempt number its start will give it.
+_PICKED = (
+    f"SELECT i.id, i.job_id, i.attempt + 1 AS attempt, i.custom_id, {ITEM_BODY} AS body, "
+    "i.deadline, i.prompt_tokens, i.max_output_tokens, i.output_defaulted, "
+    "i.reservation_tokens, i.preemptions, "
+    "i.partial_output, i.partial_tokens, j.endpoint, j.tenant_id, p.state AS from_state, "
+    "EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s "
+    "FROM picked p JOIN items i ON i.id = p.id JOIN jobs j ON j.id = i.job_id "
+    "WHERE p.state = ANY(:src) ORDER BY p.ord"
+)
+
+PICKS: ClaimStatements = pick_statements(_PICKED)
+"""The open claim's pick (``backfill.store.open_claims``), with and without fair share."""
 
 # The batch statements over items by id below check the state as ``(...) IS TRUE``: a filter,
 # so the planner finds each item by primary key rather than reading the partial indexes of
 # active items, dead entries and all (see ``FINISH`` in backfill.store.items).
-
-# reserved -> running for many claims at once, each with its lease and fencing token; opens their
-# attempt rows and moves the counters.
-START_MANY = (
-    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
-    "CAST(:att AS int[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), "
-    "CAST(:res AS int[]), CAST(:pt AS int[])) AS v(id, a, l, f, r, p)), "
-    "moved AS (UPDATE items i SET state = 'running', lease_id = v.l, "
-    "  fencing_token = v.f, reservation_tokens = v.r, prompt_tokens = v.p, "
-    "  lease_expires_at = now() + make_interval(secs => :ttl), "
-    "  started_at = coalesce(i.started_at, now()), updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND (i.state = 'reserved') IS TRUE "
-    "  RETURNING i.id, i.job_id, i.attempt, i.node, v.l, v.f, v.r, v.p), "
-    f"{CNT_START}, "
-    "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, "
-    "  fencing_token, reserved_tokens, prompt_tokens) "
-    "  SELECT id, attempt, node, l, f, r, p FROM moved "
-    "  ON CONFLICT (item_id, attempt) DO UPDATE SET lease_id = EXCLUDED.lease_id, "
-    "  fencing_token = EXCLUDED.fencing_token, "
-    "  reserved_tokens = EXCLUDED.reserved_tokens, "
-    "  prompt_tokens = EXCLUDED.prompt_tokens) "
-    "SELECT id, job_id FROM moved"
-)
 
 # Extend the claim of many (item, attempt) pairs still active; returns those still held.
 HEARTBEAT = (
@@ -180,57 +145,22 @@ HEARTBEAT = (
     "RETURNING i.id"
 )
 
-# reserved -> queued for many claims given back unstarted, with their attempt rows and counters.
-UNCLAIM = (
-    "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), "
-    "CAST(:att AS int[])) AS v(id, a)), "
-    "moved AS (UPDATE items i SET state = 'queued', lease_id = NULL, "
-    "  fencing_token = NULL, lease_expires_at = NULL, updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a AND (i.state = 'reserved') IS TRUE "
-    "  RETURNING i.id, i.job_id, i.attempt, i.node), "
-    f"{CNT_UNCLAIM}, "
-    "att AS (INSERT INTO attempts (item_id, attempt, node, ended_at, outcome, "
-    "  detail) SELECT id, attempt, coalesce(node, ''), now(), 'released', :d "
-    "  FROM moved ON CONFLICT (item_id, attempt) DO NOTHING) "
-    "SELECT id FROM moved"
-)
-
 
 class Claims(Store):
-    """Claiming, starting, heartbeating and unclaiming items."""
+    """The claim's plan and pick, and heartbeats of the items claimed.
 
-    def claim(
-        self,
-        node: str,
-        limit: int,
-        lease_ttl_s: float,
-        *,
-        models: Sequence[str] | None = None,
-    ) -> list[ClaimedItem]:
-        """Hand up to ``limit`` claimable items to one attempt each, in the order to start them.
+    The order a claim takes items in: with fair share (the default) the node's share view is
+    read first, in the claim's transaction, and ``fairshare.claim_order`` plans whose items to
+    take; the claim statement then takes each tenant's quota earliest deadline first, in the
+    plan's order. With several tenants the plan asks for twice ``limit`` slots, so a tenant
+    that has fewer items than its slots (all held by other nodes, or not due yet) passes its
+    turn to the next tenant in fair order, and whatever is still short is filled earliest
+    deadline first from every tenant: no claim comes back short while items wait. Without
+    fair share, the earliest deadlines across all tenants.
 
-        ``models``: only items of jobs naming one of these (the models the node's engine
-        serves), or naming none; None takes any.
-
-        With fair share (the default) the node's share view is read first, in the same
-        transaction, and ``fairshare.claim_order`` plans whose items to take; the claim
-        statement then takes each tenant's quota earliest deadline first, in the plan's
-        order. With several tenants the plan asks for twice ``limit`` slots, so a tenant that
-        has fewer items than its slots (all held by other nodes, or not due yet) passes its
-        turn to the next tenant in fair order, and whatever is still short is filled earliest
-        deadline first from every tenant: no claim comes back short while items wait.
-        Without fair share, the earliest deadlines across all tenants.
-
-        ``FOR UPDATE SKIP LOCKED`` lets many claimers run at once without ever handing one
-        item to two of them; each claimed item's attempt number goes up by one, which fences
-        out any older attempt's writes.
-        """
-        with session(self.engine, durable=False) as tx:
-            statement, params = self._claim_statement(
-                tx.rows, node, limit, lease_ttl_s, models, _CLAIMS
-            )
-            rows = tx.rows(statement, params)
-        return [self._claimed(r) for r in rows]
+    ``models``: only items of jobs naming one of these (the models the node's engine serves),
+    or naming none; None takes any.
+    """
 
     @staticmethod
     def _claimed(r: Any) -> ClaimedItem:
@@ -301,57 +231,20 @@ class Claims(Store):
         return statements.fair, params
 
     def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
-        """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the claim :meth:`claim` would run
-        now, in a transaction rolled back (nothing is claimed): the plan, for studies
+        """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the pick an open claim would send
+        now, in a transaction rolled back (nothing is locked after it): the plan, for studies
         (``bench.pg_scale``) and the test that pins its shape."""
         with self.engine.connect() as conn:
             tx = conn.begin()
             try:
                 statement, params = self._claim_statement(
-                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models, _CLAIMS
+                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models, PICKS
                 )
                 explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
                 plan = conn.execute(explain, params).scalar_one()
             finally:
                 tx.rollback()
         return json.loads(plan) if isinstance(plan, str) else plan
-
-    def start(
-        self,
-        item_id: int,
-        attempt: int,
-        *,
-        lease_id: str,
-        fencing_token: int,
-        reservation_tokens: int,
-        prompt_tokens: int,
-        lease_ttl_s: float,
-    ) -> None:
-        """reserved -> running for one item; ``StaleWrite`` if its claim moved on."""
-        start = Start(item_id, attempt, lease_id, fencing_token, reservation_tokens, prompt_tokens)
-        if not self.start_many([start], lease_ttl_s):
-            raise StaleWrite(f"item {item_id} attempt {attempt} no longer holds its claim")
-
-    def start_many(self, starts: Sequence[Start], lease_ttl_s: float) -> list[int]:
-        """reserved -> running, once each attempt holds a ledger lease that fits; returns the
-        ids that applied (the others' claims moved on: their leases must be released)."""
-        check_moves([ItemState.RESERVED], ItemState.RUNNING)
-        if not starts:
-            return []
-        starts = in_id_order(starts, lambda s: s.item_id)
-        with session(self.engine, durable=False) as tx:
-            return tx.column(
-                START_MANY,
-                {
-                    "ids": array_literal(x.item_id for x in starts),
-                    "att": array_literal(x.attempt for x in starts),
-                    "lid": array_literal(x.lease_id for x in starts),
-                    "fen": array_literal(x.fencing_token for x in starts),
-                    "res": array_literal(x.reservation_tokens for x in starts),
-                    "pt": array_literal(x.prompt_tokens for x in starts),
-                    "ttl": lease_ttl_s,
-                },
-            )
 
     def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
         """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
@@ -366,16 +259,14 @@ class Claims(Store):
                 ).scalars()
             )
 
-    def unclaim(self, held: Sequence[tuple[int, int]], detail: str) -> list[int]:
-        """reserved -> queued for many (item_id, attempt) claims given back unstarted (the
-        slack could not take them); returns the ids that applied."""
-        check_moves([ItemState.RESERVED], ItemState.QUEUED)
-        if not held:
-            return []
-        held = in_id_order(held, lambda h: h[0])
-        with self._tx(durable=False) as conn:
-            rows = conn.execute(
-                text(UNCLAIM),
-                {"ids": [h[0] for h in held], "att": [h[1] for h in held], "d": detail},
-            ).all()
-        return [r.id for r in rows]
+
+def start_rows(starts: Sequence[Start], others: Sequence[tuple[int, int]]) -> list[tuple[Any, ...]]:
+    """One row per item a start statement moves, in id order (the lock order): each of
+    ``starts`` with its lease, each (item_id, attempt) of ``others`` with none (not started)."""
+    rows: list[tuple[Any, ...]] = [
+        (s.item_id, s.attempt, s.lease_id, s.fencing_token, s.reservation_tokens,
+         s.prompt_tokens)
+        for s in starts
+    ]  # fmt: skip
+    rows += [(item_id, attempt, None, None, None, None) for item_id, attempt in others]
+    return in_id_order(rows, lambda r: int(r[0]))

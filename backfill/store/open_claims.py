@@ -9,12 +9,13 @@ attempt) with its lease id and fencing token, writes each attempt's row once and
 counters, and the transaction commits. An item the worker will not start now (the slack is
 full) is simply left: it unlocks at commit, untouched, and no attempt of it is spent. An item
 the worker refuses (a bad request, a deadline it cannot meet, a ledger denial) is *held* by the
-same statement (``reserved`` under the new attempt, as a hold of ``backfill.store.holds``),
-and the worker settles it after the commit, as it settles any hold; those are the rare path.
+same statement (``reserved`` under the new attempt: a *hold*), and the worker settles it after
+the commit; those are the rare path.
 
-Against a hold and its commit (two transactions, each item and its attempt row written twice
-before it runs), this is one transaction and one write of each. What it costs, and what keeps
-the invariant (``docs/scaling.md``, "The claim and the start in one transaction"):
+Against the claim path it replaced (a hold and its commit: two transactions, each item and
+its attempt row written twice before it runs), this is one transaction and one write of each.
+What it costs, and what keeps the invariant (``docs/scaling.md``, "The claim and the start in
+one transaction"):
 
 - The claim holds its row locks and a connection while the worker counts and reserves (tens
   of milliseconds). ``idle_in_transaction_session_timeout`` bounds it at the claim's lease
@@ -45,29 +46,13 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import namedtuple_row
 
 from backfill.states import ITEM_CLAIMABLE, ItemState
-from backfill.store.bodies import ITEM_BODY
-from backfill.store.claims import CLAIM_PLANNER, Claims, ClaimStatements, pick_statements
+from backfill.store.claims import CLAIM_PLANNER, PICKS, Claims, start_rows
 from backfill.store.counters import counters_cte, moved_from
 from backfill.store.driver import array_literal, driver_errors, raw_connection, to_psycopg
-from backfill.store.holds import start_rows
 from backfill.store.moves import check_moves
 from backfill.store.records import ClaimedItem, Start
 
 IDLE = TransactionStatus.IDLE
-
-# The picked items as the worker needs them, in ``picked.ord`` order, still unwritten; each
-# under the attempt number its start will give it.
-_PICKED = (
-    f"SELECT i.id, i.job_id, i.attempt + 1 AS attempt, i.custom_id, {ITEM_BODY} AS body, "
-    "i.deadline, i.prompt_tokens, i.max_output_tokens, i.output_defaulted, "
-    "i.reservation_tokens, i.preemptions, "
-    "i.partial_output, i.partial_tokens, j.endpoint, j.tenant_id, p.state AS from_state, "
-    "EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s "
-    "FROM picked p JOIN items i ON i.id = p.id JOIN jobs j ON j.id = i.job_id "
-    "WHERE p.state = ANY(:src) ORDER BY p.ord"
-)
-
-PICKS: ClaimStatements = pick_statements(_PICKED)
 
 # The counter moves of a start: each item leaves the state it was picked in, to running
 # (started) or reserved (held to be settled).
@@ -174,7 +159,7 @@ class OpenClaims(Claims):
         models: Sequence[str] | None = None,
     ) -> OpenClaim:
         """Pick up to ``limit`` claimable items for ``node`` and keep them locked in an open
-        transaction, in the order to start them (see :meth:`Claims.claim` for the order and
+        transaction, in the order to start them (see :class:`Claims` for the order and
         ``models``). Each item carries the attempt number its start will give it. An empty
         claim comes back already closed. The transaction ends after ``lease_ttl_s`` idle
         seconds at the latest (the server ends the session)."""

@@ -8,7 +8,6 @@ on one pooled engine. Code that needs only one part may take that part's type in
 from __future__ import annotations
 
 from backfill.store.files import Files
-from backfill.store.holds import Holds
 from backfill.store.ingest import Ingest
 from backfill.store.ingest_queue import IngestQueue
 from backfill.store.items import Items
@@ -30,7 +29,6 @@ class Repository(
     Ingest,
     IngestQueue,
     OpenClaims,
-    Holds,
     Items,
     Recovery,
     Stats,
@@ -39,7 +37,7 @@ class Repository(
 ):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 
-    ``fair_share`` is how :meth:`claim` orders tenants: by weighted fair share of the node
+    ``fair_share`` is how :meth:`open_claim` orders tenants: by weighted fair share of the node
     (the default), or, when False, earliest deadline first across all tenants (the order
     before tenants were shared; kept to compare against).
     """

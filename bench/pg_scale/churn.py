@@ -1,7 +1,7 @@
 """Sustained churn on the loaded ``items`` table: the worker path against a constant backlog.
 
-``claimers`` processes run what a worker does per batch (``hold_claim`` 64 with fair share,
-``commit``, ``finish`` with a ~200 B result); a feeder queues as many new items as they
+``claimers`` processes run what a worker does per batch (``open_claim`` 64 with fair share,
+``start_claim``, ``finish`` with a ~200 B result); a feeder queues as many new items as they
 finished, so the backlog stays where it began while dead tuples pile up and autovacuum
 works. Every ``window_s`` the main process samples ``pg_stat_user_tables`` for items (live
 and dead tuples, autovacuum runs), the claim indexes' sizes and any vacuum in progress.
@@ -53,16 +53,16 @@ def _claimer(
     try:
         while time.time() < stop_at:
             began = time.time()
-            batch = repo.hold_claim(f"churn-{worker}", PER_CLAIM, 60)
-            claims.append((began - t0, (time.time() - began) * 1000, len(batch)))
-            if not batch:
+            claim = repo.open_claim(f"churn-{worker}", PER_CLAIM, 60)
+            claims.append((began - t0, (time.time() - began) * 1000, len(claim.items)))
+            if not claim.items:
                 time.sleep(0.02)
                 continue
             starts = []
-            for c in batch:
+            for c in claim.items:
                 fence += 1
                 starts.append(Start(c.id, c.attempt, f"c{fence}", fence, 320, 60))
-            repo.commit(starts, 60)
+            repo.start_claim(claim, starts)
             n = len(
                 repo.finish(
                     [

@@ -3,8 +3,9 @@
 A. A scratch database at migration head holds a fleet's history and backlog (``--items``,
    default 10M: ~99% succeeded with a ~200 B result and one attempt each, ~1% queued in jobs
    in progress; a few thousand jobs over 20 tenants). Sizes of every table and index, the
-   real ``Repository.claim`` latency (fair share and plain EDF), and ``EXPLAIN (ANALYZE,
-   BUFFERS)`` of the claim statement in a rolled-back transaction.
+   real ``Repository.open_claim`` latency (fair share and plain EDF; each claim's items then
+   held, written as a worker holds what it refuses), and ``EXPLAIN (ANALYZE, BUFFERS)`` of the
+   claim's pick in a rolled-back transaction.
 B. The peer: the same rows in ``items_p``, partitioned by RANGE (deadline) with the same
    indexes. The EDF claim core (``SELECT ... FOR UPDATE SKIP LOCKED`` + ``UPDATE``) on both
    tables, alternating: plans (partition pruning) and the latency ratio. Retention: one
@@ -81,7 +82,7 @@ def _explain(conn: psycopg.Connection[Any], sql: str, params: Any) -> PlanSummar
 
 
 def _explain_claim(url: str, fair: bool) -> PlanSummary:
-    """The repository's claim statement, as ``Repository.claim`` would send it."""
+    """The claim's pick, as ``Repository.open_claim`` would send it."""
     repo = Repository.connect(url, pool_size=1, fair_share=fair)
     try:
         return summarise_plan(repo.explain_claim("explain", 64))
@@ -96,7 +97,11 @@ def _claim_latency(url: str, fair: bool, n: int) -> tuple[float, float, int]:
     try:
         for i in range(n + 3):
             with Stopwatch() as sw:
-                got += len(repo.claim(f"probe-{'fair' if fair else 'edf'}", 64, 60))
+                claim = repo.open_claim(f"probe-{'fair' if fair else 'edf'}", 64, 60)
+            if claim.open:
+                # Held, so the next probe claims the next items (as the claim it replaced did).
+                repo.start_claim(claim, [], [(c.id, c.attempt) for c in claim.items])
+            got += len(claim.items)
             if i >= 3:  # the first few warm the pool and the plan cache
                 ms.append(sw.seconds * 1000)
     finally:

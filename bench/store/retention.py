@@ -74,11 +74,11 @@ def claims(repo: Repository, seconds: float, stop: threading.Event | None = None
     end = time.monotonic() + seconds
     while time.monotonic() < end and not (stop is not None and stop.is_set()):
         started = time.perf_counter()
-        claimed = repo.claim("bench-node", BATCH, 60.0)
+        claim = repo.open_claim("bench-node", BATCH, 60.0)
         took.append((time.perf_counter() - started) * 1000)
-        if not claimed:
+        if not claim.items:
             break
-        repo.unclaim([(c.id, c.attempt) for c in claimed], "bench: given back")
+        repo.drop_claim(claim)  # given back: nothing was written
     return took
 
 

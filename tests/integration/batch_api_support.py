@@ -24,7 +24,7 @@ from sqlalchemy import Row, text
 
 from backfill.config import Settings
 from backfill.states import ItemState
-from backfill.store import Finish, Repository
+from backfill.store import Finish, Repository, Start
 from backfill.store.bodies import ITEM_BODY
 from devkit.harness import free_port
 from queue_api.app import create_app
@@ -205,21 +205,21 @@ def run_worker(
     custom ids in ``fail`` fail, the rest succeed; the last ``leave_running`` claimed items
     stay running. Returns custom_id -> (item id, attempt, fencing token) of those."""
     failing = set(fail)
-    claimed = repo.claim("node-test", limit, 30.0)
-    fence = 1000
+    opened = repo.open_claim("node-test", limit, 30.0)
+    claimed = opened.items
+    fences = {item.id: 1001 + index for index, item in enumerate(claimed)}
+    starts = [
+        Start(
+            item.id, item.attempt, f"ls_{item.id}", fences[item.id], item.max_output_tokens + 16, 16
+        )
+        for item in claimed
+    ]
+    if opened.open:
+        assert sorted(repo.start_claim(opened, starts)) == sorted(fences)
     running: dict[str, tuple[int, int, int]] = {}
     finishes = []
     for index, item in enumerate(claimed):
-        fence += 1
-        repo.start(
-            item.id,
-            item.attempt,
-            lease_id=f"ls_{item.id}",
-            fencing_token=fence,
-            reservation_tokens=item.max_output_tokens + 16,
-            prompt_tokens=16,
-            lease_ttl_s=30.0,
-        )
+        fence = fences[item.id]
         if index >= len(claimed) - leave_running:
             running[item.custom_id] = (item.id, item.attempt, fence)
             continue

@@ -132,8 +132,9 @@ def test_a_batchs_eta_counts_the_time_it_has_really_run(
         )
         repo.insert_items(job.id, [NewItem(i, f"r{i}", "{}", 5) for i in range(2)])
         repo.move_job(job.id, JobState.IN_PROGRESS)
-        [item] = repo.claim("n1", 1, 30)
-        assert repo.start_many([Start(item.id, item.attempt, "l1", 1, 16, 5)], 30) == [item.id]
+        opened = repo.open_claim("n1", 1, 30)
+        [item] = opened.items
+        assert repo.start_claim(opened, [Start(item.id, item.attempt, "l1", 1, 16, 5)]) == [item.id]
         assert repo.finish([Finish(item.id, item.attempt, 1, ItemState.SUCCEEDED, "{}")])
         with repo.engine.begin() as conn:
             conn.execute(

@@ -37,6 +37,7 @@ from backfill.errors import NotFound
 from backfill.finalize import finalize_ready_jobs
 from backfill.store import NewItem, Repository
 from backfill.upload_scan import iter_located_lines
+from tests.integration.claiming import claim
 
 PIECE = 4096
 """Small pieces, so a file of a few dozen lines lies over several of them."""
@@ -127,7 +128,7 @@ def _copied(repo: Repository, job_id: str) -> dict[str, bool]:
 
 
 def _claim_bodies(repo: Repository, limit: int = 1000) -> dict[str, dict[str, Any]]:
-    return {c.custom_id: json.loads(c.body) for c in repo.claim("node-bodies", limit, 30.0)}
+    return {c.custom_id: json.loads(c.body) for c in claim(repo, "node-bodies", limit)}
 
 
 def _http(server: LiveServer, tenant: Tenant) -> httpx.Client:

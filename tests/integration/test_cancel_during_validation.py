@@ -25,6 +25,7 @@ from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.states import ITEM_CLAIMABLE, ItemState, JobState
 from backfill.store import JobRecord, NewItem, Repository, TenantRecord
+from tests.integration.claiming import claim
 
 LINES = 20_000
 PAUSE_AFTER = 5_000
@@ -109,7 +110,7 @@ def _assert_consistent(repo: Repository, tenant: TenantRecord, job_id: str) -> N
         assert counts.count(state) == truth.get(state, 0), state
     assert counts.total == sum(truth.values())
     assert not {s for s in truth if s in ITEM_CLAIMABLE}, truth
-    assert repo.claim("node-test", LINES, 30.0) == []
+    assert claim(repo, "node-test", LINES) == []
     assert repo.count_active_jobs(tenant.id) == 0
     assert repo.enqueued_tokens(tenant.id) == 0
     assert repo.backlog_tokens() == 0
@@ -151,7 +152,7 @@ def test_a_cancel_after_the_items_are_stored_cancels_every_one(
     truth = repo.counted_states(job.id)
     assert truth.get(ItemState.CANCELLED) == 2_000 - 5
     assert not {s for s in truth if s in ITEM_CLAIMABLE}, truth
-    assert repo.claim("node-test", 2_000, 30.0) == []
+    assert claim(repo, "node-test", 2_000) == []
 
 
 def test_recovery_leaves_a_live_create_alone_and_the_create_completes(
@@ -179,16 +180,16 @@ def test_items_of_a_job_that_is_not_in_progress_are_never_claimed(repo: Reposito
         tenant.id, "file-x", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
     repo.insert_items(job.id, [NewItem(i, f"c{i}", "{}", 5) for i in range(3)])
-    assert repo.claim("node-test", 10, 30.0) == []  # still validating
+    assert claim(repo, "node-test", 10) == []  # still validating
     repo.move_job(job.id, JobState.IN_PROGRESS)
     repo.move_job(job.id, JobState.CANCELLING)
-    assert repo.claim("node-test", 10, 30.0) == []  # cancelling
+    assert claim(repo, "node-test", 10) == []  # cancelling
     other = repo.create_job(
         tenant.id, "file-y", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
     repo.insert_items(other.id, [NewItem(0, "c0", "{}", 5)])
     repo.move_job(other.id, JobState.IN_PROGRESS)
-    assert [c.job_id for c in repo.claim("node-test", 10, 30.0)] == [other.id]
+    assert [c.job_id for c in claim(repo, "node-test", 10)] == [other.id]
 
 
 def test_the_maintenance_tick_recovers_a_create_that_died_in_validating(

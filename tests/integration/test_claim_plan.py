@@ -20,6 +20,7 @@ from sqlalchemy import text
 
 from backfill.states import JobState
 from backfill.store import Repository
+from tests.integration.claiming import claim
 
 BACKLOG = 20_000
 ENDED_JOBS = 3_000
@@ -115,7 +116,7 @@ def test_a_claim_reads_about_the_items_it_takes_not_the_backlog(
         assert indexes, "the claim used no index"
         assert indexes <= CLAIM_INDEXES, indexes
         # Nothing was claimed: the explain ran in a transaction rolled back.
-        taken = repo.claim("plan-node", TAKE, 60)
+        taken = claim(repo, "plan-node", TAKE, 60)
         assert len(taken) == TAKE
     finally:
         repo.close()

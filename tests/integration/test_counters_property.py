@@ -12,7 +12,8 @@ from sqlalchemy import text
 
 from backfill.errors import StaleWrite
 from backfill.states import ItemState, JobState
-from backfill.store import ClaimedItem, Finish, NewItem, Repository
+from backfill.store import ClaimedItem, Finish, NewItem, Repository, Start
+from tests.integration.claiming import claim
 
 OPS = st.sampled_from(
     [
@@ -28,7 +29,7 @@ OPS = st.sampled_from(
         "cancel_unstarted",
         "heartbeat",
         "stale_finish",
-        "unclaim",
+        "drop",
     ]
 )
 
@@ -71,20 +72,24 @@ def test_counters_match_count_star_after_random_transitions(
     for op, pick, n in ops:
         try:
             if op == "claim":
-                reserved += repo.claim("n", n, 30)
-            elif op == "start" and reserved:
-                c = reserved.pop(pick % len(reserved))
-                fence += 1
-                repo.start(
-                    c.id,
-                    c.attempt,
-                    lease_id=f"l{fence}",
-                    fencing_token=fence,
-                    reservation_tokens=128,
-                    prompt_tokens=10,
-                    lease_ttl_s=30,
-                )
-                running.append((c, fence))
+                reserved += claim(repo, "n", n)
+            elif op == "start":
+                # One claim's start: the first ``pick`` items start, the next is held (as a
+                # worker holds one it refuses), the rest are left in the queue.
+                opened = repo.open_claim("n", n, 30)
+                items = opened.items
+                go = items[: pick % (len(items) + 1)]
+                hold = items[len(go) : len(go) + 1]
+                starts = [
+                    Start(c.id, c.attempt, f"l{fence + k}", fence + k, 128, 10)
+                    for k, c in enumerate(go, start=1)
+                ]
+                if opened.open:
+                    applied = repo.start_claim(opened, starts, [(c.id, c.attempt) for c in hold])
+                    assert sorted(applied) == sorted(c.id for c in go)
+                running += [(c, fence + k) for k, c in enumerate(go, start=1)]
+                reserved += hold
+                fence += len(go)
             elif op in ("finish_ok", "finish_err") and running:
                 c, fen = running.pop(pick % len(running))
                 state = ItemState.SUCCEEDED if op == "finish_ok" else ItemState.FAILED
@@ -115,9 +120,8 @@ def test_counters_match_count_star_after_random_transitions(
                 repo.reap_lost()
             elif op == "cancel_unstarted":
                 repo.end_items(jobs[pick % 2], ItemState.CANCELLED, only_unstarted=True)
-            elif op == "unclaim" and reserved:
-                back, reserved = reserved[:n], reserved[n:]
-                assert len(repo.unclaim([(c.id, c.attempt) for c in back], "full")) <= len(back)
+            elif op == "drop":
+                repo.drop_claim(repo.open_claim("n", n, 30))
             elif op == "heartbeat":
                 repo.heartbeat([(c.id, c.attempt) for c in reserved], 30)
         except StaleWrite:

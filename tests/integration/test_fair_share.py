@@ -9,6 +9,7 @@ every other tenant's backlog.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ from backfill.batch_input import forecast_tokens_upper_bound
 from backfill.config import Settings
 from backfill.refusals import DeadlineInfeasible
 from backfill.states import JobState
-from backfill.store import ClaimedItem, JobRecord, NewItem, Repository, Start
+from backfill.store import ClaimedItem, JobRecord, NewItem, Repository
+from tests.integration.claiming import claim
 
 
 @pytest.fixture
@@ -52,11 +54,13 @@ def _tenant_of(jobs: dict[str, str], claimed: list[ClaimedItem]) -> list[str]:
     return [jobs[c.job_id] for c in claimed]
 
 
-def _run(repo: Repository, claimed: list[ClaimedItem]) -> None:
-    """Start the claimed items, as the worker does once their leases are held."""
-    repo.start_many(
-        [Start(c.id, c.attempt, f"ls_{c.id}", 1000 + c.id, 128, 100) for c in claimed], 30
-    )
+_FENCES = itertools.count(1000)
+
+
+def _run(repo: Repository, node: str, limit: int) -> list[ClaimedItem]:
+    """Claim items and start them all, as the worker does once their leases are held."""
+    leases = [(f"ls_{fence}", fence) for fence in itertools.islice(_FENCES, limit)]
+    return claim(repo, node, limit, leases=leases)
 
 
 def test_claims_interleave_tenants_while_both_have_work(repo: Repository) -> None:
@@ -66,7 +70,7 @@ def test_claims_interleave_tenants_while_both_have_work(repo: Repository) -> Non
     job_a = _job(repo, a, 60, deadline_s=600)
     job_b = _job(repo, b, 60, deadline_s=7200)
     jobs = {job_a.id: "a", job_b.id: "b"}
-    claimed = repo.claim("n1", 10, 30)
+    claimed = claim(repo, "n1", 10)
     assert Counter(_tenant_of(jobs, claimed)) == {"a": 5, "b": 5}
     # Handed out in an interleaved order: the dispatcher starts a prefix of a claim when the
     # slack is short and gives the rest back.
@@ -77,15 +81,14 @@ def test_a_tenants_share_counts_what_the_node_already_holds_for_it(repo: Reposit
     a = repo.create_tenant("a").id
     b = repo.create_tenant("b").id
     job_a = _job(repo, a, 40, deadline_s=600)
-    first = repo.claim("n1", 6, 30)  # only A has work yet: the whole node is A's
+    first = _run(repo, "n1", 6)  # only A has work yet: the whole node is A's
     assert {c.job_id for c in first} == {job_a.id}
-    _run(repo, first)
     job_b = _job(repo, b, 40, deadline_s=7200)
     jobs = {job_a.id: "a", job_b.id: "b"}
     # n1 runs six of A's: the next six of n1 go to B, until both hold the same.
-    assert Counter(_tenant_of(jobs, repo.claim("n1", 8, 30))) == {"b": 7, "a": 1}
+    assert Counter(_tenant_of(jobs, claim(repo, "n1", 8))) == {"b": 7, "a": 1}
     # Each node shares its own capacity: on n2, nobody holds anything yet.
-    assert Counter(_tenant_of(jobs, repo.claim("n2", 4, 30))) == {"a": 2, "b": 2}
+    assert Counter(_tenant_of(jobs, claim(repo, "n2", 4))) == {"a": 2, "b": 2}
 
 
 def test_an_idle_tenants_share_goes_to_the_others(database_url: str, repo: Repository) -> None:
@@ -98,13 +101,13 @@ def test_an_idle_tenants_share_goes_to_the_others(database_url: str, repo: Repos
     # The idle tenant's job is in progress, but another node holds all of its items.
     elsewhere = Repository.connect(database_url, pool_size=1, fair_share=False)
     try:
-        assert {c.job_id for c in elsewhere.claim("n2", 4, 30)} == {job_idle.id}
+        assert {c.job_id for c in claim(elsewhere, "n2", 4)} == {job_idle.id}
     finally:
         elsewhere.close()
     jobs = {job_a.id: "a", job_b.id: "b", job_idle.id: "idle"}
     # Work-conserving: what A and the idle tenant cannot use goes to B.
-    assert Counter(_tenant_of(jobs, repo.claim("n1", 10, 30))) == {"a": 2, "b": 8}
-    assert Counter(_tenant_of(jobs, repo.claim("n1", 10, 30))) == {"b": 10}
+    assert Counter(_tenant_of(jobs, claim(repo, "n1", 10))) == {"a": 2, "b": 8}
+    assert Counter(_tenant_of(jobs, claim(repo, "n1", 10))) == {"b": 10}
 
 
 def test_earliest_deadline_first_holds_within_a_tenant(repo: Repository) -> None:
@@ -113,7 +116,7 @@ def test_earliest_deadline_first_holds_within_a_tenant(repo: Repository) -> None
     late = _job(repo, a, 5, deadline_s=7200)
     early = _job(repo, a, 5, deadline_s=900)
     other = _job(repo, b, 20, deadline_s=60)
-    claimed = repo.claim("n1", 8, 30)
+    claimed = claim(repo, "n1", 8)
     mine = [c for c in claimed if c.job_id in {late.id, early.id}]
     assert [c.job_id for c in mine] == [early.id] * 4
     assert sum(c.job_id == other.id for c in claimed) == 4
@@ -129,14 +132,13 @@ def test_weights_are_respected(repo: Repository) -> None:
     job_h = _job(repo, heavy, 60, deadline_s=7200)
     job_l = _job(repo, light, 60, deadline_s=600)
     jobs = {job_h.id: "heavy", job_l.id: "light"}
-    claimed = repo.claim("n1", 9, 30)
+    claimed = _run(repo, "n1", 9)
     assert Counter(_tenant_of(jobs, claimed)) == {"heavy": 6, "light": 3}
-    _run(repo, claimed)
     # The weight is the tenant's record: changed, the next claims follow it.
     repo.set_tenant_weight("light", 4)
-    assert Counter(_tenant_of(jobs, repo.claim("n1", 9, 30))) == {"light": 9}
+    assert Counter(_tenant_of(jobs, claim(repo, "n1", 9))) == {"light": 9}
     # light holds 12 at weight 4 (3 a unit), heavy 6 at weight 2 (3 a unit): even again.
-    assert Counter(_tenant_of(jobs, repo.claim("n1", 6, 30))) == {"light": 4, "heavy": 2}
+    assert Counter(_tenant_of(jobs, claim(repo, "n1", 6))) == {"light": 4, "heavy": 2}
 
 
 def test_without_fair_share_claims_are_earliest_deadline_first_across_tenants(
@@ -148,7 +150,7 @@ def test_without_fair_share_claims_are_earliest_deadline_first_across_tenants(
     _job(repo, b, 20, deadline_s=7200)
     plain = Repository.connect(database_url, pool_size=1, fair_share=False)
     try:
-        assert {c.job_id for c in plain.claim("n1", 10, 30)} == {job_a.id}
+        assert {c.job_id for c in claim(plain, "n1", 10)} == {job_a.id}
     finally:
         plain.close()
 
@@ -165,7 +167,7 @@ def test_concurrent_fair_claimers_never_share_an_item(repo: Repository) -> None:
 
     def claimer(node: str) -> None:
         try:
-            while batch := repo.claim(node, 23, 30):
+            while batch := claim(repo, node, 23):
                 with lock:
                     seen.extend(c.id for c in batch)
         except BaseException as exc:  # surfaced below

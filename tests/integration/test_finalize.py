@@ -23,6 +23,7 @@ from backfill.finalize import (
 from backfill.results import ERROR_STATES, iter_result_lines
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, NewItem, Repository
+from tests.integration.claiming import claim
 
 
 def submit(repo: Repository, settings: Settings, lines: int, window: str = "24h") -> JobRecord:
@@ -143,7 +144,7 @@ def test_a_job_whose_items_the_worker_expired_before_the_deadline_ends_expired(
     # The worker expires what cannot finish by the deadline instead of starting it; once
     # every item has ended so, the job is expired (not "failed": nothing went wrong but time).
     job = submit(repo, settings, 3)
-    claimed = repo.claim("n-expire", 10, 30)
+    claimed = claim(repo, "n-expire", 10)
     assert {c.job_id for c in claimed} == {job.id}
     for item in claimed:
         repo.expire_claimed(item.id, item.attempt, "needs 40 s; 5 s left before the deadline")
@@ -164,7 +165,7 @@ def test_a_job_that_ran_and_expired_the_rest_early_completes_in_its_window(
     # deadline) and ran the third. All ended before the deadline: completed, as at OpenAI,
     # with the two counted failed and written to the error file.
     job = submit(repo, settings, 3)
-    claimed = repo.claim("n-mixed", 2, 30)
+    claimed = claim(repo, "n-mixed", 2)
     assert len(claimed) == 2
     for item in claimed:
         repo.expire_claimed(item.id, item.attempt, "needs 40 s; 5 s left before the deadline")

@@ -52,17 +52,20 @@ def _job(repo: Repository, n: int) -> str:
 
 def _die(repo: Repository, ledger: Ledger, settings: Settings, *, started: bool) -> TickReport:
     """Claim every claimable item, start it (or not), and let its worker fall silent."""
-    claimed = repo.claim("n1", 10, 30)
+    opened = repo.open_claim("n1", 10, 30)
+    claimed = opened.items
     assert claimed
+    starts = []
     if started:
-        starts = []
         for c in claimed:
             lease = ledger.reserve("n1", "batch", 20, 100)
             assert isinstance(lease, Lease)
             starts.append(
                 Start(c.id, c.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
             )
-        assert len(repo.start_many(starts, 30)) == len(claimed)
+    # Unstarted, each is held (reserved under its attempt), as a worker holds what it refuses.
+    held = [] if started else [(c.id, c.attempt) for c in claimed]
+    assert len(repo.start_claim(opened, starts, held)) == len(starts)
     with repo.engine.begin() as conn:
         conn.execute(
             text(
@@ -104,7 +107,7 @@ def test_an_item_that_keeps_killing_its_worker_fails_at_the_attempt_cap(
     assert counts.count(ItemState.FAILED) == 1 == counts.total
     # Finalized as OpenAI does: it ran, so it completed, with every request counted failed.
     assert repo.get_job(None, job).state is JobState.COMPLETED
-    assert repo.claim("n1", 10, 30) == []
+    assert repo.open_claim("n1", 10, 30).items == []
 
 
 def test_items_lost_fewer_times_than_the_cap_are_requeued_with_their_neighbours(

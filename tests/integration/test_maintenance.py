@@ -48,11 +48,12 @@ def _running_items(repo: Repository, ledger: Ledger, n: int, *, deadline_s: floa
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n1", CAPACITY, BLOCK)
     starts = []
-    for c in repo.claim("n1", n, 30):
+    opened = repo.open_claim("n1", n, 30)
+    for c in opened.items:
         lease = ledger.reserve("n1", "batch", 20, 100)
         assert isinstance(lease, Lease)
         starts.append(Start(c.id, c.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20))
-    assert len(repo.start_many(starts, 30)) == n
+    assert len(repo.start_claim(opened, starts)) == n
     return job.id
 
 

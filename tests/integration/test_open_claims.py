@@ -10,17 +10,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
 
 from backfill.config import libpq_url
-from backfill.errors import StoreUnavailable
+from backfill.errors import StaleWrite, StoreUnavailable
 from backfill.finalize import cancel_job
 from backfill.states import ItemState, JobState
-from backfill.store import ClaimedItem, Finish, JobRecord, Repository, Start
-from tests.integration.test_holds import _assert_counters_match, _job
+from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start
 
 
 @pytest.fixture
@@ -28,6 +27,27 @@ def repo(database_url: str) -> Iterator[Repository]:
     r = Repository.connect(database_url, pool_size=10)
     yield r
     r.close()
+
+
+def _job(repo: Repository, n: int, tenant: str | None = None) -> JobRecord:
+    """An in-progress job of ``n`` items, of a new tenant (named ``tenant``, or by the time)."""
+    tenant_id = repo.create_tenant(tenant or f"t{datetime.now(UTC).timestamp()}").id
+    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.create_job(
+        tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.insert_items(
+        job.id, (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n))
+    )
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job
+
+
+def _assert_counters_match(repo: Repository, job_id: str) -> None:
+    counts = repo.get_job(None, job_id).counts
+    truth = repo.counted_states(job_id)
+    for state in ItemState:
+        assert counts.count(state) == truth.get(state, 0), state
 
 
 def _start(item: ClaimedItem, fence: int) -> Start:
@@ -109,6 +129,30 @@ def test_the_start_writes_each_item_once_holds_the_refused_and_leaves_the_rest(
     assert _rows(database_url, b.id)[1] == [(1, "n1", None, None, "deferred")]
     (again,) = repo.open_claim("n2", 5, 30).items  # b is deferred: only c is claimable
     assert (again.id, again.attempt) == (c.id, 1)
+    _assert_counters_match(repo, job.id)
+
+
+def test_a_held_item_never_settled_lapses_and_the_reaper_queues_it_again(
+    repo: Repository, database_url: str
+) -> None:
+    job = _job(repo, 1)
+    claim = repo.open_claim("n1", 1, 30)
+    (held,) = claim.items
+    assert repo.start_claim(claim, [], held=[(held.id, held.attempt)]) == []
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        conn.execute("UPDATE items SET lease_expires_at = now() - interval '1 s'")
+    lost = repo.reap_lost(max_lost_runs=1)
+    # Never started: requeued, and not counted as a lost run (the cap is 1).
+    assert [(x.item_id, x.failed) for x in lost] == [(held.id, False)]
+    assert _rows(database_url, held.id)[1] == [(1, "n1", None, None, "lost")]
+    # The worker's late settle of the lapsed hold is fenced out; the next claim takes
+    # attempt 2.
+    with pytest.raises(StaleWrite):
+        repo.give_back(held.id, held.attempt, ItemState.DEFERRED, retry_after_s=60)
+    claim = repo.open_claim("n2", 1, 30)
+    (again,) = claim.items
+    assert (again.id, again.attempt) == (held.id, 2)
+    assert repo.start_claim(claim, [_start(again, 3)]) == [held.id]
     _assert_counters_match(repo, job.id)
 
 

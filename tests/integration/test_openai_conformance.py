@@ -24,6 +24,7 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs
 from backfill.store import Repository
+from tests.integration.claiming import claim
 
 
 def _is_request_id(value: str | None) -> bool:
@@ -306,8 +307,8 @@ def test_nodes_claim_only_the_items_of_the_model_they_serve(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         ).id
     for node, model in (("n-a", "model-a"), ("n-b", "model-b")):
-        claimed = repo.claim(node, 100, 30, models=[model])
+        claimed = claim(repo, node, 100, models=[model])
         assert {c.job_id for c in claimed} == {jobs[model]}, node
         assert len(claimed) == 4
         assert {json.loads(c.body)["model"] for c in claimed} == {model}
-    assert repo.claim("n-c", 100, 30, models=["model-c"]) == []
+    assert claim(repo, "n-c", 100, models=["model-c"]) == []

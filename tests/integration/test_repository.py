@@ -14,7 +14,8 @@ from sqlalchemy import text
 from backfill.config import libpq_url
 from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
 from backfill.states import ItemState, JobState
-from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start, key_digest
+from backfill.store import Finish, JobRecord, NewItem, Repository, Start, key_digest
+from tests.integration.claiming import claim
 
 
 @pytest.fixture
@@ -44,28 +45,6 @@ def _job(
     return job
 
 
-def _start(
-    repo: Repository,
-    claimed: ClaimedItem,
-    lease_id: str,
-    fencing_token: int,
-    *,
-    reservation_tokens: int = 128,
-    prompt_tokens: int = 100,
-    attempt: int | None = None,
-) -> None:
-    """Start the claimed item's attempt (``attempt``: another one) under a 30 s claim."""
-    repo.start(
-        claimed.id,
-        claimed.attempt if attempt is None else attempt,
-        lease_id=lease_id,
-        fencing_token=fencing_token,
-        reservation_tokens=reservation_tokens,
-        prompt_tokens=prompt_tokens,
-        lease_ttl_s=30,
-    )
-
-
 def _assert_counters_match(repo: Repository, job_id: str) -> None:
     counts = repo.get_job(None, job_id).counts
     truth = repo.counted_states(job_id)
@@ -79,7 +58,7 @@ def test_claim_hands_out_earliest_deadline_first(repo: Repository) -> None:
     tenant = repo.create_tenant("edf").id
     late = _job(repo, 3, deadline_s=7200, tenant=tenant)
     early = _job(repo, 3, deadline_s=600, tenant=tenant)
-    claimed = repo.claim("n1", 4, 30)
+    claimed = claim(repo, "n1", 4)
     assert [c.job_id for c in claimed] == [early.id] * 3 + [late.id]
     assert all(c.attempt == 1 for c in claimed)
     _assert_counters_match(repo, early.id)
@@ -94,7 +73,7 @@ def test_concurrent_claimers_never_share_an_item(repo: Repository) -> None:
 
     def claimer() -> None:
         try:
-            while batch := repo.claim("n1", 37, 30):
+            while batch := claim(repo, "n1", 37):
                 with lock:
                     seen.extend(c.id for c in batch)
         except BaseException as exc:  # surfaced below
@@ -117,7 +96,7 @@ def test_claim_skips_items_not_yet_due_and_items_past_their_deadline(
     repo: Repository, database_url: str
 ) -> None:
     job = _job(repo, 2)
-    first = repo.claim("n1", 1, 30)[0]
+    first = claim(repo, "n1", 1)[0]
     repo.give_back(
         first.id,
         first.attempt,
@@ -128,7 +107,7 @@ def test_claim_skips_items_not_yet_due_and_items_past_their_deadline(
         conn.execute(
             "UPDATE items SET deadline = now() - interval '1 s' WHERE id <> %s", (first.id,)
         )
-    assert repo.claim("n1", 10, 30) == []
+    assert claim(repo, "n1", 10) == []
     _assert_counters_match(repo, job.id)
 
 
@@ -136,18 +115,16 @@ def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
     repo: Repository, database_url: str
 ) -> None:
     job = _job(repo, 1)
-    old = repo.claim("n1", 1, 30)[0]
-    _start(repo, old, "a", 1)
+    old = claim(repo, "n1", 1, leases=[("a", 1)])[0]
     # The worker goes silent: its claim expires and the reaper takes the item back.
     with psycopg.connect(libpq_url(database_url)) as conn:
         conn.execute("UPDATE items SET lease_expires_at = now() - interval '1 s'")
     reaped = repo.reap_lost()
     assert [r.item_id for r in reaped] == [old.id]
     assert reaped[0].lease_id == "a"
-    new = repo.claim("n2", 1, 30)[0]
+    new = claim(repo, "n2", 1, leases=[("b", 2)])[0]
     assert new.id == old.id
     assert new.attempt == old.attempt + 1
-    _start(repo, new, "b", 2)
     # The old worker wakes up and tries to write its result: nothing applies.
     stale = Finish(old.id, old.attempt, 1, ItemState.SUCCEEDED, result="old", output_tokens=3)
     assert repo.finish([stale]) == []
@@ -166,22 +143,11 @@ def test_a_stale_attempt_cannot_finish_after_the_item_was_reaped_and_reclaimed(
 
 def test_wrong_fencing_token_is_rejected(repo: Repository) -> None:
     _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
-    _start(repo, c, "a", 10)
+    c = claim(repo, "n1", 1, leases=[("a", 10)])[0]
     assert repo.finish([Finish(c.id, c.attempt, 9, ItemState.SUCCEEDED, result="r")]) == []
     with pytest.raises(StaleWrite):
         repo.fail(c.id, c.attempt, "boom", fencing_token=9)
     repo.fail(c.id, c.attempt, "boom", fencing_token=10)
-
-
-def test_start_requires_the_current_claim(repo: Repository) -> None:
-    _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
-    with pytest.raises(StaleWrite):
-        _start(repo, c, "a", 1, reservation_tokens=1, prompt_tokens=1, attempt=c.attempt + 1)
-    repo.give_back(c.id, c.attempt, ItemState.QUEUED)
-    with pytest.raises(StaleWrite):
-        _start(repo, c, "a", 1, reservation_tokens=1, prompt_tokens=1)
 
 
 def test_illegal_transitions_raise_before_touching_the_database(repo: Repository) -> None:
@@ -195,10 +161,9 @@ def test_illegal_transitions_raise_before_touching_the_database(repo: Repository
 
 def test_preempted_item_keeps_its_progress_and_is_claimed_again(repo: Repository) -> None:
     job = _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
-    _start(repo, c, "a", 5)
+    c = claim(repo, "n1", 1, leases=[("a", 5)])[0]
     repo.preempt(c.id, c.attempt, 5, partial_output="Once upon", partial_tokens=2)
-    again = repo.claim("n1", 1, 30)[0]
+    again = claim(repo, "n1", 1)[0]
     assert again.id == c.id
     assert again.partial_output == "Once upon"
     assert again.partial_tokens == 2
@@ -208,7 +173,7 @@ def test_preempted_item_keeps_its_progress_and_is_claimed_again(repo: Repository
 
 def test_heartbeat_extends_only_live_claims(repo: Repository) -> None:
     _job(repo, 2)
-    a, b = repo.claim("n1", 2, 30)
+    a, b = claim(repo, "n1", 2)
     repo.give_back(b.id, b.attempt, ItemState.QUEUED)
     assert repo.heartbeat([(a.id, a.attempt), (b.id, b.attempt), (a.id, a.attempt + 1)], 30) == [
         a.id
@@ -217,9 +182,8 @@ def test_heartbeat_extends_only_live_claims(repo: Repository) -> None:
 
 def test_cancel_ends_unstarted_items_and_reports_active_ones(repo: Repository) -> None:
     job = _job(repo, 4)
-    a, b = repo.claim("n1", 2, 30)
-    _start(repo, a, "la", 1)
-    # b is claimed but not started: it ends with the unstarted ones, holding no lease.
+    a, b = claim(repo, "n1", 2, leases=[("la", 1)])
+    # b is claimed but not started (held): it ends with the unstarted ones, holding no lease.
     unstarted = repo.end_items(job.id, ItemState.CANCELLED, only_unstarted=True)
     assert [(r.item_id, r.lease_id) for r in unstarted] == [(b.id, None)]
     assert repo.get_job(None, job.id).counts.count(ItemState.CANCELLED) == 3
@@ -231,8 +195,7 @@ def test_cancel_ends_unstarted_items_and_reports_active_ones(repo: Repository) -
 
 def test_active_leases_are_what_the_ledger_is_rebuilt_from(repo: Repository) -> None:
     _job(repo, 3)
-    a, b, _ = repo.claim("n1", 3, 30)
-    _start(repo, a, "la", 42, reservation_tokens=256)
+    a, b, _ = claim(repo, "n1", 3, leases=[("la", 42)], reservation_tokens=256)
     rows = {r.item_id: r for r in repo.active_leases()}
     assert set(rows) >= {a.id, b.id}
     assert (rows[a.id].lease_id, rows[a.id].fencing_token, rows[a.id].reservation_tokens) == (
@@ -302,22 +265,22 @@ def test_duplicate_tenant_name_is_a_conflict(repo: Repository) -> None:
 
 def test_exact_token_counts_update_the_job_totals(repo: Repository) -> None:
     job = _job(repo, 2)
-    items = repo.claim("n1", 2, 30)
+    items = claim(repo, "n1", 2)
     repo.set_prompt_tokens([(items[0].id, 150, 256), (items[1].id, 90, 128)])
     assert repo.get_job(None, job.id).counts.prompt_tokens == 240
 
 
 def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -> None:
     _job(repo, 1)
-    c1 = repo.claim("n1", 1, 30)[0]
+    c1 = claim(repo, "n1", 1)[0]
     repo.give_back(c1.id, c1.attempt, ItemState.DEFERRED, detail="no slack")
-    c2 = repo.claim("n1", 1, 30)[0]
-    _start(repo, c2, "l2", 2)
+    c2 = claim(repo, "n1", 1, leases=[("l2", 2)])[0]
     repo.preempt(c2.id, c2.attempt, 2, partial_output="ab", partial_tokens=2)
-    c3 = repo.claim("n2", 1, 30)[0]
-    applied = repo.start_many(
+    opened = repo.open_claim("n2", 1, 30)
+    (c3,) = opened.items
+    applied = repo.start_claim(
+        opened,
         [Start(c3.id, c3.attempt, "l3", 3, 128, 100), Start(c3.id, c3.attempt - 1, "x", 9, 1, 1)],
-        30,
     )
     assert applied == [c3.id]
     repo.finish([Finish(c3.id, c3.attempt, 3, ItemState.SUCCEEDED, result="r", output_tokens=7)])
@@ -337,21 +300,20 @@ def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -
 
 def test_requeue_keeps_progress_without_counting_a_preemption(repo: Repository) -> None:
     job = _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
-    _start(repo, c, "a", 3)
+    c = claim(repo, "n1", 1, leases=[("a", 3)])[0]
     with pytest.raises(StaleWrite):
         repo.requeue(c.id, c.attempt, 4, partial_output="x", partial_tokens=1, detail="d")
     repo.requeue(
         c.id, c.attempt, 3, partial_output="Hello", partial_tokens=1, detail="engine unreachable"
     )
-    again = repo.claim("n1", 1, 30)[0]
+    again = claim(repo, "n1", 1)[0]
     assert (again.partial_output, again.partial_tokens, again.preemptions) == ("Hello", 1, 0)
     _assert_counters_match(repo, job.id)
 
 
 def test_an_item_that_cannot_meet_its_deadline_expires_unstarted(repo: Repository) -> None:
     job = _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
+    c = claim(repo, "n1", 1)[0]
     repo.expire_claimed(c.id, c.attempt, "needs 90 s, 10 s left")
     with pytest.raises(StaleWrite):
         repo.expire_claimed(c.id, c.attempt, "again")
@@ -366,9 +328,8 @@ def test_ledger_epochs_only_grow(repo: Repository) -> None:
 
 def test_partial_output_keeps_any_code_point_even_nul(repo: Repository) -> None:
     _job(repo, 1)
-    c = repo.claim("n1", 1, 30)[0]
-    _start(repo, c, "a", 1)
+    c = claim(repo, "n1", 1, leases=[("a", 1)])[0]
     odd = "nul\x00 tab\t emoji\U0001f600 \ud7ff end"
     repo.preempt(c.id, c.attempt, 1, partial_output=odd, partial_tokens=5)
-    again = repo.claim("n1", 1, 30)[0]
+    again = claim(repo, "n1", 1)[0]
     assert again.partial_output == odd

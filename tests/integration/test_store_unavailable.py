@@ -89,7 +89,7 @@ def test_the_hot_path_meets_a_server_that_refuses_connections_as_store_unavailab
     settings: Settings,
 ) -> None:
     """A Postgres restarting refuses new connections: the pool's connect raises the driver's
-    own error, which the hot path (hold, commit, finish) must read as unavailable. It crashed
+    own error, which the hot path (open claim, finish) must read as unavailable. It crashed
     every worker of a node instead, until the store came back to no one claiming."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,9 +99,9 @@ def test_the_hot_path_meets_a_server_that_refuses_connections_as_store_unavailab
     repo = Repository(create_engine(url, pool_size=1, max_overflow=0))
     try:
         with pytest.raises(StoreUnavailable):
-            repo.hold_claim("n1", 4, 30)
+            repo.open_claim("n1", 4, 30)
         with pytest.raises(StoreUnavailable):
-            repo.commit([], 30, released=[(1, 1)])
+            repo.finish([Finish(1, 1, 1, ItemState.SUCCEEDED, result="{}")])
     finally:
         repo.close()
 
@@ -116,11 +116,12 @@ def _running_item(repo: Repository, ledger: Ledger) -> tuple[Flight, Finish]:
     repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n1", CAPACITY, BLOCK)
-    [item] = repo.claim("n1", 1, 30)
+    opened = repo.open_claim("n1", 1, 30)
+    [item] = opened.items
     lease = ledger.reserve("n1", "batch", 20, 100)
     assert isinstance(lease, Lease)
     start = Start(item.id, item.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
-    assert repo.start_many([start], 30) == [item.id]
+    assert repo.start_claim(opened, [start]) == [item.id]
     finish = Finish(item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}")
     return Flight(item, lease, item.endpoint, run_plan(item)), finish
 
