@@ -203,6 +203,77 @@ def create_batch(
 ) -> JobRecord:
     """Check and admit a batch; returns it ``in_progress`` (or ``failed`` for bad input), or
     ``validating`` when an ingest process is to check and store its file."""
+    fields = _request_fields(request, settings)
+    if request.idempotency_key is not None:
+        first = repo.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
+        if first is not None:
+            return _retried(repo, tenant.id, first, request)
+    record = _input_file(repo, settings, tenant, request)
+
+    # The file is read from storage a piece at a time by each pass over it, never whole.
+    def content() -> Iterator[bytes]:
+        return stored_lines(repo, tenant.id, record.id)
+
+    # Quota and deadline are judged before anything is stored, on an upper bound of the
+    # file's forecast tokens (the upload's scan recorded it; a file uploaded before is
+    # scanned now), so a refusal is a clean 4xx with no job.
+    forecast = record.tokens_bound
+    if forecast is None:
+        forecast = forecast_tokens_upper_bound(content())
+    # Postgres' clock: the deadline is stored there and judged there (this host's may be off).
+    now = now or repo.now()
+    admission = Admission(
+        forecast=forecast,
+        now=now,
+        window_s=fields.window_s,
+        throughput_tps=batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps),
+        completion_window=request.completion_window,
+    )
+    plan = judge_tokens(repo, settings, tenant, forecast, admission)
+
+    model = first_model(content())
+    _check_model_served(repo, settings, model, request.endpoint)
+    # A file past the inline bound is checked and stored by an ingest process: the create
+    # answers validating now, and no request does per-line work on a large file.
+    deferred = record.size_bytes > settings.ingest_inline_bytes
+    job = repo.create_job(
+        tenant.id,
+        record.id,
+        request.endpoint,
+        request.completion_window,
+        now + timedelta(seconds=fields.window_s),
+        metadata=fields.metadata,
+        idempotency_key=request.idempotency_key,
+        model=model,
+        output_expires_after_s=fields.output_expires_after_s,
+        ingest_deferred=deferred,
+    )
+    if request.idempotency_key is not None and (
+        job.state is not JobState.VALIDATING or not _same_request(job, request)
+    ):
+        # A concurrent create with the same key won the insert: answer with its job.
+        return _retried(repo, tenant.id, job.id, request)
+    if deferred:
+        return job
+    try:
+        return ingest_items(repo, settings, tenant, job, admission, plan)
+    except Conflict:
+        # A concurrent create with the same Idempotency-Key stored the items first.
+        return _retried(repo, tenant.id, job.id, request)
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestFields:
+    """A create request's own fields, checked (nothing read from the store)."""
+
+    window_s: int
+    metadata: dict[str, str] | None
+    output_expires_after_s: int | None
+
+
+def _request_fields(request: BatchRequest, settings: Settings) -> _RequestFields:
+    """The endpoint, completion window, metadata and output expiry of ``request``, checked
+    before anything is read: a bad one is a 400 naming its field."""
     if request.endpoint not in PROMPT_FIELD:
         raise InvalidRequest(
             f"endpoint {request.endpoint!r} is not supported; use one of "
@@ -219,11 +290,14 @@ def create_batch(
     output_expires_after_s = check_expires_after(
         request.output_expires_after, "output_expires_after"
     )
-    if request.idempotency_key is not None:
-        first = repo.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
-        if first is not None:
-            return _retried(repo, tenant.id, first, request)
+    return _RequestFields(window_s, metadata, output_expires_after_s)
 
+
+def _input_file(
+    repo: BatchStore, settings: Settings, tenant: TenantRecord, request: BatchRequest
+) -> FileRecord:
+    """The batch's input file, if the tenant may start a batch from it: a 'batch' file not
+    used before, with the tenant under its stored-items and active-batches caps."""
     try:
         record = repo.get_file(tenant.id, request.input_file_id)
     except NotFound as exc:
@@ -249,57 +323,7 @@ def create_batch(
             f"{active} batches are active; the limit is {settings.max_active_batches_per_tenant}"
             " per tenant. Wait for one to finish or cancel one."
         )
-
-    # The file is read from storage a piece at a time by each pass over it, never whole.
-    def content() -> Iterator[bytes]:
-        return stored_lines(repo, tenant.id, record.id)
-
-    # Quota and deadline are judged before anything is stored, on an upper bound of the
-    # file's forecast tokens (the upload's scan recorded it; a file uploaded before is
-    # scanned now), so a refusal is a clean 4xx with no job.
-    forecast = record.tokens_bound
-    if forecast is None:
-        forecast = forecast_tokens_upper_bound(content())
-    # Postgres' clock: the deadline is stored there and judged there (this host's may be off).
-    now = now or repo.now()
-    admission = Admission(
-        forecast=forecast,
-        now=now,
-        window_s=window_s,
-        throughput_tps=batch_throughput(settings.batch_throughput_tokens_per_s, measured_tps),
-        completion_window=request.completion_window,
-    )
-    plan = judge_tokens(repo, settings, tenant, forecast, admission)
-
-    model = first_model(content())
-    _check_model_served(repo, settings, model, request.endpoint)
-    # A file past the inline bound is checked and stored by an ingest process: the create
-    # answers validating now, and no request does per-line work on a large file.
-    deferred = record.size_bytes > settings.ingest_inline_bytes
-    job = repo.create_job(
-        tenant.id,
-        record.id,
-        request.endpoint,
-        request.completion_window,
-        now + timedelta(seconds=window_s),
-        metadata=metadata,
-        idempotency_key=request.idempotency_key,
-        model=model,
-        output_expires_after_s=output_expires_after_s,
-        ingest_deferred=deferred,
-    )
-    if request.idempotency_key is not None and (
-        job.state is not JobState.VALIDATING or not _same_request(job, request)
-    ):
-        # A concurrent create with the same key won the insert: answer with its job.
-        return _retried(repo, tenant.id, job.id, request)
-    if deferred:
-        return job
-    try:
-        return ingest_items(repo, settings, tenant, job, admission, plan)
-    except Conflict:
-        # A concurrent create with the same Idempotency-Key stored the items first.
-        return _retried(repo, tenant.id, job.id, request)
+    return record
 
 
 def _check_model_served(

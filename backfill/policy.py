@@ -408,8 +408,6 @@ def decide(
             f"could ever give {cls}",
             tokens,
         )
-    retry = policy.defer_retry_after_s
-    reserve = policy.reserve_tokens(c)
     share = request.tenant_share_ppm
     if cls is ServiceClass.INTERACTIVE and share is not None:
         # Before room and preemption: a tenant at its share waits for its own leases, and
@@ -422,37 +420,58 @@ def decide(
                 f"interactive reservation of {tokens} with the {tenant_in_use} its tenant "
                 f"holds on the node exceeds the tenant's share of {bound}",
                 tokens,
-                retry,
+                policy.defer_retry_after_s,
             )
     if cls is ServiceClass.BATCH:
-        if not state.ready:
-            return Decision(
-                DecisionKind.DEFER,
-                Reason.LEDGER_REBUILDING,
-                "the ledger is being rebuilt from Postgres; batch admission is closed",
-                tokens,
-                retry,
-            )
-        slack = batch_slack(state, policy)
-        if tokens <= slack:
-            return Decision(
-                DecisionKind.ADMIT,
-                Reason.FITS,
-                f"batch reservation of {tokens} fits the slack of {slack}",
-                tokens,
-            )
+        return _batch_decision(tokens, state, policy)
+    return _interactive_decision(request, tokens, state, policy, leases)
+
+
+def _batch_decision(tokens: int, state: PoolState, policy: PoolPolicy) -> Decision:
+    """A batch reservation of ``tokens`` (under its class limit and ceiling): into the slack."""
+    retry = policy.defer_retry_after_s
+    if not state.ready:
         return Decision(
             DecisionKind.DEFER,
-            Reason.NO_SLACK,
-            f"batch reservation of {tokens} exceeds the slack of {slack} (capacity {c}, "
-            f"reserve {reserve}, interactive {state.interactive_effective}, batch "
-            f"{state.batch_in_use})",
+            Reason.LEDGER_REBUILDING,
+            "the ledger is being rebuilt from Postgres; batch admission is closed",
             tokens,
             retry,
         )
+    slack = batch_slack(state, policy)
+    if tokens <= slack:
+        return Decision(
+            DecisionKind.ADMIT,
+            Reason.FITS,
+            f"batch reservation of {tokens} fits the slack of {slack}",
+            tokens,
+        )
+    c = state.capacity_tokens
+    return Decision(
+        DecisionKind.DEFER,
+        Reason.NO_SLACK,
+        f"batch reservation of {tokens} exceeds the slack of {slack} (capacity {c}, "
+        f"reserve {policy.reserve_tokens(c)}, interactive {state.interactive_effective}, batch "
+        f"{state.batch_in_use})",
+        tokens,
+        retry,
+    )
+
+
+def _interactive_decision(
+    request: AdmissionRequest,
+    tokens: int,
+    state: PoolState,
+    policy: PoolPolicy,
+    leases: Sequence[VictimCandidate],
+) -> Decision:
+    """An interactive reservation of ``tokens`` (under its class limit, the pool and its
+    tenant's share): into its room, else after preempting batch that frees enough."""
+    retry = policy.defer_retry_after_s
     if not state.ready:
         # Batch in use is unknown until the rebuild ends; batch was only ever admitted outside
         # the reserve, so the reserve itself is safe to hand out.
+        reserve = policy.reserve_tokens(state.capacity_tokens)
         if state.interactive_in_use + tokens <= reserve:
             return Decision(
                 DecisionKind.ADMIT,
@@ -477,7 +496,7 @@ def decide(
             f"interactive reservation of {tokens} fits the room of {room}",
             tokens,
         )
-    needed = state.interactive_in_use + state.batch_in_use + tokens - c
+    needed = state.interactive_in_use + state.batch_in_use + tokens - state.capacity_tokens
     victims = choose_victims(leases, needed) if request.allow_preemption else None
     if victims is not None:
         return Decision(

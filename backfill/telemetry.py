@@ -17,6 +17,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -207,51 +208,7 @@ class BackfillCollector:
 
     def _ledger(self, by_state: Any) -> list[Any]:
         nodes = {n.name: n for n in self.repo.nodes()}
-        kv = GaugeMetricFamily(
-            "backfill_kv_tokens",
-            "A node's KV pool in tokens: capacity (measured), the interactive reserve, the "
-            "tokens reserved per class, what the engine reports non-batch work holds, and "
-            "the batch slack.",
-            labels=["node", "kind"],
-        )
-        leases = GaugeMetricFamily(
-            "backfill_leases", "Live ledger leases by node and class.", labels=["node", "class"]
-        )
-        denials = CounterMetricFamily(
-            "backfill_allocation_denials",
-            "Reservations the ledger refused, by node, class and reason.",
-            labels=["node", "class", "reason"],
-        )
-        preemptions = CounterMetricFamily(
-            "backfill_preemptions",
-            "Batch leases preempted to make room for interactive work.",
-            labels=["node"],
-        )
-        recounts = CounterMetricFamily(
-            "backfill_interactive_owner_recounts",
-            "Owners whose interactive tokens on a node (what a tenant's share is checked "
-            "against) the periodic reap found off the live leases and put right; stays 0 "
-            "while every process runs the same ledger scripts.",
-            labels=["node"],
-        )
-        budget = GaugeMetricFamily(
-            "backfill_work_budget",
-            "A node's batch work budget (max_seqs, max_prefill_tokens, hold) and what batch "
-            "uses of it (in_flight, prefill_tokens), as its worker last published them.",
-            labels=["node", "kind"],
-        )
-        budget_change = GaugeMetricFamily(
-            "backfill_work_budget_last_change_seconds",
-            "When a node's work budget last changed (Unix time), labelled with why.",
-            labels=["node", "reason"],
-        )
-        mismatch = GaugeMetricFamily(
-            "backfill_engine_scheduler_priority_mismatch",
-            "1 where a node's engine scheduler takes batch at another priority than its "
-            "worker sends (the engine then does not pause that batch; the worker's work "
-            "budget keeps preempting for interactive TTFT).",
-            labels=["node"],
-        )
+        families = _ledger_families()
         if self.ledger is None:
             raise _NoLedger
         names = sorted(set(nodes) | set(self.ledger.nodes()))
@@ -260,8 +217,10 @@ class BackfillCollector:
             snap = self.ledger.snapshot(name)
             if snap is None:
                 record = nodes[name]
-                kv.add_metric([name, "capacity"], record.capacity_tokens)
-                kv.add_metric([name, "interactive_reserve"], record.interactive_reserve_tokens)
+                families.kv.add_metric([name, "capacity"], record.capacity_tokens)
+                families.kv.add_metric(
+                    [name, "interactive_reserve"], record.interactive_reserve_tokens
+                )
                 continue
             figures = {
                 "capacity": snap.capacity_tokens,
@@ -272,18 +231,18 @@ class BackfillCollector:
                 "slack": snap.slack,
             }
             for kind, value in figures.items():
-                kv.add_metric([name, kind], value)
+                families.kv.add_metric([name, kind], value)
             per_class = {"interactive": 0, "batch": 0}
             for lease in snap.leases:
                 per_class[str(lease.service_class)] += 1
             for service_class, n in per_class.items():
-                leases.add_metric([name, service_class], n)
+                families.leases.add_metric([name, service_class], n)
             interactive_running += per_class["interactive"]
             counts = self.ledger.counters(name)
             for (service_class, reason), n in sorted(counts.denials.items()):
-                denials.add_metric([name, service_class, reason], n)
-            preemptions.add_metric([name], counts.preemptions)
-            recounts.add_metric([name], counts.owners_recounted)
+                families.denials.add_metric([name, service_class, reason], n)
+            families.preemptions.add_metric([name], counts.preemptions)
+            families.recounts.add_metric([name], counts.owners_recounted)
             view = read_budget(self.ledger.client, self.ledger.keys, name)
             if view is not None:
                 for kind, value in (
@@ -293,14 +252,91 @@ class BackfillCollector:
                     ("in_flight", view.in_flight),
                     ("prefill_tokens", view.prefill_tokens),
                 ):
-                    budget.add_metric([name, kind], value)
-                budget_change.add_metric([name, view.code], view.changed_at_s)
+                    families.budget.add_metric([name, kind], value)
+                families.budget_change.add_metric([name, view.code], view.changed_at_s)
             engine_scheduler = read_scheduler(self.ledger.client, self.ledger.keys, name)
             if engine_scheduler is not None:
-                mismatch.add_metric([name], 0 if engine_scheduler.agrees else 1)
+                families.mismatch.add_metric([name], 0 if engine_scheduler.agrees else 1)
         by_state.add_metric(["interactive", ItemState.QUEUED.value], 0)
         by_state.add_metric(["interactive", ItemState.RUNNING.value], interactive_running)
-        return [kv, leases, denials, preemptions, recounts, budget, budget_change, mismatch]
+        return families.all()
+
+
+@dataclass(frozen=True, slots=True)
+class _LedgerFamilies:
+    """The ledger section's metric families, filled node by node."""
+
+    kv: GaugeMetricFamily
+    leases: GaugeMetricFamily
+    denials: CounterMetricFamily
+    preemptions: CounterMetricFamily
+    recounts: CounterMetricFamily
+    budget: GaugeMetricFamily
+    budget_change: GaugeMetricFamily
+    mismatch: GaugeMetricFamily
+
+    def all(self) -> list[Any]:
+        return [
+            self.kv,
+            self.leases,
+            self.denials,
+            self.preemptions,
+            self.recounts,
+            self.budget,
+            self.budget_change,
+            self.mismatch,
+        ]
+
+
+def _ledger_families() -> _LedgerFamilies:
+    kv = GaugeMetricFamily(
+        "backfill_kv_tokens",
+        "A node's KV pool in tokens: capacity (measured), the interactive reserve, the "
+        "tokens reserved per class, what the engine reports non-batch work holds, and "
+        "the batch slack.",
+        labels=["node", "kind"],
+    )
+    leases = GaugeMetricFamily(
+        "backfill_leases", "Live ledger leases by node and class.", labels=["node", "class"]
+    )
+    denials = CounterMetricFamily(
+        "backfill_allocation_denials",
+        "Reservations the ledger refused, by node, class and reason.",
+        labels=["node", "class", "reason"],
+    )
+    preemptions = CounterMetricFamily(
+        "backfill_preemptions",
+        "Batch leases preempted to make room for interactive work.",
+        labels=["node"],
+    )
+    recounts = CounterMetricFamily(
+        "backfill_interactive_owner_recounts",
+        "Owners whose interactive tokens on a node (what a tenant's share is checked "
+        "against) the periodic reap found off the live leases and put right; stays 0 "
+        "while every process runs the same ledger scripts.",
+        labels=["node"],
+    )
+    budget = GaugeMetricFamily(
+        "backfill_work_budget",
+        "A node's batch work budget (max_seqs, max_prefill_tokens, hold) and what batch "
+        "uses of it (in_flight, prefill_tokens), as its worker last published them.",
+        labels=["node", "kind"],
+    )
+    budget_change = GaugeMetricFamily(
+        "backfill_work_budget_last_change_seconds",
+        "When a node's work budget last changed (Unix time), labelled with why.",
+        labels=["node", "reason"],
+    )
+    mismatch = GaugeMetricFamily(
+        "backfill_engine_scheduler_priority_mismatch",
+        "1 where a node's engine scheduler takes batch at another priority than its "
+        "worker sends (the engine then does not pause that batch; the worker's work "
+        "budget keeps preempting for interactive TTFT).",
+        labels=["node"],
+    )
+    return _LedgerFamilies(
+        kv, leases, denials, preemptions, recounts, budget, budget_change, mismatch
+    )
 
 
 def _guarded(source: str, section: Callable[[], list[Any]]) -> tuple[list[Any], bool]:

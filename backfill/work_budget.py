@@ -224,8 +224,24 @@ def _shrink(value: int, factor: float, floor: int) -> int:
     return max(floor, min(value - 1, math.floor(value * factor))) if value > floor else floor
 
 
-def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> BudgetStep:
-    """The next budget for ``signals``; pure (the caller keeps the returned budget)."""
+@dataclass(frozen=True, slots=True)
+class _Pressure:
+    """What the signals say of interactive work, before the budget is resized."""
+
+    code: BudgetReason
+    why: str
+    shrink: bool
+    """Batch is what delays interactive work: the budget shrinks."""
+    hold: bool
+    """New batch prefills wait."""
+    oldest_s: float
+    """How long the oldest interactive request still pending has waited (0: none)."""
+    ttft_seen_s: float
+
+
+def _pressure(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> _Pressure:
+    """Classify ``signals``: the most urgent reason first (a TTFT at risk, interactive
+    requests waiting, a TTFT near its target, interactive prefills), else quiet."""
     now = signals.now_s
     target = policy.ttft_target_s
     new_ttfts = [(at, t) for at, t in signals.ttfts if at > budget.ttft_seen_s]
@@ -273,6 +289,16 @@ def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> 
     else:
         code = BudgetReason.QUIET
         why = "interactive is quiet"
+    return _Pressure(code, why, shrink, hold, oldest, seen)
+
+
+def step(budget: WorkBudget, signals: WorkSignals, policy: WorkBudgetPolicy) -> BudgetStep:
+    """The next budget for ``signals``; pure (the caller keeps the returned budget)."""
+    now = signals.now_s
+    target = policy.ttft_target_s
+    pressure = _pressure(budget, signals, policy)
+    code, why, shrink, hold = pressure.code, pressure.why, pressure.shrink, pressure.hold
+    oldest, seen = pressure.oldest_s, pressure.ttft_seen_s
 
     last_pressure = now if code in PRESSURE else budget.last_pressure_s
     seqs, prefill = budget.max_seqs, budget.max_prefill_tokens

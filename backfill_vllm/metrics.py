@@ -74,26 +74,9 @@ class SchedulerMetrics:
         with self._lock:
             return self._render()
 
-    def _render(self) -> str:
-        out: list[str] = []
-
-        def family(name: str, kind: str, text: str, *samples: tuple[str, float]) -> None:
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                out.append(f"{name}{labels} {float(value)!r}")
-
-        family(
-            "backfill_sched_info",
-            "gauge",
-            "The step scheduler's version and settings (1).",
-            (
-                f'{{batch_priority="{self.batch_priority}",version="{self.version}",'
-                f'vllm_version="{self.vllm_version}"}}',
-                1,
-            ),
-        )
-        counters = (
+    def _counters(self) -> tuple[tuple[str, str, float], ...]:
+        """The counters' names (``backfill_sched_NAME_total``), help and values."""
+        return (
             ("steps", "Steps scheduled.", self.steps),
             (
                 "batch_paused_steps",
@@ -135,17 +118,11 @@ class SchedulerMetrics:
                 self.step_outliers,
             ),
         )
-        for name, text, value in counters:
-            family(f"backfill_sched_{name}_total", "counter", text, ("", value))
-        family(
-            "backfill_sched_batch_preemptions_total",
-            "counter",
-            "Batch sequences preempted for interactive work, by what ran short.",
-            ('{reason="kv"}', self.preemptions_kv),
-            ('{reason="seqs"}', self.preemptions_seqs),
-        )
+
+    def _gauges(self) -> tuple[tuple[str, str, float], ...]:
+        """The gauges' names (``backfill_sched_NAME``), help and values."""
         fit = self.fit
-        gauges: tuple[tuple[str, str, float], ...] = (
+        return (
             ("batch_paused", "Batch sequences paused now.", self.paused_now),
             ("batch_running", "Batch requests resident in the engine now.", self.running_now),
             (
@@ -186,7 +163,36 @@ class SchedulerMetrics:
             ),
             ("step_model_samples", "Steps the fit is made from.", fit.samples if fit else 0),
         )
-        for name, text, gauge in gauges:
+
+    def _render(self) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str, *samples: tuple[str, float]) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                out.append(f"{name}{labels} {float(value)!r}")
+
+        family(
+            "backfill_sched_info",
+            "gauge",
+            "The step scheduler's version and settings (1).",
+            (
+                f'{{batch_priority="{self.batch_priority}",version="{self.version}",'
+                f'vllm_version="{self.vllm_version}"}}',
+                1,
+            ),
+        )
+        for name, text, value in self._counters():
+            family(f"backfill_sched_{name}_total", "counter", text, ("", value))
+        family(
+            "backfill_sched_batch_preemptions_total",
+            "counter",
+            "Batch sequences preempted for interactive work, by what ran short.",
+            ('{reason="kv"}', self.preemptions_kv),
+            ('{reason="seqs"}', self.preemptions_seqs),
+        )
+        for name, text, gauge in self._gauges():
             family(f"backfill_sched_{name}", "gauge", text, ("", gauge))
         return "\n".join(out) + "\n"
 

@@ -15,7 +15,7 @@ from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
-from backfill.redis_client import connect, connect_async
+from backfill.redis_client import AsyncRedis, SyncRedis, connect, connect_async
 from backfill.store import Repository
 from backfill.webhooks.outbox import WebhookStore
 from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
@@ -39,6 +39,44 @@ def _deferred_creates_wait(repo: Repository) -> bool:
     except Exception as exc:  # the driver and SQLAlchemy raise many types; none stops the API
         log.warning("could not look for deferred creates at start-up: %s", exc)
         return False
+
+
+def _gate(
+    settings: Settings, keys: TenantKeyCache, client: SyncRedis, async_client: AsyncRedis
+) -> Gate:
+    """The API's front gate: keys, the tenants' rate limit and the anonymous one."""
+    namespace = settings.redis_namespace
+    return Gate(
+        keys,
+        RateLimiter(
+            client,
+            namespace,
+            settings.rate_limit_per_s,
+            settings.rate_limit_burst,
+            async_client=async_client,
+            credit_hold_s=settings.rate_limit_credit_hold_s,
+        ),
+        RateLimiter(
+            client,
+            namespace,
+            settings.anonymous_rate_limit_per_s,
+            settings.anonymous_rate_limit_burst,
+        ),
+    )
+
+
+def _install_routes(app: FastAPI) -> None:
+    """The error handlers, every router, the gateway and the dashboard."""
+    errors.install(app)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(summaries.router)
+    app.include_router(capacity.router)
+    app.include_router(webhooks.router)
+    gateway_routes.install(app)
+    app.include_router(metrics.router)
+    dashboard.mount(app)
+    app.include_router(lab_routes.router)
 
 
 def create_app(
@@ -78,23 +116,7 @@ def create_app(
         async_client = connect_async(
             settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
         )
-        app.state.gate = Gate(
-            keys,
-            RateLimiter(
-                client,
-                namespace,
-                settings.rate_limit_per_s,
-                settings.rate_limit_burst,
-                async_client=async_client,
-                credit_hold_s=settings.rate_limit_credit_hold_s,
-            ),
-            RateLimiter(
-                client,
-                namespace,
-                settings.anonymous_rate_limit_per_s,
-                settings.anonymous_rate_limit_burst,
-            ),
-        )
+        app.state.gate = _gate(settings, keys, client, async_client)
         # Its own connection: a subscribed connection can do nothing else.
         subscriber = connect(settings.redis_url, socket_connect_timeout=0.5)
         revocations = RevocationListener(subscriber, namespace, keys).start()
@@ -122,16 +144,7 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    errors.install(app)
-    app.include_router(files.router)
-    app.include_router(batches.router)
-    app.include_router(summaries.router)
-    app.include_router(capacity.router)
-    app.include_router(webhooks.router)
-    gateway_routes.install(app)
-    app.include_router(metrics.router)
-    dashboard.mount(app)
-    app.include_router(lab_routes.router)
+    _install_routes(app)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:

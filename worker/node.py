@@ -124,22 +124,7 @@ async def run_node(
             lease_ttl_ms=int(settings.lease_ttl_s * 1000),
         )
         try:
-            await asyncio.to_thread(
-                repo.upsert_node,
-                node,
-                engine_url,
-                model.id,
-                pool.num_blocks,
-                pool.block_size,
-                reserve,
-                facts.endpoints,
-            )
-            # A fresh (or emptied) Redis is rebuilt from Postgres before this node admits
-            # anything; the rebuild registers every known pool, this one included.
-            await asyncio.to_thread(
-                ensure_ledger, repo, ledger, max_preemptions=settings.max_preemptions_per_item
-            )
-            await aledger.register_pool(node, pool.capacity_tokens, pool.block_size)
+            await _register_node(settings, node, engine_url, facts, reserve, repo, ledger, aledger)
             limit = policy.batch.max_sequence_tokens
             if model.max_model_len:
                 limit = min(limit, model.max_model_len)
@@ -168,17 +153,52 @@ async def run_node(
             )
             if started is not None:
                 started.set()
-            runner = asyncio.create_task(dispatcher.run())
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            dispatcher.stop()
-            stopper.cancel()
-            await runner
-            return dispatcher.stats
+            return await _run_until(dispatcher, stop)
         finally:
             await aledger.aclose()
             ledger.close()
             repo.close()
+
+
+async def _register_node(
+    settings: Settings,
+    node: str,
+    engine_url: str,
+    facts: EngineFacts,
+    reserve: int,
+    repo: Repository,
+    ledger: Ledger,
+    aledger: AsyncLedger,
+) -> None:
+    """Record ``node`` and its engine in Postgres and its pool in the ledger."""
+    pool = facts.pool
+    await asyncio.to_thread(
+        repo.upsert_node,
+        node,
+        engine_url,
+        facts.model.id,
+        pool.num_blocks,
+        pool.block_size,
+        reserve,
+        facts.endpoints,
+    )
+    # A fresh (or emptied) Redis is rebuilt from Postgres before this node admits
+    # anything; the rebuild registers every known pool, this one included.
+    await asyncio.to_thread(
+        ensure_ledger, repo, ledger, max_preemptions=settings.max_preemptions_per_item
+    )
+    await aledger.register_pool(node, pool.capacity_tokens, pool.block_size)
+
+
+async def _run_until(dispatcher: NodeDispatcher, stop: asyncio.Event) -> DispatchStats:
+    """Run ``dispatcher`` until ``stop`` is set (or it ends); what it did."""
+    runner = asyncio.create_task(dispatcher.run())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    dispatcher.stop()
+    stopper.cancel()
+    await runner
+    return dispatcher.stats
 
 
 class NodeThread(threading.Thread):

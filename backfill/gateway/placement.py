@@ -9,7 +9,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backfill.errors import BackfillError, LedgerError, LedgerUnavailable
 from backfill.gateway.refusals import (
@@ -142,75 +142,98 @@ async def admit(
     deadline = start + max_wait_s
     backoff = t.first_backoff_s
     attempts = 0
+
+    async def reserve(node: str) -> Lease | Denial:
+        try:
+            return await ledger.reserve(
+                node,
+                ServiceClass.INTERACTIVE,
+                sizing.prompt_tokens,
+                sizing.max_output_tokens,
+                n=sizing.sequences,
+                lease_id=lease_id,
+                owner=owner,
+                allow_preemption=allow_preemption,
+                ttl_ms=ttl_ms,
+                tenant_share_ppm=tenant_share_ppm,
+            )
+        except LedgerUnavailable as exc:
+            raise GatewayUnavailable(
+                f"the capacity ledger is unavailable: {exc}", retry_after_s=t.retry_after_s
+            ) from exc
+
     while True:
         order = list(nodes)
         if len(order) > 1:
             order = await _ranked(ledger, order, sizing)
-        permanent: list[Denial] = []
-        reasons: set[str] = set()
-        share: Denial | None = None
+        denied = _Denials()
         for node in order:
             attempts += 1
             try:
-                outcome = await ledger.reserve(
-                    node,
-                    ServiceClass.INTERACTIVE,
-                    sizing.prompt_tokens,
-                    sizing.max_output_tokens,
-                    n=sizing.sequences,
-                    lease_id=lease_id,
-                    owner=owner,
-                    allow_preemption=allow_preemption,
-                    ttl_ms=ttl_ms,
-                    tenant_share_ppm=tenant_share_ppm,
-                )
-            except LedgerUnavailable as exc:
-                raise GatewayUnavailable(
-                    f"the capacity ledger is unavailable: {exc}", retry_after_s=t.retry_after_s
-                ) from exc
+                outcome = await reserve(node)
             except LedgerError as exc:
                 # A node in Postgres whose pool the ledger does not (yet) know.
-                reasons.add(f"{node}: {exc}")
+                denied.reasons.add(f"{node}: {exc}")
                 continue
             if isinstance(outcome, Lease):
                 return Admission(outcome, clock() - start, attempts)
-            reasons.add(outcome.reason.value)
-            if outcome.reason is Reason.TENANT_SHARE:
-                share = outcome
-            if outcome.permanent:
-                permanent.append(outcome)
-        if permanent and len(permanent) == len(order):
-            raise _permanent_refusal(permanent[-1], sizing)
+            denied.add(outcome)
+        if denied.permanent and len(denied.permanent) == len(order):
+            raise _permanent_refusal(denied.permanent[-1], sizing)
         now = clock()
         if now >= deadline:
-            hint = max(t.retry_after_s, 1.0)
-            if share is not None and reasons <= {Reason.NO_ROOM.value, share.reason.value}:
-                # Its own leases hold the tenant back where others' left room.
-                raise TenantShareExceeded(
-                    f"Your interactive requests hold {share.tenant_in_use} of the "
-                    f"{share.tenant_bound} KV tokens one tenant may hold on node {share.node} "
-                    f"(BACKFILL_GATEWAY_TENANT_SHARE), and {sizing.sequences} x "
-                    f"{sizing.sequence_tokens} more do not fit under it; waited "
-                    f"{now - start:.2f} s for your own requests to end. Retry after the time "
-                    "in Retry-After.",
-                    retry_after_s=hint,
-                )
-            if reasons <= {Reason.NO_ROOM.value}:
-                raise NoInteractiveRoom(
-                    f"No node serving this model has room for {sizing.sequences} x "
-                    f"{sizing.sequence_tokens} tokens now, even after preempting batch work; "
-                    f"waited {now - start:.2f} s. Retry after the time in Retry-After.",
-                    retry_after_s=hint,
-                )
-            raise GatewayUnavailable(
-                f"Cannot admit interactive requests now ({', '.join(sorted(reasons))}); "
-                "retry after the time in Retry-After.",
-                retry_after_s=hint,
-            )
+            raise _refusal_after_wait(denied, sizing, now - start, max(t.retry_after_s, 1.0))
         if disconnected is not None and await disconnected():
             raise ClientGone("the caller disconnected while waiting for room")
         await asyncio.sleep(min(backoff, deadline - now))
         backoff = min(backoff * 2, t.max_backoff_s)
+
+
+@dataclass
+class _Denials:
+    """One pass over the nodes that admitted nothing: why each refused."""
+
+    permanent: list[Denial] = field(default_factory=list)
+    reasons: set[str] = field(default_factory=set)
+    share: Denial | None = None
+    """A node's refusal for the tenant's share (the last one seen)."""
+
+    def add(self, denial: Denial) -> None:
+        self.reasons.add(denial.reason.value)
+        if denial.reason is Reason.TENANT_SHARE:
+            self.share = denial
+        if denial.permanent:
+            self.permanent.append(denial)
+
+
+def _refusal_after_wait(
+    denied: _Denials, sizing: Sizing, waited_s: float, retry_after_s: float
+) -> GatewayRefusal:
+    """Why the wait ran out, from the last pass's denials."""
+    share, reasons = denied.share, denied.reasons
+    if share is not None and reasons <= {Reason.NO_ROOM.value, share.reason.value}:
+        # Its own leases hold the tenant back where others' left room.
+        return TenantShareExceeded(
+            f"Your interactive requests hold {share.tenant_in_use} of the "
+            f"{share.tenant_bound} KV tokens one tenant may hold on node {share.node} "
+            f"(BACKFILL_GATEWAY_TENANT_SHARE), and {sizing.sequences} x "
+            f"{sizing.sequence_tokens} more do not fit under it; waited "
+            f"{waited_s:.2f} s for your own requests to end. Retry after the time "
+            "in Retry-After.",
+            retry_after_s=retry_after_s,
+        )
+    if reasons <= {Reason.NO_ROOM.value}:
+        return NoInteractiveRoom(
+            f"No node serving this model has room for {sizing.sequences} x "
+            f"{sizing.sequence_tokens} tokens now, even after preempting batch work; "
+            f"waited {waited_s:.2f} s. Retry after the time in Retry-After.",
+            retry_after_s=retry_after_s,
+        )
+    return GatewayUnavailable(
+        f"Cannot admit interactive requests now ({', '.join(sorted(reasons))}); "
+        "retry after the time in Retry-After.",
+        retry_after_s=retry_after_s,
+    )
 
 
 def _permanent_refusal(denial: Denial, sizing: Sizing) -> GatewayRefusal:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -188,6 +188,64 @@ def _delivery(row: Any) -> DeliveryRecord:
 
 def new_endpoint_id() -> str:
     return f"we_{secrets.token_hex(12)}"
+
+
+# Each enabled endpoint's due deliveries (at most :per each), healthy endpoints first, then
+# in turns: every endpoint's oldest, then every one's second, and so on.
+_DUE_CANDIDATES = (
+    "SELECT id, endpoint_id, failing FROM (SELECT d.id, d.endpoint_id, "
+    "  d.next_attempt_at, p.failing_since IS NOT NULL AS failing, "
+    "  row_number() OVER (PARTITION BY d.endpoint_id "
+    "  ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
+    "  CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
+    "    FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
+    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d "
+    "  WHERE p.disabled_at IS NULL) q "
+    "ORDER BY failing, turn, next_attempt_at, id"
+)
+
+# Hold the chosen deliveries still due for :lease seconds and count their attempt; returns
+# what a sender needs to post each.
+_CLAIM_DUE = (
+    "WITH due AS (SELECT id FROM webhook_deliveries "
+    "  WHERE id = ANY(:ids) AND state = 'pending' AND next_attempt_at <= now() "
+    "  FOR UPDATE SKIP LOCKED) "
+    "UPDATE webhook_deliveries d SET attempts = d.attempts + 1, "
+    "  last_attempt_at = now(), "
+    "  next_attempt_at = now() + make_interval(secs => CAST(:lease AS float8)) "
+    "FROM due, webhook_events e, webhook_endpoints p "
+    "WHERE d.id = due.id AND e.id = d.event_id AND p.id = d.endpoint_id "
+    "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, e.job_id, "
+    "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
+    "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
+    "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
+    "  d.endpoint_id, p.failing_since IS NOT NULL"
+)
+
+
+def choose_due(
+    candidates: Sequence[tuple[int, str, bool]],
+    limit: int,
+    cap: int,
+    held: dict[str, int],
+    failing_room: int,
+) -> list[int]:
+    """Of ``candidates`` (delivery id, endpoint id, whether the endpoint is failing), in the
+    order to take them, up to ``limit`` ids: at most ``cap`` in flight per endpoint counting
+    those ``held`` already (updated with what is chosen), at most ``failing_room`` of
+    failing endpoints'. Pure."""
+    chosen: list[int] = []
+    failing_left = failing_room
+    for delivery_id, endpoint_id, failing in candidates:
+        if len(chosen) >= limit:
+            break
+        if held.get(endpoint_id, 0) >= cap or (failing and failing_left <= 0):
+            continue
+        if failing:
+            failing_left -= 1
+        held[endpoint_id] = held.get(endpoint_id, 0) + 1
+        chosen.append(delivery_id)
+    return chosen
 
 
 class WebhookStore:
@@ -458,51 +516,17 @@ class WebhookStore:
         held = dict(busy or {})
         cap = per_endpoint if per_endpoint is not None else limit
         with self._tx() as conn:
-            candidates = conn.execute(
-                text(
-                    "SELECT id, endpoint_id, failing FROM (SELECT d.id, d.endpoint_id, "
-                    "  d.next_attempt_at, p.failing_since IS NOT NULL AS failing, "
-                    "  row_number() OVER (PARTITION BY d.endpoint_id "
-                    "  ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
-                    "  CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
-                    "    FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
-                    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d "
-                    "  WHERE p.disabled_at IS NULL) q "
-                    "ORDER BY failing, turn, next_attempt_at, id"
-                ),
-                {"per": cap},
-            ).all()
-            chosen: list[int] = []
-            failing_left = failing_room if failing_room is not None else limit
-            for delivery_id, endpoint_id, failing in candidates:
-                if len(chosen) >= limit:
-                    break
-                if held.get(endpoint_id, 0) >= cap or (failing and failing_left <= 0):
-                    continue
-                if failing:
-                    failing_left -= 1
-                held[endpoint_id] = held.get(endpoint_id, 0) + 1
-                chosen.append(delivery_id)
+            candidates = conn.execute(text(_DUE_CANDIDATES), {"per": cap}).all()
+            chosen = choose_due(
+                [(r[0], r[1], bool(r[2])) for r in candidates],
+                limit,
+                cap,
+                held,
+                failing_room if failing_room is not None else limit,
+            )
             if not chosen:
                 return []
-            rows = conn.execute(
-                text(
-                    "WITH due AS (SELECT id FROM webhook_deliveries "
-                    "  WHERE id = ANY(:ids) AND state = 'pending' AND next_attempt_at <= now() "
-                    "  FOR UPDATE SKIP LOCKED) "
-                    "UPDATE webhook_deliveries d SET attempts = d.attempts + 1, "
-                    "  last_attempt_at = now(), "
-                    "  next_attempt_at = now() + make_interval(secs => CAST(:lease AS float8)) "
-                    "FROM due, webhook_events e, webhook_endpoints p "
-                    "WHERE d.id = due.id AND e.id = d.event_id AND p.id = d.endpoint_id "
-                    "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, e.job_id, "
-                    "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
-                    "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
-                    "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
-                    "  d.endpoint_id, p.failing_since IS NOT NULL"
-                ),
-                {"ids": chosen, "lease": lease_s},
-            ).all()
+            rows = conn.execute(text(_CLAIM_DUE), {"ids": chosen, "lease": lease_s}).all()
         return [
             ClaimedDelivery(
                 delivery_id=r[0],
