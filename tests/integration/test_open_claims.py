@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -19,7 +19,8 @@ from backfill.config import libpq_url
 from backfill.errors import StaleWrite, StoreUnavailable
 from backfill.finalize import cancel_job
 from backfill.states import ItemState, JobState
-from backfill.store import ClaimedItem, Finish, JobRecord, NewItem, Repository, Start
+from backfill.store import ClaimedItem, Finish, JobRecord, Repository, Start
+from tests.integration.test_repository import _assert_counters_match, _job
 
 
 @pytest.fixture
@@ -27,27 +28,6 @@ def repo(database_url: str) -> Iterator[Repository]:
     r = Repository.connect(database_url, pool_size=10)
     yield r
     r.close()
-
-
-def _job(repo: Repository, n: int, tenant: str | None = None) -> JobRecord:
-    """An in-progress job of ``n`` items, of a new tenant (named ``tenant``, or by the time)."""
-    tenant_id = repo.create_tenant(tenant or f"t{datetime.now(UTC).timestamp()}").id
-    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
-    job = repo.create_job(
-        tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
-    )
-    repo.insert_items(
-        job.id, (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n))
-    )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    return job
-
-
-def _assert_counters_match(repo: Repository, job_id: str) -> None:
-    counts = repo.get_job(None, job_id).counts
-    truth = repo.counted_states(job_id)
-    for state in ItemState:
-        assert counts.count(state) == truth.get(state, 0), state
 
 
 def _start(item: ClaimedItem, fence: int) -> Start:
@@ -240,8 +220,8 @@ def test_a_claim_left_open_too_long_loses_its_transaction_and_writes_nothing(
 
 def test_open_claims_share_a_node_between_tenants(repo: Repository) -> None:
     stamp = datetime.now(UTC).timestamp()
-    a = _job(repo, 20, f"a{stamp}")
-    b = _job(repo, 20, f"b{stamp}")
+    a = _job(repo, 20, tenant=repo.create_tenant(f"a{stamp}").id)
+    b = _job(repo, 20, tenant=repo.create_tenant(f"b{stamp}").id)
     claim = repo.open_claim("n1", 10, 30)
     jobs = Counter(c.job_id for c in claim.items)
     repo.drop_claim(claim)
