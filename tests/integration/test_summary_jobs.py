@@ -19,6 +19,7 @@ from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.reduce_plan import plan_reduce
 from backfill.summarize.states import DocumentState, SummaryJobState
+from tests.integration.claiming import claim
 
 _TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -180,7 +181,7 @@ def test_cancel_mid_job_cancels_its_batches_and_keeps_what_was_summarised(
     rows = list(jobs.result_rows(repo, job_id))
     assert {r.error for r in rows if r.summary is None} <= {"cancelled", "empty text"}
     assert run_worker(repo) == {}  # nothing of it is claimed any more
-    assert repo.claim("node-test", 100, 30.0) == []
+    assert claim(repo, "node-test", 100) == []
 
 
 def test_a_job_whose_whole_forecast_misses_its_deadline_is_refused_at_start(
