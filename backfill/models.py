@@ -284,6 +284,10 @@ class Item(Base):
     # than the class limit leaves its exact prompt (``backfill.output_budget``).
     output_defaulted: Mapped[bool] = mapped_column(Boolean, server_default=false())
     reservation_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The shared prompt prefix the item starts with (``backfill.prefixes``): its id and its
+    # length in whole KV blocks; NULL where it shares none or none is found yet.
+    prefix_id: Mapped[str | None] = mapped_column(String(32))
+    prefix_blocks: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), server_default=ItemState.QUEUED.value)
     deadline: Mapped[datetime] = mapped_column(TZ)
     # The attempt number doubles as the Postgres-side fencing token: every guarded write of
@@ -313,6 +317,11 @@ class Item(Base):
             "body IS NOT NULL OR (body_seq IS NOT NULL AND body_at IS NOT NULL "
             "AND body_len IS NOT NULL)",
             name="body_kept",
+        ),
+        CheckConstraint(
+            "(prefix_id IS NULL) = (prefix_blocks IS NULL) AND "
+            "(prefix_blocks IS NULL OR prefix_blocks >= 1)",
+            name="prefix_whole",
         ),
         UniqueConstraint("job_id", "custom_id"),
         Index("ix_items_job_state", "job_id", "state"),

@@ -17,6 +17,7 @@ from backfill.capacity_view import CapacityReport
 from backfill.progress import Progress
 from backfill.states import ItemState
 from backfill.store import FileRecord, JobRecord
+from backfill.store.prefixes import PrefixGroupRecord
 
 
 def unix(at: datetime | None) -> int | None:
@@ -129,8 +130,17 @@ class TokenProgress(BaseModel):
     prompt: int = Field(description="Prompt tokens counted so far by the engine's tokenizer.")
 
 
+class PrefixGroupObject(BaseModel):
+    """Items of the batch that start with one shared prompt prefix, held once per node by
+    the engine's prefix cache."""
+
+    id: str = Field(description="The prefix's id (its tokens, model and tenant).")
+    blocks: int = Field(description="Its length in whole KV blocks.")
+    items: int = Field(description="Items of this batch that start with it.")
+
+
 class BackfillExtras(BaseModel):
-    """Beyond OpenAI: progress by item state, tokens, ETA and the deadline."""
+    """Beyond OpenAI: progress by item state, tokens, ETA, the deadline, shared prefixes."""
 
     model: str | None
     deadline: int
@@ -139,6 +149,10 @@ class BackfillExtras(BaseModel):
     eta: int | None = Field(description="Estimated completion (unix seconds), while running.")
     eta_basis: Literal["observed", "forecast"] | None = None
     at_risk: bool = Field(description="The ETA is past the deadline.")
+    prefixes: list[PrefixGroupObject] = Field(
+        default_factory=list,
+        description="Shared prompt prefixes found among its items (none until found).",
+    )
 
 
 class InputTokensDetails(BaseModel):
@@ -185,7 +199,12 @@ class BatchObject(BaseModel):
     backfill: BackfillExtras
 
     @classmethod
-    def of(cls, job: JobRecord, progress: Progress) -> BatchObject:
+    def of(
+        cls,
+        job: JobRecord,
+        progress: Progress,
+        prefixes: Sequence[PrefixGroupRecord] = (),
+    ) -> BatchObject:
         counts = job.counts
         stamps = {name: unix(at) for name, at in job.timestamps.items()}
         not_succeeded = sum(
@@ -228,6 +247,10 @@ class BatchObject(BaseModel):
                 eta=unix(progress.eta),
                 eta_basis=progress.eta_basis,
                 at_risk=progress.at_risk,
+                prefixes=[
+                    PrefixGroupObject(id=p.prefix_id, blocks=p.blocks, items=p.items)
+                    for p in prefixes
+                ],
             ),
             **stamps,
         )

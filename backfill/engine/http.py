@@ -267,6 +267,15 @@ class HttpEngine:
     async def tokenize(self, body: Mapping[str, Any], model: str) -> int:
         return await self._tokenize({**body, "model": model})
 
+    async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
+        # vLLM's /tokenize answers the ids with the count (``tokens``): the prompt exactly as
+        # the engine renders and caches it, which is what shared prefixes are found from.
+        payload = (await self._request("POST", "/tokenize", json={**body, "model": model})).json()
+        tokens = payload.get("tokens") if isinstance(payload, dict) else None
+        if type(tokens) is not list or not all(type(t) is int for t in tokens):
+            raise EngineFailed(200, f"/tokenize answered without token ids: {payload!r}")
+        return tokens
+
     def stream_completion(
         self,
         endpoint: Endpoint | str,

@@ -14,6 +14,7 @@ from backfill.store.items import Items
 from backfill.store.jobs import Jobs
 from backfill.store.nodes import Nodes
 from backfill.store.open_claims import OpenClaims
+from backfill.store.prefixes import Prefixes
 from backfill.store.recovery import Recovery
 from backfill.store.retention import Retention
 from backfill.store.stats import Stats
@@ -34,6 +35,7 @@ class Repository(
     Stats,
     Retention,
     Summaries,
+    Prefixes,
 ):
     """Postgres access for every Backfill process. Thread-safe (a pooled SQLAlchemy engine).
 

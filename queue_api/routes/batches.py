@@ -23,7 +23,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 def _render(job: JobRecord, settings: Settings, repo: Repository) -> BatchObject:
     tps = batch_throughput(settings.batch_throughput_tokens_per_s)
     # Progress judges Postgres' timestamps: on its clock (this host's may be off).
-    return BatchObject.of(job, job_progress(job, repo.now(), tps))
+    return BatchObject.of(job, job_progress(job, repo.now(), tps), repo.prefix_groups(job.id))
 
 
 @router.post("")

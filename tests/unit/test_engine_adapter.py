@@ -310,3 +310,21 @@ def test_a_responses_stream_sends_priority_request_id_and_yields_typed_events() 
         "priority": 7,
         "request_id": "r-1",
     }
+
+
+def test_tokenize_ids_answers_the_engines_token_ids_and_refuses_an_answer_without_them() -> None:
+    seen: dict[str, Any] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = json.loads(request.content)
+        return httpx.Response(200, json={"count": 3, "max_model_len": 64, "tokens": [5, 6, 7]})
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}
+    assert asyncio.run(_engine(handler).tokenize_ids(body, "m")) == [5, 6, 7]
+    assert seen["body"] == {**body, "model": "m"}
+
+    def no_ids(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"count": 3})
+
+    with pytest.raises(EngineFailed, match="token ids"):
+        asyncio.run(_engine(no_ids).tokenize_ids(body, "m"))

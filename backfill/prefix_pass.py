@@ -1,0 +1,110 @@
+"""A job's shared prompt prefixes found and recorded (issue 36).
+
+Token ids are not at hand at ingest: the API and the ingest processes have no tokenizer (the
+core imports no vLLM, nor a tokenizer library), and a prompt is counted only on an engine,
+through its ``/tokenize`` (``backfill.prefill``), which renders the chat template exactly as
+the engine will. ``/tokenize`` answers the token ids with the count, so this pass asks an
+engine serving the job's model for each unfinished item's ids (the same ``/tokenize`` body the
+count sends), groups them (:class:`backfill.prefixes.PrefixFinder`) and writes each grouped
+item's prefix in one statement. Until it has run, or for an item it leaves out, an item
+reserves as it always did: the pass can only make a reservation smaller where it is sure.
+
+Left out (they reserve their whole prompt): embeddings (not salted, and they hold their
+prompt alone), requests of more than one prompt or sequence, and an item whose body the
+counting plan refuses (the worker fails it with that error when it claims it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from backfill.prefill import EMBEDDINGS, prefill_plan
+from backfill.prefixes import PrefixFinder, SharedPrefix
+from backfill.refusals import InvalidRequest
+
+log = logging.getLogger("backfill.prefixes")
+
+PAGE = 500
+
+
+class PromptTokenIds(Protocol):
+    """An engine that answers a ``/tokenize`` body's token ids."""
+
+    async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]: ...
+
+
+class PrefixStore(Protocol):
+    def unseen_prefix_items(
+        self, job_id: str, *, after_id: int = ..., limit: int = ...
+    ) -> list[tuple[int, str]]: ...
+
+    def record_prefixes(self, job_id: str, found: list[tuple[int, str, int]]) -> list[int]: ...
+
+
+def prefix_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The one ``/tokenize`` body whose ids are the item's prompt, or None where the item
+    cannot share a prefix (an embedding, several prompts or sequences, an uncountable body)."""
+    if endpoint == EMBEDDINGS:
+        return None
+    try:
+        plan = prefill_plan(endpoint, body)
+    except InvalidRequest:
+        return None
+    if plan.known or len(plan.tokenize) != 1 or plan.n != 1:
+        return None
+    return plan.tokenize[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixesFound:
+    looked_at: int
+    grouped: int
+    recorded: int
+    groups: int
+
+
+async def find_job_prefixes(
+    engine: PromptTokenIds,
+    store: PrefixStore,
+    job_id: str,
+    *,
+    endpoint: str,
+    model: str,
+    tenant_id: str,
+    block_size: int,
+    page: int = PAGE,
+) -> PrefixesFound:
+    """Find and record the prefixes of job ``job_id``'s unfinished items not yet looked at."""
+    finder: PrefixFinder[int] = PrefixFinder(block_size, scope=tenant_id, model=model)
+    after = 0
+    looked_at = 0
+    while True:
+        rows = store.unseen_prefix_items(job_id, after_id=after, limit=page)
+        if not rows:
+            break
+        for item_id, raw in rows:
+            looked_at += 1
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                continue
+            request = prefix_body(endpoint, parsed) if isinstance(parsed, dict) else None
+            if request is not None:
+                finder.add(item_id, await engine.tokenize_ids(request, model))
+        after = rows[-1][0]
+    found: dict[int, SharedPrefix] = finder.found()
+    rows_out = [(item_id, p.id, p.blocks) for item_id, p in sorted(found.items())]
+    recorded = store.record_prefixes(job_id, rows_out)
+    groups = len({p.id for p in found.values()})
+    log.info(
+        "prefixes: batch %s: %d items looked at, %d in %d shared prefixes",
+        job_id,
+        looked_at,
+        len(recorded),
+        groups,
+    )
+    return PrefixesFound(looked_at, len(found), len(recorded), groups)

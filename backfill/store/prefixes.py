@@ -1,0 +1,82 @@
+"""The shared prompt prefixes of a job's items (issue 36): the items still to be looked at,
+what was found, and the groups as the Batch object shows them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from backfill.states import ITEM_TERMINAL
+from backfill.store.bodies import ITEM_BODY
+from backfill.store.database import Store
+
+_TERMINAL = [s.value for s in ITEM_TERMINAL]
+
+# The unfinished items of a job whose prefix is not looked at yet, in id order, with their
+# bodies (their own copy or their bytes in the input file).
+_UNSEEN = (
+    f"SELECT i.id, {ITEM_BODY} AS body FROM items i WHERE i.job_id = :j AND i.id > :a "
+    "AND i.prefix_id IS NULL AND NOT (i.state = ANY(:t)) ORDER BY i.id LIMIT :l"
+)
+
+# One write for every item found: only unfinished items still without a prefix (an item
+# already claimed keeps the reservation it was claimed under; its lease is as it was).
+_RECORD = (
+    "UPDATE items i SET prefix_id = f.prefix_id, prefix_blocks = f.blocks "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:pids AS text[]), CAST(:blocks AS int[])) "
+    "AS f(id, prefix_id, blocks) "
+    "WHERE i.id = f.id AND i.job_id = :j AND i.prefix_id IS NULL RETURNING i.id"
+)
+
+_GROUPS = (
+    "SELECT prefix_id, prefix_blocks, count(*) FROM items WHERE job_id = :j "
+    "AND prefix_id IS NOT NULL GROUP BY prefix_id, prefix_blocks ORDER BY prefix_id"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixGroupRecord:
+    """Items of one job that start with one shared prefix."""
+
+    prefix_id: str
+    blocks: int
+    items: int
+
+
+class Prefixes(Store):
+    def unseen_prefix_items(
+        self, job_id: str, *, after_id: int = 0, limit: int = 1000
+    ) -> list[tuple[int, str]]:
+        """A page of a job's unfinished items whose prefix is not known: (id, body)."""
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(_UNSEEN), {"j": job_id, "a": after_id, "t": _TERMINAL, "l": limit}
+            ).all()
+        return [(int(r[0]), str(r[1])) for r in rows]
+
+    def record_prefixes(self, job_id: str, found: Sequence[tuple[int, str, int]]) -> list[int]:
+        """Write each item's (id, prefix id, blocks); the ids written."""
+        if not found:
+            return []
+        for _, _, blocks in found:
+            if blocks < 1:
+                raise ValueError("a shared prefix is one whole block at least")
+        with self._tx() as conn:
+            rows = conn.execute(
+                text(_RECORD),
+                {
+                    "j": job_id,
+                    "ids": [f[0] for f in found],
+                    "pids": [f[1] for f in found],
+                    "blocks": [f[2] for f in found],
+                },
+            ).all()
+        return [int(r[0]) for r in rows]
+
+    def prefix_groups(self, job_id: str) -> list[PrefixGroupRecord]:
+        """A job's shared prefixes and how many of its items start with each."""
+        with self._tx() as conn:
+            rows = conn.execute(text(_GROUPS), {"j": job_id}).all()
+        return [PrefixGroupRecord(str(r[0]), int(r[1]), int(r[2])) for r in rows]
