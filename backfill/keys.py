@@ -30,6 +30,9 @@ a node's name::
                                               the pool's interactive in use, by the same
                                               scripts, so the two never part (and counted
                                               again from the live leases by each ``reap``)
+    {ns}:{ledger:node}:prefixes      hash     shared prompt prefix id -> 'tokens:holders': a
+                                              prefix's tokens held once for every live lease
+                                              that refers to it (issue 36)
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),
@@ -119,6 +122,8 @@ class NodeKeys:
     ready: str
     owners: str
     channel: str
+    prefixes: str = ""
+    """Shared prompt prefixes held on the node (issue 36): prefix id -> 'tokens:holders'."""
 
     def keys(self) -> list[str]:
         """KEYS for a per-node script (the channel is not a key; it travels in ARGV)."""
@@ -131,6 +136,7 @@ class NodeKeys:
             self.ended_at,
             self.ready,
             self.owners,
+            self.prefixes,
         ]
 
 
@@ -176,6 +182,7 @@ class LedgerKeys:
             ready=f"{p}:ready",
             owners=f"{p}:owners",
             channel=self.preempt_channel(node),
+            prefixes=f"{p}:prefixes",
         )
 
     def work_signals(self, node: str) -> str:

@@ -204,7 +204,12 @@ class PoolState:
 
 
 def reservation_tokens(
-    prompt_tokens: int, max_output_tokens: int, block_size: int, n: int = 1
+    prompt_tokens: int,
+    max_output_tokens: int,
+    block_size: int,
+    n: int = 1,
+    *,
+    prefix_tokens: int = 0,
 ) -> int:
     """The worst-case KV tokens a request can hold: ``n * round_up(prompt + max_output)``.
 
@@ -213,7 +218,26 @@ def reservation_tokens(
     evicted; so each sequence is charged its own copy of the prompt. Each sequence's blocks
     are rounded up separately because a block belongs to one sequence. An embedding generates
     nothing (``max_output_tokens == 0``): its prompt is all it holds.
+
+    ``prefix_tokens``: whole blocks of a shared prompt prefix the node's ledger holds once for
+    every lease that refers to it (issue 36; ``backfill.prefixes``): the request's own
+    reservation leaves them out, the block that straddles the prefix's end counted whole
+    (``round_up(prompt + max_output) - prefix_tokens``). One sequence only, and shorter than
+    the prompt. The ledger's ``reserve`` script applies the same formula.
     """
+    if prefix_tokens:
+        if (
+            n != 1
+            or prefix_tokens < 0
+            or block_size < 1
+            or prefix_tokens % block_size
+            or prefix_tokens >= prompt_tokens
+        ):
+            raise ValueError(
+                "a shared prefix is whole blocks, shorter than the prompt, of one sequence"
+            )
+        whole = reservation_tokens(prompt_tokens, max_output_tokens, block_size)
+        return whole - prefix_tokens
     if (
         prompt_tokens < 0
         or max_output_tokens < 0

@@ -22,6 +22,7 @@ from backfill.ledger.values import (
     LeaseStatus,
     PoolSnapshot,
     PreemptResult,
+    PrefixHold,
     ReserveRequest,
     SettleResult,
 )
@@ -115,6 +116,8 @@ class LedgerCalls:
                 _arg(req.deadline_ms),
                 "1" if req.allow_preemption else "0",
                 _arg(req.tenant_share_ppm),
+                req.prefix_id or "",
+                str(req.prefix_tokens),
             ]
         retry = self.policy.defer_retry_after_s
 
@@ -151,6 +154,8 @@ class LedgerCalls:
                 generated_tokens=int(reply[5]),
                 deadline_ms=req.deadline_ms or None,
                 preempted=tuple(decoded(v) for v in reply[6]),
+                prefix_id=req.prefix_id,
+                prefix_tokens=req.prefix_tokens,
             )
 
         def parse(replies: list[Any]) -> list[Lease | Denial]:
@@ -277,6 +282,10 @@ class LedgerCalls:
                 v[16],
                 v[17],
                 leases,
+                tuple(
+                    PrefixHold(decoded(x[0]), int(x[1]), int(x[2]))
+                    for x in (r[19] if len(r) > 19 else ())
+                ),
             )
 
         return ScriptCall("snapshot", self.keys.node(node).keys(), [_arg(now_ms)], parse)
@@ -297,6 +306,8 @@ class LedgerCalls:
                 str(_ms(a.started_at)),
                 str(_ms(a.deadline)),
                 a.service_class.value,
+                a.prefix_id or "",
+                str(a.prefix_tokens),
             ]
         return ScriptCall(
             "restore", self.keys.node(node).keys(), args, lambda r: (int(r[0]), int(r[1]))
@@ -323,4 +334,6 @@ def lease_from_reply(node: str, r: Sequence[Any], preempted: tuple[str, ...] = (
         started_at_ms=int(r[8]),
         deadline_ms=deadline or None,
         preempted=preempted,
+        prefix_id=(decoded(r[10]) or None) if len(r) > 11 else None,
+        prefix_tokens=int(r[11]) if len(r) > 11 else 0,
     )

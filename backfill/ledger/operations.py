@@ -8,6 +8,7 @@ then the operation's own arguments, exactly as :class:`~backfill.ledger.Ledger` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -204,8 +205,9 @@ def reserve(
         allow_preemption=allow_preemption,
         ttl_ms=ttl_ms,
         tenant_share_ppm=tenant_share_ppm,
-        **({"lease_id": lease_id} if lease_id else {}),
     )
+    if lease_id:
+        req = replace(req, lease_id=lease_id)
     replies = yield calls.reserve(node, [req], now_ms)
     [result] = yield from unplaced(calls, replies)
     if isinstance(result, LedgerError):
@@ -345,6 +347,8 @@ def restore_lease(calls: LedgerCalls, lease: Lease, *, ttl_ms: int, now_ms: int)
         generated_tokens=lease.generated_tokens,
         started_at=datetime.fromtimestamp(lease.started_at_ms / 1000, UTC),
         service_class=lease.service_class,
+        prefix_id=lease.prefix_id,
+        prefix_tokens=lease.prefix_tokens,
     )
     restored, _ = yield calls.restore(lease.node, [held], now_ms)
     return bool(restored)

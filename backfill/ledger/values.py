@@ -50,6 +50,10 @@ class Lease:
     deadline_ms: int | None = None
     preempted: tuple[str, ...] = ()
     """Batch leases preempted to admit this one (interactive only)."""
+    prefix_id: str | None = None
+    """The shared prompt prefix the lease refers to (its tokens are the node's, held once,
+    not in ``tokens``)."""
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,16 @@ class PreemptResult:
 
 
 @dataclass(frozen=True)
+class PrefixHold:
+    """A shared prompt prefix a node holds once: its tokens, and the live leases that refer
+    to it."""
+
+    prefix_id: str
+    tokens: int
+    holders: int
+
+
+@dataclass(frozen=True)
 class PoolSnapshot:
     """One node's pool and live leases at one instant."""
 
@@ -130,6 +144,12 @@ class PoolSnapshot:
     interactive_room: int
     fence_counter: int
     leases: tuple[Lease, ...]
+    prefixes: tuple[PrefixHold, ...] = ()
+    """The shared prompt prefixes the node holds (their tokens are in ``batch_in_use``)."""
+
+    @property
+    def prefix_tokens(self) -> int:
+        return sum(p.tokens for p in self.prefixes)
 
     @property
     def reserved(self) -> int:
@@ -188,6 +208,8 @@ class ActiveLease:
     started_at: datetime | None = None
     deadline: datetime | None = None
     service_class: ServiceClass = ServiceClass.BATCH
+    prefix_id: str | None = None
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,12 @@ class ReserveRequest:
     """Interactive only: the millionths of the node's capacity that the interactive leases
     of ``owner`` (the gateway owns a tenant's as ``gateway/{tenant_id}``) may hold with this
     one (``backfill.policy.tenant_share_tokens``); None: no bound."""
+    prefix_id: str | None = None
+    """Batch only, one sequence: the shared prompt prefix the prompt starts with, held once
+    on the node by every lease that refers to it (issue 36); None: the whole prompt is the
+    lease's own."""
+    prefix_tokens: int = 0
+    """The prefix's tokens: whole blocks, below ``prompt_tokens``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "service_class", ServiceClass(self.service_class))
@@ -237,6 +265,16 @@ class ReserveRequest:
         ):
             raise ValueError(
                 "need prompt_tokens >= 0, max_output_tokens >= 0, prompt + max_output >= 1, n >= 1"
+            )
+        if (self.prefix_id is None) != (self.prefix_tokens == 0):
+            raise ValueError("a prefix_id goes with its prefix_tokens, and none without one")
+        if self.prefix_id is not None and (
+            self.service_class is not ServiceClass.BATCH
+            or self.n != 1
+            or not 0 < self.prefix_tokens < self.prompt_tokens
+        ):
+            raise ValueError(
+                "a shared prefix is for a batch request of one sequence, shorter than its prompt"
             )
 
 

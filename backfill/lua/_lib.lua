@@ -8,7 +8,8 @@
 --   KEYS[7] the node's ready marker (holds its epoch: the node's ledger is complete; absent
 --           after a loss of data until a rebuild restores it)
 --   KEYS[8] owners hash (owner -> interactive tokens its live leases hold; see hold())
--- All eight share the node's hash tag, so each script runs on one Redis Cluster shard.
+--   KEYS[9] prefixes hash (shared prompt prefix id -> 'tokens:holders'; see join_prefix())
+-- All nine share the node's hash tag, so each script runs on one Redis Cluster shard.
 --
 -- Redis runs a script to the end or stops at the first error, keeping earlier writes: every
 -- script validates all of its arguments before its first write.
@@ -17,6 +18,7 @@
 -- would round fencing tokens (up to 2^53).
 local K_POOL, K_LEASES, K_EXPIRY, K_FENCE, K_ENDED, K_ENDED_AT, K_READY, K_OWNERS =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_PREFIXES = KEYS[9]
 
 local function fmt(n) return string.format('%d', n) end
 
@@ -93,21 +95,24 @@ local function interactive_room(p)
   return math.max(0, p.capacity - p.i_used - p.b_used)
 end
 
--- A lease is stored as a msgpack array (integers stay exact up to 2^53).
+-- A lease is stored as a msgpack array (integers stay exact up to 2^53). `prefix` ('' = none)
+-- names the shared prompt prefix the lease holds a reference to and `ptok` its tokens; the
+-- lease's own `tokens` leave them out (a lease stored before prefixes has neither).
 local function decode(id, raw)
   local t = cmsgpack.unpack(raw)
   return {id = id, class = t[1], tokens = t[2], owner = t[3], fence = t[4], expires = t[5],
-    preemptible = t[6], generated = t[7], started = t[8], deadline = t[9], ttl = t[10]}
+    preemptible = t[6], generated = t[7], started = t[8], deadline = t[9], ttl = t[10],
+    prefix = t[11] or '', ptok = t[12] or 0}
 end
 
 local function encode(l)
   return cmsgpack.pack({l.class, l.tokens, l.owner, l.fence, l.expires, l.preemptible,
-    l.generated, l.started, l.deadline, l.ttl})
+    l.generated, l.started, l.deadline, l.ttl, l.prefix or '', l.ptok or 0})
 end
 
 local function lease_reply(l)
   return {l.id, l.class, l.tokens, l.owner, l.fence, l.expires, l.preemptible, l.generated,
-    l.started, l.deadline}
+    l.started, l.deadline, l.prefix or '', l.ptok or 0}
 end
 
 local function used_field(class)
@@ -169,12 +174,90 @@ local function recount_owners()
   return off
 end
 
+-- A node's shared prompt prefixes (issue 36): the engine's prefix cache holds a prefix's
+-- blocks once for every request that starts with it, so the ledger holds its tokens once, in
+-- batch use, for as long as one live lease refers to it. The prefixes hash keeps, per prefix,
+-- 'tokens:holders'; the first holder brings the tokens in, the last one to end takes them out
+-- (end_lease, whichever way a lease ends: released, expired, reaped, preempted), and reap
+-- counts the holders again from the live leases (recount_prefixes). Holders never go below 1
+-- in the hash: a prefix with none is not there.
+local function prefix_entry(pid)
+  local v = redis.call('HGET', K_PREFIXES, pid)
+  if not v then return nil, 0 end
+  local sep = string.find(v, ':', 1, true)
+  return tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+end
+
+local BATCH_PREFIX = {class = 'batch'}
+
+local function join_prefix(l)
+  if l.prefix == '' then return end
+  local tokens, holders = prefix_entry(l.prefix)
+  if tokens == nil then
+    redis.call('HSET', K_PREFIXES, l.prefix, fmt(l.ptok) .. ':1')
+    hold(BATCH_PREFIX, l.ptok)
+  else
+    redis.call('HSET', K_PREFIXES, l.prefix, fmt(tokens) .. ':' .. fmt(holders + 1))
+  end
+end
+
+local function leave_prefix(l)
+  if l.prefix == '' then return end
+  local tokens, holders = prefix_entry(l.prefix)
+  if tokens == nil then return end
+  if holders <= 1 then
+    redis.call('HDEL', K_PREFIXES, l.prefix)
+    hold(BATCH_PREFIX, -tokens)
+  else
+    redis.call('HSET', K_PREFIXES, l.prefix, fmt(tokens) .. ':' .. fmt(holders - 1))
+  end
+end
+
+-- Count each prefix's holders again from the live leases, replacing the prefixes hash and
+-- moving batch use by what it gains or loses; returns how many prefixes were off.
+local function recount_prefixes()
+  local counts, sizes = {}, {}
+  local all = redis.call('HGETALL', K_LEASES)
+  for i = 1, #all, 2 do
+    local l = decode(all[i], all[i + 1])
+    if l.prefix ~= '' then
+      counts[l.prefix] = (counts[l.prefix] or 0) + 1
+      sizes[l.prefix] = math.max(sizes[l.prefix] or 0, l.ptok)
+    end
+  end
+  local off = 0
+  local stored = redis.call('HGETALL', K_PREFIXES)
+  local found = {}
+  for i = 1, #stored, 2 do
+    local pid = stored[i]
+    local tokens, holders = prefix_entry(pid)
+    found[pid] = true
+    if counts[pid] == nil then
+      off = off + 1
+      redis.call('HDEL', K_PREFIXES, pid)
+      hold(BATCH_PREFIX, -tokens)
+    elseif counts[pid] ~= holders then
+      off = off + 1
+      redis.call('HSET', K_PREFIXES, pid, fmt(tokens) .. ':' .. fmt(counts[pid]))
+    end
+  end
+  for pid, n in pairs(counts) do
+    if not found[pid] then
+      off = off + 1
+      redis.call('HSET', K_PREFIXES, pid, fmt(sizes[pid]) .. ':' .. fmt(n))
+      hold(BATCH_PREFIX, sizes[pid])
+    end
+  end
+  return off
+end
+
 local function end_lease(l, reason, now)
   redis.call('HDEL', K_LEASES, l.id)
   redis.call('ZREM', K_EXPIRY, l.id)
   redis.call('HSET', K_ENDED, l.id, reason .. ':' .. fmt(l.fence))
   redis.call('ZADD', K_ENDED_AT, fmt(now), l.id)
   hold(l, -l.tokens)
+  leave_prefix(l)
 end
 
 -- Reclaim up to `limit` leases whose expiry is at or before now; returns their ids.

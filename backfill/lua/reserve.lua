@@ -5,7 +5,7 @@
 -- KEYS: the per-node keys (see _lib.lua)
 -- ARGV[1]  preempt channel of the node
 -- ARGV[2]  now_ms ('' = Redis TIME)
--- ARGV[3]  count of requests that follow (>= 1); then, per request, 11 values:
+-- ARGV[3]  count of requests that follow (>= 1); then, per request, 13 values:
 --   lease id (a live id returns that lease: reserve is idempotent; ids must be distinct)
 --   class: 'interactive' | 'batch'
 --   prompt_tokens (>= 0)
@@ -21,6 +21,14 @@
 --     node's capacity that the interactive leases of this request's owner (the gateway owns
 --     a tenant's leases as gateway/{tenant_id}) may hold with it, rounded down; an owner that
 --     holds nothing on the node is not refused by it, so no request is refused for good
+--   prefix_id ('' = none; batch only, n = 1): the shared prompt prefix the request starts with
+--     (issue 36). Its tokens are held once on the node, by the first lease that refers to it
+--     (in batch use, apart from any lease's own), until the last such lease ends; the lease
+--     itself holds round_up(prompt + max_output) - prefix_tokens (the block that straddles
+--     the prefix's end counted whole), and asks for the prefix's tokens too where the node
+--     does not hold them yet
+--   prefix_tokens (0 with no prefix; else whole blocks, at least one, below prompt_tokens;
+--     a prefix the node holds must be held with the same tokens)
 --
 -- Returns one reply per request:
 --   {'admitted' | 'existing', fence, tokens, expires_ms, started_ms, generated, {victim ids}}
@@ -35,11 +43,11 @@ if #ARGV < 3 then bad('expected at least 3 arguments, got ' .. #ARGV) end
 local channel = str_arg(ARGV[1], 'channel', false)
 local now = now_arg(ARGV[2])
 local count = int_arg(ARGV[3], 'count', 1)
-argc(3 + 11 * count)
+argc(3 + 13 * count)
 
 local reqs, ids = {}, {}
 for i = 0, count - 1 do
-  local b = 3 + 11 * i
+  local b = 3 + 13 * i
   local r = {id = str_arg(ARGV[b + 1], 'lease_id', false), class = class_arg(ARGV[b + 2]),
     prompt = int_arg(ARGV[b + 3], 'prompt_tokens', 0),
     max_out = int_arg(ARGV[b + 4], 'max_output_tokens', 0),
@@ -48,7 +56,13 @@ for i = 0, count - 1 do
     preemptible = flag_arg(ARGV[b + 8], 'preemptible'),
     deadline = opt_int(ARGV[b + 9], 'deadline_ms', 0, 0),
     allow_preempt = flag_arg(ARGV[b + 10], 'allow_preempt'),
-    share = opt_int(ARGV[b + 11], 'tenant_share_ppm', 1, nil)}
+    share = opt_int(ARGV[b + 11], 'tenant_share_ppm', 1, nil),
+    prefix = str_arg(ARGV[b + 12], 'prefix_id', true),
+    ptok = int_arg(ARGV[b + 13], 'prefix_tokens', 0)}
+  if (r.prefix == '') ~= (r.ptok == 0) then bad('a prefix_id goes with its prefix_tokens') end
+  if r.prefix ~= '' and (r.class ~= 'batch' or r.n ~= 1 or r.ptok >= r.prompt) then
+    bad('a shared prefix is for a batch request of one sequence, shorter than its prompt')
+  end
   if r.prompt + r.max_out < 1 then bad('a reservation holds at least one token') end
   if r.share and (r.share > PPM or r.class ~= 'interactive') then
     bad('bad tenant_share_ppm (1..' .. PPM .. ', interactive only): ' .. fmt(r.share))
@@ -70,6 +84,15 @@ if not pool.epoch then
   local out = {}
   for i = 1, count do out[i] = {'denied', 'ledger_rebuilding', 0, 0, 0} end
   return out
+end
+for _, r in ipairs(reqs) do
+  if r.prefix ~= '' then
+    if r.ptok % pool.block_size ~= 0 then bad('prefix_tokens must be whole blocks') end
+    local held_tokens = prefix_entry(r.prefix)
+    if held_tokens ~= nil and held_tokens ~= r.ptok then
+      bad('prefix ' .. r.prefix .. ' is held with ' .. fmt(held_tokens) .. ' tokens')
+    end
+  end
 end
 
 for _, r in ipairs(reqs) do
@@ -99,6 +122,10 @@ local function decide(r)
   end
   local bs = pool.block_size
   local tokens = r.n * (math.floor((r.prompt + charged_out + bs - 1) / bs) * bs)
+  -- A shared prefix: the lease's own tokens leave it out, and what is asked of the pool
+  -- leaves it out too where the node holds it already.
+  local own = tokens - r.ptok
+  if r.prefix ~= '' and prefix_entry(r.prefix) ~= nil then tokens = own end
   local ceiling = pool.capacity
   if r.class == 'batch' then ceiling = batch_ceiling(pool) end
   if tokens > ceiling then return denied('larger_than_pool', tokens) end
@@ -143,12 +170,15 @@ local function decide(r)
   end
   for _, v in ipairs(victims) do pool.b_used = pool.b_used - v.tokens end
   local victim_ids = preempt_all(victims, now, channel)
-  local l = {id = r.id, class = r.class, tokens = tokens, owner = r.owner,
+  local l = {id = r.id, class = r.class, tokens = own, owner = r.owner,
     fence = pool.epoch * SHIFT + counter, expires = now + r.ttl, preemptible = r.preemptible,
-    generated = 0, started = now, deadline = r.deadline, ttl = r.ttl}
+    generated = 0, started = now, deadline = r.deadline, ttl = r.ttl, prefix = r.prefix,
+    ptok = r.ptok}
   redis.call('HSET', K_LEASES, l.id, encode(l))
   redis.call('ZADD', K_EXPIRY, fmt(l.expires), l.id)
-  pool[used_field(r.class)] = hold(l, tokens)
+  pool[used_field(r.class)] = hold(l, own)
+  join_prefix(l)
+  pool.b_used = tonumber(redis.call('HGET', K_POOL, 'b_used'))
   return {'admitted', l.fence, l.tokens, l.expires, l.started, 0, victim_ids}
 end
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backfill.policy import reservation_tokens
 from backfill.prefix_pass import prefix_body
 from backfill.prefixes import SharedPrefix, cacheable_blocks, prefix_id, shared_prefixes
 
@@ -156,3 +157,31 @@ def test_only_single_prompt_single_sequence_generations_look_for_a_prefix() -> N
     assert prefix_body("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}) is None
     assert prefix_body("/v1/completions", {"model": "m", "prompt": "a"}) == {"prompt": "a"}
     assert prefix_body("/v1/chat/completions", {"model": "m", "messages": []}) is None
+
+
+@given(
+    st.integers(1, 40),
+    st.integers(1, 500),
+    st.integers(0, 500),
+    st.sampled_from([1, 4, 16]),
+)
+def test_an_item_reserves_its_own_blocks_the_straddling_one_whole(
+    prefix_blocks: int, suffix: int, out: int, block: int
+) -> None:
+    prefix = prefix_blocks * block
+    prompt = prefix + suffix
+    whole = reservation_tokens(prompt, out, block)
+    own = reservation_tokens(prompt, out, block, prefix_tokens=prefix)
+    assert own == whole - prefix
+    assert own % block == 0
+    assert own >= suffix + out  # the suffix and the output always fit its own blocks
+    assert own - block < suffix + out  # and no whole block more
+
+
+def test_a_shared_prefix_of_several_sequences_or_part_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="shared prefix"):
+        reservation_tokens(100, 10, 16, 2, prefix_tokens=16)
+    with pytest.raises(ValueError, match="shared prefix"):
+        reservation_tokens(100, 10, 16, prefix_tokens=20)
+    with pytest.raises(ValueError, match="shared prefix"):
+        reservation_tokens(32, 10, 16, prefix_tokens=32)
