@@ -354,6 +354,12 @@ class EnginePool:
     engine: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """The engine keeps a shared prompt prefix's blocks once for every request that
+        starts with it (its ``enable_prefix_caching`` label; off where it does not say)."""
+        return self.labels.get("enable_prefix_caching", "").strip().lower() == "true"
+
 
 def _int_label(labels: Mapping[str, str], name: str) -> int:
     raw = labels.get(name)

@@ -91,6 +91,8 @@ def _ensure_once(
             preemptible=row.preemptions < max_preemptions,
             generated_tokens=row.partial_tokens,
             deadline=row.deadline,
+            prefix_id=row.prefix_id if row.lease_prefix_tokens else None,
+            prefix_tokens=row.lease_prefix_tokens if row.prefix_id else 0,
         )
         for row in repo.active_leases()
         if row.lease_id is not None

@@ -196,6 +196,9 @@ class Job(Base):
     expired_at: Mapped[datetime | None] = mapped_column(TZ)
     cancelling_at: Mapped[datetime | None] = mapped_column(TZ)
     cancelled_at: Mapped[datetime | None] = mapped_column(TZ)
+    # When a worker took the job to find its items' shared prompt prefixes (issue 36; NULL:
+    # not yet): one worker looks, once (``backfill.prefix_pass``).
+    prefixes_taken_at: Mapped[datetime | None] = mapped_column(TZ)
 
     __table_args__ = (
         CheckConstraint(f"state IN ({_in_list(JobState)})", name="state"),
@@ -288,6 +291,9 @@ class Item(Base):
     # length in whole KV blocks; NULL where it shares none or none is found yet.
     prefix_id: Mapped[str | None] = mapped_column(String(32))
     prefix_blocks: Mapped[int | None] = mapped_column(Integer)
+    # What of the current lease is the shared prefix, held once by the node's ledger (0: the
+    # lease holds the whole prompt); a rebuild refers the lease to its prefix again.
+    lease_prefix_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     state: Mapped[str] = mapped_column(String(16), server_default=ItemState.QUEUED.value)
     deadline: Mapped[datetime] = mapped_column(TZ)
     # The attempt number doubles as the Postgres-side fencing token: every guarded write of

@@ -41,15 +41,29 @@ def batch_physical_tokens(
     generated tokens; any other batch lease counts at its reservation (an upper bound).
     """
     total = 0
+    prefixes: dict[str, int] = {}
     for lease in leases:
         if lease.service_class is not ServiceClass.BATCH:
             continue
+        if lease.prefix_id is not None:
+            # A shared prefix's blocks are held once, whoever refers to them (issue 36); a
+            # lease's own blocks are what its sequence holds past them.
+            prefixes[lease.prefix_id] = lease.prefix_tokens
         known = in_engine.get(lease.lease_id)
         if known is None:
             total += lease.tokens
         else:
-            total += min(lease.tokens, round_up_to_block(known, block_size))
-    return total
+            own = round_up_to_block(known, block_size) - lease.prefix_tokens
+            total += min(lease.tokens, max(0, own))
+    return total + sum(prefixes.values())
+
+
+def allocated_over_reserved(allocated: int, reserved: int) -> int:
+    """KV tokens the engine holds above what the ledger reserved on its node (0 while the
+    invariant holds): every sequence the engine runs is under a lease, whose reservation
+    covers its worst case, and a shared prefix is held by the ledger as long as one lease
+    refers to it."""
+    return max(0, allocated - reserved)
 
 
 def observed_non_batch(

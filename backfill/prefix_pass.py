@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from backfill.prefill import EMBEDDINGS, prefill_plan
 from backfill.prefixes import PrefixFinder, SharedPrefix
 from backfill.refusals import InvalidRequest
+from backfill.store.prefixes import PrefixJob
 
 log = logging.getLogger("backfill.prefixes")
 
 PAGE = 500
 
 
+@runtime_checkable
 class PromptTokenIds(Protocol):
     """An engine that answers a ``/tokenize`` body's token ids."""
 
@@ -43,6 +45,12 @@ class PrefixStore(Protocol):
     ) -> list[tuple[int, str]]: ...
 
     def record_prefixes(self, job_id: str, found: list[tuple[int, str, int]]) -> list[int]: ...
+
+
+class PrefixJobs(PrefixStore, Protocol):
+    """A worker's side: a job taken to look for its prefixes, then the pass."""
+
+    def take_prefix_job(self, models: Sequence[str]) -> PrefixJob | None: ...
 
 
 def prefix_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -243,6 +243,8 @@ class BackfillCollector:
                 families.denials.add_metric([name, service_class, reason], n)
             families.preemptions.add_metric([name], counts.preemptions)
             families.recounts.add_metric([name], counts.owners_recounted)
+            families.over_reserved.add_metric([name], counts.over_reserved_samples)
+            families.over_reserved_now.add_metric([name], counts.over_reserved_tokens)
             view = read_budget(self.ledger.client, self.ledger.keys, name)
             if view is not None:
                 for kind, value in (
@@ -271,6 +273,8 @@ class _LedgerFamilies:
     denials: CounterMetricFamily
     preemptions: CounterMetricFamily
     recounts: CounterMetricFamily
+    over_reserved: CounterMetricFamily
+    over_reserved_now: GaugeMetricFamily
     budget: GaugeMetricFamily
     budget_change: GaugeMetricFamily
     mismatch: GaugeMetricFamily
@@ -282,6 +286,8 @@ class _LedgerFamilies:
             self.denials,
             self.preemptions,
             self.recounts,
+            self.over_reserved,
+            self.over_reserved_now,
             self.budget,
             self.budget_change,
             self.mismatch,
@@ -316,6 +322,18 @@ def _ledger_families() -> _LedgerFamilies:
         "while every process runs the same ledger scripts.",
         labels=["node"],
     )
+    over_reserved = CounterMetricFamily(
+        "backfill_kv_allocated_over_reserved_samples",
+        "Samples of a node's engine in which it held more KV tokens than the ledger "
+        "reserved on the node (the invariant, checked physically; stays 0).",
+        labels=["node"],
+    )
+    over_reserved_now = GaugeMetricFamily(
+        "backfill_kv_allocated_over_reserved_tokens",
+        "KV tokens a node's engine held above the ledger's reservations at the last "
+        "sample (0 while the invariant holds).",
+        labels=["node"],
+    )
     budget = GaugeMetricFamily(
         "backfill_work_budget",
         "A node's batch work budget (max_seqs, max_prefill_tokens, hold) and what batch "
@@ -335,7 +353,16 @@ def _ledger_families() -> _LedgerFamilies:
         labels=["node"],
     )
     return _LedgerFamilies(
-        kv, leases, denials, preemptions, recounts, budget, budget_change, mismatch
+        kv,
+        leases,
+        denials,
+        preemptions,
+        recounts,
+        over_reserved,
+        over_reserved_now,
+        budget,
+        budget_change,
+        mismatch,
     )
 
 

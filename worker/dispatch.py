@@ -56,6 +56,7 @@ from backfill.dispatch import (
     reserve_request,
     run_output,
     running_mean,
+    shared_prefix_tokens,
     start_room,
 )
 from backfill.engine.protocol import EngineError, count_prefill
@@ -65,6 +66,7 @@ from backfill.prefill import PromptCount, prefill_plan
 from backfill.states import ItemState
 from backfill.store import ClaimedItem, OpenClaim
 from worker.dispatch_attempts import AttemptRunner
+from worker.dispatch_prefixes import PrefixFinding
 from worker.dispatch_results import ResultWriter
 from worker.dispatch_state import DispatchStats, Flight
 from worker.dispatch_watch import Watchers
@@ -86,7 +88,7 @@ Refused = tuple[ClaimedItem, GiveBack | Fail | Expire]
 FILL_FAULT_MAX_S = 30.0
 
 
-class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
+class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
     """Runs the claim -> reserve -> start -> stream -> finish loop for one node."""
 
     # -----------------------------------------------------------------------------------------
@@ -107,6 +109,8 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
             helpers.append(asyncio.create_task(self._control_budget(), name="work-budget"))
         if self.config.stall_timeout_s > 0:
             helpers.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
+        if self.finds_prefixes():
+            helpers.append(asyncio.create_task(self._find_prefixes(), name="prefixes"))
         if self.config.scheduler_metrics_url:
             helpers.append(asyncio.create_task(self._watch_scheduler(), name="scheduler-watch"))
         try:
@@ -313,15 +317,20 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         run, the refused are held and settled, the rest is left in the queue untouched (no
         write, no attempt spent). Returns how many items started or were settled."""
         cfg = self.config
-        plan = await self._fit_to_slack(ready)
+        shares = shared_prefix_tokens(ready, self.block_size, self.prefix_view())
+        plan = await self._fit_to_slack(ready, shares)
         fits = list(plan.fits)
         leased: dict[int, Leased] = {}
         if fits:
             requests = [
                 reserve_request(
-                    c, cfg.node, max_preemptions=cfg.max_preemptions, lease_ttl_s=cfg.lease_ttl_s
+                    c,
+                    cfg.node,
+                    max_preemptions=cfg.max_preemptions,
+                    lease_ttl_s=cfg.lease_ttl_s,
+                    prefix_tokens=share,
                 )
-                for c in fits
+                for c, share in zip(fits, shares, strict=False)
             ]
             try:
                 outcomes: list[Lease | Denial | BaseException] = list(
@@ -436,12 +445,15 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers):
         flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
         flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
 
-    async def _fit_to_slack(self, ready: list[CheckedItem]) -> StartPlan:
+    async def _fit_to_slack(self, ready: list[CheckedItem], shares: list[int]) -> StartPlan:
         """What of ``ready`` the node's slack and work budget take now, and what goes back to
         the queue at once (``backfill.dispatch.fit_starts``; no deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
-        return fit_starts(ready, self.view(), slack, self.block_size)
+        held = frozenset(p.prefix_id for p in snap.prefixes) if snap is not None else frozenset()
+        return fit_starts(
+            ready, self.view(), slack, self.block_size, shares=shares, held_prefixes=held
+        )
 
     async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail | Expire) -> None:
         """Write what becomes of a claimed item that does not start (fenced by its attempt:

@@ -187,7 +187,9 @@ class AttemptRunner(DispatcherState):
         if usage_prompt is None:
             return
         held = usage_prompt + completion
-        if held > flight.lease.tokens:
+        # A lease that refers to a shared prefix holds its own blocks; the prefix's are the
+        # node's, held once for every lease that refers to it (issue 36).
+        if held > flight.lease.tokens + flight.lease.prefix_tokens:
             self.stats.reservation_violations += 1
             self._event(
                 logging.ERROR,

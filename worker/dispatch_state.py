@@ -18,7 +18,14 @@ from typing import NamedTuple
 
 from backfill import logs
 from backfill.clock import HostClock, SharedClock
-from backfill.dispatch import DispatchConfig, FlightView, NodeView, RunPlan, StopReason
+from backfill.dispatch import (
+    DispatchConfig,
+    FlightView,
+    NodeView,
+    PrefixView,
+    RunPlan,
+    StopReason,
+)
 from backfill.engine.protocol import Engine
 from backfill.engine.shared_load import SharedLoad
 from backfill.engine_scheduler import EngineScheduler
@@ -114,6 +121,11 @@ class DispatchStats:
     """Attempts the engine says held more KV than their lease (must stay 0)."""
     stalls: int = 0
     """Attempts stopped because their engine made no progress at all for the stall timeout."""
+    over_reserved_samples: int = 0
+    """Samples in which the engine held more KV than the node's ledger reserved (must stay
+    0; ``backfill.observe.allocated_over_reserved``)."""
+    over_reserved_max: int = 0
+    """The most it held above them in one sample."""
 
 
 class DispatcherState:
@@ -206,6 +218,20 @@ class DispatcherState:
             typical_prompt=self._typical_prompt,
             leases_held=len(self._leases),
         )
+
+    def prefix_view(self) -> PrefixView:
+        """The shared prompt prefixes of the attempts in flight here: a prefix an attempt has
+        prefilled (its first token came) is in the engine's cache, held there while it runs."""
+        busy: set[str] = set()
+        warm: set[str] = set()
+        for f in self._in_flight.values():
+            pid = f.item.prefix_id
+            if pid is None or f.stop_reason is not None:
+                continue
+            busy.add(pid)
+            if f.first_token_at is not None:
+                warm.add(pid)
+        return PrefixView(self.config.prefix_caching, frozenset(warm), frozenset(busy))
 
     def _flights(self, views: Iterable[FlightView]) -> list[Flight]:
         """The attempts ``views`` show, those still held."""

@@ -26,7 +26,7 @@ from backfill.engine.http import read_engine_scheduler
 from backfill.engine_scheduler import publish_scheduler
 from backfill.errors import BackfillError, LedgerUnavailable, StoreUnavailable
 from backfill.ledger import HeartbeatResult, LeaseStatus
-from backfill.observe import observed_non_batch
+from backfill.observe import allocated_over_reserved, allocated_tokens, observed_non_batch
 from backfill.work_budget import WorkBudget, describe, step
 from backfill.work_signals import (
     BudgetView,
@@ -153,14 +153,25 @@ class Watchers(DispatcherState):
                 # no step has refreshed. Trusting it could keep batch out of an idle engine,
                 # and batch is what would have made the engine step again.
                 idle = load.num_requests_running == 0 and load.num_requests_waiting == 0
+                usage = 0.0 if idle else load.kv_cache_usage_perc
                 observed = observed_non_batch(
-                    0.0 if idle else load.kv_cache_usage_perc,
-                    snap.capacity_tokens,
-                    snap.block_size,
-                    snap.leases,
-                    in_engine,
+                    usage, snap.capacity_tokens, snap.block_size, snap.leases, in_engine
                 )
-                await self.ledger.observe(cfg.node, observed)
+                over = allocated_over_reserved(
+                    allocated_tokens(usage, snap.capacity_tokens, snap.block_size), snap.reserved
+                )
+                if over > 0:
+                    self.stats.over_reserved_samples += 1
+                    self.stats.over_reserved_max = max(self.stats.over_reserved_max, over)
+                    log.warning(
+                        "node %s: the engine holds %d KV tokens above the %d the ledger reserved "
+                        "(%d of them shared prefixes)",
+                        cfg.node,
+                        over,
+                        snap.reserved,
+                        snap.prefix_tokens,
+                    )
+                await self.ledger.observe(cfg.node, observed, over_reserved_tokens=over)
             except Exception as exc:  # a missed report only leaves the last one standing
                 log.warning("node %s: engine use not observed: %s", cfg.node, exc)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from backfill.capacity import EnginePool
 from backfill.config import Settings
@@ -129,7 +129,7 @@ async def run_node(
             if model.max_model_len:
                 limit = min(limit, model.max_model_len)
             dispatcher = NodeDispatcher(
-                dispatch_config(settings, node),
+                replace(dispatch_config(settings, node), prefix_caching=pool.prefix_caching),
                 engine,
                 repo,
                 aledger,
@@ -137,6 +137,7 @@ async def run_node(
                 block_size=pool.block_size,
                 max_sequence_tokens=limit,
             )
+            dispatcher.prefix_jobs = repo
             if holder is not None:
                 holder.append(dispatcher)
             log.info(

@@ -45,11 +45,13 @@ from backfill.dispatch.outcomes import (
 from backfill.dispatch.settings import DispatchConfig
 from backfill.dispatch.starts import (
     Leased,
+    PrefixView,
     StartPlan,
     after_reserve,
     fit_starts,
     preemptible,
     reserve_request,
+    shared_prefix_tokens,
 )
 from backfill.dispatch.stops import (
     StopAction,
@@ -75,6 +77,7 @@ __all__ = [
     "Leased",
     "Limits",
     "NodeView",
+    "PrefixView",
     "RunPlan",
     "StartPlan",
     "StopAction",
@@ -101,6 +104,7 @@ __all__ = [
     "run_output",
     "running_mean",
     "seconds_needed",
+    "shared_prefix_tokens",
     "stalled",
     "start_room",
     "startable",

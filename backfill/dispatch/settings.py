@@ -27,6 +27,9 @@ class DispatchConfig:
     stream_interval: int = 1
     tenant_cache_salt: bool = True
     """Each item's requests carry its tenant's ``cache_salt`` (``backfill.cache_salt``)."""
+    prefix_caching: bool = False
+    """The engine shares prompt prefixes (its ``enable_prefix_caching``): the node's ledger
+    may hold a shared prefix once for the items that start with it (issue 36)."""
     """Output tokens per streamed chunk asked of the engine (1: every token)."""
     max_preemptions: int = 3
     """At this many preemptions an item reserves as non-preemptible (no thrashing)."""

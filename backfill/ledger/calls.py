@@ -246,12 +246,16 @@ class LedgerCalls:
         )
 
     def observe(
-        self, node: str, observed_tokens: int, now_ms: int | None
+        self,
+        node: str,
+        observed_tokens: int,
+        now_ms: int | None,
+        over_reserved_tokens: int | None = None,
     ) -> ScriptCall[int | None]:
         return ScriptCall(
             "observe",
             self.keys.node(node).keys(),
-            [_arg(now_ms), str(observed_tokens)],
+            [_arg(now_ms), str(observed_tokens), _arg(over_reserved_tokens)],
             lambda r: int(r[1]) if decoded(r[0]) == "ok" else None,
         )
 

@@ -75,10 +75,16 @@ def register_pool(
 
 
 def observe(
-    calls: LedgerCalls, node: str, observed_tokens: int, *, now_ms: int | None = None
+    calls: LedgerCalls,
+    node: str,
+    observed_tokens: int,
+    *,
+    over_reserved_tokens: int | None = None,
+    now_ms: int | None = None,
 ) -> Plan[int | None]:
-    """Record engine-observed non-batch use; returns the new batch slack (None: no pool)."""
-    slack: int | None = yield calls.observe(node, observed_tokens, now_ms)
+    """Record engine-observed non-batch use, and what the engine held above the ledger's
+    reservations where it was measured; returns the new batch slack (None: no pool)."""
+    slack: int | None = yield calls.observe(node, observed_tokens, now_ms, over_reserved_tokens)
     return slack
 
 
@@ -103,6 +109,8 @@ def counters(calls: LedgerCalls, node: str) -> Plan[PoolCounters]:
         denials,
         int(fields.get("preemptions", "0")),
         int(fields.get("owners_recounted", "0")),
+        int(fields.get("over_reserved_samples", "0")),
+        int(fields.get("over_reserved", "0")),
     )
 
 

@@ -179,6 +179,11 @@ class PoolCounters:
     """Owners whose interactive count the periodic reap found off the live leases and put
     right (0 while every script counts them: a process on an older version wrote the ledger,
     or a bug)."""
+    over_reserved_samples: int = 0
+    """Samples of the engine's KV use in which it held more than the node's reservations
+    (the invariant, checked physically: stays 0)."""
+    over_reserved_tokens: int = 0
+    """What the last sample found the engine holding above them."""
 
 
 @dataclass(frozen=True)

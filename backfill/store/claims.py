@@ -123,7 +123,7 @@ def pick_statements(select: str) -> ClaimStatements:
 _PICKED = (
     f"SELECT i.id, i.job_id, i.attempt + 1 AS attempt, i.custom_id, {ITEM_BODY} AS body, "
     "i.deadline, i.prompt_tokens, i.max_output_tokens, i.output_defaulted, "
-    "i.reservation_tokens, i.preemptions, "
+    "i.reservation_tokens, i.preemptions, i.prefix_id, i.prefix_blocks, "
     "i.partial_output, i.partial_tokens, j.endpoint, j.tenant_id, p.state AS from_state, "
     "EXTRACT(EPOCH FROM (i.deadline - now()))::float8 AS deadline_left_s "
     "FROM picked p JOIN items i ON i.id = p.id JOIN jobs j ON j.id = i.job_id "

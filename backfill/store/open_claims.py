@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -71,12 +71,13 @@ CNT_OPEN_START = counters_cte(
 START_OPEN = (
     "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[]), "
     "CAST(:st AS text[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), CAST(:res AS int[]), "
-    "CAST(:pt AS int[])) AS v(id, a, s, l, f, r, p)), "
+    "CAST(:pt AS int[]), CAST(:px AS int[])) AS v(id, a, s, l, f, r, p, x)), "
     "moved AS (UPDATE items i SET "
     "  state = CASE WHEN v.l IS NULL THEN 'reserved' ELSE 'running' END, "
     "  attempt = v.a, node = :node, lease_id = v.l, fencing_token = v.f, not_before = NULL, "
     "  reservation_tokens = coalesce(v.r, i.reservation_tokens), "
     "  prompt_tokens = coalesce(v.p, i.prompt_tokens), "
+    "  lease_prefix_tokens = coalesce(v.x, 0), "
     "  lease_expires_at = now() + make_interval(secs => :ttl), "
     "  started_at = CASE WHEN v.l IS NULL THEN i.started_at "
     "    ELSE coalesce(i.started_at, now()) END, "
@@ -202,7 +203,10 @@ class OpenClaims(Claims):
         if not rows:
             claim._close()
             return claim
-        claim.items = [self._claimed(r) for r in rows]
+        claim.items = [
+            replace(self._claimed(r), prefix_id=r.prefix_id, prefix_blocks=r.prefix_blocks)
+            for r in rows
+        ]
         claim._picked_from = {r.id: r.from_state for r in rows}
         return claim
 
@@ -228,6 +232,8 @@ class OpenClaims(Claims):
             claim._close()
             return []
         ids, att, lid, fen, res, pt = (array_literal(c) for c in zip(*rows, strict=True))
+        shared = {s.item_id: s.prefix_tokens for s in starts}
+        px = array_literal(shared.get(int(r[0])) for r in rows)
         try:
             conn = claim._connection()
             with driver_errors():
@@ -243,6 +249,7 @@ class OpenClaims(Claims):
                             "fen": fen,
                             "res": res,
                             "pt": pt,
+                            "px": px,
                             "node": claim.node,
                             "ttl": claim.lease_ttl_s,
                         },

@@ -30,10 +30,29 @@ _RECORD = (
     "WHERE i.id = f.id AND i.job_id = :j AND i.prefix_id IS NULL RETURNING i.id"
 )
 
+# One in-progress job of these models whose prefixes no worker has looked for, taken: the
+# oldest first; a job another worker is taking is skipped.
+_TAKE = (
+    "UPDATE jobs j SET prefixes_taken_at = now() FROM (SELECT id FROM jobs "
+    "WHERE state = 'in_progress' AND prefixes_taken_at IS NULL AND model = ANY(:m) "
+    "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) t WHERE j.id = t.id "
+    "RETURNING j.id, j.endpoint, j.tenant_id, j.model"
+)
+
 _GROUPS = (
     "SELECT prefix_id, prefix_blocks, count(*) FROM items WHERE job_id = :j "
     "AND prefix_id IS NOT NULL GROUP BY prefix_id, prefix_blocks ORDER BY prefix_id"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixJob:
+    """A job taken to find its items' shared prefixes."""
+
+    job_id: str
+    endpoint: str
+    tenant_id: str
+    model: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +65,16 @@ class PrefixGroupRecord:
 
 
 class Prefixes(Store):
+    def take_prefix_job(self, models: Sequence[str]) -> PrefixJob | None:
+        """Take one in-progress job of ``models`` whose prefixes nobody looked for yet (it is
+        not offered again: a worker that dies while looking leaves its items reserving their
+        whole prompts, as without prefixes)."""
+        with self._tx() as conn:
+            row = conn.execute(text(_TAKE), {"m": list(models)}).first()
+        if row is None:
+            return None
+        return PrefixJob(str(row[0]), str(row[1]), str(row[2]), str(row[3]))
+
     def unseen_prefix_items(
         self, job_id: str, *, after_id: int = 0, limit: int = 1000
     ) -> list[tuple[int, str]]:

@@ -155,6 +155,9 @@ class ClaimedItem:
     """The line gave no output budget: each run may generate what is left of
     ``max_output_tokens`` and no more than the class limit leaves its exact prompt
     (``backfill.output_budget``)."""
+    prefix_id: str | None = None
+    """The shared prompt prefix the item starts with (``backfill.prefixes``), if found."""
+    prefix_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,8 @@ class Start:
     fencing_token: int
     reservation_tokens: int
     prompt_tokens: int
+    prefix_tokens: int = 0
+    """What of the lease is the item's shared prefix, held once by the node's ledger."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +202,9 @@ class ActiveLeaseRow:
     deadline: datetime
     preemptions: int
     partial_tokens: int
+    prefix_id: str | None = None
+    lease_prefix_tokens: int = 0
+    """What of the lease is the item's shared prefix (0: none): held once by the ledger."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,8 +80,8 @@ REAP_LOST = (
 # Every item a live attempt holds, with its lease fields: what the ledger is rebuilt from.
 ACTIVE_LEASES = (
     "SELECT id, node, attempt, lease_id, fencing_token, reservation_tokens, "
-    "lease_expires_at, deadline, preemptions, partial_tokens FROM items "
-    f"WHERE state IN ({ACTIVE_SQL}) ORDER BY id"
+    "lease_expires_at, deadline, preemptions, partial_tokens, prefix_id, lease_prefix_tokens "
+    f"FROM items WHERE state IN ({ACTIVE_SQL}) ORDER BY id"
 )
 
 

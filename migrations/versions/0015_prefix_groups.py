@@ -4,6 +4,10 @@ A job's items that share a prompt prefix (one instruction in front of each docum
 held once by the engine's prefix cache. ``prefix_id`` names the prefix (its tokens, model and
 tenant: ``backfill.prefixes.prefix_id``) and ``prefix_blocks`` its length in whole KV blocks;
 both NULL for an item that shares none, or whose prefix is not found yet.
+``lease_prefix_tokens`` is what of the item's current lease is its shared prefix, held once
+on its node by the ledger (0: the lease holds the whole prompt): a ledger rebuilt from
+Postgres refers the lease to its prefix again. ``jobs.prefixes_taken_at`` is when a worker
+took the job to find its prefixes (one worker looks, once).
 
 Revision ID: 0015_prefix_groups
 Revises: 0013_defaulted_output
@@ -26,6 +30,11 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     op.add_column("items", sa.Column("prefix_id", sa.String(length=32), nullable=True))
     op.add_column("items", sa.Column("prefix_blocks", sa.Integer(), nullable=True))
+    op.add_column(
+        "items",
+        sa.Column("lease_prefix_tokens", sa.Integer(), server_default="0", nullable=False),
+    )
+    op.add_column("jobs", sa.Column("prefixes_taken_at", sa.DateTime(timezone=True)))
     op.create_check_constraint(
         op.f("ck_items_prefix_whole"),
         "items",
@@ -36,5 +45,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_constraint(op.f("ck_items_prefix_whole"), "items", type_="check")
+    op.drop_column("jobs", "prefixes_taken_at")
+    op.drop_column("items", "lease_prefix_tokens")
     op.drop_column("items", "prefix_blocks")
     op.drop_column("items", "prefix_id")

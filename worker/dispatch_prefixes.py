@@ -1,0 +1,66 @@
+"""A node's dispatcher looks for the shared prompt prefixes of its model's jobs (issue 36).
+
+Token ids exist only on an engine (``backfill.prefix_pass`` says why), so a worker finds a
+job's prefixes: it takes a job of its model nobody looked at yet, asks its engine for each
+unfinished item's token ids, and records each grouped item's prefix. Until then an item
+reserves its whole prompt, as without prefixes. Off where the engine does not cache prefixes
+(nothing would be shared) or does not answer token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from backfill.prefix_pass import PrefixJobs, PromptTokenIds, find_job_prefixes
+from backfill.store.prefixes import PrefixJob
+from worker.dispatch_state import DispatcherState
+
+log = logging.getLogger("backfill.worker")
+
+PREFIX_POLL_S = 2.0
+"""How often an idle prefix finder asks for a job to look at."""
+
+
+class PrefixFinding(DispatcherState):
+    """The dispatcher's prefix finder (a helper task of ``NodeDispatcher.run``)."""
+
+    prefix_jobs: PrefixJobs | None = None
+
+    def finds_prefixes(self) -> bool:
+        return (
+            self.config.prefix_caching
+            and self.prefix_jobs is not None
+            and isinstance(self.engine, PromptTokenIds)
+        )
+
+    async def _find_prefixes(self) -> None:
+        store = self.prefix_jobs
+        engine = self.engine
+        assert store is not None
+        assert isinstance(engine, PromptTokenIds)
+        while True:
+            job: PrefixJob | None = None
+            try:
+                job = await asyncio.to_thread(store.take_prefix_job, [self.model])
+                if job is not None:
+                    await find_job_prefixes(
+                        engine,
+                        store,
+                        job.job_id,
+                        endpoint=job.endpoint,
+                        model=job.model,
+                        tenant_id=job.tenant_id,
+                        block_size=self.block_size,
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # its items reserve their whole prompts: safe, no gain
+                log.warning(
+                    "node %s: prefixes of batch %s not found: %s",
+                    self.config.node,
+                    job.job_id if job is not None else "?",
+                    exc,
+                )
+            if job is None:
+                await asyncio.sleep(PREFIX_POLL_S)
