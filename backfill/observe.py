@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from backfill.capacity import round_up_to_block
-from backfill.ledger import Lease
+from backfill.ledger import Lease, PoolSnapshot
 from backfill.policy import ServiceClass
 
 
@@ -29,6 +29,18 @@ def allocated_tokens(kv_usage_fraction: float, capacity_tokens: int, block_size:
     """KV tokens the engine holds now: the used share of its blocks, in whole blocks."""
     blocks = capacity_tokens // block_size
     used = min(blocks, max(0, round(kv_usage_fraction * blocks)))
+    return used * block_size
+
+
+def engine_held_tokens(kv_usage_fraction: float, capacity_tokens: int, block_size: int) -> int:
+    """KV tokens the engine's sequences hold now, as exactly as its gauge tells: vLLM (v1)
+    keeps one block of its pool aside (the null block) and reports ``kv_cache_usage_perc`` as
+    used blocks over the others, so ``usage x blocks`` overstates by up to one block.
+    :func:`allocated_tokens` keeps that margin (it narrows batch slack, the safe side); the
+    invariant's check needs the figure itself."""
+    blocks = capacity_tokens // block_size
+    usable = max(blocks - 1, 1)
+    used = min(usable, max(0, round(kv_usage_fraction * usable)))
     return used * block_size
 
 
@@ -56,6 +68,19 @@ def batch_physical_tokens(
             own = round_up_to_block(known, block_size) - lease.prefix_tokens
             total += min(lease.tokens, max(0, own))
     return total + sum(prefixes.values())
+
+
+def reserved_around(before: PoolSnapshot, after: PoolSnapshot) -> int:
+    """What the ledger reserved on a node around an engine reading taken between two of its
+    snapshots: every lease and shared prefix of either, once. A sequence the engine holds at
+    the reading was reserved before it and is released after it (reserve, then send; free,
+    then release), so it is in one snapshot or the other unless its whole life fell between
+    them; one snapshot alone would miss the leases begun or ended meanwhile."""
+    leases = {x.lease_id: x.tokens for x in before.leases}
+    leases.update({x.lease_id: x.tokens for x in after.leases})
+    prefixes = {p.prefix_id: p.tokens for p in before.prefixes}
+    prefixes.update({p.prefix_id: p.tokens for p in after.prefixes})
+    return sum(leases.values()) + sum(prefixes.values())
 
 
 def allocated_over_reserved(allocated: int, reserved: int) -> int:

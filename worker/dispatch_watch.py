@@ -26,7 +26,12 @@ from backfill.engine.http import read_engine_scheduler
 from backfill.engine_scheduler import publish_scheduler
 from backfill.errors import BackfillError, LedgerUnavailable, StoreUnavailable
 from backfill.ledger import HeartbeatResult, LeaseStatus
-from backfill.observe import allocated_over_reserved, allocated_tokens, observed_non_batch
+from backfill.observe import (
+    allocated_over_reserved,
+    engine_held_tokens,
+    observed_non_batch,
+    reserved_around,
+)
 from backfill.work_budget import WorkBudget, describe, step
 from backfill.work_signals import (
     BudgetView,
@@ -137,9 +142,12 @@ class Watchers(DispatcherState):
         while True:
             await asyncio.sleep(cfg.observe_interval_s)
             try:
-                load = (await self.engine_load.read(cfg.observe_interval_s)).load
+                # The engine read fresh between two ledger snapshots: the invariant's check
+                # compares it with what either held (``reserved_around``).
+                before = await self.ledger.snapshot(cfg.node)
+                load = (await self.engine_load.read(0.0)).load
                 snap = await self.ledger.snapshot(cfg.node)
-                if snap is None:
+                if snap is None or before is None:
                     continue
                 # Output streams in chunks of ``stream_interval`` tokens: the engine may hold
                 # up to ``stream_interval - 1`` more tokens of a sequence than the worker saw.
@@ -157,8 +165,9 @@ class Watchers(DispatcherState):
                 observed = observed_non_batch(
                     usage, snap.capacity_tokens, snap.block_size, snap.leases, in_engine
                 )
+                reserved = reserved_around(before, snap)
                 over = allocated_over_reserved(
-                    allocated_tokens(usage, snap.capacity_tokens, snap.block_size), snap.reserved
+                    engine_held_tokens(usage, snap.capacity_tokens, snap.block_size), reserved
                 )
                 if over > 0:
                     self.stats.over_reserved_samples += 1
@@ -168,7 +177,7 @@ class Watchers(DispatcherState):
                         "(%d of them shared prefixes)",
                         cfg.node,
                         over,
-                        snap.reserved,
+                        reserved,
                         snap.prefix_tokens,
                     )
                 await self.ledger.observe(cfg.node, observed, over_reserved_tokens=over)

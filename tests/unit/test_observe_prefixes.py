@@ -5,8 +5,14 @@ ledger's reservations."""
 from __future__ import annotations
 
 from backfill.capacity import EnginePool
-from backfill.ledger import Lease
-from backfill.observe import allocated_over_reserved, batch_physical_tokens
+from backfill.ledger import Lease, PoolSnapshot
+from backfill.ledger.values import PrefixHold
+from backfill.observe import (
+    allocated_over_reserved,
+    batch_physical_tokens,
+    engine_held_tokens,
+    reserved_around,
+)
 from backfill.policy import ServiceClass
 
 BLOCK = 16
@@ -36,9 +42,32 @@ def test_allocated_above_reserved_is_what_breaks_the_invariant() -> None:
     assert allocated_over_reserved(1200, 1100) == 100
 
 
+def test_the_engines_gauge_counts_its_blocks_but_the_null_one() -> None:
+    # 48 blocks, one of them vLLM's null block: 29 used read as 29/47 of the pool.
+    assert engine_held_tokens(29 / 47, 48 * 128, 128) == 29 * 128
+    assert engine_held_tokens(0.0, 48 * 128, 128) == 0
+    assert engine_held_tokens(1.0, 48 * 128, 128) == 47 * 128
+
+
 def test_prefix_caching_is_read_from_the_engines_cache_config() -> None:
     on = EnginePool(4, 16, 64, labels={"enable_prefix_caching": "True"})
     off = EnginePool(4, 16, 64, labels={"enable_prefix_caching": "False"})
     assert on.prefix_caching
     assert not off.prefix_caching
     assert not EnginePool(4, 16, 64).prefix_caching
+
+
+def _snap(leases: list[Lease], prefixes: list[PrefixHold]) -> PoolSnapshot:
+    return PoolSnapshot(
+        "n", 0, True, 6144, BLOCK, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+        tuple(leases), tuple(prefixes),
+    )  # fmt: skip
+
+
+def test_an_engine_reading_between_two_snapshots_is_held_to_what_either_reserved() -> None:
+    ended = _lease("ended", 48, "p", 64)  # released after the reading
+    begun = _lease("begun", 112)  # reserved before the reading, after the first snapshot
+    kept = _lease("kept", 48, "p", 64)
+    before = _snap([ended, kept], [PrefixHold("p", 64, 2)])
+    after = _snap([kept, begun], [PrefixHold("p", 64, 1)])
+    assert reserved_around(before, after) == 48 + 48 + 112 + 64

@@ -1,0 +1,152 @@
+"""A shared instruction reserved once, on the real CPU engine (issue 36).
+
+One job whose lines all start with one long instruction runs twice on a node worker beside a
+real vLLM server with prefix caching on (its default): once as before (its prefixes never
+looked for: every item reserves its whole prompt) and once with them found through the
+engine's own token ids. Shared, the slack holds more items at once; and in every sample taken
+meanwhile the engine's allocated KV blocks (``kv_cache_usage_perc`` x pool) stay within what
+the ledger reserved on the node, and the worker's own checks (each attempt's usage against its
+lease, its sampled allocation against the ledger) never fired.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from backfill.capacity import parse_cache_config, parse_engine_load
+from backfill.config import Settings
+from backfill.observe import engine_held_tokens, reserved_around
+from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
+from tests.e2e import helpers
+from tests.e2e.helpers import node_beside
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+BLOCKS = 48
+MODEL = "tiny"
+ITEMS = 80
+OUT = 96
+
+
+@pytest.fixture(scope="module")
+def prefix_engine() -> Iterator[str]:
+    yield from helpers.engine_url(
+        MODEL, num_gpu_blocks_override=BLOCKS, max_model_len=512, kv_cache_gib=1
+    )
+
+
+def _instruction(url: str, blocks: int, block: int) -> str:
+    """An instruction a little longer than ``blocks`` whole blocks of the engine's tokens."""
+    words: list[str] = []
+    while True:
+        words += [f"rule{len(words)} keep every name"]
+        prompt = "Summarise the document below. " + " ".join(words)
+        count = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+        if count["count"] > blocks * block + 8:
+            return prompt
+
+
+def _submit(repo: Repository, instruction: str, *, find_prefixes: bool) -> str:
+    tenant = repo.create_tenant(f"t-{time.monotonic_ns()}")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(
+        tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    items = [
+        NewItem(
+            i,
+            f"req-{i}",
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "prompt": f"{instruction}\nDocument {i}: the quick brown fox {i}.",
+                    "max_tokens": OUT,
+                    "ignore_eos": True,
+                }
+            ),
+            OUT,
+        )
+        for i in range(ITEMS)
+    ]
+    repo.insert_items(job.id, items)
+    with repo.engine.begin() as conn:
+        # The API records the model its lines name; a job taken for prefixes already is one
+        # whose prefixes no worker looks for (as before this feature).
+        conn.execute(
+            text(
+                "UPDATE jobs SET model = :m, prefixes_taken_at = "
+                "CASE WHEN :find THEN NULL ELSE now() END WHERE id = :j"
+            ),
+            {"m": MODEL, "find": find_prefixes, "j": job.id},
+        )
+    repo.move_job(job.id, JobState.IN_PROGRESS)
+    return job.id
+
+
+def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bool) -> int:
+    """Run the job on a fresh node worker; the most items it held at once."""
+    metrics_url = f"{url}/metrics"
+    with node_beside(settings, node, url) as beside:
+        repo, ledger, thread = beside.repo, beside.ledger, beside.node
+        pool = parse_cache_config(httpx.get(metrics_url).text)
+        assert pool.prefix_caching, "the engine runs without prefix caching: nothing to share"
+        job = _submit(repo, instruction, find_prefixes=share)
+        if share:
+            helpers.wait(lambda: bool(repo.prefix_groups(job)), 120, "the job's prefixes")
+            [group] = repo.prefix_groups(job)
+            assert group.items == ITEMS
+        peak, samples = 0, 0
+        end = time.monotonic() + 900
+        while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
+            assert time.monotonic() < end, f"job not done: {repo.counted_states(job)}"
+            before = ledger.snapshot(node)
+            load = parse_engine_load(httpx.get(metrics_url).text)
+            snap = ledger.snapshot(node)
+            assert snap is not None
+            assert before is not None
+            held = engine_held_tokens(
+                load.kv_cache_usage_perc, pool.capacity_tokens, pool.block_size
+            )
+            reserved = reserved_around(before, snap)
+            assert held <= reserved, f"the engine holds {held} KV tokens, the ledger {reserved}"
+            peak = max(peak, sum(1 for x in snap.leases if x.service_class.value == "batch"))
+            samples += 1
+            time.sleep(0.05)
+        stats = thread.dispatchers[0].stats
+        assert stats.reservation_violations == 0, stats
+        assert stats.over_reserved_samples == 0, stats
+        assert samples > 5
+        with repo.engine.connect() as conn:
+            leaned = conn.execute(
+                text("SELECT count(*) FROM items WHERE job_id = :j AND lease_prefix_tokens > 0"),
+                {"j": job},
+            ).scalar_one()
+        assert (leaned > ITEMS // 2) if share else (leaned == 0), leaned
+        return peak
+
+
+def test_a_shared_instruction_runs_more_items_at_once_and_never_above_its_reservation(
+    settings: Settings, prefix_engine: str
+) -> None:
+    s = settings.model_copy(
+        update={
+            "lease_ttl_s": 6.0,
+            "heartbeat_interval_s": 1.0,
+            "shutdown_grace_s": 3.0,
+            "max_in_flight_per_node": 64,
+        }
+    )
+    pool = parse_cache_config(httpx.get(f"{prefix_engine}/metrics").text)
+    instruction = _instruction(prefix_engine, 3, pool.block_size)
+    today = _run(s, prefix_engine, instruction, "p-whole", share=False)
+    shared = _run(s, prefix_engine, instruction, "p-shared", share=True)
+    print(f"peak batch leases: {today} reserving whole prompts, {shared} sharing the prefix")
+    assert shared >= 1.5 * today, (shared, today)
