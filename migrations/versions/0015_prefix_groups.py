@@ -10,7 +10,7 @@ Postgres refers the lease to its prefix again. ``jobs.prefixes_taken_at`` is whe
 took the job to find its prefixes (one worker looks, once).
 
 Revision ID: 0015_prefix_groups
-Revises: 0013_defaulted_output
+Revises: 0014_summary_jobs
 Create Date: 2026-12-06 10:30:00.000000
 """
 
