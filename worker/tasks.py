@@ -63,10 +63,11 @@ def maintenance_tick() -> dict[str, object]:
             report.finalized,
             report.recovered,
         )
-    if report.purged.rows or report.purged.jobs:
+    if report.purged.rows or report.purged.jobs or report.purged.summary_jobs:
         log.info(
-            "maintenance: purged %s jobs past their retention (%s items and webhook events)",
+            "maintenance: purged %s batches and %s summary jobs past their retention (%s rows)",
             report.purged.jobs,
+            report.purged.summary_jobs,
             report.purged.rows,
         )
     return {
@@ -76,6 +77,7 @@ def maintenance_tick() -> dict[str, object]:
         "finalized": {k: v.value for k, v in report.finalized.items()},
         "recovered": {k: v.value for k, v in report.recovered.items()},
         "purged_jobs": report.purged.jobs,
+        "purged_summary_jobs": report.purged.summary_jobs,
         "summary_steps_harvested": summaries.harvested,
         "summary_batches_made": summaries.batches,
     }

@@ -7,6 +7,10 @@ without them). Items go in chunks, each its own short transaction, and a tick do
 many rows: a purge never holds locks long, nor a claim up; a job too large for one tick goes
 on in the next (past its retention, a job partly purged is no one's business but the purge's).
 The input file has its own expiry (``expires_after`` or the default), as at OpenAI.
+
+A summarisation job that ended as long ago goes the same way: its steps, documents and
+batch numbers in chunks under the same bound, then its row. Its batches are batches like any
+other, ended by the time it ended, and go with the jobs above.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from sqlalchemy import text
 
 from backfill.states import JOB_TERMINAL
 from backfill.store.database import Store
+from backfill.summarize.states import SUMMARY_JOB_TERMINAL
 
 ENDED_STATES = ", ".join(f"'{state.value}'" for state in sorted(JOB_TERMINAL))
 
@@ -37,37 +42,81 @@ WEBHOOK_CHUNK = (
 RESULT_FILES = "DELETE FROM files WHERE id = ANY(:ids)"
 JOB = "DELETE FROM jobs WHERE id = :j"
 
+SUMMARY_ENDED = ", ".join(f"'{state.value}'" for state in sorted(SUMMARY_JOB_TERMINAL))
+DUE_SUMMARY_JOBS = (
+    f"SELECT id FROM summary_jobs WHERE state IN ({SUMMARY_ENDED}) "
+    "AND COALESCE(ended_at, created_at) < now() - make_interval(secs => CAST(:age AS float8)) "
+    "ORDER BY COALESCE(ended_at, created_at) LIMIT :l"
+)
+SUMMARY_CHUNKS = tuple(
+    f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key} FROM {table} WHERE job_id = :j LIMIT :n)"
+    for table, key in (
+        ("summary_steps", "job_id, seq, node"),
+        ("summary_documents", "job_id, seq"),
+        ("summary_batches", "job_id, batch_no"),
+    )
+)
+SUMMARY_JOB = "DELETE FROM summary_jobs WHERE id = :j"
+
 
 @dataclass
 class PurgeReport:
     jobs: int = 0
     """Jobs purged whole."""
     rows: int = 0
-    """Items and webhook events deleted (attempts and deliveries went with them)."""
+    """Items and webhook events deleted (attempts and deliveries went with them), and the
+    summarisation jobs' steps, documents and batch numbers."""
+    summary_jobs: int = 0
+    """Summarisation jobs purged whole."""
 
 
 class Retention(Store):
     def purge_ended_jobs(
         self, older_than_s: float, *, chunk_rows: int = 5000, max_rows: int = 50_000
     ) -> PurgeReport:
-        """Purge jobs that ended more than ``older_than_s`` ago, ``chunk_rows`` rows per
-        transaction, stopping once ``max_rows`` are gone (the rest in the next call)."""
+        """Purge batches, then summarisation jobs, that ended more than ``older_than_s`` ago,
+        ``chunk_rows`` rows per transaction, stopping once ``max_rows`` are gone (the rest in
+        the next call)."""
         report = PurgeReport()
         with self._tx() as conn:
             due = conn.execute(text(DUE_JOBS), {"age": older_than_s, "l": 100}).all()
         for job_id, output_file, error_file in due:
-            for chunk in (ITEM_CHUNK, WEBHOOK_CHUNK):
-                while report.rows < max_rows:
-                    with self._tx() as conn:
-                        gone = conn.execute(text(chunk), {"j": job_id, "n": chunk_rows}).rowcount
-                    report.rows += gone or 0
-                    if (gone or 0) < chunk_rows:
-                        break
-                if report.rows >= max_rows:
-                    return report
+            if not self._drain((ITEM_CHUNK, WEBHOOK_CHUNK), job_id, chunk_rows, max_rows, report):
+                return report
             with self._tx() as conn:
                 files = [f for f in (output_file, error_file) if f is not None]
                 if files:
                     conn.execute(text(RESULT_FILES), {"ids": files})
                 report.jobs += conn.execute(text(JOB), {"j": job_id}).rowcount or 0
+        with self._tx() as conn:
+            summary_due = list(
+                conn.execute(text(DUE_SUMMARY_JOBS), {"age": older_than_s, "l": 100}).scalars()
+            )
+        for summary_id in summary_due:
+            if not self._drain(SUMMARY_CHUNKS, summary_id, chunk_rows, max_rows, report):
+                return report
+            with self._tx() as conn:
+                gone = conn.execute(text(SUMMARY_JOB), {"j": summary_id}).rowcount
+                report.summary_jobs += gone or 0
         return report
+
+    def _drain(
+        self,
+        chunks: tuple[str, ...],
+        job_id: str,
+        chunk_rows: int,
+        max_rows: int,
+        report: PurgeReport,
+    ) -> bool:
+        """Delete what ``chunks`` select of the job, a chunk per transaction; whether all of
+        it went before ``max_rows`` were reached."""
+        for chunk in chunks:
+            while True:
+                if report.rows >= max_rows:
+                    return False
+                with self._tx() as conn:
+                    gone = conn.execute(text(chunk), {"j": job_id, "n": chunk_rows}).rowcount or 0
+                report.rows += gone
+                if gone < chunk_rows:
+                    break
+        return True

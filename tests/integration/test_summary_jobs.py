@@ -1,6 +1,6 @@
 """Summarisation jobs over real Postgres: a job spanning several batch files under one
 deadline, long documents map-reduced by the driver, cancel mid-job, and a driver killed
-mid-way that loses and doubles nothing."""
+mid-way that loses and doubles nothing; an ended job purged past its retention."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from batch_api_support import run_worker
 from sqlalchemy import text
 
 from backfill.config import Settings
-from backfill.errors import BackfillError
+from backfill.errors import BackfillError, NotFound
+from backfill.finalize import finalize_ready_jobs
 from backfill.refusals import DeadlineInfeasible
 from backfill.states import JobState
 from backfill.store import Repository
@@ -248,3 +249,67 @@ def test_past_its_deadline_a_job_makes_no_batch_and_ends_expired(
     assert rows["long"].error is not None
     assert "expired" in rows["long"].error
     assert rows["s0"].summary == "answer to 1:0"  # what was summarised is kept
+
+
+def _ended_long_ago(repo: Repository, job_id: str) -> None:
+    """The summary job and its batches ended 31 days ago."""
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE summary_jobs SET ended_at = now() - interval '31 days' WHERE id = :j"),
+            {"j": job_id},
+        )
+        conn.execute(
+            text(
+                "UPDATE jobs SET completed_at = now() - interval '31 days' WHERE id IN "
+                "(SELECT batch_id FROM summary_batches WHERE job_id = :j)"
+            ),
+            {"j": job_id},
+        )
+
+
+def test_a_summary_job_past_its_retention_is_purged_with_its_batches_in_bounded_chunks(
+    repo: Repository, small_batches: Settings
+) -> None:
+    old_tenant, old = _new_job(repo, small_batches)
+    jobs.start_job(
+        repo, small_batches, repo.tenant_by_id(old_tenant), repo.get_summary_job(None, old)
+    )
+    _run_to_end(repo, small_batches, old)
+    finalize_ready_jobs(repo)  # the maintenance tick ends its batches
+    recent_tenant = repo.create_tenant("recent")
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", SHAPE.summary_tokens, "1h")
+    recent = jobs.create_job(repo, small_batches, recent_tenant, request, SHAPE)
+    jobs.add_documents(repo, recent, [jobs.prepare_document(recent, "a", "A note.", count)])
+    jobs.cancel_job(repo, recent_tenant, recent.id)  # ended now: kept
+    old_batches = repo.summary_batch_ids(old)
+    assert len(old_batches) > 2
+    _ended_long_ago(repo, old)
+
+    def rows(table: str, job_id: str) -> int:
+        with repo.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text(f"SELECT count(*) FROM {table} WHERE job_id = :j"), {"j": job_id}
+                ).scalar_one()
+            )
+
+    assert rows("summary_steps", old) > 10
+    assert rows("summary_documents", old) == 7
+    # Each call deletes at most its rows, in chunks: the job goes over several calls.
+    first = repo.purge_ended_jobs(30 * 86_400.0, chunk_rows=4, max_rows=10)
+    assert first.rows < 10 + 4  # a chunk may begin just under the bound
+    calls = 1
+    while repo.list_summary_jobs(old_tenant) and calls < 40:
+        report = repo.purge_ended_jobs(30 * 86_400.0, chunk_rows=4, max_rows=10)
+        assert report.rows < 10 + 4
+        calls += 1
+    assert repo.list_summary_jobs(old_tenant) == []
+    for table in ("summary_steps", "summary_documents", "summary_batches"):
+        assert rows(table, old) == 0
+    for batch_id in old_batches:  # its batches went with it, under the same retention
+        assert rows("items", batch_id) == 0
+        with pytest.raises(NotFound):
+            repo.get_job(old_tenant, batch_id)
+    # What ended since stays whole.
+    assert [j.id for j in repo.list_summary_jobs(recent_tenant.id)] == [recent.id]
+    assert rows("summary_documents", recent.id) == 1
