@@ -192,6 +192,17 @@ def _retried(repo: BatchStore, tenant_id: str, job_id: str, request: BatchReques
     return job
 
 
+def check_active_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> None:
+    """:class:`LimitReached` when the tenant has as many batches active as it may (a
+    summarisation job started and not ended counts as one, whatever batches it makes)."""
+    active = repo.count_active_jobs(tenant_id)
+    if active >= settings.max_active_batches_per_tenant:
+        raise LimitReached(
+            f"{active} batches are active; the limit is {settings.max_active_batches_per_tenant}"
+            " per tenant (a summary job counts as one). Wait for one to finish or cancel one."
+        )
+
+
 def create_batch(
     repo: BatchStore,
     settings: Settings,
@@ -317,12 +328,7 @@ def _input_file(
             f"{settings.max_stored_items_per_tenant} (finished batches count until they are "
             "purged, BACKFILL_RETENTION_S after they end)"
         )
-    active = repo.count_active_jobs(tenant.id)
-    if active >= settings.max_active_batches_per_tenant:
-        raise LimitReached(
-            f"{active} batches are active; the limit is {settings.max_active_batches_per_tenant}"
-            " per tenant. Wait for one to finish or cancel one."
-        )
+    check_active_limit(repo, settings, tenant.id)
     return record
 
 

@@ -91,6 +91,7 @@ class Settings(BaseSettings):
     max_file_bytes: PositiveInt = 200 * 1024 * 1024
     max_line_bytes: PositiveInt = 1024 * 1024
     max_lines_per_batch: PositiveInt = 100_000
+    # A summary job started and not ended counts as one active batch; its own batches not.
     max_active_batches_per_tenant: PositiveInt = 100
     # What one tenant may keep stored: batch items (every state, until their batch is purged,
     # see retention_s) and input file bytes (until the file is deleted or expires). Beyond,
@@ -110,7 +111,8 @@ class Settings(BaseSettings):
     ingest_inline_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024
     ingesters: Annotated[int, Field(ge=0)] = 1
     # Retention: a batch that ended this long ago is purged with its items, attempts, webhook
-    # events and result files (OpenAI keeps batch data 30 days); 0 keeps everything. Each
+    # events and result files, a summary job with its documents and steps (OpenAI keeps
+    # batch data 30 days); 0 keeps everything. Each
     # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per
     # transaction.
     retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0

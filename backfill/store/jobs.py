@@ -159,9 +159,18 @@ LIST_JOBS = (
 )
 
 # The tenant's jobs not yet ended (the API's cap on open jobs).
+# What counts against the tenant's active-batch limit: its batches, less those a
+# summarisation job of its made (known by the idempotency key the driver gives them, which
+# names the job and the batch's number, from before the batch exists), and each of its
+# summarisation jobs started and not ended, as one.
 COUNT_ACTIVE_JOBS = (
-    "SELECT count(*) FROM jobs WHERE tenant_id = :t AND state IN "
-    "('validating', 'in_progress', 'finalizing', 'cancelling')"
+    "SELECT (SELECT count(*) FROM jobs j WHERE j.tenant_id = :t AND j.state IN "
+    "('validating', 'in_progress', 'finalizing', 'cancelling') AND NOT EXISTS ("
+    "  SELECT 1 FROM summary_batches b JOIN summary_jobs s ON s.id = b.job_id "
+    "  WHERE s.tenant_id = :t AND b.job_id = split_part(j.idempotency_key, ':batch:', 1) "
+    "  AND CAST(b.batch_no AS text) = split_part(j.idempotency_key, ':batch:', 2))) "
+    "+ (SELECT count(*) FROM summary_jobs WHERE tenant_id = :t "
+    "   AND state IN ('in_progress', 'cancelling'))"
 )
 
 # Worst-case tokens of the tenant's unfinished items, pro rata from the counters (the quota check).

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from backfill.batch_ingest import Admission, judge_tokens
+from backfill.batches import check_active_limit
 from backfill.config import Settings
 from backfill.errors import StaleWrite
 from backfill.refusals import InvalidRequest, NotCancellable
@@ -69,8 +70,10 @@ def create_job(
     shape: JobShape,
 ) -> SummaryJobRecord:
     """A job receiving documents, refused at once when its shape leaves a chunk no text or
-    a reduce fewer than two summaries."""
+    a reduce fewer than two summaries, or when the tenant is at its active-batch limit (so
+    no one sends a corpus to a job that could not start)."""
     check_request(request, settings)
+    check_active_limit(repo, settings, tenant.id)
     try:
         shape.check()
     except (ChunkTooSmall, ReduceInfeasible) as exc:
@@ -132,12 +135,15 @@ def start_job(
     now: datetime | None = None,
 ) -> SummaryJobRecord:
     """Admit the job on its whole forecast (map steps and every reduce step at its bound)
-    and start it under one deadline; :class:`DeadlineInfeasible` leaves it receiving."""
+    and start it under one deadline; :class:`DeadlineInfeasible` leaves it receiving, as
+    does :class:`LimitReached`: a started job counts as one of the tenant's active batches
+    (the batches it makes do not count: they are its, not the tenant's)."""
     if job.state is not SummaryJobState.RECEIVING:
         return job
     window_s = checked_window(
         job.completion_window, settings.min_completion_window_s, settings.max_completion_window_s
     )
+    check_active_limit(repo, settings, tenant.id)
     now = now or repo.now()
     admission = Admission(
         forecast=job.forecast_tokens,

@@ -7,17 +7,19 @@ from __future__ import annotations
 import re
 
 import pytest
-from batch_api_support import run_worker
+from batch_api_support import chat_file, run_worker
 from sqlalchemy import text
 
+from backfill import batches
 from backfill.config import Settings
 from backfill.errors import BackfillError, NotFound
 from backfill.finalize import finalize_ready_jobs
-from backfill.refusals import DeadlineInfeasible
+from backfill.refusals import DeadlineInfeasible, LimitReached
 from backfill.states import JobState
 from backfill.store import Repository
 from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
+from backfill.summarize.prompts import CHAT_URL
 from backfill.summarize.reduce_plan import plan_reduce
 from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.claiming import claim
@@ -313,3 +315,47 @@ def test_a_summary_job_past_its_retention_is_purged_with_its_batches_in_bounded_
     # What ended since stays whole.
     assert [j.id for j in repo.list_summary_jobs(recent_tenant.id)] == [recent.id]
     assert rows("summary_documents", recent.id) == 1
+
+
+def test_a_summary_job_counts_as_one_active_batch_whatever_batches_it_makes(
+    repo: Repository, small_batches: Settings
+) -> None:
+    # A limit of 2: the job's several batch files count as the one thing the tenant sent.
+    limited = small_batches.model_copy(update={"max_active_batches_per_tenant": 2})
+    tenant_id, job_id = _new_job(repo, limited)
+    tenant = repo.tenant_by_id(tenant_id)
+    jobs.start_job(repo, limited, tenant, repo.get_summary_job(None, job_id))
+    driver.drive(repo, limited)
+    assert len(repo.summary_batch_ids(job_id)) > 2  # more batches than the limit
+    assert repo.count_active_jobs(tenant_id) == 1
+    # One more job fits; a third is refused at create and at start, with the limit named.
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", SHAPE.summary_tokens, "1h")
+    second = jobs.create_job(repo, limited, tenant, request, SHAPE)
+    third = jobs.create_job(repo, limited, tenant, request, SHAPE)
+    for job in (second, third):
+        jobs.add_documents(repo, job, [jobs.prepare_document(job, "a", "A note.", count)])
+    jobs.start_job(repo, limited, tenant, second)
+    assert repo.count_active_jobs(tenant_id) == 2
+    with pytest.raises(LimitReached, match="the limit is 2"):
+        jobs.start_job(repo, limited, tenant, third)
+    assert repo.get_summary_job(None, third.id).state is SummaryJobState.RECEIVING
+    with pytest.raises(LimitReached, match="the limit is 2"):
+        jobs.create_job(repo, limited, tenant, request, SHAPE)
+    with pytest.raises(LimitReached, match="the limit is 2"):
+        batches.create_batch(
+            repo,
+            limited,
+            tenant,
+            batches.BatchRequest(_batch_file(repo, limited, tenant_id), CHAT_URL, "24h"),
+        )
+    # The jobs ending free their places, their batches with them.
+    _run_to_end(repo, limited, job_id)
+    assert repo.get_summary_job(None, second.id).state is SummaryJobState.COMPLETED
+    assert repo.count_active_jobs(tenant_id) == 0
+    assert jobs.start_job(repo, limited, tenant, third).state is SummaryJobState.IN_PROGRESS
+
+
+def _batch_file(repo: Repository, settings: Settings, tenant_id: str) -> str:
+    return batches.upload_file(
+        repo, settings, tenant_id, filename="in.jsonl", purpose="batch", content=chat_file(1)
+    ).id
