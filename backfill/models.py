@@ -523,6 +523,8 @@ class SummaryJob(Base):
     map_prompt_tokens: Mapped[int] = mapped_column(Integer)
     reduce_prompt_tokens: Mapped[int] = mapped_column(Integer)
     fan_in: Mapped[int] = mapped_column(Integer)
+    # Sampling settings every step's request gets (temperature, repetition_penalty, ...).
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     # Every step the documents received can make, reduce steps at their bound.
     forecast_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     # Model calls those documents make, map and reduce (progress is steps ended of these).

@@ -19,6 +19,9 @@ class CreateSummaryJobBody(BaseModel):
     instruction: str = DEFAULT_INSTRUCTION
     max_summary_tokens: int = Field(default=256, ge=1)
     completion_window: str = "24h"
+    sampling: dict[str, float] = Field(default_factory=dict)
+    """Sampling settings every step's request gets: temperature, top_p, top_k, min_p,
+    repetition_penalty, frequency_penalty, presence_penalty."""
 
 
 class SummaryJobProgress(BaseModel):
@@ -40,6 +43,7 @@ class SummaryJobObject(BaseModel):
     status: str
     completion_window: str
     max_summary_tokens: int
+    sampling: dict[str, float]
     context_tokens: int
     fan_in: int
     """Summaries one reduce step combines."""
@@ -63,6 +67,7 @@ class SummaryJobObject(BaseModel):
             status=job.state.value,
             completion_window=job.completion_window,
             max_summary_tokens=job.shape.summary_tokens,
+            sampling=job.sampling,
             context_tokens=job.shape.context_tokens,
             fan_in=job.fan_in,
             forecast_tokens=job.forecast_tokens,

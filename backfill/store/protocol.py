@@ -318,7 +318,13 @@ class SummaryStore(BatchStore, JobLifecycle, Protocol):
     ) -> sr.FileRecord: ...
 
     def create_summary_job(
-        self, tenant_id: str, model: str, instruction: str, window: str, shape: JobShape
+        self,
+        tenant_id: str,
+        model: str,
+        instruction: str,
+        window: str,
+        shape: JobShape,
+        sampling: Mapping[str, float] | None = ...,
     ) -> SummaryJobRecord: ...
 
     def get_summary_job(self, tenant_id: str | None, job_id: str) -> SummaryJobRecord: ...

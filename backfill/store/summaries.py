@@ -9,6 +9,7 @@ made the batch makes the same batch next time (under the same idempotency key).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class SummaryJobRecord:
     state: SummaryJobState
     shape: JobShape
     fan_in: int
+    sampling: dict[str, float]
     forecast_tokens: int
     planned_steps: int
     deadline: datetime | None
@@ -102,14 +104,15 @@ class FinishedStep:
 
 _JOB_COLUMNS = (
     "id, tenant_id, model, instruction, completion_window, state, summary_tokens, "
-    "context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, forecast_tokens, "
+    "context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, sampling, forecast_tokens, "
     "planned_steps, "
     "deadline, error, created_at, started_at, ended_at"
 )
 CREATE_JOB = (
     "INSERT INTO summary_jobs (id, tenant_id, model, instruction, completion_window, "
-    "summary_tokens, context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in) "
-    f"VALUES (:i, :t, :m, :ins, :w, :s, :c, :mp, :rp, :f) RETURNING {_JOB_COLUMNS}"
+    "summary_tokens, context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, sampling) "
+    f"VALUES (:i, :t, :m, :ins, :w, :s, :c, :mp, :rp, :f, CAST(:samp AS jsonb)) "
+    f"RETURNING {_JOB_COLUMNS}"
 )
 GET_JOB = f"SELECT {_JOB_COLUMNS} FROM summary_jobs WHERE id = :i"
 LIST_JOBS = (
@@ -249,6 +252,7 @@ def _job(row: Any) -> SummaryJobRecord:
             summary_tokens=row.summary_tokens,
         ),
         fan_in=row.fan_in,
+        sampling=dict(row.sampling or {}),
         forecast_tokens=row.forecast_tokens,
         planned_steps=row.planned_steps,
         deadline=row.deadline,
@@ -263,7 +267,13 @@ class Summaries(Store):
     """Summarisation jobs, their documents, steps and batches."""
 
     def create_summary_job(
-        self, tenant_id: str, model: str, instruction: str, window: str, shape: JobShape
+        self,
+        tenant_id: str,
+        model: str,
+        instruction: str,
+        window: str,
+        shape: JobShape,
+        sampling: Mapping[str, float] | None = None,
     ) -> SummaryJobRecord:
         with self._tx() as conn:
             row = conn.execute(
@@ -279,6 +289,7 @@ class Summaries(Store):
                     "mp": shape.map_prompt_tokens,
                     "rp": shape.reduce_prompt_tokens,
                     "f": shape.fan_in,
+                    "samp": json.dumps(dict(sampling)) if sampling else None,
                 },
             ).one()
         return _job(row)

@@ -159,6 +159,7 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
                         job.model,
                         reduce_messages(job.instruction, new.summaries),
                         job.shape.summary_tokens,
+                        job.sampling,
                     ),
                 )
                 for new in decision.create

@@ -9,8 +9,8 @@ engine's numbers and a token count; the reduce driver (:mod:`.driver`) runs the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from backfill.batch_ingest import Admission, judge_tokens
@@ -24,7 +24,7 @@ from backfill.store.summaries import NewDocument, SummaryCounts, SummaryJobRecor
 from backfill.summarize.chunks import ChunkTooSmall, TokenCount, split_document
 from backfill.summarize.documents import MAX_ID_CHARS
 from backfill.summarize.job_plan import JobShape
-from backfill.summarize.prompts import map_messages, request_body
+from backfill.summarize.prompts import map_messages, request_body, sampling_problem
 from backfill.summarize.reduce_plan import ReduceInfeasible, plan_reduce
 from backfill.summarize.states import DocumentState, StepState, SummaryJobState
 from backfill.summarize.writer import SummaryRow
@@ -44,6 +44,8 @@ class SummaryJobRequest:
     instruction: str
     summary_tokens: int
     completion_window: str
+    sampling: Mapping[str, float] = field(default_factory=dict)
+    """Sampling settings every step gets (``prompts.SAMPLING_BOUNDS``)."""
 
 
 def check_request(request: SummaryJobRequest, settings: Settings) -> None:
@@ -60,6 +62,9 @@ def check_request(request: SummaryJobRequest, settings: Settings) -> None:
         settings.min_completion_window_s,
         settings.max_completion_window_s,
     )
+    problem = sampling_problem(request.sampling)
+    if problem is not None:
+        raise InvalidRequest(problem, param="sampling")
 
 
 def create_job(
@@ -79,7 +84,12 @@ def create_job(
     except (ChunkTooSmall, ReduceInfeasible) as exc:
         raise InvalidRequest(str(exc), param="max_summary_tokens") from exc
     return repo.create_summary_job(
-        tenant.id, request.model, request.instruction, request.completion_window, shape
+        tenant.id,
+        request.model,
+        request.instruction,
+        request.completion_window,
+        shape,
+        request.sampling,
     )
 
 
@@ -104,7 +114,9 @@ def prepare_document(
         chunks = split_document(text, limit, count)
         tokens = [count(chunk) for chunk in chunks]
     bodies = [
-        request_body(job.model, map_messages(job.instruction, chunk), shape.summary_tokens)
+        request_body(
+            job.model, map_messages(job.instruction, chunk), shape.summary_tokens, job.sampling
+        )
         for chunk in chunks
     ]
     return NewDocument(

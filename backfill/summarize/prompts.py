@@ -8,7 +8,7 @@ A step's ``custom_id`` names its document and its node in the document's reduce 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 CHAT_URL = "/v1/chat/completions"
@@ -43,9 +43,47 @@ def parse_custom_id(value: str) -> tuple[int, int] | None:
     return int(seq), int(node)
 
 
-def request_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> bytes:
+SAMPLING_BOUNDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "top_k": (-1, 1_000_000),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 10.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+"""The sampling settings a job may give its steps (every step, map and reduce, gets the
+same), with the range each takes. No ``seed``: vLLM's CPU engine fails a seeded request
+whose prefill is chunked, which a long chunk's is."""
+INTEGER_SAMPLING = frozenset({"top_k"})
+
+
+def sampling_problem(sampling: Mapping[str, object]) -> str | None:
+    """What is wrong with a job's sampling settings, or None: a setting not known, a value
+    that is not a number, or out of its range."""
+    for name, value in sampling.items():
+        if name not in SAMPLING_BOUNDS:
+            known = ", ".join(sorted(SAMPLING_BOUNDS))
+            return f"sampling setting {name!r} is not known; give one of {known}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"sampling setting {name!r} must be a number"
+        if name in INTEGER_SAMPLING and not isinstance(value, int):
+            return f"sampling setting {name!r} must be an integer"
+        low, high = SAMPLING_BOUNDS[name]
+        if not low <= value <= high:
+            return f"sampling setting {name!r} must be between {low:g} and {high:g}"
+    return None
+
+
+def request_body(
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    sampling: Mapping[str, float] | None = None,
+) -> bytes:
     """A step's request body (JSON): what it stores until its batch is made."""
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": messages}
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, **(sampling or {})}
+    body["messages"] = messages
     return json.dumps(body, ensure_ascii=False).encode()
 
 

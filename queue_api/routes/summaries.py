@@ -72,7 +72,11 @@ async def create_summary_job(
         raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
     shape = JobShape(context, map_tokens, reduce_tokens, body.max_summary_tokens)
     request_ = jobs.SummaryJobRequest(
-        body.model, body.instruction, body.max_summary_tokens, body.completion_window
+        body.model,
+        body.instruction,
+        body.max_summary_tokens,
+        body.completion_window,
+        body.sampling,
     )
     job = await run_in_threadpool(jobs.create_job, repo, settings, tenant, request_, shape)
     return await run_in_threadpool(_render, repo, job)

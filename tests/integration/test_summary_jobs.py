@@ -4,6 +4,7 @@ mid-way that loses and doubles nothing; an ended job purged past its retention."
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from backfill import batches
 from backfill.config import Settings
 from backfill.errors import BackfillError, NotFound
 from backfill.finalize import finalize_ready_jobs
-from backfill.refusals import DeadlineInfeasible, LimitReached
+from backfill.refusals import DeadlineInfeasible, InvalidRequest, LimitReached
 from backfill.states import JobState
 from backfill.store import Repository
 from backfill.summarize import driver, jobs
@@ -359,3 +360,42 @@ def _batch_file(repo: Repository, settings: Settings, tenant_id: str) -> str:
     return batches.upload_file(
         repo, settings, tenant_id, filename="in.jsonl", purpose="batch", content=chat_file(1)
     ).id
+
+
+def test_a_jobs_sampling_settings_reach_every_map_and_reduce_request(
+    repo: Repository, small_batches: Settings
+) -> None:
+    tenant = repo.create_tenant("acme")
+    sampling = {"temperature": 0.0, "repetition_penalty": 1.1}
+    request = jobs.SummaryJobRequest(
+        "tiny-model", "Summarise.", SHAPE.summary_tokens, "1h", sampling
+    )
+    job = jobs.create_job(repo, small_batches, tenant, request, SHAPE)
+    assert repo.get_summary_job(None, job.id).sampling == sampling
+    jobs.add_documents(repo, job, [jobs.prepare_document(job, "long", LONG, count)])
+    jobs.start_job(repo, small_batches, tenant, repo.get_summary_job(None, job.id))
+    _run_to_end(repo, small_batches, job.id)
+    bodies = []
+    for batch_id in repo.summary_batch_ids(job.id):
+        batch = repo.get_job(tenant.id, batch_id)
+        content = b"".join(
+            piece if isinstance(piece, bytes) else piece.encode()
+            for piece in batches.file_content(repo, tenant.id, batch.input_file_id)
+        )
+        bodies += [json.loads(line)["body"] for line in content.splitlines()]
+    assert len(bodies) == repo.get_summary_job(None, job.id).planned_steps > 4  # map and reduce
+    for body in bodies:
+        assert {k: body[k] for k in sampling} == sampling
+
+
+def test_sampling_settings_not_known_refuse_the_create(
+    repo: Repository, small_batches: Settings
+) -> None:
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest(
+        "tiny-model", "Summarise.", SHAPE.summary_tokens, "1h", {"seed": 7}
+    )
+    with pytest.raises(InvalidRequest, match="'seed' is not known") as refused:
+        jobs.create_job(repo, small_batches, tenant, request, SHAPE)
+    assert refused.value.param == "sampling"
+    assert repo.list_summary_jobs(tenant.id) == []

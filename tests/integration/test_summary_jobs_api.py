@@ -185,6 +185,15 @@ def test_odd_requests_get_clear_errors(api: httpx.Client) -> None:
     assert bad.status_code == 400
     assert "line 2" in bad.json()["error"]["message"]
     assert api.get(f"{P}/sumjob_nope").status_code == 404
+    hot = api.post(P, json={"model": MODEL, "sampling": {"temperature": 9}})
+    assert hot.status_code == 400
+    assert hot.json()["error"]["param"] == "sampling"
+    assert "between 0 and 2" in hot.json()["error"]["message"]
+    greedy = api.post(
+        P, json={"model": MODEL, "max_summary_tokens": 48, "sampling": {"temperature": 0}}
+    )
+    assert greedy.status_code == 200, greedy.text
+    assert greedy.json()["sampling"] == {"temperature": 0}
 
 
 def _cli(server: LiveServer, key: str, *args: str) -> tuple[int, str, str]:

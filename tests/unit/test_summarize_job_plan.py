@@ -26,6 +26,7 @@ from backfill.summarize.prompts import (
     parse_custom_id,
     reduce_messages,
     request_body,
+    sampling_problem,
 )
 from backfill.summarize.reduce_plan import ReduceInfeasible, plan_reduce
 from backfill.summarize.states import DocumentState, StepState, SummaryJobState, sources_of
@@ -148,6 +149,39 @@ def test_a_step_line_is_a_chat_batch_line_its_id_naming_document_and_node():
     assert content.endswith("Be brief.\n\none\n\n---\n\ntwo")
 
 
+def test_a_jobs_sampling_settings_go_into_every_step_body_before_its_messages():
+    sampling = {"temperature": 0, "repetition_penalty": 1.1}
+    body = json.loads(request_body("m", map_messages("Summarise.", "Text."), 64, sampling))
+    assert body["temperature"] == 0
+    assert body["repetition_penalty"] == 1.1
+    assert list(body)[-1] == "messages"
+    assert body["max_tokens"] == 64
+
+
+@pytest.mark.parametrize(
+    ("sampling", "problem"),
+    [
+        ({"seed": 1}, "'seed' is not known"),
+        ({"max_tokens": 5}, "'max_tokens' is not known"),
+        ({"temperature": "hot"}, "'temperature' must be a number"),
+        ({"temperature": True}, "'temperature' must be a number"),
+        ({"temperature": 3}, "'temperature' must be between 0 and 2"),
+        ({"top_k": 2.5}, "'top_k' must be an integer"),
+    ],
+)
+def test_sampling_settings_not_known_or_out_of_range_are_named(
+    sampling: dict[str, object], problem: str
+) -> None:
+    found = sampling_problem(sampling)
+    assert found is not None
+    assert problem in found
+
+
+def test_known_sampling_settings_in_range_pass():
+    assert sampling_problem({}) is None
+    assert sampling_problem({"temperature": 0, "top_p": 0.9, "top_k": 40}) is None
+
+
 def test_a_job_is_cancelled_from_receiving_or_through_cancelling():
     assert sources_of(SummaryJobState.CANCELLED) == {
         SummaryJobState.RECEIVING,
@@ -188,6 +222,7 @@ def _job_record(shape: JobShape) -> SummaryJobRecord:
         state=SummaryJobState.RECEIVING,
         shape=shape,
         fan_in=shape.fan_in,
+        sampling={},
         forecast_tokens=0,
         planned_steps=0,
         deadline=None,
