@@ -12,6 +12,13 @@ from backfill.summarize.states import StepState
 _ENDED = {"failed", "expired", "cancelled"}
 
 
+def _storable(text: str) -> str:
+    """``text`` without NUL characters, which a Postgres text column refuses (a model may
+    emit one: the random-weight test model does): kept, the step's outcome could never be
+    stored, and its job would stall on it every round."""
+    return text.replace("\x00", "")
+
+
 def _loaded(value: str | None) -> Any:
     if value is None:
         return None
@@ -32,7 +39,8 @@ def _message(error: Any) -> str:
 def step_outcome(item_state: str, result: str | None, error: str | None) -> StepView | None:
     """The step's view after its item ended in ``item_state`` (None: not ended yet)."""
     if item_state in _ENDED:
-        return StepView(StepState.FAILED, error=f"{item_state}: {_message(_loaded(error))}")
+        reason = _storable(_message(_loaded(error)))
+        return StepView(StepState.FAILED, error=f"{item_state}: {reason}")
     if item_state != "succeeded":
         return None
     body = _loaded(result)
@@ -42,6 +50,8 @@ def step_outcome(item_state: str, result: str | None, error: str | None) -> Step
     except (KeyError, IndexError, TypeError):
         return StepView(StepState.FAILED, error="the response carries no message")
     usage = body.get("usage") or {}
+    if isinstance(text, str):
+        text = _storable(text)
     if not isinstance(text, str) or not text.strip():
         return StepView(
             StepState.FAILED,

@@ -211,6 +211,19 @@ def test_a_finished_item_becomes_its_steps_outcome():
     assert step_outcome("succeeded", "not json", None).state is StepState.FAILED
 
 
+def test_nul_characters_a_model_emits_are_left_out_of_the_stored_summary_and_error():
+    # Postgres text refuses NUL: kept, the outcome could not be stored and the job stalled.
+    body = {"choices": [{"message": {"content": "a\x00b\x00"}}], "usage": {}}
+    outcome = step_outcome("succeeded", json.dumps(body), None)
+    assert outcome is not None
+    assert outcome.summary == "ab"
+    only_nul = {"choices": [{"message": {"content": "\x00 \x00"}}], "usage": {}}
+    assert step_outcome("succeeded", json.dumps(only_nul), None).state is StepState.FAILED
+    failed = step_outcome("failed", None, json.dumps({"error": {"message": "bad\x00 line"}}))
+    assert failed is not None
+    assert failed.error == "failed: bad line"
+
+
 def _job_record(shape: JobShape) -> SummaryJobRecord:
     now = datetime.now(UTC)
     return SummaryJobRecord(
