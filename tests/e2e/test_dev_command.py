@@ -1,11 +1,13 @@
 """README's first command, ``backfill dev`` (what ``scripts/demo.sh`` runs), end to end with
-the tiny model: the job completes, every result is written to a file the report names, and
+the tiny model: the summary job completes (the whole collection, longer than the model's
+context, map-reduced), every result is written to a file the report names, and
 with ``--stay`` the API, worker and engine stay up after the job, so the dashboard, CLI and
 SDK lines it prints work, until Ctrl-C stops everything.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -75,10 +77,21 @@ def test_dev_runs_the_job_and_stays_up_with_what_it_prints_working(
         assert dashboard is not None, text
         base, key = dashboard.group(1), dashboard.group(2)
         assert httpx.get(f"{base}/dashboard/", timeout=10).status_code == 200
-        listed = httpx.get(
-            f"{base}/v1/batches", headers={"Authorization": f"Bearer {key}"}, timeout=10
-        )
-        assert listed.json()["data"][0]["status"] == "completed"
+        job = re.search(r"summary job (sumjob_\w+) completed", text)
+        assert job is not None, text
+        shown = httpx.get(
+            f"{base}/v1/summary_jobs/{job.group(1)}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=10,
+        ).json()
+        assert shown["status"] == "completed"
+        assert shown["sampling"] == {}  # the tiny model's (smollm2's is greedy: test_dev_demo)
+        rows = {row["id"]: row for row in map(json.loads, kept)}
+        whole = rows["all-the-documents"]
+        assert whole["chunks"] > 1, whole  # longer than the context: split, then reduced
+        assert whole["split_depth"] >= 1
+        assert whole["summary"], whole
+        assert all(row["summary"] for row in rows.values()), text
         proc.send_signal(signal.SIGINT)
         # Its stops are bounded (the worker's drain 45 s, the API 10 s, the engine 20 s, each
         # killed past its bound), and beside a busy machine they run to their bounds: 120 s

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from backfill.batch_input import InputLimits, ValidatedBatch, validate_batch_input
 from backfill.config import Settings
-from devkit.dev import DOCS, EMBEDDINGS, SAMPLING, batch_lines, copied_lines, repeated_lines
+from devkit.dev import (
+    DOCS,
+    EMBEDDINGS,
+    SAMPLING,
+    batch_lines,
+    copied_lines,
+    demo_sampling,
+    repeated_lines,
+)
+from devkit.dev_summary import WHOLE_COLLECTION, demo_documents, document_lines
 
 
 def test_repeated_lines_counts_lines_and_sentences_a_summary_repeats() -> None:
@@ -41,3 +53,28 @@ def test_an_embedding_model_gets_one_valid_embeddings_line_per_document() -> Non
     assert len(checked.items) == 26
     assert all(json.loads(i.body)["input"] for i in checked.items)
     assert all(i.max_output_tokens == 0 for i in checked.items)
+
+
+def test_the_demo_job_sends_every_bundled_document_and_then_all_of_them_as_one() -> None:
+    documents = demo_documents(DOCS)
+    assert len(documents) == len(list(DOCS.glob("*.txt"))) + 1 == 27
+    last_id, whole = documents[-1]
+    assert last_id == WHOLE_COLLECTION
+    for doc_id, text in documents[:-1]:
+        assert doc_id in whole
+        assert text in whole
+    # Longer than the demo models' 2,048-token context at 7 bytes of English a token (their
+    # tokenizer's run 4 to 5): the server must split and reduce it (test_dev_command sees it).
+    assert len(whole.encode()) > 7 * 2048
+    lines = [json.loads(line) for line in document_lines(documents).decode().splitlines()]
+    assert [(row["id"], row["text"]) for row in lines] == documents
+
+
+def test_a_folder_without_documents_is_refused() -> None:
+    with pytest.raises(SystemExit, match=r"no \.txt documents"):
+        demo_documents(Path(__file__).parent / "no-such-folder")
+
+
+def test_the_demo_job_samples_smollm2_greedily_and_the_random_tiny_model_as_its_engine_does():
+    assert demo_sampling("smollm2") == SAMPLING
+    assert demo_sampling("tiny") == {}
