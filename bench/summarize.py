@@ -1,0 +1,311 @@
+"""Summarisation jobs end to end on the real CPU engine, against the same requests sent
+straight as batches, and the memory a large input costs the client and the API.
+
+1. A corpus as Parquet (``id``, ``text``): lengths drawn from a log-normal (most documents a
+   few hundred tokens, a long tail), ``--long-share`` of them longer than the model's context;
+   the text is sentences of the bundled public-domain documents, shuffled with a seed.
+2. **job**: ``backfill summarize corpus.parquet`` (the CLI, as a user runs it), the job
+   followed to its end, ``backfill results JOB -o summaries.parquet``: wall time from the
+   first byte read to the last row written, and output tokens/s.
+3. **batches**: the very request lines the job's batches carried (map and reduce), sent
+   again as batch files through the Batch API all at once, followed to their end: the
+   building block with no job layer (no documents to split, no reduce to wait for).
+4. **memory**: ``backfill summarize`` on inputs of ``--memory-mb`` MiB of text (short
+   documents, so the engine counts nothing; the job is cancelled once sent): each client's
+   own peak RSS, and the API process's peak RSS so far (``VmHWM``) after each, smallest
+   first. Bounded: the largest input raises neither.
+
+The figure is the job layer's overhead on output tokens/s: ``1 - job / batches`` (goal
+<= 0.05).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bench.common import OUT_DIR, finish, parser
+from bench.stack import BACKFILL, BackfillStack
+from devkit import devengine
+from devkit.dev import DOCS
+
+NAME = "summarize"
+GOAL = 0.05
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+BYTES_PER_TOKEN = 4.5
+"""English in the demo models' tokenizer, about (the corpus is sized in bytes)."""
+
+
+def say(message: str) -> None:
+    print(f"[{NAME}] {message}", file=sys.stderr, flush=True)
+
+
+def sentences() -> list[str]:
+    text = " ".join(p.read_text() for p in sorted(DOCS.glob("*.txt")))
+    return [s.strip() for s in re.split(r"(?<=[.!?;])\s+", text) if len(s.strip()) > 20]
+
+
+def document_lengths(n: int, context_tokens: int, long_share: float, seed: int) -> list[int]:
+    """Byte lengths: log-normal around ~400 tokens for most, 1.5-4x the context for
+    ``long_share`` of them (at least one)."""
+    rng = random.Random(seed)
+    longs = max(1, round(n * long_share))
+    context_bytes = context_tokens * BYTES_PER_TOKEN
+    short = [
+        int(min(context_bytes * 0.8, max(200.0, rng.lognormvariate(7.5, 0.8))))
+        for _ in range(n - longs)
+    ]
+    long = [int(context_bytes * rng.uniform(1.5, 4.0)) for _ in range(longs)]
+    lengths = short + long
+    rng.shuffle(lengths)
+    return lengths
+
+
+def write_corpus(path: Path, lengths: Sequence[int], seed: int, rows_per_group: int = 2048) -> int:
+    """A Parquet file of one document per length, written a row group at a time; its size."""
+    rng = random.Random(seed)
+    pool = sentences()
+    schema = pa.schema([("id", pa.string()), ("text", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, len(lengths), rows_per_group):
+            ids, texts = [], []
+            for i, size in enumerate(lengths[start : start + rows_per_group], start=start):
+                parts: list[str] = []
+                total = 0
+                while total < size:
+                    parts.append(rng.choice(pool))
+                    total += len(parts[-1]) + 1
+                ids.append(f"doc-{i}")
+                texts.append(" ".join(parts))
+            writer.write_table(pa.table({"id": ids, "text": texts}, schema=schema))
+    return path.stat().st_size
+
+
+def run_client(args: Sequence[str], env: dict[str, str]) -> tuple[str, float, int]:
+    """A ``backfill`` command's stdout, its wall seconds and its own peak RSS (bytes, from
+    ``wait4``: that process's alone, not the largest child's so far)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([*BACKFILL, *args], stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        printed, said = out.read().decode(), err.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"backfill {' '.join(args)}: {said[-2000:]}")
+    return printed, wall, usage.ru_maxrss * 1024
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak RSS so far (``VmHWM``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/v1/summary_jobs/{job_id}").json()
+        if job["status"] in TERMINAL:
+            return job
+        time.sleep(0.5)
+    raise RuntimeError(f"summary job {job_id} did not end in {timeout_s:.0f} s")
+
+
+def wait_batches(
+    client: httpx.Client, ids: Sequence[str], timeout_s: float
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batches = [client.get(f"/v1/batches/{b}").json() for b in ids]
+        if all(b["status"] in TERMINAL for b in batches):
+            return batches
+        time.sleep(0.5)
+    raise RuntimeError(f"batches did not end in {timeout_s:.0f} s")
+
+
+def job_side(
+    stack: BackfillStack, corpus: Path, model: str, summary_tokens: int, env: dict[str, str]
+) -> dict[str, Any]:
+    out = corpus.with_name("summaries.parquet")
+    t0 = time.perf_counter()
+    printed, _, client_peak = run_client(
+        [
+            "summarize", str(corpus), "--text-column", "text", "--id-column", "id",
+            "--model", model, "--max-summary-tokens", str(summary_tokens), "--window", "24h",
+        ],
+        env,
+    )  # fmt: skip
+    job_id = printed.strip().splitlines()[-1]
+    with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=60) as client:
+        job = wait_job(client, job_id, 3600)
+    run_client(["results", job_id, "-o", str(out)], env)
+    wall = time.perf_counter() - t0
+    rows = pq.read_metadata(out).num_rows
+    tokens = int(job["progress"]["completion_tokens"])
+    return {
+        "job_id": job_id,
+        "status": job["status"],
+        "documents": job["progress"]["documents"],
+        "steps": job["progress"]["steps_done"],
+        "batches": job["batches"],
+        "rows_written": rows,
+        "wall_s": round(wall, 1),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "client_peak_rss_mb": round(client_peak / 2**20, 1),
+    }
+
+
+def batches_side(stack: BackfillStack, batch_ids: Sequence[str]) -> dict[str, Any]:
+    """The job's batches' input files, sent again as batches at once."""
+    with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=300) as client:
+        files = []
+        for b in batch_ids:
+            source = client.get(f"/v1/batches/{b}").json()["input_file_id"]
+            files.append(client.get(f"/v1/files/{source}/content").content)
+        t0 = time.perf_counter()
+        ids = []
+        for n, content in enumerate(files):
+            uploaded = client.post(
+                "/v1/files", files={"file": (f"same-{n}.jsonl", content)}, data={"purpose": "batch"}
+            )
+            uploaded.raise_for_status()
+            created = client.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": uploaded.json()["id"],
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
+            )
+            created.raise_for_status()
+            ids.append(created.json()["id"])
+        ended = wait_batches(client, ids, 3600)
+        wall = time.perf_counter() - t0
+    tokens = sum(int((b.get("usage") or {}).get("output_tokens", 0)) for b in ended)
+    return {
+        "batches": len(ids),
+        "requests": sum(int(b["request_counts"]["total"]) for b in ended),
+        "statuses": sorted({b["status"] for b in ended}),
+        "wall_s": round(wall, 1),
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+    }
+
+
+def memory_side(
+    stack: BackfillStack, workdir: Path, sizes_mb: Sequence[int], model: str, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Client and API peak RSS sending inputs of each size (short documents: no counting);
+    the job is cancelled once sent."""
+    out = []
+    api_pid = stack.pids["bf_api"]
+    for size_mb in sizes_mb:
+        path = workdir / f"memory-{size_mb}.parquet"
+        n = size_mb * 2**20 // 1500
+        write_corpus(path, [1400] * n, seed=size_mb)
+        try:
+            printed, wall, client_peak = run_client(
+                [
+                    "summarize", str(path), "--text-column", "text", "--id-column", "id",
+                    "--model", model, "--max-summary-tokens", "64", "--window", "24h",
+                ],
+                env,
+            )  # fmt: skip
+            job_id: str | None = printed.strip().splitlines()[-1]
+            error = None
+        except RuntimeError as exc:  # a start refused on its forecast still sent everything
+            job_id, wall, client_peak, error = None, 0.0, 0, str(exc)[-300:]
+        if job_id:
+            with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=60) as client:
+                client.post(f"/v1/summary_jobs/{job_id}/cancel")
+        out.append(
+            {
+                "text_mb": round(n * 1400 / 2**20, 1),
+                "parquet_mb": round(path.stat().st_size / 2**20, 1),
+                "documents": n,
+                "send_s": round(wall, 1),
+                "client_peak_rss_mb": round(client_peak / 2**20, 1),
+                "api_peak_rss_mb": round(peak_rss(api_pid) / 2**20, 1),
+                "error": error,
+            }
+        )
+        say(f"memory: {out[-1]}")
+        path.unlink()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(NAME, __doc__ or "")
+    p.add_argument("--model", default=None, help="tiny or smollm2 (default: smollm2; tiny quick)")
+    p.add_argument("--documents", type=int, default=None, help="2,000 (quick: 200)")
+    p.add_argument("--long-share", type=float, default=0.05)
+    p.add_argument("--summary-tokens", type=int, default=64)
+    p.add_argument(
+        "--memory-mb", default=None, help="input sizes for the memory run (64,1024; quick: 8,32)"
+    )
+    p.add_argument("--seed", type=int, default=37)
+    args = p.parse_args(argv)
+    model = args.model or ("tiny" if args.quick else "smollm2")
+    n = args.documents or (200 if args.quick else 2000)
+    sizes = [int(s) for s in (args.memory_mb or ("8,32" if args.quick else "64,1024")).split(",")]
+    spec = devengine.MODELS[model]
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bfsum-") as tmp:
+        workdir = Path(tmp)
+        lengths = document_lengths(n, spec.max_model_len, args.long_share, args.seed)
+        corpus = workdir / "corpus.parquet"
+        corpus_bytes = write_corpus(corpus, lengths, args.seed)
+        say(f"corpus: {n} documents, {corpus_bytes / 2**20:.1f} MiB, model {model}")
+        server = devengine.start_model(model, kv_cache_gib=1)
+        stack.callback(server.stop)
+        backfill = stack.enter_context(
+            BackfillStack(server.url, OUT_DIR / "logs" / NAME, {}).running()
+        )
+        env = {**os.environ, "BACKFILL_API_URL": backfill.base, "BACKFILL_API_KEY": backfill.key}
+        job = job_side(backfill, corpus, server.served_model_name, args.summary_tokens, env)
+        say(f"job: {json.dumps({k: v for k, v in job.items() if k != 'batches'})}")
+        direct = batches_side(backfill, job["batches"])
+        say(f"batches: {json.dumps(direct)}")
+        memory = memory_side(backfill, workdir, sizes, server.served_model_name, env)
+    overhead = 1 - job["tokens_per_s"] / direct["tokens_per_s"] if direct["tokens_per_s"] else 1.0
+    long_docs = sum(1 for x in lengths if x > spec.max_model_len * BYTES_PER_TOKEN)
+    finish(
+        NAME,
+        "overhead",
+        round(overhead, 3),
+        "<=",
+        GOAL,
+        {
+            "model": model,
+            "documents": n,
+            "longer_than_context": long_docs,
+            "corpus_mib": round(corpus_bytes / 2**20, 2),
+            "job": {k: v for k, v in job.items() if k != "batches"},
+            "batches": direct,
+            "memory": memory,
+        },
+        holds=job["status"] == "completed" and job["rows_written"] == n,
+    )
+
+
+if __name__ == "__main__":
+    main()
