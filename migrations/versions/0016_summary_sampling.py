@@ -4,7 +4,7 @@ A job may name sampling settings (temperature, repetition_penalty, ...) once; ev
 reduce step's request carries them. Jobs created before have none (the engine's defaults).
 
 Revision ID: 0016_summary_sampling
-Revises: 0014_summary_jobs
+Revises: 0015_prefix_groups
 Create Date: 2026-12-06 11:15:00.000000
 """
 
@@ -17,7 +17,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0016_summary_sampling"
-down_revision: str | None = "0014_summary_jobs"
+down_revision: str | None = "0015_prefix_groups"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
