@@ -118,22 +118,32 @@ def _done_total(batch: dict[str, Any]) -> tuple[int, int]:
     return done, int(counts.get("total", 0))
 
 
+def progress_head(
+    shown: dict[str, Any], model: object, done: int, total: int, what: str
+) -> tuple[Text, Table]:
+    """A batch's or a summary job's first two lines: its id, status and model; a bar of
+    ``done`` of ``total`` (``what``: the unit and what finishing means)."""
+    header = Text.assemble(
+        (str(shown.get("id")), "bold"),
+        "  ",
+        (str(shown.get("status")), "cyan"),
+        f"  model {model}",
+    )
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(
+        ProgressBar(total=max(total, 1), completed=done, width=40),
+        f"{done}/{total} {what}",
+    )
+    return header, bar
+
+
 def render_status(batch: dict[str, Any], now: float | None = None) -> RenderableType:
     """A batch's progress: a bar, items by state, tokens, ETA and deadline."""
     now = time.time() if now is None else now
     extra = batch.get("backfill") or {}
     done, total = _done_total(batch)
-    header = Text.assemble(
-        (str(batch.get("id")), "bold"),
-        "  ",
-        (str(batch.get("status")), "cyan"),
-        f"  model {extra.get('model') or batch.get('model') or '-'}",
-    )
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(
-        ProgressBar(total=max(total, 1), completed=done, width=40),
-        f"{done}/{total} items finished",
-    )
+    model = extra.get("model") or batch.get("model") or "-"
+    header, bar = progress_head(batch, model, done, total, "items finished")
     items = extra.get("items") or {}
     states = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
     shown = [s for s in ITEM_STATES if items.get(s)] or ["queued"]

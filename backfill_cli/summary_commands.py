@@ -18,9 +18,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Group, RenderableType
-from rich.progress_bar import ProgressBar
 from rich.table import Table
-from rich.text import Text
 
 from backfill.summarize.documents import Document, SourceInvalid, SourceRow
 from backfill.summarize.folder import read_folder
@@ -38,6 +36,7 @@ from backfill_cli.client_commands import (
     _watch,
     err,
     one_line_errors,
+    progress_head,
 )
 
 SUMMARY_JOB_PREFIX = "sumjob_"
@@ -88,16 +87,8 @@ def render_summary_status(job: dict[str, Any], now: float | None = None) -> Rend
     progress = job.get("progress") or {}
     documents = progress.get("documents") or {}
     done, planned = int(progress.get("steps_done", 0)), int(progress.get("steps_planned", 0))
-    header = Text.assemble(
-        (str(job.get("id")), "bold"),
-        "  ",
-        (str(job.get("status")), "cyan"),
-        f"  model {job.get('model')}",
-    )
-    bar = Table.grid(padding=(0, 1))
-    bar.add_row(
-        ProgressBar(total=max(planned, 1), completed=done, width=40),
-        f"{done}/{planned} steps (map and reduce) finished",
+    header, bar = progress_head(
+        job, job.get("model"), done, planned, "steps (map and reduce) finished"
     )
     facts = Table.grid(padding=(0, 2))
     facts.add_row(
