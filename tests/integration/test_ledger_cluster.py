@@ -255,7 +255,15 @@ def test_a_master_killed_during_ledger_activity_loses_no_lease_and_overcommits_n
         cluster.kill(victim)
         cluster.wait_healthy(timeout_s=60)
         healthy_at = time.monotonic()
-        time.sleep(1.5)
+        # Each holder admits again after the failover (or waits for a rebuild, having lost a
+        # lease): waited for, not slept for, so a loaded machine's slow holders are not read
+        # as a node that stopped admitting (it failed so beside busy loops: 1.5 s was short).
+        settle_by = healthy_at + 60
+        while time.monotonic() < settle_by and not all(
+            h.lost or any(t > healthy_at for t in h.admitted_at) for h in holders
+        ):
+            time.sleep(0.1)
+        time.sleep(0.5)
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -302,8 +310,12 @@ def test_a_master_killed_during_ledger_activity_loses_no_lease_and_overcommits_n
             for h in holders
             for x in [*h.held.values(), *h.lost]
         ]
+        snaps = {h.node: ledger.snapshot(h.node) for h in holders if h.lost}
+        still = {n: [x.lease_id for x in snap.leases] for n, snap in snaps.items() if snap}
         report = ledger.rebuild([NodePool(n, CAPACITY, 16) for n in NODES], records, epoch=2)
-        assert report.restored == len(lost)
+        # Seen once beside busy loops (not yet understood): a lease its holder was told was
+        # unknown was skipped by the rebuild (still live, or ended with its fencing token).
+        assert report.restored == len(lost), (report, [(x.lease_id, x.node) for x in lost], still)
         fences = [x.fencing_token for x in records]
         for h in holders:
             snap = ledger.snapshot(h.node)
