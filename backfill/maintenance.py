@@ -188,6 +188,18 @@ def reap(
     return Reaped(len(lost) - len(failed), len(failed), released, reaped)
 
 
+def retention_warning(settings: Settings, autovacuum: bool) -> str | None:
+    """What the beat says at start when its purges would not shrink anything: retention on, and
+    a Postgres server that runs no autovacuum (None: nothing to say)."""
+    if settings.retention_s <= 0 or autovacuum:
+        return None
+    return (
+        "Postgres runs with autovacuum off: the retention purge deletes ended batches' rows, "
+        "but their space is reused only after a VACUUM, so the items table grows by every "
+        "purged batch; turn autovacuum on or schedule VACUUM items, attempts, webhook_events"
+    )
+
+
 def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) -> TickReport:
     """One round of upkeep (the body of the periodic task)."""
     report = TickReport()

@@ -11,6 +11,9 @@ from celery import signals
 
 from backfill import logs
 from backfill.config import Settings
+from backfill.errors import BackfillError
+from backfill.maintenance import retention_warning
+from backfill.store import Repository
 from backfill.webhooks.delivery import SenderThread
 from worker.celery_app import maintenance_queue, make_app
 from worker.node import NodeThread
@@ -83,10 +86,24 @@ def _configure_logging(settings: Settings) -> None:
     signals.after_setup_task_logger.connect(celery_lines, weak=False)
 
 
+def _say_if_purges_leave_bloat(settings: Settings) -> None:
+    repo = Repository.connect(settings.database_url, pool_size=1)
+    try:
+        warning = retention_warning(settings, repo.server_autovacuums())
+    except BackfillError as exc:
+        log.warning("could not read Postgres' autovacuum setting: %s", exc)
+        return
+    finally:
+        repo.close()
+    if warning is not None:
+        log.warning(warning)
+
+
 def run_beat(settings: Settings) -> None:
     """Celery beat: schedules the maintenance tick (run exactly one per deployment), and
     delivers webhooks on a thread beside it."""
     _configure_logging(settings)
+    _say_if_purges_leave_bloat(settings)
     app = make_app(settings)
     schedule = os.path.join(tempfile.gettempdir(), f"backfill-beat-{settings.redis_namespace}")
     webhooks = SenderThread(settings).start()

@@ -71,6 +71,12 @@ class PurgeReport:
 
 
 class Retention(Store):
+    def server_autovacuums(self) -> bool:
+        """Whether the Postgres server runs autovacuum: without it (or a scheduled VACUUM) the
+        space of purged rows is never reused, and the tables grow by every purged batch."""
+        with self._tx() as conn:
+            return str(conn.execute(text("SHOW autovacuum")).scalar_one()) == "on"
+
     def purge_ended_jobs(
         self, older_than_s: float, *, chunk_rows: int = 5000, max_rows: int = 50_000
     ) -> PurgeReport:

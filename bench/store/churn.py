@@ -109,6 +109,10 @@ class Churned:
     bytes_at_end: int
     bytes_by_round: list[int]
     """The items table's size after each round."""
+    autovacuum: str
+    """The server's ``autovacuum`` setting."""
+    vacuumed: bool
+    """Whether the run vacuumed after each purge itself."""
 
     @property
     def growth(self) -> float:
@@ -126,7 +130,24 @@ class Round:
     state: str
 
 
-def run(url: str, rounds: int, lines: int, cap_files: int, retention_s: float) -> Churned:
+def upkeep(repo: Repository, ledger: Ledger, settings: Settings, *, vacuum: bool) -> None:
+    """One maintenance tick; with ``vacuum``, then ``VACUUM`` of the tables a purge deleted
+    from, as autovacuum would soon after (for a server that runs without it)."""
+    report = tick(repo, ledger, settings)
+    if vacuum and report.purged.rows:
+        autocommit = repo.engine.execution_options(isolation_level="AUTOCOMMIT")
+        with autocommit.connect() as conn:
+            conn.execute(text("VACUUM items, attempts, webhook_events"))
+
+
+def autovacuum(repo: Repository) -> str:
+    with repo.engine.connect() as conn:
+        return str(conn.execute(text("SHOW autovacuum")).scalar_one())
+
+
+def run(
+    url: str, rounds: int, lines: int, cap_files: int, retention_s: float, *, vacuum: bool
+) -> Churned:
     namespace = f"bfbench{secrets.token_hex(3)}"
     cap = cap_files * lines
     settings = Settings(
@@ -137,6 +158,7 @@ def run(url: str, rounds: int, lines: int, cap_files: int, retention_s: float) -
     )
     repo = Repository.connect(url, pool_size=4)
     ledger = Ledger.from_url(settings.redis_url, namespace, pool_policy(settings))
+    vacuum_setting = autovacuum(repo)
     tenant = repo.create_tenant(f"churn-{namespace}").id
     key = repo.create_api_key(tenant)
     port = 18_000 + secrets.randbelow(2000)
@@ -160,7 +182,7 @@ def run(url: str, rounds: int, lines: int, cap_files: int, retention_s: float) -
                 (time.monotonic() - began, repo.stored_items(tenant), table_bytes(repo))
             ),
         ),
-        background(stop, 1.0, lambda: tick(repo, ledger, settings)),
+        background(stop, 1.0, lambda: upkeep(repo, ledger, settings, vacuum=vacuum)),
     ]
     done: list[Round] = []
     sizes: list[int] = []
@@ -224,6 +246,8 @@ def run(url: str, rounds: int, lines: int, cap_files: int, retention_s: float) -
         bytes_after_first_cap=after_first_cap,
         bytes_at_end=end_bytes,
         bytes_by_round=sizes,
+        autovacuum=vacuum_setting,
+        vacuumed=vacuum,
     )
 
 
@@ -233,11 +257,17 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=None, help="lines of the batch file")
     p.add_argument("--cap-files", type=int, default=3, help="the tenant's cap, in files' worth")
     p.add_argument("--retention-s", type=float, default=60.0, help="the retention period")
+    p.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="VACUUM the purged tables after each purge, as autovacuum would (for a server "
+        "that runs without it)",
+    )
     args = p.parse_args()
     rounds = args.rounds or (8 if args.quick else 50)
     lines = args.lines or (5_000 if args.quick else 50_000)
     with scratch_database("bfbench_churn") as url:
-        seen = run(url, rounds, lines, args.cap_files, args.retention_s)
+        seen = run(url, rounds, lines, args.cap_files, args.retention_s, vacuum=args.vacuum)
     print(
         table(
             ["rounds", "refused creates", "cap (items)", "peak stored", "rows left", "growth"],
@@ -254,7 +284,9 @@ def main() -> None:
         )
     )
     print(
-        f"states: {', '.join(seen.states)}; wall {seen.wall_s:.0f} s; items table "
+        f"server autovacuum {seen.autovacuum}; the run's own VACUUM after purges "
+        f"{'on' if seen.vacuumed else 'off'}; states: {', '.join(seen.states)}; "
+        f"wall {seen.wall_s:.0f} s; items table "
         f"{seen.bytes_after_first_cap / 2**20:,.1f} MiB after the first cap's worth, "
         f"{seen.bytes_at_end / 2**20:,.1f} MiB at the end; after each round (MiB): "
         + " ".join(f"{b / 2**20:.0f}" for b in seen.bytes_by_round)
