@@ -102,7 +102,11 @@ def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bo
         if share:
             helpers.wait(lambda: bool(repo.prefix_groups(job)), 120, "the job's prefixes")
             [group] = repo.prefix_groups(job)
-            assert group.items == ITEMS
+            # The worker looks at the job's unfinished items once it takes the job (its
+            # finder polls every 2 s), while its dispatcher already runs the first ones as
+            # before: those finished by then are not grouped (69 of 80 grouped beside other
+            # test runs).
+            assert ITEMS // 2 <= group.items <= ITEMS, group
         peak, samples = 0, 0
         end = time.monotonic() + 900
         while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
