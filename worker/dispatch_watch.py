@@ -284,15 +284,14 @@ class Watchers(DispatcherState):
         return cfg.budget_interval_s
 
     async def _step_budget(self) -> None:
+        """One step of the work budget: read the signals (Redis' clock, the gateway's
+        signals, the engine's queue, the node's other workers), take the budget's step
+        (``backfill.work_budget.step``, pure), carry out what it decided, publish it."""
         cfg = self.config
         policy, before = cfg.work_budget, self.work_budget
         if policy is None or before is None:
             return
-        try:
-            now = await self.clock.refresh(redis_time(self.ledger.client))
-        except Exception as exc:  # Redis trouble: go on from the last anchor
-            log.debug("node %s: Redis' clock not read: %s", cfg.node, exc)
-            now = self.clock.now()
+        now = await self._redis_now()
         try:
             seen = await read_signals(
                 self.ledger.client, self.ledger.keys, cfg.node, cfg.signal_ttl_s, now
@@ -301,30 +300,11 @@ class Watchers(DispatcherState):
             log.debug("node %s: no gateway signals: %s", cfg.node, exc)
             seen = InteractiveSignals()
         interval = self.budget_interval_s()
-        read_at = time.monotonic()
-        try:
-            reading = await self.engine_load.read(interval / 2)
-            engine_waiting: int | None = reading.load.num_requests_waiting
-            read_at = reading.read_at
-        except Exception as exc:  # the engine's metrics are missing: judge by the gateway's
-            log.debug("node %s: no engine load: %s", cfg.node, exc)
-            engine_waiting = None
+        engine_waiting, read_at = await self._engine_waiting(interval)
         view = self.view(before)
         active = self._flights(view.active)
         awaiting = sum(1 for f in view.active if f.first_token_at is None)
-        try:
-            others_awaiting = await exchange_batch_awaiting(
-                self.ledger.client,
-                self.ledger.keys,
-                cfg.node,
-                self._worker_id,
-                awaiting,
-                max(1.0, 4 * interval),
-                now,
-            )
-        except Exception as exc:  # Redis trouble: as if this worker were the node's only one
-            log.debug("node %s: other workers' batch not read: %s", cfg.node, exc)
-            others_awaiting = 0
+        others_awaiting = await self._others_awaiting(awaiting, interval, now)
         signals = budget_signals(
             view,
             seen,
@@ -337,19 +317,7 @@ class Watchers(DispatcherState):
         budget = self.work_budget = decision.budget
         if decision.changed:
             log.info("node %s: work budget %s", cfg.node, describe(budget))
-        pauses = self.engine_pauses_batch
-        if decision.preempt and pauses:
-            log.debug("node %s: no TTFT preemption: the engine pauses batch", cfg.node)
-        victims = ttft_victims(decision.preempt, pauses, self.view().running)
-        stopped = sum(self._cancel(f, StopReason.PREEMPTED) for f in self._flights(victims))
-        self.stats.budget_preemptions += stopped
-        if stopped:
-            log.info(
-                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
-                cfg.node,
-                stopped,
-                decision.reason,
-            )
+        self._preempt_for_ttft(decision.preempt, decision.reason)
         if budget_opened(before, budget):
             self._room.set()
         # These attempts as they are now: a first token may have come during the reads.
@@ -363,6 +331,59 @@ class Watchers(DispatcherState):
                 self._worker_id,
                 published,
                 max(5.0, cfg.signal_ttl_s),
+            )
+
+    async def _redis_now(self) -> float:
+        """Redis' clock now, or (Redis in trouble) the last anchor's reckoning."""
+        try:
+            return await self.clock.refresh(redis_time(self.ledger.client))
+        except Exception as exc:
+            log.debug("node %s: Redis' clock not read: %s", self.config.node, exc)
+            return self.clock.now()
+
+    async def _engine_waiting(self, interval: float) -> tuple[int | None, float]:
+        """The engine's waiting requests and when they were read (None: its metrics are
+        missing, and the gateway's signals judge alone)."""
+        asked_at = time.monotonic()
+        try:
+            reading = await self.engine_load.read(interval / 2)
+        except Exception as exc:
+            log.debug("node %s: no engine load: %s", self.config.node, exc)
+            return None, asked_at
+        return reading.load.num_requests_waiting, reading.read_at
+
+    async def _others_awaiting(self, awaiting: int, interval: float, now: float) -> int:
+        """Batch attempts awaiting their first token on this node's other workers (0: Redis
+        in trouble, as if this worker were the node's only one); this worker's count given."""
+        try:
+            return await exchange_batch_awaiting(
+                self.ledger.client,
+                self.ledger.keys,
+                self.config.node,
+                self._worker_id,
+                awaiting,
+                max(1.0, 4 * interval),
+                now,
+            )
+        except Exception as exc:
+            log.debug("node %s: other workers' batch not read: %s", self.config.node, exc)
+            return 0
+
+    def _preempt_for_ttft(self, preempt: int, reason: str) -> None:
+        """Stop the batch attempts the budget's step chose for interactive TTFT, unless the
+        engine's step scheduler pauses batch itself."""
+        pauses = self.engine_pauses_batch
+        if preempt and pauses:
+            log.debug("node %s: no TTFT preemption: the engine pauses batch", self.config.node)
+        victims = ttft_victims(preempt, pauses, self.view().running)
+        stopped = sum(self._cancel(f, StopReason.PREEMPTED) for f in self._flights(victims))
+        self.stats.budget_preemptions += stopped
+        if stopped:
+            log.info(
+                "node %s: preempted %s batch item(s) for interactive TTFT (%s)",
+                self.config.node,
+                stopped,
+                reason,
             )
 
     def _note_early_preemption(self, lease_id: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
@@ -87,54 +89,10 @@ class Ingest(Store):
             file_held = conn.execute(text(HOLD_FILE), {"f": input_file_id}).first() is not None
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
-            n = prompt_sum = max_out_sum = 0
-            with (
-                raw.cursor() as cur,
-                cur.copy(COPY_ITEMS) as copy,
-            ):
-                copy.set_types(
-                    [
-                        "text",
-                        "text",
-                        "int4",
-                        "text",
-                        "text",
-                        "int4",
-                        "int4",
-                        "int4",
-                        "int4",
-                        "bool",
-                        "int4",
-                        "int4",
-                        "timestamptz",
-                    ]
+            with raw.cursor() as cur:
+                n, prompt_sum, max_out_sum = _copy_items(
+                    cur, job_id, tenant_id, deadline, items, file_held, input_file_id
                 )
-                for it in items:
-                    if it.body is None and not file_held:
-                        raise NotFound(
-                            f"No such File object: {input_file_id} (deleted while the batch "
-                            "was being validated)"
-                        )
-                    copy.write_row(
-                        (
-                            job_id,
-                            tenant_id,
-                            it.line_no,
-                            it.custom_id,
-                            it.body,
-                            it.body_seq,
-                            it.body_at,
-                            it.body_len,
-                            it.max_output_tokens,
-                            it.output_defaulted,
-                            it.prompt_tokens,
-                            it.reservation_tokens,
-                            deadline,
-                        )
-                    )
-                    n += 1
-                    prompt_sum += it.prompt_tokens or 0
-                    max_out_sum += it.max_output_tokens
             add_to_counters(
                 conn,
                 {
@@ -174,3 +132,64 @@ class Ingest(Store):
             for job_id, delta in rows:
                 deltas[job_id]["prompt_tokens"] += delta
             add_to_counters(conn, deltas)
+
+
+COPY_TYPES = (
+    "text",
+    "text",
+    "int4",
+    "text",
+    "text",
+    "int4",
+    "int4",
+    "int4",
+    "int4",
+    "bool",
+    "int4",
+    "int4",
+    "timestamptz",
+)
+"""The types of ``COPY_ITEMS``' columns, in its order."""
+
+
+def _copy_items(
+    cur: psycopg.Cursor[Any],
+    job_id: str,
+    tenant_id: str,
+    deadline: datetime,
+    items: Iterable[NewItem],
+    file_held: bool,
+    input_file_id: str,
+) -> tuple[int, int, int]:
+    """Stream ``items`` into the items table with binary COPY: (count, prompt tokens, most
+    output tokens) of what was written."""
+    n = prompt_sum = max_out_sum = 0
+    with cur.copy(COPY_ITEMS) as copy:
+        copy.set_types(list(COPY_TYPES))
+        for it in items:
+            if it.body is None and not file_held:
+                raise NotFound(
+                    f"No such File object: {input_file_id} (deleted while the batch "
+                    "was being validated)"
+                )
+            copy.write_row(
+                (
+                    job_id,
+                    tenant_id,
+                    it.line_no,
+                    it.custom_id,
+                    it.body,
+                    it.body_seq,
+                    it.body_at,
+                    it.body_len,
+                    it.max_output_tokens,
+                    it.output_defaulted,
+                    it.prompt_tokens,
+                    it.reservation_tokens,
+                    deadline,
+                )
+            )
+            n += 1
+            prompt_sum += it.prompt_tokens or 0
+            max_out_sum += it.max_output_tokens
+    return n, prompt_sum, max_out_sum
