@@ -8,8 +8,11 @@ straight as batches, and the memory a large input costs the client and the API.
    followed to its end, ``backfill results JOB -o summaries.parquet``: wall time from the
    first byte read to the last row written, and output tokens/s.
 3. **batches**: the very request lines the job's batches carried (map and reduce), sent
-   again as batch files through the Batch API all at once, followed to their end: the
-   building block with no job layer (no documents to split, no reduce to wait for).
+   again as batch files through the Batch API in the order the work allows (the map steps,
+   then each level of reduce steps once the level below ended, as a client with plain
+   batches must: a reduce step reads the summaries below it), followed to their end: the
+   building block with no job layer (no documents to split, no driver). The engine's prefix
+   cache is emptied first, so this side does not find the job's prompts already computed.
 4. **memory**: ``backfill summarize`` on inputs of ``--memory-mb`` MiB of text (short
    documents, so the engine counts nothing; the job is cancelled once sent): each client's
    own peak RSS, and the API process's peak RSS so far (``VmHWM``) after each, smallest
@@ -35,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from backfill.config import get_settings, libpq_url
+from backfill.summarize.reduce_plan import plan_reduce
 from bench.common import OUT_DIR, finish, parser
 from bench.stack import BACKFILL, BackfillStack
 from devkit import devengine
@@ -142,12 +148,58 @@ def wait_batches(
     raise RuntimeError(f"batches did not end in {timeout_s:.0f} s")
 
 
+TIMELINE = """
+SELECT b.id, b.created_at, min(i.started_at) AS first_start, max(i.finished_at) AS last_end,
+       count(*) AS items,
+       coalesce(sum(extract(epoch FROM i.started_at - b.created_at)), 0) AS queued_s
+FROM jobs b JOIN items i ON i.job_id = b.id
+WHERE b.id = ANY(%s) GROUP BY b.id, b.created_at ORDER BY b.created_at
+"""
+
+BUSY = "SELECT started_at, finished_at FROM items WHERE job_id = ANY(%s) AND started_at IS NOT NULL"
+
+
+def timeline(database_url: str, batch_ids: Sequence[str], wall0: float) -> dict[str, Any]:
+    """Where a side's time went, from the stored batches and items: each batch's creation,
+    first claim and last end (seconds after ``wall0``, the side's start),
+    the items' mean wait between their batch's creation and their claim, and the seconds in
+    which no item of the side ran (the engine idle)."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute(TIMELINE, (list(batch_ids),)).fetchall()
+        spans = conn.execute(BUSY, (list(batch_ids),)).fetchall()
+
+    def at(ts: Any) -> float | None:
+        return None if ts is None else round(ts.timestamp() - wall0, 1)
+
+    batches = [
+        {"created": at(r[1]), "first_claim": at(r[2]), "last_end": at(r[3]), "items": r[4]}
+        for r in rows
+    ]
+    items = sum(r[4] for r in rows)
+    queued = sum(float(r[5]) for r in rows)
+    idle, covered, running = 0.0, wall0, 0.0
+    for start, end in sorted((s.timestamp(), (e or s).timestamp()) for s, e in spans):
+        idle += max(0.0, start - covered)
+        covered = max(covered, end)
+        running += end - start
+    last = max((r[3].timestamp() for r in rows if r[3] is not None), default=wall0)
+    return {
+        "batches": batches,
+        "first_batch_s": batches[0]["created"] if batches else None,
+        "last_item_end_s": round(last - wall0, 1),
+        "mean_item_queued_s": round(queued / items, 2) if items else 0.0,
+        "engine_idle_s": round(idle, 1),
+        "mean_item_run_s": round(running / len(spans), 2) if spans else 0.0,
+        "mean_in_flight": round(running / max(1e-9, covered - wall0 - idle), 1),
+    }
+
+
 def job_side(
     stack: BackfillStack, corpus: Path, model: str, summary_tokens: int, env: dict[str, str]
 ) -> dict[str, Any]:
     out = corpus.with_name("summaries.parquet")
-    t0 = time.perf_counter()
-    printed, _, client_peak = run_client(
+    t0, wall0 = time.perf_counter(), time.time()
+    printed, send_s, client_peak = run_client(
         [
             "summarize", str(corpus), "--text-column", "text", "--id-column", "id",
             "--model", model, "--max-summary-tokens", str(summary_tokens), "--window", "24h",
@@ -157,12 +209,14 @@ def job_side(
     job_id = printed.strip().splitlines()[-1]
     with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=60) as client:
         job = wait_job(client, job_id, 3600)
-    run_client(["results", job_id, "-o", str(out)], env)
+    seen_end = time.perf_counter() - t0
+    _, results_s, _ = run_client(["results", job_id, "-o", str(out)], env)
     wall = time.perf_counter() - t0
     rows = pq.read_metadata(out).num_rows
     tokens = int(job["progress"]["completion_tokens"])
     return {
         "job_id": job_id,
+        "fan_in": job["fan_in"],
         "status": job["status"],
         "documents": job["progress"]["documents"],
         "steps": job["progress"]["steps_done"],
@@ -172,43 +226,105 @@ def job_side(
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall,
         "client_peak_rss_mb": round(client_peak / 2**20, 1),
+        "phases": {
+            "summarize_cli_s": round(send_s, 1),
+            "job_seen_ended_s": round(seen_end, 1),
+            "results_cli_s": round(results_s, 1),
+            **timeline(stack.database_url, job["batches"], wall0),
+        },
     }
 
 
-def batches_side(stack: BackfillStack, batch_ids: Sequence[str]) -> dict[str, Any]:
-    """The job's batches' input files, sent again as batches at once."""
+def levels(lines: Sequence[bytes], fan_in: int) -> list[list[bytes]]:
+    """The request lines in waves a client can send them in: the map steps first, then each
+    level of reduce steps (a reduce step reads the summaries of the level below it).
+
+    A line's custom id is ``seq:node``; a document of ``c`` chunks has nodes ``0..c-1`` (its
+    map steps) and then the reduce tree :func:`plan_reduce` makes over them."""
+    nodes: dict[int, set[int]] = {}
+    for line in lines:
+        seq, node = json.loads(line)["custom_id"].split(":")
+        nodes.setdefault(int(seq), set()).add(int(node))
+    level: dict[tuple[int, int], int] = {}
+    for seq, present in nodes.items():
+        total = max(present) + 1
+        fits = (c for c in range(1, total + 1) if plan_reduce(c, fan_in).nodes == total)
+        chunks = next(fits, total)  # a step missing (failed): all read as map steps
+        for step in plan_reduce(chunks, fan_in).steps:
+            level[(seq, step.node)] = step.level
+    waves: dict[int, list[bytes]] = {}
+    for line in lines:
+        seq, node = json.loads(line)["custom_id"].split(":")
+        waves.setdefault(level.get((int(seq), int(node)), 0), []).append(line)
+    return [waves[k] for k in sorted(waves)]
+
+
+def reset_prefix_cache(engine_url: str) -> None:
+    """Empty the engine's prefix cache, so the second side does not find the first side's
+    prompts computed (vLLM's dev endpoint; it refuses while blocks are held: retried)."""
+    for _ in range(60):
+        reply = httpx.post(f"{engine_url}/reset_prefix_cache", timeout=30)
+        reply.raise_for_status()
+        if reply.json().get("success"):
+            return
+        time.sleep(1)
+    raise RuntimeError("the engine's prefix cache could not be reset")
+
+
+def send_batches(client: httpx.Client, contents: Sequence[bytes], tag: str) -> list[str]:
+    ids = []
+    for n, content in enumerate(contents):
+        uploaded = client.post(
+            "/v1/files", files={"file": (f"{tag}-{n}.jsonl", content)}, data={"purpose": "batch"}
+        )
+        uploaded.raise_for_status()
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": uploaded.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        created.raise_for_status()
+        ids.append(created.json()["id"])
+    return ids
+
+
+def batches_side(
+    stack: BackfillStack, batch_ids: Sequence[str], fan_in: int, max_lines: int
+) -> dict[str, Any]:
+    """The job's request lines sent again as plain batches, in the same dependent order the
+    job must keep: the map steps first, each level of reduce steps once the level below it
+    ended (a client cannot send a reduce step before the summaries it reads exist)."""
     with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=300) as client:
-        files = []
+        lines: list[bytes] = []
         for b in batch_ids:
             source = client.get(f"/v1/batches/{b}").json()["input_file_id"]
-            files.append(client.get(f"/v1/files/{source}/content").content)
-        t0 = time.perf_counter()
-        ids = []
-        for n, content in enumerate(files):
-            uploaded = client.post(
-                "/v1/files", files={"file": (f"same-{n}.jsonl", content)}, data={"purpose": "batch"}
-            )
-            uploaded.raise_for_status()
-            created = client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": uploaded.json()["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            )
-            created.raise_for_status()
-            ids.append(created.json()["id"])
-        ended = wait_batches(client, ids, 3600)
+            content = client.get(f"/v1/files/{source}/content").content
+            lines += [line for line in content.splitlines() if line.strip()]
+        waves = levels(lines, fan_in)
+        t0, wall0 = time.perf_counter(), time.time()
+        ids: list[str] = []
+        for k, wave in enumerate(waves):
+            files = [
+                b"\n".join(wave[i : i + max_lines]) + b"\n" for i in range(0, len(wave), max_lines)
+            ]
+            sent = send_batches(client, files, f"wave{k}")
+            wait_batches(client, sent, 3600)
+            ids += sent
+        ended = [client.get(f"/v1/batches/{b}").json() for b in ids]
         wall = time.perf_counter() - t0
     tokens = sum(int((b.get("usage") or {}).get("output_tokens", 0)) for b in ended)
     return {
         "batches": len(ids),
+        "waves": [len(w) for w in waves],
         "requests": sum(int(b["request_counts"]["total"]) for b in ended),
         "statuses": sorted({b["status"] for b in ended}),
         "wall_s": round(wall, 1),
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
+        "phases": timeline(stack.database_url, ids, wall0),
     }
 
 
@@ -275,7 +391,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         corpus = workdir / "corpus.parquet"
         corpus_bytes = write_corpus(corpus, lengths, args.seed)
         say(f"corpus: {n} documents, {corpus_bytes / 2**20:.1f} MiB, model {model}")
-        server = devengine.start_model(model, kv_cache_gib=1)
+        # vLLM's dev endpoints on: the prefix cache is emptied between the sides.
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+        try:
+            server = devengine.start_model(model, kv_cache_gib=1)
+        finally:
+            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
         stack.callback(server.stop)
         backfill = stack.enter_context(
             BackfillStack(server.url, OUT_DIR / "logs" / NAME, {}).running()
@@ -283,7 +404,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         env = {**os.environ, "BACKFILL_API_URL": backfill.base, "BACKFILL_API_KEY": backfill.key}
         job = job_side(backfill, corpus, server.served_model_name, args.summary_tokens, env)
         say(f"job: {json.dumps({k: v for k, v in job.items() if k != 'batches'})}")
-        direct = batches_side(backfill, job["batches"])
+        reset_prefix_cache(server.url)
+        direct = batches_side(
+            backfill, job["batches"], job["fan_in"], get_settings().max_lines_per_batch
+        )
         say(f"batches: {json.dumps(direct)}")
         memory = memory_side(backfill, workdir, sizes, server.served_model_name, env)
     overhead = 1 - job["tokens_per_s"] / direct["tokens_per_s"] if direct["tokens_per_s"] else 1.0

@@ -3,13 +3,15 @@ Parquet file the CLI's reader takes row by row."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from backfill.summarize.documents import Document
+from backfill.summarize.reduce_plan import plan_reduce
 from backfill.summarize.tables import read_table
-from bench.summarize import BYTES_PER_TOKEN, document_lengths, sentences, write_corpus
+from bench.summarize import BYTES_PER_TOKEN, document_lengths, levels, sentences, write_corpus
 
 
 def test_a_twentieth_of_the_documents_are_longer_than_the_context_the_rest_shorter() -> None:
@@ -34,3 +36,18 @@ def test_the_corpus_is_a_parquet_of_ids_and_texts_of_the_drawn_lengths(tmp_path:
     longest = max(len(s) for s in sentences())
     for doc, size in zip(docs, lengths, strict=True):
         assert size <= len(doc.text) <= size + longest + 1
+
+
+def test_the_straight_side_sends_maps_first_then_each_reduce_level_after_the_one_below() -> None:
+    plan = plan_reduce(9, 3)  # 9 chunks: 3 reduces over them, 1 over those
+    assert plan.depth == 2
+
+    def line(seq: int, node: int) -> bytes:
+        return json.dumps({"custom_id": f"{seq}:{node}"}).encode()
+
+    lines = [line(0, n) for n in range(plan.nodes)] + [line(1, 0), line(2, 0)]
+    waves = levels(lines, fan_in=3)
+    ids = [[json.loads(x)["custom_id"] for x in wave] for wave in waves]
+    assert ids[0] == [f"0:{n}" for n in range(9)] + ["1:0", "2:0"]
+    assert ids[1] == ["0:9", "0:10", "0:11"]
+    assert ids[2] == ["0:12"]
