@@ -25,7 +25,6 @@ from backfill.store import Repository
 from backfill.store.records import TenantRecord
 from backfill.store.summaries import NewDocument, SummaryJobRecord
 from backfill.summarize import jobs
-from backfill.summarize.chunks import TokenCount
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import map_messages, reduce_messages
 from backfill.summarize.writer import SummaryRow
@@ -116,12 +115,13 @@ async def add_documents(
     def count(text: str) -> int:
         return int(anyio.from_thread.run(engine.tokenize_prompt, text, job.model))
 
-    try:
-        documents = await _prepare_documents(job, rows, count)
-    except EngineError as exc:
-        raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
-
-    def store() -> DocumentsAdded:
+    def prepare_and_store() -> DocumentsAdded:
+        documents = [
+            NewDocument(doc_id, error=error)
+            if error is not None
+            else jobs.prepare_document(job, doc_id, text, count)
+            for doc_id, text, error in rows
+        ]
         first = jobs.add_documents(repo, job, documents)
         return DocumentsAdded(
             first=first,
@@ -130,50 +130,10 @@ async def add_documents(
             split=sum(len(d.bodies) > 1 for d in documents),
         )
 
-    return await anyio.to_thread.run_sync(store)
-
-
-COUNTERS = 8
-"""Documents of one request prepared at once: each waits on the engine's ``/tokenize`` for
-its counts (one call per chunk tried), and one after another they left the engine idle while
-a client sent its documents (most of a small job's start)."""
-
-
-async def _prepare_documents(
-    job: SummaryJobRecord,
-    rows: list[tuple[str | None, str | None, str | None]],
-    count: TokenCount,
-    counters: int = COUNTERS,
-) -> list[NewDocument]:
-    """The rows prepared as :func:`jobs.prepare_document` does, ``counters`` at a time (each
-    in a worker thread of its own, so its counts reach the engine beside the others'), in the
-    rows' order; the first error (the engine's, say) stops the rest and is raised."""
-    prepared: list[NewDocument | None] = [None] * len(rows)
-    pending = iter(range(len(rows)))
-    failure: list[Exception] = []
-
-    def prepare(i: int) -> NewDocument:
-        doc_id, text, error = rows[i]
-        if error is not None:
-            return NewDocument(doc_id, error=error)
-        return jobs.prepare_document(job, doc_id, text, count)
-
-    async def counter() -> None:
-        for i in pending:
-            if failure:
-                return
-            try:
-                prepared[i] = await anyio.to_thread.run_sync(prepare, i)
-            except Exception as exc:  # raised as it is, not in a group
-                failure.append(exc)
-                return
-
-    async with anyio.create_task_group() as group:
-        for _ in range(min(counters, len(rows))):
-            group.start_soon(counter)
-    if failure:
-        raise failure[0]
-    return [d for d in prepared if d is not None]
+    try:
+        return await anyio.to_thread.run_sync(prepare_and_store)
+    except EngineError as exc:
+        raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
 
 
 def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:

@@ -5,7 +5,6 @@ a word count); the batch items are run by the stand-in worker."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import threading
@@ -46,23 +45,13 @@ async def _models(_: Request) -> JSONResponse:
     return JSONResponse({"data": [{"id": MODEL, "max_model_len": CONTEXT, "root": MODEL}]})
 
 
-COUNTING = {"now": 0, "most": 0, "delay_s": 0.0}
-"""The fake engine's counts in flight now and at most, and how long each one takes."""
-
-
 async def _tokenize(request: Request) -> JSONResponse:
-    COUNTING["now"] += 1
-    COUNTING["most"] = max(COUNTING["most"], COUNTING["now"])
-    try:
-        await asyncio.sleep(COUNTING["delay_s"])
-        body = await request.json()
-        if "messages" in body:
-            text = "".join(m["content"] for m in body["messages"]) + " <assistant>"
-        else:
-            text = body["prompt"]
-        return JSONResponse({"count": _count(text), "max_model_len": CONTEXT})
-    finally:
-        COUNTING["now"] -= 1
+    body = await request.json()
+    if "messages" in body:
+        text = "".join(m["content"] for m in body["messages"]) + " <assistant>"
+    else:
+        text = body["prompt"]
+    return JSONResponse({"count": _count(text), "max_model_len": CONTEXT})
 
 
 @pytest.fixture
@@ -167,26 +156,6 @@ def test_a_job_through_the_api_map_reduces_and_reads_back_as_rows(
         "chunks": 1,
         "split_depth": 0,
     }
-
-
-def test_the_documents_of_one_request_are_counted_side_by_side_and_kept_in_order(
-    api: httpx.Client, repo: Repository, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    job = api.post(
-        P, json={"model": MODEL, "max_summary_tokens": 48, "completion_window": "1h"}
-    ).json()
-    # Each count waits on the engine: one document after another, the engine sat idle
-    # between them while a client sent its documents.
-    monkeypatch.setitem(COUNTING, "delay_s", 0.05)
-    monkeypatch.setitem(COUNTING, "most", 0)
-    rows = [{"id": f"d{i}", "text": f"Document {i}. " + LONG} for i in range(6)]
-    rows.insert(3, {"id": "bad", "error": "unreadable"})
-    added = _send(api, job["id"], rows)
-    assert (added["first"], added["received"], added["failed"], added["split"]) == (0, 7, 1, 6)
-    assert COUNTING["most"] > 1
-    stored = repo.document_page(job["id"], -1, 10)
-    assert [d.source_id for d in stored] == [r["id"] for r in rows]
-    assert [d.seq for d in stored] == list(range(7))
 
 
 def test_cancel_mid_job_through_the_api(
