@@ -85,7 +85,7 @@ def _http_error(detail: Any) -> tuple[int, dict[str, Any]] | None:
     return None
 
 
-def _json_or_text(value: str | None) -> Any:
+def json_or_text(value: str | None) -> Any:
     """A stored result or error is JSON text from the worker; anything else travels as text."""
     if value is None:
         return None
@@ -102,7 +102,7 @@ def _error_object(item: ItemRecord) -> dict[str, Any]:
             # The worker said why (e.g. how long the request needed and how long was left).
             message = f"{message} {item.error}"
         return {"code": code, "message": message}
-    detail = _json_or_text(item.error)
+    detail = json_or_text(item.error)
     if isinstance(detail, dict):
         inner = detail.get("error", detail)
         if isinstance(inner, dict) and "message" in inner:
@@ -114,12 +114,12 @@ def result_line(item: ItemRecord) -> str:
     """One finished item as a line of the output file (succeeded) or error file (the rest)."""
     line: dict[str, Any] = {"id": f"batch_req_{item.id}", "custom_id": item.custom_id}
     request_id = f"req_{item.job_id}_{item.line_no}_{item.attempt}"
-    refused = _http_error(_json_or_text(item.error)) if item.state is ItemState.FAILED else None
+    refused = _http_error(json_or_text(item.error)) if item.state is ItemState.FAILED else None
     if item.state is ItemState.SUCCEEDED:
         line["response"] = {
             "status_code": 200,
             "request_id": request_id,
-            "body": _json_or_text(item.result),
+            "body": json_or_text(item.result),
         }
         line["error"] = None
     elif refused is not None:

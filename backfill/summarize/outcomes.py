@@ -3,9 +3,9 @@ completion that succeeded, or why the step failed."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from backfill.results import json_or_text
 from backfill.summarize.decide import StepView
 from backfill.summarize.states import StepState
 
@@ -19,15 +19,6 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "")
 
 
-def _loaded(value: str | None) -> Any:
-    if value is None:
-        return None
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
 def _message(error: Any) -> str:
     if isinstance(error, dict):
         inner = error.get("error", error)
@@ -39,11 +30,11 @@ def _message(error: Any) -> str:
 def step_outcome(item_state: str, result: str | None, error: str | None) -> StepView | None:
     """The step's view after its item ended in ``item_state`` (None: not ended yet)."""
     if item_state in _ENDED:
-        reason = _storable(_message(_loaded(error)))
+        reason = _storable(_message(json_or_text(error)))
         return StepView(StepState.FAILED, error=f"{item_state}: {reason}")
     if item_state != "succeeded":
         return None
-    body = _loaded(result)
+    body = json_or_text(result)
     try:
         choice = body["choices"][0]
         text = choice["message"]["content"]
