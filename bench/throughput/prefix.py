@@ -1,0 +1,342 @@
+"""Shared prompt prefixes reserved once (issue 36's Measure), on the real CPU engine.
+
+A summarisation job whose lines all start with one ~1,000-token instruction (documents of
+200-600 tokens, 200 output tokens, ``ignore_eos``) runs on the real ``backfill api`` and
+``backfill worker --beat`` processes beside one vLLM CPU server whose KV pool is small
+(``num_gpu_blocks_override``), so batch slack binds. In one run, on one engine:
+
+* **whole** -- the job as before the feature: its prefixes never looked for (the job is
+  recorded as taken for prefixes already, as ``tests/e2e/test_prefixes.py`` does), so every
+  item reserves its whole prompt;
+* **shared** -- the same job found by the worker's prefix pass: the instruction is reserved
+  once on the node and each item reserves its own document and output;
+* **client** -- an asyncio client sending the same requests straight to the engine with as
+  many in flight as the shared side's peak.
+
+Each tenant has a cache salt of its own, so neither Backfill side warms the other's prefix
+cache. While a Backfill side runs, the ledger is sampled around an engine reading (as the e2e
+test does): batch sequences at once (peak and mean) and the engine's allocated KV against what
+the ledger reserved; the most it held above the reservation over the samples is reported.
+``vllm run-batch`` is not a side here (its in-process engine would be a second engine start on
+these two cores; ``bench.throughput`` runs it).
+
+Closes on ``prefix: concurrency_ratio=<x> (goal >= 2.0)``; the verdict also needs the
+throughput ratio (>= 1.5), the straight-client ratio (>= 0.95) and nothing allocated above the
+reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import text
+
+from backfill.capacity import EnginePool, parse_cache_config, parse_engine_load
+from backfill.config import get_settings
+from backfill.ledger import Ledger
+from backfill.maintenance import pool_policy
+from backfill.observe import engine_held_tokens, reserved_around
+from backfill.states import ItemState, JobState
+from backfill.store import NewItem, Repository
+from bench.common import OUT_DIR, finish, machine, parser, table
+from bench.stack import BackfillStack
+from bench.throughput.prefix_workload import (
+    CONCURRENCY_GOAL,
+    PrefixWorkload,
+    SideResult,
+    doc_lengths,
+    document,
+    instruction,
+    over_reserved,
+    prompt,
+    request_body,
+    rules_for,
+    side_rows,
+    verdict,
+    workload,
+)
+from devkit import devengine
+from devkit.dev import DOCS
+
+NAME = "prefix"
+ENDPOINT = "/v1/completions"
+SIDE_TIMEOUT_S = 1800.0
+
+
+def say(message: str) -> None:
+    print(f"[prefix] {message}", file=sys.stderr, flush=True)
+
+
+def _count(url: str, model: str, text_: str) -> int:
+    answer = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text_}, timeout=60)
+    answer.raise_for_status()
+    return int(answer.json()["count"])
+
+
+def build_prompts(url: str, w: PrefixWorkload) -> tuple[str, list[str]]:
+    """The shared instruction (about ``w.instruction_tokens``) and each item's prompt."""
+    one, ten = _count(url, w.model, instruction(1)), _count(url, w.model, instruction(10))
+    shared = instruction(rules_for(w.instruction_tokens, one, ten))
+    corpus = "\n\n".join(p.read_text().strip() for p in sorted(DOCS.glob("*.txt")))
+    sample = corpus[:8000]
+    chars_per_token = len(sample) / max(1, _count(url, w.model, sample))
+    lengths = doc_lengths(w.items, *w.doc_tokens)
+    prompts = [
+        prompt(shared, document(corpus, i, int(n * chars_per_token))) for i, n in enumerate(lengths)
+    ]
+    return shared, prompts
+
+
+def _submit(repo: Repository, w: PrefixWorkload, prompts: Sequence[str], *, find: bool) -> str:
+    """The job straight into the store (as the e2e test does): with ``find`` False it is
+    recorded as taken for prefixes already, so no worker looks for them."""
+    tenant = repo.create_tenant(f"prefix-{'shared' if find else 'whole'}-{secrets.token_hex(3)}")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.create_job(tenant.id, f.id, ENDPOINT, "24h", datetime.now(UTC) + timedelta(hours=24))
+    repo.insert_items(
+        job.id,
+        [
+            NewItem(i, f"r{i}", json.dumps(request_body(w.model, p, w.max_tokens)), w.max_tokens)
+            for i, p in enumerate(prompts)
+        ],
+    )
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE jobs SET model = :m, prefixes_taken_at = "
+                "CASE WHEN :find THEN NULL ELSE now() END WHERE id = :j"
+            ),
+            {"m": w.model, "find": find, "j": job.id},
+        )
+    return job.id
+
+
+def _output_tokens(repo: Repository, job: str) -> int:
+    with repo.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "SELECT coalesce(sum(a.output_tokens), 0) FROM attempts a "
+                    "JOIN items i ON i.id = a.item_id WHERE i.job_id = :j "
+                    "AND a.outcome = 'succeeded'"
+                ),
+                {"j": job},
+            ).scalar_one()
+        )
+
+
+def _leaned(repo: Repository, job: str) -> int:
+    with repo.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM items WHERE job_id = :j AND lease_prefix_tokens > 0"),
+                {"j": job},
+            ).scalar_one()
+        )
+
+
+def run_backfill(
+    stack: BackfillStack,
+    repo: Repository,
+    ledger: Ledger,
+    pool: EnginePool,
+    w: PrefixWorkload,
+    prompts: Sequence[str],
+    *,
+    share: bool,
+) -> SideResult:
+    side = "shared" if share else "whole"
+    job = _submit(repo, w, prompts, find=share)
+    if share:
+        # The worker's pass finds them once the job is in progress; wait for them first, so the
+        # clock times the shared reservation only.
+        repo.move_job(job, JobState.IN_PROGRESS)
+        end = time.monotonic() + 300
+        while not repo.prefix_groups(job):
+            if time.monotonic() > end:
+                raise RuntimeError("the worker found no prefix in 300 s")
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+    else:
+        t0 = time.perf_counter()
+        repo.move_job(job, JobState.IN_PROGRESS)
+    result = SideResult(side, w.items, 0.0, 0)
+    metrics_url = f"{stack.engine_url}/metrics"
+    end = time.monotonic() + SIDE_TIMEOUT_S
+    with httpx.Client(timeout=10) as client:
+        while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < w.items:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{side}: job not done: {repo.counted_states(job)}")
+            before = ledger.snapshot(stack.node)
+            load = parse_engine_load(client.get(metrics_url).text)
+            after = ledger.snapshot(stack.node)
+            if before is not None and after is not None:
+                held = engine_held_tokens(
+                    load.kv_cache_usage_perc, pool.capacity_tokens, pool.block_size
+                )
+                result.over_reserved = max(
+                    result.over_reserved, over_reserved(held, reserved_around(before, after))
+                )
+                result.concurrency.append(
+                    sum(1 for x in after.leases if x.service_class.value == "batch")
+                )
+                result.samples += 1
+            time.sleep(0.05)
+    result.seconds = time.perf_counter() - t0
+    result.output_tokens = _output_tokens(repo, job)
+    failed = repo.counted_states(job).get(ItemState.FAILED, 0)
+    result.extra = {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
+    if share:
+        result.extra["prefix_groups"] = [
+            {"items": g.items, "blocks": g.blocks} for g in repo.prefix_groups(job)
+        ]
+    return result
+
+
+async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> SideResult:
+    result = SideResult("client", len(bodies), 0.0, 0)
+    in_flight = 0
+    queue = iter(bodies)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one_at_a_time(client: httpx.AsyncClient) -> None:
+        nonlocal in_flight
+        for body in queue:
+            in_flight += 1
+            result.concurrency.append(in_flight)
+            try:
+                answer = await client.post(ENDPOINT, json=body)
+            finally:
+                in_flight -= 1
+            answer.raise_for_status()
+            result.output_tokens += int(answer.json()["usage"]["completion_tokens"])
+
+    async with httpx.AsyncClient(base_url=url, timeout=SIDE_TIMEOUT_S, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_at_a_time(client) for _ in range(concurrency)))
+        result.seconds = time.perf_counter() - t0
+    return result
+
+
+def run_client(url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency: int) -> SideResult:
+    """The same requests straight to the engine, ``concurrency`` in flight."""
+    bodies = [request_body(w.model, p, w.max_tokens) for p in prompts]
+    return asyncio.run(_straight(url, bodies, max(1, concurrency)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser(NAME, __doc__ or "")
+    p.add_argument(
+        "--model", default=None, help="tiny or smollm2 (default: smollm2; tiny with --quick)"
+    )
+    p.add_argument("--items", type=int, default=None, help="override the job's items")
+    p.add_argument("--kv-blocks", type=int, default=None, help="override the engine's KV blocks")
+    args = p.parse_args(argv)
+    w = workload(args.quick, args.model)
+    if args.items or args.kv_blocks:
+        w = PrefixWorkload(
+            **{
+                **asdict(w),
+                "items": args.items or w.items,
+                "kv_blocks": args.kv_blocks or w.kv_blocks,
+            }
+        )
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    logs = OUT_DIR / "prefix-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    settings = get_settings()
+    server = devengine.start_model(
+        w.model, num_gpu_blocks_override=w.kv_blocks, kv_cache_gib=1, max_model_len=2048
+    )
+    try:
+        pool = parse_cache_config(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        if not pool.prefix_caching:
+            raise RuntimeError("the engine runs without prefix caching: nothing to share")
+        shared, prompts = build_prompts(server.url, w)
+        shared_tokens = _count(server.url, w.model, shared)
+        prompt_tokens = [_count(server.url, w.model, x) for x in prompts]
+        say(
+            f"{w.model}: pool {pool.capacity_tokens} tokens (block {pool.block_size}); "
+            f"instruction {shared_tokens} tokens; prompts {min(prompt_tokens)}-"
+            f"{max(prompt_tokens)} tokens; {w.items} items x {w.max_tokens} out"
+        )
+        with BackfillStack(server.url, logs, {"reaper_interval_s": "0.5"}).running() as stack:
+            ledger = Ledger.from_url(settings.redis_url, stack.namespace, pool_policy(settings))
+            repo = Repository.connect(stack.database_url, pool_size=2)
+            try:
+                whole = run_backfill(stack, repo, ledger, pool, w, prompts, share=False)
+                say(
+                    f"whole: {whole.seconds:.1f} s, peak {whole.peak}, "
+                    f"{whole.tokens_per_s:.1f} tok/s"
+                )
+                shared_run = run_backfill(stack, repo, ledger, pool, w, prompts, share=True)
+                say(
+                    f"shared: {shared_run.seconds:.1f} s, peak {shared_run.peak}, "
+                    f"{shared_run.tokens_per_s:.1f} tok/s"
+                )
+            finally:
+                repo.close()
+                ledger.close()
+        client = run_client(server.url, w, prompts, shared_run.peak)
+        say(f"client c={shared_run.peak}: {client.seconds:.1f} s, {client.tokens_per_s:.1f} tok/s")
+    finally:
+        server.stop()
+    sides = [whole, shared_run, client]
+    v = verdict(shared_run, whole, client)
+    print(
+        table(
+            ["side", "items", "seconds", "out tokens", "out tok/s", "peak seqs", "mean seqs",
+             "alloc over reserved"],
+            side_rows(sides),
+        )
+    )  # fmt: skip
+    print()
+    print(
+        table(
+            ["figure", "value", "goal", "holds"],
+            [(*c[:3], "yes" if c[3] else "no") for c in v.checks],
+        )
+    )
+    print(
+        f"{w.model}: instruction {shared_tokens} tokens, prompts {min(prompt_tokens)}-"
+        f"{max(prompt_tokens)} (mean {sum(prompt_tokens) / len(prompt_tokens):.0f}), pool "
+        f"{pool.capacity_tokens} KV tokens; client at c={shared_run.peak}; "
+        f"{shared_run.extra.get('items_leaning_on_prefix')} of {w.items} shared items leaned "
+        f"on the prefix; {machine()}"
+    )
+    details = {
+        "command": "python -m bench.prefix" + (" --quick" if args.quick else ""),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "started": started,
+        "workload": asdict(w),
+        "instruction_tokens": shared_tokens,
+        "prompt_tokens": prompt_tokens,
+        "pool": {"capacity_tokens": pool.capacity_tokens, "block_size": pool.block_size},
+        "sides": {
+            s.side: asdict(s) | {"tokens_per_s": s.tokens_per_s, "peak": s.peak, "mean": s.mean}
+            for s in sides
+        },
+        "checks": [list(c) for c in v.checks],
+    }
+    finish(
+        NAME,
+        "concurrency_ratio",
+        v.concurrency_ratio,
+        ">=",
+        CONCURRENCY_GOAL,
+        details,
+        holds=v.holds,
+    )
+
+
+if __name__ == "__main__":
+    main()
