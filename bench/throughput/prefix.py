@@ -20,6 +20,13 @@ the ledger reserved; the most it held above the reservation over the samples is 
 ``vllm run-batch`` is not a side here (its in-process engine would be a second engine start on
 these two cores; ``bench.throughput`` runs it).
 
+Every item generates exactly ``max_tokens`` (``ignore_eos``), so items started together end
+together; with ``--vary-output`` each item's ``max_tokens`` is drawn from half to 1.5x the mean
+instead (seeded, the same on every side), as real summaries end apart. That matters here: the
+worker leans an item on the prefix only while an attempt holding it in the engine has
+prefilled (``backfill.dispatch.starts.shared_prefix_tokens``), so a wave that starts and ends
+together starts the next one cold, reserving whole prompts.
+
 Closes on ``prefix: concurrency_ratio=<x> (goal >= 2.0)``; the verdict also needs the
 throughput ratio (>= 1.5), the straight-client ratio (>= 0.95) and nothing allocated above the
 reservation.
@@ -56,6 +63,7 @@ from bench.throughput.prefix_workload import (
     doc_lengths,
     document,
     instruction,
+    output_lengths,
     over_reserved,
     prompt,
     request_body,
@@ -102,11 +110,12 @@ def _submit(repo: Repository, w: PrefixWorkload, prompts: Sequence[str], *, find
     tenant = repo.create_tenant(f"prefix-{'shared' if find else 'whole'}-{secrets.token_hex(3)}")
     f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
     job = repo.create_job(tenant.id, f.id, ENDPOINT, "24h", datetime.now(UTC) + timedelta(hours=24))
+    outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
     repo.insert_items(
         job.id,
         [
-            NewItem(i, f"r{i}", json.dumps(request_body(w.model, p, w.max_tokens)), w.max_tokens)
-            for i, p in enumerate(prompts)
+            NewItem(i, f"r{i}", json.dumps(request_body(w.model, p, n)), n)
+            for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))
         ],
     )
     with repo.engine.begin() as conn:
@@ -229,7 +238,8 @@ async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int
 
 def run_client(url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency: int) -> SideResult:
     """The same requests straight to the engine, ``concurrency`` in flight."""
-    bodies = [request_body(w.model, p, w.max_tokens) for p in prompts]
+    outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
+    bodies = [request_body(w.model, p, n) for p, n in zip(prompts, outputs, strict=True)]
     return asyncio.run(_straight(url, bodies, max(1, concurrency)))
 
 
@@ -239,15 +249,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--model", default=None, help="tiny or smollm2 (default: smollm2; tiny with --quick)"
     )
     p.add_argument("--items", type=int, default=None, help="override the job's items")
+    p.add_argument(
+        "--vary-output",
+        action="store_true",
+        help="each item's max_tokens from half to 1.5x the mean, so items end apart",
+    )
     p.add_argument("--kv-blocks", type=int, default=None, help="override the engine's KV blocks")
     args = p.parse_args(argv)
     w = workload(args.quick, args.model)
-    if args.items or args.kv_blocks:
+    if args.items or args.kv_blocks or args.vary_output:
         w = PrefixWorkload(
             **{
                 **asdict(w),
                 "items": args.items or w.items,
                 "kv_blocks": args.kv_blocks or w.kv_blocks,
+                "vary_output": args.vary_output,
             }
         )
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -268,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{w.model}: pool {pool.capacity_tokens} tokens (block {pool.block_size}); "
             f"instruction {shared_tokens} tokens; prompts {min(prompt_tokens)}-"
             f"{max(prompt_tokens)} tokens; {w.items} items x {w.max_tokens} out"
+            + (" (varied from half to 1.5x)" if w.vary_output else "")
         )
         with BackfillStack(server.url, logs, {"reaper_interval_s": "0.5"}).running() as stack:
             ledger = Ledger.from_url(settings.redis_url, stack.namespace, pool_policy(settings))
@@ -314,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"on the prefix; {machine()}"
     )
     details = {
-        "command": "python -m bench.prefix" + (" --quick" if args.quick else ""),
+        "command": "python -m bench.prefix"
+        + (" --quick" if args.quick else "")
+        + (" --vary-output" if args.vary_output else ""),
         "argv": sys.argv[1:] if argv is None else list(argv),
         "started": started,
         "workload": asdict(w),

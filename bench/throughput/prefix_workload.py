@@ -30,6 +30,9 @@ class PrefixWorkload:
     max_tokens: int
     kv_blocks: int
     """The engine's KV pool (``num_gpu_blocks_override``): small, so batch slack binds."""
+    vary_output: bool = False
+    """Each item's ``max_tokens`` drawn from half to one and a half of ``max_tokens`` (seeded)
+    instead of all alike, so items end at different times (as real summaries do)."""
 
 
 def workload(quick: bool, model: str | None = None) -> PrefixWorkload:
@@ -65,6 +68,17 @@ def doc_lengths(n: int, low: int, high: int, seed: int = 36) -> list[int]:
         raise ValueError(f"document lengths need 0 < low <= high, not {low}..{high}")
     rng = random.Random(seed)
     return [rng.randint(low, high) for _ in range(n)]
+
+
+def output_lengths(n: int, mean: int, vary: bool, seed: int = 37) -> list[int]:
+    """Each item's output tokens: ``mean`` for all, or (``vary``) uniform in
+    ``[mean // 2, mean + mean // 2]``, seeded."""
+    if mean < 2:
+        raise ValueError(f"output tokens need a mean of at least 2, not {mean}")
+    if not vary:
+        return [mean] * n
+    rng = random.Random(seed)
+    return [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]
 
 
 def document(corpus: str, index: int, chars: int) -> str:

@@ -10,6 +10,7 @@ from bench.throughput.prefix_workload import (
     doc_lengths,
     document,
     instruction,
+    output_lengths,
     over_reserved,
     prompt,
     request_body,
@@ -40,6 +41,18 @@ def test_document_lengths_are_seeded_and_within_bounds() -> None:
     assert doc_lengths(500, 200, 600, seed=1) == lengths
     with pytest.raises(ValueError, match="0 < low <= high"):
         doc_lengths(3, 600, 200)
+
+
+def test_output_lengths_alike_or_varied_about_the_mean() -> None:
+    assert output_lengths(3, 200, vary=False) == [200, 200, 200]
+    varied = output_lengths(400, 200, vary=True, seed=2)
+    assert min(varied) >= 100
+    assert max(varied) <= 300
+    assert len(set(varied)) > 50  # items end apart
+    assert 180 <= sum(varied) / len(varied) <= 220
+    assert output_lengths(400, 200, vary=True, seed=2) == varied
+    with pytest.raises(ValueError, match="at least 2"):
+        output_lengths(3, 1, vary=True)
 
 
 def test_documents_differ_and_have_the_length_asked_even_past_the_corpus() -> None:
