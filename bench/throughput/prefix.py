@@ -17,8 +17,10 @@ Each tenant has a cache salt of its own, so neither Backfill side warms the othe
 cache. While a Backfill side runs, the ledger is sampled around an engine reading (as the e2e
 test does): batch sequences at once (peak and mean) and the engine's allocated KV against what
 the ledger reserved; the most it held above the reservation over the samples is reported.
-``vllm run-batch`` is not a side here (its in-process engine would be a second engine start on
-these two cores; ``bench.throughput`` runs it).
+* **run-batch** -- ``vllm run-batch`` on the same requests, its in-process engine started with
+  the same pool (``bench.throughput``'s driver, timed from its own processing coroutine so the
+  engine's start is left out); vLLM schedules every request itself, no cap. After the others,
+  so the two engines never share the cores; ``--no-run-batch`` leaves it out.
 
 Every item generates exactly ``max_tokens`` (``ignore_eos``), so items started together end
 together; with ``--vary-output`` each item's ``max_tokens`` is drawn from half to 1.5x the mean
@@ -37,11 +39,14 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -56,6 +61,7 @@ from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
+from bench.throughput.engine import engine_args, engine_env
 from bench.throughput.prefix_workload import (
     CONCURRENCY_GOAL,
     PrefixWorkload,
@@ -72,6 +78,7 @@ from bench.throughput.prefix_workload import (
     verdict,
     workload,
 )
+from bench.throughput.sides import RUN_BATCH_DRIVER
 from devkit import devengine
 from devkit.dev import DOCS
 
@@ -243,6 +250,49 @@ def run_client(url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency:
     return asyncio.run(_straight(url, bodies, max(1, concurrency)))
 
 
+def run_batch(w: PrefixWorkload, prompts: Sequence[str], workdir: Path) -> SideResult:
+    """The same requests through ``vllm run-batch`` (its engine's start not timed)."""
+    spec = devengine.MODELS[w.model]
+    python, model_dir = devengine.provision(w.model)
+    outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": ENDPOINT,
+            "body": request_body(w.model, p, n),
+        }
+        for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+    src, dst = workdir / "in.jsonl", workdir / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    argv = [
+        str(python), "-c", RUN_BATCH_DRIVER, "-i", str(src), "-o", str(dst),
+        "--model", str(model_dir), "--served-model-name", spec.name, *engine_args(spec),
+        "--num-gpu-blocks-override", str(w.kv_blocks),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        argv,
+        cwd=workdir,
+        env=engine_env(workdir, 1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
+    marker = [x for x in proc.stdout.splitlines() if x.startswith("BACKFILL_RUN_BATCH ")]
+    if proc.returncode != 0 or not marker:
+        tail = "\n".join(proc.stdout.splitlines()[-20:])
+        raise RuntimeError(f"vllm run-batch failed (exit {proc.returncode}):\n{tail}")
+    rows = [json.loads(x) for x in dst.read_text().splitlines() if x.strip()]
+    bad = [r for r in rows if r.get("error") or r["response"]["status_code"] != 200]
+    if bad or len(rows) != len(lines):
+        raise RuntimeError(f"run-batch: {len(bad)} failed of {len(rows)}: {bad[:1]}")
+    seconds = float(json.loads(marker[-1].split(" ", 1)[1])["seconds"])
+    out = sum(int(r["response"]["body"]["usage"]["completion_tokens"]) for r in rows)
+    return SideResult("run-batch", len(rows), seconds, out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = parser(NAME, __doc__ or "")
     p.add_argument(
@@ -254,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="each item's max_tokens from half to 1.5x the mean, so items end apart",
     )
+    p.add_argument("--no-run-batch", action="store_true", help="leave vllm run-batch out")
     p.add_argument("--kv-blocks", type=int, default=None, help="override the engine's KV blocks")
     args = p.parse_args(argv)
     w = workload(args.quick, args.model)
@@ -308,6 +359,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         server.stop()
     sides = [whole, shared_run, client]
+    run_batch_error = None
+    if not args.no_run_batch:
+        try:
+            with tempfile.TemporaryDirectory(prefix="bfprefix-rb-") as workdir:
+                sides.append(run_batch(w, prompts, Path(workdir)))
+            say(f"run-batch: {sides[-1].seconds:.1f} s, {sides[-1].tokens_per_s:.1f} tok/s")
+        except RuntimeError as exc:
+            run_batch_error = str(exc)
+            say(f"run-batch not measured: {exc}")
     v = verdict(shared_run, whole, client)
     print(
         table(
@@ -345,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for s in sides
         },
         "checks": [list(c) for c in v.checks],
+        "run_batch_error": run_batch_error,
     }
     finish(
         NAME,

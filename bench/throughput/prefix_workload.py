@@ -195,6 +195,7 @@ def verdict(shared: SideResult, whole: SideResult, straight: SideResult) -> Verd
 
 
 def side_rows(sides: Sequence[SideResult]) -> list[tuple[Any, ...]]:
+    """One table row a side; a side whose concurrency was not sampled (run-batch) shows "-"."""
     return [
         (
             s.side,
@@ -202,9 +203,9 @@ def side_rows(sides: Sequence[SideResult]) -> list[tuple[Any, ...]]:
             s.seconds,
             s.output_tokens,
             s.tokens_per_s,
-            s.peak,
-            s.mean,
-            s.over_reserved,
+            s.peak if s.concurrency else "-",
+            s.mean if s.concurrency else "-",
+            s.over_reserved if s.samples else "-",
         )
         for s in sides
     ]

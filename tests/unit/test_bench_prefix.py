@@ -15,6 +15,7 @@ from bench.throughput.prefix_workload import (
     prompt,
     request_body,
     rules_for,
+    side_rows,
     verdict,
     workload,
 )
@@ -104,5 +105,8 @@ def test_the_verdict_holds_only_when_every_condition_does() -> None:
     assert not over.holds
     assert [held for *_, held in over.checks] == [True, True, True, False]
     assert not verdict(_side("shared", 50.0, 2000, [12]), whole, client).holds  # 1.5x
+    rows = side_rows([shared, SideResult("run-batch", 10, 40.0, 2000)])
+    assert rows[0][5:] == (20, pytest.approx(16.0), 0)
+    assert rows[1][5:] == ("-", "-", "-")
     assert over_reserved(100, 128) == 0
     assert over_reserved(256, 128) == 128
