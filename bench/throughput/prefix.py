@@ -83,7 +83,8 @@ from devkit import devengine
 from devkit.dev import DOCS
 
 NAME = "prefix"
-ENDPOINT = "/v1/completions"
+ENDPOINT = "/v1/chat/completions"
+"""Chat on every side: this vLLM's ``run-batch`` takes no ``/v1/completions`` lines."""
 SIDE_TIMEOUT_S = 1800.0
 
 

@@ -98,10 +98,11 @@ def prompt(shared: str, doc: str) -> str:
 
 
 def request_body(model: str, text: str, max_tokens: int) -> dict[str, Any]:
-    """A completions body every side sends alike: greedy, exactly ``max_tokens`` out."""
+    """A chat body every side sends alike (chat: ``vllm run-batch`` takes no completions):
+    greedy, exactly ``max_tokens`` out."""
     return {
         "model": model,
-        "prompt": text,
+        "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,

@@ -71,6 +71,7 @@ def test_documents_differ_and_have_the_length_asked_even_past_the_corpus() -> No
     assert body["max_tokens"] == 200
     assert body["ignore_eos"] is True
     assert body["temperature"] == 0
+    assert body["messages"] == [{"role": "user", "content": "x"}]
 
 
 def test_the_quick_run_is_the_tiny_model_with_the_issues_shape() -> None:
