@@ -173,19 +173,10 @@ def run_backfill(
 ) -> SideResult:
     side = "shared" if share else "whole"
     job = _submit(repo, w, prompts, find=share)
-    if share:
-        # The worker's pass finds them once the job is in progress; wait for them first, so the
-        # clock times the shared reservation only.
-        repo.move_job(job, JobState.IN_PROGRESS)
-        end = time.monotonic() + 300
-        while not repo.prefix_groups(job):
-            if time.monotonic() > end:
-                raise RuntimeError("the worker found no prefix in 300 s")
-            time.sleep(0.05)
-        t0 = time.perf_counter()
-    else:
-        t0 = time.perf_counter()
-        repo.move_job(job, JobState.IN_PROGRESS)
+    # Timed from the job in progress, the prefix pass included: the worker claims the job's
+    # first items as the pass runs (those it has not grouped yet reserve their whole prompts).
+    t0 = time.perf_counter()
+    repo.move_job(job, JobState.IN_PROGRESS)
     result = SideResult(side, w.items, 0.0, 0)
     metrics_url = f"{stack.engine_url}/metrics"
     end = time.monotonic() + SIDE_TIMEOUT_S
