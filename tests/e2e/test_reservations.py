@@ -183,10 +183,13 @@ def _run_to_end(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
 
 
 def _reservations(stack: Stack, job_id: str) -> dict[str, int]:
+    """What covered each item in the engine: its lease's own tokens, and the shared prompt
+    prefix its lease leaned on (held once on the node by the ledger; issue 36): items whose
+    prompts start alike share one once the worker has found the prefix and it is cached."""
     with stack.repo.engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT custom_id, reservation_tokens FROM items "
+                "SELECT custom_id, reservation_tokens + lease_prefix_tokens FROM items "
                 "WHERE job_id = :j AND reservation_tokens IS NOT NULL"
             ),
             {"j": job_id},
