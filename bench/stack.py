@@ -171,20 +171,7 @@ class BackfillStack:
             for i, b in enumerate(bodies)
         ).encode()
         with httpx.Client(base_url=self.base, headers=self.auth, timeout=120) as client:
-            uploaded = client.post(
-                "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"}
-            )
-            uploaded.raise_for_status()
-            created = client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": uploaded.json()["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            )
-            created.raise_for_status()
-            return str(created.json()["id"])
+            return upload_batch(client, data, "in.jsonl")
 
     def cancel(self, batch_id: str) -> None:
         with httpx.Client(base_url=self.base, headers=self.auth, timeout=60) as client:
@@ -214,3 +201,20 @@ class BackfillStack:
                 "JOIN items i ON i.id = a.item_id WHERE a.outcome = 'preempted'"
             ).fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def upload_batch(client: httpx.Client, content: bytes, name: str) -> str:
+    """Upload ``content`` as the batch input file ``name`` and create a chat-completions batch
+    of it (24 h window) through ``client``; returns the batch's id."""
+    uploaded = client.post("/v1/files", files={"file": (name, content)}, data={"purpose": "batch"})
+    uploaded.raise_for_status()
+    created = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    created.raise_for_status()
+    return str(created.json()["id"])

@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 from backfill.config import get_settings, libpq_url
 from backfill.summarize.reduce_plan import plan_reduce
 from bench.common import OUT_DIR, finish, parser
-from bench.stack import BACKFILL, BackfillStack
+from bench.stack import BACKFILL, BackfillStack, upload_batch
 from devkit import devengine
 from devkit.dev import DOCS
 
@@ -272,23 +272,7 @@ def reset_prefix_cache(engine_url: str) -> None:
 
 
 def send_batches(client: httpx.Client, contents: Sequence[bytes], tag: str) -> list[str]:
-    ids = []
-    for n, content in enumerate(contents):
-        uploaded = client.post(
-            "/v1/files", files={"file": (f"{tag}-{n}.jsonl", content)}, data={"purpose": "batch"}
-        )
-        uploaded.raise_for_status()
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": uploaded.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        created.raise_for_status()
-        ids.append(created.json()["id"])
-    return ids
+    return [upload_batch(client, c, f"{tag}-{n}.jsonl") for n, c in enumerate(contents)]
 
 
 def batches_side(
