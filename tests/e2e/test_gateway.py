@@ -191,6 +191,7 @@ def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
             max_tokens=10,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
     )
     text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -444,7 +445,10 @@ def test_a_request_that_cannot_get_room_is_refused_with_retry_after(gw: Gateway)
         reply = gw.sdk(**{"X-Backfill-Max-Wait": "5"}).completions.create(
             model=MODEL, prompt="Hello", max_tokens=200
         )
-        assert reply.choices[0].text
+        # Admitted and run by the engine; a sampled reply may be only the end token, so no text
+        # is asserted (CI stop 46 drew exactly that).
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage is not None and reply.usage.prompt_tokens > 0
         assert gw.metric("backfill_gateway_admission_wait_seconds_sum") - waited_before > 0.3
     finally:
         gw.ledger.release(held)

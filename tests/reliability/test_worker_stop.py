@@ -112,7 +112,7 @@ def test_a_worker_paused_past_its_lease_cannot_write_its_stale_results(
             d.wait(lambda: d.done(job) == n, 120, "every item")
             # Let the resumed worker find its claims gone and try its late writes.
             time.sleep(2 * d.settings.heartbeat_interval_s + 1)
-            stale.terminate()
+            stale_exit = stale.terminate()
             fresh.terminate()
             d.assert_no_leak(timeout=LEASE_TTL_S + 5)
     finally:
@@ -160,7 +160,10 @@ def test_a_worker_paused_past_its_lease_cannot_write_its_stale_results(
     d.assert_exactly_once(job, n)
     assert finals == len(taken), "a paused worker's item was not finished by a new attempt"
     # The resumed worker wrote none of the items taken from it.
-    assert stats, "the paused worker did not report its counters"
+    assert stats, (
+        f"the paused worker did not report its counters (exit {stale_exit}):\n"
+        + stale.log_text()[-4000:]
+    )
     assert not samples.violations, samples.violations[:5]
 
 
