@@ -17,8 +17,8 @@ from backfill.ledger import Ledger
 from backfill.ratelimit import RateLimiter
 from backfill.redis_client import AsyncRedis, SyncRedis, connect, connect_async
 from backfill.store import Repository
-from backfill.webhooks.outbox import WebhookStore
 from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
+from backfill.webhooks.store import WebhookStore
 from queue_api import errors, metrics
 from queue_api.edge import Gate, RequestEdge
 from queue_api.gateway import InteractiveGateway

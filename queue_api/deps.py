@@ -11,7 +11,7 @@ from backfill.capacity_view import UsageSource
 from backfill.config import Settings
 from backfill.ingest_slots import IngestSlots
 from backfill.store import Repository, TenantRecord
-from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.store import WebhookStore
 from queue_api.edge import TENANT_STATE, Gate, client_address
 from queue_api.ingest_processes import IngestProcesses
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backfill.webhooks.outbox import DeliveryRecord, EndpointRecord
+from backfill.webhooks.store import DeliveryRecord, EndpointRecord
 from queue_api.schemas import unix
 
 

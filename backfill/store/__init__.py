@@ -1,9 +1,9 @@
 """The store: the gateway for SQL. Every statement Backfill sends to Postgres about tenants,
 files, nodes, jobs and items is in this package, each a named query beside the code that runs
-it. The one other module that sends SQL is the webhook outbox (``backfill.webhooks.outbox``):
-it owns the ``webhook_*`` tables, its sender claims deliveries there, and its
-``enqueue_batch_event`` is called by :mod:`~backfill.store.jobs` inside a job move's own
-transaction (``backfill.webhooks.doorbell`` only LISTENs for it).
+it. The other modules that send SQL are the webhooks' (``backfill.webhooks.outbox`` and
+``backfill.webhooks.store``): they own the ``webhook_*`` tables, the sender claims deliveries
+in the outbox, and its ``enqueue_batch_event`` is called by :mod:`~backfill.store.jobs`
+inside a job move's own transaction (``backfill.webhooks.doorbell`` only LISTENs for it).
 
 Rules it keeps:
 - Every state change is a guarded ``UPDATE ... WHERE state = ANY(sources)`` checked against

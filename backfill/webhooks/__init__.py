@@ -4,8 +4,9 @@
 - ``signing``: secrets and Standard Webhooks signatures as OpenAI makes them (pure).
 - ``sealing``: signing secrets encrypted at rest under the deployment's keys.
 - ``targets``: which URLs and addresses a delivery may go to.
-- ``outbox``: every statement about endpoints, events and deliveries (the outbox is written
-  in the transaction that ends the batch, so an event exists exactly when the end committed).
+- ``outbox``: events, their deliveries and the queue senders claim them from (written in
+  the transaction that ends the batch, so an event exists exactly when the end committed).
+- ``store``: a tenant's endpoints, their signing secrets and the delivery log.
 - ``retry``: when a failed delivery is tried again, and when it is given up (pure).
 - ``delivery``: the sender, a thin loop that carries those plans out.
 """

@@ -15,8 +15,8 @@ from sqlalchemy import create_engine
 from backfill import logs
 from backfill.config import get_settings
 from backfill.webhooks.delivery import Sender
-from backfill.webhooks.outbox import WebhookStore
 from backfill.webhooks.sealing import SecretSeal
+from backfill.webhooks.store import WebhookStore
 
 
 def main() -> None:

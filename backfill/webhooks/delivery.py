@@ -35,7 +35,7 @@ from backfill.errors import StoreUnavailable
 from backfill.webhooks.deadline import Deadline
 from backfill.webhooks.doorbell import Doorbell
 from backfill.webhooks.events import event_body
-from backfill.webhooks.outbox import ClaimedDelivery, WebhookStore
+from backfill.webhooks.outbox import ClaimedDelivery
 from backfill.webhooks.retry import (
     AfterAttempt,
     AttemptResult,
@@ -45,6 +45,7 @@ from backfill.webhooks.retry import (
 )
 from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
 from backfill.webhooks.signing import signed_headers
+from backfill.webhooks.store import WebhookStore
 from backfill.webhooks.targets import Resolver, Target, TargetRefused, check_target, system_resolver
 
 log = logging.getLogger("backfill.webhooks")

@@ -14,7 +14,8 @@ from backfill.webhooks.events import (
     new_webhook_id,
     parse_event_types,
 )
-from backfill.webhooks.outbox import ClaimedDelivery, EndpointRecord, WebhookStore
+from backfill.webhooks.outbox import ClaimedDelivery
+from backfill.webhooks.store import EndpointRecord, WebhookStore
 from backfill.webhooks.targets import Resolver, TargetRefused, check_target, system_resolver
 
 MAX_NAME_CHARS = 200

@@ -30,7 +30,8 @@ from backfill.states import JobState
 from backfill.store import Repository
 from backfill.webhooks.delivery import Sender
 from backfill.webhooks.endpoints import add_endpoint
-from backfill.webhooks.outbox import WebhookStore, enqueue_batch_event
+from backfill.webhooks.outbox import enqueue_batch_event
+from backfill.webhooks.store import WebhookStore
 from bench.common import finish, parser, percentile, scratch_database, table
 
 NAME = "webhooks"

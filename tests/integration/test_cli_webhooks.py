@@ -14,7 +14,7 @@ from webhook_receiver import Receiver, listening, new_receiver
 from backfill.config import Settings
 from backfill.store import Repository
 from backfill.webhooks.delivery import Sender
-from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.store import WebhookStore
 from backfill_cli.app import app
 
 

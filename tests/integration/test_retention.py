@@ -19,7 +19,7 @@ from backfill.maintenance import pool_policy, tick
 from backfill.states import JobState
 from backfill.store import Repository
 from backfill.webhooks.endpoints import add_endpoint
-from backfill.webhooks.outbox import WebhookStore
+from backfill.webhooks.store import WebhookStore
 
 
 @pytest.fixture

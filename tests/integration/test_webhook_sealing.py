@@ -21,8 +21,8 @@ from backfill.config import Settings
 from backfill.store import Repository
 from backfill.webhooks.delivery import Sender
 from backfill.webhooks.endpoints import add_endpoint
-from backfill.webhooks.outbox import WebhookStore
 from backfill.webhooks.sealing import SEALED, SecretSeal, UnsealError, new_key
+from backfill.webhooks.store import WebhookStore
 
 KEY_A, KEY_B = new_key(), new_key()
 STORED = "SELECT secret, previous_secret FROM webhook_endpoints WHERE id = :i"

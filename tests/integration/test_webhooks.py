@@ -44,8 +44,8 @@ from backfill.store import JobRecord, Repository
 from backfill.store.jobs import move_job as _move_job
 from backfill.webhooks.delivery import RoundReport, Sender, SenderThread
 from backfill.webhooks.endpoints import add_endpoint
-from backfill.webhooks.outbox import EndpointRecord, WebhookStore
 from backfill.webhooks.retry import DeliveryState
+from backfill.webhooks.store import EndpointRecord, WebhookStore
 
 
 @pytest.fixture
