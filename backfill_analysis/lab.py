@@ -31,8 +31,8 @@ from backfill.policy import (
     PoolState,
     ServiceClass,
     decide,
-    reservation_tokens,
 )
+from backfill.reservations import reservation_tokens
 
 MAX_REQUESTS = 4096
 MAX_CAPACITY_SLOTS = 64

@@ -27,9 +27,9 @@ from backfill.dispatch.outcomes import (
 )
 from backfill.engine.protocol import EngineRejected, EngineUnavailable
 from backfill.output_budget import fitted_output, with_output_budget
-from backfill.policy import reservation_tokens
 from backfill.prefill import PromptCount
 from backfill.refusals import InvalidRequest
+from backfill.reservations import reservation_tokens
 from backfill.results import http_error_record
 from backfill.store import ClaimedItem
 

@@ -10,7 +10,8 @@ from enum import StrEnum
 from typing import Protocol
 
 from backfill.errors import LedgerError
-from backfill.policy import PPM, PoolState, Reason, ServiceClass
+from backfill.policy import PoolState, Reason, ServiceClass
+from backfill.reservations import PPM
 
 
 class LeaseStatus(StrEnum):

@@ -81,7 +81,7 @@ local function load_pool()
   return p
 end
 
--- The formulas of backfill/policy.py.
+-- The formulas of backfill/policy.py and backfill/reservations.py.
 local function batch_ceiling(p)
   return math.max(0, p.capacity - math.max(p.reserve, p.headroom) - p.safety)
 end

@@ -7,7 +7,7 @@
               only, interactive may preempt batch (:func:`backfill.policy.choose_victims`),
               and a work budget that holds back new batch prefills while interactive waits.
 ``backfill-overcommit``  the same, charging batch for the measured output ratio
-              (:func:`backfill.policy.overcommit_from_ratios`) once enough items finished.
+              (:func:`backfill.reservations.overcommit_from_ratios`) once enough items finished.
 ``backfill-budget``  "Backfill + work budget": the real admission policy, with the worker's
               own work budget controller (:mod:`backfill.work_budget`) stepped every
               ``control_interval_s`` from the signals the worker reads (gateway waiting and
@@ -38,8 +38,8 @@ from backfill.policy import (
     PoolState,
     ServiceClass,
     decide,
-    overcommit_from_ratios,
 )
+from backfill.reservations import overcommit_from_ratios
 from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
 from backfill_analysis.simulate.engine import DECODE, Engine, Sequence, StepReport
 from backfill_analysis.simulate.stepsched import StepSchedule

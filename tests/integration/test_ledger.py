@@ -37,7 +37,6 @@ from backfill.ledger import (
 )
 from backfill.policy import (
     AdmissionRequest,
-    BatchOvercommit,
     ClassLimits,
     DecisionKind,
     PoolPolicy,
@@ -48,6 +47,7 @@ from backfill.policy import (
     decide,
     interactive_room,
 )
+from backfill.reservations import BatchOvercommit
 
 T0 = 1_700_000_000_000
 TTL = 10_000

@@ -11,9 +11,10 @@ import pytest
 
 from backfill.batch_input import InputLimits, InvalidBatch, ValidatedBatch, validate_batch_input
 from backfill.ledger import ReserveRequest
-from backfill.policy import ServiceClass, reservation_tokens
+from backfill.policy import ServiceClass
 from backfill.prefill import EMBEDDINGS, PromptCount, prefill_plan
 from backfill.refusals import InvalidRequest
+from backfill.reservations import reservation_tokens
 
 LIMITS = InputLimits(
     max_file_bytes=10_000_000,

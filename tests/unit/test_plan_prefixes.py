@@ -5,7 +5,7 @@ first holder here; the rest reserve their whole prompt, as without prefixes."""
 from __future__ import annotations
 
 from backfill.dispatch import PrefixView, fit_starts, reserve_request, shared_prefix_tokens
-from backfill.policy import reservation_tokens
+from backfill.reservations import reservation_tokens
 from tests.unit.dispatch_builders import BLOCK, checked, flight, node
 
 CACHING = PrefixView(caching=True)

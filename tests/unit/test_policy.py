@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from backfill.policy import (
     AdmissionRequest,
-    BatchOvercommit,
     ClassLimits,
     DecisionKind,
     PoolPolicy,
@@ -23,11 +22,10 @@ from backfill.policy import (
     choose_victims,
     decide,
     interactive_room,
-    overcommit_from_ratios,
-    reservation_tokens,
     tenant_share_ppm,
     tenant_share_tokens,
 )
+from backfill.reservations import BatchOvercommit, overcommit_from_ratios, reservation_tokens
 
 BATCH = ServiceClass.BATCH
 INTERACTIVE = ServiceClass.INTERACTIVE

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backfill.policy import reservation_tokens
 from backfill.prefix_pass import prefix_body
 from backfill.prefixes import SharedPrefix, cacheable_blocks, prefix_id, shared_prefixes
+from backfill.reservations import reservation_tokens
 
 BLOCK = 4
 
