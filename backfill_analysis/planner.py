@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from backfill.capacity import (
     CapacityError,
-    EnginePool,
     ModelArchitecture,
     gpu_kv_budget_bytes,
     kv_bytes_for_sequence,
@@ -23,6 +22,7 @@ from backfill.capacity import (
     plan_pool,
     round_up_to_block,
 )
+from backfill.engine_metrics import EnginePool
 from backfill_analysis.presets import ModelPreset
 from backfill_analysis.simulate.trace import TraceRequest, concurrent_tokens, time_weighted_quantile
 

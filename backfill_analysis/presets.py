@@ -3,7 +3,7 @@
 Model figures are copied from each model's ``config.json`` on its Hugging Face hub page
 (the ``source`` field); parameter counts from the model cards. GPU figures are the vendors'
 datasheet peaks (dense, no sparsity). Planning only: admission uses the pool the engine
-measures (``backfill.capacity.parse_cache_config``).
+measures (``backfill.engine_metrics.parse_cache_config``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from backfill.capacity import parse_cache_config
+from backfill.engine_metrics import parse_cache_config
 from backfill.errors import BackfillError
 from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 

@@ -11,10 +11,10 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from backfill.capacity import EnginePool
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
 from backfill.engine.protocol import Endpoint, EngineError, ModelInfo
+from backfill.engine_metrics import EnginePool
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.store import Repository

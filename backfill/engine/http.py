@@ -23,7 +23,6 @@ from typing import Any, Self
 
 import httpx
 
-from backfill.capacity import EngineLoad, EnginePool, parse_cache_config, parse_engine_load
 from backfill.engine.protocol import (
     ChoiceDelta,
     CompletionStream,
@@ -37,6 +36,7 @@ from backfill.engine.protocol import (
     StreamChunk,
     Usage,
 )
+from backfill.engine_metrics import EngineLoad, EnginePool, parse_cache_config, parse_engine_load
 from backfill.engine_scheduler import EngineScheduler, parse_scheduler_metrics
 
 __all__ = ["HttpEngine", "read_engine_scheduler", "sse_lines"]

@@ -19,7 +19,7 @@ from enum import StrEnum
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
-from backfill.capacity import EngineLoad, EnginePool
+from backfill.engine_metrics import EngineLoad, EnginePool
 from backfill.errors import BackfillError
 from backfill.prefill import PrefillPlan, PromptCount
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backfill.capacity import EngineLoad
 from backfill.engine.protocol import Engine
+from backfill.engine_metrics import EngineLoad
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import psycopg
 
-from backfill.capacity import parse_engine_load
 from backfill.config import libpq_url
+from backfill.engine_metrics import parse_engine_load
 from backfill.store import Repository
 from bench.stack import BackfillStack
 from bench.throughput.engine import cpu_seconds

@@ -33,8 +33,8 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from backfill.capacity import parse_cache_config
 from backfill.config import get_settings
+from backfill.engine_metrics import parse_cache_config
 from backfill.ledger import Ledger, NodePool
 from backfill.maintenance import pool_policy
 from backfill.store import Repository

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from backfill.capacity import parse_cache_config
+from backfill.engine_metrics import parse_cache_config
 from backfill_analysis.simulate import costmodel
 from backfill_analysis.simulate.closedloop import closed_loop
 from backfill_analysis.simulate.costmodel import (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from backfill.capacity import parse_engine_load
+from backfill.engine_metrics import parse_engine_load
 from devkit import devengine
 
 MAX_NUM_SEQS = 128

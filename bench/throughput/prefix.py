@@ -52,8 +52,8 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from backfill.capacity import EnginePool, parse_cache_config, parse_engine_load
 from backfill.config import get_settings
+from backfill.engine_metrics import EnginePool, parse_cache_config, parse_engine_load
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.observe import engine_held_tokens, reserved_around

@@ -18,9 +18,10 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from backfill.capacity import EngineLoad, ModelArchitecture, kv_bytes_per_token, plan_pool
+from backfill.capacity import ModelArchitecture, kv_bytes_per_token, plan_pool
 from backfill.engine.http import HttpEngine
 from backfill.engine.protocol import Endpoint, EngineRejected, StreamChunk
+from backfill.engine_metrics import EngineLoad
 from worker.engine import resume_request
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +84,7 @@ def test_pool_is_what_the_server_was_started_with(engine: EngineUnderTest) -> No
 def test_load_read_from_the_needed_samples_equals_a_full_parse(engine: EngineUnderTest) -> None:
     """The load parser skips every sample it does not need (the histogram buckets are most of
     the text); on the real engine's text it must read what a full parse reads."""
-    from backfill import capacity  # noqa: PLC0415 - the private full parse, for comparison
+    from backfill import engine_metrics  # noqa: PLC0415 - the private full parse, to compare
 
     async def body(c: HttpEngine) -> str:
         body = {"model": engine.model, "max_tokens": 4, "ignore_eos": True, "prompt": "Hello"}
@@ -91,14 +92,18 @@ def test_load_read_from_the_needed_samples_equals_a_full_parse(engine: EngineUnd
         return await c.metrics_text()
 
     text = run(engine, body)
-    full = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in capacity._samples(text)}
-    kept = capacity._samples(text, capacity._LOAD_SAMPLES)
+    full = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for s in engine_metrics._samples(text)
+    }
+    kept = engine_metrics._samples(text, engine_metrics._LOAD_SAMPLES)
     assert len(kept) < len(full) / 4, "the filter kept most of the text"
     assert {s.name for s in kept} >= {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
     for s in kept:
         assert full[(s.name, tuple(sorted(s.labels.items())))] == s.value
-    assert {s.name for s in kept} == {name for name, _ in full if name in capacity._LOAD_SAMPLES}
-    load = capacity.parse_engine_load(text)
+    assert {s.name for s in kept} == {
+        name for name, _ in full if name in engine_metrics._LOAD_SAMPLES
+    }
+    load = engine_metrics.parse_engine_load(text)
     assert load.generation_tokens_total >= 4
 
 

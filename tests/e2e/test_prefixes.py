@@ -20,8 +20,8 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from backfill.capacity import parse_cache_config, parse_engine_load
 from backfill.config import Settings
+from backfill.engine_metrics import parse_cache_config, parse_engine_load
 from backfill.observe import engine_held_tokens, reserved_around
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository

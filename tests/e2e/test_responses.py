@@ -21,9 +21,10 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from backfill.capacity import EngineLoad, round_up_to_block
+from backfill.capacity import round_up_to_block
 from backfill.config import Settings
 from backfill.engine.http import HttpEngine
+from backfill.engine_metrics import EngineLoad
 from tests.e2e import helpers
 from tests.e2e.helpers import block_size, node_beside, node_settings, run_batch
 from tests.integration.batch_api_support import make_tenant, serve

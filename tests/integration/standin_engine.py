@@ -16,7 +16,6 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import text
 
-from backfill.capacity import EngineLoad, EnginePool
 from backfill.config import Settings
 from backfill.dispatch import DispatchConfig
 from backfill.engine.protocol import (
@@ -27,6 +26,7 @@ from backfill.engine.protocol import (
     StreamChunk,
     Usage,
 )
+from backfill.engine_metrics import EngineLoad, EnginePool
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import JobState

@@ -6,24 +6,26 @@ from __future__ import annotations
 import pytest
 
 from backfill.capacity import (
-    _LOAD_SAMPLES,
     CapacityError,
-    EngineLoad,
-    MetricMalformed,
-    MetricMissing,
-    MetricsError,
     ModelArchitecture,
-    _only,
     blocks_for,
     dtype_bytes,
     gpu_kv_budget_bytes,
     kv_bytes_for_sequence,
     kv_bytes_per_token,
+    plan_pool,
+    round_up_to_block,
+)
+from backfill.engine_metrics import (
+    _LOAD_SAMPLES,
+    EngineLoad,
+    MetricMalformed,
+    MetricMissing,
+    MetricsError,
+    _only,
     parse_cache_config,
     parse_cache_configs,
     parse_engine_load,
-    plan_pool,
-    round_up_to_block,
 )
 from backfill.errors import BackfillError
 

@@ -4,7 +4,7 @@ ledger's reservations."""
 
 from __future__ import annotations
 
-from backfill.capacity import EnginePool
+from backfill.engine_metrics import EnginePool
 from backfill.ledger import Lease, PoolSnapshot
 from backfill.ledger.values import PrefixHold
 from backfill.observe import (

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from backfill.capacity import CapacityError, kv_bytes_per_token, parse_cache_config
+from backfill.capacity import CapacityError, kv_bytes_per_token
+from backfill.engine_metrics import parse_cache_config
 from backfill_analysis.planner import (
     Hardware,
     check_against_engine,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from backfill.capacity import EngineLoad
 from backfill.engine.shared_load import SharedLoad
+from backfill.engine_metrics import EngineLoad
 
 
 class CountingEngine:
