@@ -1,9 +1,8 @@
-"""The domain model in Postgres: the source of truth for jobs, items and attempts.
+"""The queue's tables: tenants and their keys, files, nodes, and the jobs with their
+counters, items, attempts and events; the ledger's epoch.
 
-Redis holds the live token ledger, but everything needed to rebuild it (active attempts with
-their lease ids, tokens and fencing tokens, and each node's measured pool) lives here.
-States are stored as text with a CHECK constraint built from the enums, so a value outside
-the state machine cannot be written even by hand.
+Everything needed to rebuild the Redis ledger (active attempts with their lease ids, tokens
+and fencing tokens, and each node's measured pool) lives here.
 """
 
 from __future__ import annotations
@@ -15,14 +14,12 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
     Double,
     ForeignKey,
     Identity,
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     SmallInteger,
     String,
     Text,
@@ -32,42 +29,16 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
+from backfill.models.base import TZ, Base, in_list
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
-from backfill.summarize.states import DocumentState, StepState, SummaryJobState
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
-def _in_list(
-    values: frozenset[ItemState]
-    | type[ItemState]
-    | type[JobState]
-    | type[SummaryJobState]
-    | type[DocumentState]
-    | type[StepState],
-) -> str:
-    return ", ".join(f"'{v.value}'" for v in sorted(values, key=lambda s: s.value))
-
-
-CLAIMABLE_SQL = _in_list(ITEM_CLAIMABLE)
-ACTIVE_SQL = _in_list(ITEM_ACTIVE)
+CLAIMABLE_SQL = in_list(ITEM_CLAIMABLE)
+ACTIVE_SQL = in_list(ITEM_ACTIVE)
 
 ATTEMPTS_FILLFACTOR = 50
 """Percent of each ``attempts`` page filled by inserts (the rest is room for HOT updates)."""
-
-TZ = DateTime(timezone=True)
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
 class Tenant(Base):
@@ -201,7 +172,7 @@ class Job(Base):
     prefixes_taken_at: Mapped[datetime | None] = mapped_column(TZ)
 
     __table_args__ = (
-        CheckConstraint(f"state IN ({_in_list(JobState)})", name="state"),
+        CheckConstraint(f"state IN ({in_list(JobState)})", name="state"),
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         # Deleting an input file finds the batches whose items still point into it.
         Index("ix_jobs_input_file", "input_file_id"),
@@ -316,7 +287,7 @@ class Item(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
     __table_args__ = (
-        CheckConstraint(f"state IN ({_in_list(ItemState)})", name="state"),
+        CheckConstraint(f"state IN ({in_list(ItemState)})", name="state"),
         # 0: an embedding (it generates nothing).
         CheckConstraint("max_output_tokens >= 0", name="max_output_not_negative"),
         CheckConstraint(
@@ -419,217 +390,3 @@ class LedgerEpoch(Base):
 
     id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     epoch: Mapped[int] = mapped_column(BigInteger)
-
-
-class WebhookEndpoint(Base):
-    """A tenant's URL that hears of its batches' ends (``backfill.webhooks``)."""
-
-    __tablename__ = "webhook_endpoints"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    name: Mapped[str] = mapped_column(String(200))
-    url: Mapped[str] = mapped_column(String(2048))
-    event_types: Mapped[list[str]] = mapped_column(ARRAY(String(32)))
-    # The signing secret (the HMAC key must be at hand to sign: sealed under the deployment's
-    # keys, ``backfill.webhooks.sealing``, or in clear where none is set); a rotated-out
-    # secret keeps signing beside the new one until ``previous_secret_until``.
-    secret: Mapped[str] = mapped_column(Text)
-    previous_secret: Mapped[str | None] = mapped_column(Text)
-    previous_secret_until: Mapped[datetime | None] = mapped_column(TZ)
-    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-    # Since when every attempt to it has failed (NULL: its last one was delivered); past
-    # BACKFILL_WEBHOOKS_DISABLE_AFTER_S of that it is disabled, with the last error as reason.
-    failing_since: Mapped[datetime | None] = mapped_column(TZ)
-    disabled_at: Mapped[datetime | None] = mapped_column(TZ)
-    disabled_reason: Mapped[str | None] = mapped_column(Text)
-
-    __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at"),)
-
-
-class WebhookEvent(Base):
-    """The outbox: one row per batch end that some endpoint wants, written in the
-    transaction that ended the batch."""
-
-    __tablename__ = "webhook_events"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    type: Mapped[str] = mapped_column(String(32))
-    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-
-    __table_args__ = (Index("ix_webhook_events_job", "job_id"),)
-
-
-class WebhookDelivery(Base):
-    """One event's delivery to one endpoint: its ``webhook-id`` (the same on every attempt),
-    where it stands, and its last attempt (the delivery log)."""
-
-    __tablename__ = "webhook_deliveries"
-
-    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
-    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
-    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
-    tenant_id: Mapped[str] = mapped_column(String(40))
-    webhook_id: Mapped[str] = mapped_column(String(40), unique=True)
-    state: Mapped[str] = mapped_column(String(16), server_default="pending")
-    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
-    # Due from then; while a sender holds it, the end of the sender's lease.
-    next_attempt_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-    last_attempt_at: Mapped[datetime | None] = mapped_column(TZ)
-    last_status_code: Mapped[int | None] = mapped_column(Integer)
-    last_error: Mapped[str | None] = mapped_column(Text)
-    delivered_at: Mapped[datetime | None] = mapped_column(TZ)
-    failed_at: Mapped[datetime | None] = mapped_column(TZ)
-    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-
-    __table_args__ = (
-        CheckConstraint("state IN ('delivered', 'failed', 'pending')", name="state"),
-        UniqueConstraint("event_id", "endpoint_id"),
-        Index(
-            "ix_webhook_deliveries_due",
-            "next_attempt_at",
-            postgresql_where=text("state = 'pending'"),
-        ),
-        Index("ix_webhook_deliveries_endpoint", "endpoint_id", "id"),
-        # The sender's claim: each endpoint's due deliveries, oldest first.
-        Index(
-            "ix_webhook_deliveries_endpoint_due",
-            "endpoint_id",
-            "next_attempt_at",
-            postgresql_where=text("state = 'pending'"),
-        ),
-        Index("ix_webhook_deliveries_tenant", "tenant_id", "id"),
-    )
-
-
-class SummaryJob(Base):
-    """A summarisation job: documents in, one summary each out, its steps run in batches of
-    its own under its one deadline (``backfill.summarize``)."""
-
-    __tablename__ = "summary_jobs"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    model: Mapped[str] = mapped_column(String(500))
-    instruction: Mapped[str] = mapped_column(Text)
-    completion_window: Mapped[str] = mapped_column(String(32))
-    state: Mapped[str] = mapped_column(String(16), server_default=SummaryJobState.RECEIVING.value)
-    # The job's shape (backfill.summarize.job_plan.JobShape), fixed at its create.
-    summary_tokens: Mapped[int] = mapped_column(Integer)
-    context_tokens: Mapped[int] = mapped_column(Integer)
-    map_prompt_tokens: Mapped[int] = mapped_column(Integer)
-    reduce_prompt_tokens: Mapped[int] = mapped_column(Integer)
-    fan_in: Mapped[int] = mapped_column(Integer)
-    # Sampling settings every step's request gets (temperature, repetition_penalty, ...).
-    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-    # Every step the documents received can make, reduce steps at their bound.
-    forecast_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    # Model calls those documents make, map and reduce (progress is steps ended of these).
-    planned_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    deadline: Mapped[datetime | None] = mapped_column(TZ)
-    error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
-    started_at: Mapped[datetime | None] = mapped_column(TZ)
-    ended_at: Mapped[datetime | None] = mapped_column(TZ)
-
-    __table_args__ = (
-        CheckConstraint(f"state IN ({_in_list(SummaryJobState)})", name="state"),
-        Index("ix_summary_jobs_tenant_created", "tenant_id", "created_at"),
-        # The reduce driver's round: the jobs still running.
-        Index(
-            "ix_summary_jobs_open",
-            "created_at",
-            postgresql_where=text("state IN ('in_progress', 'cancelling')"),
-        ),
-    )
-
-
-class SummaryDocument(Base):
-    """One row of a job's source: its id there, and its summary or why it has none."""
-
-    __tablename__ = "summary_documents"
-
-    job_id: Mapped[str] = mapped_column(
-        ForeignKey("summary_jobs.id", ondelete="CASCADE"), primary_key=True
-    )
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    source_id: Mapped[str | None] = mapped_column(String(512))
-    state: Mapped[str] = mapped_column(String(16), server_default=DocumentState.PENDING.value)
-    chunks: Mapped[int] = mapped_column(Integer, server_default="1")
-    split_depth: Mapped[int] = mapped_column(Integer, server_default="0")
-    # A step of it ended since the driver last decided for it.
-    touched: Mapped[bool] = mapped_column(Boolean, server_default=false())
-    summary: Mapped[str | None] = mapped_column(Text)
-    error: Mapped[str | None] = mapped_column(Text)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    completion_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
-
-    __table_args__ = (
-        CheckConstraint(f"state IN ({_in_list(DocumentState)})", name="state"),
-        Index("ix_summary_documents_job_state", "job_id", "state"),
-        Index(
-            "ix_summary_documents_touched",
-            "job_id",
-            "seq",
-            postgresql_where=text("touched"),
-        ),
-    )
-
-
-class SummaryStep(Base):
-    """One model call of a document: a map step over a chunk (node < chunks) or a reduce
-    step over the summaries of its children. Its key is what keeps a step from being made
-    twice."""
-
-    __tablename__ = "summary_steps"
-
-    job_id: Mapped[str] = mapped_column(
-        ForeignKey("summary_jobs.id", ondelete="CASCADE"), primary_key=True
-    )
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    node: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # Its request body (JSON), until its batch is made; the bound of its line's bytes.
-    body: Mapped[str | None] = mapped_column(Text)
-    line_bytes: Mapped[int] = mapped_column(Integer)
-    # The job's batch that carries it (summary_batches.batch_no); NULL: not in one yet.
-    batch_no: Mapped[int | None] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), server_default=StepState.PENDING.value)
-    summary: Mapped[str | None] = mapped_column(Text)
-    error: Mapped[str | None] = mapped_column(Text)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
-    completion_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
-
-    __table_args__ = (
-        CheckConstraint(f"state IN ({_in_list(StepState)})", name="state"),
-        Index(
-            "ix_summary_steps_unbatched",
-            "job_id",
-            "seq",
-            "node",
-            postgresql_where=text("batch_no IS NULL"),
-        ),
-        Index(
-            "ix_summary_steps_pending",
-            "job_id",
-            "batch_no",
-            postgresql_where=text("state = 'pending'"),
-        ),
-    )
-
-
-class SummaryBatch(Base):
-    """One of a job's batches: the steps it carries are its rows in ``summary_steps``; its
-    Batch API job is made once (its idempotency key names the job and the number)."""
-
-    __tablename__ = "summary_batches"
-
-    job_id: Mapped[str] = mapped_column(
-        ForeignKey("summary_jobs.id", ondelete="CASCADE"), primary_key=True
-    )
-    batch_no: Mapped[int] = mapped_column(Integer, primary_key=True)
-    batch_id: Mapped[str | None] = mapped_column(String(40))
-    steps: Mapped[int] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
