@@ -180,9 +180,7 @@ class WebhookStore:
                 ),
                 {"i": endpoint_id, "t": tenant_id},
             ).first()
-        if row is None:
-            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row, self.seal)
+        return self._found(row, endpoint_id)
 
     def endpoint_target(self, tenant_id: str, endpoint_id: str) -> tuple[str, tuple[str, ...]]:
         """An endpoint's URL and the secrets a delivery to it is signed with now (the
@@ -199,6 +197,12 @@ class WebhookStore:
         if row is None:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}")
         return row[0], self._open(row[1], row[2])
+
+    def _found(self, row: Any, endpoint_id: str) -> EndpointRecord:
+        # A statement's row of the endpoint, or the 404 when the tenant has no such endpoint.
+        if row is None:
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
+        return _endpoint(row, self.seal)
 
     def _open(self, secret: str, previous: str | None) -> tuple[str, ...]:
         opened = self.seal.open(secret)
@@ -258,9 +262,7 @@ class WebhookStore:
                     "enable": enable,
                 },
             ).first()
-        if row is None:
-            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row, self.seal)
+        return self._found(row, endpoint_id)
 
     def rotate_secret(
         self, tenant_id: str, endpoint_id: str, *, keep_old_for_s: float = 0.0
@@ -283,9 +285,7 @@ class WebhookStore:
                     "keep": keep_old_for_s,
                 },
             ).first()
-        if row is None:
-            raise NotFound(f"No such webhook endpoint: {endpoint_id}")
-        return _endpoint(row, self.seal), secret
+        return self._found(row, endpoint_id), secret
 
     def delete_endpoint(self, tenant_id: str, endpoint_id: str) -> None:
         """The endpoint and its delivery log; a send in flight to it records nothing."""
