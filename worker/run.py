@@ -47,9 +47,18 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
             webhooks.stop()
 
     def on_shutdown(**_: Any) -> None:
-        thread.join(settings.shutdown_grace_s + 30)
+        waited = settings.shutdown_grace_s + 30
+        thread.join(waited)
         if thread.stats is not None:
             log.info("node %s stopped: %s", node, thread.stats)
+        elif thread.is_alive():
+            # The process exits now: what the dispatcher still held comes back when its leases
+            # expire (the reaper requeues the items), not at once.
+            log.warning(
+                "node %s: the dispatcher did not stop within %.0f s; its leases end at expiry",
+                node,
+                waited,
+            )
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutting_down, weak=False)
