@@ -20,6 +20,10 @@ from worker.node import NodeThread
 
 log = logging.getLogger("backfill.worker")
 
+DRAIN_AFTER_GRACE_S = 30
+"""How long a stopping worker waits, past the grace period, for its dispatcher's aborts,
+requeues and lease releases (the Kubernetes grace period is sized on it)."""
+
 
 def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = False) -> None:
     """A Celery worker for ``node`` (maintenance queue) with the node's dispatcher beside it.
@@ -47,7 +51,7 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
             webhooks.stop()
 
     def on_shutdown(**_: Any) -> None:
-        waited = settings.shutdown_grace_s + 30
+        waited = settings.shutdown_grace_s + DRAIN_AFTER_GRACE_S
         thread.join(waited)
         if thread.stats is not None:
             log.info("node %s stopped: %s", node, thread.stats)
