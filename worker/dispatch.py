@@ -53,10 +53,10 @@ from backfill.dispatch import (
     fit_starts,
     judge,
     over_limit,
+    plan_prefix_starts,
     reserve_request,
     run_output,
     running_mean,
-    shared_prefix_tokens,
     start_room,
 )
 from backfill.engine.protocol import EngineError, count_prefill
@@ -317,8 +317,12 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         run, the refused are held and settled, the rest is left in the queue untouched (no
         write, no attempt spent). Returns how many items started or were settled."""
         cfg = self.config
-        shares = shared_prefix_tokens(ready, self.block_size, self.prefix_view())
-        plan = await self._fit_to_slack(ready, shares)
+        # Those of a shared prefix whose first holder is still prefilling wait in the queue
+        # (untouched), to lean on the prefix once it is cached.
+        prefixed = plan_prefix_starts(ready, self.block_size, self.prefix_view())
+        self.stats.prefix_waits += len(prefixed.waiting)
+        shares = list(prefixed.shares)
+        plan = await self._fit_to_slack(list(prefixed.starting), shares)
         fits = list(plan.fits)
         leased: dict[int, Leased] = {}
         if fits:

@@ -99,9 +99,7 @@ class AttemptRunner(DispatcherState):
                     for choice in chunk.choices:
                         flight.text.setdefault(choice.index, []).append(choice.text)
                     if flight.first_token_at is None and any(c.text for c in chunk.choices):
-                        flight.first_token_at = time.monotonic()
-                        if self.work_budget is not None:
-                            self._room.set()  # its prompt left the budget's prefill count
+                        self._prefilled(flight)
                     if chunk.usage is not None:
                         usage_prompt = chunk.usage.prompt_tokens
                         completion = chunk.usage.completion_tokens
@@ -165,9 +163,7 @@ class AttemptRunner(DispatcherState):
                         self._engine_suspect = False
                         self._room.set()
                     if flight.first_token_at is None:
-                        flight.first_token_at = time.monotonic()
-                        if self.work_budget is not None:
-                            self._room.set()  # its prompt left the budget's prefill count
+                        self._prefilled(flight)
                     flight.generated = min(fold.deltas, flight.item.max_output_tokens)
             answer = fold.result(model=self.model)
         except (EngineError, OSError) as exc:

@@ -126,6 +126,9 @@ class DispatchStats:
     0; ``backfill.observe.allocated_over_reserved``)."""
     over_reserved_max: int = 0
     """The most it held above them in one sample."""
+    prefix_waits: int = 0
+    """Claimed items left in the queue to wait for their shared prefix's first holder to
+    prefill it (``backfill.dispatch.prefix_starts``), so they lean on it once it is cached."""
 
 
 class DispatcherState:
@@ -221,9 +224,11 @@ class DispatcherState:
 
     def prefix_view(self) -> PrefixView:
         """The shared prompt prefixes of the attempts in flight here: a prefix an attempt has
-        prefilled (its first token came) is in the engine's cache, held there while it runs."""
+        prefilled (its first token came) is in the engine's cache, held there while it runs;
+        one not prefilled yet has waited since its oldest attempt here started."""
         busy: set[str] = set()
         warm: set[str] = set()
+        cold_since: dict[str, float] = {}
         for f in self._in_flight.values():
             pid = f.item.prefix_id
             if pid is None or f.stop_reason is not None:
@@ -231,7 +236,15 @@ class DispatcherState:
             busy.add(pid)
             if f.first_token_at is not None:
                 warm.add(pid)
-        return PrefixView(self.config.prefix_caching, frozenset(warm), frozenset(busy))
+            else:
+                cold_since[pid] = min(cold_since.get(pid, f.started), f.started)
+        now = time.monotonic()
+        return PrefixView(
+            self.config.prefix_caching,
+            frozenset(warm),
+            frozenset(busy),
+            {pid: now - since for pid, since in cold_since.items() if pid not in warm},
+        )
 
     def _flights(self, views: Iterable[FlightView]) -> list[Flight]:
         """The attempts ``views`` show, those still held."""
@@ -271,6 +284,15 @@ class DispatcherState:
                 lease=flight.lease.lease_id,
             ),
         )
+
+    def _prefilled(self, flight: Flight) -> None:
+        """``flight``'s first token came: its prompt is prefilled. The claim loop is woken
+        when that may let more start: its prompt left the work budget's prefill count, or
+        its shared prefix is now cached, and the items of its group that wait for that lean
+        on it (``backfill.dispatch.prefix_starts``)."""
+        flight.first_token_at = time.monotonic()
+        if self.work_budget is not None or flight.item.prefix_id is not None:
+            self._room.set()
 
     def _forget(self, flight: Flight) -> None:
         self._in_flight.pop(flight.item.id, None)

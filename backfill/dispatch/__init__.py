@@ -8,6 +8,8 @@ writes). The plans are pure functions over plain values, tested without services
 - :mod:`~backfill.dispatch.claims`: how many attempts may start and how many items to claim;
 - :mod:`~backfill.dispatch.checks`: what a claimed item runs, and whether it may (class
   limit, deadline) before any engine work;
+- :mod:`~backfill.dispatch.prefix_starts`: which checked items lean on a shared prompt
+  prefix, and which wait for its first holder to cache it;
 - :mod:`~backfill.dispatch.starts`: which checked items the slack and the work budget take,
   what each reserves, and what the ledger's answer means;
 - :mod:`~backfill.dispatch.stops`: which attempts to stop and what stopping one means;
@@ -42,16 +44,20 @@ from backfill.dispatch.outcomes import (
     error_json,
     retry_or_fail,
 )
+from backfill.dispatch.prefix_starts import (
+    FIRST_PREFILL_WAIT_S,
+    PrefixStarts,
+    PrefixView,
+    plan_prefix_starts,
+)
 from backfill.dispatch.settings import DispatchConfig
 from backfill.dispatch.starts import (
     Leased,
-    PrefixView,
     StartPlan,
     after_reserve,
     fit_starts,
     preemptible,
     reserve_request,
-    shared_prefix_tokens,
 )
 from backfill.dispatch.stops import (
     StopAction,
@@ -65,6 +71,7 @@ from backfill.dispatch.view import BatchLoad, FlightView, NodeView, prefilling, 
 
 __all__ = [
     "ENGINE_GAUGE_LAG_S",
+    "FIRST_PREFILL_WAIT_S",
     "BatchLoad",
     "CheckedItem",
     "DispatchConfig",
@@ -77,6 +84,7 @@ __all__ = [
     "Leased",
     "Limits",
     "NodeView",
+    "PrefixStarts",
     "PrefixView",
     "RunPlan",
     "StartPlan",
@@ -97,6 +105,7 @@ __all__ = [
     "heartbeat_stop",
     "judge",
     "over_limit",
+    "plan_prefix_starts",
     "preemptible",
     "prefilling",
     "reserve_request",
@@ -104,7 +113,6 @@ __all__ = [
     "run_output",
     "running_mean",
     "seconds_needed",
-    "shared_prefix_tokens",
     "stalled",
     "start_room",
     "startable",

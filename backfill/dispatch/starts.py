@@ -44,8 +44,8 @@ def fit_starts(
 ) -> StartPlan:
     """The prefix of ``checked`` that ``slack`` tokens can take and the work budget lets
     start. ``shares``: what of each item's reservation is its shared prefix
-    (:func:`shared_prefix_tokens`), asked of the slack only where the node's ledger does not
-    hold the prefix yet (``held_prefixes``, or an earlier item of ``checked``)."""
+    (``backfill.dispatch.prefix_starts``), asked of the slack only where the node's ledger
+    does not hold the prefix yet (``held_prefixes``, or an earlier item of ``checked``)."""
     fits: list[CheckedItem] = []
     used = 0
     held = set(held_prefixes)
@@ -68,58 +68,6 @@ def fit_starts(
     return StartPlan(tuple(fits[:budgeted]), tuple(checked[budgeted:]), detail)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixView:
-    """What a node's dispatcher knows of the shared prompt prefixes on its engine (issue 36).
-
-    ``caching``: the engine keeps a prefix's blocks once for every request that starts with
-    it (``enable_prefix_caching``). ``warm``: prefixes an attempt in flight here has prefilled
-    (its first token came): their blocks are in the engine's cache, held by that attempt.
-    ``busy``: prefixes of attempts in flight here, prefilled or not."""
-
-    caching: bool = False
-    warm: frozenset[str] = frozenset()
-    busy: frozenset[str] = frozenset()
-
-
-def shared_prefix_tokens(
-    checked: Sequence[CheckedItem], block_size: int, prefixes: PrefixView
-) -> list[int]:
-    """What of each reservation is its item's shared prefix, held once by the node's ledger
-    (0: the item reserves its whole prompt, as without prefixes).
-
-    Sharing is relied on only where the engine will share: prefix caching on, one sequence,
-    and the prefix known cached (``warm``), or the item the first of its prefix here (nothing
-    of it in flight, the first of this batch): the first holder of a prefix pays its tokens
-    in the ledger all the same, so it reserves what it would without prefixes. An item whose
-    prefix is in flight here but not prefilled yet reserves its whole prompt: it could prefill
-    beside the first and hold its own copy. A prefix is whole blocks shorter than the prompt.
-    """
-    shares: list[int] = []
-    first_here: set[str] = set()
-    for c in checked:
-        item = c.item
-        tokens = (item.prefix_blocks or 0) * block_size
-        pid = item.prefix_id
-        if (
-            not prefixes.caching
-            or pid is None
-            or tokens < block_size
-            or c.count.sequences != 1
-            or tokens >= c.count.longest
-        ):
-            shares.append(0)
-            continue
-        if pid in prefixes.warm:
-            shares.append(tokens)
-        elif pid not in prefixes.busy and pid not in first_here:
-            first_here.add(pid)
-            shares.append(tokens)
-        else:
-            shares.append(0)
-    return shares
-
-
 def reserve_request(
     checked: CheckedItem,
     node: str,
@@ -129,7 +77,7 @@ def reserve_request(
     prefix_tokens: int = 0,
 ) -> ReserveRequest:
     """The reservation ``checked``'s run asks of the node's batch slack (``prefix_tokens``
-    of it the item's shared prefix: :func:`shared_prefix_tokens`)."""
+    of it the item's shared prefix: ``backfill.dispatch.prefix_starts``)."""
     item = checked.item
     return ReserveRequest(
         node=node,

@@ -24,10 +24,10 @@ the ledger reserved; the most it held above the reservation over the samples is 
 
 Every item generates exactly ``max_tokens`` (``ignore_eos``), so items started together end
 together; with ``--vary-output`` each item's ``max_tokens`` is drawn from half to 1.5x the mean
-instead (seeded, the same on every side), as real summaries end apart. That matters here: the
-worker leans an item on the prefix only while an attempt holding it in the engine has
-prefilled (``backfill.dispatch.starts.shared_prefix_tokens``), so a wave that starts and ends
-together starts the next one cold, reserving whole prompts.
+instead (seeded, the same on every side), as real summaries end apart. That mattered before
+the worker held a group back for its first holder (``backfill.dispatch.prefix_starts``): an
+item then leaned on the prefix only while an attempt holding it had prefilled, else reserved
+its whole prompt, so a wave that started and ended together started the next one cold.
 
 Closes on ``prefix: concurrency_ratio=<x> (goal >= 2.0)``; the verdict also needs the
 throughput ratio (>= 1.5), the straight-client ratio (>= 0.95) and nothing allocated above the

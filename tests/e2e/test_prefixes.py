@@ -11,9 +11,10 @@ lease, its sampled allocation against the ledger) never fired.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -21,8 +22,11 @@ import pytest
 from sqlalchemy import text
 
 from backfill.config import Settings
+from backfill.engine.http import HttpEngine
 from backfill.engine_metrics import parse_cache_config, parse_engine_load
+from backfill.ledger import Ledger
 from backfill.observe import engine_held_tokens, reserved_around
+from backfill.prefix_pass import find_job_prefixes
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from tests.e2e import helpers
@@ -64,7 +68,16 @@ def _out(i: int) -> int:
     return OUT - 48 + (i * 37) % 49
 
 
-def _submit(repo: Repository, instruction: str, *, find_prefixes: bool) -> str:
+def _submit(
+    repo: Repository,
+    instruction: str,
+    *,
+    find_prefixes: bool,
+    out: Callable[[int], int] = _out,
+    before_start: Callable[[str, str], None] | None = None,
+) -> str:
+    """Job ``instruction`` + a document per item, in progress (``before_start(job, tenant)``
+    called just before: the node claims nothing of it until then)."""
     tenant = repo.create_tenant(f"t-{time.monotonic_ns()}")
     f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
     job = repo.create_job(
@@ -78,11 +91,11 @@ def _submit(repo: Repository, instruction: str, *, find_prefixes: bool) -> str:
                 {
                     "model": MODEL,
                     "prompt": f"{instruction}\nDocument {i}: the quick brown fox {i}.",
-                    "max_tokens": _out(i),
+                    "max_tokens": out(i),
                     "ignore_eos": True,
                 }
             ),
-            _out(i),
+            out(i),
         )
         for i in range(ITEMS)
     ]
@@ -97,8 +110,45 @@ def _submit(repo: Repository, instruction: str, *, find_prefixes: bool) -> str:
             ),
             {"m": MODEL, "find": find_prefixes, "j": job.id},
         )
+    if before_start is not None:
+        before_start(job.id, tenant.id)
     repo.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
+
+
+def _sample_until_done(
+    repo: Repository, ledger: Ledger, metrics_url: str, node: str, job: str
+) -> int:
+    """Sample the node until the job's items all succeeded: in every sample the engine's
+    allocated KV stays within what the ledger reserved. Returns the most batch leases held."""
+    pool = parse_cache_config(httpx.get(metrics_url).text)
+    peak, samples = 0, 0
+    end = time.monotonic() + 900
+    while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
+        assert time.monotonic() < end, f"job not done: {repo.counted_states(job)}"
+        before = ledger.snapshot(node)
+        load = parse_engine_load(httpx.get(metrics_url).text)
+        snap = ledger.snapshot(node)
+        assert snap is not None
+        assert before is not None
+        held = engine_held_tokens(load.kv_cache_usage_perc, pool.capacity_tokens, pool.block_size)
+        reserved = reserved_around(before, snap)
+        assert held <= reserved, f"the engine holds {held} KV tokens, the ledger {reserved}"
+        peak = max(peak, sum(1 for x in snap.leases if x.service_class.value == "batch"))
+        samples += 1
+        time.sleep(0.05)
+    assert samples > 5
+    return peak
+
+
+def _leaned(repo: Repository, job: str) -> int:
+    """How many of the job's items last ran on a lease that leaned on their shared prefix."""
+    with repo.engine.connect() as conn:
+        leaned: int = conn.execute(
+            text("SELECT count(*) FROM items WHERE job_id = :j AND lease_prefix_tokens > 0"),
+            {"j": job},
+        ).scalar_one()
+    return leaned
 
 
 def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bool) -> int:
@@ -117,32 +167,11 @@ def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bo
             # before: those finished by then are not grouped (69 of 80 grouped beside other
             # test runs).
             assert ITEMS // 2 <= group.items <= ITEMS, group
-        peak, samples = 0, 0
-        end = time.monotonic() + 900
-        while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
-            assert time.monotonic() < end, f"job not done: {repo.counted_states(job)}"
-            before = ledger.snapshot(node)
-            load = parse_engine_load(httpx.get(metrics_url).text)
-            snap = ledger.snapshot(node)
-            assert snap is not None
-            assert before is not None
-            held = engine_held_tokens(
-                load.kv_cache_usage_perc, pool.capacity_tokens, pool.block_size
-            )
-            reserved = reserved_around(before, snap)
-            assert held <= reserved, f"the engine holds {held} KV tokens, the ledger {reserved}"
-            peak = max(peak, sum(1 for x in snap.leases if x.service_class.value == "batch"))
-            samples += 1
-            time.sleep(0.05)
+        peak = _sample_until_done(repo, ledger, metrics_url, node, job)
         stats = thread.dispatchers[0].stats
         assert stats.reservation_violations == 0, stats
         assert stats.over_reserved_samples == 0, stats
-        assert samples > 5
-        with repo.engine.connect() as conn:
-            leaned = conn.execute(
-                text("SELECT count(*) FROM items WHERE job_id = :j AND lease_prefix_tokens > 0"),
-                {"j": job},
-            ).scalar_one()
+        leaned = _leaned(repo, job)
         # Items that start before the prefix is known cached (the first holder, and those
         # claimed while it prefills) reserve whole prompts: how many depends on the machine's
         # pace (38 of 80 leaned beside other test runs), so a quarter is asked here; the
@@ -168,3 +197,57 @@ def test_a_shared_instruction_runs_more_items_at_once_and_never_above_its_reserv
     shared = _run(s, prefix_engine, instruction, "p-shared", share=True)
     print(f"peak batch leases: {today} reserving whole prompts, {shared} sharing the prefix")
     assert shared > today, (shared, today)
+
+
+def test_a_group_waits_for_its_first_holder_and_then_every_item_leans_on_the_prefix(
+    settings: Settings, prefix_engine: str
+) -> None:
+    """Every output alike (waves of items start and end together: the case where an item
+    started beside its prefix's first holder reserved its whole prompt, and each wave started
+    cold again). The group's first holder starts alone; the rest wait in the queue until it
+    has prefilled, then lean on the cached prefix: every item of the job leans, and the
+    engine never holds more than the ledger reserved."""
+    s = settings.model_copy(
+        update={
+            "lease_ttl_s": 6.0,
+            "heartbeat_interval_s": 1.0,
+            "shutdown_grace_s": 3.0,
+            "max_in_flight_per_node": 64,
+        }
+    )
+    url = prefix_engine
+    pool = parse_cache_config(httpx.get(f"{url}/metrics").text)
+    assert pool.prefix_caching, "the engine runs without prefix caching: nothing to share"
+    instruction = _instruction(url, 3, pool.block_size)
+    node = "p-first"
+    with node_beside(s, node, url) as beside:
+        repo = beside.repo
+
+        def find(job: str, tenant: str) -> None:
+            # The job's prefixes found before any of it is claimed (the worker's own pass
+            # runs beside its dispatcher, which may start the first items as before).
+            async def pass_() -> None:
+                async with HttpEngine(url) as engine:
+                    await find_job_prefixes(
+                        engine,
+                        repo,
+                        job,
+                        endpoint="/v1/completions",
+                        model=MODEL,
+                        tenant_id=tenant,
+                        block_size=pool.block_size,
+                    )
+
+            asyncio.run(pass_())
+
+        job = _submit(repo, instruction, find_prefixes=False, out=lambda _: OUT, before_start=find)
+        [group] = repo.prefix_groups(job)
+        assert group.items == ITEMS, group
+        _sample_until_done(repo, beside.ledger, f"{url}/metrics", node, job)
+        stats = beside.node.dispatchers[0].stats
+        assert stats.reservation_violations == 0, stats
+        assert stats.over_reserved_samples == 0, stats
+        # Red before the wait: the items started beside a cold prefix's first holder
+        # reserved their whole prompts (waves of whole prompts, few leaned).
+        assert _leaned(repo, job) == ITEMS, (_leaned(repo, job), stats)
+        assert stats.prefix_waits > 0, stats

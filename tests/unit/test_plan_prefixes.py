@@ -1,40 +1,80 @@
-"""Which reservations lean on a shared prompt prefix (``backfill.dispatch.starts``, issue 36):
-only where the engine caches prefixes and the prefix is known cached, or the item is its
-first holder here; the rest reserve their whole prompt, as without prefixes."""
+"""Which reservations lean on a shared prompt prefix (``backfill.dispatch.prefix_starts``,
+issue 36): only where the engine caches prefixes and the prefix is known cached, or the item is
+its first holder here; the rest of its group waits (untouched in the queue) until the first
+holder has prefilled it, and items that cannot share reserve their whole prompt, as without
+prefixes."""
 
 from __future__ import annotations
 
-from backfill.dispatch import PrefixView, fit_starts, reserve_request, shared_prefix_tokens
+from backfill.dispatch import (
+    FIRST_PREFILL_WAIT_S,
+    CheckedItem,
+    PrefixStarts,
+    PrefixView,
+    fit_starts,
+    plan_prefix_starts,
+    reserve_request,
+)
 from backfill.reservations import reservation_tokens
 from tests.unit.dispatch_builders import BLOCK, checked, flight, node
 
 CACHING = PrefixView(caching=True)
 
 
+def _ids(items: tuple[CheckedItem, ...]) -> list[int]:
+    return [c.item.id for c in items]
+
+
+def _plan(items: list[CheckedItem], view: PrefixView) -> tuple[list[int], list[int], list[int]]:
+    """The ids starting, their shares, and the ids waiting."""
+    plan: PrefixStarts = plan_prefix_starts(items, BLOCK, view)
+    return _ids(plan.starting), list(plan.shares), _ids(plan.waiting)
+
+
 def test_with_prefix_caching_off_every_item_reserves_its_whole_prompt() -> None:
     items = [checked(i, prefix_id="p", prefix_blocks=4) for i in (1, 2)]
-    assert shared_prefix_tokens(items, BLOCK, PrefixView(caching=False)) == [0, 0]
+    assert _plan(items, PrefixView(caching=False)) == ([1, 2], [0, 0], [])
 
 
-def test_the_first_of_a_prefix_leans_on_it_and_the_rest_wait_until_it_is_cached() -> None:
+def test_the_first_of_a_prefix_starts_alone_and_the_rest_wait_until_it_is_cached() -> None:
     items = [checked(i, prefix_id="p", prefix_blocks=4) for i in (1, 2, 3)]
-    assert shared_prefix_tokens(items, BLOCK, CACHING) == [64, 0, 0]
-    # In flight here, not prefilled yet: nobody leans on it.
-    busy = PrefixView(caching=True, busy=frozenset({"p"}))
-    assert shared_prefix_tokens(items, BLOCK, busy) == [0, 0, 0]
+    # Nothing of it in flight here: the first is its first holder, the rest wait for it
+    # (started beside it, each would prefill and hold a copy of the prefix of its own).
+    assert _plan(items, CACHING) == ([1], [64], [2, 3])
+    # In flight here, not prefilled yet: all wait.
+    busy = PrefixView(caching=True, busy=frozenset({"p"}), cold_for_s={"p": 0.5})
+    assert _plan(items, busy) == ([], [], [1, 2, 3])
     # Prefilled by an attempt in flight: in the engine's cache, every item leans on it.
     warm = PrefixView(caching=True, warm=frozenset({"p"}), busy=frozenset({"p"}))
-    assert shared_prefix_tokens(items, BLOCK, warm) == [64, 64, 64]
+    assert _plan(items, warm) == ([1, 2, 3], [64, 64, 64], [])
 
 
-def test_items_without_a_prefix_or_of_several_sequences_reserve_as_before() -> None:
+def test_a_first_holder_that_does_not_prefill_in_time_no_longer_holds_its_group_back() -> None:
+    items = [checked(i, prefix_id="p", prefix_blocks=4) for i in (1, 2)]
+    stuck = PrefixView(caching=True, busy=frozenset({"p"}), cold_for_s={"p": FIRST_PREFILL_WAIT_S})
+    # They may prefill beside it, each its own copy: whole prompts, as without prefixes.
+    assert _plan(items, stuck) == ([1, 2], [0, 0], [])
+
+
+def test_once_the_first_holder_is_gone_unprefilled_the_next_item_becomes_the_first() -> None:
+    # Its attempt failed or was preempted before its first token: nothing of the prefix is
+    # in flight here (the dispatcher's view leaves stopping attempts out).
+    items = [checked(i, prefix_id="p", prefix_blocks=4) for i in (2, 3)]
+    assert _plan(items, CACHING) == ([2], [64], [3])
+
+
+def test_groups_wait_apart_and_items_that_cannot_share_never_wait() -> None:
     items = [
-        checked(1),
-        checked(2, prefix_id="p", prefix_blocks=4, sequences=2),
-        checked(3, prompt=64, prefix_id="q", prefix_blocks=4),  # no token past the prefix
-        checked(4, prefix_id="r", prefix_blocks=4),
+        checked(1, prefix_id="p", prefix_blocks=4),
+        checked(2),
+        checked(3, prefix_id="p", prefix_blocks=4, sequences=2),  # several sequences
+        checked(4, prompt=64, prefix_id="p", prefix_blocks=4),  # no token past the prefix
+        checked(5, prefix_id="q", prefix_blocks=4),
+        checked(6, prefix_id="p", prefix_blocks=4),
+        checked(7, prefix_id="r", prefix_blocks=4),
     ]
-    assert shared_prefix_tokens(items, BLOCK, CACHING) == [0, 0, 0, 64]
+    view = PrefixView(caching=True, busy=frozenset({"r"}), cold_for_s={"r": 1.0})
+    assert _plan(items, view) == ([1, 2, 3, 4, 5], [64, 0, 0, 0, 64], [6, 7])
 
 
 def test_the_request_names_the_prefix_only_when_it_leans_on_it() -> None:
