@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -78,6 +79,42 @@ class WordEngine(StandInEngine):
         return CompletionStream(chunks())
 
 
+class PrefillingEngine(WordEngine):
+    """A :class:`WordEngine` whose prefill takes ``prefill_s`` (its first token comes that
+    long after the stream starts), as a 1,000-token prompt does on a CPU engine; it records
+    when each stream started and when it sent its first token."""
+
+    def __init__(self, *, prefill_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prefill_s = prefill_s
+        self.started: list[float] = []
+        self.first_tokens: list[float] = []
+
+    def stream_completion(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        priority: int,
+        request_id: str,
+        stream_interval: int = 1,
+    ) -> CompletionStream:
+        self.started.append(time.monotonic())
+        inner = super().stream_completion(endpoint, body, priority=priority, request_id=request_id)
+
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            await asyncio.sleep(self.prefill_s)
+            first = True
+            async with inner:
+                async for chunk in inner:
+                    if first:
+                        self.first_tokens.append(time.monotonic())
+                        first = False
+                    yield chunk
+
+        return CompletionStream(chunks())
+
+
 def _submit(repo: Repository, tenant: str) -> str:
     items = [
         NewItem(
@@ -96,8 +133,10 @@ def _submit(repo: Repository, tenant: str) -> str:
     return job
 
 
-def _run(settings: Settings, node: str, *, prefixes: bool) -> tuple[str, int, int, Any]:
-    engine = WordEngine(blocks=64, block=BLOCK, hold_s=0.15)
+def _run(
+    settings: Settings, node: str, *, prefixes: bool, engine: WordEngine | None = None
+) -> tuple[str, int, int, Any]:
+    engine = engine or WordEngine(blocks=64, block=BLOCK, hold_s=0.15)
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         # A second node of one test: the ledger is built already, the node joins it as a
         # worker's node does.
@@ -156,6 +195,23 @@ def test_items_of_a_shared_instruction_run_more_at_once_when_it_is_reserved_once
     assert leaned >= ITEMS // 2, "few items leaned on the prefix: the test shows nothing"
     # 104 prompt + output tokens a whole reservation: 7 blocks; its own past the prefix: 3.
     assert shared >= 2 * today, (shared, today)
+
+
+def test_a_prefix_group_reaches_the_engine_only_once_its_first_holder_has_prefilled(
+    settings: Settings,
+) -> None:
+    """Its first holder starts alone; the rest of the group, claimed meanwhile, waits in the
+    queue and leans on the prefix once the first token is back (red before: they started
+    beside it, reserving their whole prompts)."""
+    engine = PrefillingEngine(prefill_s=0.3, blocks=64, block=BLOCK, hold_s=0.15)
+    _, _, leaned, stats = _run(settings, "n-first", prefixes=True, engine=engine)
+    assert leaned == ITEMS, (leaned, stats)
+    assert stats.prefix_waits > 0, stats
+    first_token = engine.first_tokens[0]
+    assert all(t >= first_token for t in engine.started[1:]), (
+        "an item of the group reached the engine before its first holder had prefilled",
+        [round(t - first_token, 3) for t in engine.started],
+    )
 
 
 def test_a_rebuilt_ledger_holds_a_running_items_prefix_again(settings: Settings) -> None:
