@@ -88,6 +88,10 @@ ENDPOINT = "/v1/chat/completions"
 SIDE_TIMEOUT_S = 1800.0
 
 
+CPU_BLOCK = 128
+"""The CPU engine's default KV block (tokens), in which the workload's pool is counted."""
+
+
 def say(message: str) -> None:
     print(f"[prefix] {message}", file=sys.stderr, flush=True)
 
@@ -298,6 +302,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--no-run-batch", action="store_true", help="leave vllm run-batch out")
     p.add_argument("--kv-blocks", type=int, default=None, help="override the engine's KV blocks")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the engine's KV block size (the CPU engine's default: 128; a GPU's: 16; the CPU "
+        "backend takes multiples of 32); the pool keeps its KV tokens (the blocks scale)",
+    )
     args = p.parse_args(argv)
     w = workload(args.quick, args.model)
     if args.items or args.kv_blocks or args.vary_output:
@@ -313,8 +324,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     logs = OUT_DIR / "prefix-logs"
     logs.mkdir(parents=True, exist_ok=True)
     settings = get_settings()
+    blocks, engine_flags = w.kv_blocks, {}
+    if args.block_size:
+        # The workload's pool is counted in the CPU engine's default blocks of 128 tokens.
+        blocks = w.kv_blocks * CPU_BLOCK // args.block_size
+        engine_flags["extra_args"] = ("--block-size", str(args.block_size))
     server = devengine.start_model(
-        w.model, num_gpu_blocks_override=w.kv_blocks, kv_cache_gib=1, max_model_len=2048
+        w.model,
+        num_gpu_blocks_override=blocks,
+        kv_cache_gib=1,
+        max_model_len=2048,
+        **engine_flags,
     )
     try:
         pool = parse_cache_config(httpx.get(f"{server.url}/metrics", timeout=10).text)
@@ -385,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     details = {
         "command": "python -m bench.prefix"
         + (" --quick" if args.quick else "")
-        + (" --vary-output" if args.vary_output else ""),
+        + (" --vary-output" if args.vary_output else "")
+        + (f" --block-size {args.block_size}" if args.block_size else ""),
         "argv": sys.argv[1:] if argv is None else list(argv),
         "started": started,
         "workload": asdict(w),
