@@ -21,7 +21,7 @@ from backfill.refusals import InvalidRequest, NotCancellable
 from backfill.store.protocol import SummaryStore
 from backfill.store.records import TenantRecord
 from backfill.store.summaries import NewDocument, SummaryCounts, SummaryJobRecord
-from backfill.summarize.chunks import ChunkTooSmall, TokenCount, split_document
+from backfill.summarize.chunks import ChunkTooSmall, TokenCount, split_counted
 from backfill.summarize.documents import MAX_ID_CHARS
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import map_messages, request_body, sampling_problem
@@ -32,10 +32,6 @@ from backfill.windows import batch_throughput, checked_window
 
 MAX_INSTRUCTION_CHARS = 4000
 MAX_DOCUMENT_CHARS = 64 * 1024 * 1024
-BYTES_BOUND_SLACK = 4
-"""A text of ``n`` UTF-8 bytes is at most ``n + 4`` tokens for a byte-level or byte-fallback
-tokenizer (each token covers a byte or more; the start token and a leading space marker
-cover none): a text whose bound fits needs no count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,14 +101,8 @@ def prepare_document(
     if len(text) > MAX_DOCUMENT_CHARS:
         return NewDocument(source_id, error=f"longer than {MAX_DOCUMENT_CHARS} characters")
     shape = job.shape
-    limit = shape.chunk_budget.text_tokens
-    bound = len(text.encode("utf-8", "surrogatepass")) + BYTES_BOUND_SLACK
-    whole = bound if bound <= limit else count(text)
-    if whole <= limit:
-        chunks, tokens = [text], [whole]
-    else:
-        chunks = split_document(text, limit, count)
-        tokens = [count(chunk) for chunk in chunks]
+    counted = split_counted(text, shape.chunk_budget.text_tokens, count)
+    chunks, tokens = [c for c, _ in counted], [t for _, t in counted]
     bodies = [
         request_body(
             job.model, map_messages(job.instruction, chunk), shape.summary_tokens, job.sampling

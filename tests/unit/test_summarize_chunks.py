@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backfill.summarize.chunks import ChunkBudget, ChunkTooSmall, split_document
+from backfill.summarize.chunks import ChunkBudget, ChunkTooSmall, split_counted, split_document
 
 _TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -43,6 +43,15 @@ def test_chunks_give_the_document_back_and_each_fits(count, text, limit):
     else:
         assert all(chunk for chunk in chunks)
         assert all(count(chunk) <= limit for chunk in chunks)
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@settings(max_examples=100, deadline=None)
+@given(text=texts, limit=st.integers(min_value=3, max_value=60))
+def test_each_chunk_comes_with_tokens_it_does_not_exceed(count, text, limit):
+    chunks = split_counted(text, limit, count)
+    assert "".join(chunk for chunk, _ in chunks) == text
+    assert all(count(chunk) <= tokens <= limit for chunk, tokens in chunks)
 
 
 def test_a_document_that_fits_is_one_chunk():
@@ -91,6 +100,38 @@ def test_counting_is_logarithmic_per_chunk_not_per_character():
     chunks = split_document(text, 200, counting)
     # One count per paragraph to find the ones that fit, a handful per chunk to pack them.
     assert calls < 200 + 20 * len(chunks)
+
+
+def test_a_long_document_of_sentences_costs_a_few_counts_per_chunk():
+    """Each count is a round trip to the engine's /tokenize while it may sit idle: a sentence
+    whose bytes fit is not counted, and a chunk's end is aimed at from the tokens per byte
+    seen so far (before: every sentence was counted, then 10-20 counts per chunk)."""
+    counted: list[str] = []
+
+    def counting(text: str) -> int:
+        counted.append(text)
+        return word_count(text)
+
+    text = " ".join(f"Sentence {i} says a few words about the topic at hand." for i in range(600))
+    chunks = split_counted(text, 400, counting)
+    assert len(chunks) > 5
+    assert "".join(chunk for chunk, _ in chunks) == text
+    assert all(word_count(chunk) == tokens <= 400 for chunk, tokens in chunks[:-1])
+    assert len(counted) == len(set(counted)), "a text counted twice"
+    assert len(counted) <= 1 + 3 * len(chunks)
+
+
+def test_a_count_the_caller_has_is_not_asked_again():
+    counted: list[str] = []
+
+    def counting(text: str) -> int:
+        counted.append(text)
+        return word_count(text)
+
+    text = " ".join(f"Sentence {i} is here." for i in range(100))
+    chunks = split_counted(text, 100, counting, tokens=word_count(text))
+    assert len(chunks) > 1
+    assert text not in counted
 
 
 def test_a_budget_that_holds_no_character_is_refused():

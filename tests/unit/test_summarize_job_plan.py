@@ -280,6 +280,22 @@ def test_a_long_document_is_split_and_its_forecast_counts_its_reduce():
     assert doc.forecast_tokens == SHAPE.document_tokens([counting(c) for c in chunks])
 
 
+def test_a_long_document_is_counted_whole_once_and_its_chunks_not_again():
+    counted: list[str] = []
+
+    def counting(text: str) -> int:
+        counted.append(text)
+        return len(text.split()) + 1
+
+    job = _job_record(SHAPE)
+    text = " ".join(f"Sentence {i} is a short one." for i in range(2000))
+    doc = prepare_document(job, "long", text, counting)
+    assert len(doc.bodies) > 1
+    assert counted.count(text) == 1
+    assert len(counted) == len(set(counted)), "a text counted twice"
+    assert len(counted) <= 1 + 3 * len(doc.bodies)
+
+
 def test_blank_or_overlong_id_rows_are_recorded_not_split():
     job = _job_record(SHAPE)
     assert prepare_document(job, "a", "  ", len).error == "empty text"
