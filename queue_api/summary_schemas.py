@@ -33,6 +33,10 @@ class SummaryJobProgress(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     eta: int | None = None
+    split_documents: int = 0
+    """Documents longer than one prompt: split into chunks and map-reduced."""
+    deepest_split: int = 0
+    """The most reduce levels above one document's chunks."""
 
 
 class SummaryJobObject(BaseModel):
@@ -83,6 +87,8 @@ class SummaryJobObject(BaseModel):
                 prompt_tokens=progress.prompt_tokens,
                 completion_tokens=progress.completion_tokens,
                 eta=unix(progress.eta),
+                split_documents=progress.split_documents,
+                deepest_split=progress.deepest_split,
             ),
             batches=batches,
         )
@@ -97,3 +103,9 @@ class DocumentsAdded(BaseModel):
     """Of those, rows that are not summarised (their errors are in the results)."""
     split: int
     """Of those, documents longer than one prompt: split into chunks and map-reduced."""
+
+
+class SummaryJobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SummaryJobObject]
+    has_more: bool = False

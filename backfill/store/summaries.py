@@ -74,6 +74,10 @@ class SummaryCounts:
     unbatched_steps: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    split_documents: int = 0
+    """Documents longer than one prompt, map-reduced."""
+    deepest_split: int = 0
+    """The most reduce levels one document takes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +225,8 @@ FAIL_PENDING = (
 )
 DOCUMENT_COUNTS = (
     "SELECT state, count(*) AS n, coalesce(sum(prompt_tokens), 0) AS pt, "
-    "coalesce(sum(completion_tokens), 0) AS ct FROM summary_documents WHERE job_id = :i "
+    "coalesce(sum(completion_tokens), 0) AS ct, count(*) FILTER (WHERE chunks > 1) AS split, "
+    "coalesce(max(split_depth), 0) AS depth FROM summary_documents WHERE job_id = :i "
     "GROUP BY state"
 )
 STEP_COUNTS = (
@@ -302,6 +307,7 @@ class Summaries(Store):
         return _job(row)
 
     def list_summary_jobs(self, tenant_id: str, limit: int = 20) -> list[SummaryJobRecord]:
+        """The tenant's newest jobs first."""
         with self._tx() as conn:
             rows = conn.execute(text(LIST_JOBS), {"t": tenant_id, "n": limit}).all()
         return [_job(r) for r in rows]
@@ -546,6 +552,8 @@ class Summaries(Store):
             unbatched_steps=sum(int(r.unbatched) for r in steps),
             prompt_tokens=sum(int(r.pt) for r in docs),
             completion_tokens=sum(int(r.ct) for r in docs),
+            split_documents=sum(int(r.split) for r in docs),
+            deepest_split=max((int(r.depth) for r in docs), default=0),
         )
 
     def document_page(self, job_id: str, after_seq: int, limit: int) -> list[DocumentRow]:

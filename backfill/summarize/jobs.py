@@ -186,11 +186,15 @@ class SummaryProgress:
     prompt_tokens: int
     completion_tokens: int
     eta: datetime | None
+    split_documents: int = 0
+    """Documents longer than one prompt, map-reduced."""
+    deepest_split: int = 0
+    """The most reduce levels one document takes."""
 
 
 def progress(job: SummaryJobRecord, counts: SummaryCounts, now: datetime) -> SummaryProgress:
-    """Documents per state, steps ended of those planned, and an ETA from the job's own
-    rate of steps since it started."""
+    """Documents per state (and how many were split), steps ended of those planned, and an
+    ETA from the job's own rate of steps since it started."""
     done = counts.steps.get(StepState.SUCCEEDED, 0) + counts.steps.get(StepState.FAILED, 0)
     planned = max(job.planned_steps, done)
     eta = None
@@ -204,6 +208,8 @@ def progress(job: SummaryJobRecord, counts: SummaryCounts, now: datetime) -> Sum
         prompt_tokens=counts.prompt_tokens,
         completion_tokens=counts.completion_tokens,
         eta=eta,
+        split_documents=counts.split_documents,
+        deepest_split=counts.deepest_split,
     )
 
 

@@ -93,6 +93,63 @@ function renderJobs(page) {
   $("jobs-updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
+const DOCUMENT_STATES = ["succeeded", "failed", "pending"];
+
+function documentBar(documents, total) {
+  // Widths through the CSSOM: the page's policy (style-src 'self') drops style attributes.
+  const bar = el("div", { class: "bar", title: DOCUMENT_STATES.map((s) => `${s} ${documents[s] || 0}`).join(", ") });
+  for (const state of DOCUMENT_STATES) {
+    const n = documents[state] || 0;
+    if (n > 0 && total > 0) {
+      const part = el("span", { class: `s-${state}`, "data-state": state, "data-n": n });
+      part.style.width = `${(100 * n) / total}%`;
+      bar.append(part);
+    }
+  }
+  return bar;
+}
+
+async function downloadResults(job) {
+  // The results need the key, which a plain link would not send: fetched here, then saved.
+  const response = await fetch(`/v1/summary_jobs/${job.id}/results`,
+    { headers: { Authorization: `Bearer ${apiKey}` } });
+  if (!response.ok) { say(`Results of ${job.id}: HTTP ${response.status}`); return; }
+  const url = URL.createObjectURL(await response.blob());
+  const link = el("a", { href: url, download: `${job.id}.jsonl` });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
+
+function renderSummaries(page) {
+  const body = $("summaries").querySelector("tbody");
+  body.replaceChildren();
+  const jobs = page.data || [];
+  $("no-summaries").hidden = jobs.length > 0;
+  for (const job of jobs) {
+    const progress = job.progress || {};
+    const documents = progress.documents || {};
+    const total = DOCUMENT_STATES.reduce((sum, s) => sum + (documents[s] || 0), 0);
+    const ended = (documents.succeeded || 0) + (documents.failed || 0);
+    const split = progress.split_documents || 0;
+    const results = el("a", { class: "results", href: `/v1/summary_jobs/${job.id}/results`,
+      title: "the job's rows as JSON lines (partial while it runs)" }, "results.jsonl");
+    results.addEventListener("click", (event) => { event.preventDefault(); downloadResults(job); });
+    body.append(el("tr", { class: "summary", "data-id": job.id },
+      el("td", { class: "id" }, job.id),
+      el("td", {}, el("span", { class: `status ${job.status}` }, job.status)),
+      el("td", {}, documentBar(documents, total)),
+      el("td", { class: "count" }, `${ended}/${total}`),
+      el("td", { class: "count" }, `${progress.steps_done || 0}/${progress.steps_planned || 0}`),
+      el("td", { class: "split" }, split ? `${split} (depth ${progress.deepest_split || 0})` : "0"),
+      el("td", {}, job.status === "in_progress" ? eta(progress.eta) : "-"),
+      el("td", {}, relative(job.expires_at)),
+      el("td", {}, results)));
+  }
+  $("summaries-updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+}
+
 function renderJob(job) {
   const extra = job.backfill || {};
   const items = extra.items || {};
@@ -186,6 +243,11 @@ async function pollJobs() {
   catch (e) { if (e.message !== "unauthorized") say(`Jobs: ${e.message}`); }
 }
 
+async function pollSummaries() {
+  try { renderSummaries(await api("/v1/summary_jobs?limit=100")); }
+  catch (e) { if (e.message !== "unauthorized") say(`Summary jobs: ${e.message}`); }
+}
+
 async function pollPools() {
   try { renderPools(await api("/v1/capacity")); }
   catch (e) { if (e.message !== "unauthorized") say(`Capacity: ${e.message}`); }
@@ -199,8 +261,10 @@ function start(key) {
   sessionStorage.setItem("backfill-key", key);
   $("main").hidden = false;
   pollJobs();
+  pollSummaries();
   pollPools();
-  timers.push(setInterval(pollJobs, 2000), setInterval(pollPools, 1000));
+  timers.push(setInterval(pollJobs, 2000), setInterval(pollSummaries, 2000),
+    setInterval(pollPools, 1000));
 }
 
 function keyFromHash() {

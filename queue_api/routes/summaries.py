@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -29,7 +29,12 @@ from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import map_messages, reduce_messages
 from backfill.summarize.writer import SummaryRow
 from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
-from queue_api.summary_schemas import CreateSummaryJobBody, DocumentsAdded, SummaryJobObject
+from queue_api.summary_schemas import (
+    CreateSummaryJobBody,
+    DocumentsAdded,
+    SummaryJobList,
+    SummaryJobObject,
+)
 
 router = APIRouter(prefix="/v1/summary_jobs", tags=["summaries"])
 
@@ -148,6 +153,17 @@ def start_summary_job(
     """Admit the job on its whole forecast (refused when its window cannot be met) and run
     it under one deadline."""
     return _start(repo, settings, tenant, job_id)
+
+
+@router.get("")
+def list_summary_jobs(
+    tenant: TenantDep, repo: RepositoryDep, limit: Annotated[int, Query(ge=1, le=100)] = 20
+) -> SummaryJobList:
+    """The tenant's jobs, newest first (the dashboard's view)."""
+    records = repo.list_summary_jobs(tenant.id, limit + 1)
+    return SummaryJobList(
+        data=[_render(repo, job) for job in records[:limit]], has_more=len(records) > limit
+    )
 
 
 @router.get("/{job_id}")

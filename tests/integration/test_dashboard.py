@@ -28,6 +28,8 @@ from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
 from backfill.ledger import Ledger, NodePool
 from backfill.store import Repository
+from backfill.summarize import driver, jobs
+from backfill.summarize.job_plan import JobShape
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -171,3 +173,49 @@ def test_a_wrong_key_shows_a_message_and_no_jobs(
     assert result.returncode == 0, result.stderr[-2000:]
     assert "The API refused this key" in result.stdout
     assert "data-id=" not in result.stdout
+
+
+def _words(text: str) -> int:
+    return 1 + len(re.findall(r"\w+|[^\w\s]|\s+", text))
+
+
+def test_the_dashboard_shows_a_summary_jobs_progress_split_documents_and_results(
+    settings: Settings, server: LiveServer, repo: Repository, tmp_path: Path
+) -> None:
+    acme = make_tenant(repo, "acme")
+    tenant = repo.tenant_by_id(acme.id)
+    shape = JobShape(context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40,
+                     summary_tokens=64)  # fmt: skip
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", shape.summary_tokens, "1h")
+    job = jobs.create_job(repo, settings, tenant, request, shape)
+    long = "\n\n".join(f"Paragraph {i}. " + "It has several words. " * 12 for i in range(20))
+    documents = [jobs.prepare_document(job, "long", long, _words)]
+    documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
+    jobs.add_documents(repo, job, documents)
+    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    driver.drive(repo, settings)
+    run_worker(repo)
+    driver.drive(repo, settings)  # the short notes end; the long one waits on its reduce
+    status = httpx.get(
+        f"{server.base_url}/v1/summary_jobs/{job.id}",
+        headers={"Authorization": f"Bearer {acme.key}"},
+        timeout=10,
+    ).json()
+    progress = status["progress"]
+    assert progress["documents"] == {"pending": 1, "succeeded": 3, "failed": 0}
+
+    url = f"{server.base_url}/dashboard/#key={acme.key}"
+    result = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = re.search(rf'<tr class="summary" data-id="{job.id}">(.*?)</tr>', result.stdout, re.S)
+    assert row is not None, result.stdout[-3000:]
+    cells = row.group(1)
+    assert ">in_progress<" in cells
+    assert '<td class="count">3/4</td>' in cells
+    steps = f"{progress['steps_done']}/{progress['steps_planned']}"
+    assert f'<td class="count">{steps}</td>' in cells
+    assert f'<td class="split">1 (depth {progress["deepest_split"]})</td>' in cells
+    assert 'data-state="succeeded" data-n="3" style="width: 75%;"' in cells
+    assert 'data-state="pending" data-n="1" style="width: 25%;"' in cells
+    assert f'href="/v1/summary_jobs/{job.id}/results"' in cells
+    assert acme.key not in result.stdout

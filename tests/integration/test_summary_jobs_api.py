@@ -158,6 +158,32 @@ def test_a_job_through_the_api_map_reduces_and_reads_back_as_rows(
     }
 
 
+def test_the_list_shows_the_tenants_jobs_newest_first_with_their_split_documents(
+    api: httpx.Client, server: LiveServer, other: Tenant
+) -> None:
+    older = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, older["id"], [{"id": "a", "text": "Short."}])
+    newer = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, newer["id"], [{"id": "long", "text": LONG}, {"id": "a", "text": "Short."}])
+    _send(api, newer["id"], [{"id": "long2", "text": LONG + LONG}])
+    with httpx.Client(
+        base_url=f"{server.base_url}/v1", headers={"Authorization": f"Bearer {other.key}"}
+    ) as theirs:
+        hidden = theirs.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+
+    listed = api.get(P).json()
+    assert listed["object"] == "list"
+    assert [j["id"] for j in listed["data"]] == [newer["id"], older["id"]]
+    assert hidden["id"] not in json.dumps(listed)
+    progress = listed["data"][0]["progress"]
+    assert progress["split_documents"] == 2
+    assert progress["deepest_split"] >= 1
+    assert progress["documents"]["pending"] == 3
+    assert listed["data"][1]["progress"]["split_documents"] == 0
+    assert api.get(P, params={"limit": 1}).json()["has_more"] is True
+    assert api.get(f"{P}/{newer['id']}").json()["progress"]["split_documents"] == 2
+
+
 def test_cancel_mid_job_through_the_api(
     api: httpx.Client, repo: Repository, settings_: Settings
 ) -> None:
