@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterable
 
 from backfill.errors import StoreUnavailable
 from backfill.states import ItemState
@@ -19,6 +20,10 @@ RESULT_RETRY_MAX_S = 10.0
 
 class ResultWriter(DispatcherState):
     """Writes what a node's attempts produced."""
+
+    items_ended: Callable[[Iterable[str]], None] | None = None
+    """Told the batches whose items' ends were just made durable (a summary job's driver
+    is woken by it: ``worker.summary_wake``); must not block."""
 
     async def _write_results(self) -> None:
         """Commit results in small batches; returns after the stop signal (None)."""
@@ -71,6 +76,10 @@ class ResultWriter(DispatcherState):
                 log.exception("node %s: results could not be written; dropped", self.config.node)
                 applied = set()
                 break
+        if self.items_ended is not None and applied:
+            self.items_ended(
+                {flight.item.job_id for fin, flight in batch if fin.item_id in applied}
+            )
         for fin, flight in batch:
             if fin.item_id in applied:
                 if fin.state is ItemState.SUCCEEDED:

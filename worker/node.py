@@ -20,6 +20,7 @@ from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.store import Repository
 from backfill.work_signals import work_budget_policy
 from worker.dispatch import DispatchConfig, DispatchStats, NodeDispatcher
+from worker.summary_wake import SummaryWaker
 
 log = logging.getLogger("backfill.worker")
 
@@ -123,6 +124,8 @@ async def run_node(
             policy,
             lease_ttl_ms=int(settings.lease_ttl_s * 1000),
         )
+        # Summary jobs' reduce steps are made as their chunks' items end here, not a tick later.
+        waker = SummaryWaker(repo, settings)
         try:
             await _register_node(settings, node, engine_url, facts, reserve, repo, ledger, aledger)
             limit = policy.batch.max_sequence_tokens
@@ -138,6 +141,7 @@ async def run_node(
                 max_sequence_tokens=limit,
             )
             dispatcher.prefix_jobs = repo
+            dispatcher.items_ended = waker.start().items_ended
             if holder is not None:
                 holder.append(dispatcher)
             log.info(
@@ -156,6 +160,7 @@ async def run_node(
                 started.set()
             return await _run_until(dispatcher, stop)
         finally:
+            await asyncio.to_thread(waker.stop)
             await aledger.aclose()
             ledger.close()
             repo.close()

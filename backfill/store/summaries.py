@@ -179,6 +179,12 @@ BATCH_IDS = (
     "ORDER BY batch_no"
 )
 # Pending steps whose item ended, or whose batch ended without an item for them.
+# The summary jobs that made these batches: by the batch's metadata, confirmed by the job's
+# own record of it (a user's batch may carry any metadata), both through primary keys.
+JOBS_OF_BATCHES = (
+    "SELECT j.id AS batch_id, b.job_id FROM jobs j JOIN summary_batches b "
+    "ON b.job_id = j.metadata->>'summary_job' AND b.batch_id = j.id WHERE j.id = ANY(:b)"
+)
 FINISHED_STEPS = (
     "SELECT s.seq, s.node, i.state AS item_state, j.state AS batch_state, i.result, i.error "
     "FROM summary_steps s "
@@ -438,6 +444,12 @@ class Summaries(Store):
     def summary_batch_ids(self, job_id: str) -> list[str]:
         with self._tx() as conn:
             return list(conn.execute(text(BATCH_IDS), {"i": job_id}).scalars())
+
+    def summary_jobs_of_batches(self, batch_ids: Sequence[str]) -> dict[str, str]:
+        """The summary job of each of ``batch_ids`` that one made (others are left out)."""
+        with self._tx() as conn:
+            rows = conn.execute(text(JOBS_OF_BATCHES), {"b": list(batch_ids)}).all()
+        return {r.batch_id: r.job_id for r in rows}
 
     def finished_steps(self, job_id: str, limit: int) -> list[FinishedStep]:
         with self._tx() as conn:

@@ -76,6 +76,15 @@ def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverRep
     return report
 
 
+def drive_now(repo: SummaryStore, settings: Settings, job_id: str) -> bool:
+    """One round of one job now, not at the next tick (its start made, its items ended):
+    whether it ran (False: another process holds the job's lock and drives it)."""
+    with repo.driver_lock(job_id) as held:
+        if held:
+            drive_job(repo, settings, job_id)
+        return held
+
+
 def drive_job(
     repo: SummaryStore, settings: Settings, job_id: str, report: DriverReport | None = None
 ) -> None:

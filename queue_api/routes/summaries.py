@@ -10,6 +10,7 @@ as the engine counts it.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -19,14 +20,16 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from backfill.engine.protocol import Engine, EngineError
+from backfill.errors import BackfillError
 from backfill.gateway.refusals import GatewayUnavailable
 from backfill.refusals import InvalidRequest, ModelNotFound
 from backfill.store import Repository
 from backfill.store.records import TenantRecord
 from backfill.store.summaries import NewDocument, SummaryJobRecord
-from backfill.summarize import jobs
+from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import map_messages, reduce_messages
+from backfill.summarize.states import SummaryJobState
 from backfill.summarize.writer import SummaryRow
 from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
 from queue_api.summary_schemas import (
@@ -37,6 +40,7 @@ from queue_api.summary_schemas import (
 )
 
 router = APIRouter(prefix="/v1/summary_jobs", tags=["summaries"])
+log = logging.getLogger("backfill.summarize")
 
 
 def _render(repo: Repository, job: SummaryJobRecord) -> SummaryJobObject:
@@ -142,8 +146,14 @@ async def add_documents(
 
 
 def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:
-    job = repo.get_summary_job(tenant.id, job_id)
-    return _render(repo, jobs.start_job(repo, settings, tenant, job))
+    job = jobs.start_job(repo, settings, tenant, repo.get_summary_job(tenant.id, job_id))
+    if job.state is SummaryJobState.IN_PROGRESS:
+        # Its first round (the map steps' batches) now, not at the next maintenance tick.
+        try:
+            driver.drive_now(repo, settings, job.id)
+        except BackfillError as exc:
+            log.warning("summary job %s: first round left to the tick: %s", job.id, exc)
+    return _render(repo, repo.get_summary_job(tenant.id, job.id))
 
 
 @router.post("/{job_id}/start")
@@ -151,7 +161,7 @@ def start_summary_job(
     job_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> SummaryJobObject:
     """Admit the job on its whole forecast (refused when its window cannot be met) and run
-    it under one deadline."""
+    it under one deadline; its map steps' batches are made before the answer."""
     return _start(repo, settings, tenant, job_id)
 
 

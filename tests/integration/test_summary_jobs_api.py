@@ -184,6 +184,17 @@ def test_the_list_shows_the_tenants_jobs_newest_first_with_their_split_documents
     assert api.get(f"{P}/{newer['id']}").json()["progress"]["split_documents"] == 2
 
 
+def test_a_started_job_has_its_map_batch_at_once_not_at_the_next_tick(
+    api: httpx.Client,
+) -> None:
+    job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, job["id"], [{"id": "long", "text": LONG}, {"id": "a", "text": "Short."}])
+    started = api.post(f"{P}/{job['id']}/start").json()
+    # No maintenance tick runs here: the start's own first round made the batch.
+    assert started["status"] == "in_progress"
+    assert len(started["batches"]) == 1
+
+
 def test_cancel_mid_job_through_the_api(
     api: httpx.Client, repo: Repository, settings_: Settings
 ) -> None:

@@ -1,0 +1,129 @@
+"""A summarisation job driven by the node that runs its items: as the node's results are
+stored, the job's driver is woken (``worker.summary_wake``), so its reduce steps are made and
+the job ends with no maintenance tick at all (one used to be needed per reduce level, 5 s
+apart by default).
+
+Real Postgres and Redis, a real node dispatcher over the stand-in engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from backfill.config import Settings
+from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
+from backfill.store import NewItem, Repository
+from backfill.summarize import driver, jobs
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.states import DocumentState, SummaryJobState
+from tests.integration.standin_engine import (
+    StandInEngine,
+    run_until,
+    stand_in_dispatcher,
+    stand_in_node,
+)
+from worker.dispatch import DispatchConfig
+from worker.summary_wake import SummaryWaker
+
+NODE = "n-wake"
+BLOCK = 16
+SHAPE = JobShape(
+    context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=16
+)
+LONG = "\n\n".join(
+    f"Paragraph {i} of the report. " + "It says a few words. " * 12 for i in range(40)
+)
+
+
+class ChatStandIn(StandInEngine):
+    """The stand-in answering a chat request with a one-word summary, as a chat stream."""
+
+    def stream_completion(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        priority: int,
+        request_id: str,
+        stream_interval: int = 1,
+    ) -> CompletionStream:
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            choice = {"index": 0, "delta": {"content": "gist"}, "finish_reason": "stop"}
+            yield StreamChunk("c", (ChoiceDelta(0, "gist", "stop"),), None, {"choices": [choice]})
+            yield StreamChunk("c", (), Usage(5, 1, 6), {"usage": {"prompt_tokens": 5}})
+
+        return CompletionStream(chunks())
+
+
+def _words(text: str) -> int:
+    return 1 + len(text.split()) * 2
+
+
+def _started_job(repo: Repository, settings: Settings) -> str:
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest("m", "Summarise.", SHAPE.summary_tokens, "1h")
+    job = jobs.create_job(repo, settings, tenant, request, SHAPE)
+    documents = [jobs.prepare_document(job, "long", LONG, _words)]
+    documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
+    assert len(documents[0].bodies) > SHAPE.fan_in  # two reduce levels above the chunks
+    jobs.add_documents(repo, job, documents)
+    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    return job.id
+
+
+def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Settings) -> None:
+    with stand_in_node(settings, NODE, BLOCK, blocks=256) as (repo, _, aledger):
+        job_id = _started_job(repo, settings)
+        driver.drive(repo, settings)  # the start's round: the map steps' batch
+        first = repo.summary_batch_ids(job_id)
+        assert len(first) == 1
+        waker = SummaryWaker(repo, settings).start()
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
+            ChatStandIn(blocks=256, block=BLOCK),
+            repo,
+            aledger,
+            BLOCK,
+        )
+        dispatcher.items_ended = waker.items_ended
+        try:
+            run_until(
+                dispatcher,
+                aledger,
+                lambda: repo.get_summary_job(None, job_id).state is SummaryJobState.COMPLETED,
+            )
+        finally:
+            waker.stop()
+
+        job = repo.get_summary_job(None, job_id)
+        assert job.state is SummaryJobState.COMPLETED
+        rows = repo.document_page(job_id, -1, 10)
+        assert [r.state for r in rows] == [DocumentState.SUCCEEDED] * 4, [r.error for r in rows]
+        assert rows[0].split_depth == 2
+        assert all(r.summary for r in rows)
+        # The reduce levels' batches were made by the wakes (no tick ran after the first).
+        assert len(repo.summary_batch_ids(job_id)) == 3
+        assert waker.rounds >= 2
+
+
+def test_only_batches_a_summary_job_made_are_taken_as_its(
+    settings: Settings, repo: Repository
+) -> None:
+    job_id = _started_job(repo, settings)
+    driver.drive(repo, settings)
+    (made,) = repo.summary_batch_ids(job_id)
+    # A user's batch may carry any metadata, a summary job's id too: it is not that job's.
+    tenant = repo.create_tenant("mallory")
+    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    posing = repo.create_job(
+        tenant.id,
+        f.id,
+        "/v1/chat/completions",
+        "1h",
+        datetime.now(UTC) + timedelta(hours=1),
+        metadata={"summary_job": job_id, "summary_batch": "0"},
+    )
+    repo.insert_items(posing.id, [NewItem(0, "x", "{}", 1)])
+    assert repo.summary_jobs_of_batches([made, posing.id, "batch_none"]) == {made: job_id}
