@@ -50,6 +50,9 @@ HARVEST_PAGE = 2000
 DECIDE_PAGE = 500
 MAX_ROUND_STEPS = 200_000
 """Steps one round cuts into batches at most (the rest wait for the next round)."""
+START_ROUND_STEPS = 2_000
+"""Steps the start's own round cuts at most: enough to keep an engine busy until the next
+round, little enough that the start answers in well under a second."""
 
 
 @dataclass(slots=True)
@@ -76,17 +79,25 @@ def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverRep
     return report
 
 
-def drive_now(repo: SummaryStore, settings: Settings, job_id: str) -> bool:
-    """One round of one job now, not at the next tick (its start made, its items ended):
-    whether it ran (False: another process holds the job's lock and drives it)."""
+def drive_now(
+    repo: SummaryStore, settings: Settings, job_id: str, max_steps: int = MAX_ROUND_STEPS
+) -> bool:
+    """One round of one job now, not at the next tick (its start made, its items ended),
+    cutting at most ``max_steps`` steps into batches: whether it ran (False: another process
+    holds the job's lock and drives it)."""
     with repo.driver_lock(job_id) as held:
         if held:
-            drive_job(repo, settings, job_id)
+            drive_job(repo, settings, job_id, max_steps=max_steps)
         return held
 
 
 def drive_job(
-    repo: SummaryStore, settings: Settings, job_id: str, report: DriverReport | None = None
+    repo: SummaryStore,
+    settings: Settings,
+    job_id: str,
+    report: DriverReport | None = None,
+    *,
+    max_steps: int = MAX_ROUND_STEPS,
 ) -> None:
     report = report if report is not None else DriverReport()
     job = repo.get_summary_job(None, job_id)
@@ -103,7 +114,7 @@ def drive_job(
         if repo.fail_unmade_steps(job.id, "expired: the job's deadline passed before it ran"):
             _decide(repo, job, report)
     else:
-        report.batches += make_batches(repo, settings, job)
+        report.batches += make_batches(repo, settings, job, max_steps)
     if _end_if_done(repo, job):
         report.jobs_ended += 1
 
@@ -179,12 +190,16 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
         ended_count += len(ended)
 
 
-def make_batches(repo: SummaryStore, settings: Settings, job: SummaryJobRecord) -> int:
-    """Cut the steps no batch carries into numbered batches, then make every numbered batch
-    not made yet; returns how many were made."""
+def make_batches(
+    repo: SummaryStore, settings: Settings, job: SummaryJobRecord, max_steps: int = MAX_ROUND_STEPS
+) -> int:
+    """Cut the steps no batch carries (at most ``max_steps``) into numbered batches, then
+    make every numbered batch not made yet; returns how many were made."""
     cut_steps = 0
-    while cut_steps < MAX_ROUND_STEPS:
-        steps = repo.unbatched_steps(job.id, settings.max_lines_per_batch)
+    while cut_steps < max_steps:
+        steps = repo.unbatched_steps(
+            job.id, min(settings.max_lines_per_batch, max_steps - cut_steps)
+        )
         if not steps:
             break
         cut = BatchCut(settings.max_lines_per_batch, settings.max_file_bytes)

@@ -148,9 +148,10 @@ async def add_documents(
 def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:
     job = jobs.start_job(repo, settings, tenant, repo.get_summary_job(tenant.id, job_id))
     if job.state is SummaryJobState.IN_PROGRESS:
-        # Its first round (the map steps' batches) now, not at the next maintenance tick.
+        # Its first round now, not at the next maintenance tick: a first batch of its map
+        # steps (bounded: the start answers quickly); the rest at the next round.
         try:
-            driver.drive_now(repo, settings, job.id)
+            driver.drive_now(repo, settings, job.id, driver.START_ROUND_STEPS)
         except BackfillError as exc:
             log.warning("summary job %s: first round left to the tick: %s", job.id, exc)
     return _render(repo, repo.get_summary_job(tenant.id, job.id))
@@ -161,7 +162,7 @@ def start_summary_job(
     job_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> SummaryJobObject:
     """Admit the job on its whole forecast (refused when its window cannot be met) and run
-    it under one deadline; its map steps' batches are made before the answer."""
+    it under one deadline; a first batch of its map steps is made before the answer."""
     return _start(repo, settings, tenant, job_id)
 
 

@@ -188,6 +188,26 @@ def test_cancel_mid_job_cancels_its_batches_and_keeps_what_was_summarised(
     assert claim(repo, "node-test", 100) == []
 
 
+def test_a_bounded_round_cuts_so_many_steps_and_the_next_round_the_rest_once(
+    repo: Repository, small_batches: Settings
+) -> None:
+    """The start's own round is bounded (it answers a request); nothing is lost or doubled
+    between it and the rounds after."""
+    tenant_id, job_id = _new_job(repo, small_batches)
+    tenant = repo.tenant_by_id(tenant_id)
+    jobs.start_job(repo, small_batches, tenant, repo.get_summary_job(None, job_id))
+    assert driver.drive_now(repo, small_batches, job_id, max_steps=3)
+    assert len(_batch_items(repo, job_id)) == 3
+    assert repo.summary_counts(job_id).unbatched_steps > 0
+    driver.drive(repo, small_batches)
+    items = _batch_items(repo, job_id)
+    assert repo.summary_counts(job_id).unbatched_steps == 0
+    assert len({custom_id for _, custom_id in items}) == len(items)
+    long_chunks = repo.document_page(job_id, -1, 1)[0].chunks
+    assert long_chunks > 3
+    assert len(items) == long_chunks + len(SHORT)  # every map step, once
+
+
 def test_a_job_whose_whole_forecast_misses_its_deadline_is_refused_at_start(
     repo: Repository, small_batches: Settings
 ) -> None:
