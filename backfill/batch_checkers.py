@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 from backfill.batch_lines import (
@@ -24,7 +25,7 @@ from backfill.batch_lines import (
     prompt_of,
     request_line,
 )
-from backfill.content_parts import media_part
+from backfill.content_parts import MediaPolicy, media_part
 from backfill.embeddings import check_embedding_body
 from backfill.output_budget import fitted_output
 from backfill.prefill import (
@@ -60,8 +61,11 @@ def checked_lines(
         yield line if isinstance(line, LineError) else check_body(line, limits, tally)
 
 
-def _chat_prompt_chars(messages: Any) -> PromptChars | str:
-    """Characters of the prompt's text, or a message saying why ``messages`` is invalid."""
+def _chat_prompt_chars(messages: Any, media: MediaPolicy) -> PromptChars | str:
+    """Characters of the prompt's text, or a message saying why ``messages`` is invalid
+    (a media part that ``media`` refuses among the reasons). A media part's tokens are not
+    in the characters: the lower bound stays one, and the exact count at run time covers
+    them."""
     if type(messages) is not list or not messages:
         return "body.messages must be a non-empty array of message objects"
     chars = 0
@@ -78,9 +82,9 @@ def _chat_prompt_chars(messages: Any) -> PromptChars | str:
                     chars += len(text)
         elif content is not None:
             return f"body.messages[{index}].content must be a string, an array or null"
-    media = media_part(messages, "body.messages")
-    if media is not None:
-        return media
+    refused = media_part(messages, "body.messages", media)
+    if refused is not None:
+        return refused
     return PromptChars(chars, chars)
 
 
@@ -126,7 +130,7 @@ def _chat_item(line: RequestLine, limits: InputLimits, tally: Tally) -> NewItem 
     """A ``/v1/chat/completions`` line: its messages, its budget (``max_completion_tokens``
     or ``max_tokens``), and the fields the template renders beside the messages counted
     toward the forecasts."""
-    chars = prompt_of(line, CHAT, _chat_prompt_chars, limits)
+    chars = prompt_of(line, CHAT, partial(_chat_prompt_chars, media=limits.media), limits)
     if isinstance(chars, LineError):
         return chars
     rewritten = normalised(line, chat=True)

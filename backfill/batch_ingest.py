@@ -133,7 +133,7 @@ def ingest_items(
     ``Idempotency-Key`` stored the items first) is left to the caller. Any other error
     fails the job too, unless ``fail_on_error`` is False (a deferred ingest: the job stays
     validating for the next ingest, up to :data:`MAX_INGEST_ATTEMPTS`)."""
-    limits = InputLimits.from_settings(settings)
+    limits = InputLimits.from_settings(settings, (tenant.id, tenant.name))
     tally = Tally()
     stored = repo.stored_items(tenant.id)
 

@@ -17,6 +17,7 @@ from typing import Any
 import pydantic_core
 
 from backfill.config import Settings
+from backfill.content_parts import MEDIA_REFUSED, MediaPolicy, tenant_media_policy
 from backfill.output_budget import fitted_output
 from backfill.prefill import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, prefill_plan
 from backfill.refusals import InvalidRequest
@@ -56,9 +57,16 @@ class InputLimits:
     (``backfill.output_budget``)."""
     max_embedding_inputs: int = 50_000
     """OpenAI's limit on the inputs of one ``/v1/embeddings`` batch, all its lines together."""
+    media: MediaPolicy = MEDIA_REFUSED
+    """The media parts a chat line may carry (``backfill.content_parts``): none unless the
+    deployment opts in for the batch's tenant."""
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> InputLimits:
+    def from_settings(
+        cls, settings: Settings, tenant: tuple[str, str] | None = None
+    ) -> InputLimits:
+        """The limits of ``settings`` for a batch of ``tenant`` (its id and name; None: the
+        limits every tenant's lines share, media refused)."""
         return cls(
             max_file_bytes=settings.max_file_bytes,
             max_line_bytes=settings.max_line_bytes,
@@ -67,6 +75,7 @@ class InputLimits:
             max_bytes_per_token=settings.max_bytes_per_token,
             max_prompts_per_line=settings.batch_max_prompts_per_line,
             default_max_tokens=settings.batch_default_max_tokens,
+            media=MEDIA_REFUSED if tenant is None else tenant_media_policy(settings, tenant),
         )
 
 

@@ -183,6 +183,19 @@ class Settings(BaseSettings):
     # gets what the batch limit leaves its prompt, at most this; the engine is sent exactly what
     # is reserved (backfill.output_budget).
     batch_default_max_tokens: PositiveInt = 2048
+    # Media content parts (image_url, video_url, audio_url, input_audio) in chat requests,
+    # batch and interactive: refused (400 naming the part) unless this is on, for every
+    # tenant or only the tenants (ids or names, comma-separated) in media_tenants. Run the
+    # engines with --allowed-media-domains and name the same hosts in media_allowed_domains
+    # (comma-separated; a media URL must name one of them; none: inline data: URLs only).
+    # A request may carry so many media parts, and so many bytes of inline media, at most.
+    # Their tokens are counted by the engine's /tokenize of the whole request
+    # (backfill.content_parts).
+    media_parts: bool = False
+    media_tenants: str = ""
+    media_allowed_domains: str = ""
+    media_max_parts_per_request: PositiveInt = 8
+    media_max_inline_bytes_per_request: PositiveInt = 10 << 20
     # A batch naming a model that no live node serves is refused (model_not_found, naming
     # those served) while any node is live; true lets it wait for a node that serves it.
     batch_wait_for_model: bool = False

@@ -264,7 +264,8 @@ class InteractiveGateway:
         tenant: TenantRecord,
         received: float,
     ) -> Response:
-        parsed = await self.admission.parse(endpoint, load_json_body(await request.body()))
+        body = load_json_body(await request.body())
+        parsed = await self.admission.parse(endpoint, body, (tenant.id, tenant.name))
         asked = _float_header(request, MAX_WAIT_HEADER)
         budget = self.admission.wait_budget(asked, _float_header(request, CLIENT_TIMEOUT_HEADER))
         if asked is not None and budget < asked:

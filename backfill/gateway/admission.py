@@ -18,6 +18,7 @@ from typing import Any
 
 from backfill.clock import HostClock
 from backfill.config import Settings
+from backfill.content_parts import MEDIA_REFUSED, tenant_media_policy
 from backfill.engine.protocol import Engine, EngineError, EngineRejected, count_prefill
 from backfill.gateway.leases import AdmissionEvents, LeaseBeats, LeaseKeeper, NoEvents
 from backfill.gateway.nodes import NodeDirectory, ServingNode
@@ -123,10 +124,14 @@ class InteractiveAdmission:
         await self.directory.aclose()
         await self.ledger.aclose()
 
-    async def parse(self, endpoint: InteractiveEndpoint, body: Any) -> InteractiveRequest:
-        """Parse ``body`` (a decoded JSON body) and find the nodes serving its model; refuses
-        what is not a request, what no node serves and more sequences than the cap."""
-        shape = parse_request(endpoint, body)
+    async def parse(
+        self, endpoint: InteractiveEndpoint, body: Any, tenant: tuple[str, str] | None = None
+    ) -> InteractiveRequest:
+        """Parse ``body`` (a decoded JSON body) of ``tenant`` (its id and name: the media
+        parts it may send) and find the nodes serving its model; refuses what is not a
+        request, what no node serves and more sequences than the cap."""
+        media = MEDIA_REFUSED if tenant is None else tenant_media_policy(self.settings, tenant)
+        shape = parse_request(endpoint, body, media)
         check_sequences(shape, self.caps.max_sequences)
         nodes, any_node = await self.directory.serving(shape.model)
         if not nodes:

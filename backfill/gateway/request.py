@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from backfill.content_parts import media_part
+from backfill.content_parts import MEDIA_REFUSED, MediaPolicy, media_part
 from backfill.prefill import prefill_plan
 from backfill.refusals import InvalidRequest
 
@@ -89,8 +89,11 @@ def _is_token_ids(value: object) -> bool:
     )
 
 
-def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
-    """The shape of a chat or completions request; raises :class:`InvalidRequest`."""
+def parse_request(
+    endpoint: InteractiveEndpoint, body: object, media: MediaPolicy = MEDIA_REFUSED
+) -> RequestShape:
+    """The shape of a chat or completions request, whose chat parts ``media`` lets through
+    (text only by default); raises :class:`InvalidRequest`."""
     if not isinstance(body, Mapping):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -108,9 +111,9 @@ def parse_request(endpoint: InteractiveEndpoint, body: object) -> RequestShape:
             raise InvalidRequest("messages must be a non-empty array", param="messages")
         if not all(isinstance(m, Mapping) for m in messages):
             raise InvalidRequest("each message must be an object", param="messages")
-        media = media_part(messages)
-        if media is not None:
-            raise InvalidRequest(media, param="messages")
+        refused = media_part(messages, "messages", media)
+        if refused is not None:
+            raise InvalidRequest(refused, param="messages")
         longest = sum(_content_bytes(m.get("content")) for m in messages)
         prompts = 1
         key = "max_tokens"
