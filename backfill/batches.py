@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, BinaryIO
@@ -242,7 +242,7 @@ def create_batch(
     )
     plan = judge_tokens(repo, settings, tenant, forecast, admission)
 
-    model = first_model(content())
+    model = _first_model_of(repo, tenant.id, record.id, content)
     _check_model_served(repo, settings, model, request.endpoint)
     # A file past the inline bound is checked and stored by an ingest process: the create
     # answers validating now, and no request does per-line work on a large file.
@@ -358,6 +358,23 @@ def _check_model_served(
             + (", ".join(sorted(endpoints)) or "no batch endpoint"),
             param="model",
         )
+
+
+FIRST_MODEL_HEAD_BYTES = 64 * 1024
+"""What a create reads of its file for the first line's model: a head, not a whole piece (a
+piece is a MiB: read, sent and split on every create, it was most of a create's cost)."""
+
+
+def _first_model_of(
+    repo: BatchStore, tenant_id: str, file_id: str, content: Callable[[], Iterator[bytes]]
+) -> str | None:
+    """:func:`first_model` of the stored file, from its head's complete lines; from its lines
+    read in pieces only when the head holds no complete line but blank ones."""
+    head = repo.file_head(tenant_id, file_id, FIRST_MODEL_HEAD_BYTES)
+    lines = head if len(head) < FIRST_MODEL_HEAD_BYTES else head.rpartition(b"\n")[0]
+    if lines.strip():
+        return first_model(lines)
+    return first_model(content())
 
 
 def first_model(content: bytes | Iterable[bytes]) -> str | None:

@@ -107,6 +107,16 @@ FILE_KIND = (
     f"WHERE id = :i AND tenant_id = :t AND {LIVE}"
 )
 
+# The first bytes of one of the tenant's stored files (its first piece's, or its whole
+# content's for a file stored before pieces): a slice of a TOASTed value is read and
+# decompressed only as far as it goes.
+FILE_HEAD = (
+    "SELECT coalesce((SELECT substring(c.data FROM 1 FOR %s) FROM file_chunks c "
+    "WHERE c.file_id = f.id AND c.seq = 0), substring(f.content FROM 1 FOR %s), ''::bytea) "
+    "FROM files f WHERE f.id = %s AND f.tenant_id = %s "
+    "AND (f.expires_at IS NULL OR f.expires_at > now())"
+)
+
 # One of the tenant's files, if it exists (locked by keep_bodies before it is deleted).
 OWNED_FILE = "SELECT id FROM files WHERE id = :i AND tenant_id = :t"
 
@@ -217,6 +227,15 @@ class Files(Store):
         if not stored and not legacy:
             return None
         return self._pieces(file_id, legacy)
+
+    def file_head(self, tenant_id: str, file_id: str, max_bytes: int) -> bytes:
+        """The first ``max_bytes`` of a stored input file (fewer if it is shorter; empty for
+        a file rendered from a job's items), in one query that reads no more of it. NotFound
+        when the tenant has no such live file."""
+        head = self._read_binary(FILE_HEAD, (max_bytes, max_bytes, file_id, tenant_id))
+        if head is None:
+            raise NotFound(f"No such File object: {file_id}")
+        return head
 
     def file_chunks(self, tenant_id: str, file_id: str) -> Iterator[bytes] | None:
         """A stored file's pieces in ``seq`` order, as :meth:`file_pieces` reads them; None
