@@ -22,8 +22,11 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 def _render(job: JobRecord, settings: Settings, repo: Repository) -> BatchObject:
     tps = batch_throughput(settings.batch_throughput_tokens_per_s)
+    # A job still validating has no items, so no prefix groups: no query for it (every
+    # large create answers one).
+    groups = [] if job.state is JobState.VALIDATING else repo.prefix_groups(job.id)
     # Progress judges Postgres' timestamps: on its clock (this host's may be off).
-    return BatchObject.of(job, job_progress(job, repo.now(), tps), repo.prefix_groups(job.id))
+    return BatchObject.of(job, job_progress(job, repo.now(), tps), groups)
 
 
 @router.post("")
