@@ -24,6 +24,7 @@ from backfill.batch_ingest import Admission, ingest_items, judge_tokens, stored_
 from backfill.batch_input import PROMPT_FIELD, InputLimits, forecast_tokens_upper_bound
 from backfill.config import Settings
 from backfill.errors import Conflict, NotFound
+from backfill.ingest_slots import RETRY_AFTER_S, TooManyIngests
 from backfill.refusals import (
     IdempotencyMismatch,
     InvalidRequest,
@@ -203,6 +204,20 @@ def check_active_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> 
         )
 
 
+def check_deferred_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> None:
+    """:class:`TooManyIngests` (429, ``Retry-After``) when the tenant has as many creates
+    waiting for an ingest process, or in one, as it may."""
+    waiting = repo.deferred_creates(tenant_id)
+    cap = settings.max_deferred_creates_per_tenant
+    if waiting >= cap:
+        raise TooManyIngests(
+            f"this tenant has {waiting} batch creates waiting for their files to be checked "
+            f"and stored (at most {cap} at once, BACKFILL_MAX_DEFERRED_CREATES_PER_TENANT); "
+            "retry after the time in Retry-After",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+
 def create_batch(
     repo: BatchStore,
     settings: Settings,
@@ -321,6 +336,8 @@ def _input_file(
             code="invalid_input_file",
             param="input_file_id",
         )
+    if record.size_bytes > settings.ingest_inline_bytes:
+        check_deferred_limit(repo, settings, tenant.id)
     stored_items = repo.stored_items(tenant.id)
     if stored_items >= settings.max_stored_items_per_tenant:
         raise StorageCapReached(

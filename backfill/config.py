@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     # starts ``ingesters`` ingest processes of its own (0: none; run ``backfill ingest``).
     ingest_inline_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024
     ingesters: Annotated[int, Field(ge=0)] = 1
+    # A tenant's deferred creates (validating, waiting for an ingest or in one) at once; one
+    # more is a 429 with Retry-After, answered before the create's other work: a tenant's
+    # flood of large creates neither queues unbounded ingest work nor costs a full create each.
+    max_deferred_creates_per_tenant: PositiveInt = 4
     # Retention: a batch that ended this long ago is purged with its items, attempts, webhook
     # events and result files, a summary job with its documents and steps (OpenAI keeps
     # batch data 30 days); 0 keeps everything. Each

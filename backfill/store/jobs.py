@@ -182,6 +182,11 @@ ENQUEUED_TOKENS = (
     "AND j.state IN ('validating', 'in_progress', 'cancelling')"
 )
 
+# A tenant's deferred creates still validating (waiting for an ingest or in one).
+DEFERRED_CREATES = (
+    "SELECT count(*) FROM jobs WHERE tenant_id = :t AND state = 'validating' AND ingest_deferred"
+)
+
 # A job's audit trail, in order.
 JOB_EVENTS = "SELECT from_state, to_state, reason FROM job_events WHERE job_id = :i ORDER BY id"
 
@@ -309,6 +314,11 @@ class Jobs(Store):
                     {"t": tenant_id},
                 ).scalar_one()
             )
+
+    def deferred_creates(self, tenant_id: str) -> int:
+        """The tenant's creates waiting for an ingest process or in one."""
+        with self._tx() as conn:
+            return int(conn.execute(text(DEFERRED_CREATES), {"t": tenant_id}).scalar_one())
 
     def enqueued_tokens(self, tenant_id: str) -> int:
         """Worst-case tokens (prompt + max output) of the tenant's unfinished items."""

@@ -37,6 +37,7 @@ from backfill import batches, ingester
 from backfill.batch_ingest import MAX_INGEST_ATTEMPTS
 from backfill.config import Settings, libpq_url
 from backfill.finalize import cancel_job, recover_stale_validating
+from backfill.ingest_slots import RETRY_AFTER_S, TooManyIngests
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, Repository, TenantRecord
 from devkit.harness import free_port, spawn, stop, wait_ready
@@ -308,3 +309,26 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_tenants_deferred_creates_are_bounded_and_another_tenants_are_not(
+    deferring: Settings, repo: Repository
+) -> None:
+    # A flood of large creates once queued without bound: each a full create for the API and
+    # an ingest of the whole file for the shared ingest process.
+    bounded = deferring.model_copy(update={"max_deferred_creates_per_tenant": 2})
+    flooder, other = repo.create_tenant("flooder"), repo.create_tenant("other")
+    first = [_create(repo, bounded, flooder, chat_file(50)) for _ in range(2)]
+    assert all(job.state is JobState.VALIDATING for job in first)
+    upload = batches.upload_file(
+        repo, bounded, flooder.id, filename="in.jsonl", purpose="batch", content=chat_file(50)
+    )
+    request = batches.BatchRequest(upload.id, CHAT, "24h")
+    with pytest.raises(TooManyIngests) as refused:
+        batches.create_batch(repo, bounded, flooder, request)
+    assert refused.value.retry_after_s == RETRY_AFTER_S
+    assert "at most 2 at once" in refused.value.message
+    # The bound is the tenant's own; and once an ingest is done the tenant may create again.
+    assert _create(repo, bounded, other, chat_file(50)).state is JobState.VALIDATING
+    assert ingester.ingest_next(repo, bounded) is not None
+    assert batches.create_batch(repo, bounded, flooder, request).state is JobState.VALIDATING
