@@ -44,6 +44,13 @@ _GROUPS = (
     "AND prefix_id IS NOT NULL GROUP BY prefix_id, prefix_blocks ORDER BY prefix_id"
 )
 
+# The same for several jobs at once (a page of a list).
+_GROUPS_OF_JOBS = (
+    "SELECT job_id, prefix_id, prefix_blocks, count(*) FROM items WHERE job_id = ANY(:js) "
+    "AND prefix_id IS NOT NULL GROUP BY job_id, prefix_id, prefix_blocks "
+    "ORDER BY job_id, prefix_id"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixJob:
@@ -109,3 +116,17 @@ class Prefixes(Store):
         with self._tx() as conn:
             rows = conn.execute(text(_GROUPS), {"j": job_id}).all()
         return [PrefixGroupRecord(str(r[0]), int(r[1]), int(r[2])) for r in rows]
+
+    def prefix_groups_of(self, job_ids: list[str]) -> dict[str, list[PrefixGroupRecord]]:
+        """:meth:`prefix_groups` of each of ``job_ids`` (those with none left out), in one
+        query."""
+        found: dict[str, list[PrefixGroupRecord]] = {}
+        if not job_ids:
+            return found
+        with self._tx() as conn:
+            rows = conn.execute(text(_GROUPS_OF_JOBS), {"js": job_ids}).all()
+        for r in rows:
+            found.setdefault(str(r[0]), []).append(
+                PrefixGroupRecord(str(r[1]), int(r[2]), int(r[3]))
+            )
+        return found

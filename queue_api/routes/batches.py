@@ -13,6 +13,7 @@ from backfill.progress import job_progress
 from backfill.results import iter_result_lines, parse_result_states
 from backfill.states import JobState
 from backfill.store import JobRecord, Repository
+from backfill.store.prefixes import PrefixGroupRecord
 from backfill.windows import batch_throughput
 from queue_api.deps import IngestersDep, IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
 from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
@@ -20,11 +21,19 @@ from queue_api.schemas import BatchList, BatchObject, CreateBatchBody
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
-def _render(job: JobRecord, settings: Settings, repo: Repository) -> BatchObject:
+def _render(
+    job: JobRecord,
+    settings: Settings,
+    repo: Repository,
+    groups: list[PrefixGroupRecord] | None = None,
+) -> BatchObject:
+    """The Batch object of ``job``; ``groups``: its prefix groups when already read (a list
+    reads a page's at once)."""
     tps = batch_throughput(settings.batch_throughput_tokens_per_s)
-    # A job still validating has no items, so no prefix groups: no query for it (every
-    # large create answers one).
-    groups = [] if job.state is JobState.VALIDATING else repo.prefix_groups(job.id)
+    if groups is None:
+        # A job still validating has no items, so no prefix groups: no query for it (every
+        # large create answers one).
+        groups = [] if job.state is JobState.VALIDATING else repo.prefix_groups(job.id)
     # Progress judges Postgres' timestamps: on its clock (this host's may be off).
     return BatchObject.of(job, job_progress(job, repo.now(), tps), groups)
 
@@ -63,7 +72,10 @@ def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
     jobs = repo.list_jobs(tenant.id, after=after, limit=limit + 1)
-    data = [_render(j, settings, repo) for j in jobs[:limit]]
+    # The page's prefix groups in one query, not one a job.
+    shown = [j for j in jobs[:limit] if j.state is not JobState.VALIDATING]
+    groups = repo.prefix_groups_of([j.id for j in shown])
+    data = [_render(j, settings, repo, groups.get(j.id, [])) for j in jobs[:limit]]
     return BatchList(
         data=data,
         first_id=data[0].id if data else None,

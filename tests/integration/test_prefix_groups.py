@@ -74,6 +74,12 @@ def test_a_batch_shows_one_group_per_instruction_its_items_share(
         assert all("messages" in body and "model" not in body for body in tokenizer.asked)
 
         after = client.get(f"/v1/batches/{batch.id}").json()
+        # A list page reads its jobs' groups in one query, and shows the same.
+        other = submit_file(server.client(acme.key), jsonl([chat_line("x")]))
+        listed = {b["id"]: b for b in client.get("/v1/batches").json()["data"]}
+    assert listed[batch.id]["backfill"]["prefixes"] == after["backfill"]["prefixes"]
+    assert listed[other.id]["backfill"]["prefixes"] == []
+    assert repo.prefix_groups_of([batch.id, other.id]) == {batch.id: repo.prefix_groups(batch.id)}
     groups = {g["items"]: g for g in after["backfill"]["prefixes"]}
     assert sorted(groups) == [2, 3]
     # "user:" plus 13 instruction words behind the begin token: 15 tokens, 3 whole blocks.
