@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -486,12 +487,26 @@ def _tour(base: str, key: str, job_id: str) -> None:
     console.print(
         "\n[bold]Still up[/] (Ctrl-C stops everything):"
         f"\n  dashboard  {base}/dashboard/#key={key}"
-        f"\n  CLI        export BACKFILL_API_URL={base} BACKFILL_API_KEY={key}"
+        f"\n  CLI        {_shell_activation()}export BACKFILL_API_URL={base} BACKFILL_API_KEY={key}"
         f"\n             backfill status {job_id}; backfill results {job_id} -o summaries.parquet; "
         "backfill capacity --watch"
         f"\n  SDK        OpenAI(base_url='{base}/v1', api_key='{key}').batches.list()",
         soft_wrap=True,
     )
+
+
+def _shell_activation() -> str:
+    here = Path(sys.executable).parent
+    return activation(here, sys.prefix != sys.base_prefix, shutil.which("backfill"))
+
+
+def activation(bin_dir: Path, in_venv: bool, found: str | None) -> str:
+    """How a shell gets the ``backfill`` in ``bin_dir`` (what ``shutil.which`` ``found`` is
+    the shell's own): ``scripts/demo.sh`` runs it from ``.venv``, which the newcomer's shell
+    has not activated, and ``backfill status`` there says ``command not found``."""
+    if not in_venv or found == str(bin_dir / "backfill"):
+        return ""
+    return f"source {bin_dir / 'activate'}; "
 
 
 def _until_interrupted() -> None:

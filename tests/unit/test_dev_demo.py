@@ -13,6 +13,7 @@ from devkit.dev import (
     DOCS,
     EMBEDDINGS,
     SAMPLING,
+    activation,
     batch_lines,
     copied_lines,
     demo_sampling,
@@ -78,3 +79,13 @@ def test_a_folder_without_documents_is_refused() -> None:
 def test_the_demo_job_samples_smollm2_greedily_and_the_random_tiny_model_as_its_engine_does():
     assert demo_sampling("smollm2") == SAMPLING
     assert demo_sampling("tiny") == {}
+
+
+def test_what_dev_prints_for_the_cli_activates_the_venv_the_shell_lacks(tmp_path: Path) -> None:
+    """scripts/demo.sh runs `backfill` from .venv; the newcomer's shell has not activated
+    it, so the printed `backfill status ...` needs the activation before it."""
+    venv_bin = tmp_path / ".venv" / "bin"
+    assert activation(venv_bin, True, None) == f"source {venv_bin / 'activate'}; "
+    assert activation(venv_bin, True, "/usr/bin/backfill").startswith("source ")
+    assert activation(venv_bin, True, str(venv_bin / "backfill")) == ""
+    assert activation(Path("/usr/bin"), False, None) == ""
