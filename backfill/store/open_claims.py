@@ -55,12 +55,14 @@ from backfill.store.records import ClaimedItem, Start
 IDLE = TransactionStatus.IDLE
 
 # The counter moves of a start: each item leaves the state it was picked in, to running
-# (started) or reserved (held to be settled).
+# (started) or reserved (held to be settled); the job's prompt tokens take the exact counts
+# the worker had the engine make, in place of what ingest knew (nothing, or a lower bound).
 CNT_OPEN_START = counters_cte(
     {s.value: moved_from(s) for s in sorted(ITEM_CLAIMABLE)}
     | {
         "running": "count(*) FILTER (WHERE started)",
         "reserved": "count(*) FILTER (WHERE NOT started)",
+        "prompt_tokens": "coalesce(sum(dp), 0)",
     }
 )
 
@@ -72,6 +74,8 @@ START_OPEN = (
     "WITH v AS (SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:att AS int[]), "
     "CAST(:st AS text[]), CAST(:lid AS text[]), CAST(:fen AS bigint[]), CAST(:res AS int[]), "
     "CAST(:pt AS int[]), CAST(:px AS int[])) AS v(id, a, s, l, f, r, p, x)), "
+    # The counts before the update (a CTE reads the statement's snapshot).
+    "old AS (SELECT i.id, i.prompt_tokens AS p FROM items i JOIN v ON v.id = i.id), "
     "moved AS (UPDATE items i SET "
     "  state = CASE WHEN v.l IS NULL THEN 'reserved' ELSE 'running' END, "
     "  attempt = v.a, node = :node, lease_id = v.l, fencing_token = v.f, not_before = NULL, "
@@ -82,11 +86,12 @@ START_OPEN = (
     "  started_at = CASE WHEN v.l IS NULL THEN i.started_at "
     "    ELSE coalesce(i.started_at, now()) END, "
     "  updated_at = now() "
-    "  FROM v WHERE i.id = v.id AND i.attempt = v.a - 1 AND i.state = v.s "
+    "  FROM v JOIN old o ON o.id = v.id "
+    "  WHERE i.id = v.id AND i.attempt = v.a - 1 AND i.state = v.s "
     "  AND coalesce((SELECT jb.state = 'in_progress' FROM jobs jb WHERE jb.id = i.job_id), "
     "    false) "
     "  RETURNING i.id, i.job_id, i.attempt, v.l, v.f, v.r, v.p, v.s AS from_state, "
-    "    v.l IS NOT NULL AS started), "
+    "    v.l IS NOT NULL AS started, v.p - coalesce(o.p, 0) AS dp), "
     f"{CNT_OPEN_START}, "
     "att AS (INSERT INTO attempts (item_id, attempt, node, lease_id, fencing_token, "
     "  reserved_tokens, prompt_tokens) SELECT id, attempt, :node, l, f, r, p FROM moved) "

@@ -50,6 +50,15 @@ def _rows(url: str, item_id: int) -> tuple[tuple[object, ...], list[tuple[object
     return tuple(item), [tuple(a) for a in attempts]
 
 
+def _prompt_tokens(url: str, job_id: str) -> int:
+    with psycopg.connect(libpq_url(url)) as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(prompt_tokens), 0) FROM items WHERE job_id = %s", (job_id,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def test_an_open_claim_locks_its_items_and_writes_nothing(
     repo: Repository, database_url: str
 ) -> None:
@@ -102,6 +111,9 @@ def test_the_start_writes_each_item_once_holds_the_refused_and_leaves_the_rest(
         1,
     ]
     _assert_counters_match(repo, job.id)
+    # The job's prompt tokens take the started item's exact count (20) in place of what
+    # ingest stored (100): what `backfill status` shows (it stayed at ingest's figure).
+    assert counts.prompt_tokens == 100 + 100 + 20 == _prompt_tokens(database_url, job.id)
     # The started attempt finishes under its fencing token; the held one settles as a hold.
     done = Finish(a.id, a.attempt, 7, ItemState.SUCCEEDED, result="{}", output_tokens=3)
     assert repo.finish([done]) == [a.id]
