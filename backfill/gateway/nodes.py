@@ -25,6 +25,9 @@ class ServingNode:
     engine_url: str
     model: str
     max_model_len: int | None
+    unanswered: str | None = None
+    """Why the engine's context length is unknown: its error when asked (e.g. it refused the
+    key), for a caller that needs the length to say more than "not served"."""
 
 
 class NodeDirectory:
@@ -40,6 +43,7 @@ class NodeDirectory:
         self._loaded_at = 0.0
         self._refreshing: asyncio.Task[None] | None = None
         self._context: dict[tuple[str, str], int | None] = {}
+        self._unanswered: dict[tuple[str, str], str] = {}
 
     async def serving(self, model: str) -> tuple[list[ServingNode], bool]:
         """Nodes serving ``model``, and whether any node is registered at all."""
@@ -68,15 +72,21 @@ class NodeDirectory:
             key = (r.engine_url, r.model)
             if self._context.get(key) is None:
                 self._context[key] = await self._context_length(r.engine_url, r.model)
-            nodes.append(ServingNode(r.name, r.engine_url, r.model, self._context[key]))
+            nodes.append(
+                ServingNode(
+                    r.name, r.engine_url, r.model, self._context[key], self._unanswered.get(key)
+                )
+            )
         self._nodes = nodes
         self._loaded_at = time.monotonic()
 
     async def _context_length(self, url: str, model: str) -> int | None:
         try:
             models = await self._engine_for(url).models()
-        except EngineError:
+        except EngineError as exc:
+            self._unanswered[(url, model)] = str(exc)
             return None
+        self._unanswered.pop((url, model), None)
         return next((x.max_model_len for x in models if x.id == model), None)
 
     async def aclose(self) -> None:

@@ -52,9 +52,16 @@ def _render(repo: Repository, job: SummaryJobRecord) -> SummaryJobObject:
 async def _serving_engine(request: Request, model: str) -> tuple[Engine, int]:
     """An engine serving ``model`` and its context length."""
     gateway = request.app.state.gateway
-    nodes, any_node = await gateway.admission.directory.serving(model)
-    nodes = [n for n in nodes if n.max_model_len]
+    serving, any_node = await gateway.admission.directory.serving(model)
+    nodes = [n for n in serving if n.max_model_len]
     if not nodes:
+        why = next((n.unanswered for n in serving if n.unanswered), None)
+        if why is not None:
+            # Registered for the model, but its engine did not answer (a refused key, down):
+            # the operator's problem to name, not the caller's model.
+            raise GatewayUnavailable(
+                f"no engine serving `{model}` told its context length: {why}", retry_after_s=5.0
+            )
         if any_node:
             raise ModelNotFound(f"The model `{model}` is not served by any node", param="model")
         raise GatewayUnavailable("no engine is registered yet", retry_after_s=5.0)

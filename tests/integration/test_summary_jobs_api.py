@@ -54,11 +54,26 @@ async def _tokenize(request: Request) -> JSONResponse:
     return JSONResponse({"count": _count(text), "max_model_len": CONTEXT})
 
 
+async def _refused(_: Request) -> JSONResponse:
+    return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
+
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    app = Starlette(
-        routes=[Route("/v1/models", _models), Route("/tokenize", _tokenize, methods=["POST"])]
+    yield from _serve(
+        Starlette(
+            routes=[Route("/v1/models", _models), Route("/tokenize", _tokenize, methods=["POST"])]
+        )
     )
+
+
+@pytest.fixture
+def locked_engine_url() -> Iterator[str]:
+    """An engine that refuses the API's key (it holds another)."""
+    yield from _serve(Starlette(routes=[Route("/v1/models", _refused)]))
+
+
+def _serve(app: Starlette) -> Iterator[str]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -301,3 +316,22 @@ def test_the_cli_summarises_a_parquet_file_into_a_parquet_of_summaries(
     code, _, stderr = _cli(server, acme.key, "results", job_id, "-o", str(tmp_path / "o.xlsx"))
     assert code == 1
     assert "name a file ending in .parquet, .csv, .jsonl" in stderr
+
+
+def test_an_engine_that_refuses_the_key_is_named_not_called_an_unserved_model(
+    repo: Repository, locked_engine_url: str, server: LiveServer, acme: Tenant
+) -> None:
+    # Registered for its model; its engine answers 401 (the API holds another key). A newcomer
+    # read "The model is not served by any node" (404) and looked for the wrong fault.
+    repo.upsert_node("node-locked", locked_engine_url, "locked-model", 1000, 16, 0)
+    answer = httpx.post(
+        f"{server.base_url}/v1{P}",
+        json={"model": "locked-model"},
+        headers={"Authorization": f"Bearer {acme.key}"},
+        timeout=60,
+    )
+    assert answer.status_code == 503, answer.text
+    message = answer.json()["error"]["message"]
+    assert "locked-model" in message
+    assert "401" in message, message
+    assert answer.headers["Retry-After"]
