@@ -10,7 +10,8 @@ never waits on it), finds the summary jobs that made them and drives each one ro
 the job's driver lock. A round is what a tick would do, keyed and guarded the same way, so
 a wake and a tick (or two nodes' wakes) on one job lose and double nothing: the one that
 finds the lock taken comes back a moment later, so results committed while another round
-ran are not left for the next tick.
+ran are not left for the next tick. A round that fails, for any reason, is logged and left to
+the tick; the thread goes on waking the jobs of later results.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class SummaryWaker:
                 self._drive(self._due_jobs())
             except BackfillError as exc:  # Postgres away, say: the tick still drives them
                 log.warning("summary jobs not woken: %s", exc)
+            except Exception:  # a fault of ours: say it, and keep waking the next ones
+                log.exception("summary jobs not woken")
 
     def _due_jobs(self) -> set[str]:
         with self._lock:
@@ -97,6 +100,9 @@ class SummaryWaker:
                     continue
             except BackfillError as exc:
                 log.warning("summary job %s not woken: %s", job_id, exc)
+                continue
+            except Exception:  # one job's fault leaves the others woken
+                log.exception("summary job %s not woken", job_id)
                 continue
             # Another process drives it now, maybe from before these results: once more.
             with self._lock:

@@ -8,13 +8,15 @@ Real Postgres and Redis, a real node dispatcher over the stand-in engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from backfill.config import Settings
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
 from backfill.store import NewItem, Repository
+from backfill.store.protocol import SummaryStore
 from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.states import DocumentState, SummaryJobState
@@ -127,3 +129,44 @@ def test_only_batches_a_summary_job_made_are_taken_as_its(
     )
     repo.insert_items(posing.id, [NewItem(0, "x", "{}", 1)])
     assert repo.summary_jobs_of_batches([made, posing.id, "batch_none"]) == {made: job_id}
+
+
+class _FailingOnce:
+    """The real repository, whose first lookup of batches' jobs fails as a bug would."""
+
+    def __init__(self, repo: Repository) -> None:
+        self._repo, self.lookups = repo, 0
+
+    def summary_jobs_of_batches(self, batch_ids: Sequence[str]) -> dict[str, str]:
+        self.lookups += 1
+        if self.lookups == 1:
+            raise RuntimeError("an unexpected fault")
+        return self._repo.summary_jobs_of_batches(batch_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._repo, name)
+
+
+def test_a_round_that_fails_unexpectedly_leaves_the_waker_waking(
+    settings: Settings, repo: Repository
+) -> None:
+    job_id = _started_job(repo, settings)
+    driver.drive(repo, settings)
+    (made,) = repo.summary_batch_ids(job_id)
+    failing = _FailingOnce(repo)
+    waker = SummaryWaker(cast(SummaryStore, failing), settings).start()
+    try:
+        waker.items_ended([made])
+        _wait_for(lambda: failing.lookups == 1)
+        waker.items_ended([made])  # the next results' wake still drives the job
+        _wait_for(lambda: waker.rounds == 1)
+    finally:
+        waker.stop()
+    assert failing.lookups == 2
+
+
+def _wait_for(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the waker did not get there"
+        time.sleep(0.01)
