@@ -1,7 +1,7 @@
 """The demo's summaries read as summaries: ``backfill dev``'s request, on every bundled
 document, against the real SmolLM2 engine, counting lines (or sentences) a summary repeats.
 
-SmolLM2-135M decoding greedily copied a title line several times; :data:`devkit.dev.SAMPLING`
+SmolLM2-135M decoding greedily copied a title line several times; :data:`devkit.demo_job.SAMPLING`
 is what ``backfill dev`` sends to avoid that. ``--compare`` also runs the old request (the old
 prompt, temperature 0, no penalty) on the same engine, for the before/after. Requests go
 straight to the engine with exactly the bodies ``backfill dev`` submits as its batch.
@@ -18,7 +18,8 @@ import httpx
 
 from bench.common import finish, parser, table
 from devkit import devengine
-from devkit.dev import DOCS, DevOptions, batch_lines, copied_lines, repeated_lines
+from devkit.demo_job import DOCS, batch_lines, copied_lines, repeated_lines
+from devkit.dev import DevOptions
 
 NAME = "demo_summaries"
 OLD_PROMPT = (

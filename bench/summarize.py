@@ -47,7 +47,7 @@ from backfill.summarize.reduce_plan import plan_reduce
 from bench.common import OUT_DIR, finish, parser
 from bench.stack import BACKFILL, BackfillStack, upload_batch
 from devkit import devengine
-from devkit.dev import DOCS
+from devkit.demo_job import DOCS
 
 NAME = "summarize"
 GOAL = 0.05

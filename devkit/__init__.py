@@ -1,6 +1,7 @@
 """The dev kit: what exists to run Backfill on one machine or in tests, never in production.
 
-``backfill dev`` (:mod:`devkit.dev`) and its demo documents (``demo_docs/``), the embedded
+``backfill dev`` (:mod:`devkit.dev`), its job and demo documents (:mod:`devkit.demo_job`,
+``demo_docs/``), the embedded
 PostgreSQL and Redis (:mod:`devkit.embedded`), the CPU engine and its model builds
 (:mod:`devkit.devengine`, ``model_build/``), the local Redis Cluster
 (:mod:`devkit.redis_cluster`), the engine speed probe (:mod:`devkit.enginespeed`), and the

@@ -18,6 +18,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from devkit.demo_job import TERMINAL
+
 INSTRUCTION = (
     "Summarise the following document in two or three sentences of your own. Say what it "
     "is and what it says; do not copy its lines."
@@ -25,7 +27,6 @@ INSTRUCTION = (
 WHOLE_COLLECTION = "all-the-documents"
 """The row that holds every bundled document at once (longer than the model's context)."""
 SUMMARY_JOBS = "/v1/summary_jobs"
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
 ENGINE_WAIT_S = 120.0
 """How long the create waits for the worker to register the engine (a 503 until then)."""
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from backfill_analysis.simulate.trace import TraceRequest
-from devkit.dev import DOCS, PROMPT
+from devkit.demo_job import DOCS, PROMPT
 
 # Token ids inside the tiny model's vocabulary (1,024) and SmolLM2's (49,152), clear of the
 # special tokens at the bottom of both; 980 choices per position keep random prompts apart.

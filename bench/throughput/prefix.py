@@ -80,7 +80,7 @@ from bench.throughput.prefix_workload import (
 )
 from bench.throughput.sides import RUN_BATCH_DRIVER
 from devkit import devengine
-from devkit.dev import DOCS
+from devkit.demo_job import DOCS
 
 NAME = "prefix"
 ENDPOINT = "/v1/chat/completions"

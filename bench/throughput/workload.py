@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from devkit.dev import DOCS, PROMPT
+from devkit.demo_job import DOCS, PROMPT
 
 GOAL = 0.9
 TINY_GOAL = 0.75

@@ -9,16 +9,16 @@ import pytest
 
 from backfill.batch_input import InputLimits, ValidatedBatch, validate_batch_input
 from backfill.config import Settings
-from devkit.dev import (
+from devkit.demo_job import (
     DOCS,
     EMBEDDINGS,
     SAMPLING,
-    activation,
     batch_lines,
     copied_lines,
     demo_sampling,
     repeated_lines,
 )
+from devkit.dev import activation
 from devkit.dev_summary import WHOLE_COLLECTION, demo_documents, document_lines
 
 
