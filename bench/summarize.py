@@ -101,6 +101,14 @@ def write_corpus(path: Path, lengths: Sequence[int], seed: int, rows_per_group: 
     return path.stat().st_size
 
 
+class ClientFailed(RuntimeError):
+    """A ``backfill`` command that ended in an error, with what it cost before it did."""
+
+    def __init__(self, message: str, wall_s: float, peak_rss: int) -> None:
+        super().__init__(message)
+        self.wall_s, self.peak_rss = wall_s, peak_rss
+
+
 def run_client(args: Sequence[str], env: dict[str, str]) -> tuple[str, float, int]:
     """A ``backfill`` command's stdout, its wall seconds and its own peak RSS (bytes, from
     ``wait4``: that process's alone, not the largest child's so far)."""
@@ -114,7 +122,8 @@ def run_client(args: Sequence[str], env: dict[str, str]) -> tuple[str, float, in
         err.seek(0)
         printed, said = out.read().decode(), err.read().decode(errors="replace")
     if proc.returncode != 0:
-        raise RuntimeError(f"backfill {' '.join(args)}: {said[-2000:]}")
+        message = f"backfill {' '.join(args)}: {said[-2000:]}"
+        raise ClientFailed(message, wall, usage.ru_maxrss * 1024)
     return printed, wall, usage.ru_maxrss * 1024
 
 
@@ -312,6 +321,11 @@ def batches_side(
     }
 
 
+MEMORY_WINDOW = "168h"
+"""The memory run's window: the longest the API takes by default, so a 1 GiB input's forecast
+(days on one CPU engine) is not refused before its job starts."""
+
+
 def memory_side(
     stack: BackfillStack, workdir: Path, sizes_mb: Sequence[int], model: str, env: dict[str, str]
 ) -> list[dict[str, Any]]:
@@ -327,14 +341,14 @@ def memory_side(
             printed, wall, client_peak = run_client(
                 [
                     "summarize", str(path), "--text-column", "text", "--id-column", "id",
-                    "--model", model, "--max-summary-tokens", "64", "--window", "24h",
+                    "--model", model, "--max-summary-tokens", "64", "--window", MEMORY_WINDOW,
                 ],
                 env,
             )  # fmt: skip
             job_id: str | None = printed.strip().splitlines()[-1]
             error = None
-        except RuntimeError as exc:  # a start refused on its forecast still sent everything
-            job_id, wall, client_peak, error = None, 0.0, 0, str(exc)[-300:]
+        except ClientFailed as exc:  # a start refused on its forecast still sent everything
+            job_id, wall, client_peak, error = None, exc.wall_s, exc.peak_rss, str(exc)[-300:]
         if job_id:
             with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=60) as client:
                 client.post(f"/v1/summary_jobs/{job_id}/cancel")
