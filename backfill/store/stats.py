@@ -10,28 +10,35 @@ from datetime import datetime
 from sqlalchemy import text
 
 from backfill import fairshare
-from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
-from backfill.states import ItemState, JobState
+from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
+from backfill.store.counters import COUNTERS_JOIN
 from backfill.store.database import Store
 from backfill.store.records import FinishedTokenStats
 
 # Items per state of one job by COUNT(*): the slow truth the counters are checked against.
 COUNTED_STATES_OF_JOB = "SELECT state, count(*) FROM items WHERE job_id = :j GROUP BY state"
 
-# Worst-case tokens still to spend on every unfinished item.
-BACKLOG_TOKENS = (
-    "SELECT coalesce(sum(coalesce(prompt_tokens, 0) + max_output_tokens "
-    "- partial_tokens), 0) FROM items "
-    f"WHERE state IN ({CLAIMABLE_SQL}, {ACTIVE_SQL})"
+# Items of a job not yet finished, from its counters.
+_UNFINISHED = " + ".join(f"c.{s.value}" for s in sorted(ITEM_CLAIMABLE | ITEM_ACTIVE))
+
+# Worst-case tokens (prompt + max output) still to spend per tenant, with its weight (tenants
+# with nothing unfinished left out). Read from the unfinished jobs' counters, pro rata as the
+# quota check reads them (``ENQUEUED_TOKENS``), never from items: a create plans its deadline
+# with this, and one tenant's million queued items must not make another's create scan them.
+# The figure is exact while a job's unfinished items are alike in size; otherwise it is off by
+# their spread, and it leaves out what preempted items already generated (deadline planning is
+# an estimate). The job states are those of ``ix_jobs_open_deadline``, so the jobs are found
+# by that index: the cost grows with the unfinished jobs, not with anyone's items.
+BACKLOG_BY_TENANT = (
+    "SELECT t.id, t.weight, b.tokens FROM (SELECT j.tenant_id, "
+    f"sum((c.prompt_tokens + c.max_output_tokens) * ({_UNFINISHED}) / greatest(c.total, 1)) "
+    f"AS tokens, sum({_UNFINISHED}) AS unfinished FROM jobs j {COUNTERS_JOIN} "
+    "WHERE j.state IN ('validating', 'in_progress', 'cancelling') GROUP BY j.tenant_id) b "
+    "JOIN tenants t ON t.id = b.tenant_id WHERE b.unfinished > 0"
 )
 
-# The same per tenant, with its weight (tenants with no backlog left out).
-BACKLOG_BY_TENANT = (
-    "SELECT t.id, t.weight, b.tokens FROM (SELECT tenant_id, "
-    "sum(coalesce(prompt_tokens, 0) + max_output_tokens - partial_tokens) "
-    f"AS tokens FROM items WHERE state IN ({CLAIMABLE_SQL}, {ACTIVE_SQL}) "
-    "GROUP BY tenant_id) b JOIN tenants t ON t.id = b.tenant_id"
-)
+# The same over every tenant.
+BACKLOG_TOKENS = f"SELECT coalesce(sum(b.tokens), 0) FROM ({BACKLOG_BY_TENANT}) b"
 
 # Jobs per state (the states with none are filled in by the caller).
 JOB_STATE_TOTALS = "SELECT state, count(*) FROM jobs GROUP BY state"
@@ -58,7 +65,8 @@ class Stats(Store):
         return {ItemState(r[0]): int(r[1]) for r in rows}
 
     def backlog_tokens(self) -> int:
-        """Worst-case tokens (prompt + max output) of every item not yet finished."""
+        """Worst-case tokens (prompt + max output) of every item not yet finished, from the
+        unfinished jobs' counters (see ``BACKLOG_BY_TENANT``)."""
         with self._tx() as conn:
             return int(conn.execute(text(BACKLOG_TOKENS)).scalar_one())
 
