@@ -170,6 +170,13 @@ class Settings(BaseSettings):
     # (no token prefilled or generated for anyone) is a hung engine: the attempt is stopped
     # as an engine error (requeued, the engine suspect until it answers). 0: never.
     batch_stream_stall_s: Annotated[float, Field(ge=0)] = 120.0
+    # Shared prompt prefixes (issue 36). A node that looks for them leaves a new batch's items
+    # in the queue until its prefix pass has ended, this long at most (0: never): claimed
+    # before, they reserve whole prompts. Seconds, against deadlines of hours: capped at 60.
+    prefix_pass_hold_s: Annotated[float, Field(ge=0, le=60)] = 10.0
+    # A prefix's group waits this long for its first holder's prefill (its first token), then
+    # reserves whole prompts instead.
+    prefix_first_prefill_wait_s: Annotated[float, Field(ge=0)] = 30.0
     # Where the node's engine scheduler (backfill_vllm) serves its metrics: while they answer,
     # the engine pauses batch in the steps interactive work needs, and the work budget stops
     # preempting batch for interactive TTFT. None: the engine runs vLLM's own scheduler.

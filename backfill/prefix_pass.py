@@ -52,6 +52,8 @@ class PrefixJobs(PrefixStore, Protocol):
 
     def take_prefix_job(self, models: Sequence[str]) -> PrefixJob | None: ...
 
+    def end_prefix_pass(self, job_id: str) -> None: ...
+
 
 def prefix_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """The one ``/tokenize`` body whose ids are the item's prompt, or None where the item

@@ -54,6 +54,7 @@ from backfill.dispatch import (
     judge,
     over_limit,
     plan_prefix_starts,
+    prefix_claim_hold_s,
     reserve_request,
     run_output,
     running_mean,
@@ -216,7 +217,12 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         # Only work for the model this node's engine serves: a line's result must come from
         # the model it names. The claim's items stay locked, unwritten, until its start.
         claim = await asyncio.to_thread(
-            self.repo.open_claim, cfg.node, want, cfg.lease_ttl_s, models=[self.model]
+            self.repo.open_claim,
+            cfg.node,
+            want,
+            cfg.lease_ttl_s,
+            models=[self.model],
+            prefix_hold_s=prefix_claim_hold_s(self.finds_prefixes(), cfg.prefix_pass_hold_s),
         )
         if not claim.items:
             return 0
@@ -319,7 +325,9 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         cfg = self.config
         # Those of a shared prefix whose first holder is still prefilling wait in the queue
         # (untouched), to lean on the prefix once it is cached.
-        prefixed = plan_prefix_starts(ready, self.block_size, self.prefix_view())
+        prefixed = plan_prefix_starts(
+            ready, self.block_size, self.prefix_view(), wait_s=cfg.first_prefill_wait_s
+        )
         self.stats.prefix_waits += len(prefixed.waiting)
         shares = list(prefixed.shares)
         plan = await self._fit_to_slack(list(prefixed.starting), shares)

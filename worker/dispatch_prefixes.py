@@ -3,8 +3,10 @@
 Token ids exist only on an engine (``backfill.prefix_pass`` says why), so a worker finds a
 job's prefixes: it takes a job of its model nobody looked at yet, asks its engine for each
 unfinished item's token ids, and records each grouped item's prefix. Until then an item
-reserves its whole prompt, as without prefixes. Off where the engine does not cache prefixes
-(nothing would be shared) or does not answer token ids.
+reserves its whole prompt, as without prefixes, so this node's claims leave a new job's items
+until its pass has ended, for ``prefix_pass_hold_s`` at most (``prefix_claim_hold_s``). Off
+where the engine does not cache prefixes (nothing would be shared) or does not answer token
+ids.
 """
 
 from __future__ import annotations
@@ -62,5 +64,20 @@ class PrefixFinding(DispatcherState):
                     job.job_id if job is not None else "?",
                     exc,
                 )
+                if job is not None:
+                    await self._end_prefix_pass(store, job.job_id)
             if job is None:
                 await asyncio.sleep(PREFIX_POLL_S)
+
+    async def _end_prefix_pass(self, store: PrefixJobs, job_id: str) -> None:
+        """The pass over ``job_id`` failed (one that found ends with its record): claims stop
+        leaving its items. If this write fails too, they wait out the hold's bound."""
+        try:
+            await asyncio.to_thread(store.end_prefix_pass, job_id)
+        except Exception as exc:
+            log.warning(
+                "node %s: prefix pass of batch %s not marked ended: %s",
+                self.config.node,
+                job_id,
+                exc,
+            )

@@ -85,6 +85,8 @@ def dispatch_config(settings: Settings, node: str) -> DispatchConfig:
         budget_interval_with_scheduler_s=settings.work_budget_interval_with_scheduler_s,
         signal_ttl_s=settings.work_signal_ttl_s,
         stall_timeout_s=settings.batch_stream_stall_s,
+        prefix_pass_hold_s=settings.prefix_pass_hold_s,
+        first_prefill_wait_s=settings.prefix_first_prefill_wait_s,
         scheduler_metrics_url=settings.engine_scheduler_metrics_url,
     )
 

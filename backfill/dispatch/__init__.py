@@ -46,9 +46,11 @@ from backfill.dispatch.outcomes import (
 )
 from backfill.dispatch.prefix_starts import (
     FIRST_PREFILL_WAIT_S,
+    PREFIX_PASS_HOLD_S,
     PrefixStarts,
     PrefixView,
     plan_prefix_starts,
+    prefix_claim_hold_s,
 )
 from backfill.dispatch.settings import DispatchConfig
 from backfill.dispatch.starts import (
@@ -72,6 +74,7 @@ from backfill.dispatch.view import BatchLoad, FlightView, NodeView, prefilling, 
 __all__ = [
     "ENGINE_GAUGE_LAG_S",
     "FIRST_PREFILL_WAIT_S",
+    "PREFIX_PASS_HOLD_S",
     "BatchLoad",
     "CheckedItem",
     "DispatchConfig",
@@ -108,6 +111,7 @@ __all__ = [
     "plan_prefix_starts",
     "preemptible",
     "prefilling",
+    "prefix_claim_hold_s",
     "reserve_request",
     "retry_or_fail",
     "run_output",

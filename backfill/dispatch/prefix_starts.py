@@ -34,7 +34,27 @@ from backfill.dispatch.checks import CheckedItem
 FIRST_PREFILL_WAIT_S = 30.0
 """How long a prefix's group waits for its first holder's prefill before it reserves whole
 prompts instead (a 1,000-token prefill takes well under a second on a GPU, seconds on a busy
-CPU engine)."""
+CPU engine); the default of ``BACKFILL_PREFIX_FIRST_PREFILL_WAIT_S``."""
+
+PREFIX_PASS_HOLD_S = 10.0
+"""How long, at most, a node that looks for prefixes leaves a new job's items in the queue
+while the job's prefix pass runs; the default of ``BACKFILL_PREFIX_PASS_HOLD_S``."""
+
+
+def prefix_claim_hold_s(finds_prefixes: bool, hold_s: float) -> float | None:
+    """How long this node's claims leave a job's items, from when the job went in progress,
+    until the pass that looks for its shared prefixes has ended (None: not at all).
+
+    Items claimed before the pass has recorded their prefix reserve their whole prompts, and
+    start as a wave of whole prompts (``bench.prefix``: the first 9 of 48 items, ~17 s of a
+    65 s run). Only a node that looks for prefixes waits: elsewhere no item could lean on one.
+    The wait never outlasts ``hold_s``: a job no finder takes (its worker died, the finder is
+    off on every node of its model) is claimed after it, as is one whose pass failed (marked
+    ended). ``hold_s`` is seconds (the setting allows a minute at most), against deadlines of
+    hours: the deadline check at claim time still sees the time left."""
+    if not finds_prefixes or hold_s <= 0:
+        return None
+    return hold_s
 
 
 @dataclass(frozen=True, slots=True)

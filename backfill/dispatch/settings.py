@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backfill.dispatch.prefix_starts import FIRST_PREFILL_WAIT_S, PREFIX_PASS_HOLD_S
 from backfill.work_budget import WorkBudgetPolicy
 
 
@@ -30,6 +31,11 @@ class DispatchConfig:
     prefix_caching: bool = False
     """The engine shares prompt prefixes (its ``enable_prefix_caching``): the node's ledger
     may hold a shared prefix once for the items that start with it (issue 36)."""
+    prefix_pass_hold_s: float = PREFIX_PASS_HOLD_S
+    """Where the node looks for prefixes, how long at most its claims leave a new job's items
+    while the job's prefix pass runs (``backfill.dispatch.prefix_claim_hold_s``)."""
+    first_prefill_wait_s: float = FIRST_PREFILL_WAIT_S
+    """How long a prefix's group waits for its first holder's prefill on this node."""
     """Output tokens per streamed chunk asked of the engine (1: every token)."""
     max_preemptions: int = 3
     """At this many preemptions an item reserves as non-preemptible (no thrashing)."""

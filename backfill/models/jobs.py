@@ -170,6 +170,9 @@ class Job(Base):
     # When a worker took the job to find its items' shared prompt prefixes (issue 36; NULL:
     # not yet): one worker looks, once (``backfill.prefix_pass``).
     prefixes_taken_at: Mapped[datetime | None] = mapped_column(TZ)
+    # When that pass ended (found, found none, or failed; NULL: not yet, or its worker died):
+    # a node that looks for prefixes leaves a new job's items until then, for a bound.
+    prefixes_ended_at: Mapped[datetime | None] = mapped_column(TZ)
 
     __table_args__ = (
         CheckConstraint(f"state IN ({in_list(JobState)})", name="state"),

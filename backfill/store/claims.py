@@ -39,6 +39,15 @@ CLAIMABLE_NOW = (
     "AND coalesce((SELECT jb.state = 'in_progress' "
     "  AND (CAST(:models AS text[]) IS NULL OR jb.model IS NULL "
     "       OR jb.model = ANY(CAST(:models AS text[]))) "
+    # On a node that looks for shared prompt prefixes (``:prefix_hold_s`` not NULL), not a
+    # job whose prefix pass has not ended, for that long after it went in progress: claimed
+    # before the pass, its items would reserve their whole prompts (issue 36). A job no finder
+    # takes (no model named) is not held; one whose pass never ends is held only that long.
+    # Read from the job's row the filter reads already: no extra round trip, no extra row.
+    "  AND (CAST(:prefix_hold_s AS float8) IS NULL OR jb.prefixes_ended_at IS NOT NULL "
+    "       OR jb.model IS NULL OR jb.in_progress_at IS NULL "
+    "       OR jb.in_progress_at "
+    "          <= now() - make_interval(secs => CAST(:prefix_hold_s AS float8))) "
     "  FROM jobs jb WHERE jb.id = items.job_id), false)"
 )
 
@@ -212,15 +221,19 @@ class Claims(Store):
         lease_ttl_s: float,
         models: Sequence[str] | None,
         statements: ClaimStatements,
+        prefix_hold_s: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """The claim statement of ``statements`` and its parameters, planned from the share
-        view's rows (None: no fair share, the earliest deadlines across every tenant)."""
+        view's rows (None: no fair share, the earliest deadlines across every tenant).
+        ``prefix_hold_s``: how long a new job's items wait for its prefix pass to end
+        (``backfill.dispatch.prefix_claim_hold_s``; None: they do not wait)."""
         params: dict[str, Any] = {
             "n": limit,
             "node": node,
             "ttl": lease_ttl_s,
             "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
             "models": list(models) if models is not None else None,
+            "prefix_hold_s": prefix_hold_s,
         }
         if view is None:
             return statements.edf, params

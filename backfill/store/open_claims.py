@@ -163,12 +163,14 @@ class OpenClaims(Claims):
         lease_ttl_s: float,
         *,
         models: Sequence[str] | None = None,
+        prefix_hold_s: float | None = None,
     ) -> OpenClaim:
         """Pick up to ``limit`` claimable items for ``node`` and keep them locked in an open
         transaction, in the order to start them (see :class:`Claims` for the order and
-        ``models``). Each item carries the attempt number its start will give it. An empty
-        claim comes back already closed. The transaction ends after ``lease_ttl_s`` idle
-        seconds at the latest (the server ends the session)."""
+        ``models``; ``prefix_hold_s``: how long a new job's items are left while its prefix
+        pass runs, None: not at all). Each item carries the attempt number its start will
+        give it. An empty claim comes back already closed. The transaction ends after
+        ``lease_ttl_s`` idle seconds at the latest (the server ends the session)."""
         fairy = raw_connection(self.engine)
         claim = OpenClaim(node, lease_ttl_s, [], {}, fairy)
         try:
@@ -193,7 +195,7 @@ class OpenClaims(Claims):
                         cur.execute(to_psycopg(view_statement), view_params, prepare=True)
                 view = cur.fetchall() if self.fair_share else None
                 statement, params = self._planned_claim(
-                    view, node, limit, lease_ttl_s, models, PICKS
+                    view, node, limit, lease_ttl_s, models, PICKS, prefix_hold_s
                 )
                 # The pick on its own, not pipelined: the server arms the idle-transaction
                 # bound when it reports ready, and disarms it at the next message; psycopg

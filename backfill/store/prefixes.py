@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import text
 
@@ -38,6 +39,10 @@ _TAKE = (
     "ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) t WHERE j.id = t.id "
     "RETURNING j.id, j.endpoint, j.tenant_id, j.model"
 )
+
+# The job's prefix pass has ended (found, found none, or failed): claims stop leaving its
+# items for it (``backfill.store.claims.CLAIMABLE_NOW``).
+_ENDED = "UPDATE jobs SET prefixes_ended_at = now() WHERE id = :j AND prefixes_ended_at IS NULL"
 
 _GROUPS = (
     "SELECT prefix_id, prefix_blocks, count(*) FROM items WHERE job_id = :j "
@@ -93,23 +98,31 @@ class Prefixes(Store):
         return [(int(r[0]), str(r[1])) for r in rows]
 
     def record_prefixes(self, job_id: str, found: Sequence[tuple[int, str, int]]) -> list[int]:
-        """Write each item's (id, prefix id, blocks); the ids written."""
-        if not found:
-            return []
+        """Write each item's (id, prefix id, blocks) and mark the job's pass ended (found none
+        as well), in one transaction; the ids written."""
         for _, _, blocks in found:
             if blocks < 1:
                 raise ValueError("a shared prefix is one whole block at least")
+        rows: Sequence[Any] = []
         with self._tx() as conn:
-            rows = conn.execute(
-                text(_RECORD),
-                {
-                    "j": job_id,
-                    "ids": [f[0] for f in found],
-                    "pids": [f[1] for f in found],
-                    "blocks": [f[2] for f in found],
-                },
-            ).all()
+            if found:
+                rows = conn.execute(
+                    text(_RECORD),
+                    {
+                        "j": job_id,
+                        "ids": [f[0] for f in found],
+                        "pids": [f[1] for f in found],
+                        "blocks": [f[2] for f in found],
+                    },
+                ).all()
+            conn.execute(text(_ENDED), {"j": job_id})
         return [int(r[0]) for r in rows]
+
+    def end_prefix_pass(self, job_id: str) -> None:
+        """Mark the prefix pass over ``job_id`` ended without a record (it failed): a node
+        that looks for prefixes claims the job's items from now on, whole prompts."""
+        with self._tx() as conn:
+            conn.execute(text(_ENDED), {"j": job_id})
 
     def prefix_groups(self, job_id: str) -> list[PrefixGroupRecord]:
         """A job's shared prefixes and how many of its items start with each."""

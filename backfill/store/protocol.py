@@ -55,7 +55,13 @@ class AttemptStore(Protocol):
     lease)."""
 
     def open_claim(
-        self, node: str, limit: int, lease_ttl_s: float, *, models: Sequence[str] | None = ...
+        self,
+        node: str,
+        limit: int,
+        lease_ttl_s: float,
+        *,
+        models: Sequence[str] | None = ...,
+        prefix_hold_s: float | None = ...,
     ) -> OpenClaim: ...
 
     def start_claim(

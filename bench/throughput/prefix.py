@@ -134,6 +134,7 @@ def _submit(repo: Repository, w: PrefixWorkload, prompts: Sequence[str], *, find
         conn.execute(
             text(
                 "UPDATE jobs SET model = :m, prefixes_taken_at = "
+                "CASE WHEN :find THEN NULL ELSE now() END, prefixes_ended_at = "
                 "CASE WHEN :find THEN NULL ELSE now() END WHERE id = :j"
             ),
             {"m": w.model, "find": find, "j": job.id},

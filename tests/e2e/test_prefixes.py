@@ -106,6 +106,7 @@ def _submit(
         conn.execute(
             text(
                 "UPDATE jobs SET model = :m, prefixes_taken_at = "
+                "CASE WHEN :find THEN NULL ELSE now() END, prefixes_ended_at = "
                 "CASE WHEN :find THEN NULL ELSE now() END WHERE id = :j"
             ),
             {"m": MODEL, "find": find_prefixes, "j": job.id},

@@ -1,0 +1,156 @@
+"""A node that looks for shared prompt prefixes leaves a new job's items in the queue until
+the job's prefix pass has ended, for a bounded time (issue 36): claimed before it, they
+reserved their whole prompts and ran as a wave of whole prompts (``bench.prefix``: 9 of 48
+items, ~17 s of a 65 s run). A job no finder looks at, or whose pass failed, is claimed after
+the bound, or at once.
+
+Real Postgres and Redis; the engine is the prefix tests' stand-in (one word a token), whose
+token ids take a while, as a busy engine's ``/tokenize`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.states import ItemState
+from backfill.store import Repository
+from tests.integration.standin_engine import run_until, stand_in_dispatcher, stand_in_node
+from tests.integration.test_dispatch_prefixes import BLOCK, ITEMS, PrefillingEngine, _submit
+from worker.dispatch import DispatchConfig
+
+
+class SlowIdsEngine(PrefillingEngine):
+    """Token ids take ``ids_s`` each (or fail, with ``fail_ids``); when the last came back."""
+
+    def __init__(self, *, ids_s: float, fail_ids: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ids_s, self.fail_ids = ids_s, fail_ids
+        self.last_ids_at = 0.0
+
+    async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
+        await asyncio.sleep(self.ids_s)
+        if self.fail_ids:
+            raise RuntimeError("no token ids today")
+        self.last_ids_at = time.monotonic()
+        return await super().tokenize_ids(body, model)
+
+
+def _leaned(repo: Repository, job: str) -> int:
+    with repo.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM items WHERE job_id = :j AND lease_prefix_tokens = 64"),
+                {"j": job},
+            ).scalar_one()
+        )
+
+
+def _run(
+    settings: Settings,
+    node: str,
+    engine: SlowIdsEngine,
+    *,
+    hold_s: float,
+    taken: bool = False,
+) -> tuple[str, float, int]:
+    """A fresh job run on a node that looks for prefixes (its finder and claims at once, as a
+    worker's); ``taken``: a worker that died had taken the job for its prefixes. Returns the
+    job, when it went in progress (monotonic, at most) and how many of its items leaned."""
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        ledger.register_pool(node, 64 * BLOCK, BLOCK)
+        submitted = time.monotonic()
+        job = _submit(repo, f"t-{node}")
+        if taken:
+            with repo.engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE jobs SET prefixes_taken_at = now() WHERE id = :j"), {"j": job}
+                )
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0.1,
+                           prefix_caching=True, prefix_pass_hold_s=hold_s),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+            max_sequence_tokens=512,
+        )  # fmt: skip
+        dispatcher.prefix_jobs = repo
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            polls=2000,
+        )
+        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+        assert dispatcher.stats.reservation_violations == 0, dispatcher.stats
+        return job, submitted, _leaned(repo, job)
+
+
+def test_a_fresh_jobs_items_wait_for_its_prefix_pass_then_lean_on_the_prefix(
+    settings: Settings,
+) -> None:
+    """Red before: the claim took the job's first items while the pass was still asking for
+    token ids, and they reserved their whole prompts."""
+    engine = SlowIdsEngine(ids_s=0.05, prefill_s=0.1, blocks=64, block=BLOCK, hold_s=0.15)
+    _, _, leaned = _run(settings, "n-held", engine, hold_s=30.0)
+    assert engine.started, "nothing ran"
+    assert min(engine.started) >= engine.last_ids_at, (
+        "an item reached the engine before the job's prefix pass had ended",
+        round(engine.last_ids_at - min(engine.started), 3),
+    )
+    assert leaned == ITEMS, leaned
+
+
+def test_a_job_no_finder_looks_at_is_claimed_after_the_bound(settings: Settings) -> None:
+    """Its pass was taken by a worker that died: nothing will end it."""
+    engine = SlowIdsEngine(ids_s=0.0, prefill_s=0.0, blocks=64, block=BLOCK, hold_s=0.05)
+    _, submitted, leaned = _run(settings, "n-orphan", engine, hold_s=1.0, taken=True)
+    waited = min(engine.started) - submitted
+    assert waited >= 1.0, waited
+    assert leaned == 0
+
+
+def test_a_job_whose_prefix_pass_failed_is_claimed_without_waiting_for_the_bound(
+    settings: Settings,
+) -> None:
+    engine = SlowIdsEngine(
+        ids_s=0.0, fail_ids=True, prefill_s=0.0, blocks=64, block=BLOCK, hold_s=0.05
+    )
+    _, submitted, leaned = _run(settings, "n-failed", engine, hold_s=30.0)
+    assert min(engine.started) - submitted < 15.0
+    assert leaned == 0
+
+
+def test_the_claim_leaves_a_fresh_job_only_where_the_node_holds_for_prefixes(
+    settings: Settings,
+) -> None:
+    """The store's side: the claim's filter, on the job's row the claim reads already."""
+    with stand_in_node(settings, "n-claim", BLOCK) as (repo, _, _):
+        job = _submit(repo, "t-claim")
+
+        def claimed(hold_s: float | None) -> int:
+            claim = repo.open_claim("n-claim", 4, 30.0, models=["m"], prefix_hold_s=hold_s)
+            n = len(claim.items)
+            if claim.open:
+                repo.drop_claim(claim)
+            return n
+
+        assert claimed(30.0) == 0
+        assert claimed(None) == 4
+        repo.record_prefixes(job, [])  # the pass ended, finding nothing
+        assert claimed(30.0) == 4
+        with repo.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE jobs SET prefixes_ended_at = NULL, "
+                    "in_progress_at = now() - interval '1 minute' WHERE id = :j"
+                ),
+                {"j": job},
+            )
+        assert claimed(30.0) == 4  # past the bound
