@@ -54,6 +54,7 @@ class PrefixFinding(DispatcherState):
                         model=job.model,
                         tenant_id=job.tenant_id,
                         block_size=self.block_size,
+                        concurrency=self.config.tokenize_concurrency,
                     )
             except asyncio.CancelledError:
                 raise

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import text
 
 from backfill.config import Settings
+from backfill.prefix_pass import find_job_prefixes
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import run_until, stand_in_dispatcher, stand_in_node
@@ -154,3 +155,43 @@ def test_the_claim_leaves_a_fresh_job_only_where_the_node_holds_for_prefixes(
                 {"j": job},
             )
         assert claimed(30.0) == 4  # past the bound
+
+
+class CountingIdsEngine(SlowIdsEngine):
+    """Records how many token-id requests were in flight at once, at most."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.in_flight = self.most_at_once = 0
+
+    async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
+        self.in_flight += 1
+        self.most_at_once = max(self.most_at_once, self.in_flight)
+        try:
+            return await super().tokenize_ids(body, model)
+        finally:
+            self.in_flight -= 1
+
+
+def test_the_prefix_pass_asks_for_several_items_token_ids_at_once(settings: Settings) -> None:
+    """The job waits for its pass, so the pass must not ask one prompt at a time (red before:
+    one at a time, 48 prompts took seconds on a busy CPU engine); the same grouping comes out."""
+    engine = CountingIdsEngine(ids_s=0.02, prefill_s=0.0, blocks=64, block=BLOCK)
+    with stand_in_node(settings, "n-pass", BLOCK) as (repo, _, _):
+        job = _submit(repo, "t-pass")
+        found = asyncio.run(
+            find_job_prefixes(
+                engine,
+                repo,
+                job,
+                endpoint="/v1/completions",
+                model="m",
+                tenant_id="t-pass",
+                block_size=BLOCK,
+                concurrency=4,
+            )
+        )
+        assert (found.looked_at, found.grouped, found.groups) == (ITEMS, ITEMS, 1)
+        [group] = repo.prefix_groups(job)
+        assert (group.blocks, group.items) == (4, ITEMS)
+    assert engine.most_at_once == 4
