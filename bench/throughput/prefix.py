@@ -166,6 +166,25 @@ def _leaned(repo: Repository, job: str) -> int:
         )
 
 
+def _first_seconds(repo: Repository, job: str) -> dict[str, float | None]:
+    """From the job in progress: when its prefix pass ended (the claims of a node that looks
+    for prefixes leave its items until then) and when its first attempt started."""
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT EXTRACT(EPOCH FROM (j.prefixes_ended_at - j.in_progress_at)), "
+                "EXTRACT(EPOCH FROM ((SELECT min(a.started_at) FROM attempts a "
+                "JOIN items i ON i.id = a.item_id WHERE i.job_id = j.id) - j.in_progress_at)) "
+                "FROM jobs j WHERE j.id = :j"
+            ),
+            {"j": job},
+        ).one()
+    return {
+        "prefix_pass_ended_s": None if row[0] is None else round(float(row[0]), 2),
+        "first_start_s": None if row[1] is None else round(float(row[1]), 2),
+    }
+
+
 def run_backfill(
     stack: BackfillStack,
     repo: Repository,
@@ -208,6 +227,7 @@ def run_backfill(
     result.output_tokens = _output_tokens(repo, job)
     failed = repo.counted_states(job).get(ItemState.FAILED, 0)
     result.extra = {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
+    result.extra.update(_first_seconds(repo, job))
     if share:
         result.extra["prefix_groups"] = [
             {"items": g.items, "blocks": g.blocks} for g in repo.prefix_groups(job)
@@ -362,7 +382,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shared_run = run_backfill(stack, repo, ledger, pool, w, prompts, share=True)
                 say(
                     f"shared: {shared_run.seconds:.1f} s, peak {shared_run.peak}, "
-                    f"{shared_run.tokens_per_s:.1f} tok/s"
+                    f"{shared_run.tokens_per_s:.1f} tok/s; prefix pass ended at "
+                    f"{shared_run.extra['prefix_pass_ended_s']} s, first start at "
+                    f"{shared_run.extra['first_start_s']} s"
                 )
             finally:
                 repo.close()
