@@ -30,6 +30,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -255,10 +256,14 @@ async def until_batch(
     decoding: int,
     requests: int = 0,
     timeout_s: float = 300,
+    batch: asyncio.Future[Any] | None = None,
+    sent: Sequence[Outcome] = (),
 ) -> None:
     """Until the engine has seen ``requests`` batch requests in all and has ``decoding`` of
     them resident and past their prompts at once. Asks the scheduler alone: it answers from
-    the engine core, where vLLM's own ``/metrics`` can take seconds on a loaded machine."""
+    the engine core, where vLLM's own ``/metrics`` can take seconds on a loaded machine.
+    Fails at once, with what became of the requests ``sent``, when their ``batch`` has ended
+    before that (they failed, or a slow poll missed all of them decoding)."""
     assert server.scheduler_metrics_url is not None
     url = server.scheduler_metrics_url
     start = time.monotonic()
@@ -269,7 +274,15 @@ async def until_batch(
         seen = now.get("backfill_sched_batch_requests_total", -1)
         decoding_now = now.get("backfill_sched_batch_decoding", -1)
         polls.append((round(time.monotonic() - start, 2), seen, decoding_now))
-        return seen >= requests and decoding_now >= decoding
+        if seen >= requests and decoding_now >= decoding:
+            return True
+        if batch is not None and batch.done():
+            fates = [(o.completion_tokens, o.finish_reason, o.error) for o in sent]
+            raise AssertionError(
+                f"the batch requests ended before {decoding} decoded at once: (tokens, finish, "
+                f"error) {fates}; (s, seen, decoding) at the polls {polls[-25:]}"
+            )
+        return False
 
     if not await until(ready, timeout_s):
         raise AssertionError(
@@ -446,7 +459,14 @@ def test_shared_prefixes_and_structured_outputs_among_paused_batch_lose_nothing(
                 for o in constrained
             ]
             batch = asyncio.gather(*tasks)
-            await until_batch(client, server, requests=before_batch(before) + 9, decoding=1)
+            await until_batch(
+                client,
+                server,
+                requests=before_batch(before) + 9,
+                decoding=1,
+                batch=batch,
+                sent=shared + constrained,
+            )
             inter = await asyncio.gather(
                 *(
                     generate(engine, model, LONG_PROMPT, 4, INTERACTIVE, f"p{k}", Outcome())
