@@ -50,268 +50,333 @@ class Settings(BaseSettings):
     """Everything a Backfill process can be told from outside."""
 
     # A bad value is named in the error, never echoed: some hold passwords and keys.
+    # Each field's docstring is its meaning on docs/configuration.md (`python -m
+    # devkit.config_doc` writes the page from them).
     model_config = SettingsConfigDict(
-        env_prefix="BACKFILL_", extra="ignore", hide_input_in_errors=True
+        env_prefix="BACKFILL_",
+        extra="ignore",
+        hide_input_in_errors=True,
+        use_attribute_docstrings=True,
     )
 
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-    # One Redis server (redis://, rediss://, unix://) or a Redis Cluster (redis+cluster://h:p,
-    # rediss+cluster://h:p[,h:p...]; backfill.redis_client) for the ledger and the API's keys.
+    """Postgres (source of truth); `postgres://` and `postgresql://` are read as psycopg 3's"""
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # Celery's broker (maintenance ticks): the Redis server of BACKFILL_REDIS_URL by default.
-    # Celery cannot use a Redis Cluster, so with a cluster it must name one server.
+    """Redis (ledger and Celery broker): one server (`redis://`, `rediss://`, `unix://`), or
+    `redis+cluster://host:port[,host:port]` (`rediss+cluster://`) for a Redis Cluster
+    ([docs/scaling.md](scaling.md))"""
     broker_url: str | None = None
-    # Key prefix of every ledger key in Redis: lets several deployments (or tests) share one
-    # Redis without seeing each other's pools.
+    """Celery's broker, one Redis server: required when `BACKFILL_REDIS_URL` is a cluster
+    (Celery cannot use one)"""
     redis_namespace: str = "bf"
+    """key prefix: deployments sharing a Redis stay apart"""
 
-    # Logs of every Backfill process (``backfill.logs``): the level of Backfill's loggers and
-    # the form, one human line (``text``) or one JSON object a line (``json``).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """level of Backfill's loggers (DEBUG, INFO, WARNING, ERROR) in every process"""
     log_format: Literal["text", "json"] = "text"
+    """`text`: one human line; `json`: one JSON object a line (`ts`, `level`, `logger`,
+    `message`, and the event's `action`, `node`, `job`, `item`, `attempt`, `lease`, `tenant`),
+    uvicorn's and Celery's lines included"""
 
-    # Leases: a holder must heartbeat well inside the TTL or its reservation is reaped.
     lease_ttl_s: PositiveFloat = 30.0
+    """a silent worker's items are requeued after this TTL + one reaper interval at most"""
     heartbeat_interval_s: PositiveFloat = 5.0
+    """each beat renews every lease in the ledger and rewrites a claim in Postgres only once it
+    was extended more than half the TTL less 1.5 beats ago (every other beat at the defaults);
+    the two beat on clocks of their own, so a slow ledger does not hold up the claims, nor a
+    slow Postgres the leases. Under half of `BACKFILL_LEASE_TTL_S`: two missed beats must not
+    lose a live lease"""
     reaper_interval_s: PositiveFloat = 5.0
-
-    # A batch still ``validating`` this long after its create began, with no create at work on
-    # it, is recovered by the maintenance tick (its API process died mid-create).
+    """how often the maintenance tick runs (reaps silent attempts, expires, finalizes, purges)"""
     stale_validating_s: PositiveFloat = 600.0
+    """a batch checked in its create's request and still `validating` this long with no create
+    at work on it (its API process died) is moved on by the maintenance tick (a deferred create
+    is left to the ingest processes)"""
 
-    # Claims from Postgres.
     claim_batch_size: PositiveInt = 64
-    # Tenants share each node's batch sequences by weight, and a batch's deadline is judged
-    # against its tenant's share (``backfill.fairshare``). False: earliest deadline first
-    # across all tenants, and every tenant's backlog ahead of a new batch (the behaviour
-    # before tenants were shared; for comparison).
+    """items a worker claims from Postgres at once"""
     fair_share: bool = True
+    """tenants share each node by weight, and deadlines are judged at the tenant's share
+    (`false`: earliest deadline first across all tenants, every tenant's backlog ahead of a new
+    batch; `backfill.fairshare`)"""
 
-    # Limits at the API edge.
     max_file_bytes: PositiveInt = 200 * 1024 * 1024
+    """an input file's limits: its size"""
     max_line_bytes: PositiveInt = 1024 * 1024
+    """an input file's limits: one line's size"""
     max_lines_per_batch: PositiveInt = 100_000
-    # A summary job started and not ended counts as one active batch; its own batches not.
+    """an input file's limits: its lines"""
     max_active_batches_per_tenant: PositiveInt = 100
-    # What one tenant may keep stored: batch items (every state, until their batch is purged,
-    # see retention_s) and input file bytes (until the file is deleted or expires). Beyond,
-    # uploads and creates are refused (429, storage_cap_reached) and a batch whose items
-    # would pass the cap fails naming it.
+    """batches a tenant may have open at once (a summary job started and not ended counts as
+    one, its own batches not at all); one more is a 429 (`active_batch_limit_reached`)"""
     max_stored_items_per_tenant: PositiveInt = 10_000_000
+    """what one tenant may keep stored: batch items in any state (finished ones count until
+    their batch is purged, `BACKFILL_RETENTION_S` after it ends); past it, uploads and creates
+    are a 429 (`storage_cap_reached`, not retried) and a batch whose items would pass the cap
+    fails naming it"""
     max_stored_bytes_per_tenant: PositiveInt = 100 * 1024**3
-    # File uploads and batch creates one API process works on at once (each holds a Postgres
-    # connection while it checks and stores a file): per tenant, and in all, well under the
-    # API's pool (10 + 10 overflow) so reads always find a connection; beyond, a 429.
+    """what one tenant may keep stored: input file bytes (until deleted or expired); past it,
+    uploads and creates are a 429 (`storage_cap_reached`, not retried)"""
     max_ingests_per_tenant: PositiveInt = 2
+    """file uploads and batch creates one API process works on at once for one tenant (each
+    holds a Postgres connection while it checks and stores a file); beyond, a 429 with
+    `Retry-After` (`too_many_concurrent_ingests`) before any work"""
     max_ingests: PositiveInt = 6
-    # A batch whose input file is larger than this is checked and stored by an ingest process,
-    # not in the create's request: the create answers ``validating`` at once (as OpenAI's
-    # does) and the API does no per-line work on it; 0 defers every create. The API process
-    # starts ``ingesters`` ingest processes of its own (0: none; run ``backfill ingest``).
+    """... and in all, well under the API's pool (10 + 10 overflow) so reads always find a
+    connection; beyond, a 429 with `Retry-After` (`too_many_concurrent_ingests`)"""
     ingest_inline_bytes: Annotated[int, Field(ge=0)] = 1024 * 1024
+    """a batch whose input file is larger is checked and stored by an ingest process, not in
+    the create's request: the create answers `validating` at once, as OpenAI's does, and the
+    batch moves to `in_progress` (or `failed`, naming each bad line) when its ingest is done;
+    `0` defers every create"""
     ingesters: Annotated[int, Field(ge=0)] = 1
-    # A tenant's deferred creates (validating, waiting for an ingest or in one) at once; one
-    # more is a 429 with Retry-After, answered before the create's other work: a tenant's
-    # flood of large creates neither queues unbounded ingest work nor costs a full create each.
+    """ingest processes each API process starts (at the lowest CPU priority; `backfill api`
+    starts them with it); `0`: none, run `backfill ingest` beside instead (any number: each
+    takes one batch at a time, tenants in turn; an ingest that dies is begun again, up to 3
+    times)"""
     max_deferred_creates_per_tenant: PositiveInt = 4
-    # Retention: a batch that ended this long ago is purged with its items, attempts, webhook
-    # events and result files, a summary job with its documents and steps (OpenAI keeps
-    # batch data 30 days); 0 keeps everything. Each
-    # maintenance tick deletes at most retention_rows_per_tick rows, retention_chunk_rows per
-    # transaction.
+    """a tenant's creates answered `validating` and not yet checked and stored (waiting for an
+    ingest process, or in one) at once; one more is a 429 `too_many_concurrent_ingests` with
+    `Retry-After`, answered before the create's other work"""
     retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0
+    """a batch that ended this long ago is purged by the maintenance tick with its items,
+    attempts, webhook events and deliveries, and result files, and a summary job with its
+    documents and steps (`0` keeps everything; OpenAI keeps batch data 30 days)"""
     retention_chunk_rows: PositiveInt = 5_000
+    """rows one purge transaction deletes at most"""
     retention_rows_per_tick: PositiveInt = 50_000
-    # An input file uploaded without expires_after expires this long after its upload, as at
-    # OpenAI (files of purpose batch: 30 days); 0 keeps it until it is deleted.
+    """rows one maintenance tick purges at most"""
     batch_file_expiry_s: Annotated[int, Field(ge=0)] = 30 * 86_400
-    # Request bodies, counted on the bytes actually read (a chunked body declares no length):
-    # an upload may carry max_file_bytes (plus its multipart envelope), an interactive
-    # request this much, and every other route's JSON this much.
+    """when an input file uploaded without `expires_after` expires, as at OpenAI (`0`: kept
+    until deleted)"""
     max_interactive_body_bytes: PositiveInt = 4 * 1024 * 1024
+    """request bodies of the gateway (bytes read, chunked or not)"""
     max_json_body_bytes: PositiveInt = 64 * 1024
-    # Files stream through the API in pieces of this many bytes (upload checks, storage,
-    # downloads, batch creation): what one file costs the API in memory, whatever its size.
+    """request bodies of every other JSON route (bytes read, chunked or not; an upload may
+    carry `BACKFILL_MAX_FILE_BYTES` and its multipart envelope)"""
     file_chunk_bytes: Annotated[int, Field(ge=4096)] = 1024 * 1024
-    # The batch class's per-sequence limit (prompt + max output), as the admission policy's.
+    """files stream through the API (and are stored) in pieces of this size: what one file
+    costs the API in memory, whatever its size"""
     batch_max_sequence_tokens: PositiveInt = 32_768
-    # The longest token of the served vocabularies, in bytes. Prompt characters divided by it
-    # are a lower bound on prompt tokens, so the API rejects only what is certainly too long.
+    """prompt + max_tokens limit of a batch item"""
     max_bytes_per_token: PositiveInt = 128
+    """the longest token of the served vocabularies, in bytes: a prompt's bytes over it are a
+    lower bound of its tokens, so the API refuses only what is certainly too long"""
 
-    # Completion windows (``completion_window``) a batch may ask for.
     min_completion_window_s: PositiveInt = 5 * 60
+    """the shortest completion window a batch may ask for"""
     max_completion_window_s: PositiveInt = 7 * 24 * 3600
-    # Batch decode throughput of the whole deployment, used for deadline feasibility until
-    # workers report a measured rate.
+    """the longest completion window a batch may ask for"""
     batch_throughput_tokens_per_s: PositiveFloat = 5_000.0
+    """the deployment's batch decode throughput, for deadline feasibility until workers report
+    a measured rate"""
 
-    # Pools (per node): the interactive reserve as a fraction of the measured pool, headroom
-    # above interactive use, and a margin never handed to batch (estimate error).
     interactive_reserve_fraction: Annotated[float, Field(ge=0, le=1)] = 0.25
+    """share of each node's measured pool batch never takes"""
     headroom_tokens: Annotated[int, Field(ge=0)] = 0
+    """extra room kept from batch above interactive use"""
     safety_margin_tokens: Annotated[int, Field(ge=0)] = 0
+    """extra room never handed to batch (estimate error)"""
     interactive_max_sequence_tokens: PositiveInt = 32_768
+    """prompt + max_tokens limit of an interactive request (and the model's context)"""
 
-    # Workers: engine priority of batch requests (lower runs first; interactive uses 0),
-    # sequences in flight per node, preemptions an item may suffer before it runs to the end,
-    # attempts before an item that keeps failing is failed, and the grace period on stop.
     batch_priority: int = 10
-    # Batch output is streamed from the engine in chunks of this many tokens (vLLM's per-request
-    # ``stream_interval``; the first token always comes at once): one SSE event per token cost
-    # the worker and vLLM's API server more CPU than the tokens themselves on small models.
-    # A preempted item keeps the output of its last chunk, so at most this many tokens less.
+    """vLLM priority of batch requests (interactive: 0); must equal the engine scheduler's
+    `BACKFILL_SCHED_BATCH_PRIORITY`, or the worker keeps preempting for interactive TTFT itself
+    and says so"""
     batch_stream_interval: PositiveInt = 16
+    """batch output streams from the engine in chunks of this many tokens (first token at
+    once): less CPU per item for the worker and vLLM's API server; a preempted item keeps its
+    output up to its last chunk (one SSE event a token cost more CPU than the tokens
+    themselves on small models)"""
     max_in_flight_per_node: PositiveInt = 128
+    """items a worker keeps in flight on its engine at most"""
     max_preemptions_per_item: Annotated[int, Field(ge=0)] = 3
+    """preemptions an item may suffer; then the item runs to the end, not preemptible"""
     max_attempts_per_item: PositiveInt = 5
+    """an item fails after this many engine errors, or this many times its worker process died
+    while running it ("worker lost N times")"""
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
-    # A batch stream that sends nothing this long while its engine makes no progress at all
-    # (no token prefilled or generated for anyone) is a hung engine: the attempt is stopped
-    # as an engine error (requeued, the engine suspect until it answers). 0: never.
+    """SIGTERM: in-flight items may finish this long, then are requeued"""
     batch_stream_stall_s: Annotated[float, Field(ge=0)] = 120.0
-    # Shared prompt prefixes (issue 36). A node that looks for them leaves a new batch's items
-    # in the queue until its prefix pass has ended, this long at most (0: never): claimed
-    # before, they reserve whole prompts. Seconds, against deadlines of hours: capped at 60.
+    """a batch stream that sends nothing this long while its engine makes no progress at all is
+    a hung engine: the attempt is stopped as an engine error (requeued, its lease released) and
+    the worker sends one item at a time until the engine makes progress again; waiting behind
+    interactive work is not a stall (`0`: never)"""
     prefix_pass_hold_s: Annotated[float, Field(ge=0, le=60)] = 10.0
-    # A prefix's group waits this long for its first holder's prefill (its first token), then
-    # reserves whole prompts instead.
+    """on a node that looks for shared prompt prefixes (its engine caches them), a new batch's
+    items stay in the queue until the batch's prefix pass has ended, this many seconds at most
+    after it went in progress: claimed before, they would reserve whole prompts; a batch no
+    node looks at, or whose pass failed, is claimed after it (at most `60`, against deadlines
+    of hours; `0`: never wait)"""
     prefix_first_prefill_wait_s: Annotated[float, Field(ge=0)] = 30.0
-    # Where the node's engine scheduler (backfill_vllm) serves its metrics: while they answer,
-    # the engine pauses batch in the steps interactive work needs, and the work budget stops
-    # preempting batch for interactive TTFT. None: the engine runs vLLM's own scheduler.
+    """the items of a shared prefix wait in the queue (untouched) while its first holder on the
+    node prefills, this long at most; then they reserve whole prompts"""
     engine_scheduler_metrics_url: str | None = None
-    # The key every engine is started with (vLLM's --api-key): the worker and the gateway send
-    # it, and nobody else reaches the engine's /v1 routes, where a request's priority decides
-    # what the engine's scheduler pauses. None: the engines take requests from anyone.
+    """where the node's engine scheduler (`backfill_vllm`) serves its metrics: while they
+    answer, the engine pauses batch in the steps interactive work needs, and the work budget
+    stops preempting batch for interactive TTFT (unset: the engine runs vLLM's own scheduler)"""
     engine_api_key: SecretStr | None = None
-    # Prompts one completions line (inputs one embeddings line) may carry: vLLM runs one
-    # sequence per prompt or input; each is counted and reserved.
+    """the engines' key (vLLM's `--api-key`): the worker and the gateway send it, nobody else
+    reaches an engine's `/v1` routes (unset: the engines take requests from anyone)"""
     batch_max_prompts_per_line: PositiveInt = 64
-    # The most output tokens a batch line without max_tokens (or max_completion_tokens;
-    # max_output_tokens on /v1/responses) may generate: OpenAI does not require the field and
-    # then generates what the context leaves, Backfill must reserve a worst case, so such a line
-    # gets what the batch limit leaves its prompt, at most this; the engine is sent exactly what
-    # is reserved (backfill.output_budget).
+    """prompts one completions batch line (inputs one embeddings line) may carry (each is a
+    sequence, counted and reserved)"""
     batch_default_max_tokens: PositiveInt = 2048
-    # Media content parts (image_url, video_url, audio_url, input_audio) in chat requests,
-    # batch and interactive: refused (400 naming the part) unless this is on, for every
-    # tenant or only the tenants (ids or names, comma-separated) in media_tenants. Run the
-    # engines with --allowed-media-domains and name the same hosts in media_allowed_domains
-    # (comma-separated; a media URL must name one of them; none: inline data: URLs only).
-    # A request may carry so many media parts, and so many bytes of inline media, at most.
-    # Their tokens are counted by the engine's /tokenize of the whole request
-    # (backfill.content_parts).
+    """the most a batch line that sets no max_tokens (`max_output_tokens` on `/v1/responses`)
+    may generate: it gets what the batch limit (the model's context at most) leaves its prompt,
+    at most this (reserved, and sent to the engine); never a refusal for a prompt that fits.
+    OpenAI does not require the field, Backfill must reserve a worst case
+    (`backfill.output_budget`)"""
     media_parts: bool = False
+    """accept media content parts (`image_url`, `video_url`, `audio_url`, `input_audio`) in
+    batch and interactive chat. Off, a media part is a 400 naming it (the engine would fetch its
+    URL itself). Their tokens are counted by the engine's `/tokenize` of the whole request,
+    before any reservation: it needs a vLLM whose `/tokenize` runs the multimodal processor"""
     media_tenants: str = ""
+    """with media on, only the tenants named (ids or names, comma-separated) may send it; empty:
+    every tenant"""
     media_allowed_domains: str = ""
+    """a media URL must be http(s) to one of the hosts named (comma-separated, exact, as vLLM's
+    `--allowed-media-domains`: start every engine with the same list), none named: inline
+    `data:` media only"""
     media_max_parts_per_request: PositiveInt = 8
+    """with media on, the media parts one request (one batch line) may carry"""
     media_max_inline_bytes_per_request: PositiveInt = 10 << 20
-    # A batch naming a model that no live node serves is refused (model_not_found, naming
-    # those served) while any node is live; true lets it wait for a node that serves it.
+    """with media on, the bytes of inline media (`data:` URLs, `input_audio`) one request may
+    carry, all of them together"""
     batch_wait_for_model: bool = False
-    # A node counts as live for that check if seen within this many seconds.
+    """let a batch for a model no live node serves wait (else 404 `model_not_found` while any
+    node is live)"""
     node_live_s: PositiveFloat = 600.0
+    """how recently a node must have been seen to count as live"""
 
-    # API key -> tenant lookups (found or not) are remembered this long; 0 checks Postgres on
-    # every request. A revocation evicts the key from every API process at once through
-    # Redis; only an API process cut off from Redis then may accept it this much longer.
     api_key_cache_s: Annotated[float, Field(ge=0)] = 5.0
+    """keys (good or wrong) remembered this long; revocation evicts at once through Redis, so
+    this only bounds an API process cut off from Redis"""
 
-    # Per-tenant request rate limit (token bucket in Redis): sustained rate and burst.
     rate_limit_per_s: PositiveFloat = 50.0
+    """requests per tenant: the sustained rate (a token bucket in Redis)"""
     rate_limit_burst: PositiveInt = 200
-    # An API process takes a busy tenant's tokens from its bucket a few at a time and spends
-    # them on its next requests for at most this long (0: one Redis round trip per request).
+    """requests per tenant: the burst"""
     rate_limit_credit_hold_s: Annotated[float, Field(ge=0, le=5)] = 0.25
-    # Per client address, for what answers without a key (the capacity lab, /metrics,
-    # /healthz) and for keys not known to be good (each costs a Postgres lookup).
+    """an API process takes a busy tenant's tokens from its bucket a few at a time (at most a
+    tenth of the burst) and spends them on its next requests for at most this long, handing
+    back what is left; `0`: one Redis round trip per request"""
     anonymous_rate_limit_per_s: PositiveFloat = 5.0
+    """per client address: the lab, `/metrics`, `/healthz`, and lookups of keys not yet known
+    (each costs a Postgres lookup): the sustained rate"""
     anonymous_rate_limit_burst: PositiveInt = 30
+    """per client address, as above: the burst"""
 
-    # /metrics: the scrape-time reads of Postgres and the ledger are reused this long, so
-    # scrapes (or anyone calling /metrics) cost at most one scan per interval.
     metrics_cache_s: Annotated[float, Field(ge=0)] = 5.0
+    """`/metrics` reads Postgres and the ledger at most once per interval"""
 
-    # Interactive gateway: engine priority of interactive requests, how long a request may wait
-    # for room when the caller does not say (header X-Backfill-Max-Wait), and how often the
-    # gateway rereads the registered nodes.
     interactive_priority: int = 0
-    # Each tenant's requests (interactive, and batch but embeddings) carry a cache_salt of its
-    # own: tenants never share the engine's prefix cache, so none can time another's prompts
-    # (backfill.cache_salt).
+    """the engine priority interactive requests are sent at (batch goes at
+    `BACKFILL_BATCH_PRIORITY`)"""
     tenant_cache_salt: bool = True
+    """every interactive request and every batch item's request (not embeddings) carries its
+    tenant's `cache_salt`, whatever the caller or the line sent: a tenant's requests share their
+    prompt prefixes in the engine's cache, two tenants' never do, so no tenant can time
+    another's prompts (`backfill.cache_salt`)"""
     gateway_max_wait_s: Annotated[float, Field(ge=0)] = 10.0
-    # What one interactive request may ask for: the longest wait for room (a longer
-    # X-Backfill-Max-Wait is clamped to it, and the answer says so in
-    # X-Backfill-Max-Wait-Applied), its sequences (n x prompts), and the KV tokens it reserves
-    # over all of them (sequences x (prompt + max_tokens)). A request over either of the last
-    # two is refused (400); one without max_tokens gets what the cap leaves each sequence.
+    """how long an interactive request waits for room unless it sends `X-Backfill-Max-Wait`"""
     gateway_max_wait_cap_s: Annotated[float, Field(ge=0)] = 60.0
+    """the longest wait for room a request may ask for; a longer `X-Backfill-Max-Wait` is
+    clamped (`X-Backfill-Max-Wait-Applied` says so)"""
     gateway_max_sequences: PositiveInt = 16
+    """sequences (`n` x prompts) one interactive request may run; more is a 400"""
     gateway_max_request_tokens: PositiveInt = 65_536
+    """KV tokens one interactive request may reserve over all its sequences (`n` x (prompt +
+    `max_tokens`)); more is a 400"""
     gateway_node_refresh_s: PositiveFloat = 5.0
-    # Admit a request on an upper bound of its prompt's tokens (UTF-8 bytes + what the
-    # tokenizer or template adds, measured once per shape), skipping the engine's /tokenize,
-    # when that fits without preempting; else count exactly. The reservation is settled to
-    # the engine's count when it reports one.
+    """how often the gateway rereads the registered nodes"""
     gateway_bound_admission: bool = True
-    # What one tenant's interactive requests may hold of a node at once, as a fraction of its
-    # measured pool: one tenant's flood leaves the rest to the others (what the flood may not
-    # hold stays with batch, which an arriving tenant preempts), and the flooding tenant waits
-    # for its own requests to end (429 tenant_interactive_share once its wait is over). A
-    # tenant holding nothing on a node is never refused by it. 1: no bound.
+    """admit interactive requests on an upper bound of their prompt's tokens (UTF-8 bytes +
+    what the tokenizer or template adds, measured once per shape) when they fit without
+    preempting, settled to the engine's count when it reports one (`false`: always count on
+    the engine first)"""
     gateway_tenant_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """the fraction of a node's measured pool that one tenant's interactive requests may hold at
+    once: past it the tenant waits for its own requests to end (429 `tenant_interactive_share`,
+    with `Retry-After`, once its `X-Backfill-Max-Wait` is over), while other tenants are
+    admitted on the node; what it may not hold goes to batch, which another tenant's request
+    preempts. A tenant holding nothing on a node is never refused by it. `1`: no bound (a
+    single-tenant deployment loses nothing by it)"""
 
-    # Batch work budget per node (``backfill.work_budget``): the interactive TTFT target it
-    # protects, its floor and ceiling (batch sequences in flight, batch prompt tokens in
-    # prefill), its AIMD steps, and how often the worker steps it and the gateway publishes
-    # what it sees. The ceiling of sequences is also capped by max_in_flight_per_node.
     interactive_ttft_target_s: PositiveFloat = 1.0
+    """interactive time to first token the batch work budget protects; set it from what
+    interactive alone gets on the engine (here, on CPU, ~3 s p50: use 4-8 s)"""
     work_budget_enabled: bool = True
+    """per-node batch work budget (sequences in flight, prompt tokens in prefill) beside the KV
+    reservation"""
     work_budget_floor_seqs: PositiveInt = 1
+    """its bounds: the fewest batch sequences in flight"""
     work_budget_ceiling_seqs: PositiveInt = 128
+    """its bounds: the most batch sequences in flight (also capped by
+    `BACKFILL_MAX_IN_FLIGHT_PER_NODE`)"""
     work_budget_floor_prefill_tokens: PositiveInt = 512
+    """its bounds: the fewest batch prompt tokens in prefill"""
     work_budget_ceiling_prefill_tokens: PositiveInt = 16_384
+    """its bounds: the most batch prompt tokens in prefill"""
     work_budget_decrease_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    """its steps: multiplied by the factor on a sign of batch hurting interactive"""
     work_budget_increase_seqs: PositiveInt = 8
+    """its steps: sequences grown by once quiet"""
     work_budget_increase_prefill_tokens: PositiveInt = 2048
+    """its steps: prefill tokens grown by once quiet"""
     work_budget_quiet_s: Annotated[float, Field(ge=0)] = 2.0
+    """growth resumes this long after the last sign of batch hurting interactive"""
     work_budget_preempt_at_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """running batch prefills are preempted once a pending interactive request has used this
+    fraction of its target"""
     work_budget_interval_s: PositiveFloat = 0.25
-    # While the engine runs Backfill's step scheduler it pauses batch for interactive work
-    # itself, and the budget only bounds what batch has in flight: stepping it (an engine
-    # /metrics read and four Redis round trips) every second instead of four times a second
-    # leaves that CPU to the engine.
+    """how often the budget steps (an engine `/metrics` read, shared with the KV observer and
+    the stall watch, and four Redis round trips)"""
     work_budget_interval_with_scheduler_s: PositiveFloat = 1.0
+    """how often the budget steps while the engine runs Backfill's step scheduler, which pauses
+    batch itself (the budget then only bounds what batch has in flight)"""
     work_signal_ttl_s: PositiveFloat = 3.0
+    """how long the interactive signals a gateway publishes live in Redis (a gateway gone silent
+    stops counting)"""
 
-    # Webhooks (``backfill.webhooks``): targets on loopback, private, link-local or metadata
-    # addresses are refused unless allowed here (a deployment posting to its own network, or
-    # tests); how long one delivery may take; the retry schedule (exponential from the base,
-    # each delay capped, with jitter, for this long after the event, then failed); how often
-    # the sender looks for due deliveries, how many it takes at once, how long a taken one
-    # stays its (another sender takes it after that: a sender that died mid-send is
-    # redelivered, with the same webhook-id); and the endpoints a tenant may have.
     webhooks_allow_private: bool = False
+    """allow webhook targets on loopback, private and link-local addresses"""
     webhooks_timeout_s: PositiveFloat = 10.0
+    """one delivery attempt's limit, in all: connect, send and the answer's headers together (a
+    receiver that drips its answer is cut off there)"""
     webhooks_retry_base_s: PositiveFloat = 5.0
+    """the first retry's wait (doubling, jittered)"""
     webhooks_retry_max_delay_s: PositiveFloat = 3600.0
+    """the longest wait between retries"""
     webhooks_retry_for_s: PositiveFloat = 24 * 3600.0
+    """how long after the event a delivery is retried before it is failed"""
     webhooks_poll_s: PositiveFloat = 1.0
+    """how often an idle sender looks for due deliveries (retries that came due; a batch's end
+    wakes it at once through `NOTIFY backfill_webhooks`)"""
     webhooks_claim_batch: PositiveInt = 64
-    # Attempts one sender has in flight to one endpoint at most: a slow endpoint holds this
-    # many of the webhooks_claim_batch send slots, never all of them.
+    """how many deliveries a sender sends at once (it claims again as each send ends, endpoints
+    taking turns at the free slots)"""
     webhooks_per_endpoint: PositiveInt = 2
-    # An endpoint whose every attempt has failed for this long is disabled (nothing is sent
-    # to it until its URL changes or it is enabled again), as Standard Webhooks senders do.
+    """attempts one sender has in flight to one endpoint at most: a slow or dripping endpoint
+    holds this many send slots, never all of them; endpoints whose attempts are failing come
+    after healthy ones and hold at most half the slots"""
     webhooks_disable_after_s: PositiveFloat = 5 * 86_400.0
+    """an endpoint whose every attempt has failed for this long is disabled (`status:
+    "disabled"` and `disabled_reason` on the endpoint object; nothing is sent to it) until its
+    tenant enables it again (`client.webhooks.update(id, extra_body={"status": "enabled"})`, or
+    a new `url`)"""
     webhooks_lease_s: PositiveFloat = 60.0
+    """how long a claimed delivery is its sender's (more than twice the timeout): then another
+    sender takes it, so one that died mid-send is redelivered, with the same webhook-id"""
     webhooks_max_endpoints: PositiveInt = 16
-    # Keys that seal webhook signing secrets at rest (``backfill.webhooks.sealing``): Fernet
-    # keys, comma-separated, the first sealing, every one opening (rotate by putting a new one
-    # first). Unset: secrets are stored in clear, and the API and the sender say so at start.
+    """webhook endpoints per tenant"""
     webhooks_secret_keys: SecretStr | None = None
+    """keys that seal webhook signing secrets at rest (Fernet; `backfill webhooks new-key`),
+    comma-separated: the first seals, every one opens; rotate by putting a new one first (the
+    sender reseals every endpoint, then the old key can go). Unset: secrets are stored in clear,
+    with a warning at start; compose and the Kubernetes overlays require it"""
 
     @field_validator("database_url")
     @classmethod

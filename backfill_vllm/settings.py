@@ -24,80 +24,98 @@ class SettingsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
     """What the step scheduler does, per setting; the defaults match the simulator's
-    ``backfill-step`` (``backfill_analysis.simulate.stepsched.StepSchedule``)."""
+    ``backfill-step`` (``backfill_analysis.simulate.stepsched.StepSchedule``). The docstring
+    under each field is its meaning on docs/configuration.md (``python -m devkit.config_doc``
+    reads them from this source: nothing here imports vLLM)."""
 
     batch_priority: int = 10
-    """Requests at this vLLM priority or above are batch (Backfill's worker sends 10, its
-    gateway 0)."""
+    """requests at this priority or above are batch (the worker's `BACKFILL_BATCH_PRIORITY`:
+    Backfill's worker sends 10, its gateway 0)"""
     chunk_target_s: float = 0.01
-    """Batch prefill one step may carry, in step time priced by the fitted step-time model:
-    an interactive request arriving mid-step waits at most about this long for the step in
-    flight."""
+    """batch prefill a step may carry, in step time priced by the fitted model (how long an
+    interactive arrival may wait for the step in flight; the simulator's CPU scenario uses
+    0.1). On step times measured on an H200 (`bench.gpu_steps`), 0.004 keeps interactive TTFT
+    p50 and p99 within 1.1x of alone with half of batch alone's throughput; 0.01 keeps 0.75 of
+    it at p50 1.19x"""
     lift_cap_after_s: float = 10.0
-    """With no interactive request in the engine (waiting or running) for this long, batch
-    prefill is not capped (vLLM's own token budget): batch alone runs as fast as on the stock
-    engine, and the first interactive request after the quiet spell waits at most one such
-    step before the cap is back. 0: always capped (the simulator's ``backfill-step``)."""
+    """with no interactive request in the engine (waiting or running) for this long, batch
+    prefill is lifted to vLLM's own token budget (or as the next two rows bound it; batch alone
+    then runs about as on the stock engine, and the first interactive request after the quiet
+    spell waits at most one such step); `0`: always capped (the simulator's `backfill-step`)"""
     lifted_step_target_s: float = 0.0
-    """How far a lift goes, in seconds: batch prefill up to what the step-time model says fits
-    in this long (never less than the capped chunk). 0: as ``lift_fixed_share`` says."""
+    """how far a lift goes, in seconds: batch prefill up to what the step-time model says fits
+    in this long (never less than the capped chunk), in place of the share (`0`:
+    `LIFT_FIXED_SHARE` decides)"""
     lift_fixed_share: float = 0.0
-    """... or, with no target in seconds, as far as keeps a step's fixed cost (the fitted
-    line's intercept) at this share of the step: batch alone loses about this share against
-    vLLM's whole budget, and the first interactive request after a quiet spell waits at most
-    ``1 / share`` fixed costs for the step in flight. A constant in seconds cannot be right on
-    every engine: vLLM's 2,048-token step is ~1 s on one CPU, ~5 s on a CPU without bfloat16,
-    ~0.1 s on a GPU. 0 (default): vLLM's whole token budget. Not the default: on the CPU
-    without bfloat16, 0.05 did not shorten the 9 s a lone interactive request waited beside
-    batch, and on a slow bfloat16 CPU it cost batch alone ~9% while interactive p50 beside
-    batch was no better (bench/RESULTS.md, 2026-12-04)."""
+    """... or, with no target in seconds: batch prefill until a step's fixed cost (the fitted
+    model's intercept: what a step costs besides its prompt tokens and its decoding sequences)
+    is this share of the step, at most vLLM's whole token budget. Batch alone then loses about
+    this share against the whole budget, and the first interactive request after a quiet spell
+    waits for one step of at most `1 / share` fixed costs: vLLM's 2,048-token step is ~1 s on a
+    CPU with bfloat16 (barely bounded) and ~5 s on one without (bounded to ~1.4 s at 0.05);
+    `0`: vLLM's whole budget (default: on that CPU 0.05 did not shorten the wait of a lone
+    interactive request beside batch, and on a slow CPU with bfloat16 it cost batch alone ~9%
+    with interactive p50 beside batch no better, bench/RESULTS.md)"""
     chunk_tokens: int = 256
-    """The batch prefill cap per step until the model has ``model_min_samples`` steps."""
+    """the cap until the model has `MODEL_MIN_SAMPLES` steps"""
     min_chunk_tokens: int = 16
-    """The cap never goes below this (a slope fitted on a noisy machine can be huge)."""
+    """the cap never goes below this (a slope fitted on a noisy machine can be huge)"""
     max_chunk_tokens: int = 2048
-    """... nor above this while capped (a slope fitted near zero would otherwise give batch
-    vLLM's whole budget in a step interactive work may be waiting behind). The lift is not
-    bounded by it."""
+    """... nor above this while capped (a near-flat fitted slope would otherwise hand batch
+    vLLM's whole budget in a step interactive work may be waiting behind); the lift is not
+    bounded by it. The step-time model also keeps a step 4x slower than it predicts out of its
+    fit (`backfill_sched_step_outliers_total`), unless 8 come in a row (the machine changed)"""
     interactive_likely_s: float = 2.0
-    """For this long after an interactive request was last in the engine, more are likely
-    (arrivals come in bursts), and every step is bounded whole: batch decodes and prefill
-    together add at most ``chunk_target_s`` to it by the fitted model (half that for a step
-    scheduled ahead under async scheduling, where an arrival also waits for the step in
-    flight), batch decodes running in turns when they alone would pass it. 0: only batch
-    prefill is capped."""
+    """the whole-step bound: while interactive work is in the engine and for this long after
+    (arrivals come in bursts), batch decodes and prefill together add at most `CHUNK_TARGET_S`
+    to a step by the fitted model, half that for a step scheduled ahead under async scheduling
+    (an arrival waits for the step in flight and the one already scheduled behind it); batch
+    decodes take turns when they alone would pass it (`backfill_sched_bounded_steps_total`);
+    `0`: only batch prefill is capped"""
     ahead_while_likely: bool = False
-    """Under async scheduling (vLLM schedules a step while the one before it runs), whether
-    a step that would carry batch alone is still scheduled ahead while interactive work is
-    likely (``interactive_likely_s``) but none is in the engine. Off (default): such a step
-    waits for the one in flight (the scheduler hands vLLM an empty step, and vLLM's engine
-    loop then waits for the step in flight before it schedules again), so an interactive
-    request arriving mid-step waits for that step alone, not for the one queued behind it
-    too; batch pays the host's share of those steps (scheduling and input preparation, which
-    async scheduling hides). On: every step is scheduled ahead, as vLLM does."""
+    """under async scheduling (vLLM's default on GPU, where it schedules each step while the
+    one before it runs), within that window and with no interactive request in the engine, a
+    step that would carry batch alone is held back (off, the default): the scheduler hands
+    vLLM an empty step, its engine loop waits for the step in flight, and an interactive
+    request arriving meanwhile is in the very next step instead of behind one more batch step
+    (`backfill_sched_held_back_steps_total`). Batch pays the host's share of those steps (the
+    scheduling and input preparation async scheduling hides) and gets the whole step target in
+    them (a step scheduled ahead gets half); `1`: every step is scheduled ahead, as vLLM
+    does"""
     idle_ready_s: float = 0.0
-    """Idle-ready: while an interactive request is in the engine and for this long after,
-    batch sits out every step: its sequences stay resident and carry nothing, none is
-    admitted (the starvation bound still holds), so interactive work runs alone and the next
-    arrival of a burst finds the engine idle instead of behind a step in flight (the fixed
-    cost of a step and the batch decodes in it). Batch loses those windows; set
-    ``lift_cap_after_s`` to the same, so it makes up for them in long steps between bursts.
-    0 (default): off."""
+    """idle-ready: while an interactive request is in the engine and for this long after,
+    batch sits out every step (resident, carrying nothing, none admitted; `STARVATION_S` still
+    holds): interactive work runs alone, and the next arrival of a burst finds the engine idle
+    instead of behind a step in flight, whose fixed cost no cap on batch tokens shortens. Set
+    `LIFT_CAP_AFTER_S` to the same and a `LIFTED_STEP_TARGET_S`, so batch makes up in long
+    steps between bursts what it gives up in them; under async scheduling those steps are held
+    back too while `INTERACTIVE_LIKELY_S` lasts (a lifted step within that window is not
+    scheduled ahead). Pair it with a looser `STARVATION_S`: at 1 s the bound relieves every
+    paused batch sequence in the middle of a long burst. On the measured H200 steps
+    (`bench.gpu_steps`), 2 s with a 2 s lift to 0.05 s, `STARVATION_S=10` and
+    `INTERACTIVE_LIKELY_S=10` keeps 0.61 of batch with TTFT p50 1.047x and p99 1.00x of alone
+    (the whole-step bound alone: 1.08x at 0.26; bench/RESULTS.md, "Idle-ready"); not yet
+    measured on the CPU engine; `0`: off"""
     ride_along_share: float = 0.0
-    """While interactive work waits or prefills, batch decode tokens may ride along up to this
-    share of the step's own time (0: every batch sequence pauses)."""
+    """while interactive work is pending (waiting or prefilling), batch decode tokens may still
+    ride along up to this share of the step's time (`0`: all batch pauses)"""
     starvation_steps: int = 0
-    """A paused batch sequence carries tokens at least once every this many steps (0: no
-    bound in steps)."""
+    """a paused batch sequence carries tokens at least once every this many steps (`0`: no
+    bound in steps)"""
     starvation_s: float = 1.0
-    """... and within this many seconds of its last progress (0: no bound in seconds)."""
+    """... and within this many seconds of its last progress (`0`: no bound in seconds)"""
     model_window: int = 256
-    """Step-time samples the model keeps (the most recent)."""
+    """the step-time model's memory (most recent steps). The model is `step = fixed + per
+    prompt token x prompt tokens + per decode x decoding sequences`, least squares over that
+    window; a window whose steps all carry about the same prompt tokens (every step of a lift)
+    keeps the last fit made while they spread"""
     model_min_samples: int = 16
-    """Samples before the fitted model sizes the chunk cap."""
+    """the steps the model needs before it sizes the cap"""
     metrics_port: int = 0
-    """Port of the scheduler's Prometheus text (``/metrics``); 0: not served."""
+    """where the counters are served as Prometheus text (`/metrics`), with `METRICS_HOST`; `0`:
+    not served"""
     metrics_host: str = "127.0.0.1"
+    """the address the counters are served on"""
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
