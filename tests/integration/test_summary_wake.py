@@ -75,6 +75,14 @@ def _started_job(repo: Repository, settings: Settings) -> str:
     return job.id
 
 
+def _job_and_its_first_batch(repo: Repository, settings: Settings) -> tuple[str, str]:
+    """A started job and the batch of map steps its first round made."""
+    job_id = _started_job(repo, settings)
+    driver.drive(repo, settings)
+    (made,) = repo.summary_batch_ids(job_id)
+    return job_id, made
+
+
 def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Settings) -> None:
     with stand_in_node(settings, NODE, BLOCK, blocks=256) as (repo, _, aledger):
         job_id = _started_job(repo, settings)
@@ -113,9 +121,7 @@ def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Setti
 def test_only_batches_a_summary_job_made_are_taken_as_its(
     settings: Settings, repo: Repository
 ) -> None:
-    job_id = _started_job(repo, settings)
-    driver.drive(repo, settings)
-    (made,) = repo.summary_batch_ids(job_id)
+    job_id, made = _job_and_its_first_batch(repo, settings)
     # A user's batch may carry any metadata, a summary job's id too: it is not that job's.
     tenant = repo.create_tenant("mallory")
     f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
@@ -150,9 +156,7 @@ class _FailingOnce:
 def test_a_round_that_fails_unexpectedly_leaves_the_waker_waking(
     settings: Settings, repo: Repository
 ) -> None:
-    job_id = _started_job(repo, settings)
-    driver.drive(repo, settings)
-    (made,) = repo.summary_batch_ids(job_id)
+    _, made = _job_and_its_first_batch(repo, settings)
     failing = _FailingOnce(repo)
     waker = SummaryWaker(cast(SummaryStore, failing), settings).start()
     try:
