@@ -5,12 +5,21 @@ services)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
-from backfill.batch_input import InputLimits, InvalidBatch, validate_batch_input
+from backfill.batch_input import (
+    InputLimits,
+    InvalidBatch,
+    LineInvalid,
+    Tally,
+    stream_valid_items,
+    validate_batch_input,
+)
+from backfill.content_parts import MediaPolicy
 from backfill.prefill import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 LIMITS = InputLimits(
@@ -51,9 +60,11 @@ def response(custom_id: str, **body: Any) -> dict[str, Any]:
     return request(custom_id, RESPONSES, {k: v for k, v in full.items() if v is not ...})
 
 
-def errors_of(endpoint: str, *lines: dict[str, Any] | str) -> list[tuple[Any, ...]]:
+def errors_of(
+    endpoint: str, *lines: dict[str, Any] | str, limits: InputLimits = LIMITS
+) -> list[tuple[Any, ...]]:
     content = b"".join((x if isinstance(x, str) else json.dumps(x)).encode() + b"\n" for x in lines)
-    result = validate_batch_input(content, endpoint, LIMITS)
+    result = validate_batch_input(content, endpoint, limits)
     assert isinstance(result, InvalidBatch), result
     return [(e.line, e.code, e.param, e.message) for e in result.errors]
 
@@ -254,5 +265,85 @@ def test_the_responses_refusals_keep_their_words() -> None:
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES])
 def test_a_file_without_request_lines_keeps_its_words(endpoint: str) -> None:
     assert errors_of(endpoint, " ") == [
+        (None, "empty_file", "input_file_id", "file has no request lines")
+    ]
+
+
+def test_the_refusals_of_the_shared_field_rules_keep_their_words_on_every_endpoint() -> None:
+    """The rules a checker borrows (JSON depth, flags, numbers, budgets) and the Responses
+    body's own, each reached once: a refusal no test reached could change words unseen."""
+    assert errors_of(
+        CHAT,
+        chat("ok"),
+        "[" * 5000,
+        chat("lp", logprobs="yes"),
+        chat("agp", add_generation_prompt="yes"),
+    ) == [
+        (2, "invalid_json_line", None, "line is not valid JSON: JSON nested too deeply"),
+        (3, "invalid_parameter", "body.logprobs", "body.logprobs must be true or false"),
+        (4, "invalid_parameter", "body.add_generation_prompt",
+         "body.add_generation_prompt must be true or false"),
+    ]  # fmt: skip
+    assert errors_of(
+        COMPLETIONS,
+        completion("ok"),
+        completion("temp", temperature="hot"),
+        completion("lp", logprobs=True),
+        completion("mt0", max_tokens=0),
+        completion("mt", max_tokens="ten"),
+    ) == [
+        (2, "invalid_parameter", "body.temperature",
+         "body.temperature must be a finite number (got str)"),
+        (3, "invalid_parameter", "body.logprobs", "body.logprobs must be an integer (got bool)"),
+        (4, "invalid_max_tokens", "body.max_tokens", "max_tokens must be a positive integer"),
+        (5, "invalid_max_tokens", "body.max_tokens",
+         "body.max_tokens must be an integer (got str)"),
+    ]  # fmt: skip
+    assert errors_of(
+        RESPONSES,
+        response("ok"),
+        response("bg", background="yes"),
+        response("ptc", parallel_tool_calls="yes"),
+        response("md", metadata=[1]),
+        response("tools", tools={}),
+        response("params", tools=[{"type": "function", "name": "f", "parameters": [1]}]),
+        response("item", input=[1]),
+        response("content", input=[{"role": "user", "content": []}]),
+    ) == [
+        (2, "invalid_parameter", "body.background", "body.background must be true or false"),
+        (3, "invalid_parameter", "body.parallel_tool_calls",
+         "body.parallel_tool_calls must be true or false"),
+        (4, "invalid_parameter", "body.metadata", "body.metadata must be an object"),
+        (5, "invalid_input", "body.tools", "body.tools must be an array"),
+        (6, "invalid_input", "body.tools", "body.tools[0].parameters must be an object"),
+        (7, "invalid_input", "body.input", "body.input[0] must be an object"),
+        (8, "invalid_input", "body.input",
+         "body.input[0].content must be a string or a non-empty array of text parts"),
+    ]  # fmt: skip
+
+
+def test_a_media_url_that_does_not_parse_keeps_its_words() -> None:
+    media = MediaPolicy(allowed=True, domains=frozenset({"images.example.com"}))
+    part = {"type": "image_url", "image_url": {"url": "http://[::1/x.png"}}
+    assert errors_of(
+        CHAT,
+        chat("url", messages=[{"role": "user", "content": [part]}]),
+        limits=dataclasses.replace(LIMITS, media=media),
+    ) == [
+        (1, "invalid_messages", "body.messages",
+         "body.messages[0].content[0].image_url.url is not a valid URL"),
+    ]  # fmt: skip
+
+
+def test_too_many_lines_keeps_its_words() -> None:
+    assert errors_of(
+        CHAT, chat("a"), chat("b"), chat("c"), limits=dataclasses.replace(LIMITS, max_lines=2)
+    ) == [(None, "too_many_lines", "input_file_id", "file has 3 request lines; the limit is 2")]
+
+
+def test_a_streamed_file_without_request_lines_keeps_its_words() -> None:
+    with pytest.raises(LineInvalid) as raised:
+        list(stream_valid_items([b" "], CHAT, LIMITS, Tally()))
+    assert [(e.line, e.code, e.param, e.message) for e in raised.value.errors] == [
         (None, "empty_file", "input_file_id", "file has no request lines")
     ]
