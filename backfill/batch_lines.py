@@ -35,7 +35,7 @@ PROMPT_FIELD: dict[str, str] = {
 
 MAX_CUSTOM_ID_CHARS = 512
 
-_INTEGER_FIELDS = INTEGER_FIELDS | {"logprobs"}
+_INTEGER_FIELDS = (*INTEGER_FIELDS, "logprobs")
 """Fields ``normalise_fields`` may rewrite (an integral float to an integer)."""
 
 CHARS_PER_TOKEN_ESTIMATE = 4
@@ -298,7 +298,7 @@ def normalised(line: RequestLine, *, chat: bool) -> bool | LineError:
     """The body's fields in the engine's types (an integral float an integer) and a null
     budget dropped (null means "not given", as at OpenAI); whether that rewrote the body."""
     body = line.body
-    rewritten = any(type(body[key]) is float for key in _INTEGER_FIELDS.intersection(body))
+    rewritten = any(type(body.get(key)) is float for key in _INTEGER_FIELDS)
     malformed = normalise_fields(body, chat=chat)
     if malformed is not None:
         param, message = malformed

@@ -16,36 +16,37 @@ from __future__ import annotations
 import math
 from typing import Any
 
-INTEGER_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "max_completion_tokens",
-        "min_tokens",
-        "n",
-        "best_of",
-        "seed",
-        "top_k",
-        "top_logprobs",
-        "prompt_logprobs",
-        "truncate_prompt_tokens",
-    }
+INTEGER_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+    "best_of",
+    "seed",
+    "top_k",
+    "top_logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
-"""Fields vLLM reads as integers (``logprobs`` too on completions, a boolean on chat)."""
+"""Fields vLLM reads as integers (``logprobs`` too on completions, a boolean on chat). Each
+rule below is a tuple, not a set: a line with several bad fields is refused naming the first
+in this order, in every process (a set's order hangs on the process's string hashing)."""
 
-NUMBER_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "length_penalty",
-    }
+NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
 )
 
-PROMPT_SHAPING_FLAGS = frozenset(
-    {"add_generation_prompt", "continue_final_message", "add_special_tokens", "echo"}
+PROMPT_SHAPING_FLAGS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "echo",
 )
 """Booleans that change what is prefilled: only true or false, so that Backfill's count and
 the engine's rendering cannot read them differently."""
@@ -89,7 +90,7 @@ def _strict_number(value: Any) -> int | float | None:
 def normalise_fields(body: dict[str, Any], *, chat: bool) -> tuple[str, str] | None:
     """Rewrite ``body``'s numeric fields in place to JSON numbers; returns ``(param,
     message)`` for the first field that is not what the engine would take, else None."""
-    integers = INTEGER_FIELDS if chat else INTEGER_FIELDS | {"logprobs"}
+    integers = INTEGER_FIELDS if chat else (*INTEGER_FIELDS, "logprobs")
     for key in integers:
         value = body.get(key)
         if value is None:

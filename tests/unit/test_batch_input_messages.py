@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -346,4 +349,52 @@ def test_a_streamed_file_without_request_lines_keeps_its_words() -> None:
         list(stream_valid_items([b" "], CHAT, LIMITS, Tally()))
     assert [(e.line, e.code, e.param, e.message) for e in raised.value.errors] == [
         (None, "empty_file", "input_file_id", "file has no request lines")
+    ]
+
+
+NAMES_FIRST_FAULT = """
+import json, sys
+from backfill.batch_input import InputLimits, validate_batch_input
+from backfill.prefill import CHAT, COMPLETIONS
+limits = InputLimits(*json.loads(sys.argv[1]))
+integers = ["max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of", "seed", "top_k",
+            "top_logprobs", "prompt_logprobs", "truncate_prompt_tokens"]
+numbers = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "length_penalty"]
+flags = ["add_generation_prompt", "continue_final_message", "add_special_tokens", "echo"]
+messages = [{"role": "user", "content": "hi"}]
+def line(url, body):
+    return json.dumps({"custom_id": "a", "method": "POST", "url": url, "body": body}).encode()
+base = {"model": "m", "messages": messages}
+named = []
+for url, body in [
+    (CHAT, base | {k: "x" for k in integers}),
+    (CHAT, base | {k: "x" for k in numbers}),
+    (CHAT, base | {k: "x" for k in flags}),
+    (COMPLETIONS, {"model": "m", "prompt": "hi", "logprobs": "x", "seed": "x", "top_k": "x"}),
+]:
+    named.append(validate_batch_input(line(url, body), url, limits).errors[0].param)
+print(json.dumps(named))
+"""
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "1", "2", "3"])
+def test_a_line_with_several_bad_fields_names_the_same_one_in_every_process(
+    hash_seed: str,
+) -> None:
+    """Which field a refusal names does not hang on the process's string hashing (the rules
+    were sets): the API and the ingest process, or two replicas, name the same field."""
+    limits = json.dumps(dataclasses.astuple(LIMITS)[:5])
+    named = subprocess.run(
+        [sys.executable, "-c", NAMES_FIRST_FAULT, limits],
+        env=os.environ | {"PYTHONHASHSEED": hash_seed},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert json.loads(named) == [
+        "body.max_tokens",
+        "body.temperature",
+        "body.add_generation_prompt",
+        "body.seed",
     ]
