@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from backfill.cache_salt import cache_salt
 from backfill.clock import HostClock
 from backfill.config import Settings
-from backfill.engine.http import HttpEngine, sse_lines
+from backfill.engine.http import HttpEngine, engine_limits, sse_lines
 from backfill.gateway.admission import Admitted, InteractiveAdmission
 from backfill.gateway.leases import LeaseKeeper, used_tokens
 from backfill.gateway.nodes import ServingNode
@@ -220,7 +220,7 @@ class InteractiveGateway:
             key = self.settings.engine_api_key
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(30.0, read=None),
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+                limits=engine_limits(1024, 256),
                 # The engines' own key (vLLM's --api-key), never the caller's.
                 headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
             )

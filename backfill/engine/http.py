@@ -129,6 +129,23 @@ def _chunk(event: Mapping[str, Any]) -> StreamChunk:
     )
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle pooled connection to an engine is reused: well below the engine's own
+keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s, which is also httpx's default
+expiry). With both at 5 s a request sent on a connection idle for just under 5 s crosses the
+server's close and fails (a read error on a request the engine never saw); on a loaded
+machine, where neither side runs on time, that window is wide."""
+
+
+def engine_limits(max_connections: int, max_keepalive_connections: int) -> httpx.Limits:
+    """Connection limits for a client of engines (:data:`KEEPALIVE_EXPIRY_S`)."""
+    return httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_keepalive_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
+
+
 class HttpEngine:
     """:class:`Engine` over a vLLM OpenAI-compatible server at ``base_url``."""
 
@@ -152,7 +169,7 @@ class HttpEngine:
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+            limits=engine_limits(max_connections, 64),
         )
         self._stream_timeout = httpx.Timeout(timeout_s, read=stream_read_timeout_s)
 
