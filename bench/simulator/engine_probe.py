@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from backfill.engine.http import engine_limits
 from backfill_analysis.simulate.costmodel import Observation, StepWork, prefill_attention
 
 # Token ids inside both SmolLM2's (49,152) and the tiny model's (1,024) vocabularies, clear
@@ -84,7 +85,9 @@ class Probe:
         self.rng = random.Random(time.time_ns() if seed is None else seed)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
+            # Idle connections given up before vLLM's keep-alive closes them (a request sent as
+            # it closes one failed a CI run's calibration test with a read error).
+            limits=engine_limits(512, 512),
         )
 
     async def max_model_len(self) -> int:
