@@ -26,6 +26,7 @@ class DispatchConfig:
     batch_priority: int = 10
     """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
     stream_interval: int = 1
+    """Output tokens per streamed chunk asked of the engine (1: every token)."""
     tenant_cache_salt: bool = True
     """Each item's requests carry its tenant's ``cache_salt`` (``backfill.cache_salt``)."""
     prefix_caching: bool = False
@@ -36,7 +37,6 @@ class DispatchConfig:
     while the job's prefix pass runs (``backfill.dispatch.prefix_claim_hold_s``)."""
     first_prefill_wait_s: float = FIRST_PREFILL_WAIT_S
     """How long a prefix's group waits for its first holder's prefill on this node."""
-    """Output tokens per streamed chunk asked of the engine (1: every token)."""
     max_preemptions: int = 3
     """At this many preemptions an item reserves as non-preemptible (no thrashing)."""
     max_attempts: int = 5
