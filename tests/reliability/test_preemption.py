@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,22 +37,28 @@ class Burst(threading.Thread):
     Each burst waits until batch holds enough of the pool that the reservation must preempt
     it, so the number of preemptions follows the job's length rather than the machine's
     speed (a loaded CI machine ran a third as many timed bursts per item as a quiet one).
-    Once items have been preempted, a burst also waits (up to ``resumed_wait_s``) until one
-    of them runs again, so that some item is preempted more than once on any machine (a
-    fast CI machine ran the 200 items in 6 s, 7 bursts, and preempted none twice).
+    Once items have been preempted, a burst also waits until one of them runs again, so that
+    some item is preempted more than once on any machine (a fast CI machine ran the 200 items
+    in 6 s, 7 bursts, and preempted none twice), but no longer than ``every_items`` more items
+    done since the last burst (an event of the job, not a time: a quiet machine ran the job in
+    4 s and, waiting for a second of batch in the way without a break, burst once), nor than
+    ``resumed_wait_s`` since the last burst.
     """
 
     def __init__(
         self,
         ledger: Ledger,
         node: str,
+        done: Callable[[], int],
         hold_s: float = 0.2,
         pause_s: float = 0.15,
         resumed_wait_s: float = 1.0,
+        every_items: int = 15,
     ):
         super().__init__(name="interactive-burst", daemon=True)
-        self.ledger, self.node = ledger, node
+        self.ledger, self.node, self.done = ledger, node, done
         self.hold_s, self.pause_s, self.resumed_wait_s = hold_s, pause_s, resumed_wait_s
+        self.every_items = every_items
         self.bursts = 0
         self.admitted = 0
         self.victims = 0
@@ -59,22 +66,23 @@ class Burst(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        in_the_way_since: float | None = None
+        last_burst_at, done_at_last_burst = time.monotonic(), self.done()
         while not self._halt.is_set():
             snap = self.ledger.snapshot(self.node)
             if snap is None or snap.interactive_room >= BURST_TOKENS:
-                in_the_way_since = None
                 self._halt.wait(0.02)
                 continue
-            now = time.monotonic()
-            in_the_way_since = now if in_the_way_since is None else in_the_way_since
             running = {lease.lease_id: _item_of(lease) for lease in snap.leases}
             resumed = self.preempted_items & set(running.values())
-            waited = now - in_the_way_since
-            if self.preempted_items and not resumed and waited < self.resumed_wait_s:
+            if (
+                self.preempted_items
+                and not resumed
+                and time.monotonic() - last_burst_at < self.resumed_wait_s
+                and self.done() - done_at_last_burst < self.every_items
+            ):
                 self._halt.wait(0.02)
                 continue
-            in_the_way_since = None
+            last_burst_at, done_at_last_burst = time.monotonic(), self.done()
             lease = self.ledger.reserve(self.node, "interactive", BURST_TOKENS - 256, 256)
             self.bursts += 1
             if isinstance(lease, Lease):
@@ -105,7 +113,7 @@ def test_items_preempted_again_and_again_complete_once_within_the_cap(
     cap = d.settings.max_preemptions_per_item
     job = d.submit(ITEMS, max_tokens=MAX_TOKENS, tag="preempt")
     workers = deployment_workers(d, workdir, 2)
-    burst = Burst(d.ledger, d.node)
+    burst = Burst(d.ledger, d.node, lambda: d.done(job))
     try:
         with maintenance(d, REAPER_S), sampling(d.ledger, d.node, d.settings) as samples:
             for w in workers:
