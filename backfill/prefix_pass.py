@@ -33,9 +33,10 @@ log = logging.getLogger("backfill.prefixes")
 PAGE = 500
 
 CONCURRENCY = 8
-"""Token ids asked of the engine at once: a claim leaves a new job's items until the pass has
+"""Token ids asked of the engine at once when the caller does not say (a worker passes its
+dispatcher's ``tokenize_concurrency``): a claim leaves a new job's items until the pass has
 ended, so its length is time the job waits (one at a time, 48 prompts took seconds on a busy
-CPU engine); 8 is what the dispatcher's own counts ask at once (``tokenize_concurrency``)."""
+CPU engine)."""
 
 
 @runtime_checkable
