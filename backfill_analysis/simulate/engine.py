@@ -22,17 +22,24 @@ is ``k`` modulo the block size (a count per residue), and finishes come off a he
 costs O(prefills + finishes + interactive decoders), not O(all decoders). Pausing takes the
 batch decoders out of the aggregate (O(batch decoders) once per interactive burst) and resuming
 puts them back; paused sequences that ride along are stepped one by one.
+
+Shared prompt prefixes (issue 36): a sequence may name a prefix (``prefix``, ``prefix_blocks``
+whole blocks); the engine's prefix cache (:class:`~backfill_analysis.simulate.prefix_cache.
+PrefixCache`) holds its blocks once while any resident sequence uses them, and a sequence
+admitted while they are cached starts past them (no prefill, no blocks of its own for them:
+``shared``). A sequence's ``blocks`` are its own; ``blocks + shared`` cover its context.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 from backfill.capacity import blocks_for
 from backfill_analysis.simulate.costmodel import CostModel, StepWork, prefill_attention
+from backfill_analysis.simulate.prefix_cache import PrefixCache
 from backfill_analysis.simulate.stepsched import (
     StepSchedule,
     chunk_tokens,
@@ -109,12 +116,15 @@ class Sequence:
         "output_tokens",
         "owner",
         "preemptions",
+        "prefix",
+        "prefix_blocks",
         "priority",
         "progress_s",
         "progress_step",
         "prompt_tokens",
         "recomputed",
         "residue",
+        "shared",
         "state",
         "target",
     )
@@ -128,8 +138,16 @@ class Sequence:
         interactive: bool,
         owner: object = None,
         generated: int = 0,
+        prefix: Hashable | None = None,
+        prefix_blocks: int = 0,
     ) -> None:
         self.key = key
+        self.prefix = prefix if prefix_blocks > 0 else None
+        """The shared prompt prefix the prompt starts with (None: none)."""
+        self.prefix_blocks = prefix_blocks if prefix_blocks > 0 else 0
+        """Its whole blocks the engine's prefix cache may share."""
+        self.shared = 0
+        """Blocks of the cached prefix this sequence uses now (not in ``blocks``)."""
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
         self.priority = priority
@@ -187,6 +205,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.free_blocks = config.num_blocks
+        self.prefix_cache = PrefixCache()
         self.step_index = 0
         self._order = 0
         self._waiting: list[tuple[int, int, int, Sequence]] = []
@@ -315,7 +334,7 @@ class Engine:
         length = seq.entry_length + self.step_index - seq.entry_step
         seq.generated += self.step_index - seq.entry_step
         seq.computed = length
-        seq.blocks = self._blocks_for(length)
+        seq.blocks = self._blocks_for(length) - seq.shared
         if self._decode_blocks_granted and seq.residue == self.step_index % (
             self.config.block_size
         ):
@@ -333,11 +352,47 @@ class Engine:
             del self._paused[seq.key]
         else:
             self._prefilling.remove(seq)
-        freed = seq.blocks
-        self.free_blocks += freed
-        seq.blocks = 0
+        freed = self._free_blocks_of(seq)
         self.running -= 1
         return freed
+
+    def _free_blocks_of(self, seq: Sequence) -> int:
+        """``seq`` gives its blocks back, and leaves the cached prefix it used (freed with its
+        last user); returns the blocks freed."""
+        freed = seq.blocks
+        seq.blocks = 0
+        if seq.shared:
+            assert seq.prefix is not None
+            freed += self.prefix_cache.leave(seq.prefix)
+            seq.shared = 0
+        self.free_blocks += freed
+        return freed
+
+    def _cached_start(self, seq: Sequence) -> int:
+        """The prompt tokens ``seq`` would start past on admission: its prefix's, cached."""
+        if seq.prefix is None or self.prefix_cache.cached(seq.prefix) != seq.prefix_blocks:
+            return 0
+        return seq.prefix_blocks * self.config.block_size
+
+    def _start_on_prefix(self, seq: Sequence, start: int) -> None:
+        """``seq``, just admitted, starts past its cached prefix (``start`` > 0)."""
+        assert seq.prefix is not None
+        self.prefix_cache.join(seq.prefix)
+        seq.shared = seq.prefix_blocks
+        seq.computed = start
+        if not seq.interactive:
+            self.batch_prefill_backlog -= start
+
+    def _publish_prefix(self, seq: Sequence) -> None:
+        """``seq`` has computed its prefix's blocks: they become the cached, shared copy."""
+        if (
+            seq.prefix is not None
+            and not seq.shared
+            and seq.computed >= seq.prefix_blocks * self.config.block_size
+            and self.prefix_cache.publish(seq.prefix, seq.prefix_blocks)
+        ):
+            seq.blocks -= seq.prefix_blocks
+            seq.shared = seq.prefix_blocks
 
     def _start_running(self, seq: Sequence) -> None:
         seq.state = PREFILL
@@ -484,7 +539,7 @@ class Engine:
                 chunk = self._batch_chunk(seq.computed, batch_s, chunk, batch_chunked)
                 if chunk == 0:
                     continue
-            extra = self._blocks_for(seq.computed + chunk) - seq.blocks
+            extra = self._blocks_for(seq.computed + chunk) - seq.blocks - seq.shared
             while extra > self.free_blocks:
                 preempted_now = True
                 if not self._preempt_one(report) or seq.state != PREFILL:
@@ -512,28 +567,31 @@ class Engine:
                 break
             if self.running >= cfg.max_num_seqs:
                 continue
-            chunk = min(seq.target, budget)
+            start = self._cached_start(seq)
+            chunk = min(seq.target - start, budget)
             capped = sched is not None and not seq.interactive
             if capped:
                 if yielding:
                     break
-                chunk = self._batch_chunk(0, batch_s, chunk, batch_chunked)
+                chunk = self._batch_chunk(start, batch_s, chunk, batch_chunked)
                 if chunk == 0:
                     break
-            blocks = self._blocks_for(chunk)
+            blocks = self._blocks_for(start + chunk) - start // cfg.block_size
             while blocks > self.free_blocks and for_interactive and self._preempt_batch(report):
                 pass
             if blocks > self.free_blocks:
                 break
             heapq.heappop(self._waiting)
             self._start_running(seq)
+            if start:
+                self._start_on_prefix(seq, start)
             self._grant(seq, blocks)
             chunks.append((seq, chunk))
             budget -= chunk
             prefill_tokens += chunk
-            attention += prefill_attention(0, chunk)
+            attention += prefill_attention(start, chunk)
             if capped:
-                batch_s -= prefill_seconds(cfg.cost, 0, chunk)
+                batch_s -= prefill_seconds(cfg.cost, start, chunk)
                 batch_chunked = True
         n_decode = len(self._decoding)
         if holding and sched is not None and sched.ride_along_share > 0 and self._paused:
@@ -641,8 +699,7 @@ class Engine:
             report.batch_output_tokens += 1
             del self._paused[seq.key]
             if seq.finished:
-                self.free_blocks += seq.blocks
-                seq.blocks = 0
+                self._free_blocks_of(seq)
                 self.running -= 1
                 seq.state = DONE
                 report.finished.append(seq)
@@ -698,6 +755,7 @@ class Engine:
             if seq.state != PREFILL:
                 continue
             seq.computed += chunk
+            self._publish_prefix(seq)
             if not seq.interactive:
                 self.batch_prefill_backlog -= chunk
                 seq.progress_step = k - 1
@@ -717,8 +775,7 @@ class Engine:
             if seq.finished:
                 self._left_unstarted(seq)
                 self._prefilling.remove(seq)
-                self.free_blocks += seq.blocks
-                seq.blocks = 0
+                self._free_blocks_of(seq)
                 self.running -= 1
                 seq.state = DONE
                 report.finished.append(seq)

@@ -42,6 +42,7 @@ from backfill.policy import (
 from backfill.reservations import overcommit_from_ratios
 from backfill.work_budget import WorkBudget, WorkBudgetPolicy, WorkSignals, step
 from backfill_analysis.simulate.engine import DECODE, Engine, Sequence, StepReport
+from backfill_analysis.simulate.prefix_cache import PrefixHolds, shareable_blocks
 from backfill_analysis.simulate.stepsched import StepSchedule
 from backfill_analysis.simulate.trace import TraceRequest
 from backfill_analysis.simulate.workload import BatchItem
@@ -85,6 +86,10 @@ class PolicyKnobs:
     signals are as fresh as the last step, as in the worker."""
     step_schedule: StepSchedule = field(default_factory=StepSchedule)
     """backfill-step: the engine scheduler's settings."""
+    prefix_accounting: bool = False
+    """The reserving policies: a job's shared prompt prefix is reserved once per node while
+    any item holding it runs, each item only its own blocks, the rest of a group waiting for
+    its first holder's first token (issue 36); False: every item reserves its whole prompt."""
 
 
 @dataclass
@@ -199,6 +204,10 @@ class Frontend:
             False,
             owner=work,
             generated=work.generated,
+            prefix=item.job,
+            prefix_blocks=shareable_blocks(
+                item.prompt_tokens, item.prefix_tokens, self.engine.config.block_size
+            ),
         )
         work.started_s = now
         self.engine.add(seq)
@@ -299,6 +308,8 @@ class Reserving(Frontend):
         self.leases: dict[int, Lease] = {}
         self.gateway: deque[TraceRequest] = deque()
         self._deferred: tuple[object, ...] | None = None
+        self.prefixes = PrefixHolds()
+        """With ``knobs.prefix_accounting``: the shared prefixes the ledger holds once."""
 
     def state(self) -> PoolState:
         return PoolState(self.capacity, self.block_size, self.interactive_in_use, self.batch_in_use)
@@ -348,9 +359,24 @@ class Reserving(Frontend):
             state = self.batch_state()
             # decide() is pure: the same request on the same pool under the same policy was
             # deferred last time and would be again.
-            key = (id(work.item), work.generated, work.preemptions, state, self.pool_policy)
+            key = (
+                id(work.item),
+                work.generated,
+                work.preemptions,
+                state,
+                self.pool_policy,
+                self.prefixes.epoch,
+            )
             if key == self._deferred:
                 return
+            prefix = self._prefix_share(item, now)
+            if prefix is None:
+                return  # the rest of its group waits for its first holder's first token
+            # The prefix held once: an item pays ``round_up(prompt + max_output) - prefix``
+            # of its own, and its first holder the prefix besides (what deciding on the pool
+            # without the prefix's own hold charges).
+            held = self.prefixes.held(item.job) if prefix else 0
+            state = dataclasses.replace(state, batch_in_use=state.batch_in_use - held)
             remaining = item.max_output_tokens - work.generated
             request = AdmissionRequest(
                 ServiceClass.BATCH,
@@ -367,26 +393,39 @@ class Reserving(Frontend):
                 self._deferred = key
                 return
             seq = self.submit_batch(work, now)
-            self.batch_in_use += decision.tokens
+            if prefix:
+                self.prefixes.take(seq.key, item.job, prefix, now)
+            self.batch_in_use += decision.tokens - held
             self.leases[seq.key] = Lease(
                 seq,
                 self.engine,
                 ServiceClass.BATCH,
-                decision.tokens,
+                decision.tokens - prefix,
                 now,
                 item.deadline_s,
                 request.preemptible,
             )
 
+    def _prefix_share(self, item: BatchItem, now: float) -> int | None:
+        """The tokens of ``item``'s shared prefix its lease leans on (0: reserve the whole
+        prompt), or None: wait for the first holder's first token."""
+        if not self.knobs.prefix_accounting:
+            return 0
+        bs = self.block_size
+        tokens = shareable_blocks(item.prompt_tokens, item.prefix_tokens, bs) * bs
+        return self.prefixes.share(item.job, tokens, now) if tokens else 0
+
     def after_step(self, report: StepReport, now: float) -> None:
         # Sequences the engine preempted itself (an overcommitted pool) keep their leases:
         # they wait inside the engine to recompute.
+        for seq in report.first_tokens:
+            self.prefixes.first_token(seq.key)
         super().after_step(report, now)
         self._admit_interactive(now)
 
     def on_batch_gone(self, seq: Sequence) -> None:
         lease = self.leases.pop(seq.key)
-        self.batch_in_use -= lease.tokens
+        self.batch_in_use -= lease.tokens + self.prefixes.release(seq.key)
 
     def on_interactive_gone(self, seq: Sequence) -> None:
         lease = self.leases.pop(seq.key)

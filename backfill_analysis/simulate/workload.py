@@ -23,6 +23,9 @@ class BatchItem:
     """What the engine will really generate (<= max): unknown to admission."""
     deadline_s: float
     """Seconds after the simulation's start."""
+    prefix_tokens: int = 0
+    """The leading tokens of ``prompt_tokens`` every item of the job shares (its instruction):
+    0, none. Which prefix: the job's."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class BatchWorkload:
     first_deadline_s: float = 1_800.0
     last_deadline_s: float = 7_200.0
     """Job deadlines spread evenly between these (seconds after the start)."""
+    shared_prefix_tokens: int = 0
+    """A shared instruction of this many tokens in front of every item's prompt, one per job
+    (issue 36): the prompt sizes above are then the documents' after it. 0: none."""
+    output_exact: bool = False
+    """Every item generates its ``max_output_tokens`` (``ignore_eos``, as ``bench.prefix``'s
+    items do) instead of the Beta-drawn share of it."""
 
     def __post_init__(self) -> None:
         if self.items < 0 or self.jobs <= 0:
@@ -49,6 +58,8 @@ class BatchWorkload:
             raise ValueError("need prompt_min <= prompt_mean <= prompt_max")
         if self.max_output_tokens <= 0:
             raise ValueError("max_output_tokens must be positive")
+        if self.shared_prefix_tokens < 0:
+            raise ValueError("shared_prefix_tokens must be >= 0")
 
 
 def batch_items(workload: BatchWorkload, seed: int) -> list[BatchItem]:
@@ -67,8 +78,19 @@ def batch_items(workload: BatchWorkload, seed: int) -> list[BatchItem]:
         prompt = min(workload.prompt_max, max(workload.prompt_min, prompt))
         ratio = rng.betavariate(workload.output_ratio_alpha, workload.output_ratio_beta)
         output = max(1, min(workload.max_output_tokens, round(ratio * workload.max_output_tokens)))
+        if workload.output_exact:
+            output = workload.max_output_tokens
+        prefix = workload.shared_prefix_tokens
         items.append(
-            BatchItem(key, job, prompt, workload.max_output_tokens, output, deadlines[job])
+            BatchItem(
+                key,
+                job,
+                prefix + prompt,
+                workload.max_output_tokens,
+                output,
+                deadlines[job],
+                prefix,
+            )
         )
     items.sort(key=lambda i: (i.deadline_s, i.key))
     return items
