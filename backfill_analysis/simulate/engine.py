@@ -73,6 +73,9 @@ class EngineConfig:
     scheduling hides behind the step before: a step not scheduled ahead (sync scheduling, the
     first after an idle spell, or one Backfill holds back) leaves the device idle this long
     first. 0: steps are device time only."""
+    prefix_caching: bool = True
+    """vLLM's prefix caching (on by default): sequences naming a shared prefix share its
+    cached blocks; False: each computes and holds its own."""
 
     def __post_init__(self) -> None:
         if (
@@ -370,7 +373,11 @@ class Engine:
 
     def _cached_start(self, seq: Sequence) -> int:
         """The prompt tokens ``seq`` would start past on admission: its prefix's, cached."""
-        if seq.prefix is None or self.prefix_cache.cached(seq.prefix) != seq.prefix_blocks:
+        if (
+            seq.prefix is None
+            or not self.config.prefix_caching
+            or self.prefix_cache.cached(seq.prefix) != seq.prefix_blocks
+        ):
             return 0
         return seq.prefix_blocks * self.config.block_size
 
@@ -387,6 +394,7 @@ class Engine:
         """``seq`` has computed its prefix's blocks: they become the cached, shared copy."""
         if (
             seq.prefix is not None
+            and self.config.prefix_caching
             and not seq.shared
             and seq.computed >= seq.prefix_blocks * self.config.block_size
             and self.prefix_cache.publish(seq.prefix, seq.prefix_blocks)

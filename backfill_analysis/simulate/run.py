@@ -49,6 +49,7 @@ def simulate(spec: RunSpec, policy_name: str, observe: Observer | None = None) -
         step_schedule=spec.knobs.step_schedule if policy_cls.shapes_steps else None,
         async_scheduling=config.async_scheduling,
         host_gap_s=config.host_gap_s,
+        prefix_caching=config.prefix_caching,
     )
     engine = Engine(engine_config)
     policy = policy_cls(engine, list(spec.batch), spec.knobs)
