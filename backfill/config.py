@@ -138,6 +138,10 @@ class Settings(BaseSettings):
     """a tenant's creates answered `validating` and not yet checked and stored (waiting for an
     ingest process, or in one) at once; one more is a 429 `too_many_concurrent_ingests` with
     `Retry-After`, answered before the create's other work"""
+    tenant_requests_in_progress: Annotated[int, Field(ge=0)] = 4
+    """`/v1/` requests of one tenant an API process works on at once (uploads and interactive
+    requests aside); more wait their turn, then a 429 `too_many_requests_in_progress` with
+    `Retry-After`; `0`: no bound"""
     retention_s: Annotated[float, Field(ge=0)] = 30 * 86_400.0
     """a batch that ended this long ago is purged by the maintenance tick with its items,
     attempts, webhook events and deliveries, and result files, and a summary job with its

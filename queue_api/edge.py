@@ -44,6 +44,7 @@ from backfill.refusals import InvalidRequest, RateLimited
 from backfill.store import TenantRecord
 from queue_api import errors
 from queue_api.errors import Unauthorized
+from queue_api.tenant_turns import TenantTurns
 
 MULTIPART_OVERHEAD = 64 * 1024
 """Room for the multipart envelope around a file of the maximum size."""
@@ -93,6 +94,11 @@ class RouteRules:
     anonymous_limited: bool
     body_param: str | None = None
     """What an oversized body is called in the error (``file`` for uploads)."""
+    takes_turns: bool = False
+    """Under the tenant's bound on requests in progress (:mod:`backfill.tenant_requests`):
+    every ``/v1/`` route but the streamed bodies (uploads, summary documents: a slow sender
+    would hold a place for minutes; the ingest slots bound them) and the interactive
+    gateway (its requests mostly wait on an engine, and the gateway admits them itself)."""
 
 
 def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
@@ -104,7 +110,7 @@ def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
             return RouteRules(limits.interactive_bytes, True, False)
         if method == "POST" and path.startswith(SUMMARY_JOBS_PATH) and path.endswith("/documents"):
             return RouteRules(limits.upload_bytes, True, False, "documents")
-        return RouteRules(limits.json_bytes, True, False)
+        return RouteRules(limits.json_bytes, True, False, takes_turns=True)
     limited = any(path == p.rstrip("/") or path.startswith(p) for p in ANONYMOUS_LIMITED)
     return RouteRules(limits.json_bytes, False, limited)
 
@@ -199,6 +205,8 @@ class RequestEdge:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.limits = BodyLimits.from_settings(settings)
+        bound = settings.tenant_requests_in_progress
+        self.turns = TenantTurns(bound) if bound else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -217,6 +225,7 @@ class RequestEdge:
             await errors.body_too_large(error)(scope, receive, send)
             return
         gate: Gate | None = getattr(scope["app"].state, "gate", None)
+        turn: tuple[TenantTurns, str] | None = None
         if gate is not None and (rules.needs_key or rules.anonymous_limited):
             authorization = headers.get("authorization", "")
             try:
@@ -226,6 +235,10 @@ class RequestEdge:
                     tenant = await anyio.to_thread.run_sync(
                         _pass, gate, rules, authorization, client_address(scope)
                     )
+                if tenant is not None and rules.takes_turns and self.turns is not None:
+                    # Beyond the tenant's bound, wait in its own queue (no thread, no CPU).
+                    await self.turns.wait_for_turn(tenant.id)
+                    turn = (self.turns, tenant.id)
             except BackfillError as exc:
                 response = errors.backfill_error_response(exc)
                 if declared or "chunked" in headers.get("transfer-encoding", ""):
@@ -235,7 +248,14 @@ class RequestEdge:
                 return
             if tenant is not None:
                 scope.setdefault("state", {})[TENANT_STATE] = tenant
-        await self.app(scope, _limited(receive, rules), send)
+        if turn is None:
+            await self.app(scope, _limited(receive, rules), send)
+            return
+        turns, tenant_id = turn
+        try:
+            await self.app(scope, _limited(receive, rules), send)
+        finally:
+            turns.done(tenant_id)
 
 
 def new_request_id() -> str:
