@@ -62,6 +62,8 @@ class Run:
     alone: Seen
     beside: Seen
     flood: Counter[int]
+    flood_refusals: Counter[str] = field(default_factory=Counter)
+    """A's 429s by error code: which bound answered them."""
 
 
 @dataclass
@@ -93,7 +95,12 @@ def b_traffic(client: httpx.Client, file_id: str, seconds: float) -> Seen:
 
 
 def flood(
-    client: httpx.Client, file_ids: list[str], stop: threading.Event, *, seen: Counter[int]
+    client: httpx.Client,
+    file_ids: list[str],
+    stop: threading.Event,
+    *,
+    seen: Counter[int],
+    refused: Counter[str],
 ) -> None:
     i = 0
     while not stop.is_set():
@@ -107,6 +114,7 @@ def flood(
         )
         seen[answer.status_code] += 1
         if answer.status_code == 429:
+            refused[answer.json().get("error", {}).get("code", "")] += 1
             # As the openai SDK does: wait what Retry-After says.
             time.sleep(float(answer.headers.get("Retry-After", "1")))
         i += 1
@@ -126,13 +134,14 @@ def flood_process(
     statuses put on ``statuses``."""
     os.nice(nice)
     seen: Counter[int] = Counter()
+    refused: Counter[str] = Counter()
     local = threading.Event()
 
     def one() -> None:
         with httpx.Client(
             base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120
         ) as client:
-            flood(client, file_ids, local, seen=seen)
+            flood(client, file_ids, local, seen=seen, refused=refused)
 
     workers = [threading.Thread(target=one, daemon=True) for _ in range(threads)]
     for w in workers:
@@ -141,11 +150,17 @@ def flood_process(
     local.set()
     for w in workers:
         w.join(180)
-    statuses.put(dict(seen))
+    statuses.put((dict(seen), dict(refused)))
 
 
 def flood_beside(
-    base: str, key: str, file_ids: list[str], threads: int, seen: Counter[int], nice: int = 0
+    base: str,
+    key: str,
+    file_ids: list[str],
+    threads: int,
+    seen: Counter[int],
+    refused: Counter[str],
+    nice: int = 0,
 ) -> Callable[[threading.Event], None]:
     """A load for ``beside_load``: A's flood in a process of its own, stopped with the
     load."""
@@ -161,7 +176,9 @@ def flood_beside(
         child.start()
         stop.wait()
         child_stop.set()
-        seen.update(statuses.get(timeout=240))
+        statuses_seen, refusals_seen = statuses.get(timeout=240)
+        seen.update(statuses_seen)
+        refused.update(refusals_seen)
         child.join(60)
 
     return load
@@ -205,14 +222,18 @@ def run(
             b_file = small.raise_for_status().json()["id"]
             alone = b_traffic(b, b_file, seconds)
             a_seen: Counter[int] = Counter()
+            a_refused: Counter[str] = Counter()
+            flooding = flood_beside(
+                base, keys["A"], a_files, flood_threads, a_seen, a_refused, client_nice
+            )
             beside = beside_load(
-                [flood_beside(base, keys["A"], a_files, flood_threads, a_seen, client_nice)],
+                [flooding],
                 partial(b_traffic, b, b_file, seconds),
                 settle_s=3.0,
             )
     finally:
         stop_api(process, namespace)
-    return Run(alone, beside, a_seen)
+    return Run(alone, beside, a_seen, a_refused)
 
 
 def main() -> None:
@@ -255,6 +276,7 @@ def main() -> None:
             "b_beside_read_p99_ms": percentile(r.beside.reads_ms, 99),
             "b_beside_create_p99_ms": percentile(r.beside.creates_ms, 99),
             "a_statuses": dict(r.flood),
+            "a_refusals": dict(r.flood_refusals),
             "b_statuses": dict(r.beside.statuses),
         }
     headers = ["side", "reads", "read p50 ms", "read p99 ms", "create p50 ms", "create p99 ms"]
