@@ -216,10 +216,18 @@ class ApiClient:
         }
         return self._json("POST", "/v1/summary_jobs", json=body)
 
-    def add_summary_documents(self, job_id: str, lines: bytes) -> dict[str, Any]:
-        """One page of documents, as JSON lines (the engine counts them: no read timeout)."""
+    def add_summary_documents(
+        self, job_id: str, pieces: Iterable[bytes], size: int
+    ) -> dict[str, Any]:
+        """One page of documents, as JSON lines in ``pieces`` of ``size`` bytes in all, sent
+        one piece after the other as they come, never joined (the engine counts them: no read
+        timeout)."""
         return self._json(
-            "POST", f"/v1/summary_jobs/{job_id}/documents", content=lines, timeout=None
+            "POST",
+            f"/v1/summary_jobs/{job_id}/documents",
+            content=iter(pieces),
+            headers={"Content-Length": str(size)},
+            timeout=None,
         )
 
     def start_summary_job(self, job_id: str) -> dict[str, Any]:
