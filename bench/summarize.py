@@ -10,16 +10,23 @@ straight as batches, and the memory a large input costs the client and the API.
 3. **batches**: the very request lines the job's batches carried (map and reduce), sent
    again as batch files through the Batch API in the order the work allows (the map steps,
    then each level of reduce steps once the level below ended, as a client with plain
-   batches must: a reduce step reads the summaries below it), followed to their end: the
-   building block with no job layer (no documents to split, no driver). The engine's prefix
-   cache is emptied first, so this side does not find the job's prompts already computed.
+   batches must: a reduce step reads the summaries below it), followed to their end, each
+   batch's output (and error) file downloaded to disk once its wave ended: the building
+   block with no job layer (no documents to read or split, no driver, no table written).
+   Wall time from the first upload to the last output file saved (the request lines are
+   fetched before the clock starts: they are the job's own, not built again). The engine's
+   prefix cache is emptied first, so this side does not find the job's prompts already
+   computed.
 4. **memory**: ``backfill summarize`` on inputs of ``--memory-mb`` MiB of text (short
    documents, so the engine counts nothing; the job is cancelled once sent): each client's
    own peak RSS, and the API process's peak RSS so far (``VmHWM``) after each, smallest
    first. Bounded: the largest input raises neither.
 
 The figure is the job layer's overhead on output tokens/s: ``1 - job / batches`` (goal
-<= 0.05).
+<= 0.05). Both sides end with the results on disk: the job side's wall time includes the
+CLI reading and sending the corpus, splitting, the job's driver and ``backfill results``
+writing the Parquet; the batches side's includes uploads, the waits between waves and the
+output files' download, but not building the request lines (it reuses the job's).
 """
 
 from __future__ import annotations
@@ -284,12 +291,29 @@ def send_batches(client: httpx.Client, contents: Sequence[bytes], tag: str) -> l
     return [upload_batch(client, c, f"{tag}-{n}.jsonl") for n, c in enumerate(contents)]
 
 
+def download_file(client: httpx.Client, file_id: str, path: Path) -> tuple[int, int]:
+    """A file's content streamed to ``path``, as a Batch API user saves a batch's output;
+    its lines and bytes."""
+    lines = size = 0
+    with client.stream("GET", f"/v1/files/{file_id}/content") as reply, path.open("wb") as out:
+        reply.raise_for_status()
+        for chunk in reply.iter_bytes():
+            out.write(chunk)
+            lines += chunk.count(b"\n")
+            size += len(chunk)
+    return lines, size
+
+
 def batches_side(
-    stack: BackfillStack, batch_ids: Sequence[str], fan_in: int, max_lines: int
+    stack: BackfillStack, batch_ids: Sequence[str], fan_in: int, max_lines: int, outputs: Path
 ) -> dict[str, Any]:
     """The job's request lines sent again as plain batches, in the same dependent order the
     job must keep: the map steps first, each level of reduce steps once the level below it
-    ended (a client cannot send a reduce step before the summaries it reads exist)."""
+    ended (a client cannot send a reduce step before the summaries it reads exist). Each
+    wave's output (and error) files are downloaded to ``outputs`` once the wave ended: a
+    client of plain batches has its results only then, and needs them for the next wave's
+    reduce prompts."""
+    outputs.mkdir(exist_ok=True)
     with httpx.Client(base_url=stack.base, headers=stack.auth, timeout=300) as client:
         lines: list[bytes] = []
         for b in batch_ids:
@@ -299,12 +323,22 @@ def batches_side(
         waves = levels(lines, fan_in)
         t0, wall0 = time.perf_counter(), time.time()
         ids: list[str] = []
+        downloaded = {"files": 0, "lines": 0, "bytes": 0, "seconds": 0.0}
         for k, wave in enumerate(waves):
             files = [
                 b"\n".join(wave[i : i + max_lines]) + b"\n" for i in range(0, len(wave), max_lines)
             ]
             sent = send_batches(client, files, f"wave{k}")
-            wait_batches(client, sent, 3600)
+            ended_wave = wait_batches(client, sent, 3600)
+            d0 = time.perf_counter()
+            for batch in ended_wave:
+                for key in ("output_file_id", "error_file_id"):
+                    if batch.get(key):
+                        got = download_file(client, batch[key], outputs / f"{batch[key]}.jsonl")
+                        downloaded["files"] += 1
+                        downloaded["lines"] += got[0]
+                        downloaded["bytes"] += got[1]
+            downloaded["seconds"] += time.perf_counter() - d0
             ids += sent
         ended = [client.get(f"/v1/batches/{b}").json() for b in ids]
         wall = time.perf_counter() - t0
@@ -317,7 +351,15 @@ def batches_side(
         "wall_s": round(wall, 1),
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
-        "phases": timeline(stack.database_url, ids, wall0),
+        "downloaded": {
+            "files": downloaded["files"],
+            "lines": downloaded["lines"],
+            "mib": round(downloaded["bytes"] / 2**20, 2),
+        },
+        "phases": {
+            "download_s": round(downloaded["seconds"], 1),
+            **timeline(stack.database_url, ids, wall0),
+        },
     }
 
 
@@ -404,7 +446,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         say(f"job: {json.dumps({k: v for k, v in job.items() if k != 'batches'})}")
         reset_prefix_cache(server.url)
         direct = batches_side(
-            backfill, job["batches"], job["fan_in"], get_settings().max_lines_per_batch
+            backfill,
+            job["batches"],
+            job["fan_in"],
+            get_settings().max_lines_per_batch,
+            workdir / "outputs",
         )
         say(f"batches: {json.dumps(direct)}")
         memory = memory_side(backfill, workdir, sizes, server.served_model_name, env)

@@ -1,17 +1,29 @@
 """``bench.summarize``'s corpus: the share of documents longer than the context, and a
-Parquet file the CLI's reader takes row by row."""
+Parquet file the CLI's reader takes row by row; the straight side's waves and downloads."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
+import pytest
 
 from backfill.summarize.documents import Document
 from backfill.summarize.reduce_plan import plan_reduce
 from backfill.summarize.tables import read_table
-from bench.summarize import BYTES_PER_TOKEN, document_lengths, levels, sentences, write_corpus
+from bench.summarize import (
+    BYTES_PER_TOKEN,
+    document_lengths,
+    download_file,
+    levels,
+    sentences,
+    write_corpus,
+)
 
 
 def test_a_twentieth_of_the_documents_are_longer_than_the_context_the_rest_shorter() -> None:
@@ -51,3 +63,41 @@ def test_the_straight_side_sends_maps_first_then_each_reduce_level_after_the_one
     assert ids[0] == [f"0:{n}" for n in range(9)] + ["1:0", "2:0"]
     assert ids[1] == ["0:9", "0:10", "0:11"]
     assert ids[2] == ["0:12"]
+
+
+OUTPUT = b"".join(b'{"custom_id": "%d:0", "response": {}}\n' % i for i in range(5000))
+
+
+class _Files(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path != "/v1/files/file-1/content":
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(OUTPUT)))
+        self.end_headers()
+        self.wfile.write(OUTPUT)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def files_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_straight_side_saves_each_output_file_whole(files_server: str, tmp_path: Path) -> None:
+    with httpx.Client(base_url=files_server) as client:
+        lines, size = download_file(client, "file-1", tmp_path / "out.jsonl")
+        assert (lines, size) == (5000, len(OUTPUT))
+        assert (tmp_path / "out.jsonl").read_bytes() == OUTPUT
+        with pytest.raises(httpx.HTTPStatusError):
+            download_file(client, "file-2", tmp_path / "missing.jsonl")
