@@ -1,8 +1,9 @@
 """The ``backfill`` command: serve the API, migrate the database, manage tenants.
 
 Each layer is imported inside the commands that run it (FastAPI and uvicorn in ``api``,
-Celery in ``worker`` and ``beat``, the dev kit (``devkit``) in ``dev``), so every other command
-stays fast and works without them. Every failure is one line on stderr and a non-zero exit,
+Celery in ``worker`` and ``beat``, the dev kit (``devkit``) in ``dev``; the settings and
+Redis's client in the commands that run a service), so every other command stays fast and
+works without them. Every failure is one line on stderr and a non-zero exit,
 never a traceback.
 """
 
@@ -11,17 +12,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from backfill import logs
-from backfill.config import Settings
 from backfill.errors import BackfillError, Conflict, NotFound
-from backfill.redis_client import connect
 from backfill_cli import capacity_commands, client_commands, summary_commands, webhook_commands
+
+if TYPE_CHECKING:
+    from backfill.config import Settings
 
 app = typer.Typer(
     help="Backfill: a batch LLM job queue that fills the KV-cache slack interactive traffic "
@@ -49,6 +50,12 @@ class CommandFailed(Exception):
 
 
 def _settings() -> Settings:
+    # The settings (pydantic-settings, Redis's client through their URL checks) load only
+    # for the commands that run a service: a client command starts without them.
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from backfill.config import Settings  # noqa: PLC0415
+
     try:
         return Settings()
     except ValidationError as exc:
@@ -200,6 +207,7 @@ def tenants_revoke_key(
     import redis  # noqa: PLC0415
 
     from backfill.keycache import announce_revocation  # noqa: PLC0415
+    from backfill.redis_client import connect  # noqa: PLC0415
     from backfill.store import Repository  # noqa: PLC0415
 
     settings = _settings()

@@ -14,7 +14,6 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from backfill.engine_metrics import parse_cache_config
 from backfill.errors import BackfillError
 from backfill_analysis.simulate.trace import AZURE_CODE_TRACE
 
@@ -103,6 +102,8 @@ def plan(
         )
         check = None
         if engine_url:
+            from backfill.engine_metrics import parse_cache_config  # noqa: PLC0415 - only here
+
             text = httpx.get(f"{engine_url.rstrip('/')}/metrics", timeout=10).text
             check = planner.check_against_engine(result, parse_cache_config(text))
     except (BackfillError, httpx.HTTPError, OSError) as exc:

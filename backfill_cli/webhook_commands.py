@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from backfill.webhooks import sealing
 from backfill_cli.api_client import DEFAULT_API_URL
 from backfill_cli.client_commands import ApiOpt, KeyOpt, _ago_or_in, _client, one_line_errors, out
 
@@ -148,6 +147,8 @@ def deliveries(
 def new_key() -> None:
     """Print a new key for BACKFILL_WEBHOOKS_SECRET_KEYS (seals signing secrets at rest; put
     a new one first to rotate, and drop the old one once the sender has resealed)."""
+    from backfill.webhooks import sealing  # noqa: PLC0415 - cryptography loads only here
+
     print(sealing.new_key())
 
 

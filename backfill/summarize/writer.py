@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Protocol, Self
+from typing import IO, TYPE_CHECKING, Any, Protocol, Self
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 BATCH_ROWS = 4096
 """Rows per Parquet row group written."""
@@ -42,17 +42,6 @@ class SummaryRow:
 
 
 COLUMNS = tuple(f.name for f in fields(SummaryRow))
-SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("summary", pa.string()),
-        ("error", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("chunks", pa.int32()),
-        ("split_depth", pa.int32()),
-    ]
-)
 FORMATS = (".parquet", ".csv", ".jsonl")
 
 
@@ -61,9 +50,30 @@ class _Sink(Protocol):
     def close(self) -> None: ...
 
 
+def parquet_schema() -> pa.Schema:
+    """The results' Parquet schema (Arrow loads only when a Parquet file is written: a CSV
+    or JSONL output goes without it)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("summary", pa.string()),
+            ("error", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),
+            ("chunks", pa.int32()),
+            ("split_depth", pa.int32()),
+        ]
+    )
+
+
 class _ParquetSink:
     def __init__(self, path: Path) -> None:
-        self._writer = pq.ParquetWriter(path, SCHEMA)
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        self._schema = parquet_schema()
+        self._writer = pq.ParquetWriter(path, self._schema)
         self._pending: list[SummaryRow] = []
 
     def write(self, row: SummaryRow) -> None:
@@ -72,9 +82,11 @@ class _ParquetSink:
             self._flush()
 
     def _flush(self) -> None:
+        import pyarrow as pa  # noqa: PLC0415
+
         if self._pending:
             columns = {name: [getattr(r, name) for r in self._pending] for name in COLUMNS}
-            self._writer.write_table(pa.table(columns, schema=SCHEMA))
+            self._writer.write_table(pa.Table.from_pydict(columns, schema=self._schema))
             self._pending = []
 
     def close(self) -> None:
