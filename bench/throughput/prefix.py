@@ -62,6 +62,7 @@ from backfill.store import NewItem, Repository
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
 from bench.throughput.engine import engine_args, engine_env
+from bench.throughput.prefix_timeline import backfill_intervals, timeline
 from bench.throughput.prefix_workload import (
     CONCURRENCY_GOAL,
     PrefixWorkload,
@@ -228,6 +229,9 @@ def run_backfill(
     failed = repo.counted_states(job).get(ItemState.FAILED, 0)
     result.extra = {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
     result.extra.update(_first_seconds(repo, job))
+    intervals, (taken, ended) = backfill_intervals(repo, job)
+    result.extra["prefix_pass_s"] = [taken, ended]
+    result.extra["timeline"] = timeline(intervals, result.seconds).row()
     if share:
         result.extra["prefix_groups"] = [
             {"items": g.items, "blocks": g.blocks} for g in repo.prefix_groups(job)
@@ -237,8 +241,10 @@ def run_backfill(
 
 async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int) -> SideResult:
     result = SideResult("client", len(bodies), 0.0, 0)
+    t0 = 0.0
     in_flight = 0
     queue = iter(bodies)
+    intervals: list[tuple[float, float]] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def one_at_a_time(client: httpx.AsyncClient) -> None:
@@ -246,10 +252,12 @@ async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int
         for body in queue:
             in_flight += 1
             result.concurrency.append(in_flight)
+            sent = time.perf_counter() - t0
             try:
                 answer = await client.post(ENDPOINT, json=body)
             finally:
                 in_flight -= 1
+                intervals.append((sent, time.perf_counter() - t0))
             answer.raise_for_status()
             result.output_tokens += int(answer.json()["usage"]["completion_tokens"])
 
@@ -257,6 +265,7 @@ async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int
         t0 = time.perf_counter()
         await asyncio.gather(*(one_at_a_time(client) for _ in range(concurrency)))
         result.seconds = time.perf_counter() - t0
+    result.extra["timeline"] = timeline(intervals, result.seconds).row()
     return result
 
 
@@ -394,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         server.stop()
     sides = [whole, shared_run, client]
+    for s in sides:
+        say(f"{s.side}: {s.extra.get('timeline')}; prefix pass {s.extra.get('prefix_pass_s')}")
     run_batch_error = None
     if not args.no_run_batch:
         try:
