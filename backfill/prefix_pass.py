@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,9 +95,16 @@ async def find_job_prefixes(
     block_size: int,
     page: int = PAGE,
     concurrency: int = CONCURRENCY,
+    counted: Callable[[int, int], None] | None = None,
 ) -> PrefixesFound:
     """Find and record the prefixes of job ``job_id``'s unfinished items not yet looked at,
-    asking the engine for up to ``concurrency`` items' token ids at once."""
+    asking the engine for up to ``concurrency`` items' token ids at once.
+
+    ``counted(item_id, tokens)`` is told each item's prompt tokens as the ids came: the body
+    asked is the one the counting plan sends for the item (``prefix_body``), so its ids are
+    the item's exact count, and a worker that remembers it does not ask its engine to count
+    the item again when it claims it (48 ``/tokenize`` calls a claim of the bench's job made
+    on the engine it was filling)."""
     finder: PrefixFinder[int] = PrefixFinder(block_size, scope=tenant_id, model=model)
     slots = asyncio.Semaphore(max(1, concurrency))
 
@@ -124,6 +131,8 @@ async def find_job_prefixes(
         ids = await asyncio.gather(*(token_ids(request) for _, request in asked))
         for (item_id, _), item_ids in zip(asked, ids, strict=True):
             finder.add(item_id, item_ids)
+            if counted is not None:
+                counted(item_id, len(item_ids))
         after = rows[-1][0]
     found: dict[int, SharedPrefix] = finder.found()
     rows_out = [(item_id, p.id, p.blocks) for item_id, p in sorted(found.items())]

@@ -45,6 +45,7 @@ from backfill.dispatch import (
     GiveBack,
     Leased,
     Limits,
+    PrefixStarts,
     StartPlan,
     StopReason,
     after_reserve,
@@ -76,10 +77,6 @@ from worker.prepare import run_plan
 __all__ = ["DispatchConfig", "DispatchStats", "NodeDispatcher"]
 
 log = logging.getLogger("backfill.worker")
-
-# Prompt token counts the dispatcher remembers (item id -> tokens), so an item given back
-# unstarted is not counted again when it is claimed again.
-_COUNTED_KEPT = 65_536
 
 Refused = tuple[ClaimedItem, GiveBack | Fail | Expire]
 """A claimed item that does not start, and what becomes of it."""
@@ -225,6 +222,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             prefix_hold_s=prefix_claim_hold_s(self.finds_prefixes(), cfg.prefix_pass_hold_s),
         )
         if not claim.items:
+            self._prefix_look.set()
             return 0
         try:
             self.stats.claimed += len(claim.items)
@@ -304,17 +302,13 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             count = PromptCount.single(item.prompt_tokens)
         else:
             count = await self._count(body, item.endpoint)
-        self._counted[item.id] = count
-        if len(self._counted) > _COUNTED_KEPT:
-            self._counted.popitem(last=False)
+        self._remember_count(item.id, count)
         return count
 
     async def _count(self, body: dict[str, Any], endpoint: str) -> PromptCount:
         plan = prefill_plan(endpoint, body)
         async with self._tokenize_slots:
-            count = await count_prefill(self.engine, plan, self.model or str(body.get("model")))
-        self._typical_prompt = running_mean(self._typical_prompt, count.total)
-        return count
+            return await count_prefill(self.engine, plan, self.model or str(body.get("model")))
 
     async def _reserve_and_start(
         self, claim: OpenClaim, ready: list[CheckedItem], refused: list[Refused]
@@ -329,8 +323,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             ready, self.block_size, self.prefix_view(), wait_s=cfg.first_prefill_wait_s
         )
         self.stats.prefix_waits += len(prefixed.waiting)
-        shares = list(prefixed.shares)
-        plan = await self._fit_to_slack(list(prefixed.starting), shares)
+        plan = await self._fit_to_slack(prefixed)
         fits = list(plan.fits)
         leased: dict[int, Leased] = {}
         if fits:
@@ -342,7 +335,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                     lease_ttl_s=cfg.lease_ttl_s,
                     prefix_tokens=share,
                 )
-                for c, share in zip(fits, shares, strict=False)
+                for c, share in zip(fits, prefixed.shares, strict=False)
             ]
             try:
                 outcomes: list[Lease | Denial | BaseException] = list(
@@ -362,7 +355,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                 await self._release_unconfirmed(requests)
                 await self._start_claim(claim, {}, refused)
                 raise
-            for checked, outcome in zip(fits, outcomes, strict=True):
+            for at, (checked, outcome) in enumerate(zip(fits, outcomes, strict=True)):
                 item = checked.item
                 verdict = after_reserve(outcome)
                 if isinstance(verdict, Lease):
@@ -370,7 +363,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                     self._typical_reservation = running_mean(
                         self._typical_reservation, verdict.tokens
                     )
-                    leased[item.id] = Leased(checked, verdict)
+                    leased[item.id] = Leased(checked, verdict, prefixed.cached[at])
                     continue
                 if isinstance(outcome, BaseException):
                     log.warning(
@@ -431,7 +424,8 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             endpoint=item.endpoint,
             run=run,
             prompt_tokens=checked.prompt_tokens,
-            prefill_tokens=checked.count.total,
+            # What the engine computes: a prefix cached here is not prefilled again.
+            prefill_tokens=leased.prefill,
             # Progress of earlier attempts is this one's from the start: a preemption before
             # its first token must keep it, not store zero.
             generated=run.kept,
@@ -440,6 +434,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         )
         self._in_flight[item.id] = flight
         self._by_lease[lease.lease_id] = item.id
+        self._typical_prompt = running_mean(self._typical_prompt, leased.prefill)
         self._event(
             logging.DEBUG,
             flight,
@@ -457,14 +452,20 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         flight.task = asyncio.create_task(self._generate(flight), name=f"item-{item.id}")
         flight.task.add_done_callback(functools.partial(self._cancelled_early, flight=flight))
 
-    async def _fit_to_slack(self, ready: list[CheckedItem], shares: list[int]) -> StartPlan:
-        """What of ``ready`` the node's slack and work budget take now, and what goes back to
-        the queue at once (``backfill.dispatch.fit_starts``; no deferral churn)."""
+    async def _fit_to_slack(self, prefixed: PrefixStarts) -> StartPlan:
+        """What of ``prefixed.starting`` the node's slack and work budget take now, and what
+        goes back to the queue at once (``backfill.dispatch.fit_starts``; no deferral churn)."""
         snap = await self.ledger.snapshot(self.config.node)
         slack = 0 if snap is None else snap.slack
         held = frozenset(p.prefix_id for p in snap.prefixes) if snap is not None else frozenset()
         return fit_starts(
-            ready, self.view(), slack, self.block_size, shares=shares, held_prefixes=held
+            prefixed.starting,
+            self.view(),
+            slack,
+            self.block_size,
+            shares=prefixed.shares,
+            held_prefixes=held,
+            cached=prefixed.cached,
         )
 
     async def _settle_claimed(self, item: ClaimedItem, outcome: GiveBack | Fail | Expire) -> None:

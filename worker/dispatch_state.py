@@ -38,6 +38,11 @@ from worker.response import ResponseAssembler
 
 _log = logging.getLogger("backfill.worker")
 
+COUNTED_KEPT = 65_536
+"""Prompt token counts a dispatcher remembers (item id -> tokens), so an item given back
+unstarted, or one its prefix pass asked the token ids of, is not counted again when it is
+claimed."""
+
 
 @dataclass
 class Flight:
@@ -175,6 +180,8 @@ class DispatcherState:
         self._results: asyncio.Queue[Finished | None] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
+        # Set when a claim came back empty: a new job's items may wait for its prefix pass.
+        self._prefix_look = asyncio.Event()
         self._typical_reservation = 0
         self._typical_prompt = 0
         # Prompt token counts by item id: an item given back unstarted (no slack, work budget
@@ -293,6 +300,13 @@ class DispatcherState:
         flight.first_token_at = time.monotonic()
         if self.work_budget is not None or flight.item.prefix_id is not None:
             self._room.set()
+
+    def _remember_count(self, item_id: int, count: PromptCount) -> None:
+        """``item_id``'s own request counts ``count`` (bodies never change, so it stays
+        right); the oldest counts are forgotten past :data:`COUNTED_KEPT`."""
+        self._counted[item_id] = count
+        if len(self._counted) > COUNTED_KEPT:
+            self._counted.popitem(last=False)
 
     def _forget(self, flight: Flight) -> None:
         self._in_flight.pop(flight.item.id, None)

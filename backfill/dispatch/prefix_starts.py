@@ -77,13 +77,16 @@ class PrefixView:
 @dataclass(frozen=True, slots=True)
 class PrefixStarts:
     """``starting``: the items to reserve now, in the claim's order, with ``shares``: what of
-    each one's reservation is its shared prefix (0: its whole prompt, as without prefixes).
-    ``waiting``: items that wait for their prefix's first holder to prefill (left in the
-    queue, untouched)."""
+    each one's reservation is its shared prefix (0: its whole prompt, as without prefixes),
+    and ``cached``: what of each one's prompt the engine takes from its prefix cache instead
+    of prefilling it (its share where an attempt here has prefilled the prefix; 0 for a
+    first holder, which prefills it). ``waiting``: items that wait for their prefix's first
+    holder to prefill (left in the queue, untouched)."""
 
     starting: tuple[CheckedItem, ...]
     shares: tuple[int, ...]
     waiting: tuple[CheckedItem, ...] = ()
+    cached: tuple[int, ...] = ()
 
 
 def shareable_tokens(checked: CheckedItem, block_size: int, caching: bool) -> int:
@@ -114,14 +117,18 @@ def plan_prefix_starts(
     wait for their prefix's first holder (see the module's docstring)."""
     starting: list[CheckedItem] = []
     shares: list[int] = []
+    cached: list[int] = []
     waiting: list[CheckedItem] = []
     first_here: set[str] = set()
     for c in checked:
         tokens = shareable_tokens(c, block_size, prefixes.caching)
         pid = c.item.prefix_id
         if tokens == 0 or pid is None or pid in prefixes.warm:
+            # A warm prefix was prefilled by an attempt that still runs here: its blocks are
+            # in the engine's cache, which computes only this prompt's own tokens.
             starting.append(c)
             shares.append(tokens)
+            cached.append(tokens)
         elif pid in first_here or (
             pid in prefixes.busy and prefixes.cold_for_s.get(pid, 0.0) < wait_s
         ):
@@ -131,8 +138,10 @@ def plan_prefix_starts(
             # prefill its own copy of the prefix, so it reserves it whole.
             starting.append(c)
             shares.append(0)
+            cached.append(0)
         else:
             first_here.add(pid)
             starting.append(c)
             shares.append(tokens)
-    return PrefixStarts(tuple(starting), tuple(shares), tuple(waiting))
+            cached.append(0)
+    return PrefixStarts(tuple(starting), tuple(shares), tuple(waiting), tuple(cached))

@@ -41,11 +41,16 @@ def fit_starts(
     *,
     shares: Sequence[int] = (),
     held_prefixes: frozenset[str] = frozenset(),
+    cached: Sequence[int] = (),
 ) -> StartPlan:
     """The prefix of ``checked`` that ``slack`` tokens can take and the work budget lets
     start. ``shares``: what of each item's reservation is its shared prefix
     (``backfill.dispatch.prefix_starts``), asked of the slack only where the node's ledger
-    does not hold the prefix yet (``held_prefixes``, or an earlier item of ``checked``)."""
+    does not hold the prefix yet (``held_prefixes``, or an earlier item of ``checked``).
+    ``cached``: what of each item's prompt the engine takes from its prefix cache; the work
+    budget's prefill room is charged the rest, what the engine computes (a leaning item
+    charged its whole prompt let a budget of 16,384 tokens start 11 items of a 1,400-token
+    prompt at once where 38 prefill 430 tokens each)."""
     fits: list[CheckedItem] = []
     used = 0
     held = set(held_prefixes)
@@ -63,9 +68,15 @@ def fit_starts(
             break
         fits.append(item)
         used += need
-    budgeted = startable(view.load, view.budget, [c.count.total for c in fits])
+    budgeted = startable(view.load, view.budget, prefill_tokens(fits, cached))
     detail = "work budget full" if budgeted < len(fits) else "slack full"
     return StartPlan(tuple(fits[:budgeted]), tuple(checked[budgeted:]), detail)
+
+
+def prefill_tokens(checked: Sequence[CheckedItem], cached: Sequence[int] = ()) -> list[int]:
+    """The prompt tokens the engine computes for each of ``checked``: its prompt less what
+    ``cached`` says the engine takes from its prefix cache."""
+    return [c.count.total - (cached[at] if at < len(cached) else 0) for at, c in enumerate(checked)]
 
 
 def reserve_request(
@@ -123,6 +134,14 @@ class Leased:
 
     checked: CheckedItem
     lease: Lease
+    cached_tokens: int = 0
+    """What of its prompt the engine takes from its prefix cache (``PrefixStarts.cached``)."""
+
+    @property
+    def prefill(self) -> int:
+        """The prompt tokens the engine computes for it: what the attempt counts against the
+        work budget's prefill room until its first token."""
+        return self.checked.count.total - self.cached_tokens
 
     def start(self) -> Start:
         item, lease = self.checked.item, self.lease

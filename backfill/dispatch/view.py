@@ -89,7 +89,9 @@ class NodeView:
     typical_reservation: int = 0
     """Recent reservations' running mean (0: none yet)."""
     typical_prompt: int = 0
-    """Recent prompt counts' running mean (0: none yet)."""
+    """The running mean of what recent starts prefill (their prompts less the cached prefixes
+    they lean on; 0: none yet): the claim is sized by it against the work budget's prefill
+    room."""
     leases_held: int = 0
     """Leases the node's dispatcher holds in the ledger, also those whose attempts have left
     ``flights`` but whose release is still on its way."""

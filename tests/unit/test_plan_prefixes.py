@@ -16,7 +16,7 @@ from backfill.dispatch import (
     reserve_request,
 )
 from backfill.reservations import reservation_tokens
-from tests.unit.dispatch_builders import BLOCK, checked, flight, node
+from tests.unit.dispatch_builders import BLOCK, budget, checked, flight, node
 
 CACHING = PrefixView(caching=True)
 
@@ -99,3 +99,27 @@ def test_the_slack_takes_more_items_once_the_node_holds_their_prefix() -> None:
     # Not held yet: the first pays the prefix too, the rest their own.
     fresh = fit_starts(items, view, slack, BLOCK, shares=shares)
     assert len(fresh.fits) == 1 + (slack - whole) // (whole - 64)
+
+
+def test_the_work_budget_is_charged_what_the_engine_prefills_not_the_cached_prefix() -> None:
+    """Red before: a leaning item was charged its whole prompt against the prefill room, so a
+    budget of 150 tokens started one 100-token item at a time, though the engine computes 36
+    tokens of each (its 64-token prefix is in its cache)."""
+    items = [checked(i, prefix_id="p", prefix_blocks=4) for i in range(1, 6)]
+    warm = PrefixView(caching=True, warm=frozenset({"p"}), busy=frozenset({"p"}))
+    plan = plan_prefix_starts(items, BLOCK, warm)
+    assert plan.cached == (64,) * 5
+    view = node(flight(99), budget=budget(max_seqs=8, max_prefill_tokens=150))
+    fits = fit_starts(
+        plan.starting,
+        view,
+        10_000,
+        BLOCK,
+        shares=plan.shares,
+        held_prefixes=frozenset({"p"}),
+        cached=plan.cached,
+    ).fits
+    assert len(fits) == 4  # 4 x 36 tokens computed fit in 150
+    # A first holder prefills the prefix itself: charged its whole prompt.
+    first = plan_prefix_starts(items, BLOCK, CACHING)
+    assert (first.shares, first.cached) == ((64,), (0,))
