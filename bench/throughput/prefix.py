@@ -62,7 +62,7 @@ from backfill.store import NewItem, Repository
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
 from bench.throughput.engine import engine_args, engine_env
-from bench.throughput.prefix_timeline import backfill_intervals, timeline
+from bench.throughput.prefix_timeline import CpuWatch, backfill_intervals, timeline
 from bench.throughput.prefix_workload import (
     CONCURRENCY_GOAL,
     PrefixWorkload,
@@ -195,11 +195,13 @@ def run_backfill(
     prompts: Sequence[str],
     *,
     share: bool,
+    cpu: CpuWatch,
 ) -> SideResult:
     side = "shared" if share else "whole"
     job = _submit(repo, w, prompts, find=share)
     # Timed from the job in progress, the prefix pass included: the worker claims the job's
     # first items as the pass runs (those it has not grouped yet reserve their whole prompts).
+    cpu.start()
     t0 = time.perf_counter()
     repo.move_job(job, JobState.IN_PROGRESS)
     result = SideResult(side, w.items, 0.0, 0)
@@ -225,9 +227,10 @@ def run_backfill(
                 result.samples += 1
             time.sleep(0.05)
     result.seconds = time.perf_counter() - t0
+    result.extra.update(cpu.stop())
     result.output_tokens = _output_tokens(repo, job)
     failed = repo.counted_states(job).get(ItemState.FAILED, 0)
-    result.extra = {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
+    result.extra |= {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
     result.extra.update(_first_seconds(repo, job))
     intervals, (taken, ended) = backfill_intervals(repo, job)
     result.extra["prefix_pass_s"] = [taken, ended]
@@ -269,11 +272,16 @@ async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int
     return result
 
 
-def run_client(url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency: int) -> SideResult:
+def run_client(
+    url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency: int, cpu: CpuWatch
+) -> SideResult:
     """The same requests straight to the engine, ``concurrency`` in flight."""
     outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
     bodies = [request_body(w.model, p, n) for p, n in zip(prompts, outputs, strict=True)]
-    return asyncio.run(_straight(url, bodies, max(1, concurrency)))
+    cpu.start()
+    result = asyncio.run(_straight(url, bodies, max(1, concurrency)))
+    result.extra.update(cpu.stop())
+    return result
 
 
 def run_batch(w: PrefixWorkload, prompts: Sequence[str], workdir: Path) -> SideResult:
@@ -383,12 +391,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             ledger = Ledger.from_url(settings.redis_url, stack.namespace, pool_policy(settings))
             repo = Repository.connect(stack.database_url, pool_size=2)
             try:
-                whole = run_backfill(stack, repo, ledger, pool, w, prompts, share=False)
+                cpu = CpuWatch(server.pid)
+                whole = run_backfill(stack, repo, ledger, pool, w, prompts, share=False, cpu=cpu)
                 say(
                     f"whole: {whole.seconds:.1f} s, peak {whole.peak}, "
                     f"{whole.tokens_per_s:.1f} tok/s"
                 )
-                shared_run = run_backfill(stack, repo, ledger, pool, w, prompts, share=True)
+                shared_run = run_backfill(
+                    stack, repo, ledger, pool, w, prompts, share=True, cpu=cpu
+                )
                 say(
                     f"shared: {shared_run.seconds:.1f} s, peak {shared_run.peak}, "
                     f"{shared_run.tokens_per_s:.1f} tok/s; prefix pass ended at "
@@ -398,13 +409,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             finally:
                 repo.close()
                 ledger.close()
-        client = run_client(server.url, w, prompts, shared_run.peak)
+        client = run_client(server.url, w, prompts, shared_run.peak, CpuWatch(server.pid))
         say(f"client c={shared_run.peak}: {client.seconds:.1f} s, {client.tokens_per_s:.1f} tok/s")
     finally:
         server.stop()
     sides = [whole, shared_run, client]
     for s in sides:
-        say(f"{s.side}: {s.extra.get('timeline')}; prefix pass {s.extra.get('prefix_pass_s')}")
+        say(
+            f"{s.side}: {s.extra.get('timeline')}; prefix pass {s.extra.get('prefix_pass_s')}; "
+            f"CPU s: engine API {s.extra.get('engine_api_cpu_s')}, engine core "
+            f"{s.extra.get('engine_core_cpu_s')}, machine {s.extra.get('machine_cpu_s')}"
+        )
     run_batch_error = None
     if not args.no_run_batch:
         try:

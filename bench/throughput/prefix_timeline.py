@@ -9,13 +9,20 @@ by time from the side's own zero (the job in progress; the client's first send),
 running sequences of the two sides compare, and it says when the first started and how long
 the side ran below its peak.
 
-Pure except :func:`backfill_intervals` (one query).
+:class:`CpuWatch` says where the CPU went while a side ran: the engine's processes (its API
+server and its engine core) and the whole machine, so a side the engine ran slower for can be
+told apart as the engine doing more work (its API server streaming, answering ``/metrics``)
+or the engine being starved (the other processes on the cores).
+
+Pure except :func:`backfill_intervals` (one query) and :class:`CpuWatch`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -101,3 +108,55 @@ def backfill_intervals(
             None if ended is None else round(float(ended), 3),
         ),
     )
+
+
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _group_cpu_s(pgid: int) -> tuple[float, float]:
+    """CPU seconds of the live processes of process group ``pgid`` (the engine's server
+    starts one of its own), from ``/proc``: its leader (vLLM's API server: HTTP, streams,
+    ``/metrics``) and the rest (its engine core)."""
+    leader = rest = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the name: state, ppid, pgrp, ... utime (14th field), stime (15th).
+        if int(fields[2]) == pgid:
+            ticks = int(fields[11]) + int(fields[12])
+            if int(stat.parent.name) == pgid:
+                leader += ticks
+            else:
+                rest += ticks
+    return leader * _TICK_S, rest * _TICK_S
+
+
+def _machine_busy_s() -> float:
+    user, nice, system, _idle, _iowait, irq, softirq = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]
+    )
+    return (user + nice + system + irq + softirq) * _TICK_S
+
+
+class CpuWatch:
+    """CPU seconds of the engine's processes and of the machine between :meth:`start` and
+    :meth:`stop` (Linux: ``/proc``)."""
+
+    def __init__(self, engine_pid: int) -> None:
+        self.engine_pid = engine_pid
+        self._engine = (0.0, 0.0)
+        self._machine = 0.0
+
+    def start(self) -> None:
+        self._engine = _group_cpu_s(self.engine_pid)
+        self._machine = _machine_busy_s()
+
+    def stop(self) -> dict[str, float]:
+        api, core = _group_cpu_s(self.engine_pid)
+        return {
+            "engine_api_cpu_s": round(api - self._engine[0], 2),
+            "engine_core_cpu_s": round(core - self._engine[1], 2),
+            "machine_cpu_s": round(_machine_busy_s() - self._machine, 2),
+        }
