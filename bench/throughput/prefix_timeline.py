@@ -42,6 +42,9 @@ class Timeline:
     items were still to start (the rest of the job's tail is not a fault of the feed)."""
     starts_by_tenth: list[int]
     """Starts in each tenth of a second from 0 (the feed's cadence)."""
+    ends_by_tenth: list[int]
+    """Ends in each tenth of a second from 0 (a Backfill attempt's when its result is
+    durable): against the starts, how long a slot stayed empty."""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -49,13 +52,14 @@ class Timeline:
             "mean_running": round(self.mean_running, 2),
             "below_peak_s": round(self.below_peak_s, 3),
             "starts_by_tenth": self.starts_by_tenth,
+            "ends_by_tenth": self.ends_by_tenth,
         }
 
 
 def timeline(intervals: Sequence[tuple[float, float]], seconds: float) -> Timeline:
     """Attempts as (start, end) seconds from the side's zero, over a side of ``seconds``."""
     if not intervals:
-        return Timeline(seconds, 0.0, 0, 0.0, 0.0, [])
+        return Timeline(seconds, 0.0, 0, 0.0, 0.0, [], [])
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
     last_start = max(s for s, _ in intervals)
     running = peak = 0
@@ -77,7 +81,11 @@ def timeline(intervals: Sequence[tuple[float, float]], seconds: float) -> Timeli
     tenths = [0] * (int(last_start * 10) + 1)
     for s, _ in intervals:
         tenths[max(0, int(s * 10))] += 1
-    return Timeline(seconds, first, peak, area / seconds if seconds > 0 else 0.0, below, tenths)
+    ends = [0] * (int(max(e for _, e in intervals) * 10) + 1)
+    for _, e in intervals:
+        ends[max(0, int(e * 10))] += 1
+    mean = area / seconds if seconds > 0 else 0.0
+    return Timeline(seconds, first, peak, mean, below, tenths, ends)
 
 
 _ATTEMPTS = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.throughput.prefix_timeline import timeline
 from bench.throughput.prefix_workload import (
     SideResult,
     doc_lengths,
@@ -111,3 +112,16 @@ def test_the_verdict_holds_only_when_every_condition_does() -> None:
     assert rows[1][5:] == ("-", "-", "-")
     assert over_reserved(100, 128) == 0
     assert over_reserved(256, 128) == 128
+
+
+def test_a_sides_timeline_weighs_running_sequences_by_time_and_says_when_slots_sat_empty() -> None:
+    # Two slots: one item runs 0-1 s, the next starts 0.5 s after it ended; another 0.5-2 s.
+    t = timeline([(0.0, 1.0), (1.5, 2.0), (0.5, 2.0)], 2.0)
+    assert t.peak == 2
+    assert t.first_start_s == 0.0
+    assert t.mean_running == (1 * 0.5 + 2 * 0.5 + 1 * 0.5 + 2 * 0.5) / 2.0
+    # Below the peak of 2 from the first start to the last: 0-0.5 s and 1-1.5 s.
+    assert t.below_peak_s == 1.0
+    assert t.starts_by_tenth[0] == t.starts_by_tenth[5] == t.starts_by_tenth[15] == 1
+    assert t.ends_by_tenth[10] == 1
+    assert t.ends_by_tenth[20] == 2
