@@ -332,6 +332,9 @@ class DispatcherState:
             return
         for lease in leases:
             self._leases.pop(lease.lease_id, None)
+        # Their slack is free now: a claim loop woken when their attempts ended (before this
+        # release was answered) may have read it held, claimed nothing and gone to sleep.
+        self._room.set()
 
     async def _release_leftovers(self) -> None:
         """At the dispatcher's stop: release every lease it still holds. None should be left

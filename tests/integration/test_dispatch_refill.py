@@ -1,0 +1,112 @@
+"""A node refills the slack a finished item leaves as soon as its lease is released, not at its
+next idle poll (issue 36: ``bench.prefix``'s Backfill side against a straight client, which
+sends its next request the moment one ends).
+
+The result writer forgets a finished attempt (waking the claim loop) and then releases its
+lease; a claim loop woken in between reads the slack still held, claims nothing and sleeps.
+
+Real Postgres and Redis; the ledger's release takes a while, as one over a busy network does;
+the engine is a stand-in whose slack holds one item at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from backfill.config import Settings
+from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
+from backfill.ledger import AsyncLedger
+from backfill.ledger import values as lv
+from backfill.states import ItemState
+from tests.integration.standin_engine import (
+    StandInEngine,
+    run_until,
+    stand_in_dispatcher,
+    stand_in_node,
+    submit_completions,
+)
+from worker.dispatch import DispatchConfig
+
+BLOCK = 16
+ITEMS = 4
+OUT = 600
+"""605 tokens a reservation: the node's batch slack (768 of 1,024) holds one."""
+RELEASE_S = 0.2
+IDLE_POLL_S = 3.0
+
+
+class SlowReleaseLedger(AsyncLedger):
+    """The real ledger, its releases answered ``RELEASE_S`` late."""
+
+    async def release_many(self, held: Sequence[lv.HeldLease]) -> list[lv.LeaseStatus]:
+        await asyncio.sleep(RELEASE_S)
+        return await super().release_many(held)
+
+
+class TimedEngine(StandInEngine):
+    """Records when each stream started and ended."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spans: list[tuple[float, float]] = []
+
+    def stream_completion(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        priority: int,
+        request_id: str,
+        stream_interval: int = 1,
+    ) -> CompletionStream:
+        self.streamed.append(request_id)
+        started = time.monotonic()
+
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            yield StreamChunk("c", (ChoiceDelta(0, "ok", None),), None, {})
+            await asyncio.sleep(0.1)
+            yield StreamChunk("c", (ChoiceDelta(0, "", "stop"),), None, {})
+            self.spans.append((started, time.monotonic()))
+            yield StreamChunk("c", (), Usage(5, 1, 6), {})
+
+        return CompletionStream(chunks())
+
+
+def test_a_released_lease_wakes_the_claim_loop(settings: Settings) -> None:
+    """Red before: each next item started a whole idle poll (3 s) after the one before ended;
+    now a release later (0.2 s) and a claim."""
+    node = "n-refill"
+    engine = TimedEngine(blocks=64, block=BLOCK)
+    with stand_in_node(settings, node, BLOCK, async_ledger=SlowReleaseLedger) as (
+        repo,
+        ledger,
+        aledger,
+    ):
+        ledger.register_pool(node, 64 * BLOCK, BLOCK)
+        job = submit_completions(repo, f"t-{node}", ITEMS, OUT)
+        dispatcher = stand_in_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=IDLE_POLL_S, observe_interval_s=0),
+            engine,
+            repo,
+            aledger,
+            BLOCK,
+        )
+        run_until(
+            dispatcher,
+            aledger,
+            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            polls=1000,
+        )
+        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+    spans = sorted(engine.spans)
+    gaps = [nxt[0] - prev[1] for prev, nxt in itertools.pairwise(spans)]
+    print("gaps between one item's end and the next one's start:", [round(g, 3) for g in gaps])
+    assert max(spans[i][0] - spans[i - 1][0] for i in range(1, len(spans))) > 0.1, (
+        "items overlapped: the slack held more than one",
+        spans,
+    )
+    assert max(gaps) < IDLE_POLL_S / 2, gaps
