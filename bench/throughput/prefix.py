@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ledger = Ledger.from_url(settings.redis_url, stack.namespace, pool_policy(settings))
             repo = Repository.connect(stack.database_url, pool_size=2)
             try:
-                cpu = CpuWatch(server.pid)
+                cpu = CpuWatch(server.pid, stack.pids)
                 whole = run_backfill(stack, repo, ledger, pool, w, prompts, share=False, cpu=cpu)
                 say(
                     f"whole: {whole.seconds:.1f} s, peak {whole.peak}, "
@@ -417,8 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for s in sides:
         say(
             f"{s.side}: {s.extra.get('timeline')}; prefix pass {s.extra.get('prefix_pass_s')}; "
-            f"CPU s: engine API {s.extra.get('engine_api_cpu_s')}, engine core "
-            f"{s.extra.get('engine_core_cpu_s')}, machine {s.extra.get('machine_cpu_s')}"
+            f"CPU s: { {k: v for k, v in s.extra.items() if k.endswith('_cpu_s')} }"
         )
     run_batch_error = None
     if not args.no_run_batch:

@@ -121,24 +121,48 @@ def backfill_intervals(
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def _group_cpu_s(pgid: int) -> tuple[float, float]:
-    """CPU seconds of the live processes of process group ``pgid`` (the engine's server
-    starts one of its own), from ``/proc``: its leader (vLLM's API server: HTTP, streams,
-    ``/metrics``) and the rest (its engine core)."""
-    leader = rest = 0
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """Every live process: pid -> (parent, process group, CPU ticks), from ``/proc``."""
+    table: dict[int, tuple[int, int, int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            # After the name: state, ppid, pgrp, ... utime (14th field), stime (15th).
+            table[int(stat.parent.name)] = (
+                int(fields[1]),
+                int(fields[2]),
+                int(fields[11]) + int(fields[12]),
+            )
+        except (OSError, IndexError, ValueError):
             continue
-        # After the name: state, ppid, pgrp, ... utime (14th field), stime (15th).
-        if int(fields[2]) == pgid:
-            ticks = int(fields[11]) + int(fields[12])
-            if int(stat.parent.name) == pgid:
-                leader += ticks
-            else:
-                rest += ticks
-    return leader * _TICK_S, rest * _TICK_S
+    return table
+
+
+def _cpu_s(
+    table: dict[int, tuple[int, int, int]], engine_pgid: int, trees: dict[str, int]
+) -> dict[str, float]:
+    """CPU seconds of the engine's process group (it starts one of its own) apart: its leader
+    (vLLM's API server: HTTP, streams, ``/metrics``) and the rest (its engine core); of each
+    of ``trees`` (a process and its descendants); and of this process alone."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(root: int) -> int:
+        total, todo = 0, [root]
+        while todo:
+            pid = todo.pop()
+            total += table.get(pid, (0, 0, 0))[2]
+            todo += children.get(pid, [])
+        return total
+
+    group = [(pid, ticks) for pid, (_, pgid, ticks) in table.items() if pgid == engine_pgid]
+    out = {
+        "engine_api": sum(t for pid, t in group if pid == engine_pgid),
+        "engine_core": sum(t for pid, t in group if pid != engine_pgid),
+        "bench": table.get(os.getpid(), (0, 0, 0))[2],
+    } | {name: tree(pid) for name, pid in trees.items()}
+    return {k: v * _TICK_S for k, v in out.items()}
 
 
 def _machine_busy_s() -> float:
@@ -149,22 +173,21 @@ def _machine_busy_s() -> float:
 
 
 class CpuWatch:
-    """CPU seconds of the engine's processes and of the machine between :meth:`start` and
-    :meth:`stop` (Linux: ``/proc``)."""
+    """CPU seconds of the engine's processes, of other named process trees (the Backfill
+    stack's API and worker), of this process and of the whole machine between :meth:`start`
+    and :meth:`stop` (Linux: ``/proc``; a process that ended meanwhile is not counted)."""
 
-    def __init__(self, engine_pid: int) -> None:
+    def __init__(self, engine_pid: int, trees: dict[str, int] | None = None) -> None:
         self.engine_pid = engine_pid
-        self._engine = (0.0, 0.0)
-        self._machine = 0.0
+        self.trees = dict(trees or {})
+        self._at: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        return _cpu_s(_proc_table(), self.engine_pid, self.trees) | {"machine": _machine_busy_s()}
 
     def start(self) -> None:
-        self._engine = _group_cpu_s(self.engine_pid)
-        self._machine = _machine_busy_s()
+        self._at = self._now()
 
     def stop(self) -> dict[str, float]:
-        api, core = _group_cpu_s(self.engine_pid)
-        return {
-            "engine_api_cpu_s": round(api - self._engine[0], 2),
-            "engine_core_cpu_s": round(core - self._engine[1], 2),
-            "machine_cpu_s": round(_machine_busy_s() - self._machine, 2),
-        }
+        now = self._now()
+        return {f"{k}_cpu_s": round(v - self._at.get(k, 0.0), 2) for k, v in now.items()}
