@@ -163,5 +163,5 @@ def test_a_new_job_waits_a_claim_poll_for_its_pass_and_its_items_are_not_counted
     print(
         f"first start {waited:.3f} s after the job went in progress; {engine.counts_asked} counts"
     )
-    assert waited < 1.0, waited
+    assert waited < 1.4, waited  # before: the finder's 2 s poll, less the 0.3 s
     assert engine.counts_asked == 0, engine.counts_asked
