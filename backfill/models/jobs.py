@@ -179,6 +179,13 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         # Deleting an input file finds the batches whose items still point into it.
         Index("ix_jobs_input_file", "input_file_id"),
+        # The jobs a prefix pass has yet to take: every idle node's finder asks for one.
+        Index(
+            "ix_jobs_prefix_pass_pending",
+            "created_at",
+            "id",
+            postgresql_where=text("state = 'in_progress' AND prefixes_taken_at IS NULL"),
+        ),
         Index(
             "uq_jobs_tenant_idempotency",
             "tenant_id",
