@@ -1,15 +1,15 @@
-"""A created batch's file checked line by line and its items stored: in the create's request
-for a small file, or later by an ingest process (``backfill.ingester``) for a large one. No
-HTTP here.
+"""A created batch's file checked line by line and its items stored: in the create's request for a
+small file, or later by an ingest process (``backfill.ingester``) for a large one. No HTTP here.
 
-Either way the same steps: every line parsed and checked while it streams into one COPY, whose
-transaction also moves the job to ``in_progress``. The first bad line aborts the COPY (nothing
-of the file is stored) and the job ends ``failed`` with ``errors`` naming each bad line, as
-OpenAI's Batch API does. A cancel during validation takes effect at once; the ingest then
-stores nothing (see ``Repository.insert_items``). The quota and the deadline were judged at
-the create on an upper bound of the file's tokens; an ingest judges them again on the exact
-figure where that is higher, and a deferred one first judges them again as they stand when it
-starts (other batches may have been stored, and time has passed, since the create).
+Either way the same steps: every line parsed and checked once, its row spooled, and only a file
+whose every line passed streams into one COPY, whose transaction also moves the job to
+``in_progress``. A bad line anywhere (the last one too) fails the job before any row reaches
+Postgres (no row formed, none to vacuum): the job ends ``failed`` with ``errors`` naming each bad
+line, as OpenAI's Batch API does. A cancel during validation takes effect at once; the ingest then
+stores nothing (see ``Repository.insert_items``). The quota and the deadline were judged at the
+create on an upper bound of the file's tokens; an ingest judges them again on the exact figure where
+that is higher, and a deferred one first judges them again as they stand when it starts (other
+batches may have been stored, and time has passed, since the create).
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ def ingest_items(
 
     estimated = plan.estimated_completion.isoformat(timespec="seconds")
     try:
-        # Parsing feeds the COPY line by line, so Postgres stores while Python parses; the
-        # first bad line aborts the COPY and nothing of the file is stored. The job moves to
-        # in_progress in the COPY's transaction: its items are claimable exactly from then.
+        # Every line is parsed and checked (and the exact figures judged) before the first row
+        # goes to Postgres: a refused file costs it nothing. The job moves to in_progress in
+        # the COPY's transaction: its items are claimable exactly from then.
         repo.insert_items(
             job.id,
             items(),

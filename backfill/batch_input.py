@@ -183,7 +183,7 @@ def _file_errors(tally: Tally, limits: InputLimits) -> list[LineError]:
 
 
 class LineInvalid(Exception):
-    """Raised by :func:`stream_valid_items` when the file is invalid (rolls back a COPY):
+    """Raised by :func:`stream_valid_items` when the file is invalid (before any row is stored):
     ``errors`` names every problem, as :func:`validate_batch_input` does."""
 
     def __init__(self, errors: list[LineError]) -> None:
@@ -194,10 +194,10 @@ class LineInvalid(Exception):
 def stream_valid_items(
     content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem]:
-    """The items of a file, yielded as each line checks out, so storing them can overlap
-    parsing; at the first problem it yields no more, checks the rest of the lines and raises
-    :class:`LineInvalid` with every problem (one pass over the file, whatever its errors).
-    ``tally`` holds the totals once the iterator is exhausted."""
+    """The items of a file, yielded as each line checks out (spooled by ``Repository.insert_items``,
+    which stores none before the last is checked); at the first problem it yields no more, checks
+    the rest of the lines and raises :class:`LineInvalid` with every problem (one pass over the
+    file, whatever its errors). ``tally`` holds the totals once the iterator is exhausted."""
     lines = checked_lines(_lines_of(content), endpoint, limits, tally)
     for checked in lines:
         if isinstance(checked, LineError):

@@ -4,12 +4,14 @@ after tokenization, with the counters moved in the same transaction.
 
 from __future__ import annotations
 
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import IO, Any
 
 import psycopg
+from psycopg.copy import Copy, FileWriter
 from sqlalchemy import text
 
 from backfill.errors import NotFound, StaleWrite
@@ -32,6 +34,9 @@ COPY_ITEMS = (
 JOB_FOR_INGEST = (
     "SELECT deadline, state, tenant_id, input_file_id FROM jobs WHERE id = :i FOR KEY SHARE"
 )
+
+# Whether the job is still validating before its items go in (a cancel meanwhile: none does).
+JOB_STATE = "SELECT state FROM jobs WHERE id = :i"
 
 # Whether the job is still validating once the items are in (locked so no move slips in before
 # commit).
@@ -89,10 +94,18 @@ class Ingest(Store):
             file_held = conn.execute(text(HOLD_FILE), {"f": input_file_id}).first() is not None
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
-            with raw.cursor() as cur:
-                n, prompt_sum, max_out_sum = _copy_items(
-                    cur, job_id, tenant_id, deadline, items, file_held, input_file_id
-                )
+            with tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY_BYTES, prefix="bf-items-") as spool:
+                with raw.cursor() as cur:
+                    n, prompt_sum, max_out_sum = _spool_items(
+                        cur, spool, job_id, tenant_id, deadline, items, file_held, input_file_id
+                    )
+                state = conn.execute(text(JOB_STATE), {"i": job_id}).scalar_one()
+                if state != JobState.VALIDATING.value:
+                    raise StaleWrite(f"job {job_id} is {state}; its items are no longer wanted")
+                spool.seek(0)
+                with raw.cursor() as cur, cur.copy(COPY_ITEMS) as copy:
+                    while piece := spool.read(SPOOL_PIECE_BYTES):
+                        copy.write(piece)
             add_to_counters(
                 conn,
                 {
@@ -152,8 +165,16 @@ COPY_TYPES = (
 """The types of ``COPY_ITEMS``' columns, in its order."""
 
 
-def _copy_items(
+SPOOL_IN_MEMORY_BYTES = 16 << 20
+"""A job's COPY rows kept in memory up to this size; a larger file's go to a temporary file."""
+
+SPOOL_PIECE_BYTES = 1 << 20
+"""How much of the spool each write to the COPY sends."""
+
+
+def _spool_items(
     cur: psycopg.Cursor[Any],
+    spool: IO[bytes],
     job_id: str,
     tenant_id: str,
     deadline: datetime,
@@ -161,10 +182,11 @@ def _copy_items(
     file_held: bool,
     input_file_id: str,
 ) -> tuple[int, int, int]:
-    """Stream ``items`` into the items table with binary COPY: (count, prompt tokens, most
-    output tokens) of what was written."""
+    """Write ``items`` into ``spool`` as the binary COPY data of ``COPY_ITEMS`` (psycopg's own
+    formatting, nothing sent): (count, prompt tokens, most output tokens) of what was
+    written. ``cur`` lends its adapters; it runs nothing."""
     n = prompt_sum = max_out_sum = 0
-    with cur.copy(COPY_ITEMS) as copy:
+    with Copy(cur, binary=True, writer=FileWriter(spool)) as copy:
         copy.set_types(list(COPY_TYPES))
         for it in items:
             if it.body is None and not file_held:
