@@ -11,7 +11,8 @@ bad last one).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import tempfile
+from typing import Any, NamedTuple
 
 import pytest
 from batch_api_support import chat_file, chat_line, jsonl
@@ -21,6 +22,7 @@ from backfill import batches, ingester
 from backfill.config import Settings
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, Repository, TenantRecord
+from backfill.store import ingest as store_ingest
 
 CHAT = "/v1/chat/completions"
 LINES = 3_000
@@ -100,3 +102,33 @@ def test_a_good_file_still_stores_every_item_once(repo: Repository, ingest: Sett
     assert job.counts.total == LINES
     assert repo.counted_states(job_id) == {ItemState.QUEUED: LINES}
     assert _footprint(repo).last_id == before.last_id + LINES
+
+
+def test_a_file_larger_than_the_in_memory_spool_is_stored_from_disk(
+    repo: Repository, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every spool rolls over to a temporary file at its first row.
+    monkeypatch.setattr(store_ingest, "SPOOL_IN_MEMORY_BYTES", 1)
+    rolled: list[bool] = []
+    spooled = tempfile.SpooledTemporaryFile
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        spool = spooled(*args, **kwargs)
+        rolled_over = spool.rollover
+
+        def rollover() -> None:
+            rolled.append(True)
+            rolled_over()
+
+        spool.rollover = rollover  # type: ignore[method-assign]
+        return spool
+
+    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", watched)
+    tenant = repo.create_tenant("acme")
+    inline = settings.model_copy(update={"ingest_inline_bytes": 1 << 30})
+
+    job_id = _created(repo, inline, tenant, chat_file(LINES))
+
+    assert rolled, "the spool never went to disk"
+    assert repo.get_job(None, job_id).state is JobState.IN_PROGRESS
+    assert repo.counted_states(job_id) == {ItemState.QUEUED: LINES}
