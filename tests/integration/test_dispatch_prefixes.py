@@ -20,6 +20,7 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
+from backfill.ledger import AsyncLedger
 from backfill.maintenance import ensure_ledger
 from backfill.states import ItemState
 from backfill.store import NewItem, Repository
@@ -30,7 +31,7 @@ from tests.integration.standin_engine import (
     stand_in_dispatcher,
     stand_in_node,
 )
-from worker.dispatch import DispatchConfig
+from worker.dispatch import DispatchConfig, NodeDispatcher
 
 BLOCK = 16
 ITEMS = 24
@@ -115,6 +116,15 @@ class PrefillingEngine(WordEngine):
         return CompletionStream(chunks())
 
 
+def prefix_dispatcher(
+    config: DispatchConfig, engine: WordEngine, repo: Repository, ledger: AsyncLedger
+) -> NodeDispatcher:
+    """A stand-in node's dispatcher (context 512) whose prefix finder looks in ``repo``."""
+    dispatcher = stand_in_dispatcher(config, engine, repo, ledger, BLOCK, max_sequence_tokens=512)
+    dispatcher.prefix_jobs = repo
+    return dispatcher
+
+
 def _submit(repo: Repository, tenant: str) -> str:
     items = [
         NewItem(
@@ -142,17 +152,14 @@ def _run(
         # worker's node does.
         ledger.register_pool(node, 64 * BLOCK, BLOCK)
         job = _submit(repo, f"t-{node}")
-        dispatcher = stand_in_dispatcher(
+        dispatcher = prefix_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0.1,
                            prefix_caching=prefixes),
             engine,
             repo,
             aledger,
-            BLOCK,
-            max_sequence_tokens=512,
         )  # fmt: skip
         if prefixes:
-            dispatcher.prefix_jobs = repo
 
             async def find() -> None:
                 finder = asyncio.create_task(dispatcher._find_prefixes())

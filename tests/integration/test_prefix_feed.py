@@ -19,8 +19,14 @@ from backfill.config import Settings
 from backfill.engine.protocol import CompletionStream, StreamChunk
 from backfill.states import ItemState
 from backfill.work_budget import WorkBudgetPolicy
-from tests.integration.standin_engine import run_until, stand_in_dispatcher, stand_in_node
-from tests.integration.test_dispatch_prefixes import BLOCK, ITEMS, PrefillingEngine, _submit
+from tests.integration.standin_engine import run_until, stand_in_node
+from tests.integration.test_dispatch_prefixes import (
+    BLOCK,
+    ITEMS,
+    PrefillingEngine,
+    _submit,
+    prefix_dispatcher,
+)
 from worker import dispatch_prefixes
 from worker.dispatch import DispatchConfig
 
@@ -77,7 +83,7 @@ def test_leaning_items_are_charged_only_their_own_tokens_against_the_prefill_roo
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         ledger.register_pool(node, 64 * BLOCK, BLOCK)
         job = _submit(repo, f"t-{node}")
-        dispatcher = stand_in_dispatcher(
+        dispatcher = prefix_dispatcher(
             DispatchConfig(
                 node=node,
                 idle_poll_s=0.05,
@@ -88,10 +94,7 @@ def test_leaning_items_are_charged_only_their_own_tokens_against_the_prefill_roo
             engine,
             repo,
             aledger,
-            BLOCK,
-            max_sequence_tokens=512,
         )
-        dispatcher.prefix_jobs = repo
         started = time.monotonic()
         run_until(
             dispatcher,
@@ -137,17 +140,14 @@ def test_a_new_job_waits_a_claim_poll_for_its_pass_and_its_items_are_not_counted
     submitted: list[float] = []
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         ledger.register_pool(node, 64 * BLOCK, BLOCK)
-        dispatcher = stand_in_dispatcher(
+        dispatcher = prefix_dispatcher(
             DispatchConfig(
                 node=node, idle_poll_s=0.25, observe_interval_s=0.1, prefix_caching=True
             ),
             engine,
             repo,
             aledger,
-            BLOCK,
-            max_sequence_tokens=512,
         )
-        dispatcher.prefix_jobs = repo
         polls = [0]
         job: list[str] = []
 

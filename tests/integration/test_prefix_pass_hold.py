@@ -21,8 +21,14 @@ from backfill.config import Settings
 from backfill.prefix_pass import find_job_prefixes
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import run_until, stand_in_dispatcher, stand_in_node
-from tests.integration.test_dispatch_prefixes import BLOCK, ITEMS, PrefillingEngine, _submit
+from tests.integration.standin_engine import run_until, stand_in_node
+from tests.integration.test_dispatch_prefixes import (
+    BLOCK,
+    ITEMS,
+    PrefillingEngine,
+    _submit,
+    prefix_dispatcher,
+)
 from worker.dispatch import DispatchConfig
 
 
@@ -72,16 +78,13 @@ def _run(
                 conn.execute(
                     text("UPDATE jobs SET prefixes_taken_at = now() WHERE id = :j"), {"j": job}
                 )
-        dispatcher = stand_in_dispatcher(
+        dispatcher = prefix_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0.1,
                            prefix_caching=True, prefix_pass_hold_s=hold_s),
             engine,
             repo,
             aledger,
-            BLOCK,
-            max_sequence_tokens=512,
         )  # fmt: skip
-        dispatcher.prefix_jobs = repo
         run_until(
             dispatcher,
             aledger,
