@@ -41,6 +41,7 @@ from backfill.store.summaries import (
     FinishedStep,
     NewDocument,
     NewStep,
+    StepBacklog,
     SummaryCounts,
     SummaryJobRecord,
 )
@@ -355,6 +356,7 @@ class SummaryStore(BatchStore, JobLifecycle, Protocol):
     def open_summary_jobs(self, limit: int = ...) -> list[str]: ...
 
     def unbatched_steps(self, job_id: str, limit: int) -> list[tuple[int, int, int]]: ...
+    def step_backlog(self, job_id: str) -> StepBacklog: ...
 
     def number_batch(self, job_id: str, steps: Sequence[tuple[int, int]]) -> int: ...
 

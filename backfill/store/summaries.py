@@ -81,6 +81,15 @@ class SummaryCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class StepBacklog:
+    unbatched: int
+    """Pending steps no batch carries yet."""
+    waiting: int
+    """Pending steps in the job's batches whose items no engine has started (queued, deferred,
+    preempted, or not stored yet)."""
+
+
+@dataclass(frozen=True, slots=True)
 class DocumentRow:
     seq: int
     source_id: str | None
@@ -164,6 +173,15 @@ NEXT_BATCH = (
 TIE_STEPS = (
     "UPDATE summary_steps SET batch_no = :b WHERE job_id = :i AND batch_no IS NULL "
     "AND (seq, node) IN (SELECT * FROM unnest(CAST(:seqs AS int[]), CAST(:nodes AS int[])))"
+)
+# Pending steps no batch carries, and pending steps in batches whose items are not started
+# (queued, deferred, preempted, or not stored yet): the work of the job still to reach an engine.
+STEP_BACKLOG = (
+    "SELECT count(*) FILTER (WHERE batch_no IS NULL) AS unbatched, "
+    "count(*) FILTER (WHERE batch_no IS NOT NULL) AS batched, "
+    "(SELECT count(*) FROM items i JOIN summary_batches b ON i.job_id = b.batch_id "
+    " WHERE b.job_id = :i AND i.state IN ('reserved', 'running')) AS started "
+    "FROM summary_steps WHERE job_id = :i AND state = 'pending'"
 )
 BATCHES_TO_MAKE = (
     "SELECT batch_no FROM summary_batches WHERE job_id = :i AND batch_id IS NULL ORDER BY batch_no"
@@ -396,6 +414,12 @@ class Summaries(Store):
         with self._tx() as conn:
             rows = conn.execute(text(UNBATCHED), {"i": job_id, "n": limit}).all()
         return [(r.seq, r.node, r.line_bytes) for r in rows]
+
+    def step_backlog(self, job_id: str) -> StepBacklog:
+        """The job's pending steps no batch carries, and those in batches not started yet."""
+        with self._tx() as conn:
+            row = conn.execute(text(STEP_BACKLOG), {"i": job_id}).one()
+        return StepBacklog(int(row.unbatched), max(0, int(row.batched) - int(row.started)))
 
     def number_batch(self, job_id: str, steps: Sequence[tuple[int, int]]) -> int:
         """A new batch of the job, carrying ``steps`` (their ``(seq, node)``); its number."""

@@ -10,8 +10,9 @@ lock), it carries out what :mod:`backfill.summarize.decide` and
    summarised), or ends with its root's summary or its first failure; the new steps, the
    ends and the unmarking commit together;
 3. **batch**: steps no batch carries yet are cut into batch files at the Batch API's limits,
-   numbered, and made into batches under the job's deadline (each batch's idempotency key
-   names the job and its number, so a batch numbered before a crash is made once);
+   when they fill a file or the job's queue runs low (``job_plan.cut_now``), numbered, and
+   made into batches under the job's deadline (each batch's idempotency key names the job and
+   its number, so a batch numbered before a crash is made once);
 4. **end**: a job with no document pending is completed (expired, if its deadline passed
    with documents failed).
 
@@ -38,7 +39,7 @@ from backfill.states import JobState
 from backfill.store.protocol import SummaryStore
 from backfill.store.summaries import DocumentRow, NewStep, SummaryJobRecord
 from backfill.summarize.decide import StepView, decide_document
-from backfill.summarize.job_plan import BatchCut
+from backfill.summarize.job_plan import BatchCut, cut_now
 from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import CHAT_URL, batch_line, reduce_messages, request_body
 from backfill.summarize.states import DocumentState, StepState, SummaryJobState
@@ -193,9 +194,13 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
 def make_batches(
     repo: SummaryStore, settings: Settings, job: SummaryJobRecord, max_steps: int = MAX_ROUND_STEPS
 ) -> int:
-    """Cut the steps no batch carries (at most ``max_steps``) into numbered batches, then
-    make every numbered batch not made yet; returns how many were made."""
+    """Cut the steps no batch carries (at most ``max_steps``) into numbered batches when the
+    job's queue runs low (:func:`~backfill.summarize.job_plan.cut_now`), then make every
+    numbered batch not made yet; returns how many were made."""
     cut_steps = 0
+    backlog = repo.step_backlog(job.id)
+    if not cut_now(backlog.unbatched, backlog.waiting, settings.max_lines_per_batch):
+        max_steps = 0
     while cut_steps < max_steps:
         steps = repo.unbatched_steps(
             job.id, min(settings.max_lines_per_batch, max_steps - cut_steps)

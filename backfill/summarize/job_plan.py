@@ -7,7 +7,8 @@ chunk budget of a map step and the fan-in of a reduce step. Its forecast counts 
 job can make, the reduce steps included (each charged the most its summaries can take), so
 the deadline is judged on the whole job at its create, as a batch's is. Its steps go into as
 many batch files as the Batch API's limits ask (:class:`BatchCut`), all under the job's one
-deadline. Pure: no I/O.
+deadline, and a round cuts them only when the job's queue runs low (:func:`cut_now`). Pure:
+no I/O.
 """
 
 from __future__ import annotations
@@ -107,3 +108,19 @@ class BatchCut:
         self.lines += 1
         self.bytes += line_bytes
         return new
+
+
+def cut_now(unbatched: int, waiting: int, full: int) -> bool:
+    """Whether a round cuts the job's ``unbatched`` steps into a batch now, with ``waiting``
+    of its steps in batches no engine has started yet and ``full`` lines to a batch file.
+
+    A reduce step is made when its children end, which during the map wave is one or two at a
+    time; cut as they come, they made dozens of one-line batches, each an upload, a job, an
+    ingest and a results file, while the steps would only have queued behind the job's map
+    items (the same deadline, stored earlier). So they are held until they fill a file, or
+    until the job's queue runs low: no more steps waiting than there are to cut. A job with
+    nothing waiting cuts at once (its start, its last reduce levels), so no engine waits on a
+    held step; in between, a cut is due while as many steps as it carries still wait ahead of
+    it (rounds run as the job's items end), so its batch is made before the queue runs dry.
+    """
+    return unbatched > 0 and (unbatched >= full or waiting <= unbatched)

@@ -208,6 +208,40 @@ def test_a_bounded_round_cuts_so_many_steps_and_the_next_round_the_rest_once(
     assert len(items) == long_chunks + len(SHORT)  # every map step, once
 
 
+def test_reduce_steps_wait_for_the_jobs_queue_to_run_low_not_a_batch_each(
+    repo: Repository, settings: Settings
+) -> None:
+    """A reduce step made while many of the job's map items still wait is not cut into a
+    batch of its own (it would only queue behind them): it waits for the queue to run low,
+    and the reduce steps of several documents then go out in one batch."""
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", SHAPE.summary_tokens, "1h")
+    job = jobs.create_job(repo, settings, tenant, request, SHAPE)
+    many = [f"Short note number {i}." for i in range(40)]
+    documents = [jobs.prepare_document(job, f"long{i}", LONG, count) for i in range(2)]
+    documents += [jobs.prepare_document(job, f"s{i}", t, count) for i, t in enumerate(many)]
+    jobs.add_documents(repo, job, documents)
+    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    driver.drive(repo, settings)
+    assert len(repo.summary_batch_ids(job.id)) == 1  # every map step in one file
+    chunks = repo.document_page(job.id, -1, 1)[0].chunks
+
+    run_worker(repo, limit=chunks)  # the first long document's map items end; 40+ still wait
+    driver.drive(repo, settings)
+    held = repo.summary_counts(job.id).unbatched_steps
+    assert held > 0  # its reduce steps were made ...
+    assert len(repo.summary_batch_ids(job.id)) == 1  # ... and wait: no batch of their own
+
+    run_worker(repo)  # every map item ends: nothing of the job waits now
+    driver.drive(repo, settings)
+    assert repo.summary_counts(job.id).unbatched_steps == 0
+    assert len(repo.summary_batch_ids(job.id)) == 2  # both documents' reduce steps, one file
+    _run_to_end(repo, settings, job.id)
+    rows = {r.id: r for r in jobs.result_rows(repo, job.id)}
+    assert all(rows[f"long{i}"].summary for i in range(2))
+    assert all(rows[f"s{i}"].summary for i in range(len(many)))
+
+
 def test_a_job_whose_whole_forecast_misses_its_deadline_is_refused_at_start(
     repo: Repository, small_batches: Settings
 ) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from backfill.store.summaries import SummaryJobRecord
 from backfill.summarize.chunks import ChunkTooSmall
 from backfill.summarize.decide import StepView, decide_document
-from backfill.summarize.job_plan import BatchCut, JobShape, job_tokens
+from backfill.summarize.job_plan import BatchCut, JobShape, cut_now, job_tokens
 from backfill.summarize.jobs import prepare_document
 from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import (
@@ -74,6 +74,23 @@ def test_batch_files_stay_within_both_limits_and_keep_every_line(sizes):
     # A file is cut only where the next line would not fit.
     for first, second in itertools.pairwise(files):
         assert len(first) == 7 or sum(first) + second[0] > 120
+
+
+@pytest.mark.parametrize(
+    ("unbatched", "waiting", "full", "cut"),
+    [
+        (0, 0, 100, False),  # nothing to cut
+        (2, 1_900, 100, False),  # reduce steps of the map wave: they would only queue
+        (100, 1_900, 100, True),  # a full file is cut whatever waits
+        (150, 150, 100_000, True),  # the queue has run as low as what there is to cut
+        (1, 0, 100_000, True),  # nothing waits: cut at once (the start, the last levels)
+        (3, 4, 100_000, False),
+    ],
+)
+def test_steps_are_cut_when_they_fill_a_file_or_the_queue_runs_low(
+    unbatched: int, waiting: int, full: int, cut: bool
+) -> None:
+    assert cut_now(unbatched, waiting, full) is cut
 
 
 def test_a_line_longer_than_a_file_is_refused():
