@@ -37,6 +37,12 @@ JOB_FOR_INGEST = (
 
 # Whether the job is still validating before its items go in (a cancel meanwhile: none does).
 JOB_STATE = "SELECT state FROM jobs WHERE id = :i"
+# A job of one item shares no prompt prefix with another item of its own: no prefix pass
+# takes it and no claim holds it for one (``backfill.store.prefixes``; a summarisation job's
+# last reduce steps come as batches of one, each an engine call and a hold for nothing).
+ONE_ITEM_PREFIXES_ENDED = (
+    "UPDATE jobs SET prefixes_taken_at = now(), prefixes_ended_at = now() WHERE id = :i"
+)
 
 # Whether the job is still validating once the items are in (locked so no move slips in before
 # commit).
@@ -106,6 +112,8 @@ class Ingest(Store):
                 with raw.cursor() as cur, cur.copy(COPY_ITEMS) as copy:
                     while piece := spool.read(SPOOL_PIECE_BYTES):
                         copy.write(piece)
+            if n < 2:
+                conn.execute(text(ONE_ITEM_PREFIXES_ENDED), {"i": job_id})
             add_to_counters(
                 conn,
                 {

@@ -125,7 +125,7 @@ def prefix_dispatcher(
     return dispatcher
 
 
-def _submit(repo: Repository, tenant: str) -> str:
+def _submit(repo: Repository, tenant: str, count: int = ITEMS) -> str:
     items = [
         NewItem(
             i,
@@ -135,7 +135,7 @@ def _submit(repo: Repository, tenant: str) -> str:
             ),
             OUT,
         )
-        for i in range(ITEMS)
+        for i in range(count)
     ]
     job = _in_progress_job(repo, tenant, "/v1/completions", items)
     with repo.engine.begin() as conn:  # the API records the model its lines name

@@ -160,6 +160,19 @@ def test_the_claim_leaves_a_fresh_job_only_where_the_node_holds_for_prefixes(
         assert claimed(30.0) == 4  # past the bound
 
 
+def test_a_job_of_one_item_is_neither_held_nor_looked_at(settings: Settings) -> None:
+    """One item shares a prefix with no other item of its job: its pass would cost an engine
+    call and a write, and hold the item for both, for nothing (a summarisation job's last
+    reduce steps come as batches of one; red before: held, and taken)."""
+    with stand_in_node(settings, "n-one", BLOCK) as (repo, _, _):
+        job = _submit(repo, "t-one", count=1)
+        claim = repo.open_claim("n-one", 4, 30.0, models=["m"], prefix_hold_s=30.0)
+        assert [item.job_id for item in claim.items] == [job]
+        repo.drop_claim(claim)
+        taken = repo.take_prefix_job(["m"])
+        assert taken is None or taken.job_id != job
+
+
 class CountingIdsEngine(SlowIdsEngine):
     """Records how many token-id requests were in flight at once, at most."""
 
