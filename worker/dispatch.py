@@ -113,13 +113,13 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             helpers.append(asyncio.create_task(self._watch_scheduler(), name="scheduler-watch"))
         try:
             faults = 0
-            while not self._stopping.is_set():
+            while not self.stopping.is_set():
                 try:
                     started = await self._fill()
                     faults = 0
                 except (StoreUnavailable, LedgerError) as exc:
                     log.warning("node %s: %s; retrying", self.config.node, exc)
-                    await self._sleep(max(1.0, self.config.idle_poll_s))
+                    await self.sleep(max(1.0, self.config.idle_poll_s))
                     continue
                 except Exception:
                     # A fault of the worker's own: the node must not stop dispatching for good
@@ -131,17 +131,17 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                         "node %s: claiming failed; trying again in %.0f s", self.config.node, pause
                     )
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stopping.wait(), pause)
+                        await asyncio.wait_for(self.stopping.wait(), pause)
                     continue
                 if started == 0:
-                    await self._sleep(self.config.idle_poll_s)
+                    await self.sleep(self.config.idle_poll_s)
         finally:
             # However the loop ended, what is in flight is drained (requeued, leases released)
             # while the store and ledger are still open.
             await self._drain()
             # The writer commits the batch it holds before it stops: cancelled in its flush
             # pause, that batch was lost, its items left running until the reaper came.
-            await self._results.put(None)
+            await self.results.put(None)
             try:
                 await asyncio.wait_for(writer, self.config.grace_s + 30)
             except TimeoutError:
@@ -155,35 +155,35 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             await self._flush_results()
-            await self._release_leftovers()
+            await self.release_leftovers()
 
     def stop(self) -> None:
         """Stop claiming; in-flight items get the grace period, then are requeued."""
-        self._stopping.set()
-        self._room.set()
+        self.stopping.set()
+        self.room.set()
 
     async def _engine_answers(self) -> bool:
         try:
             await self.engine.models()
         except (EngineError, OSError) as exc:
             log.warning("node %s: engine not answering (%s); not claiming", self.config.node, exc)
-            await self._sleep(1.0)
+            await self.sleep(1.0)
             return False
         log.info("node %s: engine answers again; claiming", self.config.node)
-        self._engine_down = False
+        self.engine_down = False
         return True
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.config.grace_s
-        while self._in_flight and time.monotonic() < deadline:
+        while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for flight in list(self._in_flight.values()):
-            self._cancel(flight, StopReason.SHUTDOWN)
-        tasks = [f.task for f in self._in_flight.values() if f.task is not None]
+        for flight in list(self.flights.values()):
+            self.cancel(flight, StopReason.SHUTDOWN)
+        tasks = [f.task for f in self.flights.values() if f.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        while self._cleanups:
-            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
+        while self.cleanups:
+            await asyncio.gather(*list(self.cleanups), return_exceptions=True)
 
     # -----------------------------------------------------------------------------------------
     # Claim, tokenize, check, reserve, start
@@ -197,7 +197,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         room = start_room(view.load, budget, cfg.max_in_flight, engine_suspect=view.engine_suspect)
         if room <= 0:
             return 0
-        if self._engine_down and not await self._engine_answers():
+        if self.engine_down and not await self._engine_answers():
             # Claiming now would only cycle items through claim -> requeue, each time
             # spending one of their attempts, for as long as the engine is down.
             return 0
@@ -208,7 +208,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
         want = claim_size(self.view(budget), room, cfg.claim_batch, snap.slack, self.block_size)
         if want == 0:
             return 0
-        if self._engine_down:
+        if self.engine_down:
             return 0  # a stream broke while the snapshot was read: the engine may be gone
         claiming = time.monotonic()
         # Only work for the model this node's engine serves: a line's result must come from
@@ -222,7 +222,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             prefix_hold_s=prefix_claim_hold_s(self.finds_prefixes(), cfg.prefix_pass_hold_s),
         )
         if not claim.items:
-            self._prefix_look.set()
+            self.prefix_look.set()
             return 0
         try:
             self.stats.claimed += len(claim.items)
@@ -250,7 +250,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             max_sequence_tokens=self.max_sequence_tokens,
             max_attempts=self.config.max_attempts,
             prefill_tokens_per_s=self.config.prefill_tokens_per_s,
-            decode_tokens_per_s=self._decode_rate,
+            decode_tokens_per_s=self.decode_rate,
         )
         ready: list[CheckedItem] = []
         refused: list[Refused] = []
@@ -262,7 +262,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             if isinstance(verdict, CheckedItem):
                 ready.append(verdict)
             elif isinstance(verdict, EngineAbsent):
-                self._engine_down = True
+                self.engine_down = True
                 refused.append((item, verdict.give_back))
             else:
                 refused.append((item, verdict))
@@ -294,7 +294,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
     async def _count_original(self, item: ClaimedItem, body: dict[str, Any]) -> PromptCount:
         """The count of an item's own request: stored by an earlier attempt (one sequence)
         or remembered from an earlier claim, else asked of the engine."""
-        known = self._counted.get(item.id)
+        known = self.counted.get(item.id)
         if known is not None:
             return known
         # Postgres keeps one number, which is the whole count only for one sequence.
@@ -302,12 +302,12 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             count = PromptCount.single(item.prompt_tokens)
         else:
             count = await self._count(body, item.endpoint)
-        self._remember_count(item.id, count)
+        self.remember_count(item.id, count)
         return count
 
     async def _count(self, body: dict[str, Any], endpoint: str) -> PromptCount:
         plan = prefill_plan(endpoint, body)
-        async with self._tokenize_slots:
+        async with self.tokenize_slots:
             return await count_prefill(self.engine, plan, self.model or str(body.get("model")))
 
     async def _reserve_and_start(
@@ -359,9 +359,9 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
                 item = checked.item
                 verdict = after_reserve(outcome)
                 if isinstance(verdict, Lease):
-                    self._leases[verdict.lease_id] = verdict
-                    self._typical_reservation = running_mean(
-                        self._typical_reservation, verdict.tokens
+                    self.leases[verdict.lease_id] = verdict
+                    self.typical_reservation = running_mean(
+                        self.typical_reservation, verdict.tokens
                     )
                     leased[item.id] = Leased(checked, verdict, prefixed.cached[at])
                     continue
@@ -404,10 +404,10 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             # Landed or not, nothing of this start is launched: its leases go back to the
             # slack now, not when their TTL runs out (a start that did land is never beaten
             # in Postgres either, and the reaper requeues it when its lease lapses there).
-            await self._release_leases([x.lease for x in leased.values()])
+            await self.release_leases([x.lease for x in leased.values()])
             raise
         # Those whose job was cancelled while the claim was open.
-        await self._release_leases([x.lease for i, x in leased.items() if i not in applied])
+        await self.release_leases([x.lease for i, x in leased.items() if i not in applied])
         for item_id in applied:
             self._launch(leased[item_id], claim_extended_at=sent)
         for item, outcome in refused:
@@ -432,10 +432,10 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             text={0: [item.partial_output]} if run.kept and item.partial_output else {},
             claim_extended_at=claim_extended_at,
         )
-        self._in_flight[item.id] = flight
-        self._by_lease[lease.lease_id] = item.id
-        self._typical_prompt = running_mean(self._typical_prompt, leased.prefill)
-        self._event(
+        self.flights[item.id] = flight
+        self.by_lease[lease.lease_id] = item.id
+        self.typical_prompt = running_mean(self.typical_prompt, leased.prefill)
+        self.event(
             logging.DEBUG,
             flight,
             "start",
@@ -444,7 +444,7 @@ class NodeDispatcher(AttemptRunner, ResultWriter, Watchers, PrefixFinding):
             item.attempt,
             lease.tokens,
         )
-        if self._early_preemptions.pop(lease.lease_id, None) is not None:
+        if self.early_preemptions.pop(lease.lease_id, None) is not None:
             # Preempted before it started: keep its progress, requeue it, no engine work.
             flight.stop_reason = StopReason.PREEMPTED
             flight.task = asyncio.create_task(self._stopped(flight), name=f"item-{item.id}")

@@ -91,15 +91,15 @@ class AttemptRunner(DispatcherState):
             async with stream:
                 async for chunk in stream:
                     flight.last_chunk_at = time.monotonic()
-                    if self._engine_suspect and chunk.choices:
+                    if self.engine_suspect and chunk.choices:
                         log.info("node %s: the engine makes progress again", self.config.node)
-                        self._engine_suspect = False
-                        self._room.set()
+                        self.engine_suspect = False
+                        self.room.set()
                     flight.answer.add(chunk.raw)
                     for choice in chunk.choices:
                         flight.text.setdefault(choice.index, []).append(choice.text)
                     if flight.first_token_at is None and any(c.text for c in chunk.choices):
-                        self._prefilled(flight)
+                        self.prefilled(flight)
                     if chunk.usage is not None:
                         usage_prompt = chunk.usage.prompt_tokens
                         completion = chunk.usage.completion_tokens
@@ -113,7 +113,7 @@ class AttemptRunner(DispatcherState):
         elapsed = time.monotonic() - flight.started
         if completion and elapsed > 0:
             rate = completion / elapsed
-            self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
+            self.decode_rate = 0.8 * self.decode_rate + 0.2 * max(rate, 0.1)
         response = self._response_body(flight, request_id, None, usage_prompt)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
 
@@ -138,10 +138,10 @@ class AttemptRunner(DispatcherState):
         except (EngineError, OSError) as exc:
             await self._engine_failed(flight, exc)
             return
-        if self._engine_suspect:
+        if self.engine_suspect:
             log.info("node %s: the engine makes progress again", self.config.node)
-            self._engine_suspect = False
-            self._room.set()
+            self.engine_suspect = False
+            self.room.set()
         self._check_reservation(flight, answer.prompt_tokens, 0)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
@@ -158,12 +158,12 @@ class AttemptRunner(DispatcherState):
                     flight.last_chunk_at = time.monotonic()
                     if not fold.add(event):
                         continue
-                    if self._engine_suspect:
+                    if self.engine_suspect:
                         log.info("node %s: the engine makes progress again", self.config.node)
-                        self._engine_suspect = False
-                        self._room.set()
+                        self.engine_suspect = False
+                        self.room.set()
                     if flight.first_token_at is None:
-                        self._prefilled(flight)
+                        self.prefilled(flight)
                     flight.generated = min(fold.deltas, flight.item.max_output_tokens)
             answer = fold.result(model=self.model)
         except (EngineError, OSError) as exc:
@@ -174,7 +174,7 @@ class AttemptRunner(DispatcherState):
         elapsed = time.monotonic() - flight.started
         if answer.output_tokens and elapsed > 0:
             rate = answer.output_tokens / elapsed
-            self._decode_rate = 0.8 * self._decode_rate + 0.2 * max(rate, 0.1)
+            self.decode_rate = 0.8 * self.decode_rate + 0.2 * max(rate, 0.1)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
     def _check_reservation(self, flight: Flight, usage_prompt: int | None, completion: int) -> None:
@@ -187,7 +187,7 @@ class AttemptRunner(DispatcherState):
         # node's, held once for every lease that refers to it (issue 36).
         if held > flight.lease.tokens + flight.lease.prefix_tokens:
             self.stats.reservation_violations += 1
-            self._event(
+            self.event(
                 logging.ERROR,
                 flight,
                 "reservation_violation",
@@ -226,7 +226,7 @@ class AttemptRunner(DispatcherState):
             # Postgres is out too: the claim expires and the reaper requeues the item.
             log.exception("node %s: item %s not requeued", self.config.node, item.id)
         finally:
-            await self._release(flight)
+            await self.release(flight)
 
     def _response_body(
         self,
@@ -269,7 +269,7 @@ class AttemptRunner(DispatcherState):
             await asyncio.sleep(cfg.settle_interval_s)
             due = [
                 (f, f.generated)
-                for f in self._in_flight.values()
+                for f in self.flights.values()
                 if f.stop_reason is None and f.generated - f.settled >= cfg.settle_every_tokens
             ]
             if not due:
@@ -285,7 +285,7 @@ class AttemptRunner(DispatcherState):
         """The task was cancelled by the dispatcher: keep the progress where that is ours."""
         item, lease = flight.item, flight.lease
         reason = flight.stop_reason or StopReason.SHUTDOWN
-        self._event(
+        self.event(
             logging.DEBUG,
             flight,
             f"stop_{reason.value}",
@@ -303,7 +303,7 @@ class AttemptRunner(DispatcherState):
                     item.id,
                     item.attempt,
                     lease.fencing_token,
-                    partial_output=self._partial(flight),
+                    partial_output=self.partial(flight),
                     partial_tokens=flight.generated,
                 )
                 self.stats.preempted += 1
@@ -322,7 +322,7 @@ class AttemptRunner(DispatcherState):
         except StaleWrite:
             pass
         finally:
-            await self._release(flight)
+            await self.release(flight)
 
     async def _engine_trouble(self, flight: Flight, exc: BaseException) -> None:
         item = flight.item
@@ -330,8 +330,8 @@ class AttemptRunner(DispatcherState):
             # Claim nothing more until the engine answers again (see _fill). Said before the
             # first await below: a claim the loop starts meanwhile would send items to a dead
             # engine and spend one of their attempts each.
-            self._engine_down = True
-        self._event(
+            self.engine_down = True
+        self.event(
             logging.WARNING,
             flight,
             "engine_error",
@@ -348,7 +348,7 @@ class AttemptRunner(DispatcherState):
         try:
             await self._requeue(flight, outcome)
         finally:
-            await self._release(flight)
+            await self.release(flight)
 
     async def _requeue(self, flight: Flight, outcome: GiveBack) -> None:
         """running -> queued for ``flight``'s attempt, its progress kept (nothing to do if
@@ -361,7 +361,7 @@ class AttemptRunner(DispatcherState):
                     item.id,
                     item.attempt,
                     flight.lease.fencing_token,
-                    partial_output=self._partial(flight),
+                    partial_output=self.partial(flight),
                     partial_tokens=flight.generated,
                     detail=outcome.detail,
                     retry_after_s=outcome.retry_after_s,
@@ -378,7 +378,7 @@ class AttemptRunner(DispatcherState):
         error: str | None = None,
     ) -> None:
         item = flight.item
-        self._event(
+        self.event(
             logging.DEBUG,
             flight,
             f"finish_{state.value}",
@@ -398,12 +398,12 @@ class AttemptRunner(DispatcherState):
             output_tokens=flight.generated,
             prompt_tokens=item.prompt_tokens,
         )
-        await self._results.put(Finished(fin, flight))
+        await self.results.put(Finished(fin, flight))
 
     def _cancelled_early(self, task: asyncio.Task[None], flight: Flight) -> None:
         # A task cancelled before its first step never runs its own handler: do its cleanup
         # (requeue or preempt, release) here, or its item would stay running with a lease.
-        if task.cancelled() and self._in_flight.get(flight.item.id) is flight:
+        if task.cancelled() and self.flights.get(flight.item.id) is flight:
             cleanup = asyncio.get_running_loop().create_task(self._stopped(flight))
-            self._cleanups.add(cleanup)
-            cleanup.add_done_callback(self._cleanups.discard)
+            self.cleanups.add(cleanup)
+            cleanup.add_done_callback(self.cleanups.discard)

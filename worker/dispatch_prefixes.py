@@ -46,10 +46,10 @@ class PrefixFinding(DispatcherState):
         engine = self.engine
         assert store is not None
         assert isinstance(engine, PromptTokenIds)
-        self._prefix_look = asyncio.Event()  # this run's (an event waited on keeps its loop)
+        self.prefix_look = asyncio.Event()  # this run's (an event waited on keeps its loop)
         while True:
             job: PrefixJob | None = None
-            self._prefix_look.clear()  # a wake from here on asks again
+            self.prefix_look.clear()  # a wake from here on asks again
             try:
                 job = await asyncio.to_thread(store.take_prefix_job, [self.model])
                 if job is not None:
@@ -66,7 +66,7 @@ class PrefixFinding(DispatcherState):
                     )
                     # Its items are claimable now (``prefix_claim_hold_s``): the claim loop,
                     # idle while they were held, is woken rather than left to its next poll.
-                    self._room.set()
+                    self.room.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # its items reserve their whole prompts: safe, no gain
@@ -80,12 +80,12 @@ class PrefixFinding(DispatcherState):
                     await self._end_prefix_pass(store, job.job_id)
             if job is None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._prefix_look.wait(), PREFIX_POLL_S)
+                    await asyncio.wait_for(self.prefix_look.wait(), PREFIX_POLL_S)
 
     def _counted_by_pass(self, item_id: int, tokens: int) -> None:
         """The pass asked for the item's token ids: their number is its count (one prompt,
         one sequence: ``backfill.prefix_pass.prefix_body``)."""
-        self._remember_count(item_id, PromptCount.single(tokens))
+        self.remember_count(item_id, PromptCount.single(tokens))
 
     async def _end_prefix_pass(self, store: PrefixJobs, job_id: str) -> None:
         """The pass over ``job_id`` failed (one that found ends with its record): claims stop
@@ -100,4 +100,4 @@ class PrefixFinding(DispatcherState):
                 exc,
             )
             return
-        self._room.set()  # its items are claimable now
+        self.room.set()  # its items are claimable now

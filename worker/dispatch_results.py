@@ -28,14 +28,14 @@ class ResultWriter(DispatcherState):
     async def _write_results(self) -> None:
         """Commit results in small batches; returns after the stop signal (None)."""
         while True:
-            first = await self._results.get()
+            first = await self.results.get()
             if first is None:
                 return
             batch = [first]
             await asyncio.sleep(self.config.result_flush_s)
             stopping = False
-            while not self._results.empty() and len(batch) < 256:
-                entry = self._results.get_nowait()
+            while not self.results.empty() and len(batch) < 256:
+                entry = self.results.get_nowait()
                 if entry is None:
                     stopping = True
                     break
@@ -46,8 +46,8 @@ class ResultWriter(DispatcherState):
 
     async def _flush_results(self) -> None:
         batch = []
-        while not self._results.empty():
-            entry = self._results.get_nowait()
+        while not self.results.empty():
+            entry = self.results.get_nowait()
             if entry is not None:
                 batch.append(entry)
         if batch:
@@ -89,6 +89,6 @@ class ResultWriter(DispatcherState):
                     self.stats.failed += 1
             else:
                 self.stats.stale_results += 1
-            self._forget(flight)
+            self.forget(flight)
         # Leases go back only once the results they produced are durable.
-        await self._release_leases([flight.lease for _, flight in batch])
+        await self.release_leases([flight.lease for _, flight in batch])

@@ -164,39 +164,39 @@ class DispatcherState:
         self.block_size = block_size
         self.max_sequence_tokens = max_sequence_tokens
         self.stats = DispatchStats()
-        self._in_flight: dict[int, Flight] = {}
-        self._by_lease: dict[str, int] = {}
+        self.flights: dict[int, Flight] = {}
+        self.by_lease: dict[str, int] = {}
         # Every lease this dispatcher holds, from its reservation to its release: what is
-        # left here when the dispatcher stops is released then (see ``_release_leftovers``),
+        # left here when the dispatcher stops is released then (see ``release_leftovers``),
         # whatever path lost track of it.
-        self._leases: dict[str, Lease] = {}
+        self.leases: dict[str, Lease] = {}
         # Preemption notices for leases this dispatcher does not know yet: a lease preempted
         # between its reservation and the item's registration (the notice comes while the
         # start is written to Postgres; the ledger prefers exactly those newest leases as
         # victims). Checked at registration so that such an item never reaches the engine.
-        self._early_preemptions: dict[str, float] = {}
-        self._worker_id = uuid.uuid4().hex
+        self.early_preemptions: dict[str, float] = {}
+        self.worker_id = uuid.uuid4().hex
         # None is the writer's signal to commit what it holds and stop.
-        self._results: asyncio.Queue[Finished | None] = asyncio.Queue()
-        self._stopping = asyncio.Event()
-        self._room = asyncio.Event()
+        self.results: asyncio.Queue[Finished | None] = asyncio.Queue()
+        self.stopping = asyncio.Event()
+        self.room = asyncio.Event()
         # Set when a claim came back empty: a new job's items may wait for its prefix pass.
-        self._prefix_look = asyncio.Event()
-        self._typical_reservation = 0
-        self._typical_prompt = 0
+        self.prefix_look = asyncio.Event()
+        self.typical_reservation = 0
+        self.typical_prompt = 0
         # Prompt token counts by item id: an item given back unstarted (no slack, work budget
         # full) is not counted again by the engine when it is claimed again. Bodies never
         # change, so a count stays right; bounded, oldest forgotten first.
-        self._counted: OrderedDict[int, PromptCount] = OrderedDict()
-        self._cleanups: set[asyncio.Task[None]] = set()
-        self._decode_rate = config.decode_tokens_per_s
-        self._tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
+        self.counted: OrderedDict[int, PromptCount] = OrderedDict()
+        self.cleanups: set[asyncio.Task[None]] = set()
+        self.decode_rate = config.decode_tokens_per_s
+        self.tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
         # Set when the engine stopped answering; cleared once it answers again.
-        self._engine_down = False
+        self.engine_down = False
         # Set when an attempt stalled on an engine that answers but makes no progress (hung):
         # one item at a time is sent until one gets output again, so a hang spends the
         # attempts of one item per stall timeout, not of every item the node could hold.
-        self._engine_suspect = False
+        self.engine_suspect = False
         # What the engine's step scheduler last said of itself; None: it runs none (or its
         # metrics do not answer), and the work budget protects interactive alone.
         self.engine_scheduler: EngineScheduler | None = None
@@ -215,18 +215,18 @@ class DispatcherState:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self.flights)
 
     def view(self, budget: WorkBudget | None = None) -> NodeView:
         """What the plans know of this dispatcher now (``budget``: the work budget to judge
         by, if not the current one)."""
         return NodeView(
-            flights=tuple(f.view() for f in self._in_flight.values()),
+            flights=tuple(f.view() for f in self.flights.values()),
             budget=self.work_budget if budget is None else budget,
-            engine_suspect=self._engine_suspect,
-            typical_reservation=self._typical_reservation,
-            typical_prompt=self._typical_prompt,
-            leases_held=len(self._leases),
+            engine_suspect=self.engine_suspect,
+            typical_reservation=self.typical_reservation,
+            typical_prompt=self.typical_prompt,
+            leases_held=len(self.leases),
         )
 
     def prefix_view(self) -> PrefixView:
@@ -236,7 +236,7 @@ class DispatcherState:
         busy: set[str] = set()
         warm: set[str] = set()
         cold_since: dict[str, float] = {}
-        for f in self._in_flight.values():
+        for f in self.flights.values():
             pid = f.item.prefix_id
             if pid is None or f.stop_reason is not None:
                 continue
@@ -253,17 +253,17 @@ class DispatcherState:
             {pid: now - since for pid, since in cold_since.items() if pid not in warm},
         )
 
-    def _flights(self, views: Iterable[FlightView]) -> list[Flight]:
+    def flights_of(self, views: Iterable[FlightView]) -> list[Flight]:
         """The attempts ``views`` show, those still held."""
-        held = ((v, self._in_flight.get(v.item_id)) for v in views)
+        held = ((v, self.flights.get(v.item_id)) for v in views)
         return [f for v, f in held if f is not None and f.lease.lease_id == v.lease_id]
 
-    async def _sleep(self, seconds: float) -> None:
-        self._room.clear()
+    async def sleep(self, seconds: float) -> None:
+        self.room.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._room.wait(), seconds)
+            await asyncio.wait_for(self.room.wait(), seconds)
 
-    def _cancel(self, flight: Flight, reason: StopReason) -> bool:
+    def cancel(self, flight: Flight, reason: StopReason) -> bool:
         """Stop a generating item's task for ``reason``; False when there was nothing to stop
         (already done or already being stopped)."""
         if flight.task is not None and not flight.task.done() and flight.stop_reason is None:
@@ -272,7 +272,7 @@ class DispatcherState:
             return True
         return False
 
-    def _event(self, level: int, flight: Flight, action: str, message: str, *args: object) -> None:
+    def event(self, level: int, flight: Flight, action: str, message: str, *args: object) -> None:
         """Log an event of ``flight``'s attempt with its structured fields (``backfill.logs``):
         action, node, job, item, attempt, lease."""
         if not _log.isEnabledFor(level):
@@ -292,32 +292,32 @@ class DispatcherState:
             ),
         )
 
-    def _prefilled(self, flight: Flight) -> None:
+    def prefilled(self, flight: Flight) -> None:
         """``flight``'s first token came: its prompt is prefilled. The claim loop is woken
         when that may let more start: its prompt left the work budget's prefill count, or
         its shared prefix is now cached, and the items of its group that wait for that lean
         on it (``backfill.dispatch.prefix_starts``)."""
         flight.first_token_at = time.monotonic()
         if self.work_budget is not None or flight.item.prefix_id is not None:
-            self._room.set()
+            self.room.set()
 
-    def _remember_count(self, item_id: int, count: PromptCount) -> None:
+    def remember_count(self, item_id: int, count: PromptCount) -> None:
         """``item_id``'s own request counts ``count`` (bodies never change, so it stays
         right); the oldest counts are forgotten past :data:`COUNTED_KEPT`."""
-        self._counted[item_id] = count
-        if len(self._counted) > COUNTED_KEPT:
-            self._counted.popitem(last=False)
+        self.counted[item_id] = count
+        if len(self.counted) > COUNTED_KEPT:
+            self.counted.popitem(last=False)
 
-    def _forget(self, flight: Flight) -> None:
-        self._in_flight.pop(flight.item.id, None)
-        self._by_lease.pop(flight.lease.lease_id, None)
-        self._room.set()
+    def forget(self, flight: Flight) -> None:
+        self.flights.pop(flight.item.id, None)
+        self.by_lease.pop(flight.lease.lease_id, None)
+        self.room.set()
 
-    async def _release(self, flight: Flight) -> None:
-        self._forget(flight)
-        await self._release_leases([flight.lease])
+    async def release(self, flight: Flight) -> None:
+        self.forget(flight)
+        await self.release_leases([flight.lease])
 
-    async def _release_leases(self, leases: Sequence[Lease]) -> None:
+    async def release_leases(self, leases: Sequence[Lease]) -> None:
         """Give ``leases`` back to the node's slack (one round trip). When the ledger call
         fails (logged), they stay held here and are released at the dispatcher's stop, else
         when their TTL runs out, by the reaper."""
@@ -331,16 +331,16 @@ class DispatcherState:
             )
             return
         for lease in leases:
-            self._leases.pop(lease.lease_id, None)
+            self.leases.pop(lease.lease_id, None)
         # Their slack is free now: a claim loop woken when their attempts ended (before this
         # release was answered) may have read it held, claimed nothing and gone to sleep.
-        self._room.set()
+        self.room.set()
 
-    async def _release_leftovers(self) -> None:
+    async def release_leftovers(self) -> None:
         """At the dispatcher's stop: release every lease it still holds. None should be left
         (each attempt releases its own); one that is would hold the node's slack until the
         reaper reclaims it, and a node whose workers restart without a reaper would stall."""
-        left = list(self._leases.values())
+        left = list(self.leases.values())
         if not left:
             return
         _log.warning(
@@ -349,8 +349,8 @@ class DispatcherState:
             len(left),
             ", ".join(lease.lease_id for lease in left[:5]),
         )
-        await self._release_leases(left)
+        await self.release_leases(left)
 
-    def _partial(self, flight: Flight) -> str | None:
+    def partial(self, flight: Flight) -> str | None:
         text = "".join(flight.text.get(0, []))
         return text or None

@@ -57,7 +57,7 @@ class Watchers(DispatcherState):
             await asyncio.sleep(cfg.heartbeat_interval_s)
             sent = time.monotonic()
             # Attempts being stopped too: their claims stand until their ends are written.
-            flights = list(self._in_flight.values())
+            flights = list(self.flights.values())
             due = set(
                 claims_due(
                     {f.item.id: f.claim_extended_at for f in flights},
@@ -84,7 +84,7 @@ class Watchers(DispatcherState):
                 if flight.item.id in extended:
                     flight.claim_extended_at = sent
                 elif (reason := heartbeat_stop(False, None)) is not None:
-                    self._cancel(flight, reason)
+                    self.cancel(flight, reason)
 
     async def _beat_leases(self) -> None:
         """Extend every lease of the node in the ledger (one round trip), and stop the attempts
@@ -96,7 +96,7 @@ class Watchers(DispatcherState):
             # Attempts being stopped too (their leases stand until released), but not those
             # whose claim is gone: nothing is to be written for them.
             flights = [
-                f for f in self._in_flight.values() if f.stop_reason is not StopReason.CLAIM_LOST
+                f for f in self.flights.values() if f.stop_reason is not StopReason.CLAIM_LOST
             ]
             if not flights:
                 continue
@@ -113,7 +113,7 @@ class Watchers(DispatcherState):
                     continue  # this lease's call failed: left as it is
                 reason = heartbeat_stop(True, beat.status)
                 if reason is not None:
-                    self._cancel(flight, reason)
+                    self.cancel(flight, reason)
                 elif beat.status is LeaseStatus.UNKNOWN:
                     await self._lease_missing(flight)
 
@@ -154,7 +154,7 @@ class Watchers(DispatcherState):
                 unseen = cfg.stream_interval - 1
                 in_engine = {
                     f.lease.lease_id: f.prompt_tokens + f.generated + unseen
-                    for f in self._in_flight.values()
+                    for f in self.flights.values()
                 }
                 # With nothing running or waiting, no sequence holds KV: what the gauge still
                 # says is free-able prefix cache, or a value from the engine's last step that
@@ -246,10 +246,10 @@ class Watchers(DispatcherState):
             if seen is not None and seen != progress:
                 progress, progressed_at = seen, now
             stuck = stalled(self.view().running, progressed_at, now, timeout)
-            for flight in self._flights(stuck):
-                if self._cancel(flight, StopReason.STALLED):
+            for flight in self.flights_of(stuck):
+                if self.cancel(flight, StopReason.STALLED):
                     self.stats.stalls += 1
-                    self._engine_suspect = True
+                    self.engine_suspect = True
                     log.warning(
                         "node %s: item %s attempt %s: no output for %.0f s and no engine "
                         "progress; stopping it as an engine error",
@@ -302,7 +302,7 @@ class Watchers(DispatcherState):
         interval = self.budget_interval_s()
         engine_waiting, read_at = await self._engine_waiting(interval)
         view = self.view(before)
-        active = self._flights(view.active)
+        active = self.flights_of(view.active)
         awaiting = sum(1 for f in view.active if f.first_token_at is None)
         others_awaiting = await self._others_awaiting(awaiting, interval, now)
         signals = budget_signals(
@@ -319,7 +319,7 @@ class Watchers(DispatcherState):
             log.info("node %s: work budget %s", cfg.node, describe(budget))
         self._preempt_for_ttft(decision.preempt, decision.reason)
         if budget_opened(before, budget):
-            self._room.set()
+            self.room.set()
         # These attempts as they are now: a first token may have come during the reads.
         in_prefill = prefilling(tuple(f.view() for f in active))
         published = BudgetView.of(budget, len(active), in_prefill, now)
@@ -328,7 +328,7 @@ class Watchers(DispatcherState):
                 self.ledger.client,
                 self.ledger.keys,
                 cfg.node,
-                self._worker_id,
+                self.worker_id,
                 published,
                 max(5.0, cfg.signal_ttl_s),
             )
@@ -360,7 +360,7 @@ class Watchers(DispatcherState):
                 self.ledger.client,
                 self.ledger.keys,
                 self.config.node,
-                self._worker_id,
+                self.worker_id,
                 awaiting,
                 max(1.0, 4 * interval),
                 now,
@@ -376,7 +376,7 @@ class Watchers(DispatcherState):
         if preempt and pauses:
             log.debug("node %s: no TTFT preemption: the engine pauses batch", self.config.node)
         victims = ttft_victims(preempt, pauses, self.view().running)
-        stopped = sum(self._cancel(f, StopReason.PREEMPTED) for f in self._flights(victims))
+        stopped = sum(self.cancel(f, StopReason.PREEMPTED) for f in self.flights_of(victims))
         self.stats.budget_preemptions += stopped
         if stopped:
             log.info(
@@ -391,23 +391,23 @@ class Watchers(DispatcherState):
         one of ours between its reservation and its start. Kept a minute (a start takes
         milliseconds), at most a few thousand."""
         now = time.monotonic()
-        if len(self._early_preemptions) >= 4096:
-            self._early_preemptions = {
-                k: t for k, t in self._early_preemptions.items() if now - t < 60.0
+        if len(self.early_preemptions) >= 4096:
+            self.early_preemptions = {
+                k: t for k, t in self.early_preemptions.items() if now - t < 60.0
             }
-            if len(self._early_preemptions) >= 4096:
-                self._early_preemptions.pop(next(iter(self._early_preemptions)))
-        self._early_preemptions[lease_id] = now
+            if len(self.early_preemptions) >= 4096:
+                self.early_preemptions.pop(next(iter(self.early_preemptions)))
+        self.early_preemptions[lease_id] = now
 
     async def _listen_preemptions(self) -> None:
         while True:
             try:
                 async with await self.ledger.listen_preemptions(self.config.node) as listener:
                     async for lease_id in listener:
-                        item_id = self._by_lease.get(lease_id)
-                        flight = self._in_flight.get(item_id) if item_id is not None else None
+                        item_id = self.by_lease.get(lease_id)
+                        flight = self.flights.get(item_id) if item_id is not None else None
                         if flight is not None:
-                            self._cancel(flight, StopReason.PREEMPTED)
+                            self.cancel(flight, StopReason.PREEMPTED)
                         elif item_id is None:
                             self._note_early_preemption(lease_id)
             except LedgerUnavailable as exc:
