@@ -27,6 +27,7 @@ from backfill.engine.protocol import Endpoint, EngineError, EngineRejected, Engi
 from backfill.errors import BackfillError, StaleWrite
 from backfill.states import ItemState
 from backfill.store import Finish
+from worker.dispatch_results import ResultWriter
 from worker.dispatch_state import DispatcherState, Finished, Flight
 from worker.embeddings import embed
 from worker.response import ResponseAssembler
@@ -35,21 +36,28 @@ from worker.responses import ResponseStream
 log = logging.getLogger("backfill.worker")
 
 
-class AttemptRunner(DispatcherState):
-    """Runs the attempts a node's dispatcher starts."""
+class AttemptRunner:
+    """Runs the attempts a node's dispatcher starts: each streams from the engine, and its
+    end goes to ``writer`` (finished or failed) or is written here (requeued, preempted)."""
 
-    async def _generate(self, flight: Flight) -> None:
+    def __init__(self, state: DispatcherState, writer: ResultWriter) -> None:
+        self.state = state
+        self.writer = writer
+        # Cleanups of attempts cancelled before their first step (``cancelled_early``).
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def generate(self, flight: Flight) -> None:
         """Run one attempt. Whatever goes wrong ends the attempt: its item is finished,
         requeued or failed, its lease released, and it leaves the flight table (an item left
         running would keep its claim and lease alive through every heartbeat)."""
         try:
             await self._run(flight)
         except asyncio.CancelledError:
-            await self._stopped(flight)
+            await self.stopped(flight)
         except Exception as exc:
             log.exception(
                 "node %s: item %s attempt %s failed in the worker",
-                self.config.node,
+                self.state.config.node,
                 flight.item.id,
                 flight.item.attempt,
             )
@@ -67,11 +75,11 @@ class AttemptRunner(DispatcherState):
         # back an incomplete UTF-8 sequence), so progress is judged by the count.
         done = flight.run.kept
         request = dict(flight.run.request)
-        request["model"] = self.model
+        request["model"] = self.state.model
         if flight.endpoint == Endpoint.EMBEDDINGS:
             await self._embed(flight, request, request_id)
             return
-        if self.config.tenant_cache_salt and flight.item.tenant_id:
+        if self.state.config.tenant_cache_salt and flight.item.tenant_id:
             # Tenants apart in the engine's prefix cache, whatever the line said.
             request["cache_salt"] = cache_salt(flight.item.tenant_id)
         if flight.endpoint == Endpoint.RESPONSES:
@@ -81,25 +89,25 @@ class AttemptRunner(DispatcherState):
         usage_prompt: int | None = None
         completion = 0
         try:
-            stream = self.engine.stream_completion(
+            stream = self.state.engine.stream_completion(
                 flight.endpoint,
                 request,
-                priority=self.config.batch_priority,
+                priority=self.state.config.batch_priority,
                 request_id=request_id,
-                stream_interval=self.config.stream_interval,
+                stream_interval=self.state.config.stream_interval,
             )
             async with stream:
                 async for chunk in stream:
                     flight.last_chunk_at = time.monotonic()
-                    if self.engine_suspect and chunk.choices:
-                        log.info("node %s: the engine makes progress again", self.config.node)
-                        self.engine_suspect = False
-                        self.room.set()
+                    if self.state.engine_suspect and chunk.choices:
+                        log.info("node %s: the engine makes progress again", self.state.config.node)
+                        self.state.engine_suspect = False
+                        self.state.room.set()
                     flight.answer.add(chunk.raw)
                     for choice in chunk.choices:
                         flight.text.setdefault(choice.index, []).append(choice.text)
                     if flight.first_token_at is None and any(c.text for c in chunk.choices):
-                        self.prefilled(flight)
+                        self.state.prefilled(flight)
                     if chunk.usage is not None:
                         usage_prompt = chunk.usage.prompt_tokens
                         completion = chunk.usage.completion_tokens
@@ -113,7 +121,7 @@ class AttemptRunner(DispatcherState):
         elapsed = time.monotonic() - flight.started
         if completion and elapsed > 0:
             rate = completion / elapsed
-            self.decode_rate = 0.8 * self.decode_rate + 0.2 * max(rate, 0.1)
+            self.state.decode_rate = 0.8 * self.state.decode_rate + 0.2 * max(rate, 0.1)
         response = self._response_body(flight, request_id, None, usage_prompt)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(response))
 
@@ -129,19 +137,19 @@ class AttemptRunner(DispatcherState):
         """An embeddings attempt (``worker.embeddings``): one call, nothing partial to keep."""
         try:
             answer = await embed(
-                self.engine,
+                self.state.engine,
                 request,
-                model=self.model,
-                priority=self.config.batch_priority,
+                model=self.state.model,
+                priority=self.state.config.batch_priority,
                 request_id=request_id,
             )
         except (EngineError, OSError) as exc:
             await self._engine_failed(flight, exc)
             return
-        if self.engine_suspect:
-            log.info("node %s: the engine makes progress again", self.config.node)
-            self.engine_suspect = False
-            self.room.set()
+        if self.state.engine_suspect:
+            log.info("node %s: the engine makes progress again", self.state.config.node)
+            self.state.engine_suspect = False
+            self.state.room.set()
         self._check_reservation(flight, answer.prompt_tokens, 0)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
@@ -150,22 +158,22 @@ class AttemptRunner(DispatcherState):
         counted from its output deltas, the result and usage from its final event."""
         fold = ResponseStream()
         try:
-            stream = self.engine.stream_responses(
-                request, priority=self.config.batch_priority, request_id=request_id
+            stream = self.state.engine.stream_responses(
+                request, priority=self.state.config.batch_priority, request_id=request_id
             )
             async with stream:
                 async for event in stream:
                     flight.last_chunk_at = time.monotonic()
                     if not fold.add(event):
                         continue
-                    if self.engine_suspect:
-                        log.info("node %s: the engine makes progress again", self.config.node)
-                        self.engine_suspect = False
-                        self.room.set()
+                    if self.state.engine_suspect:
+                        log.info("node %s: the engine makes progress again", self.state.config.node)
+                        self.state.engine_suspect = False
+                        self.state.room.set()
                     if flight.first_token_at is None:
-                        self.prefilled(flight)
+                        self.state.prefilled(flight)
                     flight.generated = min(fold.deltas, flight.item.max_output_tokens)
-            answer = fold.result(model=self.model)
+            answer = fold.result(model=self.state.model)
         except (EngineError, OSError) as exc:
             await self._engine_failed(flight, exc)
             return
@@ -174,7 +182,7 @@ class AttemptRunner(DispatcherState):
         elapsed = time.monotonic() - flight.started
         if answer.output_tokens and elapsed > 0:
             rate = answer.output_tokens / elapsed
-            self.decode_rate = 0.8 * self.decode_rate + 0.2 * max(rate, 0.1)
+            self.state.decode_rate = 0.8 * self.state.decode_rate + 0.2 * max(rate, 0.1)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
     def _check_reservation(self, flight: Flight, usage_prompt: int | None, completion: int) -> None:
@@ -186,14 +194,14 @@ class AttemptRunner(DispatcherState):
         # A lease that refers to a shared prefix holds its own blocks; the prefix's are the
         # node's, held once for every lease that refers to it (issue 36).
         if held > flight.lease.tokens + flight.lease.prefix_tokens:
-            self.stats.reservation_violations += 1
-            self.event(
+            self.state.stats.reservation_violations += 1
+            self.state.event(
                 logging.ERROR,
                 flight,
                 "reservation_violation",
                 "node %s: item %s attempt %s held %s KV tokens in the engine (prompt %s + "
                 "output %s) on a reservation of %s",
-                self.config.node,
+                self.state.config.node,
                 flight.item.id,
                 flight.item.attempt,
                 held,
@@ -206,27 +214,29 @@ class AttemptRunner(DispatcherState):
         """An attempt broke on something of the worker's or the item's (not the engine's):
         requeue it with backoff, or fail it at the attempt cap; release and forget it."""
         item = flight.item
-        outcome = retry_or_fail(item.attempt, self.config.max_attempts, FailureKind.WORKER, exc)
+        outcome = retry_or_fail(
+            item.attempt, self.state.config.max_attempts, FailureKind.WORKER, exc
+        )
         try:
             if isinstance(outcome, Fail):
                 with contextlib.suppress(StaleWrite):
                     await asyncio.to_thread(
                         functools.partial(
-                            self.repo.fail,
+                            self.state.repo.fail,
                             item.id,
                             item.attempt,
                             outcome.error,
                             fencing_token=flight.lease.fencing_token,
                         )
                     )
-                self.stats.failed += 1
+                self.state.stats.failed += 1
             else:
                 await self._requeue(flight, outcome)
         except Exception:
             # Postgres is out too: the claim expires and the reaper requeues the item.
-            log.exception("node %s: item %s not requeued", self.config.node, item.id)
+            log.exception("node %s: item %s not requeued", self.state.config.node, item.id)
         finally:
-            await self.release(flight)
+            await self.state.release(flight)
 
     def _response_body(
         self,
@@ -253,39 +263,39 @@ class AttemptRunner(DispatcherState):
         earlier = flight.item.partial_output if kept and flight.item.partial_output else ""
         return answer.body(
             response_id=request_id,
-            model=self.model,
+            model=self.state.model,
             created=int(time.time()),
             usage=usage,
             kept={0: earlier} if earlier else None,
             finish_reason=finish_reason,
         )
 
-    async def _report_progress(self) -> None:
+    async def report_progress(self) -> None:
         """Settle the progress of every item that grew by ``settle_every_tokens`` since its
         last report, once per ``settle_interval_s``, in one ledger round trip for the node.
         Generated-so-far lets the ledger pick victims that lose the least work."""
-        cfg = self.config
+        cfg = self.state.config
         while True:
             await asyncio.sleep(cfg.settle_interval_s)
             due = [
                 (f, f.generated)
-                for f in self.flights.values()
+                for f in self.state.flights.values()
                 if f.stop_reason is None and f.generated - f.settled >= cfg.settle_every_tokens
             ]
             if not due:
                 continue
             with contextlib.suppress(BackfillError):
-                await self.ledger.settle_many(
+                await self.state.ledger.settle_many(
                     cfg.node, [(f.lease.lease_id, f.lease.fencing_token, g) for f, g in due]
                 )
                 for f, g in due:
                     f.settled = g
 
-    async def _stopped(self, flight: Flight) -> None:
+    async def stopped(self, flight: Flight) -> None:
         """The task was cancelled by the dispatcher: keep the progress where that is ours."""
         item, lease = flight.item, flight.lease
         reason = flight.stop_reason or StopReason.SHUTDOWN
-        self.event(
+        self.state.event(
             logging.DEBUG,
             flight,
             f"stop_{reason.value}",
@@ -299,21 +309,21 @@ class AttemptRunner(DispatcherState):
             action = after_stop(reason)
             if action is StopAction.PREEMPT:
                 await asyncio.to_thread(
-                    self.repo.preempt,
+                    self.state.repo.preempt,
                     item.id,
                     item.attempt,
                     lease.fencing_token,
-                    partial_output=self.partial(flight),
+                    partial_output=self.state.partial(flight),
                     partial_tokens=flight.generated,
                 )
-                self.stats.preempted += 1
+                self.state.stats.preempted += 1
             elif action is StopAction.REQUEUE:
                 await self._requeue(flight, GiveBack(reason.value))
             elif action is StopAction.ENGINE_FAULT:
                 await self._engine_trouble(
                     flight,
                     EngineUnavailable(
-                        f"the stream sent nothing for {self.config.stall_timeout_s:.0f} s "
+                        f"the stream sent nothing for {self.state.config.stall_timeout_s:.0f} s "
                         "while the engine made no progress"
                     ),
                 )
@@ -322,7 +332,7 @@ class AttemptRunner(DispatcherState):
         except StaleWrite:
             pass
         finally:
-            await self.release(flight)
+            await self.state.release(flight)
 
     async def _engine_trouble(self, flight: Flight, exc: BaseException) -> None:
         item = flight.item
@@ -330,25 +340,27 @@ class AttemptRunner(DispatcherState):
             # Claim nothing more until the engine answers again (see _fill). Said before the
             # first await below: a claim the loop starts meanwhile would send items to a dead
             # engine and spend one of their attempts each.
-            self.engine_down = True
-        self.event(
+            self.state.engine_down = True
+        self.state.event(
             logging.WARNING,
             flight,
             "engine_error",
             "node %s: item %s attempt %s: engine error: %s",
-            self.config.node,
+            self.state.config.node,
             item.id,
             item.attempt,
             exc,
         )
-        outcome = retry_or_fail(item.attempt, self.config.max_attempts, FailureKind.ENGINE, exc)
+        outcome = retry_or_fail(
+            item.attempt, self.state.config.max_attempts, FailureKind.ENGINE, exc
+        )
         if isinstance(outcome, Fail):
             await self._finish(flight, ItemState.FAILED, error=outcome.error)
             return
         try:
             await self._requeue(flight, outcome)
         finally:
-            await self.release(flight)
+            await self.state.release(flight)
 
     async def _requeue(self, flight: Flight, outcome: GiveBack) -> None:
         """running -> queued for ``flight``'s attempt, its progress kept (nothing to do if
@@ -357,17 +369,17 @@ class AttemptRunner(DispatcherState):
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
                 functools.partial(
-                    self.repo.requeue,
+                    self.state.repo.requeue,
                     item.id,
                     item.attempt,
                     flight.lease.fencing_token,
-                    partial_output=self.partial(flight),
+                    partial_output=self.state.partial(flight),
                     partial_tokens=flight.generated,
                     detail=outcome.detail,
                     retry_after_s=outcome.retry_after_s,
                 )
             )
-            self.stats.requeued += 1
+            self.state.stats.requeued += 1
 
     async def _finish(
         self,
@@ -378,7 +390,7 @@ class AttemptRunner(DispatcherState):
         error: str | None = None,
     ) -> None:
         item = flight.item
-        self.event(
+        self.state.event(
             logging.DEBUG,
             flight,
             f"finish_{state.value}",
@@ -398,12 +410,17 @@ class AttemptRunner(DispatcherState):
             output_tokens=flight.generated,
             prompt_tokens=item.prompt_tokens,
         )
-        await self.results.put(Finished(fin, flight))
+        await self.writer.put(Finished(fin, flight))
 
-    def _cancelled_early(self, task: asyncio.Task[None], flight: Flight) -> None:
+    def cancelled_early(self, task: asyncio.Task[None], flight: Flight) -> None:
         # A task cancelled before its first step never runs its own handler: do its cleanup
         # (requeue or preempt, release) here, or its item would stay running with a lease.
-        if task.cancelled() and self.flights.get(flight.item.id) is flight:
-            cleanup = asyncio.get_running_loop().create_task(self._stopped(flight))
-            self.cleanups.add(cleanup)
-            cleanup.add_done_callback(self.cleanups.discard)
+        if task.cancelled() and self.state.flights.get(flight.item.id) is flight:
+            cleanup = asyncio.get_running_loop().create_task(self.stopped(flight))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+
+    async def cleaned_up(self) -> None:
+        """Wait for the cleanups of attempts cancelled before their first step."""
+        while self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)

@@ -18,6 +18,7 @@ import logging
 from backfill.prefill import PromptCount
 from backfill.prefix_pass import PrefixJobs, PromptTokenIds, find_job_prefixes
 from backfill.store.prefixes import PrefixJob
+from worker.dispatch_check import Checker
 from worker.dispatch_state import DispatcherState
 
 log = logging.getLogger("backfill.worker")
@@ -29,29 +30,41 @@ finder then asks at the claim loop's idle poll, so a new job waits a poll for it
 up to 2 s: ``bench.prefix``'s pass was taken 0.9 s after its job went in progress)."""
 
 
-class PrefixFinding(DispatcherState):
-    """The dispatcher's prefix finder (a helper task of ``NodeDispatcher.run``)."""
+class PrefixFinding:
+    """The dispatcher's prefix finder (a helper task of ``NodeDispatcher.run``): the counts
+    its passes learn go to ``checker``, so the items are not counted again when claimed."""
 
-    prefix_jobs: PrefixJobs | None = None
+    def __init__(
+        self, state: DispatcherState, checker: Checker, prefix_jobs: PrefixJobs | None = None
+    ) -> None:
+        self.state = state
+        self.checker = checker
+        self.prefix_jobs = prefix_jobs
+        # Set when a claim came back empty: a new job's items may wait for its pass.
+        self._look = asyncio.Event()
+
+    def look(self) -> None:
+        """Ask for a job to look at now, not at the next poll (a claim came back empty)."""
+        self._look.set()
 
     def finds_prefixes(self) -> bool:
         return (
-            self.config.prefix_caching
+            self.state.config.prefix_caching
             and self.prefix_jobs is not None
-            and isinstance(self.engine, PromptTokenIds)
+            and isinstance(self.state.engine, PromptTokenIds)
         )
 
-    async def _find_prefixes(self) -> None:
+    async def find_prefixes(self) -> None:
         store = self.prefix_jobs
-        engine = self.engine
+        engine = self.state.engine
         assert store is not None
         assert isinstance(engine, PromptTokenIds)
-        self.prefix_look = asyncio.Event()  # this run's (an event waited on keeps its loop)
+        self._look = asyncio.Event()  # this run's (an event waited on keeps its loop)
         while True:
             job: PrefixJob | None = None
-            self.prefix_look.clear()  # a wake from here on asks again
+            self._look.clear()  # a wake from here on asks again
             try:
-                job = await asyncio.to_thread(store.take_prefix_job, [self.model])
+                job = await asyncio.to_thread(store.take_prefix_job, [self.state.model])
                 if job is not None:
                     await find_job_prefixes(
                         engine,
@@ -60,19 +73,19 @@ class PrefixFinding(DispatcherState):
                         endpoint=job.endpoint,
                         model=job.model,
                         tenant_id=job.tenant_id,
-                        block_size=self.block_size,
-                        concurrency=self.config.tokenize_concurrency,
+                        block_size=self.state.block_size,
+                        concurrency=self.state.config.tokenize_concurrency,
                         counted=self._counted_by_pass,
                     )
                     # Its items are claimable now (``prefix_claim_hold_s``): the claim loop,
                     # idle while they were held, is woken rather than left to its next poll.
-                    self.room.set()
+                    self.state.room.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # its items reserve their whole prompts: safe, no gain
                 log.warning(
                     "node %s: prefixes of batch %s not found: %s",
-                    self.config.node,
+                    self.state.config.node,
                     job.job_id if job is not None else "?",
                     exc,
                 )
@@ -80,12 +93,12 @@ class PrefixFinding(DispatcherState):
                     await self._end_prefix_pass(store, job.job_id)
             if job is None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.prefix_look.wait(), PREFIX_POLL_S)
+                    await asyncio.wait_for(self._look.wait(), PREFIX_POLL_S)
 
     def _counted_by_pass(self, item_id: int, tokens: int) -> None:
         """The pass asked for the item's token ids: their number is its count (one prompt,
         one sequence: ``backfill.prefix_pass.prefix_body``)."""
-        self.remember_count(item_id, PromptCount.single(tokens))
+        self.checker.remember_count(item_id, PromptCount.single(tokens))
 
     async def _end_prefix_pass(self, store: PrefixJobs, job_id: str) -> None:
         """The pass over ``job_id`` failed (one that found ends with its record): claims stop
@@ -95,9 +108,9 @@ class PrefixFinding(DispatcherState):
         except Exception as exc:
             log.warning(
                 "node %s: prefix pass of batch %s not marked ended: %s",
-                self.config.node,
+                self.state.config.node,
                 job_id,
                 exc,
             )
             return
-        self.room.set()  # its items are claimable now
+        self.state.room.set()  # its items are claimable now

@@ -1,7 +1,10 @@
-"""What a node's dispatcher holds: its attempts in flight, its counters, and the state its
-parts share (``worker.dispatch`` claims and starts, ``worker.dispatch_attempts`` runs,
-``worker.dispatch_results`` writes results, ``worker.dispatch_watch`` watches leases, the
-engine and the work budget).
+"""What a node's dispatcher holds: its attempts in flight, its leases, its counters, and
+the state its parts share. One :class:`DispatcherState` is built per dispatcher and given to
+each part (``worker.dispatch`` composes them: ``worker.dispatch_check`` counts and judges,
+``worker.dispatch_attempts`` runs, ``worker.dispatch_results`` writes results,
+``worker.dispatch_watch`` watches leases, the engine and the work budget,
+``worker.dispatch_prefixes`` finds shared prefixes); the moves here are those every part
+makes on it.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import NamedTuple
 
 from backfill import logs
@@ -29,19 +31,13 @@ from backfill.dispatch import (
 from backfill.engine.protocol import Engine
 from backfill.engine.shared_load import SharedLoad
 from backfill.engine_scheduler import EngineScheduler
-from backfill.errors import BackfillError
-from backfill.ledger import BatchLedger, Lease
-from backfill.prefill import PromptCount
+from backfill.errors import BackfillError, LedgerError, LedgerUnavailable
+from backfill.ledger import BatchLedger, Lease, ReserveRequest
 from backfill.store import AttemptStore, ClaimedItem, Finish
 from backfill.work_budget import WorkBudget
 from worker.response import ResponseAssembler
 
 _log = logging.getLogger("backfill.worker")
-
-COUNTED_KEPT = 65_536
-"""Prompt token counts a dispatcher remembers (item id -> tokens), so an item given back
-unstarted, or one its prefix pass asked the token ids of, is not counted again when it is
-claimed."""
 
 
 @dataclass
@@ -60,7 +56,7 @@ class Flight:
     task: asyncio.Task[None] | None = None
     generated: int = 0
     settled: int = 0
-    """``generated`` as last reported to the ledger (``_report_progress``)."""
+    """``generated`` as last reported to the ledger (``AttemptRunner.report_progress``)."""
     text: dict[int, list[str]] = field(default_factory=dict)
     answer: ResponseAssembler | None = None
     """This attempt's stream, folded into the non-streaming body as it arrives."""
@@ -136,74 +132,61 @@ class DispatchStats:
     prefill it (``backfill.dispatch.prefix_starts``), so they lean on it once it is cached."""
 
 
+@dataclass(eq=False)
 class DispatcherState:
-    """The state of one node's dispatcher, and the moves every part of it makes."""
+    """The state of one node's dispatcher, built once and given to each of its parts
+    (``worker.dispatch`` composes them), and the moves every part makes on it."""
 
-    def __init__(
-        self,
-        config: DispatchConfig,
-        engine: Engine,
-        repo: AttemptStore,
-        ledger: BatchLedger,
-        *,
-        model: str,
-        block_size: int,
-        max_sequence_tokens: int,
-        host_clock: HostClock = time.time,
-    ) -> None:
-        self.config = config
-        # Redis' clock, read here: the gateways' signal stamps and the published budgets are
-        # compared on it (this host's clock may be off; ``host_clock`` is it).
+    config: DispatchConfig
+    engine: Engine
+    repo: AttemptStore
+    ledger: BatchLedger
+    _: KW_ONLY
+    model: str
+    block_size: int
+    max_sequence_tokens: int
+    host_clock: InitVar[HostClock] = time.time
+    clock: SharedClock = field(init=False)
+    """Redis' clock, read here: the gateways' signal stamps and the published budgets are
+    compared on it (this host's clock may be off; ``host_clock`` is it)."""
+    engine_load: SharedLoad = field(init=False)
+    """The budget, the observer and the stall watch share one /metrics read."""
+    stats: DispatchStats = field(default_factory=DispatchStats)
+    flights: dict[int, Flight] = field(default_factory=dict)
+    """The attempts in flight, by item id."""
+    by_lease: dict[str, int] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    """Every lease this dispatcher holds, from its reservation to its release: what is left
+    here when the dispatcher stops is released then (see ``release_leftovers``), whatever
+    path lost track of it."""
+    early_preemptions: dict[str, float] = field(default_factory=dict)
+    """Preemption notices for leases this dispatcher does not know yet: a lease preempted
+    between its reservation and the item's registration (the notice comes while the start is
+    written to Postgres; the ledger prefers exactly those newest leases as victims). Checked
+    at registration so that such an item never reaches the engine."""
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    """Wakes the claim loop: a lease ended, a prefill ended, an item finished."""
+    typical_reservation: int = 0
+    typical_prompt: int = 0
+    decode_rate: float = field(init=False)
+    engine_down: bool = False
+    """Set when the engine stopped answering; cleared once it answers again."""
+    engine_suspect: bool = False
+    """Set when an attempt stalled on an engine that answers but makes no progress (hung):
+    one item at a time is sent until one gets output again, so a hang spends the attempts of
+    one item per stall timeout, not of every item the node could hold."""
+    engine_scheduler: EngineScheduler | None = None
+    """What the engine's step scheduler last said of itself; None: it runs none (or its
+    metrics do not answer), and the work budget protects interactive alone."""
+    work_budget: WorkBudget | None = field(init=False)
+
+    def __post_init__(self, host_clock: HostClock) -> None:
         self.clock = SharedClock(host=host_clock)
-        self.engine = engine
-        # The budget, the observer and the stall watch share one /metrics read.
-        self.engine_load = SharedLoad(engine)
-        self.repo = repo
-        self.ledger = ledger
-        self.model = model
-        self.block_size = block_size
-        self.max_sequence_tokens = max_sequence_tokens
-        self.stats = DispatchStats()
-        self.flights: dict[int, Flight] = {}
-        self.by_lease: dict[str, int] = {}
-        # Every lease this dispatcher holds, from its reservation to its release: what is
-        # left here when the dispatcher stops is released then (see ``release_leftovers``),
-        # whatever path lost track of it.
-        self.leases: dict[str, Lease] = {}
-        # Preemption notices for leases this dispatcher does not know yet: a lease preempted
-        # between its reservation and the item's registration (the notice comes while the
-        # start is written to Postgres; the ledger prefers exactly those newest leases as
-        # victims). Checked at registration so that such an item never reaches the engine.
-        self.early_preemptions: dict[str, float] = {}
-        self.worker_id = uuid.uuid4().hex
-        # None is the writer's signal to commit what it holds and stop.
-        self.results: asyncio.Queue[Finished | None] = asyncio.Queue()
-        self.stopping = asyncio.Event()
-        self.room = asyncio.Event()
-        # Set when a claim came back empty: a new job's items may wait for its prefix pass.
-        self.prefix_look = asyncio.Event()
-        self.typical_reservation = 0
-        self.typical_prompt = 0
-        # Prompt token counts by item id: an item given back unstarted (no slack, work budget
-        # full) is not counted again by the engine when it is claimed again. Bodies never
-        # change, so a count stays right; bounded, oldest forgotten first.
-        self.counted: OrderedDict[int, PromptCount] = OrderedDict()
-        self.cleanups: set[asyncio.Task[None]] = set()
-        self.decode_rate = config.decode_tokens_per_s
-        self.tokenize_slots = asyncio.Semaphore(config.tokenize_concurrency)
-        # Set when the engine stopped answering; cleared once it answers again.
-        self.engine_down = False
-        # Set when an attempt stalled on an engine that answers but makes no progress (hung):
-        # one item at a time is sent until one gets output again, so a hang spends the
-        # attempts of one item per stall timeout, not of every item the node could hold.
-        self.engine_suspect = False
-        # What the engine's step scheduler last said of itself; None: it runs none (or its
-        # metrics do not answer), and the work budget protects interactive alone.
-        self.engine_scheduler: EngineScheduler | None = None
-        policy = config.work_budget
-        self.work_budget: WorkBudget | None = (
-            None if policy is None else WorkBudget.initial(policy, self.clock.now())
-        )
+        self.engine_load = SharedLoad(self.engine)
+        self.decode_rate = self.config.decode_tokens_per_s
+        policy = self.config.work_budget
+        self.work_budget = None if policy is None else WorkBudget.initial(policy, self.clock.now())
 
     @property
     def engine_pauses_batch(self) -> bool:
@@ -301,13 +284,6 @@ class DispatcherState:
         if self.work_budget is not None or flight.item.prefix_id is not None:
             self.room.set()
 
-    def remember_count(self, item_id: int, count: PromptCount) -> None:
-        """``item_id``'s own request counts ``count`` (bodies never change, so it stays
-        right); the oldest counts are forgotten past :data:`COUNTED_KEPT`."""
-        self.counted[item_id] = count
-        if len(self.counted) > COUNTED_KEPT:
-            self.counted.popitem(last=False)
-
     def forget(self, flight: Flight) -> None:
         self.flights.pop(flight.item.id, None)
         self.by_lease.pop(flight.lease.lease_id, None)
@@ -335,6 +311,22 @@ class DispatcherState:
         # Their slack is free now: a claim loop woken when their attempts ended (before this
         # release was answered) may have read it held, claimed nothing and gone to sleep.
         self.room.set()
+
+    async def release_unconfirmed(self, requests: list[ReserveRequest]) -> None:
+        """Give back reservations whose answer was lost (their call failed on its connection:
+        Redis may have granted them), so they do not hold the slack until their TTL runs out.
+        Best effort: a ledger still out of reach leaves them to the TTL, as before."""
+        if not requests:
+            return
+        try:
+            await self.ledger.release_unconfirmed(requests)
+        except (LedgerError, LedgerUnavailable) as exc:
+            _log.warning(
+                "node %s: %d reservations of unknown outcome left to their TTL: %s",
+                self.config.node,
+                len(requests),
+                exc,
+            )
 
     async def release_leftovers(self) -> None:
         """At the dispatcher's stop: release every lease it still holds. None should be left

@@ -37,7 +37,7 @@ class Timeline:
 
     def settles(self) -> list[tuple[float, int]]:
         """(when, tokens generated) of each settle the dispatcher sends: whenever the output
-        grew by ``settle_every_tokens`` since the last one (``NodeDispatcher._run``)."""
+        grew by ``settle_every_tokens`` since the last one (``AttemptRunner._run``)."""
         every = self.settle_every_tokens
         if every <= 0:
             return []

@@ -200,7 +200,7 @@ class SimNode:
                 await job()
             await asyncio.sleep(interval)
 
-    # -- fill: NodeDispatcher._fill, _fit_to_slack, _reserve_and_start
+    # -- fill: NodeDispatcher._fill, _reserve, _fit_to_slack, _start_claim
 
     async def _fill(self) -> int:
         cfg, rec = self.cfg, self.rec
@@ -309,7 +309,7 @@ class SimNode:
         if progress:
             await self.rec.timed("settle", self.plane.settle_many(self.name, progress))
 
-    # -- results: NodeDispatcher._write_results, _commit_results
+    # -- results: ResultWriter.write_results, _commit_results (worker.dispatch_results)
 
     async def _write_results(self) -> None:
         while not self._stopping.is_set() or not self._results.empty():

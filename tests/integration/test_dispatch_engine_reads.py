@@ -41,16 +41,16 @@ def _reads(settings: Settings, node: str, *, scheduler: bool) -> tuple[int, int]
             BLOCK,
         )
         if scheduler:
-            dispatcher.engine_scheduler = EngineScheduler("0.1.0", "0.32.0", 10)
+            dispatcher.state.engine_scheduler = EngineScheduler("0.1.0", "0.32.0", 10)
         steps = 0
-        step = dispatcher._step_budget
+        step = dispatcher.watchers._step_budget
 
         async def counted_step() -> None:
             nonlocal steps
             steps += 1
             await step()
 
-        dispatcher._step_budget = counted_step  # type: ignore[method-assign]
+        dispatcher.watchers._step_budget = counted_step  # type: ignore[method-assign]
 
         async def run() -> None:
             runner = asyncio.create_task(dispatcher.run())

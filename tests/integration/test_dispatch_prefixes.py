@@ -162,7 +162,7 @@ def _run(
         if prefixes:
 
             async def find() -> None:
-                finder = asyncio.create_task(dispatcher._find_prefixes())
+                finder = asyncio.create_task(dispatcher.prefixes.find_prefixes())
                 for _ in range(200):
                     if repo.prefix_groups(job):
                         break

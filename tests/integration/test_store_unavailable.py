@@ -146,11 +146,11 @@ def test_the_result_writer_outlives_a_store_outage_and_commits_later(
             block_size=BLOCK,
             max_sequence_tokens=4096,
         )
-        dispatcher.flights[flight.item.id] = flight
+        dispatcher.state.flights[flight.item.id] = flight
         held = repo.engine.connect()  # Postgres out of reach for the writer
-        writer = asyncio.create_task(dispatcher._write_results())
+        writer = asyncio.create_task(dispatcher.writer.write_results())
         try:
-            await dispatcher.results.put((finish, flight))
+            await dispatcher.writer.put((finish, flight))
             loop = asyncio.get_running_loop()
             give_up = loop.time() + HANG_S
             while not any("cannot write results" in r.getMessage() for r in caplog.records):
@@ -161,10 +161,10 @@ def test_the_result_writer_outlives_a_store_outage_and_commits_later(
                 assert loop.time() < give_up, "the writer never tried to write"
                 await asyncio.sleep(0.05)
             assert not writer.done()
-            assert flight.item.id in dispatcher.flights  # still held, still heartbeated
+            assert flight.item.id in dispatcher.state.flights  # still held, still heartbeated
         finally:
             held.close()
-        await dispatcher.results.put(None)
+        await dispatcher.writer.put(None)
         await asyncio.wait_for(writer, HANG_S)
         await aledger.aclose()
         return dispatcher
@@ -173,7 +173,7 @@ def test_the_result_writer_outlives_a_store_outage_and_commits_later(
         with caplog.at_level(logging.WARNING, logger="backfill.worker"):
             dispatcher = asyncio.run(scenario())
         assert dispatcher.stats.succeeded == 1
-        assert dispatcher.flights == {}
+        assert dispatcher.state.flights == {}
         [item] = repo.items(flight.item.job_id)
         assert item.state is ItemState.SUCCEEDED
         snap = ledger.snapshot("n1")

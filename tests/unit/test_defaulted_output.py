@@ -94,7 +94,7 @@ def test_a_budget_the_caller_gave_is_never_cut_and_fails_over_the_limit() -> Non
 def test_the_dispatcher_sends_a_defaulted_item_what_its_exact_prompt_leaves() -> None:
     # The worker's own path: counted by the engine, fitted, reserved on what it sends.
     dispatcher = _dispatcher(CountingEngine())
-    ready, refused = asyncio.run(dispatcher._check([_item(3000), _item(100)]))
+    ready, refused = asyncio.run(dispatcher.checker.check([_item(3000), _item(100)]))
     assert not refused
     long, short = ready
     assert long.run.request["max_tokens"] == long.max_output == LIMIT - 3000
@@ -116,7 +116,7 @@ def test_a_resumed_defaulted_item_continues_with_what_the_limit_leaves_its_new_p
         partial_tokens=50,
     )
     dispatcher = _dispatcher(CountingEngine())
-    (ready,), refused = asyncio.run(dispatcher._check([resumed]))
+    (ready,), refused = asyncio.run(dispatcher.checker.check([resumed]))
     assert not refused
     assert ready.run.kept == 50
     assert ready.count.longest == 3950

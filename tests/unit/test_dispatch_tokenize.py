@@ -77,7 +77,7 @@ def test_a_claims_prompts_are_counted_at_most_tokenize_concurrency_at_once() -> 
     engine = CountingEngine()
     dispatcher = _dispatcher(engine, tokenize_concurrency=8)
 
-    ready, refused = asyncio.run(dispatcher._check(_claimed(64)))
+    ready, refused = asyncio.run(dispatcher.checker.check(_claimed(64)))
 
     assert not refused
 
@@ -91,7 +91,7 @@ def test_prompts_counted_before_are_not_counted_again() -> None:
     engine = CountingEngine()
     dispatcher = _dispatcher(engine)
 
-    ready, refused = asyncio.run(dispatcher._check(_claimed(4, prompt_tokens=7)))
+    ready, refused = asyncio.run(dispatcher.checker.check(_claimed(4, prompt_tokens=7)))
 
     assert not refused
 
@@ -136,7 +136,7 @@ def test_a_line_of_several_prompts_reserves_every_sequence() -> None:
     prompts = ["x" * 10, "y" * 100, "z"]
     body = {"model": "m", "prompt": prompts, "max_tokens": 50}
 
-    (ready,), refused = asyncio.run(dispatcher._check([_item(body, "/v1/completions", 50)]))
+    (ready,), refused = asyncio.run(dispatcher.checker.check([_item(body, "/v1/completions", 50)]))
     assert not refused
 
     counts = [len(json.dumps({"prompt": p})) for p in prompts]
@@ -161,7 +161,7 @@ def test_a_chat_line_is_counted_with_its_tools_and_template_arguments() -> None:
         "max_tokens": 8,
     }
 
-    (ready,), refused = asyncio.run(dispatcher._check([_item(body, "/v1/chat/completions")]))
+    (ready,), refused = asyncio.run(dispatcher.checker.check([_item(body, "/v1/chat/completions")]))
     assert not refused
 
     (sent,) = engine.bodies
