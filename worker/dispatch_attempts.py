@@ -99,10 +99,8 @@ class AttemptRunner:
             async with stream:
                 async for chunk in stream:
                     flight.last_chunk_at = time.monotonic()
-                    if self.state.engine_suspect and chunk.choices:
-                        log.info("node %s: the engine makes progress again", self.state.config.node)
-                        self.state.engine_suspect = False
-                        self.state.room.set()
+                    if chunk.choices:
+                        self.state.engine_progressed()
                     flight.answer.add(chunk.raw)
                     for choice in chunk.choices:
                         flight.text.setdefault(choice.index, []).append(choice.text)
@@ -146,10 +144,7 @@ class AttemptRunner:
         except (EngineError, OSError) as exc:
             await self._engine_failed(flight, exc)
             return
-        if self.state.engine_suspect:
-            log.info("node %s: the engine makes progress again", self.state.config.node)
-            self.state.engine_suspect = False
-            self.state.room.set()
+        self.state.engine_progressed()
         self._check_reservation(flight, answer.prompt_tokens, 0)
         await self._finish(flight, ItemState.SUCCEEDED, result=json.dumps(answer.body))
 
@@ -166,10 +161,7 @@ class AttemptRunner:
                     flight.last_chunk_at = time.monotonic()
                     if not fold.add(event):
                         continue
-                    if self.state.engine_suspect:
-                        log.info("node %s: the engine makes progress again", self.state.config.node)
-                        self.state.engine_suspect = False
-                        self.state.room.set()
+                    self.state.engine_progressed()
                     if flight.first_token_at is None:
                         self.state.prefilled(flight)
                     flight.generated = min(fold.deltas, flight.item.max_output_tokens)

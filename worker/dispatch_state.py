@@ -284,6 +284,14 @@ class DispatcherState:
         if self.work_budget is not None or flight.item.prefix_id is not None:
             self.room.set()
 
+    def engine_progressed(self) -> None:
+        """An attempt got output: an engine suspected of hanging makes progress again, and
+        the claim loop may send it more than one item at a time."""
+        if self.engine_suspect:
+            _log.info("node %s: the engine makes progress again", self.config.node)
+            self.engine_suspect = False
+            self.room.set()
+
     def forget(self, flight: Flight) -> None:
         self.flights.pop(flight.item.id, None)
         self.by_lease.pop(flight.lease.lease_id, None)
