@@ -1,6 +1,6 @@
 """The settings' tables of ``docs/configuration.md`` (and the step scheduler's on
 ``docs/engine-scheduler.md``), written from the settings themselves: each row's default is
-the field's, its meaning the docstring under the field (``backfill/config.py``,
+the field's, its meaning the docstring under the field (``backfill/config/``,
 ``backfill_vllm/settings.py``). ``python -m devkit.config_doc`` rewrites the tables between
 their markers and leaves the prose around them as it is; ``--check`` only says which pages
 are stale. ``tests/unit/test_configuration_page.py`` fails when a committed page differs from
