@@ -227,3 +227,23 @@ def serve_metrics(render: Callable[[], str], host: str, port: int) -> ThreadingH
     )
     thread.start()
     return server
+
+
+_served: dict[tuple[str, int], list[SchedulerMetrics]] = {}
+"""One metrics server per (host, port) in a process, serving the metrics it holds."""
+
+
+def serve_shared(metrics: SchedulerMetrics, host: str, port: int) -> str:
+    """Serve ``metrics`` at ``http://host:port/metrics``; where the server is, or ``not
+    served`` (logged) when the port cannot be bound. One server per (host, port) in a
+    process: a scheduler built later (tests, an engine restarted in-process) takes it over."""
+    key = (host, port)
+    holder = _served.get(key)
+    if holder is not None:
+        holder[0] = metrics
+    else:
+        holder = [metrics]
+        if serve_metrics(lambda: holder[0].render(), host, port) is None:  # noqa: PLW0108
+            return "not served"
+        _served[key] = holder
+    return f"http://{host}:{port}/metrics"

@@ -35,13 +35,18 @@ none is in the engine, a step that would carry batch alone is *held back* instea
 pauses every batch request and admits none, so vLLM builds an empty step): the loop then waits
 for the step in flight, and an interactive request arriving meanwhile is in the next step
 rather than behind one more batch step.
+
+What it leaves to modules that import no vLLM: what batch each step may do
+(``backfill_vllm.policy``), what it remembers of each batch request and records of each step
+(``backfill_vllm.tracks``), vLLM's waiting queues as it reads and borrows them
+(``backfill_vllm.queues``), the steps in flight and their times (``backfill_vllm.stepmodel``),
+and the KV blocks it reads from vLLM's cache manager (``backfill_vllm.kvblocks``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from vllm import __version__ as vllm_version
@@ -53,15 +58,15 @@ check_vllm_version(vllm_version)
 
 from vllm.logger import init_logger  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
-from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.interface import PauseState  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from backfill_vllm.metrics import SchedulerMetrics, serve_metrics  # noqa: E402
+from backfill_vllm.kvblocks import blocks_to_start, freed_blocks, held_hits  # noqa: E402
+from backfill_vllm.metrics import SchedulerMetrics, serve_shared  # noqa: E402
 from backfill_vllm.policy import (  # noqa: E402
     SequenceView,
     StepPlan,
@@ -72,6 +77,7 @@ from backfill_vllm.policy import (  # noqa: E402
     plan_step,
     slot_victims,
 )
+from backfill_vllm.queues import put_back, set_aside, waiting_interactive  # noqa: E402
 from backfill_vllm.refusals import (  # noqa: E402
     EngineFacts,
     UnsupportedEngineConfigError,
@@ -79,24 +85,11 @@ from backfill_vllm.refusals import (  # noqa: E402
     refusals,
 )
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
-from backfill_vllm.stepmodel import StepTimeModel  # noqa: E402
+from backfill_vllm.stepmodel import StepsInFlight, StepTimeModel  # noqa: E402
+from backfill_vllm.tracks import BatchTracks  # noqa: E402
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
 logger = init_logger("vllm.backfill_vllm")
-
-# One metrics server per (host, port) in a process; a scheduler built later (tests, an engine
-# restarted in-process) takes it over.
-_served: dict[tuple[str, int], list[SchedulerMetrics]] = {}
-
-
-@dataclass
-class _BatchTrack:
-    """What the scheduler remembers of one batch request between steps."""
-
-    last_progress_s: float
-    paused_steps: int = 0
-    pause_started_s: float | None = None
-    pauses: int = 0
 
 
 class BackfillScheduler(Scheduler):
@@ -119,32 +112,20 @@ class BackfillScheduler(Scheduler):
         s = self.backfill
         self.backfill_metrics = SchedulerMetrics(__version__, vllm_version, s.batch_priority)
         self._step_model = StepTimeModel(s.model_window, s.model_min_samples)
-        self._tracks: dict[str, _BatchTrack] = {}
+        self._tracks = BatchTracks(self.backfill_metrics)
         self._plan: StepPlan | None = None
         self._allowance_left = 0
         self._capped = 0
         self._preempt_reason: str | None = None
-        self._in_flight: dict[int, tuple[int, float, int, int]] = {}
-        """Steps scheduled and not yet come back, by their output's id: (order, when
-        scheduled, tokens, decodes)."""
-        self._scheduled = 0
+        self._steps = StepsInFlight()
         self._held_back_last = False
-        self._last_update_s = 0.0
-        self._last_step_s = 0.0
         self._interactive_seen_s = time.monotonic()
         """When an interactive request was last in the engine (quiet counts from the start)."""
-        where = "not served"
-        if s.metrics_port:
-            key = (s.metrics_host, s.metrics_port)
-            holder = _served.get(key)
-            if holder is not None:
-                holder[0] = self.backfill_metrics
-                where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
-            else:
-                holder = [self.backfill_metrics]
-                if serve_metrics(lambda: holder[0].render(), *key) is not None:  # noqa: PLW0108
-                    _served[key] = holder
-                    where = f"http://{s.metrics_host}:{s.metrics_port}/metrics"
+        where = (
+            serve_shared(self.backfill_metrics, s.metrics_host, s.metrics_port)
+            if s.metrics_port
+            else "not served"
+        )
         logger.info(
             "backfill_vllm %s (%s): batch is priority >= %d; chunk target %.3f s, lifted after "
             "%.1f s without interactive work (lift fixed share %.2f); whole-step bound %.1f s "
@@ -220,40 +201,15 @@ class BackfillScheduler(Scheduler):
         return params is not None and params.seed is not None and current_platform.is_cpu()
 
     def _waiting_interactive(self) -> Iterator[Request]:
-        """Waiting interactive requests in the order vLLM admits them. Under the priority
-        policy the queues are ordered by priority, so this stops at the first batch request
-        instead of walking a long batch backlog every step."""
-        bar = self.backfill.batch_priority
-        ordered = self.policy == SchedulingPolicy.PRIORITY
-        for queue in (self.kv_holding_waiting, self.waiting):
-            if ordered and (not queue or queue.peek_request().priority >= bar):
-                continue
-            kv_holding = queue is self.kv_holding_waiting
-            for request in queue:
-                if request.priority < bar:
-                    if self._startable(request, kv_holding):
-                        yield request
-                elif ordered:
-                    break
-
-    def _set_aside_waiting_batch(
-        self, keep: frozenset[str]
-    ) -> list[tuple[RequestQueue, list[Request]]]:
-        """Take the waiting batch requests (but ``keep``) out of vLLM's queues for one step."""
-        bar = self.backfill.batch_priority
-        aside: list[tuple[RequestQueue, list[Request]]] = []
-        for queue in (self.kv_holding_waiting, self.waiting):
-            batch = [r for r in queue if r.priority >= bar and r.request_id not in keep]
-            if batch:
-                queue.remove_requests(batch)
-                aside.append((queue, batch))
-        return aside
-
-    @staticmethod
-    def _put_back(aside: list[tuple[RequestQueue, list[Request]]]) -> None:
-        for queue, batch in aside:
-            for request in batch:
-                queue.add_request(request)
+        """Waiting interactive requests that can start this step, in the order vLLM admits
+        them (under the priority policy, without walking the batch backlog)."""
+        return waiting_interactive(
+            self.kv_holding_waiting,
+            self.waiting,
+            self.backfill.batch_priority,
+            self.policy == SchedulingPolicy.PRIORITY,
+            self._startable,
+        )
 
     # -- the step ------------------------------------------------------------------------
 
@@ -261,9 +217,7 @@ class BackfillScheduler(Scheduler):
         known = request.request_id in self.requests
         super().add_request(request)
         if not known and self.is_batch(request):
-            self._tracks[request.request_id] = _BatchTrack(time.monotonic())
-            with self.backfill_metrics.lock:
-                self.backfill_metrics.batch_requests += 1
+            self._tracks.arrived(request.request_id, time.monotonic())
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         now = time.monotonic()
@@ -273,7 +227,9 @@ class BackfillScheduler(Scheduler):
         # Waiting batch that may not start this step is set aside, never given 0 tokens in
         # vLLM's waiting scan (0.32 stops the scan there, whoever waits behind it).
         aside = (
-            self._set_aside_waiting_batch(plan.admitted)
+            set_aside(
+                self.kv_holding_waiting, self.waiting, self.backfill.batch_priority, plan.admitted
+            )
             if not plan.admit_batch or plan.prefill_allowance <= 0
             else []
         )
@@ -282,19 +238,22 @@ class BackfillScheduler(Scheduler):
             output = super().schedule(throttle_prefills)
         finally:
             self._plan = None
-            self._put_back(aside)
-        self._account(plan, output, now)
+            put_back(aside)
+        resident = self._resident_batch()
+        self._tracks.account(
+            plan,
+            output.num_scheduled_tokens,
+            self._is_running,
+            resident,
+            self._capped,
+            self._step_model,
+            now,
+        )
         self._held_back_last = plan.held_back
         if output.total_num_scheduled_tokens > 0:
-            if len(self._in_flight) > 16:
-                self._in_flight.clear()  # outputs that never came back (engine reset)
             decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
-            self._scheduled += 1
-            self._in_flight[id(output)] = (
-                self._scheduled,
-                time.monotonic(),
-                output.total_num_scheduled_tokens,
-                decodes,
+            self._steps.sent(
+                id(output), time.monotonic(), output.total_num_scheduled_tokens, decodes
             )
         return output
 
@@ -333,13 +292,13 @@ class BackfillScheduler(Scheduler):
             sequences,
             now,
             self._step_model.fit(),
-            self._last_step_s,
+            self._steps.last_step_s,
             self.max_num_scheduled_tokens,
             interactive_quiet_s=quiet_s,
             async_steps=bool(self.scheduler_config.async_scheduling),
             # Never two steps held back in a row: after one, vLLM's loop has waited for the
             # step in flight, so an entry still here is one that never came back.
-            step_in_flight=bool(self._in_flight) and not self._held_back_last,
+            step_in_flight=bool(self._steps) and not self._held_back_last,
         )
 
     def _sequence(self, request: Request, resident: bool) -> SequenceView:
@@ -434,22 +393,18 @@ class BackfillScheduler(Scheduler):
         # it holds already), in every KV cache group.
         groups = max(1, len(self.kv_cache_config.kv_cache_groups))
         needs = [
-            groups
-            * max(
-                0,
-                cdiv(
-                    min(
-                        r.num_computed_tokens + chunk + self.num_lookahead_tokens,
-                        self.max_model_len,
-                    ),
-                    self.block_size,
-                )
-                - cdiv(r.num_computed_tokens, self.block_size),
+            blocks_to_start(
+                r.num_computed_tokens,
+                chunk,
+                self.num_lookahead_tokens,
+                self.max_model_len,
+                self.block_size,
+                groups,
             )
             for r, chunk in zip(admissible, chunks, strict=False)
         ]
         # Prompt blocks running requests already hold (a shared prefix) take no free block.
-        needs = [max(0, n - self._held_hits(r)) for n, r in zip(needs, admissible, strict=False)]
+        needs = [max(0, n - held_hits(manager, r)) for n, r in zip(needs, admissible, strict=False)]
         if self.running:
             needs[0] += manager.watermark_blocks
         self._preempt(
@@ -461,33 +416,12 @@ class BackfillScheduler(Scheduler):
             VictimView(
                 r.request_id,
                 r.num_computed_tokens,
-                self._freed_blocks(r),
+                freed_blocks(self.kv_cache_manager, r),
                 r.arrival_time,
             )
             for r in self.running
             if self.is_batch(r) and r.status == RequestStatus.RUNNING
         ]
-
-    def _held_hits(self, request: Request) -> int:
-        """Blocks of ``request``'s prompt that the prefix cache has and running requests hold:
-        admitting it takes no free block for them (a cached block nobody holds sits in the
-        free pool, and taking it takes a free block)."""
-        manager = self.kv_cache_manager
-        if request.num_computed_tokens > 0 or not getattr(manager, "enable_caching", False):
-            return 0
-        if request.skip_reading_prefix_cache:
-            return 0
-        hit = manager.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
-        )
-        return sum(1 for blocks in hit[0] for b in blocks if b.ref_cnt > 0 and not b.is_null)
-
-    def _freed_blocks(self, request: Request) -> int:
-        """KV blocks preempting ``request`` gives back to the free pool, in every group: only
-        those it alone holds (a block shared with another running request, a common prefix
-        in the prefix cache, stays held)."""
-        groups = self.kv_cache_manager.coordinator.get_blocks(request.request_id)
-        return sum(1 for blocks in groups for b in blocks if b.ref_cnt == 1 and not b.is_null)
 
     def _preempt(self, request_ids: Iterable[str], reason: str) -> None:
         timestamp = time.monotonic()
@@ -504,66 +438,14 @@ class BackfillScheduler(Scheduler):
         self, request: Request, timestamp: float, drop_stale_output: bool = False
     ) -> None:
         if self.is_batch(request):
-            reason = self._preempt_reason or "kv"
-            with self.backfill_metrics.lock:
-                if reason == "seqs":
-                    self.backfill_metrics.preemptions_seqs += 1
-                else:
-                    self.backfill_metrics.preemptions_kv += 1
-            track = self._tracks.get(request.request_id)
-            if track is not None:
-                track.paused_steps, track.pause_started_s = 0, None
+            self._tracks.preempted(request.request_id, self._preempt_reason or "kv")
         super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
 
     # -- what happened -------------------------------------------------------------------
 
-    def _account(self, plan: StepPlan, output: SchedulerOutput, now: float) -> None:
-        scheduled = output.num_scheduled_tokens
-        resident = self._resident_batch()
-        m = self.backfill_metrics
-        with m.lock:
-            m.steps += 1
-            if plan.held_back:
-                # Nobody was paused: the step in flight carries them.
-                m.held_back_steps += 1
-                return
-            m.lifted_steps += plan.lifted
-            m.bounded_steps += plan.bounded
-            m.tokens_capped += self._capped
-            m.chunk_cap = plan.chunk_cap
-            m.fit = self._step_model.fit()
-            m.step_outliers = self._step_model.outliers
-            for request_id in scheduled:
-                track = self._tracks.get(request_id)
-                if track is not None:
-                    track.last_progress_s = now
-                    if track.pause_started_s is not None:
-                        track.paused_steps, track.pause_started_s = 0, None
-            paused_now = 0
-            for request_id in plan.paused:
-                track = self._tracks.get(request_id)
-                if track is None or request_id in scheduled:
-                    continue  # finished, or preempted and readmitted (not paused)
-                request = self.requests.get(request_id)
-                if request is None or request.status != RequestStatus.RUNNING:
-                    track.paused_steps, track.pause_started_s = 0, None
-                    continue  # preempted by vLLM in this step: waiting, not paused
-                paused_now += 1
-                if track.pause_started_s is None:
-                    track.pause_started_s = now
-                    track.pauses += 1
-                    m.pauses += 1
-                    m.most_pauses_per_request = max(m.most_pauses_per_request, track.pauses)
-                track.paused_steps += 1
-                m.longest_pause_steps = max(m.longest_pause_steps, track.paused_steps)
-                m.longest_pause_s = max(m.longest_pause_s, now - track.pause_started_s)
-            m.paused_now = paused_now
-            m.running_now, m.decoding_now = resident
-            if paused_now:
-                m.paused_steps += 1
-                m.tokens_held += plan.held_tokens
-            m.relief += sum(1 for r in plan.relieved | plan.admitted if r in scheduled)
-            m.ride_along += sum(1 for r in plan.riding if r in scheduled)
+    def _is_running(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.RUNNING
 
     def _resident_batch(self) -> tuple[int, int]:
         """Batch requests in the running set, and those of them past their prompts: one pass,
@@ -579,24 +461,14 @@ class BackfillScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: Any
     ) -> Any:
-        now = time.monotonic()
-        sent = self._in_flight.pop(id(scheduler_output), None)
-        if sent is not None:
-            order, scheduled_s, tokens, decodes = sent
-            # Steps come back in the order they were scheduled: one scheduled before this
-            # one and still here never will.
-            for key in [k for k, v in self._in_flight.items() if v[0] < order]:
-                del self._in_flight[key]
-            # The step ran from when it was scheduled, or from when the one before it came
-            # back if it was queued behind that one (async scheduling).
-            seconds = now - max(scheduled_s, self._last_update_s)
+        measured = self._steps.came_back(id(scheduler_output), time.monotonic())
+        if measured is not None:
+            tokens, seconds, decodes = measured
             self._step_model.observe(tokens, seconds, decodes=decodes)
-            self._last_step_s = seconds
-        self._last_update_s = now
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
-        self._tracks.pop(request.request_id, None)
+        self._tracks.freed(request.request_id)
         return super()._free_request(request, delay_free_blocks=delay_free_blocks)
 
 

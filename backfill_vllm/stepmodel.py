@@ -184,3 +184,49 @@ def _spread(variance: float, mean: float) -> bool:
     """Whether token counts of this variance about this mean can place a line: a standard
     deviation of at least 8 tokens and a tenth of the mean."""
     return variance > 0 and math.sqrt(variance) >= max(8.0, 0.1 * mean)
+
+
+class StepsInFlight:
+    """The steps scheduled and not yet come back, and how long each one that came back ran:
+    what the step scheduler feeds :class:`StepTimeModel` with, and whether a step is in flight
+    (under async scheduling vLLM schedules a step while the one before it runs)."""
+
+    MAX_IN_FLIGHT = 16
+    """More steps out than this and some never came back (an engine reset): forget them."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[int, tuple[int, float, int, int]] = {}
+        """By the step's key (its output's id): (order, when scheduled, tokens, decodes)."""
+        self._scheduled = 0
+        self._last_back_s = 0.0
+        self.last_step_s = 0.0
+        """How long the last step that came back ran."""
+
+    def __bool__(self) -> bool:
+        return bool(self._in_flight)
+
+    def sent(self, key: int, now: float, tokens: int, decodes: int) -> None:
+        """A step of ``tokens`` tokens (``decodes`` of them single-token decodes) scheduled."""
+        if len(self._in_flight) > self.MAX_IN_FLIGHT:
+            self._in_flight.clear()  # outputs that never came back (engine reset)
+        self._scheduled += 1
+        self._in_flight[key] = (self._scheduled, now, tokens, decodes)
+
+    def came_back(self, key: int, now: float) -> tuple[int, float, int] | None:
+        """The step ``key`` came back at ``now``: its tokens, the seconds it ran and its
+        decodes (None for a step not sent, or forgotten)."""
+        sent = self._in_flight.pop(key, None)
+        measured = None
+        if sent is not None:
+            order, scheduled_s, tokens, decodes = sent
+            # Steps come back in the order they were scheduled: one scheduled before this
+            # one and still here never will.
+            for other in [k for k, v in self._in_flight.items() if v[0] < order]:
+                del self._in_flight[other]
+            # The step ran from when it was scheduled, or from when the one before it came
+            # back if it was queued behind that one (async scheduling).
+            seconds = now - max(scheduled_s, self._last_back_s)
+            self.last_step_s = seconds
+            measured = (tokens, seconds, decodes)
+        self._last_back_s = now
+        return measured
