@@ -5,8 +5,9 @@ core imports no vLLM, nor a tokenizer library), and a prompt is counted only on 
 through its ``/tokenize`` (``backfill.prefill``), which renders the chat template exactly as
 the engine will. ``/tokenize`` answers the token ids with the count, so this pass asks an
 engine serving the job's model for each unfinished item's ids (the same ``/tokenize`` body the
-count sends), groups them (:class:`backfill.prefixes.PrefixFinder`) and writes each grouped
-item's prefix in one statement. Until it has run, or for an item it leaves out, an item
+count sends), groups them (:class:`backfill.prefixes.PrefixFinder`) and writes the grouped
+items' prefixes a page at a time (one statement a page), so the claims of a big batch start
+after its first page, not its last. Until it has run, or for an item it leaves out, an item
 reserves as it always did: the pass can only make a reservation smaller where it is sure.
 
 Left out (they reserve their whole prompt): embeddings (not salted, and they hold their
@@ -20,7 +21,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from backfill.prefill import EMBEDDINGS, prefill_plan
@@ -98,7 +99,8 @@ async def find_job_prefixes(
     counted: Callable[[int, int], None] | None = None,
 ) -> PrefixesFound:
     """Find and record the prefixes of job ``job_id``'s unfinished items not yet looked at,
-    asking the engine for up to ``concurrency`` items' token ids at once.
+    asking the engine for up to ``concurrency`` items' token ids at once, and recording what
+    each page grouped as the page ends (the first record ends the job's hold on claims).
 
     ``counted(item_id, tokens)`` is told each item's prompt tokens as the ids came: the body
     asked is the one the counting plan sends for the item (``prefix_body``), so its ids are
@@ -114,8 +116,12 @@ async def find_job_prefixes(
 
     after = 0
     looked_at = 0
+    recorded = _Recorded()
+    written = 0
     while True:
-        rows = store.unseen_prefix_items(job_id, after_id=after, limit=page)
+        rows = await asyncio.to_thread(
+            store.unseen_prefix_items, job_id, after_id=after, limit=page
+        )
         if not rows:
             break
         asked: list[tuple[int, Mapping[str, Any]]] = []
@@ -134,15 +140,47 @@ async def find_job_prefixes(
             if counted is not None:
                 counted(item_id, len(item_ids))
         after = rows[-1][0]
-    found: dict[int, SharedPrefix] = finder.found()
-    rows_out = [(item_id, p.id, p.blocks) for item_id, p in sorted(found.items())]
-    recorded = store.record_prefixes(job_id, rows_out)
-    groups = len({p.id for p in found.values()})
+        written += await _record_page(store, job_id, finder, recorded)
+    if not recorded.ended:  # no item to look at: the pass has ended all the same
+        await asyncio.to_thread(store.record_prefixes, job_id, [])
+    groups = len({p.id for p in recorded.prefixes.values()})
     log.info(
         "prefixes: batch %s: %d items looked at, %d in %d shared prefixes",
         job_id,
         looked_at,
-        len(recorded),
+        written,
         groups,
     )
-    return PrefixesFound(looked_at, len(found), len(recorded), groups)
+    return PrefixesFound(looked_at, len(recorded.prefixes), written, groups)
+
+
+@dataclass(slots=True)
+class _Recorded:
+    """What a pass has recorded so far."""
+
+    prefixes: dict[int, SharedPrefix] = field(default_factory=dict)
+    ended: bool = False
+    """Whether a record was written: the first marks the job's pass ended (claims stop
+    holding its items)."""
+
+
+async def _record_page(
+    store: PrefixStore, job_id: str, finder: PrefixFinder[int], recorded: _Recorded
+) -> int:
+    """Record the grouped items not recorded yet, as a page of the pass ends; how many were
+    written. The first record ends the job's hold on claims, so the claims of a big batch
+    start after its first page, not after its last: they take its items in id order, behind
+    the pass, which records each page as it goes.
+
+    An item keeps the prefix it was recorded with: one that a later page's items share less
+    of is a group of its own (each reserved once per node; the blocks the two physically
+    share are then reserved twice, never too few)."""
+    known = recorded.prefixes
+    new = sorted((item, shared) for item, shared in finder.found().items() if item not in known)
+    if not new and recorded.ended:
+        return 0
+    rows = [(item, shared.id, shared.blocks) for item, shared in new]
+    written = await asyncio.to_thread(store.record_prefixes, job_id, rows)
+    known.update(new)
+    recorded.ended = True
+    return len(written)

@@ -40,8 +40,8 @@ _TAKE = (
     "RETURNING j.id, j.endpoint, j.tenant_id, j.model"
 )
 
-# The job's prefix pass has ended (found, found none, or failed): claims stop leaving its
-# items for it (``backfill.store.claims.CLAIMABLE_NOW``).
+# The job's prefix pass has recorded its first page (it records the rest as it goes), found
+# none, or failed: claims stop leaving its items for it (``backfill.store.claims.CLAIMABLE_NOW``).
 _ENDED = "UPDATE jobs SET prefixes_ended_at = now() WHERE id = :j AND prefixes_ended_at IS NULL"
 
 _GROUPS = (

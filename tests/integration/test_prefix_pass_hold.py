@@ -11,6 +11,7 @@ token ids take a while, as a busy engine's ``/tokenize`` does.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -211,3 +212,69 @@ def test_the_prefix_pass_asks_for_several_items_token_ids_at_once(settings: Sett
         [group] = repo.prefix_groups(job)
         assert (group.blocks, group.items) == (4, ITEMS)
     assert engine.most_at_once == 4
+
+
+class GatedIdsEngine(PrefillingEngine):
+    """Token ids of the items past the first ``first_page`` wait for ``gate``; ``past_first``
+    is set when the first of them is asked for (the pass has moved on to its next page)."""
+
+    def __init__(self, first_page: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.first_page = first_page
+        self.gate = asyncio.Event()
+        self.past_first = asyncio.Event()
+
+    async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
+        doc = re.search(r"doc(\d+)", str(body["prompt"]))
+        assert doc is not None
+        if int(doc.group(1)) >= self.first_page:
+            self.past_first.set()
+            await self.gate.wait()
+        return await super().tokenize_ids(body, model)
+
+
+def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
+    settings: Settings,
+) -> None:
+    """The pass records what each page grouped as the page ends, and the first record ends the
+    claims' hold: a batch of 50,000 items is claimed after its first page's token ids, not its
+    last (red before: nothing recorded, and every item held, until the whole pass had ended)."""
+    page = 8
+    engine = GatedIdsEngine(page, prefill_s=0.0, blocks=64, block=BLOCK)
+    with stand_in_node(settings, "n-pages", BLOCK) as (repo, _, _):
+        job = _submit(repo, "t-pages", count=3 * page)
+
+        def recorded() -> int:
+            return sum(group.items for group in repo.prefix_groups(job))
+
+        def claimed() -> int:
+            claim = repo.open_claim("n-pages", 4, 30.0, models=["m"], prefix_hold_s=30.0)
+            if claim.open:
+                repo.drop_claim(claim)
+            return len(claim.items)
+
+        async def scenario() -> tuple[int, int, int]:
+            finding = asyncio.create_task(
+                find_job_prefixes(
+                    engine,
+                    repo,
+                    job,
+                    endpoint="/v1/completions",
+                    model="m",
+                    tenant_id="t-pages",
+                    block_size=BLOCK,
+                    page=page,
+                )
+            )
+            await asyncio.wait_for(engine.past_first.wait(), 120)
+            during = await asyncio.to_thread(recorded), await asyncio.to_thread(claimed)
+            engine.gate.set()
+            found = await finding
+            return *during, found.recorded
+
+        recorded_during, claimed_during, recorded_in_all = asyncio.run(scenario())
+        assert recorded_during == page  # the first page's items, while the rest wait
+        assert claimed_during == 4
+        assert recorded_in_all == 3 * page
+        [group] = repo.prefix_groups(job)
+        assert (group.blocks, group.items) == (4, 3 * page)  # one group: the pages agree
