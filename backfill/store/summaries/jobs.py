@@ -1,0 +1,233 @@
+"""A summarisation job's life: created, read, its documents received with their map steps, moved
+through its states, and driven by one process at a time.
+
+The job row is locked while documents are added, so their numbers follow the last one received
+and a job that no longer receives takes none (:class:`~backfill.errors.StaleWrite`). Every move
+is guarded by the states it may come from (``backfill.summarize.states``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, text
+
+from backfill import ids
+from backfill.errors import NotFound, StaleWrite
+from backfill.store.database import Store
+from backfill.store.summaries.records import NewDocument, SummaryJobRecord
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.prompts import LINE_OVERHEAD
+from backfill.summarize.states import DocumentState, SummaryJobState, sources_of
+
+_JOB_COLUMNS = (
+    "id, tenant_id, model, instruction, completion_window, state, summary_tokens, "
+    "context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, sampling, forecast_tokens, "
+    "planned_steps, "
+    "deadline, error, created_at, started_at, ended_at"
+)
+CREATE_JOB = (
+    "INSERT INTO summary_jobs (id, tenant_id, model, instruction, completion_window, "
+    "summary_tokens, context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, sampling) "
+    f"VALUES (:i, :t, :m, :ins, :w, :s, :c, :mp, :rp, :f, CAST(:samp AS jsonb)) "
+    f"RETURNING {_JOB_COLUMNS}"
+)
+GET_JOB = f"SELECT {_JOB_COLUMNS} FROM summary_jobs WHERE id = :i"
+LIST_JOBS = (
+    f"SELECT {_JOB_COLUMNS} FROM summary_jobs WHERE tenant_id = :t "
+    "ORDER BY created_at DESC LIMIT :n"
+)
+# The job row locked for the documents' insert (their numbers follow the last one).
+LOCK_RECEIVING = (
+    "SELECT coalesce((SELECT max(seq) + 1 FROM summary_documents WHERE job_id = :i), 0) "
+    "FROM summary_jobs WHERE id = :i AND state = 'receiving' FOR UPDATE"
+)
+ADD_FORECAST = (
+    "UPDATE summary_jobs SET forecast_tokens = forecast_tokens + :f, "
+    "planned_steps = planned_steps + :p WHERE id = :i"
+)
+INSERT_DOCUMENT = (
+    "INSERT INTO summary_documents (job_id, seq, source_id, state, chunks, split_depth, error) "
+    "VALUES (:i, :seq, :src, :state, :chunks, :depth, :error)"
+)
+# A step's key (job, document, node) keeps it from being made twice: the map steps made here,
+# the reduce steps by the driver (``outcomes``).
+INSERT_STEP = (
+    "INSERT INTO summary_steps (job_id, seq, node, body, line_bytes) "
+    "VALUES (:i, :seq, :node, :body, :bytes) ON CONFLICT DO NOTHING"
+)
+MOVE_JOB = (
+    "UPDATE summary_jobs SET state = :to, "
+    "deadline = coalesce(:deadline, deadline), error = coalesce(:error, error), "
+    "started_at = CASE WHEN :started THEN now() ELSE started_at END, "
+    "ended_at = CASE WHEN :ended THEN now() ELSE ended_at END "
+    "WHERE id = :i AND state IN :from RETURNING id"
+)
+OPEN_JOBS = (
+    "SELECT id FROM summary_jobs WHERE state IN ('in_progress', 'cancelling') "
+    "ORDER BY created_at LIMIT :n"
+)
+DRIVER_LOCK = "SELECT pg_try_advisory_lock(hashtext('summary:' || :i))"
+DRIVER_UNLOCK = "SELECT pg_advisory_unlock(hashtext('summary:' || :i))"
+
+
+def _job(row: Any) -> SummaryJobRecord:
+    return SummaryJobRecord(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        model=row.model,
+        instruction=row.instruction,
+        completion_window=row.completion_window,
+        state=SummaryJobState(row.state),
+        shape=JobShape(
+            context_tokens=row.context_tokens,
+            map_prompt_tokens=row.map_prompt_tokens,
+            reduce_prompt_tokens=row.reduce_prompt_tokens,
+            summary_tokens=row.summary_tokens,
+        ),
+        fan_in=row.fan_in,
+        sampling=dict(row.sampling or {}),
+        forecast_tokens=row.forecast_tokens,
+        planned_steps=row.planned_steps,
+        deadline=row.deadline,
+        error=row.error,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        ended_at=row.ended_at,
+    )
+
+
+class SummaryJobs(Store):
+    """Summarisation jobs: their rows, the documents they receive, their moves, their driver."""
+
+    def create_summary_job(
+        self,
+        tenant_id: str,
+        model: str,
+        instruction: str,
+        window: str,
+        shape: JobShape,
+        sampling: Mapping[str, float] | None = None,
+    ) -> SummaryJobRecord:
+        with self._tx() as conn:
+            row = conn.execute(
+                text(CREATE_JOB),
+                {
+                    "i": ids.new_summary_job_id(),
+                    "t": tenant_id,
+                    "m": model,
+                    "ins": instruction,
+                    "w": window,
+                    "s": shape.summary_tokens,
+                    "c": shape.context_tokens,
+                    "mp": shape.map_prompt_tokens,
+                    "rp": shape.reduce_prompt_tokens,
+                    "f": shape.fan_in,
+                    "samp": json.dumps(dict(sampling)) if sampling else None,
+                },
+            ).one()
+        return _job(row)
+
+    def get_summary_job(self, tenant_id: str | None, job_id: str) -> SummaryJobRecord:
+        with self._tx() as conn:
+            row = conn.execute(text(GET_JOB), {"i": job_id}).one_or_none()
+        if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
+            raise NotFound(f"No such summary job: {job_id}")
+        return _job(row)
+
+    def list_summary_jobs(self, tenant_id: str, limit: int = 20) -> list[SummaryJobRecord]:
+        """The tenant's newest jobs first."""
+        with self._tx() as conn:
+            rows = conn.execute(text(LIST_JOBS), {"t": tenant_id, "n": limit}).all()
+        return [_job(r) for r in rows]
+
+    def add_documents(self, job_id: str, documents: Sequence[NewDocument]) -> int:
+        """Store documents (numbered after those already received) with their map steps;
+        returns the number of the first. :class:`StaleWrite` unless the job is receiving."""
+        with self._tx() as conn:
+            first = conn.execute(text(LOCK_RECEIVING), {"i": job_id}).scalar_one_or_none()
+            if first is None:
+                raise StaleWrite(f"summary job {job_id} no longer receives documents")
+            docs, steps = [], []
+            forecast = planned = 0
+            for seq, doc in enumerate(documents, start=first):
+                forecast += doc.forecast_tokens
+                planned += doc.planned_steps
+                failed = doc.error is not None
+                docs.append(
+                    {
+                        "i": job_id,
+                        "seq": seq,
+                        "src": doc.source_id,
+                        "state": (DocumentState.FAILED if failed else DocumentState.PENDING),
+                        "chunks": max(1, len(doc.bodies)),
+                        "depth": doc.split_depth,
+                        "error": doc.error,
+                    }
+                )
+                for node, body in enumerate(() if failed else doc.bodies):
+                    steps.append(
+                        {
+                            "i": job_id,
+                            "seq": seq,
+                            "node": node,
+                            "body": body.decode(),
+                            "bytes": len(body) + LINE_OVERHEAD,
+                        }
+                    )
+            if docs:
+                conn.execute(text(INSERT_DOCUMENT), docs)
+            if steps:
+                conn.execute(text(INSERT_STEP), steps)
+            conn.execute(text(ADD_FORECAST), {"i": job_id, "f": forecast, "p": planned})
+        return int(first)
+
+    def move_summary_job(
+        self,
+        job_id: str,
+        to: SummaryJobState,
+        *,
+        deadline: datetime | None = None,
+        error: str | None = None,
+    ) -> None:
+        """The guarded move of the job to ``to``; :class:`StaleWrite` when it is not in a
+        state that moves there."""
+        query = text(MOVE_JOB).bindparams(bindparam("from", expanding=True))
+        ended = to not in (SummaryJobState.IN_PROGRESS, SummaryJobState.CANCELLING)
+        with self._tx() as conn:
+            moved = conn.execute(
+                query,
+                {
+                    "i": job_id,
+                    "to": to.value,
+                    "from": [s.value for s in sources_of(to)],
+                    "deadline": deadline,
+                    "error": error,
+                    "ended": ended,
+                    "started": to is SummaryJobState.IN_PROGRESS,
+                },
+            ).first()
+        if moved is None:
+            raise StaleWrite(f"summary job {job_id} cannot move to {to.value}")
+
+    def open_summary_jobs(self, limit: int = 100) -> list[str]:
+        with self._tx() as conn:
+            return list(conn.execute(text(OPEN_JOBS), {"n": limit}).scalars())
+
+    @contextmanager
+    def driver_lock(self, job_id: str) -> Iterator[bool]:
+        """Whether this process holds the job's driver lock (a session advisory lock, held on
+        a connection of its own until the block ends): one driver works a job at a time."""
+        with self.engine.connect() as conn:
+            held = bool(conn.execute(text(DRIVER_LOCK), {"i": job_id}).scalar_one())
+            conn.commit()
+            try:
+                yield held
+            finally:
+                if held:
+                    conn.execute(text(DRIVER_UNLOCK), {"i": job_id})
+                    conn.commit()
