@@ -19,6 +19,48 @@ from backfill_vllm.stepmodel import StepFit
 
 logger = logging.getLogger("vllm.backfill_vllm")  # vLLM's logging configuration applies
 
+TTFT_PARTS = ("step_in_flight", "queueing", "prefill")
+"""The parts of an interactive request's first-token time (:mod:`backfill_vllm.ttftsplit`):
+``backfill_sched_interactive_PART_seconds``, one histogram each."""
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class TtftSplitHistograms:
+    """Histograms of the three parts, seconds (bucket counts not cumulative here)."""
+
+    buckets: list[list[int]] = field(
+        default_factory=lambda: [[0] * len(TTFT_BUCKETS) for _ in TTFT_PARTS]
+    )
+    sums: list[float] = field(default_factory=lambda: [0.0] * len(TTFT_PARTS))
+    count: int = 0
+
+    def observe(self, *parts: float) -> None:
+        """One request's parts, in ``TTFT_PARTS`` order."""
+        self.count += 1
+        for i, value in enumerate(parts):
+            self.sums[i] += value
+            for b, bound in enumerate(TTFT_BUCKETS):
+                if value <= bound:
+                    self.buckets[i][b] += 1
+                    break
+
+    def render(self, out: list[str]) -> None:
+        for i, part in enumerate(TTFT_PARTS):
+            name = f"backfill_sched_interactive_{part}_seconds"
+            out.append(
+                f"# HELP {name} Interactive requests' first-token time in the engine: "
+                f"{part.replace('_', ' ')}, seconds."
+            )
+            out.append(f"# TYPE {name} histogram")
+            running = 0
+            for bound, n in zip(TTFT_BUCKETS, self.buckets[i], strict=True):
+                running += n
+                out.append(f'{name}_bucket{{le="{bound}"}} {float(running)!r}')
+            out.append(f'{name}_bucket{{le="+Inf"}} {float(self.count)!r}')
+            out.append(f"{name}_sum {self.sums[i]!r}")
+            out.append(f"{name}_count {float(self.count)!r}")
+
 
 @dataclass
 class SchedulerMetrics:
@@ -64,6 +106,8 @@ class SchedulerMetrics:
     most_pauses_per_request: int = 0
     chunk_cap: int = 0
     fit: StepFit | None = None
+    ttft_split: TtftSplitHistograms = field(default_factory=TtftSplitHistograms)
+    """Interactive requests' first-token time in the engine, in its parts."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -194,6 +238,7 @@ class SchedulerMetrics:
         )
         for name, text, gauge in self._gauges():
             family(f"backfill_sched_{name}", "gauge", text, ("", gauge))
+        self.ttft_split.render(out)
         return "\n".join(out) + "\n"
 
 

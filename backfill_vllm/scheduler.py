@@ -38,7 +38,8 @@ rather than behind one more batch step.
 
 What it leaves to modules that import no vLLM: what batch each step may do
 (``backfill_vllm.policy``), what it remembers of each batch request and records of each step
-(``backfill_vllm.tracks``), vLLM's waiting queues as it reads and borrows them
+(``backfill_vllm.tracks``), where interactive requests' first-token time goes
+(``backfill_vllm.ttftsplit``), vLLM's waiting queues as it reads and borrows them
 (``backfill_vllm.queues``), the steps in flight and their times (``backfill_vllm.stepmodel``),
 and the KV blocks it reads from vLLM's cache manager (``backfill_vllm.kvblocks``).
 """
@@ -87,6 +88,7 @@ from backfill_vllm.refusals import (  # noqa: E402
 from backfill_vllm.settings import SchedulerSettings  # noqa: E402
 from backfill_vllm.stepmodel import StepsInFlight, StepTimeModel  # noqa: E402
 from backfill_vllm.tracks import BatchTracks  # noqa: E402
+from backfill_vllm.ttftsplit import TtftSplits, core_arrival  # noqa: E402
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies.
 logger = init_logger("vllm.backfill_vllm")
@@ -113,6 +115,7 @@ class BackfillScheduler(Scheduler):
         self.backfill_metrics = SchedulerMetrics(__version__, vllm_version, s.batch_priority)
         self._step_model = StepTimeModel(s.model_window, s.model_min_samples)
         self._tracks = BatchTracks(self.backfill_metrics)
+        self._splits = TtftSplits(self.backfill_metrics)
         self._plan: StepPlan | None = None
         self._allowance_left = 0
         self._capped = 0
@@ -216,8 +219,13 @@ class BackfillScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         known = request.request_id in self.requests
         super().add_request(request)
-        if not known and self.is_batch(request):
+        if known:
+            return
+        if self.is_batch(request):
             self._tracks.arrived(request.request_id, time.monotonic())
+        else:
+            arrived = core_arrival(time.monotonic(), time.time(), request.arrival_time)
+            self._splits.arrived(request.request_id, arrived, bool(self._steps))
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         now = time.monotonic()
@@ -252,9 +260,10 @@ class BackfillScheduler(Scheduler):
         self._held_back_last = plan.held_back
         if output.total_num_scheduled_tokens > 0:
             decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
-            self._steps.sent(
-                id(output), time.monotonic(), output.total_num_scheduled_tokens, decodes
-            )
+            sent = time.monotonic()
+            self._steps.sent(id(output), sent, output.total_num_scheduled_tokens, decodes)
+            if self._splits:
+                self._splits.scheduled(output.num_scheduled_tokens, id(output), sent)
         return output
 
     def _view(self, now: float) -> StepView:
@@ -461,14 +470,23 @@ class BackfillScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: Any
     ) -> Any:
-        measured = self._steps.came_back(id(scheduler_output), time.monotonic())
+        now = time.monotonic()
+        measured = self._steps.came_back(id(scheduler_output), now)
         if measured is not None:
             tokens, seconds, decodes = measured
             self._step_model.observe(tokens, seconds, decodes=decodes)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        started = now - measured[1] if measured is not None else None
+        self._splits.came_back(id(scheduler_output), started, now)
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        for request_id in self._splits.waiting_first_token() if self._splits else ():
+            request = self.requests.get(request_id)
+            if request is not None and request.num_output_tokens > 0:
+                self._splits.first_token(request_id, now)
+        return result
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         self._tracks.freed(request.request_id)
+        self._splits.freed(request.request_id, request.num_output_tokens > 0)
         return super()._free_request(request, delay_free_blocks=delay_free_blocks)
 
 
