@@ -81,6 +81,7 @@ from bench.protection.report import (
     verdicts,
 )
 from bench.protection.run import DEFAULT_SCENARIOS, SCENARIOS, run_all
+from bench.protection.split import split_table
 from devkit import devengine
 
 NAME = "protection"
@@ -251,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         paired = pairs_report(summaries, other)
         if paired is not None:
             print(paired)
+    split = split_table(summaries)
+    if split is not None:
+        print(split)
     command = "python -m bench.protection " + " ".join(sys.argv[1:] if argv is None else argv)
     judged = closing_verdict(summaries, goals, load.median_prefill_s())
     print(

@@ -14,6 +14,7 @@ from backfill_analysis.simulate.trace import TraceOptions
 from bench.common import percentile
 from bench.protection import plan
 from bench.protection.replay import InteractiveResult
+from bench.protection.split import ttft_split
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,12 @@ class ScenarioResult:
             "loadavg_1m_5m_15m": self.loadavg,
             "cpu_cores": self.cpu,
             "scheduler": self.scheduler,
+            "ttft_split": ttft_split(
+                self.engine,
+                self.scheduler,
+                self.batch is None and self.interactive is not None,
+                ttfts,
+            ),
             "requests": [
                 {
                     "index": r.index,

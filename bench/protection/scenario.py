@@ -24,6 +24,7 @@ from bench.protection.replay import (
     replay,
     summarisation_body,
 )
+from bench.protection.split import ENGINE_SPLIT_COUNTERS, SCHEDULER_SPLIT_COUNTERS
 from bench.stack import BackfillStack, counters
 from devkit import devengine
 
@@ -32,6 +33,7 @@ ENGINE_COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:prompt_tokens_total",
     "vllm:prefix_cache_hits_total",
+    *ENGINE_SPLIT_COUNTERS,
 )
 
 
@@ -46,6 +48,7 @@ SCHEDULER_COUNTERS = [
     "backfill_sched_batch_pauses_total",
     "backfill_sched_batch_relief_total",
     "backfill_sched_batch_preemptions_total",
+    *SCHEDULER_SPLIT_COUNTERS,
 ]
 
 
