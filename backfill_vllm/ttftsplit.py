@@ -9,7 +9,8 @@ three parts recorded in :class:`~backfill_vllm.metrics.SchedulerMetrics`:
 - **prefill**: from that start to the end of the step that gave its first token (every chunk
   of its prompt, and any step between them).
 
-The three add up to its arrival-to-first-token time in the engine core. Its arrival is when
+The three add up to its arrival-to-first-token time in the engine core (one preempted between
+its first chunk and its first token counts its wait for readmission as prefill). Its arrival is when
 vLLM's front end took it (``Request.arrival_time``, wall clock), not when the core's
 ``add_request`` saw it: a synchronous engine core takes new requests only between steps, so
 the wait for the step in flight happens before ``add_request``. A front-end arrival more than
