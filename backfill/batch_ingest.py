@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from backfill.batch_input import (
     InputLimits,
@@ -53,6 +53,19 @@ class Admission:
     window_s: int
     throughput_tps: float
     completion_window: str
+
+
+class Overlap(Protocol):
+    """How a deferred ingest shares its ingest process with the ingest taken just before it:
+    it reads its file while the earlier one's COPY runs, and judges what reads the store
+    (the tenant's stored items and quota, the deadline) only once that one has ended."""
+
+    def file_read(self) -> None:
+        """Every line of this ingest's file is checked (or it ended early): the next ingest
+        may begin reading its own."""
+
+    def wait_for_earlier(self) -> None:
+        """Return once the ingest taken before this one has committed its items or ended."""
 
 
 class ForecastExceeded(Exception):
@@ -126,20 +139,27 @@ def ingest_items(
     plan: DeadlinePlan,
     *,
     fail_on_error: bool = True,
+    overlap: Overlap | None = None,
 ) -> JobRecord:
     """Check a validating job's file line by line and store its items (the job then runs),
     or fail the job naming every bad line, or the quota or deadline its exact forecast
     breaks. Returns the job as it is after. ``Conflict`` (a concurrent create with the same
     ``Idempotency-Key`` stored the items first) is left to the caller. Any other error
     fails the job too, unless ``fail_on_error`` is False (a deferred ingest: the job stays
-    validating for the next ingest, up to :data:`MAX_INGEST_ATTEMPTS`)."""
+    validating for the next ingest, up to :data:`MAX_INGEST_ATTEMPTS`). With ``overlap`` the
+    file is read while the ingest before it may still be storing; the tenant's stored items,
+    its quota and the deadline are then judged once that one has ended, on the exact figure."""
     limits = InputLimits.from_settings(settings, (tenant.id, tenant.name))
     tally = Tally()
-    stored = repo.stored_items(tenant.id)
 
     def items() -> Iterator[NewItem]:
         lines = located_lines(repo, tenant.id, job.input_file_id)
         yield from stream_valid_items(lines, job.endpoint, limits, tally)
+        if overlap is not None:
+            overlap.file_read()
+            # What the earlier ingest stores counts against this one's cap and quota.
+            overlap.wait_for_earlier()
+        stored = repo.stored_items(tenant.id)
         cap = settings.max_stored_items_per_tenant
         if stored + tally.lines > cap:
             raise ForecastExceeded(
@@ -152,10 +172,11 @@ def ingest_items(
         # The bound counts each line's output budget once: a line of several prompts (one
         # sequence each) or a file with escaped JSON keys needs more. Judge the exact figure
         # before the items commit.
+        # Judged again on the bound too when an earlier ingest may have stored meanwhile.
         exact = tally.max_output_tokens + tally.estimated_prompt_tokens
-        if exact > admission.forecast:
+        if exact > admission.forecast or overlap is not None:
             try:
-                judge_tokens(repo, settings, tenant, exact, admission)
+                judge_tokens(repo, settings, tenant, max(exact, admission.forecast), admission)
             except Refusal as refusal:
                 raise ForecastExceeded(refusal) from refusal
 
@@ -188,11 +209,17 @@ def ingest_items(
 
 
 def ingest_deferred(
-    repo: BatchStore, settings: Settings, job_id: str, attempt: int
+    repo: BatchStore,
+    settings: Settings,
+    job_id: str,
+    attempt: int,
+    *,
+    overlap: Overlap | None = None,
 ) -> JobRecord | None:
     """An ingest process's work on one deferred create (``attempt`` counts from 1): judge
-    the quota and the deadline again as they stand now, then check and store its file.
-    Returns the job as it is after, or None if it is gone (purged, its tenant deleted)."""
+    the quota and the deadline again as they stand now, then check and store its file
+    (``overlap``: see :func:`ingest_items`). Returns the job as it is after, or None if it
+    is gone (purged, its tenant deleted)."""
     try:
         job = repo.get_job(None, job_id)
         tenant = repo.tenant_by_id(job.tenant_id)
@@ -237,7 +264,9 @@ def ingest_deferred(
         fail_job(repo, job.id, [error_entry(refusal.code, refusal.message)], refusal.message)
         return repo.get_job(None, job.id)
     try:
-        return ingest_items(repo, settings, tenant, job, admission, plan, fail_on_error=False)
+        return ingest_items(
+            repo, settings, tenant, job, admission, plan, fail_on_error=False, overlap=overlap
+        )
     except Conflict:
         return repo.get_job(None, job.id)
 

@@ -1,6 +1,13 @@
 """The ingest loop: take a deferred create, check its file and store its items, and again
 until none waits; then sleep until woken or a poll interval passes.
 
+Two ingests overlap: the next one is taken and reads its file (Python's work, in this process)
+while the one before it COPYs its items (Postgres' work, in its backend), so checking every
+line before the COPY costs a queue of good files no throughput. Never more than one reads at a
+time, and never more than two run; each judges the tenant's stored items, its quota and the
+deadline only once the one before it has ended, and so commits after it
+(``backfill.batch_ingest.Overlap``).
+
 It runs in a process of its own (the API starts one, ``backfill ingest`` runs one beside),
 at a lower CPU priority than the API's: a large file's per-line work never holds the API's
 interpreter, and a key lookup or a status read never waits behind it. The queue, the hold on
@@ -16,11 +23,13 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from backfill.batch_ingest import ingest_deferred
+from backfill.batch_ingest import Overlap, ingest_deferred
 from backfill.config import Settings
 from backfill.states import JobState
 from backfill.store import IngestStore
@@ -59,20 +68,73 @@ class Ingested:
     seconds: float
 
 
-def ingest_next(repo: IngestStore, settings: Settings) -> Ingested | None:
+def ingest_next(
+    repo: IngestStore, settings: Settings, overlap: Overlap | None = None
+) -> Ingested | None:
     """One deferred create checked and stored (or failed), held against every other ingest
     while it runs; None when none waits."""
     with repo.take_deferred_ingest() as take:
         if take is None:
             return None
         started = time.monotonic()
-        job = ingest_deferred(repo, settings, take.job_id, take.attempt)
+        job = ingest_deferred(repo, settings, take.job_id, take.attempt, overlap=overlap)
         return Ingested(
             take.job_id,
             take.attempt,
             job.state if job is not None else None,
             time.monotonic() - started,
         )
+
+
+RUNNING = object()
+"""A handoff's outcome while its ingest still runs."""
+
+FAILED = object()
+"""The outcome of an ingest that raised (it has logged why)."""
+
+
+class Handoff:
+    """One ingest's place in the overlap (an :class:`Overlap`): it tells the loop when its
+    file is read, and waits for the ingest taken before it. ``outcome`` is the ingest's
+    result if it ended before its file counted as read (None: no create waited), else
+    :data:`RUNNING`."""
+
+    def __init__(self, earlier: Future[None] | None) -> None:
+        self._earlier = earlier
+        self.read = threading.Event()
+        self.outcome: object = RUNNING
+
+    def file_read(self) -> None:
+        self.read.set()
+
+    def wait_for_earlier(self) -> None:
+        if self._earlier is not None:
+            wait_for([self._earlier])
+
+    def ended(self, outcome: object) -> None:
+        if not self.read.is_set():
+            self.outcome = outcome
+        self.read.set()
+
+
+def _ingest_one(repo: IngestStore, settings: Settings, handoff: Handoff) -> None:
+    """``ingest_next`` in an ingest thread, logged; its file counts as read however it ends."""
+    outcome: object = FAILED
+    try:
+        done = ingest_next(repo, settings, handoff)
+        outcome = done
+        if done is not None:
+            log.info(
+                "ingest: batch %s %s in %.1f s (ingest %d)",
+                done.job_id,
+                done.state.value if done.state is not None else "gone",
+                done.seconds,
+                done.attempt,
+            )
+    except Exception:
+        log.exception("ingest: a deferred create could not be ingested; trying again")
+    finally:
+        handoff.ended(outcome)
 
 
 def run(
@@ -83,29 +145,26 @@ def run(
     *,
     idle_poll_s: float = IDLE_POLL_S,
 ) -> None:
-    """Ingest until ``stop`` is set. ``wake`` (set by whoever queues a create) cuts an idle
-    sleep short. An ingest stopped half way stores nothing; its job is taken again."""
-    while not stop.is_set():
-        try:
-            done = ingest_next(repo, settings)
-        except Exception:
-            log.exception("ingest: a deferred create could not be ingested; trying again")
-            stop.wait(ERROR_PAUSE_S)
-            continue
-        if done is not None:
-            log.info(
-                "ingest: batch %s %s in %.1f s (ingest %d)",
-                done.job_id,
-                done.state.value if done.state is not None else "gone",
-                done.seconds,
-                done.attempt,
-            )
-            continue
-        if wake is None:
-            stop.wait(idle_poll_s)
-        else:
-            wake.wait(idle_poll_s)
-            wake.clear()
+    """Ingest until ``stop`` is set, two ingests overlapping (see the module's docstring).
+    ``wake`` (set by whoever queues a create) cuts an idle sleep short. An ingest stopped
+    half way stores nothing; its job is taken again. The ingests in flight end before this
+    returns."""
+    with ThreadPoolExecutor(2, thread_name_prefix="ingest") as ingests:
+        earlier: Future[None] | None = None
+        while not stop.is_set():
+            handoff = Handoff(earlier)
+            earlier = ingests.submit(_ingest_one, repo, settings, handoff)
+            # The next is taken once this one has read its file; its COPY runs meanwhile.
+            handoff.read.wait()
+            outcome = handoff.outcome
+            if outcome is FAILED:
+                stop.wait(ERROR_PAUSE_S)
+            elif outcome is None:
+                if wake is None:
+                    stop.wait(idle_poll_s)
+                else:
+                    wake.wait(idle_poll_s)
+                    wake.clear()
 
 
 LOWER_PRIORITY = 19
@@ -167,7 +226,9 @@ def serve(
     stop: Stop = stopping if parent_pid is None else ParentGone(stopping, parent_pid)
     with contextlib.suppress(OSError):
         os.nice(LOWER_PRIORITY)
-    repo = Repository.connect(settings.database_url, pool_size=2)
+    # Two ingests at once, each a connection holding its job and one for its transaction, and
+    # a third while it judges the tenant's figures.
+    repo = Repository.connect(settings.database_url, pool_size=3)
     if ready is not None:
         ready.send_bytes(b"ready")
     try:

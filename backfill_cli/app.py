@@ -271,7 +271,8 @@ def worker(
 @app.command()
 def ingest() -> None:
     """Check and store the files of large batch creates (deferred by the API), until stopped.
-    Run any number beside the API; each takes one batch at a time, tenants in turn."""
+    Run any number beside the API; each reads one batch's file at a time (while it stores the
+    one before), tenants in turn."""
     settings = _settings()
     from backfill import ingester  # noqa: PLC0415 - the store loads only for this command
 

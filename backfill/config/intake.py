@@ -48,8 +48,8 @@ class IntakeSettings(BaseModel):
     ingesters: Annotated[int, Field(ge=0)] = 1
     """ingest processes each API process starts (at the lowest CPU priority; `backfill api`
     starts them with it); `0`: none, run `backfill ingest` beside instead (any number: each
-    takes one batch at a time, tenants in turn; an ingest that dies is begun again, up to 3
-    times)"""
+    reads one batch's file at a time while it stores the one before, tenants in turn; an
+    ingest that dies is begun again, up to 3 times)"""
     max_deferred_creates_per_tenant: PositiveInt = 4
     """a tenant's creates answered `validating` and not yet checked and stored (waiting for an
     ingest process, or in one) at once; one more is a 429 `too_many_concurrent_ingests` with
