@@ -7,6 +7,11 @@ is ``backfill api`` in its own process. The peer is the building block alone: ps
 binary COPY of the same rows into a plain table (as ``bench.ingest``). Figure: raw seconds /
 API seconds (upload + create until in_progress); the create stage alone is reported too.
 
+``--batches K`` creates K batches of the uploaded file back to back (each answers
+``validating``; the API's ingest process checks and stores them one after another) and times
+the create stage until every one is ``in_progress``: an ingest queue's throughput rather than
+one batch's latency; the raw COPY side then copies the K files' rows.
+
 The client uploads the file as a file object, streamed from disk in pieces (as the openai
 SDK does with an open file); ``--bytes-client`` sends it as one bytes value held in memory
 (how this benchmark measured before: the client's copies of the body then share the two
@@ -41,9 +46,15 @@ def jsonl_file(bodies: list[str]) -> bytes:
 
 
 def api_submit(
-    url: str, content: bytes, lines: int, *, stream_from: Path | None = None
+    url: str,
+    content: bytes,
+    lines: int,
+    *,
+    stream_from: Path | None = None,
+    batches: int = 1,
 ) -> tuple[float, float]:
-    """(upload seconds, create-until-in_progress seconds)."""
+    """(upload seconds, create-until-in_progress seconds: of every one of ``batches``
+    creates of the file)."""
     namespace = f"bfbench{secrets.token_hex(3)}"
     repo = Repository.connect(url)
     tenant = repo.create_tenant("bench")
@@ -51,7 +62,13 @@ def api_submit(
     repo.close()
     port = 18_000 + secrets.randbelow(2000)
     process = start_api(
-        url, namespace, port, {"BACKFILL_MAX_LINES_PER_BATCH": str(max(lines, 100_000))}
+        url,
+        namespace,
+        port,
+        {
+            "BACKFILL_MAX_LINES_PER_BATCH": str(max(lines, 100_000)),
+            "BACKFILL_MAX_DEFERRED_CREATES_PER_TENANT": str(max(4, batches)),
+        },
     )
     try:
         with httpx.Client(
@@ -75,20 +92,28 @@ def api_submit(
                         )
             uploaded.raise_for_status()
             with Stopwatch() as create:
-                batch = h.post(
-                    "/v1/batches",
-                    json={
-                        "input_file_id": uploaded.json()["id"],
-                        "endpoint": "/v1/chat/completions",
-                        "completion_window": "72h",
-                    },
-                ).json()
-                while batch.get("status") == "validating":
-                    time.sleep(0.05)
-                    batch = h.get(f"/v1/batches/{batch['id']}").json()
-            if batch.get("status") != "in_progress":
-                raise RuntimeError(f"batch not accepted: {json.dumps(batch)[:500]}")
-            assert batch["request_counts"]["total"] == lines
+                created = [
+                    h.post(
+                        "/v1/batches",
+                        json={
+                            "input_file_id": uploaded.json()["id"],
+                            "endpoint": "/v1/chat/completions",
+                            "completion_window": "72h",
+                        },
+                    ).json()
+                    for _ in range(batches)
+                ]
+                done = []
+                for seen in created:
+                    batch = seen
+                    while batch.get("status") == "validating":
+                        time.sleep(0.05)
+                        batch = h.get(f"/v1/batches/{batch['id']}").json()
+                    done.append(batch)
+            for batch in done:
+                if batch.get("status") != "in_progress":
+                    raise RuntimeError(f"batch not accepted: {json.dumps(batch)[:500]}")
+                assert batch["request_counts"]["total"] == lines
     finally:
         stop_api(process, namespace)
     return up.seconds, create.seconds
@@ -101,8 +126,15 @@ def main() -> None:
         action="store_true",
         help="upload the file as one bytes value (the old client), not streamed from disk",
     )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        help="batches created of the uploaded file, back to back (the ingest queue's throughput)",
+    )
     args = p.parse_args()
     n = 10_000 if args.quick else 50_000
+    k = args.batches
     bodies = make_bodies(n)
     content = jsonl_file(bodies)
     mb = len(content) / 1e6
@@ -116,18 +148,20 @@ def main() -> None:
             for side in ("raw", "api") if r % 2 == 0 else ("api", "raw"):
                 with scratch_database("bfsubmit") as url:
                     if side == "raw":
-                        rounds.append(("raw", raw_copy(url, bodies), 0.0))
+                        rounds.append(("raw", raw_copy(url, bodies * k), 0.0))
                     else:
-                        upload_s, create_s = api_submit(url, content, n, stream_from=stream_from)
+                        upload_s, create_s = api_submit(
+                            url, content, n, stream_from=stream_from, batches=k
+                        )
                         rounds.append(("api", upload_s, create_s))
     raw = min(s for side, s, _ in rounds if side == "raw")
     upload_s, create_s = min(((u, c) for side, u, c in rounds if side == "api"), key=sum)
     api = upload_s + create_s
     rows = [
-        ("raw psycopg COPY (pglz, no indexes)", n, mb, raw, n / raw),
+        ("raw psycopg COPY (pglz, no indexes)", n * k, mb * k, raw, n * k / raw),
         ("API: POST /v1/files (upload, checks)", n, mb, upload_s, n / upload_s),
-        ("API: POST /v1/batches -> in_progress", n, mb, create_s, n / create_s),
-        ("API: total", n, mb, api, n / api),
+        (f"API: POST /v1/batches x{k} -> in_progress", n * k, mb * k, create_s, n * k / create_s),
+        ("API: total", n * k, mb * k, api, n * k / api),
     ]
     print(table(["path", "lines", "MB", "seconds (best)", "lines/s"], rows))
     finish(
@@ -139,6 +173,7 @@ def main() -> None:
         {
             "lines": n,
             "mb": mb,
+            "batches": k,
             "quick": args.quick,
             "client": "bytes" if args.bytes_client else "file object (streamed)",
             "raw_s": raw,
