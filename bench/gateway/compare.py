@@ -52,6 +52,7 @@ SIDES = ("gateway", "nginx", "direct")
 HOPS = (
     "edge",
     "parse",
+    "rate_wait",
     "reserve",
     "engine_headers",
     "engine_first_chunk",
