@@ -52,7 +52,6 @@ SIDES = ("gateway", "nginx", "direct")
 HOPS = (
     "edge",
     "parse",
-    "rate_wait",
     "reserve",
     "engine_headers",
     "engine_first_chunk",
