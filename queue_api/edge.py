@@ -186,9 +186,7 @@ class Gate:
         _allowed(await self.tenants.acheck(tenant.id))
         return tenant
 
-    async def authenticate_deferred(
-        self, authorization: str
-    ) -> tuple[TenantRecord, RateCheck] | None:
+    def authenticate_deferred(self, authorization: str) -> tuple[TenantRecord, RateCheck] | None:
         """:meth:`authenticate_cached` with the rate limit's answer left to come: the tenant
         and its :class:`RateCheck` under way (paid from rate credits at once where it can);
         None where only Postgres can tell (or no asyncio client was given)."""
@@ -200,7 +198,7 @@ class Gate:
             return None
         if tenant is None:
             raise Unauthorized("Incorrect API key provided.")
-        return tenant, await RateCheck.started(self.tenants, tenant.id)
+        return tenant, RateCheck(self.tenants, tenant.id)
 
     def admit_anonymous(self, address: str) -> None:
         decision = self.anonymous.check(f"anon:{address}")
@@ -220,22 +218,11 @@ class RateCheck:
 
     __slots__ = ("_task",)
 
-    def __init__(self, task: asyncio.Task[RateDecision] | None) -> None:
-        self._task = task
-
-    @classmethod
-    async def started(cls, limiter: RateLimiter, tenant_id: str) -> RateCheck:
-        """The check of one request of ``tenant_id``, its question already sent to Redis
-        when it needs one: a new task first runs at the loop's next turn, and nothing on the
-        way to the parse waits on the loop when the whole body has come, so the edge yields
-        that one turn (else the question would leave only when the gateway came to wait for
-        its answer)."""
-        if limiter.spend_credit(tenant_id):
-            return cls(None)
-        task = asyncio.get_running_loop().create_task(limiter.acheck(tenant_id))
-        task.add_done_callback(_retrieved)
-        await asyncio.sleep(0)
-        return cls(task)
+    def __init__(self, limiter: RateLimiter, tenant_id: str) -> None:
+        self._task: asyncio.Task[RateDecision] | None = None
+        if not limiter.spend_credit(tenant_id):
+            self._task = asyncio.get_running_loop().create_task(limiter.acheck(tenant_id))
+            self._task.add_done_callback(_retrieved)
 
     async def allowed(self) -> None:
         """Returns once the tenant may go on; raises RateLimited when it may not (the same
@@ -307,7 +294,7 @@ class RequestEdge:
                 if rules.rate_checked_by_route and getattr(
                     scope["app"].state, DEFERRED_RATE_CHECK, False
                 ):
-                    deferred = await gate.authenticate_deferred(authorization)
+                    deferred = gate.authenticate_deferred(authorization)
                     if deferred is not None:
                         tenant, state[RATE_CHECK_STATE] = deferred
                 elif rules.needs_key:
