@@ -81,12 +81,6 @@ class RateLimiter:
             return RateDecision(True)
         return _decision(allowed, wait_ms)
 
-    def spend_credit(self, tenant_id: str, cost: int = 1) -> bool:
-        """Whether rate credits in hand pay for this request (and they are spent): no I/O;
-        False leaves the answer to :meth:`acheck`."""
-        book = self._credits
-        return book is not None and book.spend(tenant_id, cost, time.monotonic())
-
     async def acheck(self, tenant_id: str, cost: int = 1) -> RateDecision:
         """:meth:`check` on the event loop, through the asyncio client."""
         if self._async_script is None:

@@ -10,12 +10,7 @@ Per route (:func:`route_rules`, a pure function of method and path):
   rather than drained).
 - **The key**, for every ``/v1/`` route: checked, with the tenant's rate limit, before one
   byte of the body is read, so a caller without a valid key never makes the API read, parse
-  or spool a body. One exception, for the interactive gateway's two routes when the key
-  cache knows the key: the rate limit's round trip to Redis runs while the gateway reads and
-  parses the (bounded) body (:class:`RateCheck`, in the request's state), and the gateway
-  waits for its answer before anything reaches the ledger or an engine and before any answer
-  of its own, so a limited caller gets the same 429 as before, and only the round trip leaves
-  the request's path.
+  or spool a body.
 - **Anonymous work** (the capacity lab, ``/metrics``, ``/healthz``) is rate-limited per
   client address, and so is every key lookup that only Postgres can answer (a key not in the
   key cache), so guessing keys costs the guesser, not the database.
@@ -30,7 +25,6 @@ proxy shares one bucket).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
@@ -61,18 +55,9 @@ TENANT_STATE = "backfill.tenant"
 REQUEST_ID_STATE = "backfill.request_id"
 """Where the edge leaves the request's id (also sent back as ``x-request-id``)."""
 
-RATE_CHECK_STATE = "backfill.rate_check"
-"""Where the edge leaves the tenant's :class:`RateCheck` under way, for a route that waits for
-it itself (``RouteRules.rate_checked_by_route``)."""
-
 ACCEPTED_STATE = "backfill.accepted"
 """Where the edge leaves ``time.perf_counter()`` as the request reached it (the gateway's
 hop account starts there)."""
-
-DEFERRED_RATE_CHECK = "gateway_waits_for_rate_checks"
-"""An app state flag: set, the app's interactive routes wait for the tenant's rate check
-themselves (``RouteRules.rate_checked_by_route``); unset, the edge waits for it, as for every
-other route."""
 
 UPLOAD_PATH = "/v1/files"
 INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -109,11 +94,6 @@ class RouteRules:
     anonymous_limited: bool
     body_param: str | None = None
     """What an oversized body is called in the error (``file`` for uploads)."""
-    rate_checked_by_route: bool = False
-    """The route waits for the tenant's rate check itself (:class:`RateCheck`), before it
-    reserves, calls an engine or answers, so the check's round trip overlaps the body's read
-    and parse: the interactive gateway's ``POST`` routes, where an app serves them that way
-    (``DEFERRED_RATE_CHECK``)."""
     takes_turns: bool = False
     """Under the tenant's bound on requests in progress (:mod:`backfill.tenant_requests`):
     every ``/v1/`` route but the streamed bodies (uploads, summary documents: a slow sender
@@ -127,7 +107,7 @@ def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
         if method == "POST" and path == UPLOAD_PATH:
             return RouteRules(limits.upload_bytes, True, False, "file")
         if path in INTERACTIVE_PATHS:
-            return RouteRules(limits.interactive_bytes, True, False, None, method == "POST")
+            return RouteRules(limits.interactive_bytes, True, False)
         if method == "POST" and path.startswith(SUMMARY_JOBS_PATH) and path.endswith("/documents"):
             return RouteRules(limits.upload_bytes, True, False, "documents")
         return RouteRules(limits.json_bytes, True, False, takes_turns=True)
@@ -186,20 +166,6 @@ class Gate:
         _allowed(await self.tenants.acheck(tenant.id))
         return tenant
 
-    def authenticate_deferred(self, authorization: str) -> tuple[TenantRecord, RateCheck] | None:
-        """:meth:`authenticate_cached` with the rate limit's answer left to come: the tenant
-        and its :class:`RateCheck` under way (paid from rate credits at once where it can);
-        None where only Postgres can tell (or no asyncio client was given)."""
-        if not self.tenants.checks_async:
-            return None
-        key = _bearer(authorization)
-        known, tenant = self.keys.cached(key)
-        if not known:
-            return None
-        if tenant is None:
-            raise Unauthorized("Incorrect API key provided.")
-        return tenant, RateCheck(self.tenants, tenant.id)
-
     def admit_anonymous(self, address: str) -> None:
         decision = self.anonymous.check(f"anon:{address}")
         if not decision.allowed:
@@ -208,33 +174,6 @@ class Gate:
                 "the time in Retry-After.",
                 retry_after_s=decision.retry_after_s,
             )
-
-
-class RateCheck:
-    """A tenant's rate limit checked while its request goes on: started at once (a task when
-    it needs Redis, nothing when rate credits pay), answered by :meth:`allowed`, which the
-    route awaits before it acts or answers. The task is never cancelled: the tenant's token
-    is taken whatever becomes of the request, as when the edge waits for it."""
-
-    __slots__ = ("_task",)
-
-    def __init__(self, limiter: RateLimiter, tenant_id: str) -> None:
-        self._task: asyncio.Task[RateDecision] | None = None
-        if not limiter.spend_credit(tenant_id):
-            self._task = asyncio.get_running_loop().create_task(limiter.acheck(tenant_id))
-            self._task.add_done_callback(_retrieved)
-
-    async def allowed(self) -> None:
-        """Returns once the tenant may go on; raises RateLimited when it may not (the same
-        answer each time it is asked)."""
-        if self._task is not None:
-            _allowed(await asyncio.shield(self._task))
-
-
-def _retrieved(task: asyncio.Task[RateDecision]) -> None:
-    # A check whose request ended before asking for it: its error is not news to anyone.
-    if not task.cancelled():
-        task.exception()
 
 
 def _bearer(authorization: str) -> str:
@@ -290,15 +229,7 @@ class RequestEdge:
         if gate is not None and (rules.needs_key or rules.anonymous_limited):
             authorization = headers.get("authorization", "")
             try:
-                tenant = None
-                if rules.rate_checked_by_route and getattr(
-                    scope["app"].state, DEFERRED_RATE_CHECK, False
-                ):
-                    deferred = gate.authenticate_deferred(authorization)
-                    if deferred is not None:
-                        tenant, state[RATE_CHECK_STATE] = deferred
-                elif rules.needs_key:
-                    tenant = await gate.authenticate_cached(authorization)
+                tenant = await gate.authenticate_cached(authorization) if rules.needs_key else None
                 if tenant is None:
                     # A thread hop: Postgres (a key not in the cache) and the sync Redis client.
                     tenant = await anyio.to_thread.run_sync(

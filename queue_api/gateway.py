@@ -242,19 +242,11 @@ class InteractiveGateway:
     # -----------------------------------------------------------------------------------------
 
     async def handle(
-        self,
-        endpoint: InteractiveEndpoint,
-        request: Request,
-        tenant: TenantRecord,
-        rate_allowed: Callable[[], Awaitable[None]] | None = None,
+        self, endpoint: InteractiveEndpoint, request: Request, tenant: TenantRecord
     ) -> Response:
-        """Serve one interactive request of ``tenant``. ``rate_allowed``: the tenant's rate
-        check still under way (the edge's ``RateCheck.allowed``), awaited once the body is
-        read and parsed, before anything is reserved, counted or sent, and before any refusal
-        (it raises RateLimited)."""
         received = time.perf_counter()
         try:
-            return await self._handle(endpoint, request, tenant, received, rate_allowed)
+            return await self._handle(endpoint, request, tenant, received)
         except GatewayRefusal as exc:
             m.REJECTIONS.labels(exc.reason).inc()
             raise
@@ -271,23 +263,11 @@ class InteractiveGateway:
         request: Request,
         tenant: TenantRecord,
         received: float,
-        rate_allowed: Callable[[], Awaitable[None]] | None = None,
     ) -> Response:
-        try:
-            body = load_json_body(await request.body())
-            parsed = await self.admission.parse(endpoint, body, (tenant.id, tenant.name))
-            asked = _float_header(request, MAX_WAIT_HEADER)
-            budget = self.admission.wait_budget(
-                asked, _float_header(request, CLIENT_TIMEOUT_HEADER)
-            )
-        except BaseException:
-            if rate_allowed is not None:
-                await rate_allowed()  # a caller over its rate is refused for that first
-            raise
-        if rate_allowed is not None:
-            waiting = time.perf_counter()
-            await rate_allowed()
-            m.HOP_RATE_WAIT.observe(time.perf_counter() - waiting)
+        body = load_json_body(await request.body())
+        parsed = await self.admission.parse(endpoint, body, (tenant.id, tenant.name))
+        asked = _float_header(request, MAX_WAIT_HEADER)
+        budget = self.admission.wait_budget(asked, _float_header(request, CLIENT_TIMEOUT_HEADER))
         if asked is not None and budget < asked:
             request.state.backfill_headers = {MAX_WAIT_APPLIED_HEADER: f"{budget:g}"}
         admitted = await self.admission.admit(

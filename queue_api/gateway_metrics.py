@@ -49,12 +49,9 @@ GATEWAY_OVERHEAD = Histogram(
 HOPS = Histogram(
     "backfill_gateway_hop_seconds",
     "Where an interactive request's time goes inside the API process, hop by hop (stamps "
-    "inside the process): edge (accepted -> handler: key, rate limit unless it is left to "
-    "the handler, routing), parse "
-    "(-> the prompt's size known: parse, the wait for the rate check, and the engine's "
-    "count when not admitted on a "
-    "bound), rate_wait (-> the tenant's rate check answered, when it ran beside the read "
-    "and parse), reserve (-> lease held, less any wait for room), engine_headers (-> the engine's "
+    "inside the process): edge (accepted -> handler: key, rate limit, routing), parse "
+    "(-> the prompt's size known: parse, and the engine's count when not admitted on a "
+    "bound), reserve (-> lease held, less any wait for room), engine_headers (-> the engine's "
     "response headers: connection, request, the engine's accept), engine_first_chunk (-> the "
     "first event from the engine), first_chunk_out (that event -> handed to the client), "
     "chunk_out (each streamed event: received -> handed to the client), engine_answer (a "
@@ -65,7 +62,6 @@ HOPS = Histogram(
 # Bound once: the relay observes a hop for every streamed chunk, and a labels() lookup each
 # time would cost the stream more than the observation.
 HOP_EDGE, HOP_PARSE, HOP_RESERVE = (HOPS.labels(h) for h in ("edge", "parse", "reserve"))
-HOP_RATE_WAIT = HOPS.labels("rate_wait")
 HOP_ENGINE_HEADERS = HOPS.labels("engine_headers")
 HOP_ENGINE_FIRST_CHUNK = HOPS.labels("engine_first_chunk")
 HOP_FIRST_CHUNK_OUT = HOPS.labels("first_chunk_out")

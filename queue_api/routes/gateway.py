@@ -36,7 +36,7 @@ from backfill.gateway.refusals import (
 from backfill.gateway.request import InteractiveEndpoint
 from queue_api import errors
 from queue_api.deps import TenantDep
-from queue_api.edge import DEFERRED_RATE_CHECK, RATE_CHECK_STATE, TENANT_STATE, RateCheck
+from queue_api.edge import TENANT_STATE
 from queue_api.errors import error_body
 from queue_api.gateway import InteractiveGateway, answer_headers
 
@@ -93,10 +93,6 @@ class GatewayFastPath:
     edge has authenticated goes straight to the gateway's handler; anything else (another
     route, another method, an app without a gateway) goes on to the app.
 
-    The tenant's rate check may still be under way (the edge leaves it in the request's state
-    for these routes): the handler waits for it before it acts or refuses, and a request this
-    path does not take waits for it here.
-
     The answers are the app's own: the gateway's refusals as :func:`_refusal` makes them,
     Backfill's errors and HTTP errors (a body over its limit) as the app's handlers do, and
     anything unexpected raised on to the app's last-resort handler."""
@@ -108,23 +104,13 @@ class GatewayFastPath:
         endpoint = ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
         tenant = scope.get("state", {}).get(TENANT_STATE)
         gateway = getattr(scope["app"].state, "gateway", None) if tenant is not None else None
-        check: RateCheck | None = scope.get("state", {}).get(RATE_CHECK_STATE)
         if endpoint is None or scope["method"] != "POST" or gateway is None:
-            if check is not None:
-                # The edge left the tenant's rate check to this route: the app's own routes
-                # do not wait for it, so it is answered here first.
-                try:
-                    await check.allowed()
-                except BackfillError as exc:
-                    await errors.backfill_error_response(exc)(scope, receive, send)
-                    return
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
         response: Response
         try:
-            allowed = check.allowed if check is not None else None
-            response = await gateway.handle(endpoint, request, tenant, allowed)
+            response = await gateway.handle(endpoint, request, tenant)
         except GatewayRefusal as exc:
             response = _refusal(request, exc)
         except BackfillError as exc:
@@ -140,6 +126,3 @@ def install(app: FastAPI) -> None:
     app.include_router(router)
     app.add_exception_handler(GatewayRefusal, _refusal)
     app.add_middleware(GatewayFastPath)
-    # The fast path waits for the tenant's rate check itself, after reading and parsing the
-    # body: the edge need not wait for it first (``RouteRules.rate_checked_by_route``).
-    setattr(app.state, DEFERRED_RATE_CHECK, True)
