@@ -32,13 +32,23 @@ KNOWN_BATCHES = 4096
 """Batches whose owner (a summary job or none) is remembered; oldest forgotten first."""
 LOCKED_RETRY_S = 0.2
 """How soon a job whose driver lock was held is tried again."""
+ROUND_GAP_S = 0.5
+"""The least time between two rounds of wakes. Results are stored a few at a time, many times
+a second while a job's map wave runs; a round right after each kept the waker's thread (and
+Postgres) busy on the engine's own cores for what one round a moment later does at once: the
+results stored meanwhile are all taken by the next round. A reduce level waits at most this
+much longer (the maintenance tick's 5 s was the bound before wakes)."""
 
 
 class SummaryWaker:
     """Drives the summary jobs whose batches' items ended, one round each, on its thread."""
 
-    def __init__(self, repo: SummaryStore, settings: Settings) -> None:
+    def __init__(
+        self, repo: SummaryStore, settings: Settings, *, round_gap_s: float = ROUND_GAP_S
+    ) -> None:
         self._repo, self._settings = repo, settings
+        self._round_gap_s = round_gap_s
+        self._stopping = threading.Event()
         self._owners: OrderedDict[str, str | None] = OrderedDict()
         self._batches: set[str] = set()
         self._jobs: set[str] = set()
@@ -55,6 +65,7 @@ class SummaryWaker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped = True
+        self._stopping.set()
         self._wake.set()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
@@ -77,6 +88,7 @@ class SummaryWaker:
                 log.warning("summary jobs not woken: %s", exc)
             except Exception:  # a fault of ours: say it, and keep waking the next ones
                 log.exception("summary jobs not woken")
+            self._stopping.wait(self._round_gap_s)  # what ends meanwhile: the next round's
 
     def _due_jobs(self) -> set[str]:
         with self._lock:

@@ -305,6 +305,8 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
 
 
 def _end_if_done(repo: SummaryStore, job: SummaryJobRecord) -> bool:
+    if repo.has_pending_documents(job.id):  # one index probe, not the job's counts
+        return False
     counts = repo.summary_counts(job.id)
     if counts.documents.get(DocumentState.PENDING, 0):
         return False

@@ -174,3 +174,23 @@ def _wait_for(done: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "the waker did not get there"
         time.sleep(0.01)
+
+
+def test_wakes_soon_after_a_round_are_taken_by_one_round_later(
+    settings: Settings, repo: Repository
+) -> None:
+    """Results are stored many times a second while a job's map wave runs: a round right
+    after each kept the waker busy on the engine's cores (red before: a round per wake).
+    The results stored meanwhile wait for the next round; a stop does not wait for it."""
+    _, made = _job_and_its_first_batch(repo, settings)
+    waker = SummaryWaker(repo, settings, round_gap_s=60.0).start()
+    try:
+        waker.items_ended([made])
+        _wait_for(lambda: waker.rounds == 1)
+        for _ in range(5):
+            waker.items_ended([made])
+        time.sleep(1.0)  # without the gap a second round comes at once
+        assert waker.rounds == 1
+    finally:
+        waker.stop()
+    assert not waker._thread.is_alive()  # the stop ended the gap's wait

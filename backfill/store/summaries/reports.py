@@ -9,6 +9,9 @@ from backfill.store.database import Store
 from backfill.store.summaries.records import DocumentRow, SummaryCounts
 from backfill.summarize.states import DocumentState, StepState
 
+ANY_PENDING = (
+    "SELECT EXISTS (SELECT 1 FROM summary_documents WHERE job_id = :i AND state = 'pending')"
+)
 DOCUMENT_COUNTS = (
     "SELECT state, count(*) AS n, coalesce(sum(prompt_tokens), 0) AS pt, "
     "coalesce(sum(completion_tokens), 0) AS ct, count(*) FILTER (WHERE chunks > 1) AS split, "
@@ -28,6 +31,11 @@ DOCUMENT_PAGE = (
 
 class SummaryReports(Store):
     """A job's counts of documents, steps and tokens, and its documents page by page."""
+
+    def has_pending_documents(self, job_id: str) -> bool:
+        """Whether a document of the job is still pending (an index probe)."""
+        with self._tx() as conn:
+            return bool(conn.execute(text(ANY_PENDING), {"i": job_id}).scalar_one())
 
     def summary_counts(self, job_id: str) -> SummaryCounts:
         with self._tx() as conn:
