@@ -199,9 +199,9 @@ class ApiClient:
             if response.status_code >= 400:
                 response.read()
                 raise _explain(response)
-            for line in response.iter_lines():
+            for line in _lines(response):
                 if line.strip():
-                    yield line.encode() + b"\n"
+                    yield line + b"\n"
 
     # -- summarisation jobs (/v1/summary_jobs) ------------------------------------------------
 
@@ -250,9 +250,21 @@ class ApiClient:
             if response.status_code >= 400:
                 response.read()
                 raise _explain(response)
-            for line in response.iter_lines():
+            for line in _lines(response):
                 if line.strip():
                     yield json.loads(line)
+
+
+def _lines(response: httpx.Response) -> Iterator[bytes]:
+    """A streamed JSONL body's lines, split on ``\n`` only: httpx's ``iter_lines`` also
+    splits on U+2028, U+0085 and friends, which JSON leaves unescaped inside strings, so a
+    model's text holding one cut a result in two."""
+    rest = b""
+    for piece in response.iter_bytes():
+        *lines, rest = (rest + piece).split(b"\n")
+        yield from lines
+    if rest:
+        yield rest
 
 
 def summarisation_lines(

@@ -200,6 +200,7 @@ def run_worker(
     fail: Iterable[str] = (),
     limit: int = 1000,
     leave_running: int = 0,
+    answer: str | None = None,
 ) -> dict[str, tuple[int, int, int]]:
     """Claim, start and finish queued items as a worker would (no engine, no ledger):
     custom ids in ``fail`` fail, the rest succeed; the last ``leave_running`` claimed items
@@ -240,7 +241,7 @@ def run_worker(
                     item.attempt,
                     fence,
                     ItemState.SUCCEEDED,
-                    result=completion_body(f"answer to {item.custom_id}"),
+                    result=completion_body(answer or f"answer to {item.custom_id}"),
                     output_tokens=3,
                     prompt_tokens=16,
                 )

@@ -7,6 +7,7 @@ subprocess to pin down the one-line error an operator sees.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -165,6 +166,23 @@ def test_results_stream_by_state_to_stdout_and_to_a_file(
     assert "--state" in one_line_error(
         *cli(server, acme.key, "results", batch_id, "--state", "done")[::2]
     )
+
+
+def test_results_keep_each_line_whole_whatever_characters_the_model_wrote(
+    server: LiveServer, acme: Tenant, repo: Repository, tmp_path: Path
+) -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped inside strings; a model writes them
+    now and then. Lines are split on newlines only (red before: httpx's ``iter_lines``
+    split a result in two, one invalid JSON line each)."""
+    text = "one\u2028two\u2029three\x85four"
+    batch_id = submit_jsonl(server, acme.key, tmp_path, n=2)
+    run_worker(repo, answer=text)
+    code, stdout, stderr = cli(server, acme.key, "results", batch_id)
+    assert code == 0, stderr
+    rows = [json.loads(line) for line in stdout.split("\n") if line.strip()]
+    assert sorted(r["custom_id"] for r in rows) == ["req-0", "req-1"]
+    body = rows[0]["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == text
 
 
 def test_cancel_and_list(server: LiveServer, acme: Tenant, tmp_path: Path) -> None:
