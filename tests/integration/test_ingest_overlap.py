@@ -24,6 +24,7 @@ from backfill.config import Settings
 from backfill.finalize import cancel_job
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, NewItem, Repository, TenantRecord
+from tests.integration.test_deferred_ingest import _create as create_deferred
 
 CHAT = "/v1/chat/completions"
 LINES = 2_000
@@ -40,10 +41,7 @@ def deferring(settings: Settings) -> Settings:
 def _create(
     repo: Repository, settings: Settings, tenant: TenantRecord, content: bytes
 ) -> JobRecord:
-    upload = batches.upload_file(
-        repo, settings, tenant.id, filename="in.jsonl", purpose="batch", content=content
-    )
-    job = batches.create_batch(repo, settings, tenant, batches.BatchRequest(upload.id, CHAT, "24h"))
+    job = create_deferred(repo, settings, tenant, content)
     assert job.state is JobState.VALIDATING
     return job
 
