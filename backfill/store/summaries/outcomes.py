@@ -8,7 +8,8 @@ steps are inserted ``ON CONFLICT DO NOTHING``. A step that ends marks its docume
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import text
 
@@ -19,18 +20,74 @@ from backfill.summarize.decide import StepView
 from backfill.summarize.prompts import LINE_OVERHEAD
 from backfill.summarize.states import StepState
 
-# Pending steps whose item ended, or whose batch ended without an item for them.
-FINISHED_STEPS = (
-    "SELECT s.seq, s.node, i.state AS item_state, j.state AS batch_state, i.result, i.error "
-    "FROM summary_steps s "
-    "JOIN summary_batches b ON b.job_id = s.job_id AND b.batch_no = s.batch_no "
-    "JOIN jobs j ON j.id = b.batch_id "
-    "LEFT JOIN items i ON i.job_id = b.batch_id AND i.custom_id = s.seq || ':' || s.node "
-    "WHERE s.job_id = :i AND s.state = 'pending' AND ("
-    "  i.state IN ('succeeded', 'failed', 'expired', 'cancelled') "
-    "  OR (i.id IS NULL AND j.state IN ('failed', 'expired', 'cancelled', 'completed'))"
-    ") ORDER BY s.seq, s.node LIMIT :n"
+# The harvest reads each table once, by its own index, and matches steps to items here: a
+# join of steps to items by custom id (``seq:node``, which no index of ``items`` holds) read
+# every item of the batch for every pending step, ~160 ms a round for one 327-line batch on a
+# 2-core machine, twice a second through a job's map wave, on the engine's own cores.
+# The job's pending steps in batches already made (ix_summary_steps_pending).
+PENDING_STEPS = (
+    "SELECT seq, node, batch_no FROM summary_steps "
+    "WHERE job_id = :i AND state = 'pending' AND batch_no IS NOT NULL"
 )
+# The job's batches that were made, with their state.
+MADE_BATCHES = (
+    "SELECT b.batch_no, b.batch_id, j.state FROM summary_batches b "
+    "JOIN jobs j ON j.id = b.batch_id WHERE b.job_id = :i"
+)
+# The ended items of open batches, and every item of ended ones (ix_items_job_state).
+ENDED_ITEMS = (
+    "SELECT job_id, id, custom_id, state FROM items WHERE job_id = ANY(CAST(:open AS text[])) "
+    "AND state IN ('succeeded', 'failed', 'expired', 'cancelled')"
+)
+ITEMS_OF = "SELECT job_id, id, custom_id, state FROM items WHERE job_id = ANY(CAST(:b AS text[]))"
+ITEM_OUTCOMES = "SELECT id, result, error FROM items WHERE id = ANY(CAST(:ids AS bigint[]))"
+ENDED_BATCH = frozenset({"failed", "expired", "cancelled", "completed"})
+ENDED_ITEM = frozenset({"succeeded", "failed", "expired", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnd:
+    """A pending step's end, before its item's result is read: its item (id, state), or none
+    in a batch that ended without one."""
+
+    seq: int
+    node: int
+    item_id: int | None
+    item_state: str | None
+    batch_state: str
+
+
+def match_ended(
+    pending: Iterable[tuple[int, int, int]],
+    batches: Mapping[int, tuple[str, str]],
+    items: Iterable[tuple[str, int, str, str]],
+    limit: int,
+) -> list[StepEnd]:
+    """The first ``limit`` pending steps, in ``(seq, node)`` order, whose item ended or whose
+    batch ended without an item for them. ``pending`` is ``(seq, node, batch_no)``;
+    ``batches`` maps a made batch's number to ``(batch id, state)``; ``items`` is ``(batch
+    id, item id, custom id, state)`` of the items read (pure)."""
+    by_key: dict[tuple[str, str], tuple[int, str]] = {
+        (batch, custom_id): (item_id, state) for batch, item_id, custom_id, state in items
+    }
+    found: list[StepEnd] = []
+    for seq, node, batch_no in sorted(pending):
+        made = batches.get(batch_no)
+        if made is None:  # numbered, not made yet
+            continue
+        batch_id, batch_state = made
+        item = by_key.get((batch_id, f"{seq}:{node}"))
+        if item is not None and item[1] in ENDED_ITEM:
+            found.append(StepEnd(seq, node, item[0], item[1], batch_state))
+        elif item is None and batch_state in ENDED_BATCH:
+            found.append(StepEnd(seq, node, None, None, batch_state))
+        else:
+            continue
+        if len(found) == limit:
+            break
+    return found
+
+
 END_STEP = (
     "UPDATE summary_steps SET state = :state, summary = :summary, error = :error, "
     "prompt_tokens = :pt, completion_tokens = :ct "
@@ -70,11 +127,42 @@ class SummaryOutcomes(Store):
     """Steps that ended, recorded; documents decided on, ended or failed."""
 
     def finished_steps(self, job_id: str, limit: int) -> list[FinishedStep]:
+        """The first ``limit`` pending steps whose item ended, or whose batch ended without
+        an item for them, with the item's result (:func:`match_ended`)."""
         with self._tx() as conn:
-            rows = conn.execute(text(FINISHED_STEPS), {"i": job_id, "n": limit}).all()
+            pending = [
+                (r.seq, r.node, r.batch_no)
+                for r in conn.execute(text(PENDING_STEPS), {"i": job_id})
+            ]
+            if not pending:
+                return []
+            batches = {
+                r.batch_no: (r.batch_id, r.state)
+                for r in conn.execute(text(MADE_BATCHES), {"i": job_id})
+            }
+            wanted = {batches[b] for _, _, b in pending if b in batches}
+            open_ = sorted(bid for bid, state in wanted if state not in ENDED_BATCH)
+            ended = sorted(bid for bid, state in wanted if state in ENDED_BATCH)
+            reads = [(ENDED_ITEMS, {"open": open_}), (ITEMS_OF, {"b": ended})]
+            items = [
+                (r.job_id, r.id, r.custom_id, r.state)
+                for query, batch_ids in reads
+                if any(batch_ids.values())
+                for r in conn.execute(text(query), batch_ids)
+            ]
+            found = match_ended(pending, batches, items, limit)
+            ids = [e.item_id for e in found if e.item_id is not None]
+            outcomes = {
+                r.id: (r.result, r.error)
+                for r in (conn.execute(text(ITEM_OUTCOMES), {"ids": ids}) if ids else ())
+            }
         return [
-            FinishedStep(r.seq, r.node, r.item_state, r.batch_state, r.result, r.error)
-            for r in rows
+            FinishedStep(
+                e.seq, e.node, e.item_state, e.batch_state, *outcomes.get(e.item_id, (None, None))
+            )
+            if e.item_id is not None
+            else FinishedStep(e.seq, e.node, None, e.batch_state, None, None)
+            for e in found
         ]
 
     def end_steps(self, job_id: str, outcomes: Mapping[tuple[int, int], StepView]) -> None:

@@ -1,0 +1,105 @@
+"""The reduce driver's harvest reads a batch's items once a round, not once per pending step:
+a join of steps to items by custom id (``seq:node``, which no index of ``items`` holds) read
+every item of the batch for every pending step, ~160 ms a round for one 327-line batch on a
+2-core machine, twice a second through a summary job's map wave, on the engine's own cores
+(issue 37)."""
+
+from __future__ import annotations
+
+from batch_api_support import run_worker
+from sqlalchemy import text
+
+from backfill.config import Settings
+from backfill.store import Repository
+from backfill.summarize import driver, jobs
+from backfill.summarize.job_plan import JobShape
+from backfill.summarize.states import StepState
+
+SHAPE = JobShape(
+    context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=64
+)
+STEPS = 400
+"""A map wave's batch (the bench's is 327 lines)."""
+
+
+def count(text_: str) -> int:
+    return 1 + len(text_.split())
+
+
+def _items_read(repo: Repository) -> int:
+    """Rows of ``items`` this database's backends have read, flushed first (the repository
+    has one connection: the harvest's own backend)."""
+    with repo.engine.connect() as conn:
+        conn.execute(text("SELECT pg_stat_force_next_flush()"))
+        conn.commit()
+    with repo.engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
+                "FROM pg_stat_user_tables WHERE relname = 'items'"
+            )
+        ).one()
+    return int(row[0])
+
+
+def test_a_round_reads_each_item_of_the_batch_once_not_once_per_pending_step(
+    repo: Repository, database_url: str, settings: Settings
+) -> None:
+    settings = settings.model_copy(update={"node_live_s": 0.001})
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
+    job = jobs.create_job(repo, settings, tenant, request, SHAPE)
+    notes = [f"Note {i}." for i in range(STEPS)]
+    jobs.add_documents(
+        repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
+    )
+    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    driver.drive(repo, settings)
+    assert len(repo.summary_batch_ids(job.id)) == 1
+    run_worker(repo, limit=STEPS // 2)  # half the wave ended, half still to come
+
+    alone = Repository.connect(database_url, pool_size=1)  # one backend: its reads counted
+    try:
+        before = _items_read(alone)
+        found = alone.finished_steps(job.id, 10_000)
+        read = _items_read(alone) - before
+    finally:
+        alone.close()
+    assert len(found) == STEPS // 2
+    assert all(f.item_state == "succeeded" and f.result for f in found)
+    # Red before: ~40,000 rows (each of 200 pending steps walked the batch's items).
+    assert read <= 3 * STEPS, read
+
+
+def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_it(
+    repo: Repository, settings: Settings
+) -> None:
+    small = settings.model_copy(update={"max_lines_per_batch": 7, "node_live_s": 0.001})
+    tenant = repo.create_tenant("acme")
+    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
+    job = jobs.create_job(repo, small, tenant, request, SHAPE)
+    notes = [f"Note number {i}, short." for i in range(30)]
+    jobs.add_documents(
+        repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
+    )
+    jobs.start_job(repo, small, tenant, repo.get_summary_job(None, job.id))
+    driver.drive(repo, small)
+    batch_ids = repo.summary_batch_ids(job.id)
+    assert len(batch_ids) == 5  # 30 steps, 7 a file
+    # The first batch failed before any of its lines was stored (as a batch refused at
+    # ingest does): its steps fail by it; the other batches' steps are harvested.
+    with repo.engine.begin() as conn:
+        conn.execute(text("DELETE FROM items WHERE job_id = :b"), {"b": batch_ids[0]})
+        conn.execute(text("UPDATE jobs SET state = 'failed' WHERE id = :b"), {"b": batch_ids[0]})
+    for _ in range(10):
+        run_worker(repo)
+        driver.drive(repo, small)
+    steps = repo.steps_of(job.id, list(range(30)))
+    assert {steps[i][0].error for i in range(7)} == {"its batch ended failed"}
+    assert all(steps[i][0].state is StepState.FAILED for i in range(7))
+    assert all(steps[i][0].state is StepState.SUCCEEDED for i in range(7, 30))
+    rows = {r.id: r for r in jobs.result_rows(repo, job.id)}
+    assert all(rows[f"n{i}"].summary is None for i in range(7))
+    assert sorted(rows[f"n{i}"].summary or "" for i in range(7, 30)) == sorted(
+        f"answer to {i}:0" for i in range(7, 30)
+    )
