@@ -6,7 +6,7 @@ whose every line passed streams into one COPY, whose transaction also moves the 
 ``in_progress``. A bad line anywhere (the last one too) fails the job before any row reaches
 Postgres (no row formed, none to vacuum): the job ends ``failed`` with ``errors`` naming each bad
 line, as OpenAI's Batch API does. A cancel during validation takes effect at once; the ingest then
-stores nothing (see ``Repository.insert_items``). The quota and the deadline were judged at the
+stores nothing (see ``Ingest.insert_items``). The quota and the deadline were judged at the
 create on an upper bound of the file's tokens; an ingest judges them again on the exact figure where
 that is higher, and a deferred one first judges them again as they stand when it starts (other
 batches may have been stored, and time has passed, since the create).
@@ -75,13 +75,13 @@ class ForecastExceeded(Exception):
 
 def stored_lines(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes]:
     """An input file's lines, read from storage a piece at a time."""
-    return iter_lines(repo.file_pieces(tenant_id, file_id) or ())
+    return iter_lines(repo.files.file_pieces(tenant_id, file_id) or ())
 
 
 def located_lines(repo: BatchStore, tenant_id: str, file_id: str) -> InputLines:
     """An input file's lines with where each lies in its stored pieces (so an item can point
     at its line instead of copying its body), or just its lines for a file stored whole."""
-    chunks = repo.file_chunks(tenant_id, file_id)
+    chunks = repo.files.file_chunks(tenant_id, file_id)
     if chunks is None:
         return stored_lines(repo, tenant_id, file_id)
     return LocatedLines(iter_located_lines(read_ahead(chunks)))
@@ -97,7 +97,7 @@ def judge_tokens(
     """Refuse a batch of ``tokens`` forecast tokens that breaks the tenant's quota or cannot
     finish within its window; else the plan of its completion."""
     if tenant.enqueued_token_quota is not None:
-        enqueued = repo.enqueued_tokens(tenant.id)
+        enqueued = repo.jobs.enqueued_tokens(tenant.id)
         if enqueued + tokens > tenant.enqueued_token_quota:
             raise QuotaExceeded(
                 f"this batch needs up to {tokens} tokens; {enqueued} of the tenant's quota "
@@ -106,10 +106,11 @@ def judge_tokens(
     if settings.fair_share:
         # Its tenant's backlog at its share, with the other tenants' work done meanwhile.
         ahead = (
-            tokens_until_done(repo.backlog_by_tenant(), tenant.id, tenant.weight, tokens) - tokens
+            tokens_until_done(repo.stats.backlog_by_tenant(), tenant.id, tenant.weight, tokens)
+            - tokens
         )
     else:
-        ahead = repo.backlog_tokens()
+        ahead = repo.stats.backlog_tokens()
     plan = plan_deadline(
         admission.now,
         admission.window_s,
@@ -159,7 +160,7 @@ def ingest_items(
             overlap.file_read()
             # What the earlier ingest stores counts against this one's cap and quota.
             overlap.wait_for_earlier()
-        stored = repo.stored_items(tenant.id)
+        stored = repo.tenants.stored_items(tenant.id)
         cap = settings.max_stored_items_per_tenant
         if stored + tally.lines > cap:
             raise ForecastExceeded(
@@ -185,7 +186,7 @@ def ingest_items(
         # Every line is parsed and checked (and the exact figures judged) before the first row
         # goes to Postgres: a refused file costs it nothing. The job moves to in_progress in
         # the COPY's transaction: its items are claimable exactly from then.
-        repo.insert_items(
+        repo.ingest.insert_items(
             job.id,
             items(),
             start_reason=lambda n: f"{n} requests accepted; estimated completion {estimated}",
@@ -205,7 +206,7 @@ def ingest_items(
         if fail_on_error:
             _fail_quietly(repo, job.id)
         raise
-    return repo.get_job(tenant.id, job.id)
+    return repo.jobs.get_job(tenant.id, job.id)
 
 
 def ingest_deferred(
@@ -221,8 +222,8 @@ def ingest_deferred(
     (``overlap``: see :func:`ingest_items`). Returns the job as it is after, or None if it
     is gone (purged, its tenant deleted)."""
     try:
-        job = repo.get_job(None, job_id)
-        tenant = repo.tenant_by_id(job.tenant_id)
+        job = repo.jobs.get_job(None, job_id)
+        tenant = repo.tenants.tenant_by_id(job.tenant_id)
     except NotFound:
         return None
     if job.state is not JobState.VALIDATING:
@@ -240,13 +241,13 @@ def ingest_deferred(
             ],
             "validation interrupted repeatedly",
         )
-        return repo.get_job(None, job.id)
+        return repo.jobs.get_job(None, job.id)
     try:
-        record = repo.get_file(job.tenant_id, job.input_file_id)
+        record = repo.files.get_file(job.tenant_id, job.input_file_id)
     except NotFound:
         message = f"No such File object: {job.input_file_id} (deleted before it was validated)"
         fail_job(repo, job.id, [error_entry("invalid_input_file", message)], message)
-        return repo.get_job(None, job.id)
+        return repo.jobs.get_job(None, job.id)
     forecast = record.tokens_bound
     if forecast is None:
         forecast = forecast_tokens_upper_bound(stored_lines(repo, job.tenant_id, record.id))
@@ -262,13 +263,13 @@ def ingest_deferred(
         plan = judge_tokens(repo, settings, tenant, forecast, admission)
     except Refusal as refusal:
         fail_job(repo, job.id, [error_entry(refusal.code, refusal.message)], refusal.message)
-        return repo.get_job(None, job.id)
+        return repo.jobs.get_job(None, job.id)
     try:
         return ingest_items(
             repo, settings, tenant, job, admission, plan, fail_on_error=False, overlap=overlap
         )
     except Conflict:
-        return repo.get_job(None, job.id)
+        return repo.jobs.get_job(None, job.id)
 
 
 def error_entry(code: str, message: str) -> dict[str, Any]:
@@ -277,7 +278,7 @@ def error_entry(code: str, message: str) -> dict[str, Any]:
 
 def fail_job(repo: BatchStore, job_id: str, errors: list[dict[str, Any]], reason: str) -> None:
     with contextlib.suppress(StaleWrite):
-        repo.move_job(job_id, JobState.FAILED, reason=reason, errors=errors)
+        repo.jobs.move_job(job_id, JobState.FAILED, reason=reason, errors=errors)
 
 
 def _fail_quietly(repo: BatchStore, job_id: str) -> None:
@@ -285,7 +286,7 @@ def _fail_quietly(repo: BatchStore, job_id: str) -> None:
     ``recover_stale_validating`` (or, for a deferred create, the next ingest) will."""
     # Best effort on an already failing path (Postgres may be the reason it fails).
     with contextlib.suppress(Exception):
-        repo.move_job(
+        repo.jobs.move_job(
             job_id,
             JobState.FAILED,
             reason="storing the items failed",

@@ -73,7 +73,7 @@ MAX_REPORTED_ERRORS = 100
 
 @dataclass(slots=True)
 class ValidatedBatch:
-    """Every line of the file, valid, ready for ``Repository.insert_items``."""
+    """Every line of the file, valid, ready for ``Repository.ingest.insert_items``."""
 
     items: list[NewItem]
     model: str
@@ -194,7 +194,7 @@ class LineInvalid(Exception):
 def stream_valid_items(
     content: InputLines, endpoint: str, limits: InputLimits, tally: Tally
 ) -> Iterator[NewItem]:
-    """The items of a file, yielded as each line checks out (spooled by ``Repository.insert_items``,
+    """The items of a file, yielded as each line checks out (spooled by ``Ingest.insert_items``,
     which stores none before the last is checked); at the first problem it yields no more, checks
     the rest of the lines and raises :class:`LineInvalid` with every problem (one pass over the
     file, whatever its errors). ``tally`` holds the totals once the iterator is exhausted."""

@@ -133,7 +133,7 @@ def upload_file(
     if expires_after_s is None and settings.batch_file_expiry_s > 0:
         expires_after_s = settings.batch_file_expiry_s  # OpenAI's default for batch files
     cap = settings.max_stored_bytes_per_tenant
-    stored = repo.stored_input_bytes(tenant_id)
+    stored = repo.tenants.stored_input_bytes(tenant_id)
     room = StorageCapReached(
         f"the tenant stores {stored} bytes of input files and may store {cap} "
         "(BACKFILL_MAX_STORED_BYTES_PER_TENANT); this file would pass that. Delete files it "
@@ -149,7 +149,7 @@ def upload_file(
         room=room,
         room_bytes=cap - stored,
     )
-    return repo.create_file(
+    return repo.files.create_file(
         tenant_id,
         purpose,
         filename or "upload.jsonl",
@@ -163,13 +163,13 @@ def upload_file(
 def file_content(repo: BatchStore, tenant_id: str, file_id: str) -> Iterator[bytes] | Iterator[str]:
     """An input file's bytes piece by piece, or an output/error file rendered from its
     job's items line by line. NotFound comes at once, before anything is streamed."""
-    stored = repo.file_pieces(tenant_id, file_id)
+    stored = repo.files.file_pieces(tenant_id, file_id)
     if stored is not None:
         return stored
-    record = repo.get_file(tenant_id, file_id)
+    record = repo.files.get_file(tenant_id, file_id)
     if record.job_id is None:
         return iter(())
-    job = repo.get_job(tenant_id, record.job_id)
+    job = repo.jobs.get_job(tenant_id, record.job_id)
     states = ERROR_STATES if file_id == job.error_file_id else OUTPUT_STATES
     return iter_result_lines(repo, job.id, states)
 
@@ -183,7 +183,7 @@ def _same_request(job: JobRecord, request: BatchRequest) -> bool:
 
 
 def _retried(repo: BatchStore, tenant_id: str, job_id: str, request: BatchRequest) -> JobRecord:
-    job = repo.get_job(tenant_id, job_id)
+    job = repo.jobs.get_job(tenant_id, job_id)
     if not _same_request(job, request):
         raise IdempotencyMismatch(
             f"Idempotency-Key {request.idempotency_key!r} was used for batch {job.id} with "
@@ -196,7 +196,7 @@ def _retried(repo: BatchStore, tenant_id: str, job_id: str, request: BatchReques
 def check_active_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> None:
     """:class:`LimitReached` when the tenant has as many batches active as it may (a
     summarisation job started and not ended counts as one, whatever batches it makes)."""
-    active = repo.count_active_jobs(tenant_id)
+    active = repo.jobs.count_active_jobs(tenant_id)
     if active >= settings.max_active_batches_per_tenant:
         raise LimitReached(
             f"{active} batches are active; the limit is {settings.max_active_batches_per_tenant}"
@@ -207,7 +207,7 @@ def check_active_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> 
 def check_deferred_limit(repo: BatchStore, settings: Settings, tenant_id: str) -> None:
     """:class:`TooManyIngests` (429, ``Retry-After``) when the tenant has as many creates
     waiting for an ingest process, or in one, as it may."""
-    waiting = repo.deferred_creates(tenant_id)
+    waiting = repo.jobs.deferred_creates(tenant_id)
     cap = settings.max_deferred_creates_per_tenant
     if waiting >= cap:
         raise TooManyIngests(
@@ -231,7 +231,7 @@ def create_batch(
     ``validating`` when an ingest process is to check and store its file."""
     fields = _request_fields(request, settings)
     if request.idempotency_key is not None:
-        first = repo.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
+        first = repo.jobs.job_id_for_idempotency_key(tenant.id, request.idempotency_key)
         if first is not None:
             return _retried(repo, tenant.id, first, request)
     record = _input_file(repo, settings, tenant, request)
@@ -262,7 +262,7 @@ def create_batch(
     # A file past the inline bound is checked and stored by an ingest process: the create
     # answers validating now, and no request does per-line work on a large file.
     deferred = record.size_bytes > settings.ingest_inline_bytes
-    job = repo.create_job(
+    job = repo.jobs.create_job(
         tenant.id,
         record.id,
         request.endpoint,
@@ -325,7 +325,7 @@ def _input_file(
     """The batch's input file, if the tenant may start a batch from it: a 'batch' file not
     used before, with the tenant under its stored-items and active-batches caps."""
     try:
-        record = repo.get_file(tenant.id, request.input_file_id)
+        record = repo.files.get_file(tenant.id, request.input_file_id)
     except NotFound as exc:
         raise NotFound(
             f"No such File object: {request.input_file_id}", param="input_file_id"
@@ -338,7 +338,7 @@ def _input_file(
         )
     if record.size_bytes > settings.ingest_inline_bytes:
         check_deferred_limit(repo, settings, tenant.id)
-    stored_items = repo.stored_items(tenant.id)
+    stored_items = repo.tenants.stored_items(tenant.id)
     if stored_items >= settings.max_stored_items_per_tenant:
         raise StorageCapReached(
             f"the tenant stores {stored_items} batch items and may store "
@@ -359,7 +359,7 @@ def _check_model_served(
     reverse), naming the endpoints it is served for."""
     if model is None or settings.batch_wait_for_model:
         return
-    served, any_live = repo.served_models(settings.node_live_s)
+    served, any_live = repo.nodes.served_models(settings.node_live_s)
     if not any_live:
         return
     if model not in served:
@@ -368,7 +368,7 @@ def _check_model_served(
             + ", ".join(f"`{m}`" for m in sorted(served)),
             param="model",
         )
-    endpoints = repo.served_endpoints(model, settings.node_live_s)
+    endpoints = repo.nodes.served_endpoints(model, settings.node_live_s)
     if endpoints is not None and endpoint not in endpoints:
         raise ModelNotFound(
             f"The model `{model}` is not served for {endpoint}; it is served for: "
@@ -387,7 +387,7 @@ def _first_model_of(
 ) -> str | None:
     """:func:`first_model` of the stored file, from its head's complete lines; from its lines
     read in pieces only when the head holds no complete line but blank ones."""
-    head = repo.file_head(tenant_id, file_id, FIRST_MODEL_HEAD_BYTES)
+    head = repo.files.file_head(tenant_id, file_id, FIRST_MODEL_HEAD_BYTES)
     lines = head if len(head) < FIRST_MODEL_HEAD_BYTES else head.rpartition(b"\n")[0]
     if lines.strip():
         return first_model(lines)

@@ -138,10 +138,10 @@ def _endpoints(nodes: list[NodeCapacity]) -> tuple[str, ...] | None:
 
 def capacity_report(repo: CapacityRecords, usage: UsageSource | None = None) -> CapacityReport:
     held: dict[str, int] = defaultdict(int)
-    for lease in repo.active_leases():
+    for lease in repo.recovery.active_leases():
         held[lease.node] += lease.reservation_tokens or 0
     nodes = []
-    for node in repo.nodes():
+    for node in repo.nodes.nodes():
         live = usage(node) if usage is not None else None
         capacity = node.capacity_tokens
         if live is not None:
@@ -171,5 +171,5 @@ def capacity_report(repo: CapacityRecords, usage: UsageSource | None = None) -> 
         )
     # Interactive requests are never queued in Postgres: the gateway admits or refuses them.
     return CapacityReport(
-        nodes=nodes, queued_tokens={"batch": repo.backlog_tokens(), "interactive": 0}
+        nodes=nodes, queued_tokens={"batch": repo.stats.backlog_tokens(), "interactive": 0}
     )

@@ -40,7 +40,7 @@ def write_result_files(repo: JobLifecycle, job: JobRecord) -> tuple[str | None, 
         if not lines:
             ids.append(None)
             continue
-        record = repo.create_file(
+        record = repo.files.create_file(
             job.tenant_id,
             OUTPUT_PURPOSE,
             f"{job.id}_{kind}.jsonl",
@@ -56,7 +56,7 @@ def _drop_files(repo: JobLifecycle, tenant_id: str, *file_ids: str | None) -> No
     for file_id in file_ids:
         if file_id is not None:
             with contextlib.suppress(NotFound):
-                repo.delete_file(tenant_id, file_id)
+                repo.files.delete_file(tenant_id, file_id)
 
 
 def _end_with_files(
@@ -70,7 +70,7 @@ def _end_with_files(
     """Write the result files and move the job to ``target``; False if another caller won."""
     output_id, error_id = write_result_files(repo, job)
     try:
-        repo.move_job(
+        repo.jobs.move_job(
             job.id,
             target,
             reason=reason,
@@ -111,15 +111,15 @@ def finalize_job(repo: JobLifecycle, job_id: str) -> JobState | None:
     """Close a job whose items are all finished: finalizing, then the state
     :func:`finished_state` gives. Returns the state it ended in, or None if it was not ready
     or another caller took it."""
-    job = repo.get_job(None, job_id)
+    job = repo.jobs.get_job(None, job_id)
     if job.state not in (JobState.IN_PROGRESS, JobState.FINALIZING) or job.counts.unfinished:
         return None
     if job.state is JobState.IN_PROGRESS:
         try:
-            repo.move_job(job_id, JobState.FINALIZING, reason="every item finished")
+            repo.jobs.move_job(job_id, JobState.FINALIZING, reason="every item finished")
         except StaleWrite:
             return None
-        job = repo.get_job(None, job_id)
+        job = repo.jobs.get_job(None, job_id)
     target, reason = finished_state(job)
     if _end_with_files(repo, job, target, reason=reason):
         return target
@@ -129,7 +129,7 @@ def finalize_job(repo: JobLifecycle, job_id: str) -> JobState | None:
 def finalize_ready_jobs(repo: JobLifecycle, limit: int = 100) -> dict[str, JobState]:
     """Finalize every job whose items are all finished (the periodic task's body)."""
     done: dict[str, JobState] = {}
-    for job_id in repo.jobs_with_all_items_finished(limit):
+    for job_id in repo.jobs.jobs_with_all_items_finished(limit):
         state = finalize_job(repo, job_id)
         if state is not None:
             done[job_id] = state
@@ -139,33 +139,33 @@ def finalize_ready_jobs(repo: JobLifecycle, limit: int = 100) -> dict[str, JobSt
 def settle_cancelling(repo: JobLifecycle, job_id: str) -> JobState:
     """Move a cancelling job on: cancel items that became claimable again (preempted or
     requeued since the cancel), and close the job once no attempt holds an item."""
-    job = repo.get_job(None, job_id)
+    job = repo.jobs.get_job(None, job_id)
     if job.state is not JobState.CANCELLING:
         return job.state
-    repo.end_items(job_id, ItemState.CANCELLED, only_unstarted=True)
-    job = repo.get_job(None, job_id)
+    repo.items.end_items(job_id, ItemState.CANCELLED, only_unstarted=True)
+    job = repo.jobs.get_job(None, job_id)
     in_flight = job.counts.count(ItemState.RESERVED) + job.counts.count(ItemState.RUNNING)
     if in_flight:
         return JobState.CANCELLING
     reason = f"cancelled; {job.counts.count(ItemState.SUCCEEDED)} results kept"
     if _end_with_files(repo, job, JobState.CANCELLED, reason=reason):
         return JobState.CANCELLED
-    return repo.get_job(None, job_id).state
+    return repo.jobs.get_job(None, job_id).state
 
 
 def cancel_job(repo: JobLifecycle, tenant_id: str, job_id: str) -> JobRecord:
     """Cancel a tenant's job: unstarted items end at once; in-flight ones finish or are
     aborted by their workers, after which the job is cancelled. Finished results are kept."""
-    job = repo.get_job(tenant_id, job_id)
+    job = repo.jobs.get_job(tenant_id, job_id)
     if job.state in (JobState.VALIDATING, JobState.IN_PROGRESS):
         try:
-            repo.move_job(job_id, JobState.CANCELLING, reason="cancel requested")
+            repo.jobs.move_job(job_id, JobState.CANCELLING, reason="cancel requested")
         except StaleWrite:
-            job = repo.get_job(tenant_id, job_id)
+            job = repo.jobs.get_job(tenant_id, job_id)
     elif job.state not in (JobState.CANCELLING, JobState.CANCELLED):
         raise NotCancellable(f"cannot cancel a batch that is {job.state.value}")
     settle_cancelling(repo, job_id)
-    job = repo.get_job(tenant_id, job_id)
+    job = repo.jobs.get_job(tenant_id, job_id)
     if job.state not in (JobState.CANCELLING, JobState.CANCELLED):
         raise NotCancellable(f"cannot cancel a batch that is {job.state.value}")
     return job
@@ -174,7 +174,7 @@ def cancel_job(repo: JobLifecycle, tenant_id: str, job_id: str) -> JobRecord:
 def settle_cancelling_jobs(repo: JobLifecycle, limit: int = 100) -> dict[str, JobState]:
     return {
         job_id: settle_cancelling(repo, job_id)
-        for job_id in repo.jobs_in_state(JobState.CANCELLING, limit)
+        for job_id in repo.jobs.jobs_in_state(JobState.CANCELLING, limit)
     }
 
 
@@ -183,10 +183,10 @@ def expire_job(repo: JobLifecycle, job_id: str) -> list[ActiveLeaseRow]:
 
     Returns the items that were in flight, so the caller can release their leases and abort
     their engine requests."""
-    job = repo.get_job(None, job_id)
+    job = repo.jobs.get_job(None, job_id)
     if job.state is JobState.VALIDATING:
         with contextlib.suppress(StaleWrite):
-            repo.move_job(
+            repo.jobs.move_job(
                 job_id,
                 JobState.FAILED,
                 reason="deadline passed during validation",
@@ -195,8 +195,8 @@ def expire_job(repo: JobLifecycle, job_id: str) -> list[ActiveLeaseRow]:
         return []
     if job.state is not JobState.IN_PROGRESS:
         return []
-    in_flight = repo.end_items(job_id, ItemState.EXPIRED)
-    job = repo.get_job(None, job_id)
+    in_flight = repo.items.end_items(job_id, ItemState.EXPIRED)
+    job = repo.jobs.get_job(None, job_id)
     reason = f"deadline passed; {job.counts.count(ItemState.SUCCEEDED)} results kept"
     _end_with_files(repo, job, JobState.EXPIRED, reason=reason)
     return in_flight
@@ -211,7 +211,7 @@ class ExpirySweep:
 def expire_due_jobs(repo: JobLifecycle, limit: int = 100) -> ExpirySweep:
     """Expire every job past its deadline (the periodic task's body)."""
     sweep = ExpirySweep()
-    for job_id in repo.jobs_past_deadline(limit):
+    for job_id in repo.jobs.jobs_past_deadline(limit):
         sweep.in_flight.extend(expire_job(repo, job_id))
         sweep.expired_jobs.append(job_id)
     return sweep
@@ -228,4 +228,4 @@ def recover_stale_validating(
     errors = [
         _error("validation_interrupted", "validation was interrupted; create the batch again")
     ]
-    return repo.recover_validating(cutoff, errors)
+    return repo.jobs.recover_validating(cutoff, errors)

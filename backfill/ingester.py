@@ -73,7 +73,7 @@ def ingest_next(
 ) -> Ingested | None:
     """One deferred create checked and stored (or failed), held against every other ingest
     while it runs; None when none waits."""
-    with repo.take_deferred_ingest() as take:
+    with repo.ingest_queue.take_deferred_ingest() as take:
         if take is None:
             return None
         started = time.monotonic()

@@ -76,7 +76,7 @@ def _ensure_once(
         return None
     nodes = [
         NodePool(n.name, n.capacity_tokens, n.block_size, n.interactive_reserve_tokens)
-        for n in repo.nodes()
+        for n in repo.nodes.nodes()
         if only is None or n.name in only
     ]
     known = {n.name for n in nodes}
@@ -94,14 +94,14 @@ def _ensure_once(
             prefix_id=row.prefix_id if row.lease_prefix_tokens else None,
             prefix_tokens=row.lease_prefix_tokens if row.prefix_id else 0,
         )
-        for row in repo.active_leases()
+        for row in repo.recovery.active_leases()
         if row.lease_id is not None
         and row.fencing_token is not None
         and row.reservation_tokens is not None
         and row.lease_expires_at is not None
         and row.node in known
     ]
-    report = ledger.rebuild(nodes, leases, repo.next_ledger_epoch(), only=only)
+    report = ledger.rebuild(nodes, leases, repo.recovery.next_ledger_epoch(), only=only)
     if report.unlisted:
         log.warning(
             "ledger: nodes %s have a pool but were not rebuilt (registered meanwhile, or not "
@@ -176,7 +176,7 @@ def reap(
 ) -> Reaped:
     """Requeue items of silent attempts (or fail those whose worker died under them
     ``max_lost_runs`` times), release their leases, reap expired leases."""
-    lost = repo.reap_lost(max_lost_runs=max_lost_runs)
+    lost = repo.recovery.reap_lost(max_lost_runs=max_lost_runs)
     failed = [r for r in lost if r.failed]
     for r in failed:
         log.warning(
@@ -210,8 +210,8 @@ def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) 
     sweep = finalize.expire_due_jobs(repo)
     report.expired_jobs = sweep.expired_jobs
     stop_in_flight(ledger, sweep.in_flight)
-    for job_id in repo.jobs_in_state(JobState.CANCELLING):
-        stopped = repo.end_items(job_id, ItemState.CANCELLED)
+    for job_id in repo.jobs.jobs_in_state(JobState.CANCELLING):
+        stopped = repo.items.end_items(job_id, ItemState.CANCELLED)
         report.cancelled_in_flight += len(stopped)
         stop_in_flight(ledger, stopped)
     finalize.settle_cancelling_jobs(repo)
@@ -220,9 +220,9 @@ def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) 
         repo, older_than_s=settings.stale_validating_s
     )
     # Files past their expires_at already read as gone; here their rows and pieces go.
-    report.expired_files = repo.delete_expired_files()
+    report.expired_files = repo.files.delete_expired_files()
     if settings.retention_s > 0:
-        report.purged = repo.purge_ended_jobs(
+        report.purged = repo.retention.purge_ended_jobs(
             settings.retention_s,
             chunk_rows=settings.retention_chunk_rows,
             max_rows=settings.retention_rows_per_tick,

@@ -143,7 +143,7 @@ def iter_result_lines(
     wanted = tuple(states)
     after = -1
     while True:
-        page = repo.items(job_id, states=wanted, after_line=after, limit=page_size)
+        page = repo.items.items(job_id, states=wanted, after_line=after, limit=page_size)
         for item in page:
             yield result_line(item)
         if len(page) < page_size:

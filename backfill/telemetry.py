@@ -58,7 +58,7 @@ class _TokenHistograms:
     def advance(self, repo: QueueStats, lookback_s: float, lag_s: float) -> None:
         # One scrape at a time: two concurrent ones would count the same window twice.
         with self.lock:
-            stats = repo.finished_token_stats(
+            stats = repo.stats.finished_token_stats(
                 self.since, self.bounds, lookback_s=lookback_s, lag_s=lag_s
             )
             if self.since is not None and stats.until <= self.since:
@@ -137,8 +137,8 @@ class BackfillCollector:
 
     def _postgres(self, by_state: Any) -> list[Any]:
         repo = self.repo
-        items = repo.item_state_totals()
-        jobs = repo.job_state_totals()
+        items = repo.stats.item_state_totals()
+        jobs = repo.stats.job_state_totals()
         for state in UNFINISHED_STATES:
             by_state.add_metric(["batch", state.value], items[state])
         finished = CounterMetricFamily(
@@ -166,7 +166,7 @@ class BackfillCollector:
             "Worst-case tokens (prompt + max output) of unfinished work, by service class.",
             labels=["class"],
         )
-        queued.add_metric(["batch"], repo.backlog_tokens())
+        queued.add_metric(["batch"], repo.stats.backlog_tokens())
         # The gateway admits or refuses interactive requests at once: none wait in a queue.
         queued.add_metric(["interactive"], 0)
 
@@ -177,10 +177,10 @@ class BackfillCollector:
             labels=["window_s"],
         )
         window = self.useful_window_s
-        done = repo.output_tokens_finished_within(window)
+        done = repo.stats.output_tokens_finished_within(window)
         useful.add_metric([f"{window:g}"], done / window)
 
-        waiting, oldest_s = repo.ingest_backlog()
+        waiting, oldest_s = repo.ingest_queue.ingest_backlog()
         ingest = GaugeMetricFamily(
             "backfill_ingest_queue",
             "Batch creates whose file waits for an ingest process (or is being ingested).",
@@ -207,7 +207,7 @@ class BackfillCollector:
     # -- ledger
 
     def _ledger(self, by_state: Any) -> list[Any]:
-        nodes = {n.name: n for n in self.repo.nodes()}
+        nodes = {n.name: n for n in self.repo.nodes.nodes()}
         families = _ledger_families()
         if self.ledger is None:
             raise _NoLedger

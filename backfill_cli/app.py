@@ -142,12 +142,12 @@ def tenants_create(
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
         try:
-            tenant = _run(lambda: repo.create_tenant(name, quota, weight=weight))
+            tenant = _run(lambda: repo.tenants.create_tenant(name, quota, weight=weight))
         except CommandFailed as exc:
             if str(exc).startswith("conflict"):
                 raise CommandFailed(f"a tenant named {name!r} already exists") from exc
             raise
-        key = _run(lambda: repo.create_api_key(tenant.id))
+        key = _run(lambda: repo.tenants.create_api_key(tenant.id))
     finally:
         repo.close()
     quota_text = "unlimited" if quota is None else f"{quota} tokens"
@@ -171,7 +171,7 @@ def tenants_set_weight(
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
-        tenant = _run(lambda: repo.set_tenant_weight(name, weight))
+        tenant = _run(lambda: repo.tenants.set_tenant_weight(name, weight))
     finally:
         repo.close()
     out.print(f"tenant {tenant.name} ({tenant.id}): weight {tenant.weight:g}")
@@ -184,8 +184,8 @@ def tenants_keys(name: Annotated[str, typer.Argument(help="The tenant's name.")]
 
     repo = Repository.connect(_settings().database_url, pool_size=1)
     try:
-        tenant = _run(lambda: repo.tenant_by_name(name))
-        keys = _run(lambda: repo.api_keys(tenant.id))
+        tenant = _run(lambda: repo.tenants.tenant_by_name(name))
+        keys = _run(lambda: repo.tenants.api_keys(tenant.id))
     finally:
         repo.close()
     for record in keys:
@@ -213,7 +213,7 @@ def tenants_revoke_key(
     settings = _settings()
     repo = Repository.connect(settings.database_url, pool_size=1)
     try:
-        revoked = _run(lambda: repo.revoke_api_key(key.rstrip(".")))
+        revoked = _run(lambda: repo.tenants.revoke_api_key(key.rstrip(".")))
     finally:
         repo.close()
     out.print(f"revoked key {revoked.key_id}... of tenant {revoked.tenant}")

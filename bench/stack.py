@@ -86,7 +86,7 @@ class BackfillStack:
             stack.callback(self._forget_ledger, settings.redis_url)
             repo = Repository.connect(self.database_url, pool_size=1)
             try:
-                self.key = repo.create_api_key(repo.create_tenant("bench").id)
+                self.key = repo.tenants.create_api_key(repo.tenants.create_tenant("bench").id)
             finally:
                 repo.close()
             env = {
@@ -138,7 +138,7 @@ class BackfillStack:
                 api_up = httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200
             except httpx.HTTPError:
                 api_up = False
-            return api_up and any(n.name == self.node for n in repo.nodes())
+            return api_up and any(n.name == self.node for n in repo.nodes.nodes())
 
         try:
             harness.wait_ready(procs, ready, 180)

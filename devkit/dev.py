@@ -146,10 +146,10 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def _tenant_key(repo: Repository) -> str:
     try:
-        tenant = repo.tenant_by_name("dev")
+        tenant = repo.tenants.tenant_by_name("dev")
     except NotFound:
-        tenant = repo.create_tenant("dev")
-    return repo.create_api_key(tenant.id)
+        tenant = repo.tenants.create_tenant("dev")
+    return repo.tenants.create_api_key(tenant.id)
 
 
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:

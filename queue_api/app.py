@@ -35,7 +35,7 @@ def _deferred_creates_wait(repo: Repository) -> bool:
     schema is not migrated yet: the API still starts, and its first deferred create starts
     the ingest processes)."""
     try:
-        return repo.ingest_backlog()[0] > 0
+        return repo.ingest_queue.ingest_backlog()[0] > 0
     except Exception as exc:  # the driver and SQLAlchemy raise many types; none stops the API
         log.warning("could not look for deferred creates at start-up: %s", exc)
         return False
@@ -110,7 +110,7 @@ def create_app(
         app.state.ingesters = ingesters
         if settings.ingesters and (eager_ingesters or _deferred_creates_wait(repo)):
             ingesters.ensure_started()
-        keys = TenantKeyCache(repo.tenant_for_key, settings.api_key_cache_s)
+        keys = TenantKeyCache(repo.tenants.tenant_for_key, settings.api_key_cache_s)
         namespace = settings.redis_namespace
         # The tenants' limit is checked on the event loop for keys the cache knows.
         async_client = connect_async(

@@ -306,7 +306,7 @@ class NodeDispatcher:
         # Only work for the model this node's engine serves: a line's result must come from
         # the model it names. The claim's items stay locked, unwritten, until its start.
         claim = await asyncio.to_thread(
-            state.repo.open_claim,
+            state.repo.claims.open_claim,
             cfg.node,
             want,
             cfg.lease_ttl_s,
@@ -330,7 +330,7 @@ class NodeDispatcher:
                 # Ended before its start (a fault, a cancellation): nothing was written, the
                 # items unlock as they were.
                 with contextlib.suppress(StoreUnavailable):
-                    await asyncio.to_thread(state.repo.drop_claim, claim)
+                    await asyncio.to_thread(state.repo.claims.drop_claim, claim)
 
     async def _reserve(
         self, claim: OpenClaim, ready: list[CheckedItem], refused: list[Refused]
@@ -420,7 +420,9 @@ class NodeDispatcher:
         held = [(item.id, item.attempt) for item, _ in refused]
         sent = time.monotonic()
         try:
-            applied = set(await asyncio.to_thread(state.repo.start_claim, claim, starts, held))
+            applied = set(
+                await asyncio.to_thread(state.repo.claims.start_claim, claim, starts, held)
+            )
         except StoreUnavailable:
             # Landed or not, nothing of this start is launched: its leases go back to the
             # slack now, not when their TTL runs out (a start that did land is never beaten

@@ -214,7 +214,7 @@ class AttemptRunner:
                 with contextlib.suppress(StaleWrite):
                     await asyncio.to_thread(
                         functools.partial(
-                            self.state.repo.fail,
+                            self.state.repo.items.fail,
                             item.id,
                             item.attempt,
                             outcome.error,
@@ -301,7 +301,7 @@ class AttemptRunner:
             action = after_stop(reason)
             if action is StopAction.PREEMPT:
                 await asyncio.to_thread(
-                    self.state.repo.preempt,
+                    self.state.repo.items.preempt,
                     item.id,
                     item.attempt,
                     lease.fencing_token,
@@ -361,7 +361,7 @@ class AttemptRunner:
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
                 functools.partial(
-                    self.state.repo.requeue,
+                    self.state.repo.items.requeue,
                     item.id,
                     item.attempt,
                     flight.lease.fencing_token,

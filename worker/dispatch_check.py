@@ -141,17 +141,19 @@ class Checker:
         repo, stats = self.state.repo, self.state.stats
         if isinstance(outcome, Expire):
             with contextlib.suppress(StaleWrite):
-                await asyncio.to_thread(repo.expire_claimed, item.id, item.attempt, outcome.reason)
+                await asyncio.to_thread(
+                    repo.items.expire_claimed, item.id, item.attempt, outcome.reason
+                )
             stats.expired += 1
             return
         if isinstance(outcome, Fail):
             with contextlib.suppress(StaleWrite):
-                await asyncio.to_thread(repo.fail, item.id, item.attempt, outcome.error)
+                await asyncio.to_thread(repo.items.fail, item.id, item.attempt, outcome.error)
             stats.failed += 1
             return
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
-                repo.give_back,
+                repo.items.give_back,
                 item.id,
                 item.attempt,
                 outcome.state,

@@ -69,7 +69,7 @@ class ResultWriter:
         while True:
             try:
                 applied = set(
-                    await asyncio.to_thread(self.state.repo.finish, [f for f, _ in batch])
+                    await asyncio.to_thread(self.state.repo.items.finish, [f for f, _ in batch])
                 )
                 break
             except StoreUnavailable as exc:

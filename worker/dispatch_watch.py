@@ -74,7 +74,7 @@ class Watchers:
             try:
                 extended = set(
                     await asyncio.to_thread(
-                        self.state.repo.heartbeat,
+                        self.state.repo.claims.heartbeat,
                         [(f.item.id, f.item.attempt) for f in flights if f.item.id in due],
                         cfg.lease_ttl_s,
                     )

@@ -142,7 +142,7 @@ async def run_node(
                 block_size=pool.block_size,
                 max_sequence_tokens=limit,
             )
-            dispatcher.prefix_jobs = repo
+            dispatcher.prefix_jobs = repo.prefixes
             dispatcher.items_ended = waker.start().items_ended
             if holder is not None:
                 holder.append(dispatcher)
@@ -181,7 +181,7 @@ async def _register_node(
     """Record ``node`` and its engine in Postgres and its pool in the ledger."""
     pool = facts.pool
     await asyncio.to_thread(
-        repo.upsert_node,
+        repo.nodes.upsert_node,
         node,
         engine_url,
         facts.model.id,

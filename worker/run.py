@@ -102,7 +102,7 @@ def _configure_logging(settings: Settings) -> None:
 def _say_if_purges_leave_bloat(settings: Settings) -> None:
     repo = Repository.connect(settings.database_url, pool_size=1)
     try:
-        warning = retention_warning(settings, repo.server_autovacuums())
+        warning = retention_warning(settings, repo.retention.server_autovacuums())
     except BackfillError as exc:
         log.warning("could not read Postgres' autovacuum setting: %s", exc)
         return

@@ -96,7 +96,7 @@ class SummaryWaker:
             jobs, self._jobs = self._jobs, set()
         unknown = [b for b in batches if b not in self._owners]
         if unknown:
-            found = self._repo.summary_jobs_of_batches(unknown)
+            found = self._repo.summary_batches.summary_jobs_of_batches(unknown)
             for batch in unknown:
                 self._owners[batch] = found.get(batch)
             while len(self._owners) > KNOWN_BATCHES:

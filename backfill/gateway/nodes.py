@@ -57,7 +57,7 @@ class NodeDirectory:
 
     async def _refresh(self) -> None:
         try:
-            records = await asyncio.to_thread(self._repo.nodes)
+            records = await asyncio.to_thread(self._repo.nodes.nodes)
         except BackfillError as exc:
             log.warning("node directory not refreshed: %s", exc)
             if self._nodes is None:

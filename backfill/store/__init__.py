@@ -20,23 +20,26 @@ Rules it keeps:
   statement carries the plan out), earliest deadline first within a tenant.
 
 Where things are: :mod:`~backfill.store.records` (the values it returns),
-:mod:`~backfill.store.database` (pool, transactions, error translation, Postgres' clock),
+:mod:`~backfill.store.database` (the connection source every role shares: pool,
+transactions, error translation, Postgres' clock),
 :mod:`~backfill.store.tenants`, :mod:`~backfill.store.files`, :mod:`~backfill.store.nodes`,
 :mod:`~backfill.store.jobs`, :mod:`~backfill.store.ingest`,
 :mod:`~backfill.store.ingest_queue` (deferred creates, taken by the ingest processes),
-:mod:`~backfill.store.claims` (the claim's pick, in fair share order, and heartbeats),
-:mod:`~backfill.store.open_claims` (the worker's claims: a pick kept open, then one statement
-that starts or holds), :mod:`~backfill.store.driver` (the hot path's statements as raw
+:mod:`~backfill.store.claims` (the claim's pick and plan, in fair share order),
+:mod:`~backfill.store.open_claims` (the claims role: a pick kept open, then one statement
+that starts or holds; heartbeats), :mod:`~backfill.store.driver` (the hot path's statements as raw
 prepared psycopg calls), :mod:`~backfill.store.items` (moves after a claim),
 :mod:`~backfill.store.moves` (the guarded single-item move), :mod:`~backfill.store.counters`,
 :mod:`~backfill.store.recovery` (ledger rebuild rows, the reaper), :mod:`~backfill.store.stats`,
-and :class:`~backfill.store.repository.Repository`, all of them on one engine; consumers take the
-role they play (:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`BatchStore`,
-...), not the whole repository.
+and :class:`~backfill.store.repository.Repository`, which builds each role once over one
+:class:`~backfill.store.database.Database` and holds it as an attribute (``repo.files``,
+``repo.claims``, ...); consumers take a protocol naming the roles they use
+(:mod:`~backfill.store.protocol`: :class:`AttemptStore`, :class:`BatchStore`, ...), not the
+whole repository.
 """
 
 from backfill.store.counters import COUNTED_STATES, COUNTER_SHARDS
-from backfill.store.database import Store, ensure_database
+from backfill.store.database import Database, ensure_database
 from backfill.store.files import FILE_CHUNK_BYTES
 from backfill.store.ingest_queue import IngestTake
 from backfill.store.open_claims import OpenClaim
@@ -84,6 +87,7 @@ __all__ = [
     "BatchStore",
     "CapacityRecords",
     "ClaimedItem",
+    "Database",
     "FileRecord",
     "Finish",
     "FinishedTokenStats",
@@ -105,7 +109,6 @@ __all__ = [
     "Repository",
     "RevokedKey",
     "Start",
-    "Store",
     "SummaryStore",
     "TenantRecord",
     "ensure_database",

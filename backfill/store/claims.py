@@ -1,5 +1,6 @@
-"""The claim's pick: which claimable items a node takes, in which order, and the heartbeat
-that keeps a claim's items held.
+"""The claim's pick: which claimable items a node takes and in which order, and the heartbeat's
+statement that keeps a claim's items held (the role that sends them:
+:class:`backfill.store.open_claims.Claims`).
 
 Claims share each node between tenants by weight (``backfill.fairshare`` decides, the claim
 statement carries the plan out), earliest deadline first within a tenant. ``FOR UPDATE SKIP
@@ -10,18 +11,14 @@ items under a new attempt number, which fences out any older attempt's writes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from sqlalchemy import text
 
 from backfill import fairshare
 from backfill.models import ACTIVE_SQL, CLAIMABLE_SQL
 from backfill.states import ITEM_CLAIMABLE, ItemState
 from backfill.store.bodies import ITEM_BODY
-from backfill.store.database import Store
 from backfill.store.driver import array_literal
 from backfill.store.moves import check_moves, decode_partial, in_id_order
 from backfill.store.records import ClaimedItem, Start
@@ -155,8 +152,62 @@ HEARTBEAT = (
 )
 
 
-class Claims(Store):
-    """The claim's plan and pick, and heartbeats of the items claimed.
+def claimed_item(r: Any) -> ClaimedItem:
+    """A claim statement's row as the item handed to the attempt."""
+    return ClaimedItem(
+        id=r.id,
+        job_id=r.job_id,
+        attempt=r.attempt,
+        custom_id=r.custom_id,
+        body=r.body,
+        deadline=r.deadline,
+        prompt_tokens=r.prompt_tokens,
+        max_output_tokens=r.max_output_tokens,
+        reservation_tokens=r.reservation_tokens,
+        preemptions=r.preemptions,
+        partial_output=decode_partial(r.partial_output),
+        partial_tokens=r.partial_tokens,
+        endpoint=r.endpoint,
+        deadline_left_s=r.deadline_left_s,
+        tenant_id=r.tenant_id,
+        output_defaulted=r.output_defaulted,
+    )
+
+
+def claim_statement(
+    read: Callable[[str, dict[str, Any]], Sequence[Any]],
+    fair_share: bool,
+    node: str,
+    limit: int,
+    lease_ttl_s: float,
+    models: Sequence[str] | None,
+    statements: ClaimStatements,
+) -> tuple[str, dict[str, Any]]:
+    """The claim statement of ``statements`` and its parameters (with ``fair_share``, the
+    plan read by ``read`` in the claim's transaction)."""
+    read(f"SELECT {CLAIM_PLANNER}", {})
+    view = read(*share_view(node, models)) if fair_share else None
+    return planned_claim(view, node, limit, lease_ttl_s, models, statements)
+
+
+def share_view(node: str, models: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
+    """The fair share plan's read: the tenants with work and what ``node`` holds of each."""
+    return _SHARE_VIEW, {"node": node, "models": list(models) if models is not None else None}
+
+
+def planned_claim(
+    view: Sequence[Any] | None,
+    node: str,
+    limit: int,
+    lease_ttl_s: float,
+    models: Sequence[str] | None,
+    statements: ClaimStatements,
+    prefix_hold_s: float | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The claim statement of ``statements`` and its parameters, planned from the share
+    view's rows (None: no fair share, the earliest deadlines across every tenant).
+    ``prefix_hold_s``: how long a new job's items wait for its prefix pass to end
+    (``backfill.dispatch.prefix_claim_hold_s``; None: they do not wait).
 
     The order a claim takes items in: with fair share (the default) the node's share view is
     read first, in the claim's transaction, and ``fairshare.claim_order`` plans whose items to
@@ -170,107 +221,21 @@ class Claims(Store):
     ``models``: only items of jobs naming one of these (the models the node's engine serves),
     or naming none; None takes any.
     """
-
-    @staticmethod
-    def _claimed(r: Any) -> ClaimedItem:
-        """A claim statement's row as the item handed to the attempt."""
-        return ClaimedItem(
-            id=r.id,
-            job_id=r.job_id,
-            attempt=r.attempt,
-            custom_id=r.custom_id,
-            body=r.body,
-            deadline=r.deadline,
-            prompt_tokens=r.prompt_tokens,
-            max_output_tokens=r.max_output_tokens,
-            reservation_tokens=r.reservation_tokens,
-            preemptions=r.preemptions,
-            partial_output=decode_partial(r.partial_output),
-            partial_tokens=r.partial_tokens,
-            endpoint=r.endpoint,
-            deadline_left_s=r.deadline_left_s,
-            tenant_id=r.tenant_id,
-            output_defaulted=r.output_defaulted,
-        )
-
-    def _claim_statement(
-        self,
-        read: Callable[[str, dict[str, Any]], Sequence[Any]],
-        node: str,
-        limit: int,
-        lease_ttl_s: float,
-        models: Sequence[str] | None,
-        statements: ClaimStatements,
-    ) -> tuple[str, dict[str, Any]]:
-        """The claim statement of ``statements`` and its parameters (with fair share, the
-        plan read by ``read`` in the claim's transaction)."""
-        read(f"SELECT {CLAIM_PLANNER}", {})
-        view = read(*self._share_view(node, models)) if self.fair_share else None
-        return self._planned_claim(view, node, limit, lease_ttl_s, models, statements)
-
-    @staticmethod
-    def _share_view(node: str, models: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
-        """The fair share plan's read: the tenants with work and what ``node`` holds of each."""
-        return _SHARE_VIEW, {"node": node, "models": list(models) if models is not None else None}
-
-    def _planned_claim(
-        self,
-        view: Sequence[Any] | None,
-        node: str,
-        limit: int,
-        lease_ttl_s: float,
-        models: Sequence[str] | None,
-        statements: ClaimStatements,
-        prefix_hold_s: float | None = None,
-    ) -> tuple[str, dict[str, Any]]:
-        """The claim statement of ``statements`` and its parameters, planned from the share
-        view's rows (None: no fair share, the earliest deadlines across every tenant).
-        ``prefix_hold_s``: how long a new job's items wait for its prefix pass to end
-        (``backfill.dispatch.prefix_claim_hold_s``; None: they do not wait)."""
-        params: dict[str, Any] = {
-            "n": limit,
-            "node": node,
-            "ttl": lease_ttl_s,
-            "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
-            "models": list(models) if models is not None else None,
-            "prefix_hold_s": prefix_hold_s,
-        }
-        if view is None:
-            return statements.edf, params
-        use = [fairshare.TenantUse(r[0], float(r[1]), int(r[2])) for r in view]
-        # Spare slots only matter where a tenant short of items can pass its turn on.
-        spare = limit if len(use) > 1 else 0
-        params["slots"] = array_literal(fairshare.claim_order(use, limit + spare))
-        return statements.fair, params
-
-    def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
-        """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the pick an open claim would send
-        now, in a transaction rolled back (nothing is locked after it): the plan, for studies
-        (``bench.pg_scale``) and the test that pins its shape."""
-        with self.engine.connect() as conn:
-            tx = conn.begin()
-            try:
-                statement, params = self._claim_statement(
-                    lambda q, p: conn.execute(text(q), p).all(), node, limit, 60.0, models, PICKS
-                )
-                explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
-                plan = conn.execute(explain, params).scalar_one()
-            finally:
-                tx.rollback()
-        return json.loads(plan) if isinstance(plan, str) else plan
-
-    def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
-        """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
-        if not held:
-            return []
-        held = in_id_order(held, lambda h: h[0])
-        with self._tx() as conn:
-            return list(
-                conn.execute(
-                    text(HEARTBEAT),
-                    {"t": lease_ttl_s, "ids": [h[0] for h in held], "att": [h[1] for h in held]},
-                ).scalars()
-            )
+    params: dict[str, Any] = {
+        "n": limit,
+        "node": node,
+        "ttl": lease_ttl_s,
+        "src": check_moves(ITEM_CLAIMABLE, ItemState.RESERVED),
+        "models": list(models) if models is not None else None,
+        "prefix_hold_s": prefix_hold_s,
+    }
+    if view is None:
+        return statements.edf, params
+    use = [fairshare.TenantUse(r[0], float(r[1]), int(r[2])) for r in view]
+    # Spare slots only matter where a tenant short of items can pass its turn on.
+    spare = limit if len(use) > 1 else 0
+    params["slots"] = array_literal(fairshare.claim_order(use, limit + spare))
+    return statements.fair, params
 
 
 def start_rows(starts: Sequence[Start], others: Sequence[tuple[int, int]]) -> list[tuple[Any, ...]]:

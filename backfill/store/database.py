@@ -1,5 +1,6 @@
 """The store's connection to Postgres: a pooled engine, transactions that turn driver errors
-into Backfill's own, and Postgres' clock. Every aggregate of the store builds on :class:`Store`.
+into Backfill's own, and Postgres' clock. Every role of the store is built over one
+:class:`Database` (the repository hands the same one to each).
 """
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Any, Self
+from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, text
 
 from backfill.clock import HostClock, SharedClock
 from backfill.errors import StoreUnavailable
@@ -40,9 +41,9 @@ def _libpq(url: str) -> str:
     return "postgresql://" + url.partition("://")[2]
 
 
-class Store:
-    """Postgres access shared by every part of the store. Thread-safe (a pooled SQLAlchemy
-    engine).
+class Database:
+    """The connection source every role of the store shares: the pooled engine, how claims
+    order tenants, and Postgres' clock. Thread-safe (a pooled SQLAlchemy engine).
 
     ``fair_share`` is how claims order tenants: by weighted fair share of the node (the
     default), or, when False, earliest deadline first across all tenants (the order before
@@ -58,24 +59,19 @@ class Store:
         # it (this host's clock, ``host_clock``, may be off).
         self._clock = SharedClock(host=host_clock)
 
-    @classmethod
-    def connect(cls, database_url: str, *, pool_size: int = 5, fair_share: bool = True) -> Self:
-        engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
-        return cls(engine, fair_share=fair_share)
-
     def close(self) -> None:
         self.engine.dispose()
 
     @contextmanager
-    def _tx(self, *, durable: bool = True) -> Iterator[Connection]:
-        """One transaction (see :func:`transaction`)."""
+    def transaction(self, *, durable: bool = True) -> Iterator[Connection]:
+        """One transaction (see :func:`backfill.postgres.transaction`)."""
         with transaction(self.engine, durable=durable) as conn:
             yield conn
 
-    def _read_binary(self, query: str, params: tuple[Any, ...]) -> bytes | None:
+    def read_binary(self, query: str, params: tuple[Any, ...]) -> bytes | None:
         """One bytea value read in binary format: a text-format read hex-encodes it,
         doubling what crosses the wire and costing seconds to decode for 100 MB."""
-        with self._tx() as conn:
+        with self.transaction() as conn:
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
             with raw.cursor(binary=True) as cur:
@@ -83,7 +79,7 @@ class Store:
         return None if found is None or found[0] is None else bytes(found[0])
 
     def ping(self) -> None:
-        with self._tx() as conn:
+        with self.transaction() as conn:
             conn.execute(text(PING))
 
     def now(self) -> datetime:
@@ -99,5 +95,5 @@ class Store:
         return datetime.fromtimestamp(self._clock.now(), UTC)
 
     def _database_time(self) -> float:
-        with self._tx() as conn:
+        with self.transaction() as conn:
             return float(conn.execute(text(DATABASE_TIME)).scalar_one())

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, text
 from backfill import ids
 from backfill.errors import NotFound
 from backfill.store.bodies import keep_bodies
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.records import FileRecord
 
 FILE_CHUNK_BYTES = 1024 * 1024
@@ -25,7 +25,7 @@ FILE_CHUNK_BYTES = 1024 * 1024
 COPY_PIECES = "COPY file_chunks (file_id, seq, data) FROM STDIN (FORMAT BINARY)"
 # A file uploaded before files were stored in pieces: its whole content, one value.
 WHOLE_CONTENT = "SELECT content FROM files WHERE id = %s"
-# One piece of a stored file, by its sequence number (read binary: see Store.read_binary).
+# One piece of a stored file, by its sequence number (read binary: see Database.read_binary).
 PIECE = "SELECT data FROM file_chunks WHERE file_id = %s AND seq = %s"
 
 
@@ -121,8 +121,11 @@ FILE_HEAD = (
 OWNED_FILE = "SELECT id FROM files WHERE id = :i AND tenant_id = :t"
 
 
-class Files(Store):
+class Files:
     """Stored and rendered files."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def create_file(
         self,
@@ -153,7 +156,7 @@ class Files(Store):
             pieces = _read_pieces(cast(BinaryIO, content), chunk_bytes)
         size = size_bytes or 0
         bound = None
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(CREATE_FILE),
                 {
@@ -175,7 +178,7 @@ class Files(Store):
         )
 
     def get_file(self, tenant_id: str, file_id: str) -> FileRecord:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(GET_FILE),
                 {"i": file_id, "t": tenant_id},
@@ -195,7 +198,7 @@ class Files(Store):
     ) -> tuple[list[FileRecord], bool]:
         """A page of the tenant's files after the cursor ``after`` (a file id), and whether
         there are more."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(LIST_FILES["ASC" if ascending else "DESC"]),
                 {"t": tenant_id, "p": purpose, "a": after, "l": limit + 1},
@@ -205,7 +208,7 @@ class Files(Store):
     def delete_expired_files(self, limit: int = 1000) -> list[str]:
         """Delete files past their ``expires_at`` (up to ``limit``); returns their ids. The
         batches of an expired input file go on: their unfinished items keep their bodies."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             due = list(conn.execute(text(EXPIRED_FILES), {"l": limit}).scalars())
             gone = keep_bodies(conn, due)
             if not gone:
@@ -216,7 +219,7 @@ class Files(Store):
         """A stored file's bytes, one piece per query (no connection is held between them),
         or None for a file rendered from a job's items. NotFound is raised at once, before
         the first piece is asked for."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(FILE_KIND),
                 {"i": file_id, "t": tenant_id},
@@ -232,7 +235,7 @@ class Files(Store):
         """The first ``max_bytes`` of a stored input file (fewer if it is shorter; empty for
         a file rendered from a job's items), in one query that reads no more of it. NotFound
         when the tenant has no such live file."""
-        head = self._read_binary(FILE_HEAD, (max_bytes, max_bytes, file_id, tenant_id))
+        head = self._db.read_binary(FILE_HEAD, (max_bytes, max_bytes, file_id, tenant_id))
         if head is None:
             raise NotFound(f"No such File object: {file_id}")
         return head
@@ -241,7 +244,7 @@ class Files(Store):
         """A stored file's pieces in ``seq`` order, as :meth:`file_pieces` reads them; None
         when the file is not stored in pieces (rendered, or stored whole before pieces), so
         no line of it can be pointed at."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(FILE_KIND), {"i": file_id, "t": tenant_id}).first()
         if row is None:
             raise NotFound(f"No such File object: {file_id}")
@@ -250,19 +253,19 @@ class Files(Store):
     def _pieces(self, file_id: str, legacy: bool) -> Iterator[bytes]:
         if legacy:
             # Uploaded before files were stored in pieces: one piece, the whole file.
-            whole = self._read_binary(WHOLE_CONTENT, (file_id,))
+            whole = self._db.read_binary(WHOLE_CONTENT, (file_id,))
             if whole is not None:
                 yield whole
             return
         seq = 0
-        while (piece := self._read_binary(PIECE, (file_id, seq))) is not None:
+        while (piece := self._db.read_binary(PIECE, (file_id, seq))) is not None:
             yield piece
             seq += 1
 
     def delete_file(self, tenant_id: str, file_id: str) -> None:
         """Delete one of the tenant's files. Its batches go on: their unfinished items keep
         their bodies (:func:`backfill.store.bodies.keep_bodies`, same transaction)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             owned = conn.execute(text(OWNED_FILE), {"i": file_id, "t": tenant_id}).first()
             gone = keep_bodies(conn, [file_id]) if owned is not None else []
             if gone:

@@ -18,7 +18,7 @@ from backfill.errors import NotFound, StaleWrite
 from backfill.states import JobState
 from backfill.store.bodies import HOLD_FILE
 from backfill.store.counters import add_to_counters
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.jobs import move_job
 from backfill.store.records import NewItem
 
@@ -61,8 +61,11 @@ SET_PROMPT_TOKENS = (
 )
 
 
-class Ingest(Store):
+class Ingest:
     """Storing a job's items."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def insert_items(
         self,
@@ -87,7 +90,7 @@ class Ingest(Store):
         can be deleted, and a delete then copies their bodies. If the file is already gone,
         such an item raises ``NotFound`` and nothing is stored.
         """
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(JOB_FOR_INGEST),
                 {"i": job_id},
@@ -140,7 +143,7 @@ class Ingest(Store):
         """Record exact (item_id, prompt_tokens, reservation_tokens) after tokenization."""
         if not counts:
             return
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(SET_PROMPT_TOKENS),
                 {

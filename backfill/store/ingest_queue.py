@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 
-from backfill.store.database import Store
+from backfill.store.database import Database
 
 # Deferred creates waiting, tenants in turn (each tenant's oldest first).
 INGEST_CANDIDATES = (
@@ -53,15 +53,18 @@ class IngestTake:
     attempt: int
 
 
-class IngestQueue(Store):
+class IngestQueue:
     """Deferred creates, taken one at a time."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     @contextmanager
     def take_deferred_ingest(self, *, scan: int = 16) -> Iterator[IngestTake | None]:
         """The next deferred create no other ingest holds, held until the block ends (None:
         none waits). The hold is a lock of the connection's session, so it lasts across the
         ingest's own transactions and ends if this process dies."""
-        with self.engine.connect() as raw:
+        with self._db.engine.connect() as raw:
             conn = raw.execution_options(isolation_level="AUTOCOMMIT")
             taken: IngestTake | None = None
             try:
@@ -89,6 +92,6 @@ class IngestQueue(Store):
     def ingest_backlog(self) -> tuple[int, float]:
         """Deferred creates waiting (or being ingested), and the oldest one's age in
         seconds."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(INGEST_BACKLOG)).one()
         return int(row[0]), float(row[1])

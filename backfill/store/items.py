@@ -14,7 +14,7 @@ from sqlalchemy import text
 from backfill.errors import IllegalTransition
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, AttemptOutcome, ItemState
 from backfill.store.counters import CNT_FINISH, bump_counters
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.driver import array_literal, single
 from backfill.store.moves import (
     NOT_BEFORE,
@@ -138,8 +138,11 @@ EXPIRE_CLAIMED = ItemMove(
 )
 
 
-class Items(Store):
+class Items:
     """Moving and reading a job's items."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def finish(self, finishes: Sequence[Finish]) -> list[int]:
         """running -> succeeded/failed for many items at once; returns the ids that applied.
@@ -156,7 +159,7 @@ class Items(Store):
         # One statement is the whole transaction: sent alone, it commits as it ends (durable,
         # one round trip instead of two).
         return single(
-            self.engine,
+            self._db.engine,
             FINISH,
             {
                 "ids": array_literal(f.item_id for f in finishes),
@@ -184,7 +187,7 @@ class Items(Store):
             "partial_output": encode_partial(partial_output),
             "partial_tokens": partial_tokens,
         }
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             move_item(
                 conn,
                 PREEMPT,
@@ -209,7 +212,7 @@ class Items(Store):
         moves = {ItemState.DEFERRED: DEFER, ItemState.QUEUED: RELEASE_UNSTARTED}
         if target not in moves:
             raise IllegalTransition(f"give_back() moves to deferred or queued, not {target}")
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             move_item(
                 conn,
                 moves[target],
@@ -225,7 +228,7 @@ class Items(Store):
         """An attempt's item fails for good (bad request, retry cap reached): a claimed one
         without a fencing token, a running one under its token."""
         move = FAIL_CLAIMED if fencing_token is None else FAIL_RUNNING
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             move_item(
                 conn,
                 move,
@@ -255,7 +258,7 @@ class Items(Store):
             "partial_tokens": partial_tokens,
             "retry": retry_after_s,
         }
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             move_item(
                 conn,
                 REQUEUE,
@@ -270,7 +273,7 @@ class Items(Store):
     def expire_claimed(self, item_id: int, attempt: int, reason: str) -> None:
         """reserved -> expired: the item cannot finish before its deadline, so it is not
         started at all (no prefill is spent on it)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             move_item(
                 conn, EXPIRE_CLAIMED, item_id, attempt, values={"error": reason}, detail=reason
             )
@@ -289,7 +292,7 @@ class Items(Store):
         unstarted = ITEM_CLAIMABLE | {ItemState.RESERVED}
         states = set(unstarted) if only_unstarted else set(ITEM_CLAIMABLE | ITEM_ACTIVE)
         sources = check_moves(sorted(states), target)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(END_ITEMS),
                 {"j": job_id, "src": sources, "to": target.value},
@@ -307,7 +310,7 @@ class Items(Store):
     ) -> list[ItemRecord]:
         """A page of a job's items in line order (results streaming, output files)."""
         state_list = [s.value for s in states] if states is not None else None
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(ITEMS_PAGE),
                 {"j": job_id, "a": after_line, "s": state_list, "l": limit},

@@ -15,7 +15,7 @@ from backfill import ids
 from backfill.errors import IllegalTransition, NotFound, StaleWrite
 from backfill.states import ITEM_TERMINAL, JOB_TRANSITIONS, ItemState, JobState
 from backfill.store.counters import COUNTED_STATES, COUNTERS_JOIN
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.records import JobCounts, JobRecord
 from backfill.webhooks.outbox import enqueue_batch_event
 
@@ -94,7 +94,7 @@ def move_job(
     output_file_id: str | None = None,
     error_file_id: str | None = None,
 ) -> JobState:
-    """``Repository.move_job`` inside the caller's transaction.
+    """``Repository.jobs.move_job`` inside the caller's transaction.
 
     The job row is locked ``FOR NO KEY UPDATE``: transitions of one job queue behind each
     other, but not behind a create that is storing the job's items (it holds the row
@@ -228,8 +228,11 @@ JOBS_READY_TO_FINALIZE = (
 )
 
 
-class Jobs(Store):
+class Jobs:
     """Jobs and their transitions."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def create_job(
         self,
@@ -249,7 +252,7 @@ class Jobs(Store):
         """A new job with its counters row. Reusing an idempotency key returns the first job.
         ``ingest_deferred``: an ingest process is to check and store its items."""
         job_id = ids.new_job_id()
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             inserted = conn.execute(
                 text(CREATE_JOB),
                 {
@@ -286,7 +289,7 @@ class Jobs(Store):
 
     def get_job(self, tenant_id: str | None, job_id: str) -> JobRecord:
         """The job with its counters; ``tenant_id=None`` only for internal callers."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(GET_JOB),
                 {"i": job_id, "t": tenant_id},
@@ -299,7 +302,7 @@ class Jobs(Store):
         self, tenant_id: str, *, after: str | None = None, limit: int = 20
     ) -> list[JobRecord]:
         """Newest first; ``after`` is the id of the last job of the previous page."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(LIST_JOBS),
                 {"t": tenant_id, "a": after, "l": limit},
@@ -307,7 +310,7 @@ class Jobs(Store):
         return [job_from_row(r) for r in rows]
 
     def count_active_jobs(self, tenant_id: str) -> int:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(
                 conn.execute(
                     text(COUNT_ACTIVE_JOBS),
@@ -317,12 +320,12 @@ class Jobs(Store):
 
     def deferred_creates(self, tenant_id: str) -> int:
         """The tenant's creates waiting for an ingest process or in one."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(conn.execute(text(DEFERRED_CREATES), {"t": tenant_id}).scalar_one())
 
     def enqueued_tokens(self, tenant_id: str) -> int:
         """Worst-case tokens (prompt + max output) of the tenant's unfinished items."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(
                 conn.execute(
                     text(ENQUEUED_TOKENS),
@@ -341,7 +344,7 @@ class Jobs(Store):
         error_file_id: str | None = None,
     ) -> JobState:
         """Guarded job transition; returns the state it left. ``StaleWrite`` if not allowed now."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return move_job(
                 conn,
                 job_id,
@@ -353,7 +356,7 @@ class Jobs(Store):
             )
 
     def job_events(self, job_id: str) -> list[tuple[str | None, str, str | None]]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(JOB_EVENTS),
                 {"i": job_id},
@@ -361,7 +364,7 @@ class Jobs(Store):
         return [(r[0], r[1], r[2]) for r in rows]
 
     def jobs_in_state(self, state: JobState, limit: int = 100) -> list[str]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(
                 conn.execute(
                     text(JOBS_IN_STATE),
@@ -370,7 +373,7 @@ class Jobs(Store):
             )
 
     def jobs_past_deadline(self, limit: int = 100) -> list[str]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(
                 conn.execute(
                     text(JOBS_PAST_DEADLINE),
@@ -391,7 +394,7 @@ class Jobs(Store):
         for target in (JobState.IN_PROGRESS, JobState.FAILED):
             if target not in JOB_TRANSITIONS[JobState.VALIDATING]:
                 raise IllegalTransition(f"job validating -> {target} is not in the state machine")
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(RECOVER_VALIDATING),
                 {"before": created_before, "l": limit, "errors": Jsonb(errors)},
@@ -403,7 +406,7 @@ class Jobs(Store):
 
     def job_id_for_idempotency_key(self, tenant_id: str, idempotency_key: str) -> str | None:
         """The job a tenant already created with this key, if any (a retried create)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return conn.execute(
                 text(JOB_FOR_IDEMPOTENCY_KEY),
                 {"t": tenant_id, "k": idempotency_key},
@@ -415,7 +418,7 @@ class Jobs(Store):
         Asks the items (through the ``(job_id, state)`` index) rather than the counters, so a
         job is never finalized on a counter that drifted."""
         unfinished = [s.value for s in ItemState if s not in ITEM_TERMINAL]
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(
                 conn.execute(
                     text(JOBS_READY_TO_FINALIZE),

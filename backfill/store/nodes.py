@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from sqlalchemy import text
 
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.records import NodeRecord
 
 # Register a node or refresh its engine, pool size and reserve (a worker's start).
@@ -44,8 +44,11 @@ ALL_NODES = (
 )
 
 
-class Nodes(Store):
+class Nodes:
     """Node registrations."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def upsert_node(
         self,
@@ -59,7 +62,7 @@ class Nodes(Store):
     ) -> None:
         """Register ``name`` (or refresh it); ``endpoints``: the batch endpoints its engine
         serves (None: not known, taken as every endpoint)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(
                 text(UPSERT_NODE),
                 {
@@ -76,14 +79,14 @@ class Nodes(Store):
     def served_models(self, live_within_s: float) -> tuple[set[str], bool]:
         """The models nodes seen in the last ``live_within_s`` seconds serve, and whether any
         node was seen then at all."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = list(conn.execute(text(SERVED_MODELS), {"s": live_within_s}).scalars())
         return {m for m in rows if m is not None}, bool(rows)
 
     def served_endpoints(self, model: str, live_within_s: float) -> set[str] | None:
         """The endpoints live nodes serving ``model`` serve together; None if one of them
         did not say (or none is live)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = list(
                 conn.execute(text(SERVED_ENDPOINTS), {"m": model, "s": live_within_s}).scalars()
             )
@@ -92,11 +95,11 @@ class Nodes(Store):
         return {e for r in rows for e in r}
 
     def touch_node(self, name: str) -> None:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(text(TOUCH_NODE), {"n": name})
 
     def nodes(self) -> list[NodeRecord]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(ALL_NODES)).all()
         return [
             NodeRecord(

@@ -37,6 +37,7 @@ one transaction"):
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,12 +45,23 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import namedtuple_row
+from sqlalchemy import text
 
 from backfill.states import ITEM_CLAIMABLE, ItemState
-from backfill.store.claims import CLAIM_PLANNER, PICKS, Claims, start_rows
+from backfill.store.claims import (
+    CLAIM_PLANNER,
+    HEARTBEAT,
+    PICKS,
+    claim_statement,
+    claimed_item,
+    planned_claim,
+    share_view,
+    start_rows,
+)
 from backfill.store.counters import counters_cte, moved_from
+from backfill.store.database import Database
 from backfill.store.driver import array_literal, driver_errors, raw_connection, to_psycopg
-from backfill.store.moves import check_moves
+from backfill.store.moves import check_moves, in_id_order
 from backfill.store.records import ClaimedItem, Start
 
 IDLE = TransactionStatus.IDLE
@@ -102,8 +114,8 @@ START_OPEN = (
 @dataclass(slots=True)
 class OpenClaim:
     """A claim whose transaction is still open: ``items`` are locked for ``node``, nothing of
-    them is written yet. Started (:meth:`OpenClaims.start_claim`) or dropped
-    (:meth:`OpenClaims.drop_claim`) once, from any one thread at a time."""
+    them is written yet. Started (:meth:`Claims.start_claim`) or dropped
+    (:meth:`Claims.drop_claim`) once, from any one thread at a time."""
 
     node: str
     lease_ttl_s: float
@@ -153,8 +165,12 @@ class OpenClaim:
             fairy.close()
 
 
-class OpenClaims(Claims):
-    """Claiming items in an open transaction and starting them in it (the worker's path)."""
+class Claims:
+    """The worker's claims: items claimed in an open transaction and started in it, their
+    heartbeats, and the claim's plan explained (for studies)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def open_claim(
         self,
@@ -166,12 +182,12 @@ class OpenClaims(Claims):
         prefix_hold_s: float | None = None,
     ) -> OpenClaim:
         """Pick up to ``limit`` claimable items for ``node`` and keep them locked in an open
-        transaction, in the order to start them (see :class:`Claims` for the order and
-        ``models``; ``prefix_hold_s``: how long a new job's items are left while its prefix
-        pass runs, None: not at all). Each item carries the attempt number its start will
-        give it. An empty claim comes back already closed. The transaction ends after
-        ``lease_ttl_s`` idle seconds at the latest (the server ends the session)."""
-        fairy = raw_connection(self.engine)
+        transaction, in the order to start them (see :func:`~backfill.store.claims.planned_claim`
+        for the order and ``models``; ``prefix_hold_s``: how long a new job's items are left
+        while its prefix pass runs, None: not at all). Each item carries the attempt number its
+        start will give it. An empty claim comes back already closed. The transaction ends
+        after ``lease_ttl_s`` idle seconds at the latest (the server ends the session)."""
+        fairy = raw_connection(self._db.engine)
         claim = OpenClaim(node, lease_ttl_s, [], {}, fairy)
         try:
             conn = claim._connection()
@@ -190,11 +206,11 @@ class OpenClaims(Claims):
                         (str(max(int(lease_ttl_s * 1000), 1)),),
                         prepare=True,
                     )
-                    if self.fair_share:
-                        view_statement, view_params = self._share_view(node, models)
+                    if self._db.fair_share:
+                        view_statement, view_params = share_view(node, models)
                         cur.execute(to_psycopg(view_statement), view_params, prepare=True)
-                view = cur.fetchall() if self.fair_share else None
-                statement, params = self._planned_claim(
+                view = cur.fetchall() if self._db.fair_share else None
+                statement, params = planned_claim(
                     view, node, limit, lease_ttl_s, models, PICKS, prefix_hold_s
                 )
                 # The pick on its own, not pipelined: the server arms the idle-transaction
@@ -211,7 +227,7 @@ class OpenClaims(Claims):
             claim._close()
             return claim
         claim.items = [
-            replace(self._claimed(r), prefix_id=r.prefix_id, prefix_blocks=r.prefix_blocks)
+            replace(claimed_item(r), prefix_id=r.prefix_id, prefix_blocks=r.prefix_blocks)
             for r in rows
         ]
         claim._picked_from = {r.id: r.from_state for r in rows}
@@ -273,3 +289,38 @@ class OpenClaims(Claims):
     def drop_claim(self, claim: OpenClaim) -> None:
         """End ``claim`` writing nothing: its items unlock as they were (no attempt spent)."""
         claim._close()
+
+    def heartbeat(self, held: Sequence[tuple[int, int]], lease_ttl_s: float) -> list[int]:
+        """Extend the claims of (item_id, attempt) pairs; returns the ids still held."""
+        if not held:
+            return []
+        held = in_id_order(held, lambda h: h[0])
+        with self._db.transaction() as conn:
+            return list(
+                conn.execute(
+                    text(HEARTBEAT),
+                    {"t": lease_ttl_s, "ids": [h[0] for h in held], "att": [h[1] for h in held]},
+                ).scalars()
+            )
+
+    def explain_claim(self, node: str, limit: int, *, models: Sequence[str] | None = None) -> Any:
+        """``EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`` of the pick an open claim would send
+        now, in a transaction rolled back (nothing is locked after it): the plan, for studies
+        (``bench.pg_scale``) and the test that pins its shape."""
+        with self._db.engine.connect() as conn:
+            tx = conn.begin()
+            try:
+                statement, params = claim_statement(
+                    lambda q, p: conn.execute(text(q), p).all(),
+                    self._db.fair_share,
+                    node,
+                    limit,
+                    60.0,
+                    models,
+                    PICKS,
+                )
+                explain = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement)
+                plan = conn.execute(explain, params).scalar_one()
+            finally:
+                tx.rollback()
+        return json.loads(plan) if isinstance(plan, str) else plan

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from backfill.states import ITEM_TERMINAL
 from backfill.store.bodies import ITEM_BODY
-from backfill.store.database import Store
+from backfill.store.database import Database
 
 _TERMINAL = [s.value for s in ITEM_TERMINAL]
 
@@ -76,12 +76,15 @@ class PrefixGroupRecord:
     items: int
 
 
-class Prefixes(Store):
+class Prefixes:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
     def take_prefix_job(self, models: Sequence[str]) -> PrefixJob | None:
         """Take one in-progress job of ``models`` whose prefixes nobody looked for yet (it is
         not offered again: a worker that dies while looking leaves its items reserving their
         whole prompts, as without prefixes)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(_TAKE), {"m": list(models)}).first()
         if row is None:
             return None
@@ -91,7 +94,7 @@ class Prefixes(Store):
         self, job_id: str, *, after_id: int = 0, limit: int = 1000
     ) -> list[tuple[int, str]]:
         """A page of a job's unfinished items whose prefix is not known: (id, body)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(_UNSEEN), {"j": job_id, "a": after_id, "t": _TERMINAL, "l": limit}
             ).all()
@@ -104,7 +107,7 @@ class Prefixes(Store):
             if blocks < 1:
                 raise ValueError("a shared prefix is one whole block at least")
         rows: Sequence[Any] = []
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             if found:
                 rows = conn.execute(
                     text(_RECORD),
@@ -121,12 +124,12 @@ class Prefixes(Store):
     def end_prefix_pass(self, job_id: str) -> None:
         """Mark the prefix pass over ``job_id`` ended without a record (it failed): a node
         that looks for prefixes claims the job's items from now on, whole prompts."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(text(_ENDED), {"j": job_id})
 
     def prefix_groups(self, job_id: str) -> list[PrefixGroupRecord]:
         """A job's shared prefixes and how many of its items start with each."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(_GROUPS), {"j": job_id}).all()
         return [PrefixGroupRecord(str(r[0]), int(r[1]), int(r[2])) for r in rows]
 
@@ -136,7 +139,7 @@ class Prefixes(Store):
         found: dict[str, list[PrefixGroupRecord]] = {}
         if not job_ids:
             return found
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(_GROUPS_OF_JOBS), {"js": job_ids}).all()
         for r in rows:
             found.setdefault(str(r[0]), []).append(

@@ -11,7 +11,7 @@ from sqlalchemy import text
 from backfill.models import ACTIVE_SQL
 from backfill.states import ITEM_ACTIVE, ItemState
 from backfill.store.counters import bump_counters
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.moves import check_moves
 from backfill.store.records import ActiveLeaseRow, LostItem
 
@@ -85,13 +85,16 @@ ACTIVE_LEASES = (
 )
 
 
-class Recovery(Store):
+class Recovery:
     """Ledger epochs, lost attempts, live leases."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def next_ledger_epoch(self) -> int:
         """A ledger epoch larger than any handed out before (fencing tokens stay monotonic
         across a Redis data loss: each rebuild starts a new epoch)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(conn.execute(text(NEXT_LEDGER_EPOCH)).scalar_one())
 
     def reap_lost(self, limit: int = 1000, *, max_lost_runs: int | None = None) -> list[LostItem]:
@@ -106,7 +109,7 @@ class Recovery(Store):
         """
         check_moves(sorted(ITEM_ACTIVE), ItemState.QUEUED)
         check_moves(sorted(ITEM_ACTIVE), ItemState.FAILED)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(REAP_LOST),
                 {"l": limit, "cap": max_lost_runs},
@@ -126,6 +129,6 @@ class Recovery(Store):
 
     def active_leases(self) -> list[ActiveLeaseRow]:
         """Every item a live attempt holds: what the ledger is rebuilt from."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(ACTIVE_LEASES)).all()
         return [ActiveLeaseRow(*r) for r in rows]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 
 from backfill.states import JOB_TERMINAL
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.summarize.states import SUMMARY_JOB_TERMINAL
 
 ENDED_STATES = ", ".join(f"'{state.value}'" for state in sorted(JOB_TERMINAL))
@@ -70,11 +70,14 @@ class PurgeReport:
     """Summarisation jobs purged whole."""
 
 
-class Retention(Store):
+class Retention:
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
     def server_autovacuums(self) -> bool:
         """Whether the Postgres server runs autovacuum: without it (or a scheduled VACUUM) the
         space of purged rows is never reused, and the tables grow by every purged batch."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return str(conn.execute(text("SHOW autovacuum")).scalar_one()) == "on"
 
     def purge_ended_jobs(
@@ -84,24 +87,24 @@ class Retention(Store):
         ``chunk_rows`` rows per transaction, stopping once ``max_rows`` are gone (the rest in
         the next call)."""
         report = PurgeReport()
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             due = conn.execute(text(DUE_JOBS), {"age": older_than_s, "l": 100}).all()
         for job_id, output_file, error_file in due:
             if not self._drain((ITEM_CHUNK, WEBHOOK_CHUNK), job_id, chunk_rows, max_rows, report):
                 return report
-            with self._tx() as conn:
+            with self._db.transaction() as conn:
                 files = [f for f in (output_file, error_file) if f is not None]
                 if files:
                     conn.execute(text(RESULT_FILES), {"ids": files})
                 report.jobs += conn.execute(text(JOB), {"j": job_id}).rowcount or 0
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             summary_due = list(
                 conn.execute(text(DUE_SUMMARY_JOBS), {"age": older_than_s, "l": 100}).scalars()
             )
         for summary_id in summary_due:
             if not self._drain(SUMMARY_CHUNKS, summary_id, chunk_rows, max_rows, report):
                 return report
-            with self._tx() as conn:
+            with self._db.transaction() as conn:
                 gone = conn.execute(text(SUMMARY_JOB), {"j": summary_id}).rowcount
                 report.summary_jobs += gone or 0
         return report
@@ -120,7 +123,7 @@ class Retention(Store):
             while True:
                 if report.rows >= max_rows:
                     return False
-                with self._tx() as conn:
+                with self._db.transaction() as conn:
                     gone = conn.execute(text(chunk), {"j": job_id, "n": chunk_rows}).rowcount or 0
                 report.rows += gone
                 if gone < chunk_rows:

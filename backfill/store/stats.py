@@ -12,7 +12,7 @@ from sqlalchemy import text
 from backfill import fairshare
 from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
 from backfill.store.counters import COUNTERS_JOIN
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.records import FinishedTokenStats
 
 # Items per state of one job by COUNT(*): the slow truth the counters are checked against.
@@ -52,12 +52,15 @@ OUTPUT_TOKENS_FINISHED_WITHIN = (
 )
 
 
-class Stats(Store):
+class Stats:
     """Backlogs and metrics."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def counted_states(self, job_id: str) -> dict[ItemState, int]:
         """COUNT(*) by state: the slow truth the counters are checked against."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(COUNTED_STATES_OF_JOB),
                 {"j": job_id},
@@ -67,13 +70,13 @@ class Stats(Store):
     def backlog_tokens(self) -> int:
         """Worst-case tokens (prompt + max output) of every item not yet finished, from the
         unfinished jobs' counters (see ``BACKLOG_BY_TENANT``)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(conn.execute(text(BACKLOG_TOKENS)).scalar_one())
 
     def backlog_by_tenant(self) -> list[fairshare.TenantBacklog]:
         """:meth:`backlog_tokens` per tenant, with each tenant's weight (tenants with none
         are left out)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(BACKLOG_BY_TENANT)).all()
         return [fairshare.TenantBacklog(r[0], float(r[1]), int(r[2])) for r in rows]
 
@@ -81,13 +84,13 @@ class Stats(Store):
         """Items per state over every job, summed from the counters (no scan of items)."""
         states = list(ItemState)
         cols = ", ".join(f"coalesce(sum({s.value}), 0)" for s in states)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(f"SELECT {cols} FROM job_counters")).one()
         return {s: int(n) for s, n in zip(states, row, strict=True)}
 
     def job_state_totals(self) -> dict[JobState, int]:
         """Jobs per state (every state, zeros included)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(JOB_STATE_TOTALS)).all()
         found = {JobState(r[0]): int(r[1]) for r in rows}
         return {s: found.get(s, 0) for s in JobState}
@@ -113,7 +116,7 @@ class Stats(Store):
             for col in ("prompt_tokens", "output_tokens")
             for b in wanted
         )
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(
                     "WITH w AS (SELECT coalesce(CAST(:since AS timestamptz), "
@@ -140,7 +143,7 @@ class Stats(Store):
 
     def output_tokens_finished_within(self, seconds: float) -> int:
         """Output tokens of the items that succeeded in the last ``seconds``."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(
                 conn.execute(
                     text(OUTPUT_TOKENS_FINISHED_WITHIN),

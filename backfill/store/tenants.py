@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from backfill import ids
 from backfill.errors import Conflict, InvalidInput, NotFound
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.records import ApiKeyRecord, RevokedKey, TenantRecord
 
 KEY_ID_CHARS = 11
@@ -85,15 +85,18 @@ TENANT_KEYS = (
 )
 
 
-class Tenants(Store):
+class Tenants:
     """Tenants and API keys."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def create_tenant(
         self, name: str, enqueued_token_quota: int | None = None, *, weight: float = 1.0
     ) -> TenantRecord:
         _check_weight(weight)
         tenant_id = ids.new_tenant_id()
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(
                 text(CREATE_TENANT),
                 {"i": tenant_id, "n": name, "q": enqueued_token_quota, "w": weight},
@@ -107,7 +110,7 @@ class Tenants(Store):
         return self._one_tenant(TENANT_BY_ID, {"i": tenant_id}, f"no tenant {tenant_id!r}")
 
     def _one_tenant(self, query: str, params: dict[str, str], missing: str) -> TenantRecord:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(query), params).first()
         if row is None:
             raise NotFound(missing)
@@ -115,19 +118,19 @@ class Tenants(Store):
 
     def stored_items(self, tenant_id: str) -> int:
         """Items of the tenant's batches stored now, whatever their state."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(conn.execute(text(TENANT_STORED_ITEMS), {"t": tenant_id}).scalar_one())
 
     def stored_input_bytes(self, tenant_id: str) -> int:
         """Bytes of the tenant's input files stored now."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return int(conn.execute(text(TENANT_STORED_BYTES), {"t": tenant_id}).scalar_one())
 
     def set_tenant_weight(self, name: str, weight: float) -> TenantRecord:
         """Change a tenant's share; claims follow it at once, API feasibility checks once
         the API's key cache refreshes."""
         _check_weight(weight)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(SET_TENANT_WEIGHT),
                 {"n": name, "w": weight},
@@ -140,7 +143,7 @@ class Tenants(Store):
         """Make a new key for the tenant; returns it in clear (the only time it exists so).
         Its first :data:`KEY_ID_CHARS` characters are its id (:func:`key_id`)."""
         key = f"bf-{secrets.token_urlsafe(32)}"
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(
                 text(CREATE_API_KEY),
                 {"t": tenant_id, "d": key_digest(key), "p": key_id(key)},
@@ -148,7 +151,7 @@ class Tenants(Store):
         return key
 
     def tenant_for_key(self, key: str) -> TenantRecord | None:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(TENANT_FOR_KEY),
                 {"d": key_digest(key)},
@@ -159,7 +162,7 @@ class Tenants(Store):
         """Revoke one live key, named by the whole key or by its id (the first
         :data:`KEY_ID_CHARS` characters, as ``tenants create`` and ``tenants keys`` show).
         NotFound if no live key matches; Conflict if an id matches several (use the key)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(LIVE_KEYS_MATCHING),
                 {"d": key_digest(key_or_id), "k": key_or_id, "n": KEY_ID_CHARS},
@@ -176,7 +179,7 @@ class Tenants(Store):
 
     def api_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
         """The tenant's keys (by id; the keys themselves are not kept), newest first."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(TENANT_KEYS),
                 {"t": tenant_id},

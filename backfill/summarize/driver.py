@@ -69,8 +69,8 @@ class DriverReport:
 def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverReport:
     """One round over the open summarisation jobs."""
     report = DriverReport()
-    for job_id in repo.open_summary_jobs(limit):
-        with repo.driver_lock(job_id) as held:
+    for job_id in repo.summary_jobs.open_summary_jobs(limit):
+        with repo.summary_jobs.driver_lock(job_id) as held:
             if not held:
                 continue  # another process drives it this round
             try:
@@ -86,7 +86,7 @@ def drive_now(
     """One round of one job now, not at the next tick (its start made, its items ended),
     cutting at most ``max_steps`` steps into batches: whether it ran (False: another process
     holds the job's lock and drives it)."""
-    with repo.driver_lock(job_id) as held:
+    with repo.summary_jobs.driver_lock(job_id) as held:
         if held:
             drive_job(repo, settings, job_id, max_steps=max_steps)
         return held
@@ -101,7 +101,7 @@ def drive_job(
     max_steps: int = MAX_ROUND_STEPS,
 ) -> None:
     report = report if report is not None else DriverReport()
-    job = repo.get_summary_job(None, job_id)
+    job = repo.summary_jobs.get_summary_job(None, job_id)
     if job.state is SummaryJobState.CANCELLING:
         _cancel(repo, job)
         report.jobs_ended += 1
@@ -112,7 +112,9 @@ def drive_job(
     _decide(repo, job, report)
     if job.deadline is not None and repo.now() >= job.deadline:
         # Past its deadline no batch of it is made: the steps without one fail as expired.
-        if repo.fail_unmade_steps(job.id, "expired: the job's deadline passed before it ran"):
+        if repo.summary_outcomes.fail_unmade_steps(
+            job.id, "expired: the job's deadline passed before it ran"
+        ):
             _decide(repo, job, report)
     else:
         report.batches += make_batches(repo, settings, job, max_steps)
@@ -131,7 +133,7 @@ def harvest(repo: SummaryStore, job: SummaryJobRecord) -> int:
     """Steps whose items ended, with their outcomes; returns how many."""
     total = 0
     while True:
-        rows = repo.finished_steps(job.id, HARVEST_PAGE)
+        rows = repo.summary_outcomes.finished_steps(job.id, HARVEST_PAGE)
         outcomes: dict[tuple[int, int], StepView] = {}
         for row in rows:
             view = (
@@ -141,7 +143,7 @@ def harvest(repo: SummaryStore, job: SummaryJobRecord) -> int:
             )
             if view is not None:
                 outcomes[(row.seq, row.node)] = view
-        repo.end_steps(job.id, outcomes)
+        repo.summary_outcomes.end_steps(job.id, outcomes)
         total += len(outcomes)
         if len(rows) < HARVEST_PAGE:
             return total
@@ -152,10 +154,10 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
     made, documents ended)."""
     decided = created = ended_count = 0
     while True:
-        touched = repo.touched_documents(job.id, DECIDE_PAGE)
+        touched = repo.summary_outcomes.touched_documents(job.id, DECIDE_PAGE)
         if not touched:
             return decided, created, ended_count
-        steps = repo.steps_of(job.id, [seq for seq, _ in touched])
+        steps = repo.summary_outcomes.steps_of(job.id, [seq for seq, _ in touched])
         new_steps: dict[int, list[NewStep]] = {}
         ended: dict[int, DocumentRow] = {}
         for seq, chunks in touched:
@@ -185,7 +187,7 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
                 )
                 for new in decision.create
             ]
-        repo.decide_documents(job.id, new_steps, ended)
+        repo.summary_outcomes.decide_documents(job.id, new_steps, ended)
         decided += len(touched)
         created += sum(len(s) for s in new_steps.values())
         ended_count += len(ended)
@@ -198,11 +200,11 @@ def make_batches(
     job's queue runs low (:func:`~backfill.summarize.job_plan.cut_now`), then make every
     numbered batch not made yet; returns how many were made."""
     cut_steps = 0
-    backlog = repo.step_backlog(job.id)
+    backlog = repo.summary_batches.step_backlog(job.id)
     if not cut_now(backlog.unbatched, backlog.waiting, settings.max_lines_per_batch):
         max_steps = 0
     while cut_steps < max_steps:
-        steps = repo.unbatched_steps(
+        steps = repo.summary_batches.unbatched_steps(
             job.id, min(settings.max_lines_per_batch, max_steps - cut_steps)
         )
         if not steps:
@@ -213,10 +215,10 @@ def make_batches(
             if cut.starts_new_file(size):
                 break
             taken.append((seq, node))
-        repo.number_batch(job.id, taken)
+        repo.summary_batches.number_batch(job.id, taken)
         cut_steps += len(taken)
     made = 0
-    for batch_no in repo.batches_to_make(job.id):
+    for batch_no in repo.summary_batches.batches_to_make(job.id):
         try:
             make_batch(repo, settings, job, batch_no)
         except Refusal as refusal:  # a storage cap: the steps wait for room
@@ -256,16 +258,17 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
     """Make the job's batch ``batch_no`` (once: a batch made before under its key is taken
     as it is); returns its id."""
     assert job.deadline is not None, "a job in progress has a deadline"
-    tenant = repo.tenant_by_id(job.tenant_id)
+    tenant = repo.tenants.tenant_by_id(job.tenant_id)
     key = batch_key(job.id, batch_no)
-    existing = repo.job_id_for_idempotency_key(tenant.id, key)
+    existing = repo.jobs.job_id_for_idempotency_key(tenant.id, key)
     if existing is not None:
         # Made before the driver stopped: its items may still be to store.
-        batch = repo.get_job(tenant.id, existing)
-        record = repo.get_file(tenant.id, batch.input_file_id)
+        batch = repo.jobs.get_job(tenant.id, existing)
+        record = repo.files.get_file(tenant.id, batch.input_file_id)
     else:
         lines = (
-            batch_line(seq, node, body) for seq, node, body in repo.batch_steps(job.id, batch_no)
+            batch_line(seq, node, body)
+            for seq, node, body in repo.summary_batches.batch_steps(job.id, batch_no)
         )
         record = upload_file(
             repo,
@@ -275,7 +278,7 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
             purpose=INPUT_PURPOSE,
             content=io.BufferedReader(_LinesReader(lines)),
         )
-        batch = repo.create_job(
+        batch = repo.jobs.create_job(
             tenant.id,
             record.id,
             CHAT_URL,
@@ -300,30 +303,30 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
         plan = DeadlinePlan(True, job.deadline, now, window_s)
         with contextlib.suppress(Conflict):
             ingest_items(repo, settings, tenant, batch, admission, plan)
-    repo.set_batch(job.id, batch_no, batch.id)
+    repo.summary_batches.set_batch(job.id, batch_no, batch.id)
     return batch.id
 
 
 def _end_if_done(repo: SummaryStore, job: SummaryJobRecord) -> bool:
-    if repo.has_pending_documents(job.id):  # one index probe, not the job's counts
+    if repo.summary_reports.has_pending_documents(job.id):  # one index probe, not the job's counts
         return False
-    counts = repo.summary_counts(job.id)
+    counts = repo.summary_reports.summary_counts(job.id)
     if counts.documents.get(DocumentState.PENDING, 0):
         return False
     late = job.deadline is not None and repo.now() >= job.deadline
     failed = counts.documents.get(DocumentState.FAILED, 0)
     target = SummaryJobState.EXPIRED if late and failed else SummaryJobState.COMPLETED
     with contextlib.suppress(StaleWrite):
-        repo.move_summary_job(job.id, target)
+        repo.summary_jobs.move_summary_job(job.id, target)
         return True
     return False
 
 
 def _cancel(repo: SummaryStore, job: SummaryJobRecord) -> None:
     """Cancel the job's batches, fail what is pending, and end it cancelled."""
-    for batch_id in repo.summary_batch_ids(job.id):
+    for batch_id in repo.summary_batches.summary_batch_ids(job.id):
         with contextlib.suppress(Conflict, StaleWrite):
             finalize.cancel_job(repo, job.tenant_id, batch_id)
-    repo.fail_pending_documents(job.id, "cancelled")
+    repo.summary_outcomes.fail_pending_documents(job.id, "cancelled")
     with contextlib.suppress(StaleWrite):
-        repo.move_summary_job(job.id, SummaryJobState.CANCELLED)
+        repo.summary_jobs.move_summary_job(job.id, SummaryJobState.CANCELLED)

@@ -79,7 +79,7 @@ def create_job(
         shape.check()
     except (ChunkTooSmall, ReduceInfeasible) as exc:
         raise InvalidRequest(str(exc), param="max_summary_tokens") from exc
-    return repo.create_summary_job(
+    return repo.summary_jobs.create_summary_job(
         tenant.id,
         request.model,
         request.instruction,
@@ -125,7 +125,7 @@ def add_documents(repo: SummaryStore, job: SummaryJobRecord, documents: list[New
         raise StaleWrite(
             f"summary job {job.id} is {job.state.value}: it takes documents only while receiving"
         )
-    return repo.add_documents(job.id, documents)
+    return repo.summary_jobs.add_documents(job.id, documents)
 
 
 def start_job(
@@ -156,26 +156,26 @@ def start_job(
     )
     judge_tokens(repo, settings, tenant, job.forecast_tokens, admission)
     with contextlib.suppress(StaleWrite):
-        repo.move_summary_job(
+        repo.summary_jobs.move_summary_job(
             job.id, SummaryJobState.IN_PROGRESS, deadline=now + timedelta(seconds=window_s)
         )
-    return repo.get_summary_job(tenant.id, job.id)
+    return repo.summary_jobs.get_summary_job(tenant.id, job.id)
 
 
 def cancel_job(repo: SummaryStore, tenant: TenantRecord, job_id: str) -> SummaryJobRecord:
     """A receiving job ends cancelled at once; a running one is cancelling until the driver
     has cancelled its batches. What was summarised is kept."""
-    job = repo.get_summary_job(tenant.id, job_id)
+    job = repo.summary_jobs.get_summary_job(tenant.id, job_id)
     if job.state is SummaryJobState.RECEIVING:
         with contextlib.suppress(StaleWrite):
-            repo.move_summary_job(job.id, SummaryJobState.CANCELLED)
-            repo.fail_pending_documents(job.id, "cancelled")
+            repo.summary_jobs.move_summary_job(job.id, SummaryJobState.CANCELLED)
+            repo.summary_outcomes.fail_pending_documents(job.id, "cancelled")
     elif job.state is SummaryJobState.IN_PROGRESS:
         with contextlib.suppress(StaleWrite):
-            repo.move_summary_job(job.id, SummaryJobState.CANCELLING)
+            repo.summary_jobs.move_summary_job(job.id, SummaryJobState.CANCELLING)
     elif job.state not in (SummaryJobState.CANCELLING, SummaryJobState.CANCELLED):
         raise NotCancellable(f"cannot cancel a summary job that is {job.state.value}")
-    return repo.get_summary_job(tenant.id, job.id)
+    return repo.summary_jobs.get_summary_job(tenant.id, job.id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +218,7 @@ def result_rows(repo: SummaryStore, job_id: str, page: int = 1000) -> Iterator[S
     yet: results can be read while the job runs)."""
     after = -1
     while True:
-        rows = repo.document_page(job_id, after, page)
+        rows = repo.summary_reports.document_page(job_id, after, page)
         for r in rows:
             yield SummaryRow(
                 id=r.source_id if r.source_id is not None else f"row {r.seq}",

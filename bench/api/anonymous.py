@@ -61,7 +61,7 @@ def main() -> None:
     namespace = f"bfbench{secrets.token_hex(3)}"
     with scratch_database("bfanon") as url:
         repo = Repository.connect(url)
-        key = repo.create_api_key(repo.create_tenant("bench").id)
+        key = repo.tenants.create_api_key(repo.tenants.create_tenant("bench").id)
         repo.close()
         port = 22_000 + secrets.randbelow(2000)
         process = start_api(

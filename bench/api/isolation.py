@@ -189,7 +189,10 @@ def run(
 ) -> Run:
     namespace = f"bfbench{secrets.token_hex(3)}"
     repo = Repository.connect(url)
-    keys = {t: repo.create_api_key(repo.create_tenant(f"{t}-{namespace}").id) for t in "AB"}
+    keys = {
+        t: repo.tenants.create_api_key(repo.tenants.create_tenant(f"{t}-{namespace}").id)
+        for t in "AB"
+    }
     repo.close()
     port = 18_000 + secrets.randbelow(2000)
     settings = {

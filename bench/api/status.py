@@ -26,8 +26,8 @@ GOAL_MS = 20.0
 
 
 def load(repo: Repository, tenant_id: str, n: int) -> str:
-    upload = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}\n")
-    job = repo.create_job(
+    upload = repo.files.create_file(tenant_id, "batch", "in.jsonl", b"{}\n")
+    job = repo.jobs.create_job(
         tenant_id,
         upload.id,
         "/v1/chat/completions",
@@ -36,8 +36,8 @@ def load(repo: Repository, tenant_id: str, n: int) -> str:
         model="bench-model",
     )
     body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]})
-    repo.insert_items(job.id, (NewItem(i, f"req-{i}", body, 64) for i in range(1, n + 1)))
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.ingest.insert_items(job.id, (NewItem(i, f"req-{i}", body, 64) for i in range(1, n + 1)))
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
 
 
@@ -48,8 +48,8 @@ def main() -> None:
     namespace = f"bfbench{secrets.token_hex(3)}"
     with scratch_database("bfstatus") as url:
         repo = Repository.connect(url)
-        tenant = repo.create_tenant("bench")
-        key = repo.create_api_key(tenant.id)
+        tenant = repo.tenants.create_tenant("bench")
+        key = repo.tenants.create_api_key(tenant.id)
         with Stopwatch() as loading:
             job_id = load(repo, tenant.id, n_items)
         with repo.engine.begin() as conn:

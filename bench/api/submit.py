@@ -57,8 +57,8 @@ def api_submit(
     creates of the file)."""
     namespace = f"bfbench{secrets.token_hex(3)}"
     repo = Repository.connect(url)
-    tenant = repo.create_tenant("bench")
-    key = repo.create_api_key(tenant.id)
+    tenant = repo.tenants.create_tenant("bench")
+    key = repo.tenants.create_api_key(tenant.id)
     repo.close()
     port = 18_000 + secrets.randbelow(2000)
     process = start_api(

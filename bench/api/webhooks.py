@@ -173,8 +173,10 @@ def main() -> None:
         tag = secrets.token_hex(3)
 
         def tenant_job(name: str) -> tuple[str, str]:
-            tenant = repo.create_tenant(f"{name}-{tag}")
-            job = repo.create_job(tenant.id, "file-none", "/v1/chat/completions", "24h", repo.now())
+            tenant = repo.tenants.create_tenant(f"{name}-{tag}")
+            job = repo.jobs.create_job(
+                tenant.id, "file-none", "/v1/chat/completions", "24h", repo.now()
+            )
             return tenant.id, job.id
 
         well_jobs, drip_jobs = [], []

@@ -81,7 +81,9 @@ class Run:
         repo = Repository.connect(stack.database_url, pool_size=1)
         try:
             self.tenants = {
-                n: Tenant(n, repo.create_api_key(repo.create_tenant(f"tenant-{n}").id))
+                n: Tenant(
+                    n, repo.tenants.create_api_key(repo.tenants.create_tenant(f"tenant-{n}").id)
+                )
                 for n in ("a", "b")
             }
         finally:

@@ -254,7 +254,7 @@ class BackfillPlane:
             finally:
                 opened.timings.append((name, time.perf_counter() - t0))
 
-        claim = timed("claim", lambda: self.repo.open_claim(node, want, ttl_s))
+        claim = timed("claim", lambda: self.repo.claims.open_claim(node, want, ttl_s))
         try:
             opened.claimed = [_held(c) for c in claim.items]
             if not claim.open or not opened.claimed:
@@ -271,18 +271,20 @@ class BackfillPlane:
             opened.leased, opened.refused = split_outcomes(fits, outcomes)
             starts = _starts(opened.leased)
             held = [(h.item_id, h.attempt) for h in opened.refused]
-            opened.applied = set(timed("start", lambda: self.repo.start_claim(claim, starts, held)))
+            opened.applied = set(
+                timed("start", lambda: self.repo.claims.start_claim(claim, starts, held))
+            )
             return opened
         finally:
             if claim.open:
                 with contextlib.suppress(BackfillError):
-                    self.repo.drop_claim(claim)
+                    self.repo.claims.drop_claim(claim)
 
     async def claim(self, node: str, want: int, ttl_s: float) -> list[Held]:
         await self.drop(node)
         await self._open_slots.acquire()
         try:
-            claim = await asyncio.to_thread(self.repo.open_claim, node, want, ttl_s)
+            claim = await asyncio.to_thread(self.repo.claims.open_claim, node, want, ttl_s)
         except BaseException:
             self._open_slots.release()
             raise
@@ -300,7 +302,7 @@ class BackfillPlane:
         if claim is not None:
             try:
                 with contextlib.suppress(BackfillError):
-                    await asyncio.to_thread(self.repo.drop_claim, claim)
+                    await asyncio.to_thread(self.repo.claims.drop_claim, claim)
             finally:
                 self._open_slots.release()
 
@@ -330,7 +332,7 @@ class BackfillPlane:
     async def give_back(self, held: Held) -> None:
         with contextlib.suppress(StaleWrite):
             await asyncio.to_thread(
-                self.repo.give_back,
+                self.repo.items.give_back,
                 held.item_id,
                 held.attempt,
                 ItemState.DEFERRED,
@@ -347,7 +349,7 @@ class BackfillPlane:
         starts = _starts(leased)
         held = [(h.item_id, h.attempt) for h in refused]
         try:
-            return set(await asyncio.to_thread(self.repo.start_claim, claim, starts, held))
+            return set(await asyncio.to_thread(self.repo.claims.start_claim, claim, starts, held))
         finally:
             self._open_slots.release()
 
@@ -364,7 +366,7 @@ class BackfillPlane:
     async def heartbeat_claims(self, held: Sequence[Held], ttl_s: float) -> set[int]:
         return set(
             await asyncio.to_thread(
-                self.repo.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s
+                self.repo.claims.heartbeat, [(h.item_id, h.attempt) for h in held], ttl_s
             )
         )
 
@@ -389,7 +391,7 @@ class BackfillPlane:
             )
             for h, out in done
         ]
-        return set(await asyncio.to_thread(self.repo.finish, fins))
+        return set(await asyncio.to_thread(self.repo.items.finish, fins))
 
     async def release(self, held: Sequence[Held]) -> None:
         with contextlib.suppress(BackfillError):

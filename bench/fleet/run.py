@@ -43,11 +43,11 @@ from bench.fleet.stats import (
 def _load_items(url: str, count: int) -> None:
     repo = Repository.connect(url)
     try:
-        tenant = repo.create_tenant("fleet")
-        f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+        tenant = repo.tenants.create_tenant("fleet")
+        f = repo.files.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
         per_job = 50_000
         for j in range(0, count, per_job):
-            job = repo.create_job(
+            job = repo.jobs.create_job(
                 tenant.id,
                 f.id,
                 "/v1/chat/completions",
@@ -55,11 +55,11 @@ def _load_items(url: str, count: int) -> None:
                 datetime.now(UTC) + timedelta(days=1, seconds=j),
             )
             n = min(per_job, count - j)
-            repo.insert_items(
+            repo.ingest.insert_items(
                 job.id,
                 (NewItem(i, f"r{i}", BODY, OUTPUT_TOKENS, PROMPT_TOKENS, None) for i in range(n)),
             )
-            repo.move_job(job.id, JobState.IN_PROGRESS)
+            repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     finally:
         repo.close()
 
@@ -77,7 +77,7 @@ def _register(url: str, redis_url: str, namespace: str, nodes: Sequence[str]) ->
     ledger = Ledger.from_url(redis_url, namespace, policy)
     try:
         for node in nodes:
-            repo.upsert_node(
+            repo.nodes.upsert_node(
                 node,
                 "http://sim",
                 "m",

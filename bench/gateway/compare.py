@@ -176,13 +176,15 @@ def main() -> None:
             ledger = Ledger(client, namespace, policy)
             try:
                 reserve = policy.reserve_tokens(pool.capacity_tokens)
-                repo.upsert_node(NODE, server.url, model, pool.num_blocks, pool.block_size, reserve)
+                repo.nodes.upsert_node(
+                    NODE, server.url, model, pool.num_blocks, pool.block_size, reserve
+                )
                 ledger.rebuild(
                     [NodePool(NODE, pool.capacity_tokens, pool.block_size, reserve)],
                     [],
-                    repo.next_ledger_epoch(),
+                    repo.recovery.next_ledger_epoch(),
                 )
-                key = repo.create_api_key(repo.create_tenant("bench").id)
+                key = repo.tenants.create_api_key(repo.tenants.create_tenant("bench").id)
                 env = {
                     **os.environ,
                     "BACKFILL_DATABASE_URL": db_url,

@@ -53,7 +53,7 @@ def _claimer(
     try:
         while time.time() < stop_at:
             began = time.time()
-            claim = repo.open_claim(f"churn-{worker}", PER_CLAIM, 60)
+            claim = repo.claims.open_claim(f"churn-{worker}", PER_CLAIM, 60)
             claims.append((began - t0, (time.time() - began) * 1000, len(claim.items)))
             if not claim.items:
                 time.sleep(0.02)
@@ -62,9 +62,9 @@ def _claimer(
             for c in claim.items:
                 fence += 1
                 starts.append(Start(c.id, c.attempt, f"c{fence}", fence, 320, 60))
-            repo.start_claim(claim, starts)
+            repo.claims.start_claim(claim, starts)
             n = len(
-                repo.finish(
+                repo.items.finish(
                     [
                         Finish(
                             s.item_id,

@@ -3,7 +3,7 @@
 A. A scratch database at migration head holds a fleet's history and backlog (``--items``,
    default 10M: ~99% succeeded with a ~200 B result and one attempt each, ~1% queued in jobs
    in progress; a few thousand jobs over 20 tenants). Sizes of every table and index, the
-   real ``Repository.open_claim`` latency (fair share and plain EDF; each claim's items then
+   real ``Repository.claims.open_claim`` latency (fair share and plain EDF; each claim's items then
    held, written as a worker holds what it refuses), and ``EXPLAIN (ANALYZE, BUFFERS)`` of the
    claim's pick in a rolled-back transaction.
 B. The peer: the same rows in ``items_p``, partitioned by RANGE (deadline) with the same
@@ -82,10 +82,10 @@ def _explain(conn: psycopg.Connection[Any], sql: str, params: Any) -> PlanSummar
 
 
 def _explain_claim(url: str, fair: bool) -> PlanSummary:
-    """The claim's pick, as ``Repository.open_claim`` would send it."""
+    """The claim's pick, as ``Repository.claims.open_claim`` would send it."""
     repo = Repository.connect(url, pool_size=1, fair_share=fair)
     try:
-        return summarise_plan(repo.explain_claim("explain", 64))
+        return summarise_plan(repo.claims.explain_claim("explain", 64))
     finally:
         repo.close()
 
@@ -97,10 +97,10 @@ def _claim_latency(url: str, fair: bool, n: int) -> tuple[float, float, int]:
     try:
         for i in range(n + 3):
             with Stopwatch() as sw:
-                claim = repo.open_claim(f"probe-{'fair' if fair else 'edf'}", 64, 60)
+                claim = repo.claims.open_claim(f"probe-{'fair' if fair else 'edf'}", 64, 60)
             if claim.open:
                 # Held, so the next probe claims the next items (as the claim it replaced did).
-                repo.start_claim(claim, [], [(c.id, c.attempt) for c in claim.items])
+                repo.claims.start_claim(claim, [], [(c.id, c.attempt) for c in claim.items])
             got += len(claim.items)
             if i >= 3:  # the first few warm the pool and the plan cache
                 ms.append(sw.seconds * 1000)

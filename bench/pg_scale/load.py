@@ -49,8 +49,8 @@ def make_jobs(url: str, jobs: int, backlog_jobs: int, history_days: float) -> Fl
     try:
         tenants = []
         for t in range(TENANTS):
-            tenant = repo.create_tenant(f"pgscale-{t}")
-            f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+            tenant = repo.tenants.create_tenant(f"pgscale-{t}")
+            f = repo.files.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
             tenants.append((tenant.id, f.id))
         hist: list[tuple[str, str, datetime]] = []
         back: list[tuple[str, str, datetime]] = []
@@ -64,7 +64,7 @@ def make_jobs(url: str, jobs: int, backlog_jobs: int, history_days: float) -> Fl
                 b = k - n_hist
                 deadline = now + timedelta(hours=1 + 23 * b / max(1, backlog_jobs))
                 state = JobState.IN_PROGRESS
-            job = repo.create_job(tenant_id, file_id, "/v1/chat/completions", "24h", deadline)
+            job = repo.jobs.create_job(tenant_id, file_id, "/v1/chat/completions", "24h", deadline)
             (hist if state is JobState.COMPLETED else back).append((job.id, tenant_id, deadline))
     finally:
         repo.close()

@@ -159,8 +159,8 @@ def run(
     repo = Repository.connect(url, pool_size=4)
     ledger = Ledger.from_url(settings.redis_url, namespace, pool_policy(settings))
     vacuum_setting = autovacuum(repo)
-    tenant = repo.create_tenant(f"churn-{namespace}").id
-    key = repo.create_api_key(tenant)
+    tenant = repo.tenants.create_tenant(f"churn-{namespace}").id
+    key = repo.tenants.create_api_key(tenant)
     port = 18_000 + secrets.randbelow(2000)
     process = start_api(
         url,
@@ -179,7 +179,7 @@ def run(
             stop,
             0.25,
             lambda: samples.seen.append(
-                (time.monotonic() - began, repo.stored_items(tenant), table_bytes(repo))
+                (time.monotonic() - began, repo.tenants.stored_items(tenant), table_bytes(repo))
             ),
         ),
         background(stop, 1.0, lambda: upkeep(repo, ledger, settings, vacuum=vacuum)),

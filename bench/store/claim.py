@@ -37,17 +37,17 @@ def _load(url: str, n: int, tenants: int = 1) -> list[str]:
     try:
         jobs = []
         for t in range(tenants):
-            tenant = repo.create_tenant(f"bench-{t}")
-            f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
-            job = repo.create_job(
+            tenant = repo.tenants.create_tenant(f"bench-{t}")
+            f = repo.files.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+            job = repo.jobs.create_job(
                 tenant.id, f.id, "/v1/chat/completions", "24h",
                 datetime.now(UTC) + timedelta(days=1, seconds=t),
             )  # fmt: skip
             share = n // tenants + (1 if t < n % tenants else 0)
-            repo.insert_items(
+            repo.ingest.insert_items(
                 job.id, (NewItem(i, f"r{i}", BODY, 64, 20, 128) for i in range(share))
             )
-            repo.move_job(job.id, JobState.IN_PROGRESS)
+            repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
             jobs.append(job.id)
         return jobs
     finally:
@@ -59,7 +59,7 @@ def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore
     done = 0
     fence = worker << 40
     while True:
-        claim = repo.open_claim(f"node{worker}", PER_CLAIM, 30)
+        claim = repo.claims.open_claim(f"node{worker}", PER_CLAIM, 30)
         if not claim.items:
             break
         # Here the worker counts tokens and reserves a lease per item, the claim still open.
@@ -67,9 +67,9 @@ def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore
         for c in claim.items:
             fence += 1
             starts.append(Start(c.id, c.attempt, f"l{fence}", fence, 128, 20))
-        repo.start_claim(claim, starts)
+        repo.claims.start_claim(claim, starts)
         done += len(
-            repo.finish(
+            repo.items.finish(
                 [
                     Finish(
                         s.item_id,
@@ -142,7 +142,7 @@ def main() -> None:
                 if side == "repo":
                     check = Repository.connect(url)
                     done = sum(
-                        check.get_job(None, j).counts.count(ItemState.SUCCEEDED) for j in jobs
+                        check.jobs.get_job(None, j).counts.count(ItemState.SUCCEEDED) for j in jobs
                     )
                     check.close()
                     assert done == n

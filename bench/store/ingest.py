@@ -2,7 +2,7 @@
 
 Rows are ~2 KB of JSON (a chat summarisation request). The peer is the building block
 itself: psycopg 3 binary COPY into a plain table with Postgres defaults (pglz, no indexes).
-Backfill's path is ``Repository.insert_items``: binary COPY into the real ``items`` table
+Backfill's path is ``Repository.ingest.insert_items``: binary COPY into the real ``items`` table
 (lz4 bodies, its claim and status indexes) plus the per-job counters, in one transaction.
 """
 
@@ -67,17 +67,17 @@ def raw_copy(url: str, bodies: list[str]) -> float:
 def repository_ingest(url: str, bodies: list[str]) -> float:
     repo = Repository.connect(url)
     try:
-        tenant = repo.create_tenant("bench")
-        f = repo.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
-        job = repo.create_job(
+        tenant = repo.tenants.create_tenant("bench")
+        f = repo.files.create_file(tenant.id, "batch", "in.jsonl", None, size_bytes=0)
+        job = repo.jobs.create_job(
             tenant.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(days=1)
         )
         with Stopwatch() as sw:
-            n = repo.insert_items(
+            n = repo.ingest.insert_items(
                 job.id, (NewItem(i, f"req-{i}", b, 64) for i, b in enumerate(bodies))
             )
         assert n == len(bodies)
-        assert repo.get_job(None, job.id).counts.total == n
+        assert repo.jobs.get_job(None, job.id).counts.total == n
     finally:
         repo.close()
     return sw.seconds

@@ -40,7 +40,7 @@ def queue_seconds(url: str, content: bytes, lines: int, count: int) -> float:
     )
     repo = Repository.connect(url, pool_size=3)
     try:
-        tenant = repo.create_tenant("bench")
+        tenant = repo.tenants.create_tenant("bench")
         upload = batches.upload_file(
             repo, settings, tenant.id, filename="in.jsonl", purpose="batch", content=content
         )
@@ -50,12 +50,12 @@ def queue_seconds(url: str, content: bytes, lines: int, count: int) -> float:
         loop = threading.Thread(target=ingester.run, args=(repo, settings, stop))
         with Stopwatch() as watch:
             loop.start()
-            while any(repo.get_job(None, j).state is JobState.VALIDATING for j in jobs):
+            while any(repo.jobs.get_job(None, j).state is JobState.VALIDATING for j in jobs):
                 time.sleep(0.05)
         stop.set()
         loop.join()
         for job_id in jobs:
-            job = repo.get_job(None, job_id)
+            job = repo.jobs.get_job(None, job_id)
             if job.state is not JobState.IN_PROGRESS or job.counts.total != lines:
                 raise RuntimeError(f"batch not accepted: {job.state} {job.errors}")
     finally:

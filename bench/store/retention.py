@@ -4,7 +4,7 @@ batch's items are claimed, against the same claims with no purge, in one run.
 A scratch database holds one ended batch of ``--items`` items (with an attempt each, ~2 KB
 bodies: the size of a summarisation request) and one batch in progress. Claims take 16 items
 at a time and give them back, round after round, for a few seconds alone, then while
-maintenance ticks purge the ended batch (``Repository.purge_ended_jobs`` at its default chunk
+maintenance ticks purge the ended batch (``repo.retention.purge_ended_jobs`` at its default chunk
 and rows per tick, a tick a second as the beat schedules it) until it is gone. Figure: claim
 p99 during the purge over claim p99 alone; the purge's rows per second and its longest tick
 are reported too.
@@ -30,21 +30,21 @@ BATCH = 16
 
 
 def fill(repo: Repository, items: int, *, ended: bool) -> str:
-    tenant = repo.create_tenant(f"t-{time.monotonic_ns()}").id
-    f = repo.create_file(tenant, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"t-{time.monotonic_ns()}").id
+    f = repo.files.create_file(tenant, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         tenant, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=24)
     )
     bodies = make_bodies(min(items, 5000))
     for start in range(0, items, 50_000):
-        repo.insert_items(
+        repo.ingest.insert_items(
             job.id,
             [
                 NewItem(i, f"r{i}", bodies[i % len(bodies)], 64)
                 for i in range(start, min(items, start + 50_000))
             ],
         )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     if ended:
         with repo.engine.begin() as conn:
             conn.execute(
@@ -74,11 +74,11 @@ def claims(repo: Repository, seconds: float, stop: threading.Event | None = None
     end = time.monotonic() + seconds
     while time.monotonic() < end and not (stop is not None and stop.is_set()):
         started = time.perf_counter()
-        claim = repo.open_claim("bench-node", BATCH, 60.0)
+        claim = repo.claims.open_claim("bench-node", BATCH, 60.0)
         took.append((time.perf_counter() - started) * 1000)
         if not claim.items:
             break
-        repo.drop_claim(claim)  # given back: nothing was written
+        repo.claims.drop_claim(claim)  # given back: nothing was written
     return took
 
 
@@ -100,7 +100,7 @@ def main() -> None:
             def purge() -> None:
                 while not stop.is_set():
                     started = time.perf_counter()
-                    report = repo.purge_ended_jobs(
+                    report = repo.retention.purge_ended_jobs(
                         settings.retention_s,
                         chunk_rows=settings.retention_chunk_rows,
                         max_rows=settings.retention_rows_per_tick,

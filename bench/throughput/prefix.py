@@ -120,11 +120,15 @@ def build_prompts(url: str, w: PrefixWorkload) -> tuple[str, list[str]]:
 def _submit(repo: Repository, w: PrefixWorkload, prompts: Sequence[str], *, find: bool) -> str:
     """The job straight into the store (as the e2e test does): with ``find`` False it is
     recorded as taken for prefixes already, so no worker looks for them."""
-    tenant = repo.create_tenant(f"prefix-{'shared' if find else 'whole'}-{secrets.token_hex(3)}")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(tenant.id, f.id, ENDPOINT, "24h", datetime.now(UTC) + timedelta(hours=24))
+    tenant = repo.tenants.create_tenant(
+        f"prefix-{'shared' if find else 'whole'}-{secrets.token_hex(3)}"
+    )
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
+        tenant.id, f.id, ENDPOINT, "24h", datetime.now(UTC) + timedelta(hours=24)
+    )
     outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
-    repo.insert_items(
+    repo.ingest.insert_items(
         job.id,
         [
             NewItem(i, f"r{i}", json.dumps(request_body(w.model, p, n)), n)
@@ -203,14 +207,14 @@ def run_backfill(
     # first items as the pass runs (those it has not grouped yet reserve their whole prompts).
     cpu.start()
     t0 = time.perf_counter()
-    repo.move_job(job, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job, JobState.IN_PROGRESS)
     result = SideResult(side, w.items, 0.0, 0)
     metrics_url = f"{stack.engine_url}/metrics"
     end = time.monotonic() + SIDE_TIMEOUT_S
     with httpx.Client(timeout=10) as client:
-        while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < w.items:
+        while repo.stats.counted_states(job).get(ItemState.SUCCEEDED, 0) < w.items:
             if time.monotonic() > end:
-                raise RuntimeError(f"{side}: job not done: {repo.counted_states(job)}")
+                raise RuntimeError(f"{side}: job not done: {repo.stats.counted_states(job)}")
             before = ledger.snapshot(stack.node)
             load = parse_engine_load(client.get(metrics_url).text)
             after = ledger.snapshot(stack.node)
@@ -229,7 +233,7 @@ def run_backfill(
     result.seconds = time.perf_counter() - t0
     result.extra.update(cpu.stop())
     result.output_tokens = _output_tokens(repo, job)
-    failed = repo.counted_states(job).get(ItemState.FAILED, 0)
+    failed = repo.stats.counted_states(job).get(ItemState.FAILED, 0)
     result.extra |= {"job": job, "items_leaning_on_prefix": _leaned(repo, job), "failed": failed}
     result.extra.update(_first_seconds(repo, job))
     intervals, (taken, ended) = backfill_intervals(repo, job)
@@ -237,7 +241,7 @@ def run_backfill(
     result.extra["timeline"] = timeline(intervals, result.seconds).row()
     if share:
         result.extra["prefix_groups"] = [
-            {"items": g.items, "blocks": g.blocks} for g in repo.prefix_groups(job)
+            {"items": g.items, "blocks": g.blocks} for g in repo.prefixes.prefix_groups(job)
         ]
     return result
 

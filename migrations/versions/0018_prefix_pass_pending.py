@@ -1,7 +1,7 @@
 """the jobs a prefix pass has yet to take, found by an index (issue 36)
 
 Every idle node's prefix finder asks for a job to look at whenever a claim comes back empty
-(``Repository.take_prefix_job``: an in-progress job no pass has taken yet). Without an index
+(``Repository.prefixes.take_prefix_job``: an in-progress job no pass has taken yet). Without an index
 that was a scan of every job the store keeps (retention keeps finished ones for 30 days);
 this partial index holds only the jobs that wait for a pass, so the question costs the same
 however many jobs are kept.

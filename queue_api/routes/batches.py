@@ -33,7 +33,7 @@ def _render(
     if groups is None:
         # A job still validating has no items, so no prefix groups: no query for it (every
         # large create answers one).
-        groups = [] if job.state is JobState.VALIDATING else repo.prefix_groups(job.id)
+        groups = [] if job.state is JobState.VALIDATING else repo.prefixes.prefix_groups(job.id)
     # Progress judges Postgres' timestamps: on its clock (this host's may be off).
     return BatchObject.of(job, job_progress(job, repo.now(), tps), groups)
 
@@ -71,10 +71,10 @@ def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
-    jobs = repo.list_jobs(tenant.id, after=after, limit=limit + 1)
+    jobs = repo.jobs.list_jobs(tenant.id, after=after, limit=limit + 1)
     # The page's prefix groups in one query, not one a job.
     shown = [j for j in jobs[:limit] if j.state is not JobState.VALIDATING]
-    groups = repo.prefix_groups_of([j.id for j in shown])
+    groups = repo.prefixes.prefix_groups_of([j.id for j in shown])
     data = [_render(j, settings, repo, groups.get(j.id, [])) for j in jobs[:limit]]
     return BatchList(
         data=data,
@@ -88,7 +88,7 @@ def list_batches(
 def retrieve_batch(
     batch_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> BatchObject:
-    return _render(repo.get_job(tenant.id, batch_id), settings, repo)
+    return _render(repo.jobs.get_job(tenant.id, batch_id), settings, repo)
 
 
 @router.post("/{batch_id}/cancel")
@@ -113,7 +113,7 @@ def stream_results(
 ) -> StreamingResponse:
     """Finished results so far, as OpenAI output/error lines, in input line order."""
     wanted = parse_result_states(state)
-    job = repo.get_job(tenant.id, batch_id)
+    job = repo.jobs.get_job(tenant.id, batch_id)
     return StreamingResponse(
         iter_result_lines(repo, job.id, wanted), media_type="application/jsonl"
     )

@@ -53,7 +53,7 @@ def list_files(
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> Response:
-    page, more = repo.list_files(
+    page, more = repo.files.list_files(
         tenant.id, purpose=purpose, limit=limit, after=after, ascending=order == "asc"
     )
     # Written directly, not through the models (OpenAI's default page is 10,000 files).
@@ -62,13 +62,13 @@ def list_files(
 
 @router.get("/{file_id}")
 def retrieve_file(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> FileObject:
-    return FileObject.of(repo.get_file(tenant.id, file_id))
+    return FileObject.of(repo.files.get_file(tenant.id, file_id))
 
 
 @router.get("/{file_id}/content", response_model=None)
 def file_content(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> StreamingResponse:
     # Streamed piece by piece (a sync iterator: Starlette reads it in a worker thread).
-    record = repo.get_file(tenant.id, file_id)
+    record = repo.files.get_file(tenant.id, file_id)
     media_type = "application/octet-stream" if record.job_id is None else "application/jsonl"
     return StreamingResponse(
         batches.file_content(repo, tenant.id, file_id),
@@ -79,5 +79,5 @@ def file_content(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> Stream
 
 @router.delete("/{file_id}")
 def delete_file(file_id: str, tenant: TenantDep, repo: RepositoryDep) -> FileDeleted:
-    repo.delete_file(tenant.id, file_id)
+    repo.files.delete_file(tenant.id, file_id)
     return FileDeleted(id=file_id)

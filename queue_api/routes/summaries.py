@@ -44,9 +44,9 @@ log = logging.getLogger("backfill.summarize")
 
 
 def _render(repo: Repository, job: SummaryJobRecord) -> SummaryJobObject:
-    counts = repo.summary_counts(job.id)
+    counts = repo.summary_reports.summary_counts(job.id)
     progress = jobs.progress(job, counts, repo.now())
-    return SummaryJobObject.of(job, progress, repo.summary_batch_ids(job.id))
+    return SummaryJobObject.of(job, progress, repo.summary_batches.summary_batch_ids(job.id))
 
 
 async def _serving_engine(request: Request, model: str) -> tuple[Engine, int]:
@@ -124,7 +124,7 @@ async def add_documents(
 ) -> DocumentsAdded:
     """Documents as JSON lines: ``{"id": ..., "text": ...}``, or ``{"id": ..., "error": ...}``
     for a row the client could not read (it is kept, with its error, in the results)."""
-    job = await run_in_threadpool(repo.get_summary_job, tenant.id, job_id)
+    job = await run_in_threadpool(repo.summary_jobs.get_summary_job, tenant.id, job_id)
     engine, _ = await _serving_engine(request, job.model)
     rows = _document_rows(await request.body())
 
@@ -153,7 +153,9 @@ async def add_documents(
 
 
 def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:
-    job = jobs.start_job(repo, settings, tenant, repo.get_summary_job(tenant.id, job_id))
+    job = jobs.start_job(
+        repo, settings, tenant, repo.summary_jobs.get_summary_job(tenant.id, job_id)
+    )
     if job.state is SummaryJobState.IN_PROGRESS:
         # Its first round now, not at the next maintenance tick: a first batch of its map
         # steps (bounded: the start answers quickly); the rest at the next round.
@@ -161,7 +163,7 @@ def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -
             driver.drive_now(repo, settings, job.id, driver.START_ROUND_STEPS)
         except BackfillError as exc:
             log.warning("summary job %s: first round left to the tick: %s", job.id, exc)
-    return _render(repo, repo.get_summary_job(tenant.id, job.id))
+    return _render(repo, repo.summary_jobs.get_summary_job(tenant.id, job.id))
 
 
 @router.post("/{job_id}/start")
@@ -178,7 +180,7 @@ def list_summary_jobs(
     tenant: TenantDep, repo: RepositoryDep, limit: Annotated[int, Query(ge=1, le=100)] = 20
 ) -> SummaryJobList:
     """The tenant's jobs, newest first (the dashboard's view)."""
-    records = repo.list_summary_jobs(tenant.id, limit + 1)
+    records = repo.summary_jobs.list_summary_jobs(tenant.id, limit + 1)
     return SummaryJobList(
         data=[_render(repo, job) for job in records[:limit]], has_more=len(records) > limit
     )
@@ -186,7 +188,7 @@ def list_summary_jobs(
 
 @router.get("/{job_id}")
 def retrieve_summary_job(job_id: str, tenant: TenantDep, repo: RepositoryDep) -> SummaryJobObject:
-    return _render(repo, repo.get_summary_job(tenant.id, job_id))
+    return _render(repo, repo.summary_jobs.get_summary_job(tenant.id, job_id))
 
 
 @router.post("/{job_id}/cancel")
@@ -204,5 +206,5 @@ def _lines(rows: Any) -> Any:
 def summary_results(job_id: str, tenant: TenantDep, repo: RepositoryDep) -> StreamingResponse:
     """One JSON line per document, in source order: its id, summary, error, usage, chunks and
     split depth; documents still running have no summary yet."""
-    job = repo.get_summary_job(tenant.id, job_id)
+    job = repo.summary_jobs.get_summary_job(tenant.id, job_id)
     return StreamingResponse(_lines(jobs.result_rows(repo, job.id)), media_type="application/jsonl")

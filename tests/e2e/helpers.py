@@ -179,7 +179,7 @@ def run_batch(
 
     def done() -> bool:
         finalize_ready_jobs(repo)
-        return repo.get_job(None, batch.id).state is JobState.COMPLETED
+        return repo.jobs.get_job(None, batch.id).state is JobState.COMPLETED
 
-    wait(done, 600, f"the batch to complete: {repo.counted_states(batch.id)}", poll_s=poll_s)
+    wait(done, 600, f"the batch to complete: {repo.stats.counted_states(batch.id)}", poll_s=poll_s)
     return client.batches.retrieve(batch.id)

@@ -103,8 +103,8 @@ def test_an_embeddings_batch_runs_end_to_end_on_its_prompt_tokens_alone(
         repo, ledger, node = beside.repo, beside.ledger, beside.node
         # The node registers the model its engine serves, so the batch is accepted for it,
         # and the endpoints its pooling engine mounts: embeddings, no generation.
-        assert MODEL in repo.served_models(s.node_live_s)[0]
-        assert repo.served_endpoints(MODEL, s.node_live_s) == {"/v1/embeddings"}
+        assert MODEL in repo.nodes.served_models(s.node_live_s)[0]
+        assert repo.nodes.served_endpoints(MODEL, s.node_live_s) == {"/v1/embeddings"}
         with serve(s) as api:
             client = api.client(make_tenant(repo, "emb").key)
             # A chat batch naming the embedding model is refused at create, not failed late

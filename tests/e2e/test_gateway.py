@@ -124,9 +124,9 @@ class Gateway:
         """A job of ``n`` completions (of ``prompt``, or one of their own each), of a new
         tenant's or ``tenant_id``'s, in progress."""
         if tenant_id is None:
-            tenant_id = self.repo.create_tenant(f"batch-{time.monotonic_ns()}").id
-        f = self.repo.create_file(tenant_id, "batch", "in.jsonl", b"-")
-        job = self.repo.create_job(
+            tenant_id = self.repo.tenants.create_tenant(f"batch-{time.monotonic_ns()}").id
+        f = self.repo.files.create_file(tenant_id, "batch", "in.jsonl", b"-")
+        job = self.repo.jobs.create_job(
             tenant_id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
         )
         items = [
@@ -145,8 +145,8 @@ class Gateway:
             )
             for i in range(n)
         ]
-        self.repo.insert_items(job.id, items)
-        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        self.repo.ingest.insert_items(job.id, items)
+        self.repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         return job.id
 
     def successes_per_item(self, job_id: str) -> dict[int, int]:
@@ -383,7 +383,7 @@ def test_interactive_request_preempts_running_batch_which_completes_once(gw: Gat
         return sum(
             n
             for job in jobs
-            for state, n in gw.repo.counted_states(job).items()
+            for state, n in gw.repo.stats.counted_states(job).items()
             if state is not ItemState.SUCCEEDED
         )
 
@@ -666,7 +666,7 @@ def test_batch_items_of_two_tenants_do_not_share_the_prefix_cache(gw: Gateway) -
     # with the same prompt finds nothing cached; a later one of the same tenant does.
     prompt = " ".join(f"b{i}" for i in range(150))
     assert gw.tokens(prompt) >= 2 * BLOCK
-    first = gw.repo.create_tenant("first").id
+    first = gw.repo.tenants.create_tenant("first").id
 
     def run(tenant_id: str | None) -> None:
         job = gw.submit_batch(1, max_tokens=2, prompt=prompt, tenant_id=tenant_id)

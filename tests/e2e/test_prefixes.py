@@ -78,9 +78,9 @@ def _submit(
 ) -> str:
     """Job ``instruction`` + a document per item, in progress (``before_start(job, tenant)``
     called just before: the node claims nothing of it until then)."""
-    tenant = repo.create_tenant(f"t-{time.monotonic_ns()}")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
     )
     items = [
@@ -99,7 +99,7 @@ def _submit(
         )
         for i in range(ITEMS)
     ]
-    repo.insert_items(job.id, items)
+    repo.ingest.insert_items(job.id, items)
     with repo.engine.begin() as conn:
         # The API records the model its lines name; a job taken for prefixes already is one
         # whose prefixes no worker looks for (as before this feature).
@@ -113,7 +113,7 @@ def _submit(
         )
     if before_start is not None:
         before_start(job.id, tenant.id)
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
 
 
@@ -125,8 +125,8 @@ def _sample_until_done(
     pool = parse_cache_config(httpx.get(metrics_url).text)
     peak, samples = 0, 0
     end = time.monotonic() + 900
-    while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
-        assert time.monotonic() < end, f"job not done: {repo.counted_states(job)}"
+    while repo.stats.counted_states(job).get(ItemState.SUCCEEDED, 0) < ITEMS:
+        assert time.monotonic() < end, f"job not done: {repo.stats.counted_states(job)}"
         before = ledger.snapshot(node)
         load = parse_engine_load(httpx.get(metrics_url).text)
         snap = ledger.snapshot(node)
@@ -161,8 +161,8 @@ def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bo
         assert pool.prefix_caching, "the engine runs without prefix caching: nothing to share"
         job = _submit(repo, instruction, find_prefixes=share)
         if share:
-            helpers.wait(lambda: bool(repo.prefix_groups(job)), 120, "the job's prefixes")
-            [group] = repo.prefix_groups(job)
+            helpers.wait(lambda: bool(repo.prefixes.prefix_groups(job)), 120, "the job's prefixes")
+            [group] = repo.prefixes.prefix_groups(job)
             # The worker looks at the job's unfinished items once it takes the job (its
             # finder polls every 2 s), while its dispatcher already runs the first ones as
             # before: those finished by then are not grouped (69 of 80 grouped beside other
@@ -231,7 +231,7 @@ def test_a_group_waits_for_its_first_holder_and_then_every_item_leans_on_the_pre
                 async with HttpEngine(url) as engine:
                     await find_job_prefixes(
                         engine,
-                        repo,
+                        repo.prefixes,
                         job,
                         endpoint="/v1/completions",
                         model=MODEL,
@@ -242,7 +242,7 @@ def test_a_group_waits_for_its_first_holder_and_then_every_item_leans_on_the_pre
             asyncio.run(pass_())
 
         job = _submit(repo, instruction, find_prefixes=False, out=lambda _: OUT, before_start=find)
-        [group] = repo.prefix_groups(job)
+        [group] = repo.prefixes.prefix_groups(job)
         assert group.items == ITEMS, group
         _sample_until_done(repo, beside.ledger, f"{url}/metrics", node, job)
         stats = beside.node.dispatchers[0].stats

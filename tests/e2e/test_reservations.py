@@ -160,7 +160,7 @@ def _batch_line(custom_id: str, url: str, body: dict[str, Any], max_tokens: int)
 
 def _run_batch(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
     job_id = _run_to_end(stack, url, lines)
-    failed = stack.repo.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
+    failed = stack.repo.items.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
     assert not failed, [(i.custom_id, i.error) for i in failed]
     return job_id
 
@@ -175,10 +175,10 @@ def _run_to_end(stack: Stack, url: str, lines: list[dict[str, Any]]) -> str:
     ended = (ItemState.SUCCEEDED, ItemState.FAILED, ItemState.EXPIRED)
 
     def finished() -> bool:
-        counts = stack.repo.counted_states(batch.id)
+        counts = stack.repo.stats.counted_states(batch.id)
         return sum(counts.get(s, 0) for s in ended) == len(lines)
 
-    wait(finished, 600, f"every item to end: {stack.repo.counted_states(batch.id)}")
+    wait(finished, 600, f"every item to end: {stack.repo.stats.counted_states(batch.id)}")
     return batch.id
 
 
@@ -275,24 +275,24 @@ def test_a_resumed_item_stored_with_lax_numbers_finishes_and_frees_its_lease(
     # As a version that did not normalise numbers stored it, after a preemption: resuming it
     # crashed the worker's task (int("3.0")) and left it running, its lease held, for good.
     repo = stack.repo
-    f = repo.create_file(stack.tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    f = repo.files.create_file(stack.tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         stack.tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
     )
     body = {"model": MODEL, "prompt": "the fox", "max_tokens": "24.0", "min_tokens": "3.0"}
-    repo.insert_items(job.id, [NewItem(0, "lax", json.dumps(body), 24)])
+    repo.ingest.insert_items(job.id, [NewItem(0, "lax", json.dumps(body), 24)])
     with repo.engine.begin() as conn:
         conn.execute(
             text("UPDATE items SET partial_output = :o, partial_tokens = 4 WHERE job_id = :j"),
             {"j": job.id, "o": json.dumps(" and the")},  # stored as the repository stores it
         )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     wait(
-        lambda: repo.counted_states(job.id).get(ItemState.SUCCEEDED, 0) == 1,
+        lambda: repo.stats.counted_states(job.id).get(ItemState.SUCCEEDED, 0) == 1,
         300,
-        f"the resumed item to succeed ({repo.counted_states(job.id)})",
+        f"the resumed item to succeed ({repo.stats.counted_states(job.id)})",
     )
-    (item,) = repo.items(job.id)
+    (item,) = repo.items.items(job.id)
     result = json.loads(item.result or "{}")
     assert result["choices"][0]["text"].startswith(" and the")
     assert result["usage"]["completion_tokens"] == 24
@@ -348,7 +348,7 @@ def _ran(stack: Stack, job_id: str) -> dict[str, Ran]:
     """The job's succeeded items, by custom_id."""
     reserved = _reservations(stack, job_id)
     ran: dict[str, Ran] = {}
-    for item in stack.repo.items(job_id, states=[ItemState.SUCCEEDED]):
+    for item in stack.repo.items.items(job_id, states=[ItemState.SUCCEEDED]):
         prompt, completion = _usage(json.loads(item.result or "{}"))
         ran[item.custom_id] = Ran(prompt, completion, reserved[item.custom_id])
     return ran
@@ -364,7 +364,7 @@ def _usage(answer: dict[str, Any]) -> tuple[int, int]:
 
 def _errors(stack: Stack, job_id: str) -> dict[str, str]:
     """The job's failed and expired items' errors, by custom_id."""
-    ended = stack.repo.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
+    ended = stack.repo.items.items(job_id, states=[ItemState.FAILED, ItemState.EXPIRED])
     return {i.custom_id: i.error or "" for i in ended}
 
 

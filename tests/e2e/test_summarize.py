@@ -113,10 +113,12 @@ def test_a_parquet_file_with_a_long_document_is_summarised_into_a_parquet_file(
             assert "3 documents (1 split, 0 not readable)" in stderr
 
             def ended() -> bool:
-                return nb.repo.get_summary_job(None, job_id).state.value != "in_progress"
+                return (
+                    nb.repo.summary_jobs.get_summary_job(None, job_id).state.value != "in_progress"
+                )
 
             wait(ended, 900, "the summary job to end")
-        job = nb.repo.get_summary_job(None, job_id)
+        job = nb.repo.summary_jobs.get_summary_job(None, job_id)
         assert job.state.value == "completed", job
 
         output = tmp_path / "summaries.parquet"

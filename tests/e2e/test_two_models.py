@@ -119,7 +119,8 @@ def test_each_line_runs_on_the_model_it_names(settings: Settings, engines: dict[
             def all_done() -> bool:
                 finalize_ready_jobs(repo)
                 return all(
-                    repo.get_job(None, job).state is JobState.COMPLETED for job in batches.values()
+                    repo.jobs.get_job(None, job).state is JobState.COMPLETED
+                    for job in batches.values()
                 )
 
             wait(all_done, 900, "both batches")

@@ -93,9 +93,9 @@ def node(budget_settings: Settings, small_engine: str) -> Iterator[NodeThread]:
 
 
 def _submit(repo: Repository, n: int, max_tokens: int) -> str:
-    tenant = repo.create_tenant(f"t-{time.monotonic_ns()}")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
     )
     items = [
@@ -114,8 +114,8 @@ def _submit(repo: Repository, n: int, max_tokens: int) -> str:
         )
         for i in range(n)
     ]
-    repo.insert_items(job.id, items)
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.ingest.insert_items(job.id, items)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
 
 
@@ -199,7 +199,7 @@ def test_budget_shrinks_holds_and_grows_back_with_the_interactive_signal(
     assert _code(d) is BudgetReason.QUIET
     wait(lambda: d.in_flight > FLOOR, 30, "batch to use the grown budget")
     peak = 0
-    while repo.counted_states(job).get(ItemState.SUCCEEDED, 0) < 80:
+    while repo.stats.counted_states(job).get(ItemState.SUCCEEDED, 0) < 80:
         peak = max(peak, d.in_flight)
         assert d.in_flight <= CEILING
         time.sleep(0.05)
@@ -236,8 +236,12 @@ def test_an_interactive_request_at_risk_preempts_batch_which_resumes_once(
     assert _code(d) is BudgetReason.TTFT_AT_RISK
     gateway.clear()
     for job in jobs:
-        wait(lambda j=job: repo.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30, 240, "items")
-    done = [i for job in jobs for i in repo.items(job, states=[ItemState.SUCCEEDED])]
+        wait(
+            lambda j=job: repo.stats.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30,
+            240,
+            "items",
+        )
+    done = [i for job in jobs for i in repo.items.items(job, states=[ItemState.SUCCEEDED])]
     assert any(i.preemptions > 0 for i in done), "no preempted item resumed"
     for item in done:
         usage = json.loads(item.result or "{}")["usage"]
@@ -282,8 +286,8 @@ def test_with_backfills_scheduler_in_the_engine_the_worker_preempts_nothing_for_
         assert d.stats.budget_preemptions == 0
         assert d.stats.preempted == 0
         gateway.clear()
-        wait(lambda: repo.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
-        done = repo.items(job, states=[ItemState.SUCCEEDED])
+        wait(lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED, 0) == 30, 300, "items")
+        done = repo.items.items(job, states=[ItemState.SUCCEEDED])
         assert all(i.preemptions == 0 for i in done)
         report = capacity_report(repo, ledger_usage(stores[1]))
         [view] = [n for n in report.nodes if n.name == NODE]
@@ -361,7 +365,7 @@ def test_a_worker_whose_batch_priority_the_engine_does_not_take_keeps_preempting
             assert [(x.labels["node"], x.value) for x in mismatch.samples] == [(NODE, 1)]
             for job in jobs:
                 wait(
-                    lambda j=job: repo.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30,
+                    lambda j=job: repo.stats.counted_states(j).get(ItemState.SUCCEEDED, 0) == 30,
                     300,
                     "items",
                 )

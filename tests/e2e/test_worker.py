@@ -80,9 +80,9 @@ class Deployment:
         deadline_s: float = 3600,
         tag: str = "",
     ) -> str:
-        tenant = self.repo.create_tenant(f"t-{time.monotonic_ns()}")
-        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-        job = self.repo.create_job(
+        tenant = self.repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+        f = self.repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.jobs.create_job(
             tenant.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(seconds=deadline_s)
         )
         items = []
@@ -102,27 +102,27 @@ class Deployment:
                     "messages": [{"role": "user", "content": f"{tag} summarise {i}"}],
                 }
             items.append(NewItem(i, f"req-{i}", json.dumps(body), max_tokens))
-        self.repo.insert_items(job.id, items)
-        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        self.repo.ingest.insert_items(job.id, items)
+        self.repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         return job.id
 
     def submit_bodies(self, endpoint: str, bodies: Sequence[dict[str, Any]]) -> str:
         """A job of these request bodies as they are (each declares its max_tokens)."""
-        tenant = self.repo.create_tenant(f"t-{time.monotonic_ns()}")
-        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-        job = self.repo.create_job(
+        tenant = self.repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+        f = self.repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.jobs.create_job(
             tenant.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(hours=1)
         )
         items = [
             NewItem(i, f"req-{i}", json.dumps(body), int(body["max_tokens"]))
             for i, body in enumerate(bodies)
         ]
-        self.repo.insert_items(job.id, items)
-        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        self.repo.ingest.insert_items(job.id, items)
+        self.repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         return job.id
 
     def counts(self, job_id: str) -> dict[ItemState, int]:
-        return self.repo.counted_states(job_id)
+        return self.repo.stats.counted_states(job_id)
 
     def wait(self, cond: Callable[[], bool], timeout: float = 240, what: str = "") -> None:
         end = time.monotonic() + timeout
@@ -203,7 +203,8 @@ def _assert_exactly_once(d: Deployment, job_id: str, n: int) -> None:
     assert len(per_item) == n
     assert set(per_item.values()) == {1}, "an item succeeded twice or not at all"
     results = [
-        json.loads(i.result or "null") for i in d.repo.items(job_id, states=[ItemState.SUCCEEDED])
+        json.loads(i.result or "null")
+        for i in d.repo.items.items(job_id, states=[ItemState.SUCCEEDED])
     ]
     assert len(results) == n
 
@@ -216,15 +217,15 @@ def test_a_job_completes_with_one_result_per_line(
     comp = d.submit(40, endpoint="/v1/completions", max_tokens=16, tag="comp")
     for job_id in (chat, comp):
         d.wait(
-            lambda j=job_id: d.repo.get_job(None, j).state is JobState.COMPLETED,
+            lambda j=job_id: d.repo.jobs.get_job(None, j).state is JobState.COMPLETED,
             what="job completion",
         )
         _assert_exactly_once(d, job_id, 40)
-    body = json.loads(d.repo.items(chat, states=[ItemState.SUCCEEDED])[0].result or "{}")
+    body = json.loads(d.repo.items.items(chat, states=[ItemState.SUCCEEDED])[0].result or "{}")
     assert body["object"] == "chat.completion"
     assert body["usage"]["completion_tokens"] == 16
     assert body["choices"][0]["message"]["role"] == "assistant"
-    body = json.loads(d.repo.items(comp, states=[ItemState.SUCCEEDED])[0].result or "{}")
+    body = json.loads(d.repo.items.items(comp, states=[ItemState.SUCCEEDED])[0].result or "{}")
     assert body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 16
     d.wait(lambda: d.batch_in_use("n1") == 0, 10, "leases released")
@@ -269,7 +270,7 @@ def test_a_result_body_is_what_the_engine_answers_without_streaming(
     for endpoint, body in cases:
         job = d.submit_bodies(endpoint, [body])
         d.wait(lambda j=job: d.counts(j).get(ItemState.SUCCEEDED, 0) == 1, what=endpoint)
-        [item] = d.repo.items(job, states=[ItemState.SUCCEEDED])
+        [item] = d.repo.items.items(job, states=[ItemState.SUCCEEDED])
         ours = json.loads(item.result or "{}")
         direct = httpx.post(f"{d.engine_url}{endpoint}", json=body, timeout=120).json()
         for name in _TOP_FIELDS:
@@ -374,7 +375,7 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
     the engine: it has no reservation any more."""
     d = deployment
     dispatcher = node.dispatchers[0]
-    real_start = dispatcher.repo.start_claim
+    real_start = dispatcher.repo.claims.start_claim
     preempted: list[str] = []
     raced: list[int] = []
 
@@ -393,12 +394,12 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
 
     # The worker starts its claim in one write: the race sits between the leases it
     # reserved and that start.
-    dispatcher.repo.start_claim = start_after_a_preemption  # type: ignore[method-assign]
+    dispatcher.repo.claims.start_claim = start_after_a_preemption  # type: ignore[method-assign]
     try:
         job = d.submit(6, max_tokens=64, tag="early-preempt")
         d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == 6, 180, "all items")
     finally:
-        del dispatcher.repo.start_claim
+        del dispatcher.repo.claims.start_claim
     assert raced, f"the race was not staged (preempted {preempted})"
     _assert_exactly_once(d, job, 6)
     with d.repo.engine.connect() as conn:
@@ -411,7 +412,7 @@ def test_a_lease_preempted_between_reservation_and_start_never_reaches_the_engin
         ).all()
     # Preempted before its first engine step: nothing generated, nothing lost.
     assert [(r[1], r[2]) for r in first] == [("preempted", 0)] * len(raced), first
-    for item in d.repo.items(job, states=[ItemState.SUCCEEDED]):
+    for item in d.repo.items.items(job, states=[ItemState.SUCCEEDED]):
         if item.id in raced:
             assert item.preemptions == 1
 
@@ -435,7 +436,9 @@ def test_interactive_burst_preempts_batch_which_resumes_and_completes_once(
     assert preempted_total > 0
     d.wait(lambda: d.counts(job).get(ItemState.SUCCEEDED, 0) == n, 180, "all items")
     _assert_exactly_once(d, job, n)
-    resumed = [i for i in d.repo.items(job, states=[ItemState.SUCCEEDED]) if i.preemptions > 0]
+    resumed = [
+        i for i in d.repo.items.items(job, states=[ItemState.SUCCEEDED]) if i.preemptions > 0
+    ]
     assert resumed, "no preempted item resumed"
     for item in resumed:
         assert item.preemptions <= d.settings.max_preemptions_per_item
@@ -449,19 +452,19 @@ def test_deadline_expires_the_job_and_keeps_finished_results(
 ) -> None:
     d = deployment
     quick = d.submit(5, max_tokens=8, deadline_s=3600, tag="quick")
-    d.wait(lambda: d.repo.get_job(None, quick).state is JobState.COMPLETED, 240, "quick job")
+    d.wait(lambda: d.repo.jobs.get_job(None, quick).state is JobState.COMPLETED, 240, "quick job")
     # Far more work than fits before a short deadline.
     job = d.submit(400, max_tokens=300, deadline_s=6, tag="late")
     ended = (JobState.EXPIRED, JobState.COMPLETED)
     try:
-        d.wait(lambda: d.repo.get_job(None, job).state in ended, 240, "expiry")
+        d.wait(lambda: d.repo.jobs.get_job(None, job).state in ended, 240, "expiry")
     except AssertionError as exc:
-        record = d.repo.get_job(None, job)
+        record = d.repo.jobs.get_job(None, job)
         raise AssertionError(f"{exc}: job {record.state}, items {d.counts(job)}") from None
     counts = d.counts(job)
     assert counts.get(ItemState.SUCCEEDED, 0) + counts.get(ItemState.EXPIRED, 0) == 400
     assert counts.get(ItemState.EXPIRED, 0) > 0
-    job_record = d.repo.get_job(None, job)
+    job_record = d.repo.jobs.get_job(None, job)
     assert job_record.error_file_id is not None
     # Expired at the deadline, or completed before it when every item that could not finish
     # in time was expired early instead of started (OpenAI's meaning: it ended in its window).
@@ -480,9 +483,9 @@ def test_cancel_stops_in_flight_items_and_keeps_finished_results(
     d = deployment
     job = d.submit(200, max_tokens=400, tag="cancel")
     d.wait(lambda: d.counts(job).get(ItemState.RUNNING, 0) > 3, 240, "items running")
-    tenant = d.repo.get_job(None, job).tenant_id
+    tenant = d.repo.jobs.get_job(None, job).tenant_id
     finalize.cancel_job(d.repo, tenant, job)
-    d.wait(lambda: d.repo.get_job(None, job).state is JobState.CANCELLED, 120, "cancelled")
+    d.wait(lambda: d.repo.jobs.get_job(None, job).state is JobState.CANCELLED, 120, "cancelled")
     counts = d.counts(job)
     assert counts.get(ItemState.RUNNING, 0) == 0
     assert counts.get(ItemState.RESERVED, 0) == 0
@@ -610,7 +613,7 @@ def test_sigterm_requeues_in_flight_work_and_releases_every_lease(
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         d.wait(
-            lambda: d.repo.get_job(None, job).state is JobState.COMPLETED,
+            lambda: d.repo.jobs.get_job(None, job).state is JobState.COMPLETED,
             d.job_timeout(150, 400),
             "completion",
         )

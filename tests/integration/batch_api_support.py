@@ -97,8 +97,8 @@ class Tenant:
 
 
 def make_tenant(repo: Repository, name: str, quota: int | None = None) -> Tenant:
-    record = repo.create_tenant(name, quota)
-    return Tenant(record.id, repo.create_api_key(record.id))
+    record = repo.tenants.create_tenant(name, quota)
+    return Tenant(record.id, repo.tenants.create_api_key(record.id))
 
 
 def chat_line(
@@ -165,7 +165,7 @@ def assert_refused_line_by_line(
     assert batch.errors is not None
     assert batch.errors.data is not None
     assert [(e.line, e.code, e.param) for e in batch.errors.data] == errors
-    assert repo.counted_states(batch.id) == {}, "items were stored"
+    assert repo.stats.counted_states(batch.id) == {}, "items were stored"
 
 
 def chat_file(n: int, **kwargs: Any) -> bytes:
@@ -206,7 +206,7 @@ def run_worker(
     custom ids in ``fail`` fail, the rest succeed; the last ``leave_running`` claimed items
     stay running. Returns custom_id -> (item id, attempt, fencing token) of those."""
     failing = set(fail)
-    opened = repo.open_claim("node-test", limit, 30.0)
+    opened = repo.claims.open_claim("node-test", limit, 30.0)
     claimed = opened.items
     fences = {item.id: 1001 + index for index, item in enumerate(claimed)}
     starts = [
@@ -216,7 +216,7 @@ def run_worker(
         for item in claimed
     ]
     if opened.open:
-        assert sorted(repo.start_claim(opened, starts)) == sorted(fences)
+        assert sorted(repo.claims.start_claim(opened, starts)) == sorted(fences)
     running: dict[str, tuple[int, int, int]] = {}
     finishes = []
     for index, item in enumerate(claimed):
@@ -246,7 +246,7 @@ def run_worker(
                     prompt_tokens=16,
                 )
             )
-    repo.finish(finishes)
+    repo.items.finish(finishes)
     return running
 
 

@@ -1,4 +1,4 @@
-"""Claims for tests, through the worker's one claim path (``Repository.open_claim`` and
+"""Claims for tests, through the worker's one claim path (``Repository.claims.open_claim`` and
 ``start_claim``): items started or held as a worker starts or holds them, with no ledger and
 no engine."""
 
@@ -24,7 +24,7 @@ def claim(
     k-th starts (``running``) under ``leases[k]`` (lease id, fencing token), the rest are
     held (``reserved``, as the worker holds an item it refuses, to be settled: given back,
     deferred, expired or failed). Every start applies (the claim's jobs are in progress)."""
-    opened = repo.open_claim(node, limit, lease_ttl_s, models=models)
+    opened = repo.claims.open_claim(node, limit, lease_ttl_s, models=models)
     if not opened.open:
         return []
     items = opened.items
@@ -33,5 +33,7 @@ def claim(
         for c, (lease_id, fence) in zip(items, leases, strict=False)
     ]
     held = [(c.id, c.attempt) for c in items[len(starts) :]]
-    assert sorted(repo.start_claim(opened, starts, held)) == sorted(s.item_id for s in starts)
+    assert sorted(repo.claims.start_claim(opened, starts, held)) == sorted(
+        s.item_id for s in starts
+    )
     return items

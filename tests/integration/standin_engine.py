@@ -35,11 +35,13 @@ from worker.dispatch import NodeDispatcher
 
 
 def _in_progress_job(repo: Repository, tenant: str, endpoint: str, items: list[NewItem]) -> str:
-    record = repo.create_tenant(tenant)
-    f = repo.create_file(record.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(record.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(hours=1))
-    repo.insert_items(job.id, items)
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    record = repo.tenants.create_tenant(tenant)
+    f = repo.files.create_file(record.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
+        record.id, f.id, endpoint, "1h", datetime.now(UTC) + timedelta(hours=1)
+    )
+    repo.ingest.insert_items(job.id, items)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
 
 
@@ -221,7 +223,7 @@ def stand_in_node(
         AsyncLedgerT, async_ledger.from_url(settings.redis_url, settings.redis_namespace, policy)
     )
     try:
-        repo.upsert_node(node, "http://stand-in", "m", blocks, block, 0)
+        repo.nodes.upsert_node(node, "http://stand-in", "m", blocks, block, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
         yield repo, ledger, aledger
     finally:

@@ -84,7 +84,7 @@ def test_a_batchs_deadline_is_its_window_from_the_databases_now(
     skew_s: float,
 ) -> None:
     repo = skewed_repo(host_skew(skew_s))
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
     upload = backfill.batches.upload_file(
         repo, settings, tenant.id, filename="in.jsonl", purpose="batch", content=chat_file(2)
     )
@@ -102,10 +102,10 @@ def test_a_create_is_recovered_from_validating_only_once_stale_on_the_databases_
 ) -> None:
     """With a 60 s threshold: a create 30 s old is left alone, one 90 s old is recovered."""
     repo = skewed_repo(host_skew(skew_s))
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     deadline = datetime.now(UTC) + timedelta(hours=1)
-    young = repo.create_job(tenant.id, "file-x", "/v1/chat/completions", "1h", deadline)
-    old = repo.create_job(tenant.id, "file-y", "/v1/chat/completions", "1h", deadline)
+    young = repo.jobs.create_job(tenant.id, "file-x", "/v1/chat/completions", "1h", deadline)
+    old = repo.jobs.create_job(tenant.id, "file-y", "/v1/chat/completions", "1h", deadline)
     with repo.engine.begin() as conn:
         conn.execute(
             text(
@@ -115,7 +115,7 @@ def test_a_create_is_recovered_from_validating_only_once_stale_on_the_databases_
             {"old": old.id, "young": young.id},
         )
     assert recover_stale_validating(repo, older_than_s=60) == {old.id: JobState.FAILED}
-    assert repo.get_job(None, young.id).state is JobState.VALIDATING
+    assert repo.jobs.get_job(None, young.id).state is JobState.VALIDATING
 
 
 @pytest.mark.parametrize("skew_s", SKEWS)
@@ -127,15 +127,17 @@ def test_a_batchs_eta_counts_the_time_it_has_really_run(
     repo = Repository.connect(s.database_url, pool_size=2)
     try:
         tenant = make_tenant(repo, "acme")
-        job = repo.create_job(
+        job = repo.jobs.create_job(
             tenant.id, "file-x", "/v1/completions", "24h", datetime.now(UTC) + timedelta(hours=2)
         )
-        repo.insert_items(job.id, [NewItem(i, f"r{i}", "{}", 5) for i in range(2)])
-        repo.move_job(job.id, JobState.IN_PROGRESS)
-        opened = repo.open_claim("n1", 1, 30)
+        repo.ingest.insert_items(job.id, [NewItem(i, f"r{i}", "{}", 5) for i in range(2)])
+        repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
+        opened = repo.claims.open_claim("n1", 1, 30)
         [item] = opened.items
-        assert repo.start_claim(opened, [Start(item.id, item.attempt, "l1", 1, 16, 5)]) == [item.id]
-        assert repo.finish([Finish(item.id, item.attempt, 1, ItemState.SUCCEEDED, "{}")])
+        assert repo.claims.start_claim(opened, [Start(item.id, item.attempt, "l1", 1, 16, 5)]) == [
+            item.id
+        ]
+        assert repo.items.finish([Finish(item.id, item.attempt, 1, ItemState.SUCCEEDED, "{}")])
         with repo.engine.begin() as conn:
             conn.execute(
                 text("UPDATE jobs SET in_progress_at = now() - interval '100 s' WHERE id = :j"),

@@ -40,14 +40,14 @@ def repo(database_url: str) -> Iterator[Repository]:
 
 
 def _job(repo: Repository, tenant_id: str, n: int, max_output: int) -> str:
-    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
-    job = repo.create_job(
+    f = repo.files.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.jobs.create_job(
         tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(
+    repo.ingest.insert_items(
         job.id, (NewItem(i, f"r{i}", '{"messages": []}', max_output, 16) for i in range(n))
     )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job.id
 
 
@@ -70,10 +70,10 @@ def _statements_of(repo: Repository, run: Any) -> list[tuple[str, Any]]:
 def test_a_creates_deadline_plan_scans_no_items(
     repo: Repository, settings: Settings, fair_share: bool
 ) -> None:
-    busy = repo.create_tenant("busy")
+    busy = repo.tenants.create_tenant("busy")
     for _ in range(2):
         _job(repo, busy.id, 50, 128)
-    quiet = dataclasses.replace(repo.create_tenant("quiet"), enqueued_token_quota=10**12)
+    quiet = dataclasses.replace(repo.tenants.create_tenant("quiet"), enqueued_token_quota=10**12)
     admission = Admission(
         forecast=1000,
         now=datetime.now(UTC),
@@ -93,17 +93,17 @@ def test_a_creates_deadline_plan_scans_no_items(
 
 
 def test_the_backlog_is_the_unfinished_items_worst_case_tokens(repo: Repository) -> None:
-    a, b, c = (repo.create_tenant(n) for n in ("a", "b", "c"))
+    a, b, c = (repo.tenants.create_tenant(n) for n in ("a", "b", "c"))
     _job(repo, a.id, 10, 128)
     _job(repo, a.id, 6, 300)
     _job(repo, b.id, 5, 64)
     # A job still validating, with no items yet, adds nothing.
-    f = repo.create_file(c.id, "batch", "in.jsonl", b"{}")
-    repo.create_job(c.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC))
+    f = repo.files.create_file(c.id, "batch", "in.jsonl", b"{}")
+    repo.jobs.create_job(c.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC))
     # Some items held, some running, two of those finished (one failed).
     taken = claim(repo, "n1", 7, leases=[("l1", 1), ("l2", 2), ("l3", 3)], prompt_tokens=16)
     assert len(taken) == 7
-    repo.finish(
+    repo.items.finish(
         [
             Finish(taken[0].id, taken[0].attempt, 1, ItemState.SUCCEEDED, "{}", output_tokens=9),
             Finish(taken[1].id, taken[1].attempt, 2, ItemState.FAILED, error="boom"),
@@ -112,5 +112,5 @@ def test_the_backlog_is_the_unfinished_items_worst_case_tokens(repo: Repository)
     with repo.engine.connect() as conn:
         truth = {r[0]: int(r[1]) for r in conn.exec_driver_sql(COUNTED_BACKLOG_BY_TENANT)}
     assert set(truth) == {a.id, b.id}
-    assert {t.tenant_id: t.tokens for t in repo.backlog_by_tenant()} == truth
-    assert repo.backlog_tokens() == sum(truth.values())
+    assert {t.tenant_id: t.tokens for t in repo.stats.backlog_by_tenant()} == truth
+    assert repo.stats.backlog_tokens() == sum(truth.values())

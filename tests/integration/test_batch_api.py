@@ -203,7 +203,7 @@ def test_cancel_ends_queued_items_at_once_and_keeps_finished_results(
     assert extras["items"]["running"] == 1
 
     # The worker's in-flight request ends; the next periodic settle closes the job.
-    repo.finish([Finish(item_id, attempt, fence, ItemState.SUCCEEDED, result='{"ok": true}')])
+    repo.items.finish([Finish(item_id, attempt, fence, ItemState.SUCCEEDED, result='{"ok": true}')])
     assert settle_cancelling(repo, batch.id) == "cancelled"
 
     cancelled = client.batches.retrieve(batch.id)
@@ -329,7 +329,7 @@ def test_every_invalid_line_fails_the_batch_and_names_the_line(
         assert batch.errors.data is not None, label
         first = batch.errors.data[0]
         assert (first.code, first.line, first.param) == (code, 2, param), label
-        assert repo.counted_states(batch.id) == {}, f"{label}: items were stored"
+        assert repo.stats.counted_states(batch.id) == {}, f"{label}: items were stored"
 
 
 def test_duplicate_custom_ids_are_reported_on_the_repeating_line(
@@ -395,7 +395,7 @@ def test_missing_bad_and_revoked_keys_are_401(
         with pytest.raises(openai.AuthenticationError):
             server.client("bf-wrong").batches.list()
         assert server.client(acme.key).batches.list().data == []
-        repo.revoke_api_key(acme.key)
+        repo.tenants.revoke_api_key(acme.key)
         time.sleep(0.6)
         with pytest.raises(openai.AuthenticationError):
             server.client(acme.key).batches.list()
@@ -458,7 +458,7 @@ def test_a_retried_create_with_the_same_idempotency_key_returns_the_first_batch(
     again = client.batches.create(**args)
     assert again.id == first.id
     assert len(client.batches.list().data) == 1
-    assert sum(repo.counted_states(first.id).values()) == 2
+    assert sum(repo.stats.counted_states(first.id).values()) == 2
 
     other_file = upload(client, chat_file(1))
     with pytest.raises(openai.ConflictError) as err:
@@ -652,7 +652,7 @@ def test_postgres_down_is_503_with_retry_after(settings: Settings) -> None:
 def test_capacity_shows_each_node_and_the_queued_tokens(
     server: LiveServer, acme: Tenant, repo: Repository
 ) -> None:
-    repo.upsert_node("gpu-0", "http://gpu-0:8000", "tiny-model", 1000, 16, 4000)
+    repo.nodes.upsert_node("gpu-0", "http://gpu-0:8000", "tiny-model", 1000, 16, 4000)
     submit(server.client(acme.key), chat_file(2))
     run_worker(repo, limit=1, leave_running=1)
     with http(server, acme.key) as h:

@@ -31,12 +31,12 @@ def _churn(repo: Repository, rounds: int) -> list[Start]:
     """Claim, start and finish ``rounds`` batches; then start one more and return it."""
     fence = 0
     for k in range(rounds + 1):
-        claim = repo.open_claim("plan-node", BATCH, 60)
+        claim = repo.claims.open_claim("plan-node", BATCH, 60)
         starts = []
         for item in claim.items:
             fence += 1
             starts.append(Start(item.id, item.attempt, f"l{fence}", fence, 128, 20))
-        repo.start_claim(claim, starts)
+        repo.claims.start_claim(claim, starts)
         if k == rounds:
             return starts
         done = [
@@ -45,7 +45,7 @@ def _churn(repo: Repository, rounds: int) -> list[Start]:
             )
             for s in starts
         ]
-        assert len(repo.finish(done)) == BATCH
+        assert len(repo.items.finish(done)) == BATCH
     raise AssertionError("unreachable")
 
 
@@ -54,13 +54,15 @@ def test_a_finish_and_a_heartbeat_read_their_items_by_primary_key_after_churn(
 ) -> None:
     repo = Repository.connect(database_url)
     try:
-        tenant = repo.create_tenant("plan-finish")
-        f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-        job = repo.create_job(
+        tenant = repo.tenants.create_tenant("plan-finish")
+        f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = repo.jobs.create_job(
             tenant.id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=2)
         )
-        repo.insert_items(job.id, (NewItem(i, f"r{i}", "{}", 16, 20, 128) for i in range(ITEMS)))
-        repo.move_job(job.id, JobState.IN_PROGRESS)
+        repo.ingest.insert_items(
+            job.id, (NewItem(i, f"r{i}", "{}", 16, 20, 128) for i in range(ITEMS))
+        )
+        repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         with repo.engine.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE items"))
         starts = sorted(_churn(repo, 40), key=lambda s: s.item_id)

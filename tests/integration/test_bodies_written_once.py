@@ -162,7 +162,7 @@ def test_a_file_stored_before_pieces_ended_at_line_ends_still_runs(
 ) -> None:
     # Pieces of 4,096 bytes cut anywhere: lines over two pieces keep a copy of their body.
     lines = _lines()
-    stored = repo.create_file(acme.id, "batch", "old.jsonl", jsonl(lines), chunk_bytes=PIECE)
+    stored = repo.files.create_file(acme.id, "batch", "old.jsonl", jsonl(lines), chunk_bytes=PIECE)
     with _http(server, acme) as http:
         batch = _create(http, stored.id)
     copied = _copied(repo, batch["id"])
@@ -251,7 +251,7 @@ def test_a_batch_goes_on_when_its_input_file_expires(
                 text("UPDATE files SET expires_at = now() - interval '1 s' WHERE id = :i"),
                 {"i": file_id},
             )
-        assert repo.delete_expired_files() == [file_id]
+        assert repo.files.delete_expired_files() == [file_id]
 
     _gone_then_run(
         server,
@@ -268,7 +268,9 @@ def test_the_upload_records_the_bound_a_create_judges_the_quota_on(
     content = jsonl(_lines())
     with _http(server, acme) as http:
         file_id = _upload(http, content)
-    assert repo.get_file(acme.id, file_id).tokens_bound == forecast_tokens_upper_bound(content)
+    assert repo.files.get_file(acme.id, file_id).tokens_bound == forecast_tokens_upper_bound(
+        content
+    )
 
 
 def test_a_delete_during_a_create_waits_for_its_items_and_keeps_their_bodies(
@@ -278,17 +280,17 @@ def test_a_delete_during_a_create_waits_for_its_items_and_keeps_their_bodies(
     # commit, then copies their bodies. Without the hold it would delete the pieces under
     # items about to commit (lost bodies), or copy before they were visible.
     content = jsonl(_lines())
-    stored = repo.create_file(acme.id, "batch", "in.jsonl", content, chunk_bytes=PIECE)
-    job = repo.create_job(
+    stored = repo.files.create_file(acme.id, "batch", "in.jsonl", content, chunk_bytes=PIECE)
+    job = repo.jobs.create_job(
         acme.id, stored.id, "/v1/chat/completions", "24h", repo.now() + timedelta(days=1)
     )
     checked = validate_batch_input(
-        LocatedLines(iter_located_lines(repo.file_chunks(acme.id, stored.id) or ())),
+        LocatedLines(iter_located_lines(repo.files.file_chunks(acme.id, stored.id) or ())),
         "/v1/chat/completions",
         InputLimits(10**6, 10**5, 1000, 32768, 16, default_max_tokens=DEFAULT_MAX_TOKENS),
     )
     assert isinstance(checked, ValidatedBatch)
-    deleter = threading.Thread(target=repo.delete_file, args=(acme.id, stored.id))
+    deleter = threading.Thread(target=repo.files.delete_file, args=(acme.id, stored.id))
 
     def items() -> Iterator[NewItem]:
         yield checked.items[0]
@@ -297,7 +299,7 @@ def test_a_delete_during_a_create_waits_for_its_items_and_keeps_their_bodies(
         assert deleter.is_alive(), "the delete did not wait for the create"
         yield from checked.items[1:]
 
-    assert repo.insert_items(job.id, items()) == len(checked.items)
+    assert repo.ingest.insert_items(job.id, items()) == len(checked.items)
     deleter.join(timeout=10)
     assert not deleter.is_alive()
     with repo.engine.connect() as conn:
@@ -307,4 +309,4 @@ def test_a_delete_during_a_create_waits_for_its_items_and_keeps_their_bodies(
         ).scalar_one()
     assert missing == 0
     with pytest.raises(NotFound):
-        repo.get_file(acme.id, stored.id)
+        repo.files.get_file(acme.id, stored.id)

@@ -24,7 +24,8 @@ from backfill.finalize import cancel_job, recover_stale_validating
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.states import ITEM_CLAIMABLE, ItemState, JobState
-from backfill.store import JobRecord, NewItem, Repository, TenantRecord
+from backfill.store import Database, JobRecord, NewItem, Repository, TenantRecord
+from backfill.store.ingest import Ingest
 from tests.integration.claiming import claim
 
 LINES = 20_000
@@ -33,14 +34,14 @@ PAUSE_AFTER = 5_000
 HANG_S = 120
 
 
-class PausingRepository(Repository):
-    """A repository whose ``insert_items`` stops after ``PAUSE_AFTER`` items have gone into
-    the COPY and waits for ``go_on``: the create is inside its transaction meanwhile."""
+class PausingIngest(Ingest):
+    """The ingest role, whose ``insert_items`` stops after ``PAUSE_AFTER`` items have gone
+    into the COPY and waits for ``go_on``: the create is inside its transaction meanwhile."""
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
-        self.inside = threading.Event()
-        self.go_on = threading.Event()
+    def __init__(self, db: Database, inside: threading.Event, go_on: threading.Event) -> None:
+        super().__init__(db)
+        self.inside = inside
+        self.go_on = go_on
 
     def insert_items(self, job_id: str, items: Iterable[NewItem], **kwargs: Any) -> int:
         def paused() -> Iterator[NewItem]:
@@ -52,6 +53,16 @@ class PausingRepository(Repository):
                 yield item
 
         return super().insert_items(job_id, paused(), **kwargs)
+
+
+class PausingRepository(Repository):
+    """A repository whose ingest role pauses inside a create's COPY (:class:`PausingIngest`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.inside = threading.Event()
+        self.go_on = threading.Event()
+        self.ingest = PausingIngest(self.db, self.inside, self.go_on)
 
 
 @pytest.fixture
@@ -104,26 +115,26 @@ def _in_thread(call: Callable[[], object]) -> object:
 
 
 def _assert_consistent(repo: Repository, tenant: TenantRecord, job_id: str) -> None:
-    truth = repo.counted_states(job_id)
-    counts = repo.get_job(None, job_id).counts
+    truth = repo.stats.counted_states(job_id)
+    counts = repo.jobs.get_job(None, job_id).counts
     for state in ItemState:
         assert counts.count(state) == truth.get(state, 0), state
     assert counts.total == sum(truth.values())
     assert not {s for s in truth if s in ITEM_CLAIMABLE}, truth
     assert claim(repo, "node-test", LINES) == []
-    assert repo.count_active_jobs(tenant.id) == 0
-    assert repo.enqueued_tokens(tenant.id) == 0
-    assert repo.backlog_tokens() == 0
+    assert repo.jobs.count_active_jobs(tenant.id) == 0
+    assert repo.jobs.enqueued_tokens(tenant.id) == 0
+    assert repo.stats.backlog_tokens() == 0
 
 
 def test_a_cancel_while_the_items_are_being_stored_leaves_no_claimable_item(
     repo: Repository, pausing: PausingRepository, settings: Settings
 ) -> None:
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
     create = Create(pausing, settings, tenant, LINES)
     create.start()
     assert pausing.inside.wait(HANG_S), "the create never reached insert_items"
-    [job] = repo.list_jobs(tenant.id)
+    [job] = repo.jobs.list_jobs(tenant.id)
     assert job.state is JobState.VALIDATING
 
     cancelled = _in_thread(lambda: cancel_job(repo, tenant.id, job.id))
@@ -134,14 +145,14 @@ def test_a_cancel_while_the_items_are_being_stored_leaves_no_claimable_item(
 
     assert answered.id == job.id
     assert answered.state is JobState.CANCELLED
-    assert repo.get_job(None, job.id).state is JobState.CANCELLED
+    assert repo.jobs.get_job(None, job.id).state is JobState.CANCELLED
     _assert_consistent(repo, tenant, job.id)
 
 
 def test_a_cancel_after_the_items_are_stored_cancels_every_one(
     repo: Repository, settings: Settings
 ) -> None:
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
     create = Create(repo, settings, tenant, 2_000)
     create.start()
     job = create.finished()
@@ -149,7 +160,7 @@ def test_a_cancel_after_the_items_are_stored_cancels_every_one(
     run_worker(repo, limit=5, leave_running=2)
 
     cancel_job(repo, tenant.id, job.id)
-    truth = repo.counted_states(job.id)
+    truth = repo.stats.counted_states(job.id)
     assert truth.get(ItemState.CANCELLED) == 2_000 - 5
     assert not {s for s in truth if s in ITEM_CLAIMABLE}, truth
     assert claim(repo, "node-test", 2_000) == []
@@ -158,11 +169,11 @@ def test_a_cancel_after_the_items_are_stored_cancels_every_one(
 def test_recovery_leaves_a_live_create_alone_and_the_create_completes(
     repo: Repository, pausing: PausingRepository, settings: Settings
 ) -> None:
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
     create = Create(pausing, settings, tenant, LINES)
     create.start()
     assert pausing.inside.wait(HANG_S), "the create never reached insert_items"
-    [job] = repo.list_jobs(tenant.id)
+    [job] = repo.jobs.list_jobs(tenant.id)
 
     later = datetime.now(UTC) + timedelta(hours=1)
     assert _in_thread(lambda: recover_stale_validating(repo, older_than_s=60, now=later)) == {}
@@ -170,36 +181,36 @@ def test_recovery_leaves_a_live_create_alone_and_the_create_completes(
     answered = create.finished()
 
     assert answered.state is JobState.IN_PROGRESS
-    assert repo.counted_states(job.id) == {ItemState.QUEUED: LINES}
+    assert repo.stats.counted_states(job.id) == {ItemState.QUEUED: LINES}
     assert answered.counts.count(ItemState.QUEUED) == LINES
 
 
 def test_items_of_a_job_that_is_not_in_progress_are_never_claimed(repo: Repository) -> None:
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
+    job = repo.jobs.create_job(
         tenant.id, "file-x", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(job.id, [NewItem(i, f"c{i}", "{}", 5) for i in range(3)])
+    repo.ingest.insert_items(job.id, [NewItem(i, f"c{i}", "{}", 5) for i in range(3)])
     assert claim(repo, "node-test", 10) == []  # still validating
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    repo.move_job(job.id, JobState.CANCELLING)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.CANCELLING)
     assert claim(repo, "node-test", 10) == []  # cancelling
-    other = repo.create_job(
+    other = repo.jobs.create_job(
         tenant.id, "file-y", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(other.id, [NewItem(0, "c0", "{}", 5)])
-    repo.move_job(other.id, JobState.IN_PROGRESS)
+    repo.ingest.insert_items(other.id, [NewItem(0, "c0", "{}", 5)])
+    repo.jobs.move_job(other.id, JobState.IN_PROGRESS)
     assert [c.job_id for c in claim(repo, "node-test", 10)] == [other.id]
 
 
 def test_the_maintenance_tick_recovers_a_create_that_died_in_validating(
     repo: Repository, settings: Settings
 ) -> None:
-    tenant = repo.create_tenant(f"acme-{secrets.token_hex(3)}")
-    dead = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"acme-{secrets.token_hex(3)}")
+    dead = repo.jobs.create_job(
         tenant.id, "file-x", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
-    fresh = repo.create_job(
+    fresh = repo.jobs.create_job(
         tenant.id, "file-y", "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
     with repo.engine.begin() as conn:
@@ -213,5 +224,5 @@ def test_the_maintenance_tick_recovers_a_create_that_died_in_validating(
     finally:
         ledger.close()
     assert report.recovered == {dead.id: JobState.FAILED}
-    assert repo.get_job(None, dead.id).state is JobState.FAILED
-    assert repo.get_job(None, fresh.id).state is JobState.VALIDATING
+    assert repo.jobs.get_job(None, dead.id).state is JobState.FAILED
+    assert repo.jobs.get_job(None, fresh.id).state is JobState.VALIDATING

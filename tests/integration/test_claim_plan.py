@@ -62,10 +62,10 @@ def unanalyzed_backlog(database_url: str) -> str:
 def _backlog(database_url: str, *, analyze: bool) -> str:
     repo = Repository.connect(database_url)
     try:
-        tenants = [repo.create_tenant(f"plan-{t}") for t in range(3)]
+        tenants = [repo.tenants.create_tenant(f"plan-{t}") for t in range(3)]
         for k, tenant in enumerate(tenants):
-            f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-            job = repo.create_job(
+            f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+            job = repo.jobs.create_job(
                 tenant.id, f.id, "/v1/chat/completions", "24h",
                 datetime.now(UTC) + timedelta(hours=20 + k),
             )  # fmt: skip
@@ -80,7 +80,7 @@ def _backlog(database_url: str, *, analyze: bool) -> str:
                     ),
                     {"j": job.id, "t": tenant.id, "n": BACKLOG // len(tenants)},
                 )
-            repo.move_job(job.id, JobState.IN_PROGRESS)
+            repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         # A fleet's history: many ended jobs beside the few running, which is what makes the
         # running-job condition look selective to the planner.
         with repo.engine.begin() as conn:
@@ -109,7 +109,7 @@ def test_a_claim_reads_about_the_items_it_takes_not_the_backlog(
 ) -> None:
     repo = Repository.connect(backlog, fair_share=fair_share)
     try:
-        plan = repo.explain_claim("plan-node", TAKE)
+        plan = repo.claims.explain_claim("plan-node", TAKE)
         read, indexes = items_read(plan)
         # Fair share takes twice the slots over several tenants, and locks what it reads.
         assert read <= 4 * TAKE, f"the claim read {read} rows of a backlog of {BACKLOG}"
@@ -131,7 +131,7 @@ def test_a_claim_walks_its_index_on_statistics_taken_before_the_backlog(
     and chose a bitmap scan that read all 20,000 of them and sorted them to keep 64."""
     repo = Repository.connect(unanalyzed_backlog, fair_share=fair_share)
     try:
-        read, indexes = items_read(repo.explain_claim("plan-node", TAKE))
+        read, indexes = items_read(repo.claims.explain_claim("plan-node", TAKE))
         assert read <= 4 * TAKE, f"the claim read {read} rows of a backlog of {BACKLOG}"
         assert indexes <= CLAIM_INDEXES, indexes
     finally:

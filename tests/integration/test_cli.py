@@ -52,7 +52,7 @@ def test_migrate_brings_an_empty_database_to_the_schema(empty_database_url: str)
     assert result.returncode == 0, result.stderr
     repository = Repository.connect(empty_database_url)
     try:
-        assert repository.nodes() == []
+        assert repository.nodes.nodes() == []
     finally:
         repository.close()
 
@@ -63,7 +63,7 @@ def test_tenants_create_prints_a_working_key_on_its_last_line(
     result = run(database_url, "tenants", "create", "acme", "--quota", "5000")
     assert result.returncode == 0, result.stderr
     key = result.stdout.strip().splitlines()[-1]
-    tenant = repo.tenant_for_key(key)
+    tenant = repo.tenants.tenant_for_key(key)
     assert tenant is not None
     assert (tenant.name, tenant.enqueued_token_quota) == ("acme", 5000)
 
@@ -71,7 +71,7 @@ def test_tenants_create_prints_a_working_key_on_its_last_line(
 
     revoked = run(database_url, "tenants", "revoke-key", key)
     assert revoked.returncode == 0, revoked.stderr
-    assert repo.tenant_for_key(key) is None
+    assert repo.tenants.tenant_for_key(key) is None
     assert "no live API key" in one_line_error(run(database_url, "tenants", "revoke-key", key))
 
 
@@ -79,20 +79,20 @@ def test_tenants_have_a_weight_set_at_create_or_later(database_url: str, repo: R
     created = run(database_url, "tenants", "create", "acme", "--weight", "2.5")
     assert created.returncode == 0, created.stderr
     assert "weight 2.5" in created.stdout
-    assert repo.tenant_by_name("acme").weight == 2.5
+    assert repo.tenants.tenant_by_name("acme").weight == 2.5
     assert run(database_url, "tenants", "create", "plain").returncode == 0
-    assert repo.tenant_by_name("plain").weight == 1
+    assert repo.tenants.tenant_by_name("plain").weight == 1
 
     changed = run(database_url, "tenants", "set-weight", "plain", "3")
     assert changed.returncode == 0, changed.stderr
-    assert repo.tenant_by_name("plain").weight == 3
+    assert repo.tenants.tenant_by_name("plain").weight == 3
     assert "no tenant named" in one_line_error(
         run(database_url, "tenants", "set-weight", "nobody", "3")
     )
     refused = "is not a positive number"
     assert refused in one_line_error(run(database_url, "tenants", "set-weight", "plain", "0"))
     assert refused in one_line_error(run(database_url, "tenants", "create", "z", "--weight", "-1"))
-    assert repo.tenant_by_name("plain").weight == 3
+    assert repo.tenants.tenant_by_name("plain").weight == 3
 
 
 def test_keys_are_listed_and_revoked_by_the_id_shown_at_creation(
@@ -111,7 +111,7 @@ def test_keys_are_listed_and_revoked_by_the_id_shown_at_creation(
 
     # Two live keys that share an id (a collision of 48 random bits, made here by hand):
     # the id is refused as ambiguous, and the whole key still works.
-    tenant = repo.tenant_by_name("acme")
+    tenant = repo.tenants.tenant_by_name("acme")
     with repo.engine.begin() as conn:
         conn.execute(
             text("INSERT INTO api_keys (tenant_id, digest, prefix) VALUES (:t, :d, :p)"),
@@ -122,7 +122,7 @@ def test_keys_are_listed_and_revoked_by_the_id_shown_at_creation(
     )
     revoked = run(database_url, "tenants", "revoke-key", key)
     assert revoked.returncode == 0, revoked.stderr
-    assert repo.tenant_for_key(key) is None
+    assert repo.tenants.tenant_for_key(key) is None
     assert "revoked" in run(database_url, "tenants", "keys", "acme").stdout
 
 
@@ -139,8 +139,8 @@ def test_bad_settings_are_one_line_naming_the_problem(database_url: str) -> None
 def test_api_serves_the_batch_api(
     database_url: str, redis_namespace: str, repo: Repository
 ) -> None:
-    tenant = repo.create_tenant("acme")
-    key = repo.create_api_key(tenant.id)
+    tenant = repo.tenants.create_tenant("acme")
+    key = repo.tenants.create_api_key(tenant.id)
     port = free_port()
     env = {
         **os.environ,

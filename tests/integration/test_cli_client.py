@@ -93,7 +93,7 @@ def test_submit_a_folder_turns_each_document_into_a_summary_request(
     )
     assert code == 0, stderr
     batch_id = stdout.strip()
-    items = repo.items(batch_id)
+    items = repo.items.items(batch_id)
     assert sorted(i.custom_id for i in items) == ["hamlet", "odyssey"]
     client = server.client(acme.key)
     sent = client.files.content(client.batches.retrieve(batch_id).input_file_id).text
@@ -205,7 +205,7 @@ def test_cancel_and_list(server: LiveServer, acme: Tenant, tmp_path: Path) -> No
 def test_capacity_shows_each_nodes_pool_from_the_ledger(
     settings: Settings, server: LiveServer, acme: Tenant, repo: Repository
 ) -> None:
-    repo.upsert_node("gpu-0", "http://engine:8001", "tiny-model", 1000, 16, 4000)
+    repo.nodes.upsert_node("gpu-0", "http://engine:8001", "tiny-model", 1000, 16, 4000)
     ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace)
     try:
         ledger.rebuild([NodePool("gpu-0", 16_000, 16, 4000)], [], epoch=1)

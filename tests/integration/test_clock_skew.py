@@ -53,13 +53,13 @@ class Services:
         self.repo = Repository.connect(settings.database_url, pool_size=4)
         self.policy = pool_policy(settings)
         self.ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, self.policy)
-        self.repo.upsert_node(NODE, "http://stand-in", "m", BLOCKS, BLOCK, 0)
+        self.repo.nodes.upsert_node(NODE, "http://stand-in", "m", BLOCKS, BLOCK, 0)
         ensure_ledger(self.repo, self.ledger, max_preemptions=3)
 
     def submit(self, max_tokens: list[int], deadline_in_s: float = 3600.0) -> str:
-        tenant = self.repo.create_tenant(f"t-{time.monotonic_ns()}")
-        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-        job = self.repo.create_job(
+        tenant = self.repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+        f = self.repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.jobs.create_job(
             tenant.id,
             f.id,
             "/v1/completions",
@@ -71,8 +71,8 @@ class Services:
             NewItem(i, f"r{i}", json.dumps({"model": "m", "prompt": "x", "max_tokens": m}), m)
             for i, m in enumerate(max_tokens)
         ]
-        self.repo.insert_items(job.id, items)
-        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        self.repo.ingest.insert_items(job.id, items)
+        self.repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         return job.id
 
     def dispatcher(
@@ -149,12 +149,12 @@ def test_an_item_with_30s_left_is_judged_on_the_databases_clock(
     dispatcher, aledger = services.dispatcher(engine, skewed(skew_s), decode_tokens_per_s=10.0)
 
     def settled() -> bool:
-        counts = services.repo.counted_states(job)
+        counts = services.repo.stats.counted_states(job)
         return counts.get(ItemState.SUCCEEDED, 0) + counts.get(ItemState.EXPIRED, 0) == 2
 
     asyncio.run(run_until(dispatcher, aledger, settled))
 
-    states = {r.custom_id: r.state for r in services.repo.items(job)}
+    states = {r.custom_id: r.state for r in services.repo.items.items(job)}
     assert states == {"r0": ItemState.SUCCEEDED, "r1": ItemState.EXPIRED}
     assert len(engine.streamed) == 1  # the infeasible item was never sent
 
@@ -195,7 +195,7 @@ def test_a_deferred_item_waits_its_retry_hint_on_the_databases_clock(
 
     asyncio.run(run_until(dispatcher, aledger, lambda: dispatcher.stats.deferred >= 1))
 
-    counts = services.repo.counted_states(job)
+    counts = services.repo.stats.counted_states(job)
     assert counts.get(ItemState.DEFERRED) == 1, counts
     delay = _retry_delay_s(services.repo, job)
     assert 0.5 <= delay <= 5.0, delay

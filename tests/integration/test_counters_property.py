@@ -54,15 +54,15 @@ def test_counters_match_count_star_after_random_transitions(
     repo = module_repo
     with repo.engine.begin() as conn:
         conn.execute(text("TRUNCATE tenants, files, jobs, nodes CASCADE"))
-    tenant = repo.create_tenant("prop")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"{}")
+    tenant = repo.tenants.create_tenant("prop")
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"{}")
     jobs = []
     for j in range(2):
-        job = repo.create_job(
+        job = repo.jobs.create_job(
             tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1 + j)
         )
-        repo.insert_items(job.id, (NewItem(i, f"c{i}", "{}", 8, 10, 128) for i in range(6)))
-        repo.move_job(job.id, JobState.IN_PROGRESS)
+        repo.ingest.insert_items(job.id, (NewItem(i, f"c{i}", "{}", 8, 10, 128) for i in range(6)))
+        repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         jobs.append(job.id)
 
     reserved: list[ClaimedItem] = []
@@ -76,7 +76,7 @@ def test_counters_match_count_star_after_random_transitions(
             elif op == "start":
                 # One claim's start: the first ``pick`` items start, the next is held (as a
                 # worker holds one it refuses), the rest are left in the queue.
-                opened = repo.open_claim("n", n, 30)
+                opened = repo.claims.open_claim("n", n, 30)
                 items = opened.items
                 go = items[: pick % (len(items) + 1)]
                 hold = items[len(go) : len(go) + 1]
@@ -85,7 +85,9 @@ def test_counters_match_count_star_after_random_transitions(
                     for k, c in enumerate(go, start=1)
                 ]
                 if opened.open:
-                    applied = repo.start_claim(opened, starts, [(c.id, c.attempt) for c in hold])
+                    applied = repo.claims.start_claim(
+                        opened, starts, [(c.id, c.attempt) for c in hold]
+                    )
                     assert sorted(applied) == sorted(c.id for c in go)
                 running += [(c, fence + k) for k, c in enumerate(go, start=1)]
                 reserved += hold
@@ -93,21 +95,23 @@ def test_counters_match_count_star_after_random_transitions(
             elif op in ("finish_ok", "finish_err") and running:
                 c, fen = running.pop(pick % len(running))
                 state = ItemState.SUCCEEDED if op == "finish_ok" else ItemState.FAILED
-                repo.finish([Finish(c.id, c.attempt, fen, state, result="r", output_tokens=n)])
+                repo.items.finish(
+                    [Finish(c.id, c.attempt, fen, state, result="r", output_tokens=n)]
+                )
                 finished.append((c, fen))
             elif op == "stale_finish" and finished:
                 c, fen = finished[pick % len(finished)]
-                assert repo.finish([Finish(c.id, c.attempt, fen, ItemState.SUCCEEDED)]) == []
+                assert repo.items.finish([Finish(c.id, c.attempt, fen, ItemState.SUCCEEDED)]) == []
             elif op == "preempt" and running:
                 c, fen = running.pop(pick % len(running))
-                repo.preempt(c.id, c.attempt, fen, partial_output="p", partial_tokens=n)
+                repo.items.preempt(c.id, c.attempt, fen, partial_output="p", partial_tokens=n)
             elif op in ("defer", "release", "fail_reserved") and reserved:
                 c = reserved.pop(pick % len(reserved))
                 if op == "fail_reserved":
-                    repo.fail(c.id, c.attempt, "bad")
+                    repo.items.fail(c.id, c.attempt, "bad")
                 else:
                     target = ItemState.DEFERRED if op == "defer" else ItemState.QUEUED
-                    repo.give_back(c.id, c.attempt, target)
+                    repo.items.give_back(c.id, c.attempt, target)
             elif op == "reap":
                 with repo.engine.begin() as conn:
                     conn.execute(
@@ -117,20 +121,20 @@ def test_counters_match_count_star_after_random_transitions(
                         ),
                         {"m": pick % 3},
                     )
-                repo.reap_lost()
+                repo.recovery.reap_lost()
             elif op == "cancel_unstarted":
-                repo.end_items(jobs[pick % 2], ItemState.CANCELLED, only_unstarted=True)
+                repo.items.end_items(jobs[pick % 2], ItemState.CANCELLED, only_unstarted=True)
             elif op == "drop":
-                repo.drop_claim(repo.open_claim("n", n, 30))
+                repo.claims.drop_claim(repo.claims.open_claim("n", n, 30))
             elif op == "heartbeat":
-                repo.heartbeat([(c.id, c.attempt) for c in reserved], 30)
+                repo.claims.heartbeat([(c.id, c.attempt) for c in reserved], 30)
         except StaleWrite:
             # A write by an attempt the reaper or a cancel already overtook: refused, as it
             # must be. The counters must still agree below.
             pass
         for job_id in jobs:
-            counts = repo.get_job(None, job_id).counts
-            truth = repo.counted_states(job_id)
+            counts = repo.jobs.get_job(None, job_id).counts
+            truth = repo.stats.counted_states(job_id)
             assert {s: counts.count(s) for s in ItemState} == {
                 s: truth.get(s, 0) for s in ItemState
             }, op

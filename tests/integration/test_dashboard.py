@@ -84,7 +84,7 @@ def scene(
     settle_cancelling(repo, cancelled)
     running = submit(server, acme.key, 10)
     run_worker(repo, limit=6, leave_running=2)
-    repo.upsert_node("gpu-0", "http://engine:8001", "SmolLM2-135M", 2048, 16, 8192)
+    repo.nodes.upsert_node("gpu-0", "http://engine:8001", "SmolLM2-135M", 2048, 16, 8192)
     ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace)
     try:
         ledger.rebuild([NodePool("gpu-0", 32_768, 16, 8192)], [], epoch=1)
@@ -184,7 +184,7 @@ def test_the_dashboard_shows_a_summary_jobs_progress_split_documents_and_results
     settings: Settings, server: LiveServer, repo: Repository, tmp_path: Path
 ) -> None:
     acme = make_tenant(repo, "acme")
-    tenant = repo.tenant_by_id(acme.id)
+    tenant = repo.tenants.tenant_by_id(acme.id)
     shape = JobShape(context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40,
                      summary_tokens=64)  # fmt: skip
     request = jobs.SummaryJobRequest("tiny-model", "Summarise.", shape.summary_tokens, "1h")
@@ -193,7 +193,7 @@ def test_the_dashboard_shows_a_summary_jobs_progress_split_documents_and_results
     documents = [jobs.prepare_document(job, "long", long, _words)]
     documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
     jobs.add_documents(repo, job, documents)
-    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
     run_worker(repo)
     driver.drive(repo, settings)  # the short notes end; the long one waits on its reduce

@@ -67,7 +67,7 @@ def _create(
 def _wait_until_not_validating(repo: Repository, job_id: str) -> JobRecord:
     deadline = time.monotonic() + HANG_S
     while True:
-        job = repo.get_job(None, job_id)
+        job = repo.jobs.get_job(None, job_id)
         if job.state is not JobState.VALIDATING:
             return job
         assert time.monotonic() < deadline, f"{job_id} still validating after {HANG_S} s"
@@ -95,7 +95,7 @@ def test_a_large_create_answers_validating_and_the_apis_ingest_process_stores_it
         job = _wait_until_not_validating(repo, batch.id)
         assert job.state is JobState.IN_PROGRESS, job.errors
         assert job.counts.total == 3_000
-        assert repo.counted_states(batch.id) == {ItemState.QUEUED: 3_000}
+        assert repo.stats.counted_states(batch.id) == {ItemState.QUEUED: 3_000}
         # Bad input is reported as at the create: every bad line named, nothing stored.
         bad = chat_file(2_000) + jsonl([chat_line("late", url="/v1/nowhere"), {"custom_id": "x"}])
         failed = submit_file(client, bad)
@@ -105,7 +105,7 @@ def test_a_large_create_answers_validating_and_the_apis_ingest_process_stores_it
         assert seen.errors is not None
         assert seen.errors.data is not None
         assert [e.line for e in seen.errors.data] == [2_001, 2_002]
-        assert repo.counted_states(failed.id) == {}
+        assert repo.stats.counted_states(failed.id) == {}
         # A small file is still checked in the request.
         small = submit_file(client, chat_file(2))
         assert small.status == "in_progress"
@@ -125,13 +125,13 @@ def test_creates_waiting_for_an_ingest_are_on_metrics(
         assert server.app is not None
         assert server.app.state.ingesters.running == 0
     assert "backfill_ingest_queue 1.0" in scraped.splitlines()
-    assert repo.get_job(None, batch.id).state is JobState.VALIDATING
+    assert repo.jobs.get_job(None, batch.id).state is JobState.VALIDATING
 
 
 def test_an_ingest_that_dies_half_way_is_begun_again_and_stores_each_line_once(
     deferring: Settings, repo: Repository
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     job = _create(repo, deferring, tenant, chat_file(5_000))
     assert job.state is JobState.VALIDATING
     # A first ingest takes the job (its lock, its attempt), then its process dies: its
@@ -155,7 +155,7 @@ def test_an_ingest_that_dies_half_way_is_begun_again_and_stores_each_line_once(
         process.wait(timeout=HANG_S)
     assert done.state is JobState.IN_PROGRESS, done.errors
     assert done.counts.total == 5_000
-    assert repo.counted_states(job.id) == {ItemState.QUEUED: 5_000}
+    assert repo.stats.counted_states(job.id) == {ItemState.QUEUED: 5_000}
     assert _ingest_attempts(repo, job.id) == 2
     assert process.returncode == 0
 
@@ -163,7 +163,7 @@ def test_an_ingest_that_dies_half_way_is_begun_again_and_stores_each_line_once(
 def test_a_file_that_takes_every_ingest_down_fails_its_batch(
     deferring: Settings, repo: Repository
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     job = _create(repo, deferring, tenant, chat_file(100))
     with repo.engine.begin() as conn:
         conn.execute(
@@ -173,15 +173,15 @@ def test_a_file_that_takes_every_ingest_down_fails_its_batch(
     done = ingester.ingest_next(repo, deferring)
     assert done is not None
     assert done.state is JobState.FAILED
-    failed = repo.get_job(None, job.id)
+    failed = repo.jobs.get_job(None, job.id)
     assert failed.errors is not None
     assert failed.errors[0]["code"] == "validation_interrupted"
-    assert repo.counted_states(job.id) == {}
+    assert repo.stats.counted_states(job.id) == {}
 
 
 def test_tenants_take_turns_in_the_ingest_queue(deferring: Settings, repo: Repository) -> None:
-    a = repo.create_tenant("a")
-    b = repo.create_tenant("b")
+    a = repo.tenants.create_tenant("a")
+    b = repo.tenants.create_tenant("b")
     a_jobs = [_create(repo, deferring, a, chat_file(50)).id for _ in range(3)]
     b_job = _create(repo, deferring, b, chat_file(50)).id
     order = []
@@ -193,12 +193,12 @@ def test_tenants_take_turns_in_the_ingest_queue(deferring: Settings, repo: Repos
 
 
 def test_a_cancel_before_the_ingest_stores_nothing(deferring: Settings, repo: Repository) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     job = _create(repo, deferring, tenant, chat_file(200))
     cancel_job(repo, tenant.id, job.id)
     assert ingester.ingest_next(repo, deferring) is None
-    assert repo.get_job(None, job.id).state in {JobState.CANCELLED, JobState.CANCELLING}
-    assert repo.counted_states(job.id) == {}
+    assert repo.jobs.get_job(None, job.id).state in {JobState.CANCELLED, JobState.CANCELLING}
+    assert repo.stats.counted_states(job.id) == {}
 
 
 def test_the_quota_is_judged_again_when_the_ingest_begins(
@@ -207,29 +207,29 @@ def test_the_quota_is_judged_again_when_the_ingest_begins(
     # Each of two creates fits the quota alone; admitted together (neither stored yet),
     # the second ingest finds the first's items enqueued and refuses.
     content = chat_file(100)
-    probe = repo.create_tenant("probe")
+    probe = repo.tenants.create_tenant("probe")
     upload = batches.upload_file(
         repo, deferring, probe.id, filename="in.jsonl", purpose="batch", content=content
     )
     assert upload.tokens_bound is not None
-    tenant = repo.create_tenant("acme", upload.tokens_bound * 3 // 2)
+    tenant = repo.tenants.create_tenant("acme", upload.tokens_bound * 3 // 2)
     first = _create(repo, deferring, tenant, content)
     second = _create(repo, deferring, tenant, content)
     assert (first.state, second.state) == (JobState.VALIDATING, JobState.VALIDATING)
     assert ingester.ingest_next(repo, deferring) is not None
     assert ingester.ingest_next(repo, deferring) is not None
-    assert repo.get_job(None, first.id).state is JobState.IN_PROGRESS
-    refused = repo.get_job(None, second.id)
+    assert repo.jobs.get_job(None, first.id).state is JobState.IN_PROGRESS
+    refused = repo.jobs.get_job(None, second.id)
     assert refused.state is JobState.FAILED
     assert refused.errors is not None
     assert refused.errors[0]["code"] == "enqueued_token_quota_exceeded"
-    assert repo.counted_states(second.id) == {}
+    assert repo.stats.counted_states(second.id) == {}
 
 
 def test_the_recovery_of_dead_creates_leaves_deferred_ones_to_the_ingest(
     deferring: Settings, repo: Repository
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     job = _create(repo, deferring, tenant, chat_file(100))
     later = repo.now() + timedelta(hours=1)
     assert recover_stale_validating(repo, older_than_s=60, now=later) == {}
@@ -260,7 +260,7 @@ def _alive(pid: int) -> bool:
 def test_an_api_process_killed_outright_leaves_no_ingest_process_behind(
     deferring: Settings, repo: Repository, tmp_path: Path
 ) -> None:
-    key = repo.create_api_key(repo.create_tenant("acme").id)
+    key = repo.tenants.create_api_key(repo.tenants.create_tenant("acme").id)
     port = free_port()
     env = dict(
         os.environ,
@@ -317,7 +317,7 @@ def test_a_tenants_deferred_creates_are_bounded_and_another_tenants_are_not(
     # A flood of large creates once queued without bound: each a full create for the API and
     # an ingest of the whole file for the shared ingest process.
     bounded = deferring.model_copy(update={"max_deferred_creates_per_tenant": 2})
-    flooder, other = repo.create_tenant("flooder"), repo.create_tenant("other")
+    flooder, other = repo.tenants.create_tenant("flooder"), repo.tenants.create_tenant("other")
     first = [_create(repo, bounded, flooder, chat_file(50)) for _ in range(2)]
     assert all(job.state is JobState.VALIDATING for job in first)
     upload = batches.upload_file(

@@ -51,13 +51,13 @@ def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
             polls=1200,
             each=lambda: seen.append(dispatcher.in_flight),
         )
         peak = max(seen)
         stats = dispatcher.stats
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats
         assert peak >= 2, "the node never held more than one lease: the test shows nothing"
         assert peak < ITEMS, "the slack held every item at once: the test shows nothing"
         assert stats.deferred == 0, stats

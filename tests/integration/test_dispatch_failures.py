@@ -49,12 +49,14 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
             BLOCK,
             max_sequence_tokens=512,
         )
-        run_until(dispatcher, aledger, lambda: bool(repo.counted_states(job).get(ItemState.FAILED)))
+        run_until(
+            dispatcher, aledger, lambda: bool(repo.stats.counted_states(job).get(ItemState.FAILED))
+        )
 
-        counts = repo.counted_states(job)
+        counts = repo.stats.counted_states(job)
         assert counts.get(ItemState.FAILED) == 1, counts
         assert len(engine.streamed) == 3  # one stream per attempt, up to the cap
-        (item,) = repo.items(job)
+        (item,) = repo.items.items(job)
         assert item.error is not None
         assert json.loads(item.error)["code"] == "retries_exhausted"
         assert "a fault of the worker's own" in json.loads(item.error)["message"]
@@ -73,7 +75,7 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
     engine = StandInEngine()
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-commit", 4, 8)
-        start_claim = repo.start_claim
+        start_claim = repo.claims.start_claim
         held_at_commit: list[int] = []
 
         def start_after_a_restart(*args: Any, **kwargs: Any) -> list[int]:
@@ -83,7 +85,7 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
                 assert kill_connections(settings.database_url) >= 1
             return start_claim(*args, **kwargs)
 
-        repo.start_claim = start_after_a_restart  # type: ignore[method-assign]
+        repo.claims.start_claim = start_after_a_restart  # type: ignore[method-assign]
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
             engine,
@@ -108,7 +110,7 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
         assert not snap.leases, f"leases of a failed commit still held: {snap.leases}"
         assert snap.batch_in_use == 0
         assert not engine.streamed  # nothing of the failed commit reached the engine
-        assert sum(repo.counted_states(job).values()) == 4  # nothing lost
+        assert sum(repo.stats.counted_states(job).values()) == 4  # nothing lost
 
 
 def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_its_flights(
@@ -123,7 +125,7 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
     engine = StandInEngine(hold_s=0.5)
     with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-claim-fault", 6, 8)
-        open_claim = repo.open_claim
+        open_claim = repo.claims.open_claim
         calls: list[int] = []
         held_at_fault: list[int] = []
 
@@ -134,7 +136,7 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
                 raise RuntimeError("a fault of the worker's own")
             return open_claim(*args, **kwargs)
 
-        repo.open_claim = second_claim_breaks  # type: ignore[method-assign]
+        repo.claims.open_claim = second_claim_breaks  # type: ignore[method-assign]
         dispatcher = stand_in_dispatcher(
             DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, claim_batch=2),
             engine,
@@ -144,12 +146,14 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
         )
         # run_until fails if the dispatch loop ends on the fault.
         run_until(
-            dispatcher, aledger, lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == 6
+            dispatcher,
+            aledger,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 6,
         )
 
         assert held_at_fault, "the second claim was never made"
         assert held_at_fault[0] > 0, "nothing was in flight at the fault"
-        assert repo.counted_states(job) == {ItemState.SUCCEEDED: 6}
+        assert repo.stats.counted_states(job) == {ItemState.SUCCEEDED: 6}
         snap = ledger.snapshot(node)
         assert snap is not None
         assert not snap.leases, snap.leases
@@ -189,7 +193,7 @@ def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == 1 and bool(refused),
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 1 and bool(refused),
             polls=200,
             before_stop=lambda: before_stop.append(ledger.snapshot(node)),
         )
@@ -250,4 +254,4 @@ def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
         assert snap.batch_in_use == 0
         assert not engine.streamed
         # Untouched by the failed claim: still queued, no attempt spent.
-        assert repo.counted_states(job) == {ItemState.QUEUED: 4}
+        assert repo.stats.counted_states(job) == {ItemState.QUEUED: 4}

@@ -95,7 +95,7 @@ def test_a_claim_is_rewritten_only_when_its_heartbeat_is_due(
                     await asyncio.sleep(BEAT_S / 2)
                 for _ in range(200):
                     await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 2:
+                    if repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 2:
                         break
                 return claims, lease_expiries
             finally:
@@ -104,7 +104,7 @@ def test_a_claim_is_rewritten_only_when_its_heartbeat_is_due(
                 await aledger.aclose()
 
         claims, lease_expiries = asyncio.run(scenario())
-        assert repo.counted_states(job) == {ItemState.SUCCEEDED: 2}
+        assert repo.stats.counted_states(job) == {ItemState.SUCCEEDED: 2}
     held = [c for c in claims if len(c) == 2]
     assert len(held) >= 10, claims
     # Each item's claim expiries over the window (both started in one statement, at one time).
@@ -160,7 +160,7 @@ def test_a_stalled_ledger_does_not_hold_up_the_claims_extension_in_postgres(
                         os.kill(redis_server.proc.pid, signal.SIGCONT)
                     for _ in range(400):
                         await asyncio.sleep(0.05)
-                        if repo.counted_states(job).get(ItemState.SUCCEEDED) == 2:
+                        if repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 2:
                             break
                     return early, late
                 finally:
@@ -173,7 +173,7 @@ def test_a_stalled_ledger_does_not_hold_up_the_claims_extension_in_postgres(
             # Due 1.7 s after its last extension, beaten every 0.2 s: each claim was extended
             # in the 2.6 s between the two reads, all of it inside the stall.
             assert all(late[i] > early[i] for i in early), (early, late)
-            assert repo.counted_states(job) == {ItemState.SUCCEEDED: 2}
+            assert repo.stats.counted_states(job) == {ItemState.SUCCEEDED: 2}
             with repo.engine.connect() as conn:
                 attempts = conn.execute(
                     text("SELECT attempt FROM items WHERE job_id = :j"), {"j": job}

@@ -81,7 +81,7 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
                 assert again.batch_in_use == lease.tokens
                 for _ in range(400):
                     await asyncio.sleep(0.05)
-                    if repo.counted_states(job).get(ItemState.SUCCEEDED) == 1:
+                    if repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 1:
                         break
                 return lease.lease_id, closed
             finally:
@@ -91,7 +91,7 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
 
         _, closed = asyncio.run(scenario())
         assert closed, "the worker did not close the node for a rebuild"
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == 1
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 1
         snap = ledger.snapshot(NODE)
         assert snap is not None
         assert snap.reserved == 0

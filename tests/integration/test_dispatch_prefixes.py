@@ -121,7 +121,7 @@ def prefix_dispatcher(
 ) -> NodeDispatcher:
     """A stand-in node's dispatcher (context 512) whose prefix finder looks in ``repo``."""
     dispatcher = stand_in_dispatcher(config, engine, repo, ledger, BLOCK, max_sequence_tokens=512)
-    dispatcher.prefix_jobs = repo
+    dispatcher.prefix_jobs = repo.prefixes
     return dispatcher
 
 
@@ -164,23 +164,23 @@ def _run(
             async def find() -> None:
                 finder = asyncio.create_task(dispatcher.prefixes.find_prefixes())
                 for _ in range(200):
-                    if repo.prefix_groups(job):
+                    if repo.prefixes.prefix_groups(job):
                         break
                     await asyncio.sleep(0.05)
                 finder.cancel()
 
             asyncio.run(find())
-            [group] = repo.prefix_groups(job)
+            [group] = repo.prefixes.prefix_groups(job)
             assert (group.blocks, group.items) == (4, ITEMS)
         seen = [0]
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
             polls=2000,
             each=lambda: seen.append(dispatcher.in_flight),
         )
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
         stats = dispatcher.stats
         assert stats.reservation_violations == 0, stats
         assert stats.over_reserved_samples == 0, stats

@@ -100,10 +100,10 @@ def test_a_released_lease_wakes_the_claim_loop(settings: Settings) -> None:
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
             polls=2400,
         )
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
     spans = sorted(engine.spans)
     gaps = [nxt[0] - prev[1] for prev, nxt in itertools.pairwise(spans)]
     print("gaps between one item's end and the next one's start:", [round(g, 3) for g in gaps])

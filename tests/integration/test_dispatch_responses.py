@@ -121,7 +121,7 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         assert engine.closed == 1  # the preempted stream was closed: the engine aborts it
         ((first, sent, priority), (second, resent, _)) = engine.calls
         # From the start (the earlier deltas are not continued), in the tenant's cache salt.
-        tenant_id = repo.get_job(None, job).tenant_id
+        tenant_id = repo.jobs.get_job(None, job).tenant_id
         assert sent == resent == {**body, "cache_salt": cache_salt(tenant_id)}
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")

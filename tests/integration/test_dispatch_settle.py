@@ -119,10 +119,12 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
             BLOCK,
         )
         run_until(
-            dispatcher, aledger, lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
+            dispatcher,
+            aledger,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
         )
 
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
         # Every lease heard of its progress past the first settle step...
         assert len(aledger.reported) == ITEMS, aledger.reported
         assert all(g >= 32 for g in aledger.reported.values()), aledger.reported

@@ -28,7 +28,7 @@ def test_a_cached_key_is_checked_on_the_loop_and_an_unknown_one_is_left_to_the_t
 
     def lookup(key: str) -> TenantRecord | None:
         lookups.append(key)
-        return repo.tenant_for_key(key)
+        return repo.tenants.tenant_for_key(key)
 
     async def scenario() -> None:
         client = connect(settings.redis_url)

@@ -73,7 +73,7 @@ def test_postgres_is_migrated_and_keeps_its_data_across_restarts(tmp_path: Path)
         upgrade(url)
         repo = Repository.connect(url, pool_size=1)
         try:
-            created = repo.create_tenant("survivor")
+            created = repo.tenants.create_tenant("survivor")
         finally:
             repo.close()
         children = _children(first.pid)
@@ -89,7 +89,7 @@ def test_postgres_is_migrated_and_keeps_its_data_across_restarts(tmp_path: Path)
         assert second.data_dir == first.data_dir
         repo = Repository.connect(f"{second.url.rpartition('/')[0]}/backfill_dev", pool_size=1)
         try:
-            assert repo.tenant_by_name("survivor").id == created.id
+            assert repo.tenants.tenant_by_name("survivor").id == created.id
         finally:
             repo.close()
         # Upgrading again is a no-op on a database already at head.

@@ -35,18 +35,18 @@ def repo(database_url: str) -> Iterator[Repository]:
 
 
 def _job(repo: Repository, tenant_id: str, n: int, *, deadline_s: float = 3600) -> JobRecord:
-    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
-    job = repo.create_job(
+    f = repo.files.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.jobs.create_job(
         tenant_id,
         f.id,
         "/v1/chat/completions",
         "24h",
         datetime.now(UTC) + timedelta(seconds=deadline_s),
     )
-    repo.insert_items(
+    repo.ingest.insert_items(
         job.id, (NewItem(i, f"req-{i}", '{"messages": []}', 16, 100, 128) for i in range(n))
     )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     return job
 
 
@@ -64,8 +64,8 @@ def _run(repo: Repository, node: str, limit: int) -> list[ClaimedItem]:
 
 
 def test_claims_interleave_tenants_while_both_have_work(repo: Repository) -> None:
-    a = repo.create_tenant("a").id
-    b = repo.create_tenant("b").id
+    a = repo.tenants.create_tenant("a").id
+    b = repo.tenants.create_tenant("b").id
     # A submitted first, with far more work and earlier deadlines: plain EDF gives A all.
     job_a = _job(repo, a, 60, deadline_s=600)
     job_b = _job(repo, b, 60, deadline_s=7200)
@@ -78,8 +78,8 @@ def test_claims_interleave_tenants_while_both_have_work(repo: Repository) -> Non
 
 
 def test_a_tenants_share_counts_what_the_node_already_holds_for_it(repo: Repository) -> None:
-    a = repo.create_tenant("a").id
-    b = repo.create_tenant("b").id
+    a = repo.tenants.create_tenant("a").id
+    b = repo.tenants.create_tenant("b").id
     job_a = _job(repo, a, 40, deadline_s=600)
     first = _run(repo, "n1", 6)  # only A has work yet: the whole node is A's
     assert {c.job_id for c in first} == {job_a.id}
@@ -92,9 +92,9 @@ def test_a_tenants_share_counts_what_the_node_already_holds_for_it(repo: Reposit
 
 
 def test_an_idle_tenants_share_goes_to_the_others(database_url: str, repo: Repository) -> None:
-    a = repo.create_tenant("a").id
-    b = repo.create_tenant("b").id
-    idle = repo.create_tenant("idle").id
+    a = repo.tenants.create_tenant("a").id
+    b = repo.tenants.create_tenant("b").id
+    idle = repo.tenants.create_tenant("idle").id
     job_a = _job(repo, a, 2, deadline_s=600)
     job_b = _job(repo, b, 40, deadline_s=7200)
     job_idle = _job(repo, idle, 4, deadline_s=60)
@@ -111,8 +111,8 @@ def test_an_idle_tenants_share_goes_to_the_others(database_url: str, repo: Repos
 
 
 def test_earliest_deadline_first_holds_within_a_tenant(repo: Repository) -> None:
-    a = repo.create_tenant("a").id
-    b = repo.create_tenant("b").id
+    a = repo.tenants.create_tenant("a").id
+    b = repo.tenants.create_tenant("b").id
     late = _job(repo, a, 5, deadline_s=7200)
     early = _job(repo, a, 5, deadline_s=900)
     other = _job(repo, b, 20, deadline_s=60)
@@ -125,17 +125,17 @@ def test_earliest_deadline_first_holds_within_a_tenant(repo: Repository) -> None
 
 
 def test_weights_are_respected(repo: Repository) -> None:
-    heavy = repo.create_tenant("heavy", weight=2).id
-    light = repo.create_tenant("light").id
-    assert repo.tenant_by_name("heavy").weight == 2
-    assert repo.tenant_by_name("light").weight == 1
+    heavy = repo.tenants.create_tenant("heavy", weight=2).id
+    light = repo.tenants.create_tenant("light").id
+    assert repo.tenants.tenant_by_name("heavy").weight == 2
+    assert repo.tenants.tenant_by_name("light").weight == 1
     job_h = _job(repo, heavy, 60, deadline_s=7200)
     job_l = _job(repo, light, 60, deadline_s=600)
     jobs = {job_h.id: "heavy", job_l.id: "light"}
     claimed = _run(repo, "n1", 9)
     assert Counter(_tenant_of(jobs, claimed)) == {"heavy": 6, "light": 3}
     # The weight is the tenant's record: changed, the next claims follow it.
-    repo.set_tenant_weight("light", 4)
+    repo.tenants.set_tenant_weight("light", 4)
     assert Counter(_tenant_of(jobs, claim(repo, "n1", 9))) == {"light": 9}
     # light holds 12 at weight 4 (3 a unit), heavy 6 at weight 2 (3 a unit): even again.
     assert Counter(_tenant_of(jobs, claim(repo, "n1", 6))) == {"light": 4, "heavy": 2}
@@ -144,8 +144,8 @@ def test_weights_are_respected(repo: Repository) -> None:
 def test_without_fair_share_claims_are_earliest_deadline_first_across_tenants(
     database_url: str, repo: Repository
 ) -> None:
-    a = repo.create_tenant("a").id
-    b = repo.create_tenant("b").id
+    a = repo.tenants.create_tenant("a").id
+    b = repo.tenants.create_tenant("b").id
     job_a = _job(repo, a, 20, deadline_s=600)
     _job(repo, b, 20, deadline_s=7200)
     plain = Repository.connect(database_url, pool_size=1, fair_share=False)
@@ -156,7 +156,7 @@ def test_without_fair_share_claims_are_earliest_deadline_first_across_tenants(
 
 
 def test_concurrent_fair_claimers_never_share_an_item(repo: Repository) -> None:
-    tenants = [repo.create_tenant(f"t{i}", weight=1 + i).id for i in range(3)]
+    tenants = [repo.tenants.create_tenant(f"t{i}", weight=1 + i).id for i in range(3)]
     total = 0
     for i, t in enumerate(tenants):
         _job(repo, t, 400, deadline_s=600 * (i + 1))
@@ -190,7 +190,7 @@ def test_concurrent_fair_claimers_never_share_an_item(repo: Repository) -> None:
 def _submit(
     repo: Repository, settings: Settings, tenant: str, lines: int, window: str
 ) -> JobRecord:
-    record = repo.tenant_by_name(tenant)
+    record = repo.tenants.tenant_by_name(tenant)
     # Checked in the request, whatever the file's size: the backlog ahead is what is judged.
     settings = settings.model_copy(update={"ingest_inline_bytes": 1 << 30})
     upload = batches.upload_file(
@@ -206,8 +206,8 @@ def test_one_tenants_long_window_backlog_leaves_another_tenants_small_batch_feas
     per_line = forecast_tokens_upper_bound(chat_file(1))
     # A batch of 100 lines takes 10 minutes alone at this throughput.
     slow = settings.model_copy(update={"batch_throughput_tokens_per_s": 100 * per_line / 600})
-    repo.create_tenant("big")
-    repo.create_tenant("small")
+    repo.tenants.create_tenant("big")
+    repo.tenants.create_tenant("small")
     # About 8 hours of work, in a 7-day window.
     big = _submit(repo, slow, "big", 5000, "7d")
     assert big.state is JobState.IN_PROGRESS
@@ -230,8 +230,8 @@ def test_without_fair_share_every_tenants_backlog_is_ahead(
     slow = settings.model_copy(
         update={"batch_throughput_tokens_per_s": 100 * per_line / 600, "fair_share": False}
     )
-    repo.create_tenant("big")
-    repo.create_tenant("small")
+    repo.tenants.create_tenant("big")
+    repo.tenants.create_tenant("small")
     _submit(repo, slow, "big", 5000, "7d")
     with pytest.raises(DeadlineInfeasible):
         _submit(repo, slow, "small", 100, "30m")

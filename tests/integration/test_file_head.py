@@ -18,15 +18,15 @@ def test_the_head_of_a_file_is_its_first_bytes_in_one_read_of_no_more(
     repo: Repository, acme: Tenant, other: Tenant
 ) -> None:
     content = bytes(range(256)) * 64  # 16 KiB over four pieces
-    stored = repo.create_file(acme.id, "batch", "in.jsonl", content, chunk_bytes=4096)
-    assert repo.file_head(acme.id, stored.id, 100) == content[:100]
-    assert repo.file_head(acme.id, stored.id, 4096) == content[:4096]
+    stored = repo.files.create_file(acme.id, "batch", "in.jsonl", content, chunk_bytes=4096)
+    assert repo.files.file_head(acme.id, stored.id, 100) == content[:100]
+    assert repo.files.file_head(acme.id, stored.id, 4096) == content[:4096]
     # No further than the first piece: a head is never the whole of a large file.
-    assert repo.file_head(acme.id, stored.id, 10_000) == content[:4096]
-    short = repo.create_file(acme.id, "batch", "short.jsonl", b"{}\n")
-    assert repo.file_head(acme.id, short.id, 100) == b"{}\n"
+    assert repo.files.file_head(acme.id, stored.id, 10_000) == content[:4096]
+    short = repo.files.create_file(acme.id, "batch", "short.jsonl", b"{}\n")
+    assert repo.files.file_head(acme.id, short.id, 100) == b"{}\n"
     with pytest.raises(NotFound):
-        repo.file_head(other.id, stored.id, 100)
+        repo.files.file_head(other.id, stored.id, 100)
 
 
 def test_a_create_finds_the_model_of_a_first_line_longer_than_the_head(

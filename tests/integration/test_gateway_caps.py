@@ -70,7 +70,7 @@ def caps(settings: Settings) -> Iterator[Caps]:
     repo = Repository.connect(s.database_url, pool_size=4)
     ledger = Ledger.from_url(s.redis_url, s.redis_namespace, pool_policy(s))
     try:
-        repo.upsert_node(NODE, "http://127.0.0.1:9", "m", BLOCKS, BLOCK, 0)
+        repo.nodes.upsert_node(NODE, "http://127.0.0.1:9", "m", BLOCKS, BLOCK, 0)
         ensure_ledger(repo, ledger, max_preemptions=3)
         tenant = make_tenant(repo, "caller")
         with serve(s) as api:

@@ -129,7 +129,7 @@ def tenants(settings: Settings) -> Iterator[tuple[Node, Tenant, Tenant]]:
     engine = HeldEngine()
     try:
         with serve_engine(engine) as engine_url:
-            repo.upsert_node(NODE, engine_url, "m", BLOCKS, BLOCK, 0)
+            repo.nodes.upsert_node(NODE, engine_url, "m", BLOCKS, BLOCK, 0)
             ensure_ledger(repo, ledger, max_preemptions=3)
             a, b = make_tenant(repo, "flooder"), make_tenant(repo, "neighbour")
             with serve(s) as api:

@@ -47,7 +47,7 @@ def _create(
 
 
 class HeldCopy:
-    """``repo.insert_items`` watched: the first job's COPY waits (once its lines are read and
+    """``repo.ingest.insert_items`` watched: the first job's COPY waits (once its lines are read and
     judged) until every line of the second job's file has been read, and ``meanwhile`` runs
     then."""
 
@@ -58,7 +58,7 @@ class HeldCopy:
         second: str,
         meanwhile: Callable[[], None] = lambda: None,
     ) -> None:
-        self._insert = repo.insert_items
+        self._insert = repo.ingest.insert_items
         self._first = first
         self._second = second
         self._meanwhile = meanwhile
@@ -88,7 +88,7 @@ def _run_until_ingested(repo: Repository, settings: Settings, *job_ids: str) -> 
     try:
         deadline = time.monotonic() + 3 * HANG_S
         while True:
-            jobs = [repo.get_job(None, j) for j in job_ids]
+            jobs = [repo.jobs.get_job(None, j) for j in job_ids]
             if all(job.state is not JobState.VALIDATING for job in jobs):
                 return jobs
             assert time.monotonic() < deadline, [job.state for job in jobs]
@@ -102,18 +102,18 @@ def _run_until_ingested(repo: Repository, settings: Settings, *job_ids: str) -> 
 def test_the_next_file_is_read_while_the_one_before_is_stored(
     deferring: Settings, repo: Repository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     first = _create(repo, deferring, tenant, chat_file(LINES))
     second = _create(repo, deferring, tenant, chat_file(LINES))
     held = HeldCopy(repo, first.id, second.id)
-    monkeypatch.setattr(repo, "insert_items", held.insert_items)
+    monkeypatch.setattr(repo.ingest, "insert_items", held.insert_items)
     jobs = _run_until_ingested(repo, deferring, first.id, second.id)
     # The serial loop read the second file only once the first's COPY had committed.
     assert held.second_read_before_first_copy is True
     for job in jobs:
         assert job.state is JobState.IN_PROGRESS, job.errors
         assert job.counts.total == LINES
-        assert repo.counted_states(job.id) == {ItemState.QUEUED: LINES}
+        assert repo.stats.counted_states(job.id) == {ItemState.QUEUED: LINES}
 
 
 @pytest.mark.parametrize("bound", ["storage cap", "quota"])
@@ -123,45 +123,45 @@ def test_two_files_read_side_by_side_cannot_pass_a_bound_together(
     content = chat_file(LINES)
     if bound == "storage cap":
         settings = deferring.model_copy(update={"max_stored_items_per_tenant": LINES * 3 // 2})
-        tenant = repo.create_tenant("acme")
+        tenant = repo.tenants.create_tenant("acme")
         code = "storage_cap_reached"
     else:
         settings = deferring
-        probe = repo.create_tenant("probe")
+        probe = repo.tenants.create_tenant("probe")
         upload = batches.upload_file(
             repo, settings, probe.id, filename="in.jsonl", purpose="batch", content=content
         )
         assert upload.tokens_bound is not None
-        tenant = repo.create_tenant("acme", upload.tokens_bound * 3 // 2)
+        tenant = repo.tenants.create_tenant("acme", upload.tokens_bound * 3 // 2)
         code = "enqueued_token_quota_exceeded"
     # Each fits alone; the second is read while the first's items are not yet committed.
     first = _create(repo, settings, tenant, content)
     second = _create(repo, settings, tenant, content)
     held = HeldCopy(repo, first.id, second.id)
-    monkeypatch.setattr(repo, "insert_items", held.insert_items)
+    monkeypatch.setattr(repo.ingest, "insert_items", held.insert_items)
     stored, refused = _run_until_ingested(repo, settings, first.id, second.id)
     assert held.second_read_before_first_copy is True
     assert stored.state is JobState.IN_PROGRESS, stored.errors
-    assert repo.counted_states(first.id) == {ItemState.QUEUED: LINES}
+    assert repo.stats.counted_states(first.id) == {ItemState.QUEUED: LINES}
     assert refused.state is JobState.FAILED
     assert refused.errors is not None
     assert refused.errors[0]["code"] == code
-    assert repo.counted_states(second.id) == {}
+    assert repo.stats.counted_states(second.id) == {}
 
 
 def test_a_file_cancelled_while_the_one_before_is_stored_stores_nothing(
     deferring: Settings, repo: Repository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     first = _create(repo, deferring, tenant, chat_file(LINES))
     second = _create(repo, deferring, tenant, chat_file(LINES))
     held = HeldCopy(
         repo, first.id, second.id, meanwhile=lambda: cancel_job(repo, tenant.id, second.id)
     )
-    monkeypatch.setattr(repo, "insert_items", held.insert_items)
+    monkeypatch.setattr(repo.ingest, "insert_items", held.insert_items)
     stored, cancelled = _run_until_ingested(repo, deferring, first.id, second.id)
     assert held.second_read_before_first_copy is True
     assert stored.state is JobState.IN_PROGRESS, stored.errors
-    assert repo.counted_states(first.id) == {ItemState.QUEUED: LINES}
+    assert repo.stats.counted_states(first.id) == {ItemState.QUEUED: LINES}
     assert cancelled.state in {JobState.CANCELLED, JobState.CANCELLING}
-    assert repo.counted_states(second.id) == {}
+    assert repo.stats.counted_states(second.id) == {}

@@ -100,4 +100,4 @@ def test_without_redis_the_cli_says_revocation_takes_up_to_the_cache_ttl(
     assert revoked.returncode == 0, revoked.stderr
     assert "Redis unreachable" in revoked.stdout
     assert "within 5 s (BACKFILL_API_KEY_CACHE_S)" in revoked.stdout
-    assert repo.tenant_for_key(tenant.key) is None
+    assert repo.tenants.tenant_for_key(tenant.key) is None

@@ -35,13 +35,15 @@ def repo(database_url: str) -> Iterator[Repository]:
 
 
 def _job_in_reverse_disk_order(repo: Repository, url: str) -> tuple[str, str, list[int]]:
-    tenant_id = repo.create_tenant(f"t{datetime.now(UTC).timestamp()}").id
-    f = repo.create_file(tenant_id, "batch", "in.jsonl", b"{}")
-    job = repo.create_job(
+    tenant_id = repo.tenants.create_tenant(f"t{datetime.now(UTC).timestamp()}").id
+    f = repo.files.create_file(tenant_id, "batch", "in.jsonl", b"{}")
+    job = repo.jobs.create_job(
         tenant_id, f.id, "/v1/chat/completions", "24h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(job.id, (NewItem(i, f"r{i}", '{"messages": []}', 16) for i in range(N)))
-    repo.move_job(job.id, JobState.IN_PROGRESS)
+    repo.ingest.insert_items(
+        job.id, (NewItem(i, f"r{i}", '{"messages": []}', 16) for i in range(N))
+    )
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         ids = [
             r[0]
@@ -102,7 +104,7 @@ def _taken_before_the_blocker(
 def test_ending_a_job_locks_its_items_in_id_order(repo: Repository, database_url: str) -> None:
     _, job_id, ids = _job_in_reverse_disk_order(repo, database_url)
     taken = _taken_before_the_blocker(
-        database_url, ids, lambda: repo.end_items(job_id, ItemState.CANCELLED)
+        database_url, ids, lambda: repo.items.end_items(job_id, ItemState.CANCELLED)
     )
     assert taken == set(ids[: len(ids) // 2])
 
@@ -111,7 +113,7 @@ def test_deleting_an_input_file_locks_its_items_in_id_order(
     repo: Repository, database_url: str
 ) -> None:
     tenant_id, job_id, ids = _job_in_reverse_disk_order(repo, database_url)
-    file_id = repo.get_job(None, job_id).input_file_id
+    file_id = repo.jobs.get_job(None, job_id).input_file_id
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         # Items that point into the file (their own copy gone), as a create leaves them.
         conn.execute(
@@ -120,6 +122,6 @@ def test_deleting_an_input_file_locks_its_items_in_id_order(
             (job_id,),
         )
     taken = _taken_before_the_blocker(
-        database_url, ids, lambda: repo.delete_file(tenant_id, file_id)
+        database_url, ids, lambda: repo.files.delete_file(tenant_id, file_id)
     )
     assert taken == set(ids[: len(ids) // 2])

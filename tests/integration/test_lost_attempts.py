@@ -29,7 +29,7 @@ CAPACITY, BLOCK = 64 * 128, 128
 def stores(settings: Settings) -> Iterator[tuple[Repository, Ledger]]:
     repo = Repository.connect(settings.database_url)
     ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace, pool_policy(settings))
-    repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
+    repo.nodes.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n1", CAPACITY, BLOCK)
     yield repo, ledger
@@ -38,11 +38,11 @@ def stores(settings: Settings) -> Iterator[tuple[Repository, Ledger]]:
 
 
 def _job(repo: Repository, n: int) -> str:
-    tenant = repo.create_tenant(f"t{datetime.now(UTC).timestamp()}")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"t{datetime.now(UTC).timestamp()}")
+    job = repo.jobs.create_job(
         tenant.id, "file-x", "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(
+    repo.ingest.insert_items(
         job.id,
         (NewItem(i, f"c{i}", json.dumps({"prompt": "x"}), 100) for i in range(n)),
         start_reason=lambda k: f"{k} requests accepted",
@@ -52,7 +52,7 @@ def _job(repo: Repository, n: int) -> str:
 
 def _die(repo: Repository, ledger: Ledger, settings: Settings, *, started: bool) -> TickReport:
     """Claim every claimable item, start it (or not), and let its worker fall silent."""
-    opened = repo.open_claim("n1", 10, 30)
+    opened = repo.claims.open_claim("n1", 10, 30)
     claimed = opened.items
     assert claimed
     starts = []
@@ -65,7 +65,7 @@ def _die(repo: Repository, ledger: Ledger, settings: Settings, *, started: bool)
             )
     # Unstarted, each is held (reserved under its attempt), as a worker holds what it refuses.
     held = [] if started else [(c.id, c.attempt) for c in claimed]
-    assert len(repo.start_claim(opened, starts, held)) == len(starts)
+    assert len(repo.claims.start_claim(opened, starts, held)) == len(starts)
     with repo.engine.begin() as conn:
         conn.execute(
             text(
@@ -85,7 +85,7 @@ def test_an_item_that_keeps_killing_its_worker_fails_at_the_attempt_cap(
     for _ in range(CAP - 1):
         report = _die(repo, ledger, s, started=True)
         assert (report.requeued_lost, report.failed_lost) == (1, 0)
-        assert repo.counted_states(job) == {ItemState.QUEUED: 1}
+        assert repo.stats.counted_states(job) == {ItemState.QUEUED: 1}
     # Lost before it ever reached the engine: the item did not kill anything; not counted.
     for _ in range(2):
         report = _die(repo, ledger, s, started=False)
@@ -94,7 +94,7 @@ def test_an_item_that_keeps_killing_its_worker_fails_at_the_attempt_cap(
     assert (report.requeued_lost, report.failed_lost) == (0, 1)
     assert report.released == 1
 
-    [item] = repo.items(job)
+    [item] = repo.items.items(job)
     assert item.state is ItemState.FAILED
     assert item.error is not None
     error = json.loads(item.error)
@@ -103,11 +103,11 @@ def test_an_item_that_keeps_killing_its_worker_fails_at_the_attempt_cap(
     snap = ledger.snapshot("n1")
     assert snap is not None
     assert snap.batch_in_use == 0
-    counts = repo.get_job(None, job).counts
+    counts = repo.jobs.get_job(None, job).counts
     assert counts.count(ItemState.FAILED) == 1 == counts.total
     # Finalized as OpenAI does: it ran, so it completed, with every request counted failed.
-    assert repo.get_job(None, job).state is JobState.COMPLETED
-    assert repo.open_claim("n1", 10, 30).items == []
+    assert repo.jobs.get_job(None, job).state is JobState.COMPLETED
+    assert repo.claims.open_claim("n1", 10, 30).items == []
 
 
 def test_items_lost_fewer_times_than_the_cap_are_requeued_with_their_neighbours(
@@ -118,8 +118,8 @@ def test_items_lost_fewer_times_than_the_cap_are_requeued_with_their_neighbours(
     job = _job(repo, 4)
     report = _die(repo, ledger, s, started=True)
     assert (report.requeued_lost, report.failed_lost) == (4, 0)
-    truth = repo.counted_states(job)
+    truth = repo.stats.counted_states(job)
     assert truth == {ItemState.QUEUED: 4}
-    counts = repo.get_job(None, job).counts
+    counts = repo.jobs.get_job(None, job).counts
     assert counts.count(ItemState.QUEUED) == 4
     assert counts.count(ItemState.RUNNING) == 0

@@ -35,25 +35,25 @@ def stores(settings: Settings) -> Iterator[tuple[Repository, Ledger]]:
 
 
 def _running_items(repo: Repository, ledger: Ledger, n: int, *, deadline_s: float = 3600) -> str:
-    tenant = repo.create_tenant(f"t{datetime.now(UTC).timestamp()}")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant(f"t{datetime.now(UTC).timestamp()}")
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         tenant.id, f.id, "/v1/completions", "1h", datetime.now(UTC) + timedelta(seconds=deadline_s)
     )
-    repo.insert_items(
+    repo.ingest.insert_items(
         job.id, (NewItem(i, f"c{i}", json.dumps({"prompt": "x"}), 100) for i in range(n))
     )
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
+    repo.nodes.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n1", CAPACITY, BLOCK)
     starts = []
-    opened = repo.open_claim("n1", n, 30)
+    opened = repo.claims.open_claim("n1", n, 30)
     for c in opened.items:
         lease = ledger.reserve("n1", "batch", 20, 100)
         assert isinstance(lease, Lease)
         starts.append(Start(c.id, c.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20))
-    assert len(repo.start_claim(opened, starts)) == n
+    assert len(repo.claims.start_claim(opened, starts)) == n
     return job.id
 
 
@@ -144,7 +144,7 @@ def test_a_node_closed_for_a_lost_lease_is_rebuilt_alone_while_the_others_admit(
 ) -> None:
     repo, ledger = stores
     _running_items(repo, ledger, 3)
-    repo.upsert_node("n2", "http://127.0.0.1:2", "m", CAPACITY // BLOCK, BLOCK, 0)
+    repo.nodes.upsert_node("n2", "http://127.0.0.1:2", "m", CAPACITY // BLOCK, BLOCK, 0)
     ledger.register_pool("n2", CAPACITY, BLOCK)
     held = ledger.reserve("n2", "batch", 20, 100)
     assert isinstance(held, Lease)
@@ -188,7 +188,7 @@ def test_a_node_a_racing_rebuild_left_out_of_the_ledger_is_still_rebuilt(
     client = redis.Redis.from_url(settings.redis_url)
     # n3 registers while a rebuild runs that read Postgres before it: its worker's own
     # rebuild gave it a pool and a marker, the racing one's clean-up dropped it as a member.
-    repo.upsert_node("n3", "http://127.0.0.1:3", "m", CAPACITY // BLOCK, BLOCK, 0)
+    repo.nodes.upsert_node("n3", "http://127.0.0.1:3", "m", CAPACITY // BLOCK, BLOCK, 0)
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n3", CAPACITY, BLOCK)
     client.srem(ledger.keys.members, "n3")
@@ -204,7 +204,9 @@ def test_a_node_a_racing_rebuild_left_out_of_the_ledger_is_still_rebuilt(
 
     # A full rebuild given only n1 (n3 registered after it read Postgres) keeps n3, which
     # has a pool, as a member: the next rebuild takes it.
-    report = ledger.rebuild([NodePool("n1", CAPACITY, BLOCK)], [], repo.next_ledger_epoch())
+    report = ledger.rebuild(
+        [NodePool("n1", CAPACITY, BLOCK)], [], repo.recovery.next_ledger_epoch()
+    )
     assert report.unlisted == ("n3",)
     assert ledger.incomplete_nodes() == {"n3"}
     client.close()
@@ -228,7 +230,7 @@ def test_silent_attempts_are_requeued_and_their_leases_released(
     snap = ledger.snapshot("n1")
     assert snap is not None
     assert snap.batch_in_use == 0
-    assert repo.counted_states(job) == {ItemState.QUEUED: 2}
+    assert repo.stats.counted_states(job) == {ItemState.QUEUED: 2}
 
 
 def test_expiry_tells_in_flight_workers_to_stop(
@@ -244,8 +246,8 @@ def test_expiry_tells_in_flight_workers_to_stop(
         told = {listener.get(timeout=2.0), listener.get(timeout=2.0)}
     leases = {r for r in told if r}
     assert len(leases) == 2
-    assert repo.get_job(None, job).state is JobState.EXPIRED
-    assert repo.counted_states(job) == {ItemState.EXPIRED: 2}
+    assert repo.jobs.get_job(None, job).state is JobState.EXPIRED
+    assert repo.stats.counted_states(job) == {ItemState.EXPIRED: 2}
 
 
 def test_a_worker_whose_engine_is_down_says_so_and_keeps_trying(

@@ -82,7 +82,7 @@ def test_without_the_opt_in_media_parts_are_refused_naming_the_part(
     [error] = batch.errors.data
     assert (error.line, error.code, error.param) == (1, "invalid_messages", "body.messages")
     assert (error.message or "").startswith("body.messages[0].content[1] is a part of type")
-    assert repo.counted_states(batch.id) == {}
+    assert repo.stats.counted_states(batch.id) == {}
     answer = ask(server, acme, image(PNG))
     assert answer.status_code == 400, answer.text
     refusal = answer.json()["error"]
@@ -119,7 +119,7 @@ def test_with_the_opt_in_lines_out_of_bounds_and_other_tenants_are_refused(
     assert "names host '169.254.169.254'" in said[1]
     assert "at most 2 media parts" in said[2]
     assert "a part of type 'file'" in said[3]
-    assert repo.counted_states(batch.id) == {}
+    assert repo.stats.counted_states(batch.id) == {}
     theirs = submit_lines(opted_in.client(other.key), [media_line("a", image(PNG))], CHAT)
     assert theirs.status == "failed"
 

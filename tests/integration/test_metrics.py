@@ -54,7 +54,7 @@ def submit(server: LiveServer, key: str, n: int) -> str:
 def busy_node(repo: Repository, ledger: Ledger) -> None:
     """gpu-0: 16,000 tokens, 4,000 reserved for interactive; one lease of each class, a
     denial of each class, and one batch lease preempted."""
-    repo.upsert_node("gpu-0", "http://engine:8001", "tiny-model", 1000, 16, 4000)
+    repo.nodes.upsert_node("gpu-0", "http://engine:8001", "tiny-model", 1000, 16, 4000)
     ledger.rebuild([NodePool("gpu-0", 16_000, 16, 4000)], [], epoch=1)
     ledger.reserve("gpu-0", "interactive", 1000, 500)
     ledger.reserve("gpu-0", "batch", 2000, 1000)

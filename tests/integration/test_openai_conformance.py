@@ -156,7 +156,7 @@ def test_expires_after_sets_expires_at_and_an_expired_file_is_gone(
     with pytest.raises(openai.NotFoundError):
         client.files.content(short.id)
     assert short.id not in {f.id for f in client.files.list()}
-    assert repo.delete_expired_files() == [short.id]
+    assert repo.files.delete_expired_files() == [short.id]
     assert client.files.retrieve(kept.id).id == kept.id
     for bad, param in (
         ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
@@ -236,8 +236,8 @@ def test_a_batch_for_a_model_no_live_node_serves_is_refused_naming_those_served(
         input_file_id=unserved.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     assert waiting.status == "in_progress"
-    repo.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
-    repo.upsert_node("n-b", "http://127.0.0.1:2", "model-b", 64, 16, 0)
+    repo.nodes.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
+    repo.nodes.upsert_node("n-b", "http://127.0.0.1:2", "model-b", 64, 16, 0)
     with pytest.raises(openai.NotFoundError) as caught:
         client.batches.create(
             input_file_id=unserved.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -259,8 +259,8 @@ def test_a_batch_for_a_model_not_served_for_its_endpoint_is_refused_naming_the_e
     client = server.client(acme.key)
     # A pooling engine mounts /v1/embeddings only; a worker that did not say (None) may
     # serve anything.
-    repo.upsert_node("n-e", "http://127.0.0.1:1", "embed-a", 64, 16, 0, ["/v1/embeddings"])
-    repo.upsert_node("n-g", "http://127.0.0.1:2", "gen-a", 64, 16, 0, None)
+    repo.nodes.upsert_node("n-e", "http://127.0.0.1:1", "embed-a", 64, 16, 0, ["/v1/embeddings"])
+    repo.nodes.upsert_node("n-g", "http://127.0.0.1:2", "gen-a", 64, 16, 0, None)
     chat = client.files.create(file=("a.jsonl", _lines("embed-a", 1)), purpose="batch")
     with pytest.raises(openai.NotFoundError) as caught:
         client.batches.create(
@@ -289,7 +289,7 @@ def test_a_batch_for_a_model_not_served_for_its_endpoint_is_refused_naming_the_e
 def test_an_operator_may_let_batches_wait_for_a_model(
     settings: Settings, acme: Tenant, repo: Repository
 ) -> None:
-    repo.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
+    repo.nodes.upsert_node("n-a", "http://127.0.0.1:1", "model-a", 64, 16, 0)
     with serve(api_settings(settings, batch_wait_for_model=True)) as live:
         client = live.client(acme.key)
         batch = submit_file(client, _lines("later-model", 1))

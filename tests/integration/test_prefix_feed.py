@@ -99,12 +99,12 @@ def test_leaning_items_are_charged_only_their_own_tokens_against_the_prefill_roo
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
             polls=2000,
         )
         seconds = time.monotonic() - started
         stats = dispatcher.stats
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats
         assert stats.reservation_violations == 0, stats
         assert stats.over_reserved_samples == 0, stats
     print(f"most in prefill at once: {engine.most_prefilling}; {seconds:.2f} s; {stats}")
@@ -160,11 +160,13 @@ def test_a_new_job_waits_a_claim_poll_for_its_pass_and_its_items_are_not_counted
         run_until(
             dispatcher,
             aledger,
-            lambda: bool(job) and repo.counted_states(job[0]).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: (
+                bool(job) and repo.stats.counted_states(job[0]).get(ItemState.SUCCEEDED) == ITEMS
+            ),
             polls=2000,
             each=each,
         )
-        assert repo.counted_states(job[0]).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+        assert repo.stats.counted_states(job[0]).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
         assert dispatcher.stats.reservation_violations == 0, dispatcher.stats
     waited = min(engine.started) - submitted[0]
     print(

@@ -61,7 +61,7 @@ def test_a_batch_shows_one_group_per_instruction_its_items_share(
         found = asyncio.run(
             find_job_prefixes(
                 tokenizer,
-                repo,
+                repo.prefixes,
                 batch.id,
                 endpoint="/v1/chat/completions",
                 model="tiny-model",
@@ -79,7 +79,9 @@ def test_a_batch_shows_one_group_per_instruction_its_items_share(
         listed = {b["id"]: b for b in client.get("/v1/batches").json()["data"]}
     assert listed[batch.id]["backfill"]["prefixes"] == after["backfill"]["prefixes"]
     assert listed[other.id]["backfill"]["prefixes"] == []
-    assert repo.prefix_groups_of([batch.id, other.id]) == {batch.id: repo.prefix_groups(batch.id)}
+    assert repo.prefixes.prefix_groups_of([batch.id, other.id]) == {
+        batch.id: repo.prefixes.prefix_groups(batch.id)
+    }
     groups = {g["items"]: g for g in after["backfill"]["prefixes"]}
     assert sorted(groups) == [2, 3]
     # "user:" plus 13 instruction words behind the begin token: 15 tokens, 3 whole blocks.
@@ -92,7 +94,7 @@ def test_a_batch_shows_one_group_per_instruction_its_items_share(
     again = asyncio.run(
         find_job_prefixes(
             WordTokenizer(),
-            repo,
+            repo.prefixes,
             batch.id,
             endpoint="/v1/chat/completions",
             model="tiny-model",
@@ -105,4 +107,4 @@ def test_a_batch_shows_one_group_per_instruction_its_items_share(
 
 def test_recording_refuses_a_prefix_of_no_whole_block(repo: Repository, acme: Tenant) -> None:
     with pytest.raises(ValueError, match="whole block"):
-        repo.record_prefixes("batch_x", [(1, "p", 0)])
+        repo.prefixes.record_prefixes("batch_x", [(1, "p", 0)])

@@ -89,10 +89,10 @@ def _run(
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
             polls=2000,
         )
-        assert repo.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
+        assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
         assert dispatcher.stats.reservation_violations == 0, dispatcher.stats
         return job, submitted, _leaned(repo, job)
 
@@ -140,15 +140,15 @@ def test_the_claim_leaves_a_fresh_job_only_where_the_node_holds_for_prefixes(
         job = _submit(repo, "t-claim")
 
         def claimed(hold_s: float | None) -> int:
-            claim = repo.open_claim("n-claim", 4, 30.0, models=["m"], prefix_hold_s=hold_s)
+            claim = repo.claims.open_claim("n-claim", 4, 30.0, models=["m"], prefix_hold_s=hold_s)
             n = len(claim.items)
             if claim.open:
-                repo.drop_claim(claim)
+                repo.claims.drop_claim(claim)
             return n
 
         assert claimed(30.0) == 0
         assert claimed(None) == 4
-        repo.record_prefixes(job, [])  # the pass ended, finding nothing
+        repo.prefixes.record_prefixes(job, [])  # the pass ended, finding nothing
         assert claimed(30.0) == 4
         with repo.engine.begin() as conn:
             conn.execute(
@@ -167,10 +167,10 @@ def test_a_job_of_one_item_is_neither_held_nor_looked_at(settings: Settings) -> 
     reduce steps come as batches of one; red before: held, and taken)."""
     with stand_in_node(settings, "n-one", BLOCK) as (repo, _, _):
         job = _submit(repo, "t-one", count=1)
-        claim = repo.open_claim("n-one", 4, 30.0, models=["m"], prefix_hold_s=30.0)
+        claim = repo.claims.open_claim("n-one", 4, 30.0, models=["m"], prefix_hold_s=30.0)
         assert [item.job_id for item in claim.items] == [job]
-        repo.drop_claim(claim)
-        taken = repo.take_prefix_job(["m"])
+        repo.claims.drop_claim(claim)
+        taken = repo.prefixes.take_prefix_job(["m"])
         assert taken is None or taken.job_id != job
 
 
@@ -199,7 +199,7 @@ def test_the_prefix_pass_asks_for_several_items_token_ids_at_once(settings: Sett
         found = asyncio.run(
             find_job_prefixes(
                 engine,
-                repo,
+                repo.prefixes,
                 job,
                 endpoint="/v1/completions",
                 model="m",
@@ -209,7 +209,7 @@ def test_the_prefix_pass_asks_for_several_items_token_ids_at_once(settings: Sett
             )
         )
         assert (found.looked_at, found.grouped, found.groups) == (ITEMS, ITEMS, 1)
-        [group] = repo.prefix_groups(job)
+        [group] = repo.prefixes.prefix_groups(job)
         assert (group.blocks, group.items) == (4, ITEMS)
     assert engine.most_at_once == 4
 
@@ -245,19 +245,19 @@ def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
         job = _submit(repo, "t-pages", count=3 * page)
 
         def recorded() -> int:
-            return sum(group.items for group in repo.prefix_groups(job))
+            return sum(group.items for group in repo.prefixes.prefix_groups(job))
 
         def claimed() -> int:
-            claim = repo.open_claim("n-pages", 4, 30.0, models=["m"], prefix_hold_s=30.0)
+            claim = repo.claims.open_claim("n-pages", 4, 30.0, models=["m"], prefix_hold_s=30.0)
             if claim.open:
-                repo.drop_claim(claim)
+                repo.claims.drop_claim(claim)
             return len(claim.items)
 
         async def scenario() -> tuple[int, int, int]:
             finding = asyncio.create_task(
                 find_job_prefixes(
                     engine,
-                    repo,
+                    repo.prefixes,
                     job,
                     endpoint="/v1/completions",
                     model="m",
@@ -276,5 +276,5 @@ def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
         assert recorded_during == page  # the first page's items, while the rest wait
         assert claimed_during == 4
         assert recorded_in_all == 3 * page
-        [group] = repo.prefix_groups(job)
+        [group] = repo.prefixes.prefix_groups(job)
         assert (group.blocks, group.items) == (4, 3 * page)  # one group: the pages agree

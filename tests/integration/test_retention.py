@@ -47,7 +47,7 @@ def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_
         }
     )
     tenant = make_tenant(repo, "acme")
-    record = repo.tenant_for_key(tenant.key)
+    record = repo.tenants.tenant_for_key(tenant.key)
     assert record is not None
     add_endpoint(WebhookStore(repo.engine), s, tenant.id, url="http://127.0.0.1:9/hook")
 
@@ -81,7 +81,7 @@ def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_
             text("UPDATE jobs SET created_at = now() - interval '31 days' WHERE id = :r"),
             {"r": running},
         )
-    [old_job] = [j for j in repo.list_jobs(tenant.id) if j.id == old]
+    [old_job] = [j for j in repo.jobs.list_jobs(tenant.id) if j.id == old]
     assert old_job.output_file_id is not None
     items = "SELECT count(*) FROM items WHERE job_id = :j"
     attempts = (
@@ -110,7 +110,7 @@ def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_
     # What ended since, or has not ended, stays whole.
     assert _count(repo, items, j=recent) == 3
     assert _count(repo, items, j=running) == 2
-    assert {j.id for j in repo.list_jobs(tenant.id)} == {recent, running}
+    assert {j.id for j in repo.jobs.list_jobs(tenant.id)} == {recent, running}
     # Retention 0 keeps everything.
     keep = s.model_copy(update={"retention_s": 0.0})
     with repo.engine.begin() as conn:

@@ -15,7 +15,7 @@ from backfill.store import Repository
 
 
 def _stored_files(repo: Repository, tenant_id: str) -> int:
-    return repo.stored_input_bytes(tenant_id)
+    return repo.tenants.stored_input_bytes(tenant_id)
 
 
 def test_uploads_past_a_tenants_byte_cap_are_refused_and_store_nothing(
@@ -59,7 +59,7 @@ def test_batches_past_a_tenants_item_cap_fail_or_are_refused_naming_it(
         assert failed.errors is not None
         assert failed.errors.data is not None
         assert failed.errors.data[0].code == "storage_cap_reached"
-        assert repo.counted_states(failed.id) == {}
+        assert repo.stats.counted_states(failed.id) == {}
         assert submit_file(client, chat_file(50)).status == "in_progress"
         # At the cap, a create is refused before anything is done.
         upload = client.files.create(file=("in.jsonl", chat_file(1)), purpose="batch")

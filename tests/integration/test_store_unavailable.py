@@ -74,15 +74,15 @@ def test_the_api_answers_503_with_retry_after_while_no_connection_is_free(
 def test_a_connection_killed_under_a_driver_level_read_is_store_unavailable(
     settings: Settings, small_repo: Repository
 ) -> None:
-    tenant = small_repo.create_tenant("acme")
-    record = small_repo.create_file(tenant.id, "batch", "in.jsonl", b"{}\n")
-    assert b"".join(small_repo.file_pieces(tenant.id, record.id) or []) == b"{}\n"
+    tenant = small_repo.tenants.create_tenant("acme")
+    record = small_repo.files.create_file(tenant.id, "batch", "in.jsonl", b"{}\n")
+    assert b"".join(small_repo.files.file_pieces(tenant.id, record.id) or []) == b"{}\n"
     assert kill_connections(settings.database_url) >= 1
     # The pooled connection is dead; the binary read goes through the driver directly.
     with pytest.raises(StoreUnavailable):
-        b"".join(small_repo.file_pieces(tenant.id, record.id) or [])
+        b"".join(small_repo.files.file_pieces(tenant.id, record.id) or [])
     # The pool replaced the dead connection: the next call works.
-    assert b"".join(small_repo.file_pieces(tenant.id, record.id) or []) == b"{}\n"
+    assert b"".join(small_repo.files.file_pieces(tenant.id, record.id) or []) == b"{}\n"
 
 
 def test_the_hot_path_meets_a_server_that_refuses_connections_as_store_unavailable(
@@ -99,29 +99,29 @@ def test_the_hot_path_meets_a_server_that_refuses_connections_as_store_unavailab
     repo = Repository(create_engine(url, pool_size=1, max_overflow=0))
     try:
         with pytest.raises(StoreUnavailable):
-            repo.open_claim("n1", 4, 30)
+            repo.claims.open_claim("n1", 4, 30)
         with pytest.raises(StoreUnavailable):
-            repo.finish([Finish(1, 1, 1, ItemState.SUCCEEDED, result="{}")])
+            repo.items.finish([Finish(1, 1, 1, ItemState.SUCCEEDED, result="{}")])
     finally:
         repo.close()
 
 
 def _running_item(repo: Repository, ledger: Ledger) -> tuple[Flight, Finish]:
-    tenant = repo.create_tenant("acme")
-    job = repo.create_job(
+    tenant = repo.tenants.create_tenant("acme")
+    job = repo.jobs.create_job(
         tenant.id, "file-x", "/v1/completions", "1h", datetime.now(UTC) + timedelta(hours=1)
     )
-    repo.insert_items(job.id, [NewItem(0, "c0", json.dumps({"prompt": "x"}), 100)])
-    repo.move_job(job.id, JobState.IN_PROGRESS)
-    repo.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
+    repo.ingest.insert_items(job.id, [NewItem(0, "c0", json.dumps({"prompt": "x"}), 100)])
+    repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
+    repo.nodes.upsert_node("n1", "http://127.0.0.1:1", "m", CAPACITY // BLOCK, BLOCK, 0)
     ensure_ledger(repo, ledger, max_preemptions=3)
     ledger.register_pool("n1", CAPACITY, BLOCK)
-    opened = repo.open_claim("n1", 1, 30)
+    opened = repo.claims.open_claim("n1", 1, 30)
     [item] = opened.items
     lease = ledger.reserve("n1", "batch", 20, 100)
     assert isinstance(lease, Lease)
     start = Start(item.id, item.attempt, lease.lease_id, lease.fencing_token, lease.tokens, 20)
-    assert repo.start_claim(opened, [start]) == [item.id]
+    assert repo.claims.start_claim(opened, [start]) == [item.id]
     finish = Finish(item.id, item.attempt, lease.fencing_token, ItemState.SUCCEEDED, result="{}")
     return Flight(item, lease, item.endpoint, run_plan(item)), finish
 
@@ -174,7 +174,7 @@ def test_the_result_writer_outlives_a_store_outage_and_commits_later(
             dispatcher = asyncio.run(scenario())
         assert dispatcher.stats.succeeded == 1
         assert dispatcher.state.flights == {}
-        [item] = repo.items(flight.item.job_id)
+        [item] = repo.items.items(flight.item.job_id)
         assert item.state is ItemState.SUCCEEDED
         snap = ledger.snapshot("n1")
         assert snap is not None

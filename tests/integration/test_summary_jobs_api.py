@@ -89,7 +89,7 @@ def _serve(app: Starlette) -> Iterator[str]:
 def api(
     repo: Repository, engine_url: str, server: LiveServer, acme: Tenant
 ) -> Iterator[httpx.Client]:
-    repo.upsert_node("node-1", engine_url, MODEL, 1000, 16, 0)
+    repo.nodes.upsert_node("node-1", engine_url, MODEL, 1000, 16, 0)
     with httpx.Client(
         base_url=f"{server.base_url}/v1",
         headers={"Authorization": f"Bearer {acme.key}"},
@@ -294,7 +294,7 @@ def test_the_cli_summarises_a_parquet_file_into_a_parquet_of_summaries(
     assert "4 documents (1 split, 2 not readable)" in stderr
     for _ in range(40):
         driver.drive(repo, settings_)
-        if repo.get_summary_job(None, job_id).state.value != "in_progress":
+        if repo.summary_jobs.get_summary_job(None, job_id).state.value != "in_progress":
             break
         run_worker(repo)
     code, stdout, stderr = _cli(server, acme.key, "status", job_id)
@@ -323,7 +323,7 @@ def test_an_engine_that_refuses_the_key_is_named_not_called_an_unserved_model(
 ) -> None:
     # Registered for its model; its engine answers 401 (the API holds another key). A newcomer
     # read "The model is not served by any node" (404) and looked for the wrong fault.
-    repo.upsert_node("node-locked", locked_engine_url, "locked-model", 1000, 16, 0)
+    repo.nodes.upsert_node("node-locked", locked_engine_url, "locked-model", 1000, 16, 0)
     answer = httpx.post(
         f"{server.base_url}/v1{P}",
         json={"model": "locked-model"},

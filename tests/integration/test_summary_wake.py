@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
+
+import pytest
 
 from backfill.config import Settings
 from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk, Usage
 from backfill.store import NewItem, Repository
-from backfill.store.protocol import SummaryStore
+from backfill.store.summaries import SummaryBatches
 from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.states import DocumentState, SummaryJobState
@@ -64,14 +66,14 @@ def _words(text: str) -> int:
 
 
 def _started_job(repo: Repository, settings: Settings) -> str:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     request = jobs.SummaryJobRequest("m", "Summarise.", SHAPE.summary_tokens, "1h")
     job = jobs.create_job(repo, settings, tenant, request, SHAPE)
     documents = [jobs.prepare_document(job, "long", LONG, _words)]
     documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
     assert len(documents[0].bodies) > SHAPE.fan_in  # two reduce levels above the chunks
     jobs.add_documents(repo, job, documents)
-    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     return job.id
 
 
@@ -79,7 +81,7 @@ def _job_and_its_first_batch(repo: Repository, settings: Settings) -> tuple[str,
     """A started job and the batch of map steps its first round made."""
     job_id = _started_job(repo, settings)
     driver.drive(repo, settings)
-    (made,) = repo.summary_batch_ids(job_id)
+    (made,) = repo.summary_batches.summary_batch_ids(job_id)
     return job_id, made
 
 
@@ -87,7 +89,7 @@ def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Setti
     with stand_in_node(settings, NODE, BLOCK, blocks=256) as (repo, _, aledger):
         job_id = _started_job(repo, settings)
         driver.drive(repo, settings)  # the start's round: the map steps' batch
-        first = repo.summary_batch_ids(job_id)
+        first = repo.summary_batches.summary_batch_ids(job_id)
         assert len(first) == 1
         waker = SummaryWaker(repo, settings).start()
         dispatcher = stand_in_dispatcher(
@@ -102,19 +104,22 @@ def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Setti
             run_until(
                 dispatcher,
                 aledger,
-                lambda: repo.get_summary_job(None, job_id).state is SummaryJobState.COMPLETED,
+                lambda: (
+                    repo.summary_jobs.get_summary_job(None, job_id).state
+                    is SummaryJobState.COMPLETED
+                ),
             )
         finally:
             waker.stop()
 
-        job = repo.get_summary_job(None, job_id)
+        job = repo.summary_jobs.get_summary_job(None, job_id)
         assert job.state is SummaryJobState.COMPLETED
-        rows = repo.document_page(job_id, -1, 10)
+        rows = repo.summary_reports.document_page(job_id, -1, 10)
         assert [r.state for r in rows] == [DocumentState.SUCCEEDED] * 4, [r.error for r in rows]
         assert rows[0].split_depth == 2
         assert all(r.summary for r in rows)
         # The reduce levels' batches were made by the wakes (no tick ran after the first).
-        assert len(repo.summary_batch_ids(job_id)) == 3
+        assert len(repo.summary_batches.summary_batch_ids(job_id)) == 3
         assert waker.rounds >= 2
 
 
@@ -123,9 +128,9 @@ def test_only_batches_a_summary_job_made_are_taken_as_its(
 ) -> None:
     job_id, made = _job_and_its_first_batch(repo, settings)
     # A user's batch may carry any metadata, a summary job's id too: it is not that job's.
-    tenant = repo.create_tenant("mallory")
-    f = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    posing = repo.create_job(
+    tenant = repo.tenants.create_tenant("mallory")
+    f = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    posing = repo.jobs.create_job(
         tenant.id,
         f.id,
         "/v1/chat/completions",
@@ -133,32 +138,36 @@ def test_only_batches_a_summary_job_made_are_taken_as_its(
         datetime.now(UTC) + timedelta(hours=1),
         metadata={"summary_job": job_id, "summary_batch": "0"},
     )
-    repo.insert_items(posing.id, [NewItem(0, "x", "{}", 1)])
-    assert repo.summary_jobs_of_batches([made, posing.id, "batch_none"]) == {made: job_id}
+    repo.ingest.insert_items(posing.id, [NewItem(0, "x", "{}", 1)])
+    assert repo.summary_batches.summary_jobs_of_batches([made, posing.id, "batch_none"]) == {
+        made: job_id
+    }
 
 
 class _FailingOnce:
-    """The real repository, whose first lookup of batches' jobs fails as a bug would."""
+    """The real repository's batches role, whose first lookup of batches' jobs fails as a bug
+    would."""
 
-    def __init__(self, repo: Repository) -> None:
-        self._repo, self.lookups = repo, 0
+    def __init__(self, batches: SummaryBatches) -> None:
+        self._batches, self.lookups = batches, 0
 
     def summary_jobs_of_batches(self, batch_ids: Sequence[str]) -> dict[str, str]:
         self.lookups += 1
         if self.lookups == 1:
             raise RuntimeError("an unexpected fault")
-        return self._repo.summary_jobs_of_batches(batch_ids)
+        return self._batches.summary_jobs_of_batches(batch_ids)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._repo, name)
+        return getattr(self._batches, name)
 
 
 def test_a_round_that_fails_unexpectedly_leaves_the_waker_waking(
-    settings: Settings, repo: Repository
+    settings: Settings, repo: Repository, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, made = _job_and_its_first_batch(repo, settings)
-    failing = _FailingOnce(repo)
-    waker = SummaryWaker(cast(SummaryStore, failing), settings).start()
+    failing = _FailingOnce(repo.summary_batches)
+    monkeypatch.setattr(repo, "summary_batches", failing)
+    waker = SummaryWaker(repo, settings).start()
     try:
         waker.items_ended([made])
         _wait_for(lambda: failing.lookups == 1)

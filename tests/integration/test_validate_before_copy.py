@@ -79,28 +79,28 @@ def _created(repo: Repository, settings: Settings, tenant: TenantRecord, content
 def test_a_file_whose_last_line_is_bad_forms_no_item_row(
     repo: Repository, ingest: Settings
 ) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     before = _footprint(repo)
 
     job_id = _created(repo, ingest, tenant, _bad_last_line())
 
-    job = repo.get_job(None, job_id)
+    job = repo.jobs.get_job(None, job_id)
     assert job.state is JobState.FAILED
     assert [e["line"] for e in job.errors or []] == [LINES]
     assert _footprint(repo) == before
-    assert repo.counted_states(job_id) == {}
+    assert repo.stats.counted_states(job_id) == {}
 
 
 def test_a_good_file_still_stores_every_item_once(repo: Repository, ingest: Settings) -> None:
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     before = _footprint(repo)
 
     job_id = _created(repo, ingest, tenant, chat_file(LINES))
 
-    job = repo.get_job(None, job_id)
+    job = repo.jobs.get_job(None, job_id)
     assert job.state is JobState.IN_PROGRESS, job.errors
     assert job.counts.total == LINES
-    assert repo.counted_states(job_id) == {ItemState.QUEUED: LINES}
+    assert repo.stats.counted_states(job_id) == {ItemState.QUEUED: LINES}
     assert _footprint(repo).last_id == before.last_id + LINES
 
 
@@ -124,11 +124,11 @@ def test_a_file_larger_than_the_in_memory_spool_is_stored_from_disk(
         return spool
 
     monkeypatch.setattr(tempfile, "SpooledTemporaryFile", watched)
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     inline = settings.model_copy(update={"ingest_inline_bytes": 1 << 30})
 
     job_id = _created(repo, inline, tenant, chat_file(LINES))
 
     assert rolled, "the spool never went to disk"
-    assert repo.get_job(None, job_id).state is JobState.IN_PROGRESS
-    assert repo.counted_states(job_id) == {ItemState.QUEUED: LINES}
+    assert repo.jobs.get_job(None, job_id).state is JobState.IN_PROGRESS
+    assert repo.stats.counted_states(job_id) == {ItemState.QUEUED: LINES}

@@ -59,7 +59,7 @@ def receiver() -> Receiver:
 
 
 def submit(repo: Repository, settings: Settings, tenant: Tenant, lines: int = 2) -> JobRecord:
-    record = repo.tenant_for_key(tenant.key)
+    record = repo.tenants.tenant_for_key(tenant.key)
     assert record is not None
     upload = batches.upload_file(
         repo, settings, tenant.id, filename="in.jsonl", purpose="batch", content=chat_file(lines)
@@ -258,7 +258,7 @@ def test_the_event_exists_exactly_when_the_batch_end_committed(
     add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
     job = submit(repo, hook_settings, tenant)
     run_worker(repo)
-    repo.move_job(job.id, JobState.FINALIZING)
+    repo.jobs.move_job(job.id, JobState.FINALIZING)
 
     class Abort(Exception):
         pass
@@ -274,15 +274,15 @@ def test_the_event_exists_exactly_when_the_batch_end_committed(
         end_then_roll_back()
     assert count(repo, "webhook_events", job.id) == 0
     assert count(repo, "webhook_deliveries", job.id) == 0
-    assert repo.get_job(None, job.id).state is JobState.FINALIZING
+    assert repo.jobs.get_job(None, job.id).state is JobState.FINALIZING
     # Committed: one event, one delivery.
-    repo.move_job(job.id, JobState.COMPLETED)
+    repo.jobs.move_job(job.id, JobState.COMPLETED)
     assert count(repo, "webhook_events", job.id) == 1
     assert count(repo, "webhook_deliveries", job.id) == 1
     # A transition the state machine refuses (nothing leaves completed) writes none.
     for target in (JobState.COMPLETED, JobState.CANCELLED, JobState.FAILED):
         with pytest.raises(StaleWrite):
-            repo.move_job(job.id, target)
+            repo.jobs.move_job(job.id, target)
     assert count(repo, "webhook_events", job.id) == 1
 
 
@@ -827,8 +827,8 @@ def test_a_batch_failed_by_the_stale_validating_recovery_is_an_event_too(
     # fails it in its own statement, and its webhooks must hear of that end like any other.
     tenant = make_tenant(repo, "acme")
     add_endpoint(store, hook_settings, tenant.id, url=receiver.url)
-    upload = repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-    job = repo.create_job(
+    upload = repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+    job = repo.jobs.create_job(
         tenant.id, upload.id, "/v1/chat/completions", "24h", repo.now() + timedelta(hours=1)
     )
     recovered = recover_stale_validating(

@@ -73,9 +73,9 @@ class Deployment:
         bodies: dict[int, str] | None = None,
     ) -> str:
         """A job of ``n`` completions items, in progress; ``bodies`` replaces some lines."""
-        tenant = self.repo.create_tenant(f"t-{time.monotonic_ns()}")
-        f = self.repo.create_file(tenant.id, "batch", "in.jsonl", b"-")
-        job = self.repo.create_job(
+        tenant = self.repo.tenants.create_tenant(f"t-{time.monotonic_ns()}")
+        f = self.repo.files.create_file(tenant.id, "batch", "in.jsonl", b"-")
+        job = self.repo.jobs.create_job(
             tenant.id,
             f.id,
             "/v1/completions",
@@ -87,12 +87,12 @@ class Deployment:
             NewItem(i, f"req-{i}", bodies.get(i) or completion_body(i, max_tokens, tag), max_tokens)
             for i in range(n)
         ]
-        self.repo.insert_items(job.id, items)
-        self.repo.move_job(job.id, JobState.IN_PROGRESS)
+        self.repo.ingest.insert_items(job.id, items)
+        self.repo.jobs.move_job(job.id, JobState.IN_PROGRESS)
         return job.id
 
     def counts(self, job_id: str) -> dict[ItemState, int]:
-        return self.repo.counted_states(job_id)
+        return self.repo.stats.counted_states(job_id)
 
     def done(self, job_id: str) -> int:
         c = self.counts(job_id)

@@ -40,7 +40,9 @@ from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.errors import InvalidInput
-from backfill.store import Repository
+from backfill.store import Database, Repository
+from backfill.store.stats import Stats
+from backfill.store.tenants import Tenants
 from tests.conftest import REDIS_URL
 from tests.integration.batch_api_support import (
     LiveServer,
@@ -350,9 +352,9 @@ def test_a_nul_byte_in_a_query_parameter_is_a_400_not_a_500(api: Api) -> None:
             assert r.status_code in (400, 200), (path, r.status_code, r.text)
             assert r.status_code < 500
     with pytest.raises(InvalidInput):
-        api.repo.list_files(api.a.id, purpose="a\x00b")
+        api.repo.files.list_files(api.a.id, purpose="a\x00b")
     with pytest.raises(InvalidInput):
-        api.repo.list_files(api.a.id, after="x\x00y")
+        api.repo.files.list_files(api.a.id, after="x\x00y")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,21 +473,45 @@ def test_deeply_nested_json_is_a_400_on_every_json_route(api: Api, path: str, bo
     assert r.json()["error"]["message"]
 
 
-class CountingRepository(Repository):
-    """The real repository, counting the reads anonymous callers can cause."""
+class CountingTenants(Tenants):
+    """The tenants role, counting key lookups."""
 
-    def __init__(self, engine: Any) -> None:
-        super().__init__(engine)
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
         self.key_lookups = 0
-        self.item_scans = 0
 
     def tenant_for_key(self, key: str) -> Any:
         self.key_lookups += 1
         return super().tenant_for_key(key)
 
+
+class CountingStats(Stats):
+    """The stats role, counting item scans."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(db)
+        self.item_scans = 0
+
     def item_state_totals(self) -> Any:
         self.item_scans += 1
         return super().item_state_totals()
+
+
+class CountingRepository(Repository):
+    """The real repository, counting the reads anonymous callers can cause."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine)
+        self.counting_tenants = self.tenants = CountingTenants(self.db)
+        self.counting_stats = self.stats = CountingStats(self.db)
+
+    @property
+    def key_lookups(self) -> int:
+        return self.counting_tenants.key_lookups
+
+    @property
+    def item_scans(self) -> int:
+        return self.counting_stats.item_scans
 
 
 ANON_BURST = 10

@@ -75,7 +75,7 @@ def test_poison_items_fail_with_a_reason_and_the_rest_keeps_its_throughput(
             d.assert_no_leak()
     finally:
         worker.close()
-    items = {i.line_no: i for i in d.repo.items(poisoned_job, limit=ITEMS)}
+    items = {i.line_no: i for i in d.repo.items.items(poisoned_job, limit=ITEMS)}
     poison = set(REJECTED) | UNCOUNTABLE | BROKEN
     good = ITEMS - len(poison)
     clean_rate = ITEMS / clean_s

@@ -131,7 +131,7 @@ def test_items_preempted_again_and_again_complete_once_within_the_cap(
         for w in workers:
             w.close()
     once = d.assert_exactly_once(job, ITEMS)
-    items = d.repo.items(job, limit=ITEMS)
+    items = d.repo.items.items(job, limit=ITEMS)
     preemptions = [i.preemptions for i in items]
     outcomes = d.attempt_outcomes(job)
     attempts = [len(v) for v in outcomes.values()]

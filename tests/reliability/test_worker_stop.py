@@ -131,7 +131,7 @@ def test_a_worker_paused_past_its_lease_cannot_write_its_stale_results(
         "AND outcome = 'lost' AND fencing_token IS NOT NULL",
         ids=list(taken),
     )
-    replayed = d.repo.finish(
+    replayed = d.repo.items.finish(
         [
             Finish(i, a, f, ItemState.SUCCEEDED, result='{"stale": true}', output_tokens=1)
             for i, a, f in stale_attempts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import cast
 
 from backfill.dispatch import DispatchConfig, RunPlan
@@ -20,7 +21,8 @@ from worker.dispatch_state import DispatcherState, Finished, Flight
 
 
 class Store:
-    """Applies every result but those of ``stale`` items; records what it was given."""
+    """The items role: applies every result but those of ``stale`` items; records what it
+    was given."""
 
     def __init__(self, stale: frozenset[int] = frozenset()) -> None:
         self.stale = stale
@@ -46,7 +48,7 @@ def _state(store: Store, slack: Slack) -> DispatcherState:
     return DispatcherState(
         DispatchConfig(node="n1", result_flush_s=0.0),
         cast(Engine, None),  # the writer never talks to the engine
-        cast(AttemptStore, store),
+        cast(AttemptStore, SimpleNamespace(items=store)),
         cast(BatchLedger, slack),
         model="m",
         block_size=16,

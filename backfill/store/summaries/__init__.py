@@ -10,7 +10,8 @@ Each module owns one part, its statements beside the code that runs them:
 - ``outcomes``: the reduce driver's harvest of ended steps and the decisions it writes back;
 - ``reports``: a job's counts and its documents page by page.
 
-:class:`Summaries` is all of them, one of :class:`~backfill.store.Repository`'s bases.
+Each of ``jobs``, ``batches``, ``outcomes`` and ``reports`` is a role of
+:class:`~backfill.store.Repository` (``repo.summary_jobs``, ``repo.summary_batches``, ...).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "NewDocument",
     "NewStep",
     "StepBacklog",
-    "Summaries",
     "SummaryBatches",
     "SummaryCounts",
     "SummaryJobRecord",
@@ -43,7 +43,3 @@ __all__ = [
     "SummaryOutcomes",
     "SummaryReports",
 ]
-
-
-class Summaries(SummaryJobs, SummaryBatches, SummaryOutcomes, SummaryReports):
-    """Summarisation jobs, their documents, steps and batches."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from sqlalchemy import text
 
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.summaries.records import StepBacklog
 
 UNBATCHED = (
@@ -59,24 +59,27 @@ JOBS_OF_BATCHES = (
 )
 
 
-class SummaryBatches(Store):
+class SummaryBatches:
     """The steps not yet in a batch, the batches numbered and made, and the jobs they belong to."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def unbatched_steps(self, job_id: str, limit: int) -> list[tuple[int, int, int]]:
         """``(seq, node, line bytes)`` of steps no batch carries yet, in order."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(UNBATCHED), {"i": job_id, "n": limit}).all()
         return [(r.seq, r.node, r.line_bytes) for r in rows]
 
     def step_backlog(self, job_id: str) -> StepBacklog:
         """The job's pending steps no batch carries, and those in batches not started yet."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(STEP_BACKLOG), {"i": job_id}).one()
         return StepBacklog(int(row.unbatched), max(0, int(row.batched) - int(row.started)))
 
     def number_batch(self, job_id: str, steps: Sequence[tuple[int, int]]) -> int:
         """A new batch of the job, carrying ``steps`` (their ``(seq, node)``); its number."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             batch_no = int(
                 conn.execute(text(NEXT_BATCH), {"i": job_id, "n": len(steps)}).scalar_one()
             )
@@ -92,7 +95,7 @@ class SummaryBatches(Store):
         return batch_no
 
     def batches_to_make(self, job_id: str) -> list[int]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(conn.execute(text(BATCHES_TO_MAKE), {"i": job_id}).scalars())
 
     def batch_steps(
@@ -101,7 +104,7 @@ class SummaryBatches(Store):
         """``(seq, node, body)`` of the batch's steps, in order, read a page at a time."""
         after = (-1, -1)
         while True:
-            with self._tx() as conn:
+            with self._db.transaction() as conn:
                 rows = conn.execute(
                     text(BATCH_LINES),
                     {"i": job_id, "b": batch_no, "s": after[0], "n": after[1], "lim": page},
@@ -114,16 +117,16 @@ class SummaryBatches(Store):
 
     def set_batch(self, job_id: str, batch_no: int, batch_id: str) -> None:
         """The batch is made: its id kept, its steps' bodies dropped (the batch holds them)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(text(SET_BATCH), {"i": job_id, "b": batch_no, "bid": batch_id})
             conn.execute(text(DROP_BODIES), {"i": job_id, "b": batch_no})
 
     def summary_batch_ids(self, job_id: str) -> list[str]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(conn.execute(text(BATCH_IDS), {"i": job_id}).scalars())
 
     def summary_jobs_of_batches(self, batch_ids: Sequence[str]) -> dict[str, str]:
         """The summary job of each of ``batch_ids`` that one made (others are left out)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(JOBS_OF_BATCHES), {"b": list(batch_ids)}).all()
         return {r.batch_id: r.job_id for r in rows}

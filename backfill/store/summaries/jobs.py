@@ -18,7 +18,7 @@ from sqlalchemy import bindparam, text
 
 from backfill import ids
 from backfill.errors import NotFound, StaleWrite
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.summaries.records import NewDocument, SummaryJobRecord
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import LINE_OVERHEAD
@@ -101,8 +101,11 @@ def _job(row: Any) -> SummaryJobRecord:
     )
 
 
-class SummaryJobs(Store):
+class SummaryJobs:
     """Summarisation jobs: their rows, the documents they receive, their moves, their driver."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def create_summary_job(
         self,
@@ -113,7 +116,7 @@ class SummaryJobs(Store):
         shape: JobShape,
         sampling: Mapping[str, float] | None = None,
     ) -> SummaryJobRecord:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(
                 text(CREATE_JOB),
                 {
@@ -133,7 +136,7 @@ class SummaryJobs(Store):
         return _job(row)
 
     def get_summary_job(self, tenant_id: str | None, job_id: str) -> SummaryJobRecord:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             row = conn.execute(text(GET_JOB), {"i": job_id}).one_or_none()
         if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
             raise NotFound(f"No such summary job: {job_id}")
@@ -141,14 +144,14 @@ class SummaryJobs(Store):
 
     def list_summary_jobs(self, tenant_id: str, limit: int = 20) -> list[SummaryJobRecord]:
         """The tenant's newest jobs first."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(LIST_JOBS), {"t": tenant_id, "n": limit}).all()
         return [_job(r) for r in rows]
 
     def add_documents(self, job_id: str, documents: Sequence[NewDocument]) -> int:
         """Store documents (numbered after those already received) with their map steps;
         returns the number of the first. :class:`StaleWrite` unless the job is receiving."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             first = conn.execute(text(LOCK_RECEIVING), {"i": job_id}).scalar_one_or_none()
             if first is None:
                 raise StaleWrite(f"summary job {job_id} no longer receives documents")
@@ -198,7 +201,7 @@ class SummaryJobs(Store):
         state that moves there."""
         query = text(MOVE_JOB).bindparams(bindparam("from", expanding=True))
         ended = to not in (SummaryJobState.IN_PROGRESS, SummaryJobState.CANCELLING)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             moved = conn.execute(
                 query,
                 {
@@ -215,14 +218,14 @@ class SummaryJobs(Store):
             raise StaleWrite(f"summary job {job_id} cannot move to {to.value}")
 
     def open_summary_jobs(self, limit: int = 100) -> list[str]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return list(conn.execute(text(OPEN_JOBS), {"n": limit}).scalars())
 
     @contextmanager
     def driver_lock(self, job_id: str) -> Iterator[bool]:
         """Whether this process holds the job's driver lock (a session advisory lock, held on
         a connection of its own until the block ends): one driver works a job at a time."""
-        with self.engine.connect() as conn:
+        with self._db.engine.connect() as conn:
             held = bool(conn.execute(text(DRIVER_LOCK), {"i": job_id}).scalar_one())
             conn.commit()
             try:

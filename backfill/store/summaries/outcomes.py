@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.summaries.jobs import INSERT_STEP
 from backfill.store.summaries.records import DocumentRow, FinishedStep, NewStep
 from backfill.summarize.decide import StepView
@@ -123,13 +123,16 @@ FAIL_PENDING = (
 )
 
 
-class SummaryOutcomes(Store):
+class SummaryOutcomes:
     """Steps that ended, recorded; documents decided on, ended or failed."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def finished_steps(self, job_id: str, limit: int) -> list[FinishedStep]:
         """The first ``limit`` pending steps whose item ended, or whose batch ended without
         an item for them, with the item's result (:func:`match_ended`)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             pending = [
                 (r.seq, r.node, r.batch_no)
                 for r in conn.execute(text(PENDING_STEPS), {"i": job_id})
@@ -170,7 +173,7 @@ class SummaryOutcomes(Store):
         transaction (a step already ended is left as it is)."""
         if not outcomes:
             return
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute(
                 text(END_STEP),
                 [
@@ -193,13 +196,13 @@ class SummaryOutcomes(Store):
 
     def touched_documents(self, job_id: str, limit: int) -> list[tuple[int, int]]:
         """``(seq, chunks)`` of the documents a step of which ended since the last decision."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(TOUCHED), {"i": job_id, "n": limit}).all()
         return [(r.seq, r.chunks) for r in rows]
 
     def steps_of(self, job_id: str, seqs: Sequence[int]) -> dict[int, dict[int, StepView]]:
         found: dict[int, dict[int, StepView]] = {seq: {} for seq in seqs}
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(text(STEPS_OF), {"i": job_id, "seqs": list(seqs)}).all()
         for r in rows:
             found[r.seq][r.node] = StepView(
@@ -216,7 +219,7 @@ class SummaryOutcomes(Store):
         """Apply the driver's decisions in one transaction: the new reduce steps (a step
         made before is not made again), the documents that ended, and every document
         decided on unmarked."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             steps = [
                 {
                     "i": job_id,
@@ -250,12 +253,12 @@ class SummaryOutcomes(Store):
     def fail_unmade_steps(self, job_id: str, error: str) -> int:
         """Fail the pending steps no batch was made for, and mark their documents for the
         driver, in one transaction; returns how many."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             seqs = list(conn.execute(text(FAIL_UNMADE), {"i": job_id, "error": error}).scalars())
             if seqs:
                 conn.execute(text(TOUCH_DOCUMENTS), {"i": job_id, "seqs": sorted(set(seqs))})
         return len(seqs)
 
     def fail_pending_documents(self, job_id: str, error: str) -> int:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return conn.execute(text(FAIL_PENDING), {"i": job_id, "error": error}).rowcount

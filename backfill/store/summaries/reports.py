@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from backfill.store.database import Store
+from backfill.store.database import Database
 from backfill.store.summaries.records import DocumentRow, SummaryCounts
 from backfill.summarize.states import DocumentState, StepState
 
@@ -29,16 +29,19 @@ DOCUMENT_PAGE = (
 )
 
 
-class SummaryReports(Store):
+class SummaryReports:
     """A job's counts of documents, steps and tokens, and its documents page by page."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     def has_pending_documents(self, job_id: str) -> bool:
         """Whether a document of the job is still pending (an index probe)."""
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             return bool(conn.execute(text(ANY_PENDING), {"i": job_id}).scalar_one())
 
     def summary_counts(self, job_id: str) -> SummaryCounts:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             docs = conn.execute(text(DOCUMENT_COUNTS), {"i": job_id}).all()
             steps = conn.execute(text(STEP_COUNTS), {"i": job_id}).all()
         return SummaryCounts(
@@ -52,7 +55,7 @@ class SummaryReports(Store):
         )
 
     def document_page(self, job_id: str, after_seq: int, limit: int) -> list[DocumentRow]:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             rows = conn.execute(
                 text(DOCUMENT_PAGE), {"i": job_id, "after": after_seq, "n": limit}
             ).all()
