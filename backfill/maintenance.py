@@ -17,7 +17,8 @@ Every step is idempotent: two ticks running at once, or one repeated, change not
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from backfill import finalize
@@ -25,6 +26,7 @@ from backfill.config import Settings
 from backfill.errors import LedgerError, StaleEpoch
 from backfill.ledger import ActiveLease, LeaseRef, MaintenanceLedger, NodePool, RebuildReport
 from backfill.policy import ClassLimits, PoolPolicy
+from backfill.purge_pace import PurgePace
 from backfill.states import ItemState, JobState
 from backfill.store import ActiveLeaseRow, MaintenanceStore
 from backfill.store.retention import PurgeReport
@@ -40,6 +42,16 @@ def pool_policy(settings: Settings) -> PoolPolicy:
         interactive_reserve_fraction=settings.interactive_reserve_fraction,
         headroom_tokens=settings.headroom_tokens,
         safety_margin_tokens=settings.safety_margin_tokens,
+    )
+
+
+def purge_pace(settings: Settings) -> PurgePace:
+    """How a maintenance tick's retention purge paces itself, from the settings."""
+    return PurgePace(
+        budget_s=settings.retention_tick_budget_s,
+        target_s=settings.retention_chunk_target_s,
+        max_rows=settings.retention_chunk_rows,
+        rows_per_tick=settings.retention_rows_per_tick,
     )
 
 
@@ -200,8 +212,16 @@ def retention_warning(settings: Settings, autovacuum: bool) -> str | None:
     )
 
 
-def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) -> TickReport:
-    """One round of upkeep (the body of the periodic task)."""
+def tick(
+    repo: MaintenanceStore,
+    ledger: MaintenanceLedger,
+    settings: Settings,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> TickReport:
+    """One round of upkeep (the body of the periodic task); the retention purge is timed on
+    ``clock`` (and waits on ``sleep``)."""
     report = TickReport()
     report.rebuilt = ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)
     reaped = reap(repo, ledger, max_lost_runs=settings.max_attempts_per_item)
@@ -223,8 +243,6 @@ def tick(repo: MaintenanceStore, ledger: MaintenanceLedger, settings: Settings) 
     report.expired_files = repo.files.delete_expired_files()
     if settings.retention_s > 0:
         report.purged = repo.retention.purge_ended_jobs(
-            settings.retention_s,
-            chunk_rows=settings.retention_chunk_rows,
-            max_rows=settings.retention_rows_per_tick,
+            settings.retention_s, purge_pace(settings), clock=clock, sleep=sleep
         )
     return report

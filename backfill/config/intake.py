@@ -63,9 +63,17 @@ class IntakeSettings(BaseModel):
     attempts, webhook events and deliveries, and result files, and a summary job with its
     documents and steps (`0` keeps everything; OpenAI keeps batch data 30 days)"""
     retention_chunk_rows: PositiveInt = 5_000
-    """rows one purge transaction deletes at most"""
+    """rows one purge transaction deletes at most (a tick's first size; halved while a
+    transaction takes longer than `BACKFILL_RETENTION_CHUNK_TARGET_S`, down to 100, and doubled
+    back while one takes under half of it)"""
+    retention_chunk_target_s: PositiveFloat = 0.2
+    """how long one purge transaction should take: each is sized from the last one's time, so
+    that a slow server's purge holds its locks no longer than a quiet one's"""
+    retention_tick_budget_s: PositiveFloat = 1.0
+    """how long one maintenance tick purges: it starts no transaction after this, and the
+    next tick goes on where it stopped"""
     retention_rows_per_tick: PositiveInt = 50_000
-    """rows one maintenance tick purges at most"""
+    """rows one maintenance tick purges at most, however fast they go"""
     batch_file_expiry_s: Annotated[int, Field(ge=0)] = 30 * 86_400
     """when an input file uploaded without `expires_after` expires, as at OpenAI (`0`: kept
     until deleted)"""

@@ -3,9 +3,11 @@
 A job in a final state (completed, failed, expired, cancelled) whose end is older than the
 retention period goes, with its items and their attempts, its events, its webhook events and
 deliveries, and its output and error files (rendered from its items, they would be empty
-without them). Items go in chunks, each its own short transaction, and a tick does at most so
-many rows: a purge never holds locks long, nor a claim up; a job too large for one tick goes
-on in the next (past its retention, a job partly purged is no one's business but the purge's).
+without them). Items go in chunks, each its own short transaction, and a tick runs for at most
+so long (``backfill.purge_pace`` sizes each chunk to a target time and stops the tick between
+two once its budget is spent): a purge never holds locks long, nor a claim up; a job too large
+for one tick goes on in the next (past its retention, a job partly purged is no one's business
+but the purge's).
 The input file has its own expiry (``expires_after`` or the default), as at OpenAI.
 
 A summarisation job that ended as long ago goes the same way: its steps, documents and
@@ -15,10 +17,20 @@ other, ended by the time it ended, and go with the jobs above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from sqlalchemy import text
 
+from backfill.purge_pace import (
+    Chunk,
+    NextChunk,
+    PurgePace,
+    first_chunk,
+    next_chunk,
+    tick_over,
+)
 from backfill.states import JOB_TERMINAL
 from backfill.store.database import Database
 from backfill.summarize.states import SUMMARY_JOB_TERMINAL
@@ -58,6 +70,8 @@ SUMMARY_CHUNKS = tuple(
 )
 SUMMARY_JOB = "DELETE FROM summary_jobs WHERE id = :j"
 
+DEFAULT_PACE = PurgePace()
+
 
 @dataclass
 class PurgeReport:
@@ -68,11 +82,72 @@ class PurgeReport:
     summarisation jobs' steps, documents and batch numbers."""
     summary_jobs: int = 0
     """Summarisation jobs purged whole."""
+    transactions: int = 0
+    """Row-deleting transactions run (each a chunk of one job's rows)."""
+    longest_s: float = 0.0
+    """The longest of them, in seconds of the clock the purge was given."""
+    stopped: str | None = None
+    """Why the tick left work to the next (``"budget"``: its time; ``"rows"``: its rows), or
+    None when it purged everything due."""
+
+
+class _Paced:
+    """One tick's chunk transactions, sized and stopped by :func:`next_chunk` on ``clock``."""
+
+    def __init__(
+        self,
+        pace: PurgePace,
+        carried: int | None,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> None:
+        self.pace, self.clock, self.sleep = pace, clock, sleep
+        self.began = clock()
+        self.next = NextChunk(first_chunk(pace, carried))
+        self.report = PurgeReport()
+        self.jobs_begun = 0
+
+    def drain(self, delete: Callable[[str, int], int], chunks: tuple[str, ...]) -> bool:
+        """Delete what ``chunks`` select of one job, a chunk per transaction (``delete(sql,
+        rows)`` runs one and says how many went); whether all of it went before the tick had to
+        stop. A tick always begins its first job (so it always gets somewhere), and the next
+        ones while its time and rows last."""
+        if self.jobs_begun and self.next.stop is None:
+            elapsed_s = self.clock() - self.began
+            stop = tick_over(self.pace, elapsed_s=elapsed_s, rows_done=self.report.rows)
+            self.next = replace(self.next, stop=stop)
+        self.jobs_begun += 1
+        for chunk in chunks:
+            while True:
+                if self.next.stop is not None:
+                    self.report.stopped = self.next.stop
+                    return False
+                if self.next.pause_s > 0:
+                    self.sleep(self.next.pause_s)
+                asked = self.next.rows
+                started = self.clock()
+                gone = delete(chunk, asked)
+                ended = self.clock()
+                took = ended - started
+                self.report.rows += gone
+                self.report.transactions += 1
+                self.report.longest_s = max(self.report.longest_s, took)
+                self.next = next_chunk(
+                    self.pace,
+                    Chunk(asked, gone, took),
+                    elapsed_s=ended - self.began,
+                    rows_done=self.report.rows,
+                )
+                if gone < asked:
+                    break
+        return True
 
 
 class Retention:
     def __init__(self, db: Database) -> None:
         self._db = db
+        # The transaction size the last tick ended at: the next one starts there.
+        self._purge_rows: int | None = None
 
     def server_autovacuums(self) -> bool:
         """Whether the Postgres server runs autovacuum: without it (or a scheduled VACUUM) the
@@ -81,17 +156,30 @@ class Retention:
             return str(conn.execute(text("SHOW autovacuum")).scalar_one()) == "on"
 
     def purge_ended_jobs(
-        self, older_than_s: float, *, chunk_rows: int = 5000, max_rows: int = 50_000
+        self,
+        older_than_s: float,
+        pace: PurgePace = DEFAULT_PACE,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> PurgeReport:
         """Purge batches, then summarisation jobs, that ended more than ``older_than_s`` ago,
-        ``chunk_rows`` rows per transaction, stopping once ``max_rows`` are gone (the rest in
-        the next call)."""
-        report = PurgeReport()
+        in transactions sized and stopped by ``pace`` as timed on ``clock`` (the rest in the
+        next call)."""
+        paced = _Paced(pace, self._purge_rows, clock, sleep)
+        try:
+            self._purge(older_than_s, paced)
+        finally:
+            self._purge_rows = paced.next.rows
+        return paced.report
+
+    def _purge(self, older_than_s: float, paced: _Paced) -> None:
+        report = paced.report
         with self._db.transaction() as conn:
             due = conn.execute(text(DUE_JOBS), {"age": older_than_s, "l": 100}).all()
         for job_id, output_file, error_file in due:
-            if not self._drain((ITEM_CHUNK, WEBHOOK_CHUNK), job_id, chunk_rows, max_rows, report):
-                return report
+            if not paced.drain(self._deleter(job_id), (ITEM_CHUNK, WEBHOOK_CHUNK)):
+                return
             with self._db.transaction() as conn:
                 files = [f for f in (output_file, error_file) if f is not None]
                 if files:
@@ -102,30 +190,15 @@ class Retention:
                 conn.execute(text(DUE_SUMMARY_JOBS), {"age": older_than_s, "l": 100}).scalars()
             )
         for summary_id in summary_due:
-            if not self._drain(SUMMARY_CHUNKS, summary_id, chunk_rows, max_rows, report):
-                return report
+            if not paced.drain(self._deleter(summary_id), SUMMARY_CHUNKS):
+                return
             with self._db.transaction() as conn:
                 gone = conn.execute(text(SUMMARY_JOB), {"j": summary_id}).rowcount
                 report.summary_jobs += gone or 0
-        return report
 
-    def _drain(
-        self,
-        chunks: tuple[str, ...],
-        job_id: str,
-        chunk_rows: int,
-        max_rows: int,
-        report: PurgeReport,
-    ) -> bool:
-        """Delete what ``chunks`` select of the job, a chunk per transaction; whether all of
-        it went before ``max_rows`` were reached."""
-        for chunk in chunks:
-            while True:
-                if report.rows >= max_rows:
-                    return False
-                with self._db.transaction() as conn:
-                    gone = conn.execute(text(chunk), {"j": job_id, "n": chunk_rows}).rowcount or 0
-                report.rows += gone
-                if gone < chunk_rows:
-                    break
-        return True
+    def _deleter(self, job_id: str) -> Callable[[str, int], int]:
+        def delete(chunk: str, rows: int) -> int:
+            with self._db.transaction() as conn:
+                return conn.execute(text(chunk), {"j": job_id, "n": rows}).rowcount or 0
+
+        return delete

@@ -15,6 +15,7 @@ from backfill import batches
 from backfill.config import Settings
 from backfill.errors import BackfillError, NotFound
 from backfill.finalize import finalize_ready_jobs
+from backfill.purge_pace import PurgePace
 from backfill.refusals import DeadlineInfeasible, InvalidRequest, LimitReached
 from backfill.states import JobState
 from backfill.store import Repository
@@ -374,12 +375,14 @@ def test_a_summary_job_past_its_retention_is_purged_with_its_batches_in_bounded_
 
     assert rows("summary_steps", old) > 10
     assert rows("summary_documents", old) == 7
-    # Each call deletes at most its rows, in chunks: the job goes over several calls.
-    first = repo.retention.purge_ended_jobs(30 * 86_400.0, chunk_rows=4, max_rows=10)
+    # Each call deletes at most its rows, in chunks: the job goes over several calls (on a
+    # clock that stands still, so only the rows bound them).
+    four_by_ten = PurgePace(max_rows=4, rows_per_tick=10)
+    first = repo.retention.purge_ended_jobs(30 * 86_400.0, four_by_ten, clock=lambda: 0.0)
     assert first.rows < 10 + 4  # a chunk may begin just under the bound
     calls = 1
     while repo.summary_jobs.list_summary_jobs(old_tenant) and calls < 40:
-        report = repo.retention.purge_ended_jobs(30 * 86_400.0, chunk_rows=4, max_rows=10)
+        report = repo.retention.purge_ended_jobs(30 * 86_400.0, four_by_ten, clock=lambda: 0.0)
         assert report.rows < 10 + 4
         calls += 1
     assert repo.summary_jobs.list_summary_jobs(old_tenant) == []
