@@ -4,14 +4,17 @@ batch's items are claimed, against the same claims with no purge, in one run.
 A scratch database holds one ended batch of ``--items`` items (with an attempt each, ~2 KB
 bodies: the size of a summarisation request) and one batch in progress. Claims take 16 items
 at a time and give them back, round after round, for a few seconds alone, then while
-maintenance ticks purge the ended batch (``repo.retention.purge_ended_jobs`` at its default chunk
-and rows per tick, a tick a second as the beat schedules it) until it is gone. Figure: claim
-p99 during the purge over claim p99 alone; the purge's rows per second and its longest tick
-are reported too.
+maintenance ticks purge the ended batch (``repo.retention.purge_ended_jobs`` paced as the settings
+say: ``BACKFILL_RETENTION_TICK_BUDGET_S``, ``..._CHUNK_TARGET_S``, ``..._CHUNK_ROWS``; a tick
+every ``--interval`` seconds, or straight after one that ran longer) until it is gone. Figure:
+claim p99 during the purge over claim p99 alone; the purge's rows per second, its longest tick
+and its longest transaction are reported too. ``--pause-ratio`` pauses between transactions
+(a duty cycle: each transaction's time times the ratio).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -19,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import text
 
 from backfill.config import get_settings
+from backfill.maintenance import purge_pace
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
 from bench.common import finish, parser, percentile, scratch_database, table
@@ -85,9 +89,12 @@ def claims(repo: Repository, seconds: float, stop: threading.Event | None = None
 def main() -> None:
     p = parser(NAME, __doc__ or "")
     p.add_argument("--items", type=int, default=None, help="items of the ended batch")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between tick starts")
+    p.add_argument("--pause-ratio", type=float, default=0.0, help="pause / transaction time")
     args = p.parse_args()
     items = args.items or (200_000 if args.quick else 1_000_000)
     settings = get_settings()
+    pace = dataclasses.replace(purge_pace(settings), pause_ratio=args.pause_ratio)
     with scratch_database("bfbench_ret") as url:
         repo = Repository.connect(url, pool_size=4)
         try:
@@ -96,20 +103,18 @@ def main() -> None:
             alone = claims(repo, 5.0)
             stop = threading.Event()
             ticks: list[tuple[float, int]] = []
+            longest_tx: list[float] = []
 
             def purge() -> None:
                 while not stop.is_set():
                     started = time.perf_counter()
-                    report = repo.retention.purge_ended_jobs(
-                        settings.retention_s,
-                        chunk_rows=settings.retention_chunk_rows,
-                        max_rows=settings.retention_rows_per_tick,
-                    )
+                    report = repo.retention.purge_ended_jobs(settings.retention_s, pace)
                     ticks.append((time.perf_counter() - started, report.rows))
+                    longest_tx.append(report.longest_s)
                     if report.jobs:
                         stop.set()
                         return
-                    time.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
+                    time.sleep(max(0.0, args.interval - (time.perf_counter() - started)))
 
             purger = threading.Thread(target=purge)
             began = time.perf_counter()
@@ -137,7 +142,8 @@ def main() -> None:
     print(
         f"purged {rows:,} rows of items and webhook events (and {items:,} attempts with them) "
         f"in {purge_s:.1f} s over {len(ticks)} ticks: {rows / purge_s:,.0f} rows/s; the "
-        f"longest tick {max(t for t, _ in ticks):.2f} s; items left {left}"
+        f"longest tick {max(t for t, _ in ticks):.2f} s, longest transaction "
+        f"{max(longest_tx):.2f} s; items left {left}"
     )
     finish(
         NAME,
@@ -152,6 +158,11 @@ def main() -> None:
             "purge_s": purge_s,
             "ticks": len(ticks),
             "longest_tick_s": max(t for t, _ in ticks),
+            "longest_transaction_s": max(longest_tx),
+            "budget_s": pace.budget_s,
+            "target_s": pace.target_s,
+            "pause_ratio": pace.pause_ratio,
+            "interval_s": args.interval,
             "rows": rows,
             "items_left": left,
         },
