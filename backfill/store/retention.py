@@ -44,8 +44,15 @@ DUE_JOBS = (
     "< now() - make_interval(secs => CAST(:age AS float8)) "
     "ORDER BY COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) LIMIT :l"
 )
-# Attempts, and anything else hanging off an item, go with it (ON DELETE CASCADE).
-ITEM_CHUNK = "DELETE FROM items WHERE id IN (SELECT id FROM items WHERE job_id = :j LIMIT :n)"
+# Attempts, and anything else hanging off an item, go with it (ON DELETE CASCADE). In line
+# order, from past the last line deleted: a chunk that looked for "any :n of the job's items"
+# walked every entry the chunks before it had left dead in the index (until a vacuum), so each
+# one cost more than the last (983 ms to find 100 rows past 170,000 deleted, 0.3 ms this way).
+ITEM_CHUNK = (
+    "WITH gone AS (DELETE FROM items WHERE id IN (SELECT id FROM items "
+    "WHERE job_id = :j AND line_no > :after ORDER BY line_no LIMIT :n) RETURNING line_no) "
+    "SELECT count(*), max(line_no) FROM gone"
+)
 # Webhook deliveries go with their event; counters and job events with the job.
 WEBHOOK_CHUNK = (
     "DELETE FROM webhook_events WHERE id IN "
@@ -148,6 +155,9 @@ class Retention:
         self._db = db
         # The transaction size the last tick ended at: the next one starts there.
         self._purge_rows: int | None = None
+        # The job whose items the last chunk deleted, and its last line deleted: every line
+        # before it is gone (an ended job gets no new items), so the next chunk starts after it.
+        self._purge_mark: tuple[str, int] | None = None
 
     def server_autovacuums(self) -> bool:
         """Whether the Postgres server runs autovacuum: without it (or a scheduled VACUUM) the
@@ -198,7 +208,17 @@ class Retention:
 
     def _deleter(self, job_id: str) -> Callable[[str, int], int]:
         def delete(chunk: str, rows: int) -> int:
+            if chunk != ITEM_CHUNK:
+                with self._db.transaction() as conn:
+                    return conn.execute(text(chunk), {"j": job_id, "n": rows}).rowcount or 0
+            mark = self._purge_mark
+            after = mark[1] if mark is not None and mark[0] == job_id else -1
             with self._db.transaction() as conn:
-                return conn.execute(text(chunk), {"j": job_id, "n": rows}).rowcount or 0
+                gone, last = conn.execute(
+                    text(ITEM_CHUNK), {"j": job_id, "after": after, "n": rows}
+                ).one()
+            if last is not None:
+                self._purge_mark = (job_id, int(last))
+            return int(gone)
 
         return delete

@@ -114,6 +114,8 @@ def test_a_tick_stops_once_its_budget_is_spent_and_later_ticks_finish_the_purge(
     assert (first.rows, first.transactions, first.jobs) == (50, 1, 0)
     assert first.stopped == "budget"
     assert _count(repo, ITEMS, j=old) == 250  # left to the next tick
+    # In line order: the next tick starts past the last line deleted.
+    assert _count(repo, "SELECT min(line_no) FROM items WHERE job_id = :j", j=old) == 50
     assert _count(repo, JOB, j=old) == 1
 
     later = []
