@@ -35,7 +35,7 @@ class PurgePace:
     target_s: float = 0.2
     """How long one transaction should take."""
     max_rows: int = 5_000
-    """The largest transaction, and the size a first tick starts at."""
+    """The largest transaction."""
     rows_per_tick: int = 50_000
     """A tick starts no transaction once it has deleted this many rows, however fast they
     went (it passes it by less than one transaction)."""
@@ -113,7 +113,8 @@ def next_chunk(pace: PurgePace, last: Chunk, *, elapsed_s: float, rows_done: int
 
 def first_chunk(pace: PurgePace, carried: int | None) -> int:
     """A tick's first transaction: the size the last tick ended at (a server slow then is
-    likely slow now), or the configured one."""
+    likely slow now), or, with none before it, the smallest (doubling to the configured size
+    takes a quiet server a few fast transactions; starting there cost a loaded one 1-5 s)."""
     if carried is None:
-        return pace.max_rows
+        return pace.min_rows
     return max(pace.min_rows, min(pace.max_rows, carried))

@@ -153,28 +153,32 @@ def test_jobs_with_nothing_left_to_delete_still_go_a_budget_at_a_time(
     assert _count(repo, "SELECT count(*) FROM jobs WHERE id = ANY(:e)", e=empty) == 0
 
 
-def test_a_slow_server_shrinks_the_transactions_tick_after_tick(
+def test_transactions_grow_while_fast_and_shrink_while_slow_tick_after_tick(
     settings: Settings, repo: Repository, ledger: Ledger
 ) -> None:
-    # Each transaction "takes" 0.5 s against a 0.2 s target: halved each time, down to 100.
     s = settings.model_copy(
         update={
             "retention_s": 30 * 86_400.0,
             "retention_chunk_rows": 400,
             "retention_chunk_target_s": 0.2,
             "retention_tick_budget_s": 1.0,
+            "retention_rows_per_tick": 700,
         }
     )
     tenant = repo.tenants.create_tenant("acme").id
-    old = _batch(repo, tenant, 1_000, ended=True)
-    clock = SteppingClock(0.5)
-    done = [tick(repo, ledger, s, clock=clock, sleep=clock.sleep).purged.rows for _ in range(5)]
+    old = _batch(repo, tenant, 2_000, ended=True)
+    # Fast (a clock that stands still): from the smallest, doubled up to the configured size,
+    # until the tick's rows are spent.
+    still = SteppingClock(0.0)
+    fast = tick(repo, ledger, s, clock=still, sleep=still.sleep).purged
+    assert (fast.rows, fast.transactions, fast.stopped) == (100 + 200 + 400, 3, "rows")
+    # Slow (each transaction "takes" 0.5 s against a 0.2 s target): one a tick, each half the
+    # one before, down to 100; each tick starts where the last one ended.
+    slow = SteppingClock(0.5)
+    done = [tick(repo, ledger, s, clock=slow, sleep=slow.sleep).purged.rows for _ in range(5)]
     assert done == [400, 200, 100, 100, 100]
-    assert _count(repo, ITEMS, j=old) == 100
-
-    # Fast again (a clock that stands still): the rest goes in one tick.
-    frozen = SteppingClock(0.0)
-    last = tick(repo, ledger, s, clock=frozen, sleep=frozen.sleep).purged
-    assert last.jobs == 1
-    assert last.stopped is None
+    assert _count(repo, ITEMS, j=old) == 2_000 - 700 - 900
+    # Fast again: 100, 200, then the last 100, and the job.
+    last = tick(repo, ledger, s, clock=still, sleep=still.sleep).purged
+    assert (last.rows, last.jobs, last.stopped) == (400, 1, None)
     assert _count(repo, JOB, j=old) == 0

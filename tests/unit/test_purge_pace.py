@@ -101,7 +101,7 @@ def test_a_tick_begins_no_more_jobs_once_its_time_or_rows_are_spent(
 @pytest.mark.parametrize(
     ("carried", "first"),
     [
-        (None, 5_000),  # a first tick: the configured size
+        (None, MIN_CHUNK_ROWS),  # a first tick: the smallest, doubled while fast
         (1_250, 1_250),  # then where the last tick ended
         (20, MIN_CHUNK_ROWS),
         (9_000, 5_000),  # the configured size lowered since
@@ -115,3 +115,4 @@ def test_a_configured_size_under_the_floor_is_kept_as_it_is() -> None:
     tiny = PurgePace(max_rows=4)
     assert chunk_size(tiny, Chunk(4, 4, 9.0)) == 4
     assert first_chunk(tiny, None) == 4
+    assert first_chunk(tiny, 9) == 4
