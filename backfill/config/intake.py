@@ -63,9 +63,9 @@ class IntakeSettings(BaseModel):
     attempts, webhook events and deliveries, and result files, and a summary job with its
     documents and steps (`0` keeps everything; OpenAI keeps batch data 30 days)"""
     retention_chunk_rows: PositiveInt = 5_000
-    """rows one purge transaction deletes at most (a tick's first size; halved while a
-    transaction takes longer than `BACKFILL_RETENTION_CHUNK_TARGET_S`, down to 100, and doubled
-    back while one takes under half of it)"""
+    """rows one purge transaction deletes at most (each is sized from the last one's time:
+    halved while one takes longer than `BACKFILL_RETENTION_CHUNK_TARGET_S`, down to 100,
+    doubled up to this while one takes under half of it; a process's first deletes 100)"""
     retention_chunk_target_s: PositiveFloat = 0.2
     """how long one purge transaction should take: each is sized from the last one's time, so
     that a slow server's purge holds its locks no longer than a quiet one's"""
