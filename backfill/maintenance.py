@@ -218,10 +218,9 @@ def tick(
     settings: Settings,
     *,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> TickReport:
     """One round of upkeep (the body of the periodic task); the retention purge is timed on
-    ``clock`` (and waits on ``sleep``)."""
+    ``clock``."""
     report = TickReport()
     report.rebuilt = ensure_ledger(repo, ledger, max_preemptions=settings.max_preemptions_per_item)
     reaped = reap(repo, ledger, max_lost_runs=settings.max_attempts_per_item)
@@ -243,6 +242,6 @@ def tick(
     report.expired_files = repo.files.delete_expired_files()
     if settings.retention_s > 0:
         report.purged = repo.retention.purge_ended_jobs(
-            settings.retention_s, purge_pace(settings), clock=clock, sleep=sleep
+            settings.retention_s, purge_pace(settings), clock=clock
         )
     return report

@@ -1,5 +1,4 @@
-"""How the retention purge paces itself: each transaction's size, when a tick stops, and the
-pause between transactions.
+"""How the retention purge paces itself: each transaction's size, and when a tick stops.
 
 A maintenance tick purges ended batches a transaction at a time (``backfill.store.retention``).
 Bounded in rows only, a tick "meant to take about a second" (50,000 rows in 5,000-row
@@ -39,9 +38,6 @@ class PurgePace:
     rows_per_tick: int = 50_000
     """A tick starts no transaction once it has deleted this many rows, however fast they
     went (it passes it by less than one transaction)."""
-    pause_ratio: float = 0.0
-    """After each transaction, a pause of this many times its duration (0: none): the purge
-    then takes at most 1 / (1 + ratio) of the time it runs in."""
 
     @property
     def min_rows(self) -> int:
@@ -64,8 +60,6 @@ class NextChunk:
 
     rows: int
     """The next transaction's size (kept for the next tick when this one stops)."""
-    pause_s: float = 0.0
-    """How long to wait before it."""
     stop: str | None = None
     """Why the tick stops here (``"budget"``, ``"rows"``), or None to go on."""
 
@@ -83,21 +77,19 @@ def chunk_size(pace: PurgePace, last: Chunk) -> int:
     return max(pace.min_rows, min(pace.max_rows, size))
 
 
-def tick_over(
-    pace: PurgePace, *, elapsed_s: float, rows_done: int, pause_s: float = 0.0
-) -> str | None:
-    """Why a tick ``elapsed_s`` in with ``rows_done`` deleted starts nothing more (after a
-    pause of ``pause_s``): ``"rows"``, ``"budget"``, or None."""
+def tick_over(pace: PurgePace, *, elapsed_s: float, rows_done: int) -> str | None:
+    """Why a tick ``elapsed_s`` in with ``rows_done`` deleted starts nothing more:
+    ``"rows"``, ``"budget"``, or None."""
     if rows_done >= pace.rows_per_tick:
         return "rows"
-    if elapsed_s + pause_s >= pace.budget_s:
+    if elapsed_s >= pace.budget_s:
         return "budget"
     return None
 
 
 def next_chunk(pace: PurgePace, last: Chunk, *, elapsed_s: float, rows_done: int) -> NextChunk:
     """After ``last``, with the tick ``elapsed_s`` in and ``rows_done`` deleted: the next
-    transaction's size and the pause before it, or why the tick stops here.
+    transaction's size, and why the tick stops here if it does.
 
     A transaction that found nothing does not stop the tick: it is how the purge learns a job
     has no more rows of one kind, and what follows it (the next kind, the job's own row) is
@@ -106,9 +98,7 @@ def next_chunk(pace: PurgePace, last: Chunk, *, elapsed_s: float, rows_done: int
     rows = chunk_size(pace, last)
     if last.deleted == 0:
         return NextChunk(rows)
-    pause_s = last.seconds * pace.pause_ratio
-    stop = tick_over(pace, elapsed_s=elapsed_s, rows_done=rows_done, pause_s=pause_s)
-    return NextChunk(rows, stop=stop) if stop else NextChunk(rows, pause_s)
+    return NextChunk(rows, tick_over(pace, elapsed_s=elapsed_s, rows_done=rows_done))
 
 
 def first_chunk(pace: PurgePace, carried: int | None) -> int:

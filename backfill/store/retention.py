@@ -106,9 +106,8 @@ class _Paced:
         pace: PurgePace,
         carried: int | None,
         clock: Callable[[], float],
-        sleep: Callable[[float], None],
     ) -> None:
-        self.pace, self.clock, self.sleep = pace, clock, sleep
+        self.pace, self.clock = pace, clock
         self.began = clock()
         self.next = NextChunk(first_chunk(pace, carried))
         self.report = PurgeReport()
@@ -129,8 +128,6 @@ class _Paced:
                 if self.next.stop is not None:
                     self.report.stopped = self.next.stop
                     return False
-                if self.next.pause_s > 0:
-                    self.sleep(self.next.pause_s)
                 asked = self.next.rows
                 started = self.clock()
                 gone = delete(chunk, asked)
@@ -171,12 +168,11 @@ class Retention:
         pace: PurgePace = DEFAULT_PACE,
         *,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> PurgeReport:
         """Purge batches, then summarisation jobs, that ended more than ``older_than_s`` ago,
         in transactions sized and stopped by ``pace`` as timed on ``clock`` (the rest in the
         next call)."""
-        paced = _Paced(pace, self._purge_rows, clock, sleep)
+        paced = _Paced(pace, self._purge_rows, clock)
         try:
             self._purge(older_than_s, paced)
         finally:

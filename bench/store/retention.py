@@ -8,13 +8,11 @@ maintenance ticks purge the ended batch (``repo.retention.purge_ended_jobs`` pac
 say: ``BACKFILL_RETENTION_TICK_BUDGET_S``, ``..._CHUNK_TARGET_S``, ``..._CHUNK_ROWS``; a tick
 every ``--interval`` seconds, or straight after one that ran longer) until it is gone. Figure:
 claim p99 during the purge over claim p99 alone; the purge's rows per second, its longest tick
-and its longest transaction are reported too. ``--pause-ratio`` pauses between transactions
-(a duty cycle: each transaction's time times the ratio).
+and its longest transaction are reported too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -90,11 +88,10 @@ def main() -> None:
     p = parser(NAME, __doc__ or "")
     p.add_argument("--items", type=int, default=None, help="items of the ended batch")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between tick starts")
-    p.add_argument("--pause-ratio", type=float, default=0.0, help="pause / transaction time")
     args = p.parse_args()
     items = args.items or (200_000 if args.quick else 1_000_000)
     settings = get_settings()
-    pace = dataclasses.replace(purge_pace(settings), pause_ratio=args.pause_ratio)
+    pace = purge_pace(settings)
     with scratch_database("bfbench_ret") as url:
         repo = Repository.connect(url, pool_size=4)
         try:
@@ -161,7 +158,6 @@ def main() -> None:
             "longest_transaction_s": max(longest_tx),
             "budget_s": pace.budget_s,
             "target_s": pace.target_s,
-            "pause_ratio": pace.pause_ratio,
             "interval_s": args.interval,
             "rows": rows,
             "items_left": left,

@@ -22,20 +22,15 @@ from backfill.store import NewItem, Repository
 class SteppingClock:
     """A clock that moves ``step`` seconds at every reading: the purge reads it when its tick
     begins and before and after each transaction, so with a step of 0.5 s each transaction
-    "takes" 0.5 s and a tick is 1 s in after its first; a pause moves it by the pause."""
+    "takes" 0.5 s and a tick is 1 s in after its first."""
 
     def __init__(self, step: float) -> None:
         self.now = 1_000.0
         self.step = step
-        self.slept: list[float] = []
 
     def __call__(self) -> float:
         self.now += self.step
         return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 @pytest.fixture
@@ -110,7 +105,7 @@ def test_a_tick_stops_once_its_budget_is_spent_and_later_ticks_finish_the_purge(
         states_before = conn.execute(text(ITEM_STATES), {"j": running}).scalar_one()
     clock = SteppingClock(0.5)
 
-    first = tick(repo, ledger, s, clock=clock, sleep=clock.sleep).purged
+    first = tick(repo, ledger, s, clock=clock).purged
     assert (first.rows, first.transactions, first.jobs) == (50, 1, 0)
     assert first.stopped == "budget"
     assert _count(repo, ITEMS, j=old) == 250  # left to the next tick
@@ -120,19 +115,18 @@ def test_a_tick_stops_once_its_budget_is_spent_and_later_ticks_finish_the_purge(
 
     later = []
     while _count(repo, JOB, j=old) and len(later) < 30:
-        later.append(tick(repo, ledger, s, clock=clock, sleep=clock.sleep).purged)
+        later.append(tick(repo, ledger, s, clock=clock).purged)
     # The other 250 rows one transaction a tick; 300 is a multiple of 50, so the last tick
     # finds no items left, then no events, and purges the job.
     assert [(r.rows, r.jobs) for r in later] == [(50, 0)] * 5 + [(0, 1)]
     for sql in (ITEMS, ATTEMPTS, JOB):
         assert _count(repo, sql, j=old) == 0
-    assert tick(repo, ledger, s, clock=clock, sleep=clock.sleep).purged.stopped is None
+    assert tick(repo, ledger, s, clock=clock).purged.stopped is None
     # The running batch, as old, is whole: its items, their states and attempts.
     assert _count(repo, ITEMS, j=running) == 40
     assert _count(repo, ATTEMPTS, j=running) == 40
     with repo.engine.connect() as conn:
         assert conn.execute(text(ITEM_STATES), {"j": running}).scalar_one() == states_before
-    assert clock.slept == []  # no pause asked for
 
 
 def test_jobs_with_nothing_left_to_delete_still_go_a_budget_at_a_time(
@@ -144,7 +138,7 @@ def test_jobs_with_nothing_left_to_delete_still_go_a_budget_at_a_time(
     tenant = repo.tenants.create_tenant("acme").id
     empty = [_batch(repo, tenant, 0, ended=True) for _ in range(3)]
     clock = SteppingClock(0.5)
-    done = [tick(repo, ledger, s, clock=clock, sleep=clock.sleep).purged for _ in range(3)]
+    done = [tick(repo, ledger, s, clock=clock).purged for _ in range(3)]
     assert [(r.jobs, r.transactions, r.stopped) for r in done] == [
         (1, 2, "budget"),
         (1, 2, "budget"),
@@ -170,15 +164,15 @@ def test_transactions_grow_while_fast_and_shrink_while_slow_tick_after_tick(
     # Fast (a clock that stands still): from the smallest, doubled up to the configured size,
     # until the tick's rows are spent.
     still = SteppingClock(0.0)
-    fast = tick(repo, ledger, s, clock=still, sleep=still.sleep).purged
+    fast = tick(repo, ledger, s, clock=still).purged
     assert (fast.rows, fast.transactions, fast.stopped) == (100 + 200 + 400, 3, "rows")
     # Slow (each transaction "takes" 0.5 s against a 0.2 s target): one a tick, each half the
     # one before, down to 100; each tick starts where the last one ended.
     slow = SteppingClock(0.5)
-    done = [tick(repo, ledger, s, clock=slow, sleep=slow.sleep).purged.rows for _ in range(5)]
+    done = [tick(repo, ledger, s, clock=slow).purged.rows for _ in range(5)]
     assert done == [400, 200, 100, 100, 100]
     assert _count(repo, ITEMS, j=old) == 2_000 - 700 - 900
     # Fast again: 100, 200, then the last 100, and the job.
-    last = tick(repo, ledger, s, clock=still, sleep=still.sleep).purged
+    last = tick(repo, ledger, s, clock=still).purged
     assert (last.rows, last.jobs, last.stopped) == (400, 1, None)
     assert _count(repo, JOB, j=old) == 0

@@ -1,6 +1,6 @@
 """How the retention purge paces itself (``backfill.purge_pace``): a transaction's size follows
 the last one's time against the target, and a tick stops between two once its time budget (or
-its rows) is spent, with a pause in proportion to each transaction when one is asked for."""
+its rows) is spent."""
 
 from __future__ import annotations
 
@@ -70,22 +70,6 @@ def test_a_tick_stops_between_transactions_once_its_time_or_rows_are_spent(
     last: Chunk, elapsed_s: float, rows_done: int, then: NextChunk
 ) -> None:
     assert next_chunk(PACE, last, elapsed_s=elapsed_s, rows_done=rows_done) == then
-
-
-@pytest.mark.parametrize(
-    ("last", "elapsed_s", "then"),
-    [
-        # A pause of ratio x the transaction's time before the next one.
-        (Chunk(1_000, 1_000, 0.15), 0.3, NextChunk(1_000, pause_s=0.15)),
-        # A pause that would end past the budget ends the tick instead.
-        (Chunk(1_000, 1_000, 0.15), 0.9, NextChunk(1_000, stop="budget")),
-    ],
-)
-def test_a_pause_in_proportion_to_each_transaction_counts_against_the_budget(
-    last: Chunk, elapsed_s: float, then: NextChunk
-) -> None:
-    paced = PurgePace(budget_s=1.0, target_s=0.2, max_rows=5_000, pause_ratio=1.0)
-    assert next_chunk(paced, last, elapsed_s=elapsed_s, rows_done=1_000) == then
 
 
 @pytest.mark.parametrize(
