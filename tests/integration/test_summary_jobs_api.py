@@ -5,6 +5,8 @@ a word count); the batch items are run by the stand-in worker."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -335,3 +337,73 @@ def test_an_engine_that_refuses_the_key_is_named_not_called_an_unserved_model(
     assert "locked-model" in message
     assert "401" in message, message
     assert answer.headers["Retry-After"]
+
+
+class _Overlap:
+    """A ``/tokenize`` that answers a prompt once another is in flight beside it (or after
+    ``wait_s`` alone), and keeps the most it held at once."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s, self.in_flight, self.most = wait_s, 0, 0
+        self._company: asyncio.Event | None = None
+
+    async def handle(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        if "messages" in body:  # the create's template counts: answered at once
+            return await _tokenize_body(body)
+        self._company = self._company or asyncio.Event()
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight > 1:
+            self._company.set()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._company.wait(), self.wait_s)
+        finally:
+            self.in_flight -= 1
+        return await _tokenize_body(body)
+
+
+async def _tokenize_body(body: dict[str, Any]) -> JSONResponse:
+    if "messages" in body:
+        text = "".join(m["content"] for m in body["messages"]) + " <assistant>"
+    else:
+        text = body["prompt"]
+    return JSONResponse({"count": _count(text), "max_model_len": CONTEXT})
+
+
+def test_a_requests_documents_are_counted_by_the_engine_several_at_once(
+    repo: Repository, server: LiveServer, acme: Tenant
+) -> None:
+    # Red before: one document at a time (the engine never held two counts at once), so a
+    # job's first batch waited for every document's round trip to the engine in turn.
+    overlap = _Overlap(wait_s=2.0)
+    served = _serve(
+        Starlette(
+            routes=[
+                Route("/v1/models", _models),
+                Route("/tokenize", overlap.handle, methods=["POST"]),
+            ]
+        )
+    )
+    url = next(served)
+    try:
+        repo.nodes.upsert_node("node-1", url, MODEL, 1000, 16, 0)
+        with httpx.Client(
+            base_url=f"{server.base_url}/v1",
+            headers={"Authorization": f"Bearer {acme.key}"},
+            timeout=60,
+        ) as api:
+            job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+            # Each longer in bytes than a chunk's tokens: each counted by the engine once.
+            rows = [{"id": f"d{i}", "text": f"Document {i}. " + "word " * 80} for i in range(12)]
+            rows.insert(5, {"id": "unread", "error": "not UTF-8"})
+            added = _send(api, job["id"], rows)
+            assert (added["received"], added["failed"]) == (13, 1)
+    finally:
+        next(served, None)
+    assert overlap.most > 1
+    # ... and stored in the request's order, whatever order the counts came back in.
+    stored = repo.summary_reports.document_page(job["id"], -1, 100)
+    assert [d.source_id for d in stored] == [r["id"] for r in rows]
+    assert [d.seq for d in stored] == list(range(len(rows)))
