@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
@@ -106,6 +107,7 @@ def create_app(
             log.warning(CLEAR_SECRETS_WARNING)
         app.state.webhooks = WebhookStore(repo.engine, seal)
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
+        app.state.document_counts = anyio.CapacityLimiter(summaries.COUNTS_IN_FLIGHT)
         ingesters = IngestProcesses(settings, settings.ingesters)
         app.state.ingesters = ingesters
         if settings.ingesters and (eager_ingesters or _deferred_creates_wait(repo)):

@@ -124,26 +124,30 @@ def _document_rows(raw: bytes) -> list[_Row]:
 
 
 COUNTS_IN_FLIGHT = 8
-"""Documents of one request prepared at once, each on a thread of its own: preparing one is
+"""Documents prepared at once in an API process, whatever the requests: preparing one is
 mostly waiting on the engine's ``/tokenize`` (a round trip per count), and one at a time a
-job of 200 documents waited ~4 s for its first batch on a 2-core machine."""
+job of 200 documents waited ~4 s for its first batch on a 2-core machine. Their threads are
+bounded by a limiter of their own (``app.state.document_counts``), not the shared pool's
+tokens, so no other request waits for a thread while documents are counted."""
 
 
 async def _in_order(
-    rows: Sequence[_Row], prepare: Callable[[_Row], NewDocument], width: int
+    rows: Sequence[_Row],
+    prepare: Callable[[_Row], NewDocument],
+    slots: anyio.CapacityLimiter,
 ) -> list[NewDocument]:
-    """``prepare`` of every row, ``width`` at a time on threads, in the rows' order. The first
-    failure is raised as it is (not in a group), the rest of the rows left undone."""
+    """``prepare`` of every row, on threads as ``slots`` admit them, in the rows' order. The
+    first failure is raised as it is (not in a group), the rest of the rows left undone."""
     done: list[NewDocument | None] = [None] * len(rows)
     order = iter(range(len(rows)))
 
     async def worker() -> None:
         for i in order:  # one iterator shared by the workers: each row taken once
-            done[i] = await anyio.to_thread.run_sync(prepare, rows[i])
+            done[i] = await anyio.to_thread.run_sync(prepare, rows[i], limiter=slots)
 
     try:
         async with anyio.create_task_group() as group:
-            for _ in range(min(width, len(rows))):
+            for _ in range(min(COUNTS_IN_FLIGHT, len(rows))):
                 group.start_soon(worker)
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
@@ -179,7 +183,7 @@ async def add_documents(
         )
 
     async def prepare_and_store() -> DocumentsAdded:
-        documents = await _in_order(rows, prepare, COUNTS_IN_FLIGHT)
+        documents = await _in_order(rows, prepare, request.app.state.document_counts)
         return await anyio.to_thread.run_sync(store, documents)
 
     try:
