@@ -5,8 +5,13 @@ A process asks the bucket for up to ``take`` tokens at once (at least the reques
 spends what it got on the tenant's next requests for at most ``hold_s``, and hands back what
 is left unspent with its next ask (the bucket is capped at its burst, as always). The tenant's
 rate over all processes stays bounded by the one bucket: a process only spends tokens the
-bucket gave it. What may differ from one round trip per request: a process can hold up to
-``take - 1`` of a tenant's tokens for ``hold_s``, so another process sees that many fewer.
+bucket gave it. What may differ from one round trip per request, whatever ``hold_s``: a
+process holds at most ``max_take - 1`` of a tenant's tokens, so over any stretch of ``T``
+seconds the tenant gets at most ``burst + rate x T + P x (max_take - 1)`` requests through
+``P`` processes (at most a tenth of the burst more per process), and while a process holds
+them another process sees that many fewer in the bucket. The hold only says how long a
+process may spend what it took: long enough that a tenant sending a request every half
+second pays a round trip on a fraction of them (2 s: about a quarter).
 
 ``take`` adapts to the tenant's pace in this process: it doubles while the credits run out
 before their time (up to ``max_take``), and halves when they go unspent, so a quiet tenant

@@ -5,11 +5,14 @@ back to the bucket."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import redis.asyncio
 
 from backfill.config import Settings
+from backfill.config.api import ApiSettings
+from backfill.rate_credits import max_take
 from backfill.ratelimit import RateLimiter, rate_limit_key
 from backfill.redis_client import connect
 
@@ -100,3 +103,27 @@ def test_the_bucket_gives_credits_and_takes_unspent_ones_back(settings: Settings
     assert round(tokens()) == 4
     call(take=1, refund=100)
     assert round(tokens()) == 9, "capped at the burst before the request's token"
+
+
+def test_at_the_default_hold_processes_let_through_at_most_the_bucket_and_what_they_hold(
+    settings: Settings,
+) -> None:
+    """The documented bound: over any stretch, a tenant gets what its bucket allows (burst +
+    rate x time) plus the credits its API processes hold, under (max_take - 1) each, whatever
+    the hold."""
+    rate, burst, processes = 20.0, 100, 3
+    hold = ApiSettings().rate_limit_credit_hold_s
+    most = max_take(rate, burst, hold)
+
+    async def scenario() -> tuple[int, float]:
+        limiters = [_limiter(settings, rate, burst, hold) for _ in range(processes)]
+        allowed = 0
+        started = time.monotonic()
+        for i in range(600):
+            allowed += (await limiters[i % processes].acheck("bounded")).allowed
+        return allowed, time.monotonic() - started
+
+    allowed, elapsed = asyncio.run(scenario())
+    bound = burst + rate * elapsed + processes * (most - 1)
+    assert allowed <= bound, (allowed, bound)
+    assert allowed >= burst, allowed  # the bucket's burst was all spent
