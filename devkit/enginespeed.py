@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from backfill.engine.http import sse_lines_blocking
+
 # Varied English, tokenized once by the engine: its tokens are the alphabet of the probe
 # prompts, valid ids for any model's vocabulary and never special tokens.
 _SAMPLE_TEXT = (
@@ -88,7 +90,7 @@ def _stream(client: httpx.Client, model: str, prompt: list[int], output_tokens: 
     produced = 0
     with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
+        for line in sse_lines_blocking(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             now = time.monotonic()

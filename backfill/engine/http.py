@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -50,6 +50,18 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
     """
     pending = ""
     async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
+def sse_lines_blocking(response: httpx.Response) -> Iterator[str]:
+    """:func:`sse_lines` for a blocking client's response."""
+    pending = ""
+    for text in response.iter_text():
         pending += text
         *lines, pending = pending.split("\n")
         for line in lines:

@@ -34,6 +34,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.config import get_settings
+from backfill.engine.http import sse_lines_blocking
 from backfill.engine_metrics import parse_cache_config
 from backfill.ledger import Ledger, NodePool
 from backfill.maintenance import pool_policy
@@ -78,7 +79,7 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[s
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
-        for line in response.iter_lines():
+        for line in sse_lines_blocking(response):
             if not line.startswith("data:") or "[DONE]" in line:
                 continue
             choices = json.loads(line[5:]).get("choices") or ()

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from backfill.engine.http import sse_lines
 from bench.common import finish, parser, percentile, table
 from bench.stack import BackfillStack
 from devkit.devengine import server as devengine
@@ -149,7 +150,7 @@ class Client:
             "POST", f"{base_url}/v1/completions", json=body, headers=headers or {}
         ) as resp:
             resp.raise_for_status()
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 data = line.startswith("data: ") and line != "data: [DONE]"
                 if first is None and data and json.loads(line[6:]).get("choices"):
                     first = time.monotonic()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from backfill.engine.http import engine_limits
+from backfill.engine.http import engine_limits, sse_lines
 from backfill_analysis.simulate.costmodel import Observation, StepWork, prefill_attention
 
 # Token ids inside both SmolLM2's (49,152) and the tiny model's (1,024) vocabularies, clear
@@ -129,7 +129,7 @@ class Probe:
         times: list[float] = []
         async with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
             resp.raise_for_status()
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
