@@ -10,8 +10,8 @@ process holds at most ``max_take - 1`` of a tenant's tokens, so over any stretch
 seconds the tenant gets at most ``burst + rate x T + P x (max_take - 1)`` requests through
 ``P`` processes (at most a tenth of the burst more per process), and while a process holds
 them another process sees that many fewer in the bucket. The hold only says how long a
-process may spend what it took: long enough that a tenant sending a request every half
-second pays a round trip on a fraction of them (2 s: about a quarter).
+process may spend what it took: long enough that a tenant sending a request every second
+pays a round trip on a fraction of them (5 s: about a fifth; every half second: a tenth).
 
 ``take`` adapts to the tenant's pace in this process: it doubles while the credits run out
 before their time (up to ``max_take``), and halves when they go unspent, so a quiet tenant

@@ -23,13 +23,13 @@ class ApiSettings(BaseModel):
     """requests per tenant: the sustained rate (a token bucket in Redis)"""
     rate_limit_burst: PositiveInt = 200
     """requests per tenant: the burst"""
-    rate_limit_credit_hold_s: Annotated[float, Field(ge=0, le=5)] = 2.0
+    rate_limit_credit_hold_s: Annotated[float, Field(ge=0, le=5)] = 5.0
     """an API process takes a tenant's tokens from its bucket a few at a time (at most a tenth
     of the burst) and spends them on its next requests for at most this long, handing back what
-    is left; a tenant sending a request every 0.5 s asks Redis on about a quarter of them (at
-    0.25 s: on every one). Over every process a tenant gets at most what its bucket allows plus
-    the tokens the processes hold, under (a tenth of the burst) x (API processes), whatever
-    this hold; `0`: one Redis round trip per request"""
+    is left; a tenant sending a request every second asks Redis on about a fifth of them (held
+    2 s: half; 0.25 s: every one). Over every process a tenant gets at most what its bucket
+    allows plus the tokens the processes hold, under (a tenth of the burst) x (API processes),
+    whatever this hold; `0`: one Redis round trip per request"""
     anonymous_rate_limit_per_s: PositiveFloat = 5.0
     """per client address: the lab, `/metrics`, `/healthz`, and lookups of keys not yet known
     (each costs a Postgres lookup): the sustained rate"""

@@ -70,9 +70,10 @@ def test_bad_bounds_are_refused() -> None:
         CreditBook(max_take=1, hold_s=0)
 
 
-def test_at_the_default_hold_a_tenant_every_half_second_asks_its_bucket_on_few_requests() -> None:
-    # Was: credits held 0.25 s ran out before a request every 0.5 s came, so every one of them
-    # paid a round trip to Redis before the gateway could start on it (47 of 56 measured).
+def test_at_the_default_hold_a_tenant_every_second_asks_its_bucket_on_few_requests() -> None:
+    # Was: credits held 0.25 s ran out before the next request of a tenant slower than 4 a
+    # second came, so every one paid a round trip to Redis before the gateway could start on
+    # it (47 of 56 measured in bench.gateway, one request a second; held 2 s: half of them).
     api = ApiSettings()
     hold = api.rate_limit_credit_hold_s
     book = CreditBook(max_take(api.rate_limit_per_s, api.rate_limit_burst, hold), hold)
@@ -82,5 +83,5 @@ def test_at_the_default_hold_a_tenant_every_half_second_asks_its_bucket_on_few_r
             ask = book.ask("t", 1, now)
             asks += 1
             book.got("t", ask, granted=ask.take, cost=1, now=now)
-        now += 0.5
+        now += 1.0
     assert asks <= 200 // 3, asks
