@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+# Public-domain texts (US founding documents, the King James Bible, and poems published before
+# 1929), one document a file; nothing else in the folder, which README's tour summarises whole.
 DOCS = Path(__file__).parent / "demo_docs"
 PROMPT = (
     "Summarise the following document in two or three sentences of your own. Say what it "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer.main
 
+from backfill.summarize.folder import read_folder
 from backfill_cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +92,22 @@ def test_the_tour_reads_only_files_the_newcomer_has_or_is_told_how_to_write() ->
     prose = _prose()
     unknown = [name for name in inputs if not (ROOT / name).exists() and f"`{name}`" not in prose]
     assert unknown == []
+
+
+def test_a_folder_the_tour_summarises_holds_the_demo_documents_and_nothing_else() -> None:
+    """`backfill summarize devkit/demo_docs` sends every file of the folder as a document:
+    the folder holds the demo's documents only (its README.md was summarised as a 27th)."""
+    folders = [
+        ROOT / shlex.split(invocation)[2]
+        for line in _command_lines()
+        for invocation in INVOCATION.findall(line)
+        if shlex.split(invocation)[1] == "summarize"
+        and (ROOT / shlex.split(invocation)[2]).is_dir()
+    ]
+    assert folders
+    for folder in folders:
+        sent = sorted(row.id or "" for row in read_folder(folder))
+        assert sent == sorted(path.name for path in folder.glob("*.txt"))
 
 
 def test_the_readme_python_parses() -> None:
