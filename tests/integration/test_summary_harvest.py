@@ -46,22 +46,22 @@ def test_a_round_reads_each_item_of_the_batch_once_not_once_per_pending_step(
     repo: Repository, database_url: str, settings: Settings
 ) -> None:
     settings = settings.model_copy(update={"node_live_s": 0.001})
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
     job = jobs.create_job(repo, settings, tenant, request, SHAPE)
     notes = [f"Note {i}." for i in range(STEPS)]
     jobs.add_documents(
         repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
     )
-    jobs.start_job(repo, settings, tenant, repo.get_summary_job(None, job.id))
+    jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
-    assert len(repo.summary_batch_ids(job.id)) == 1
+    assert len(repo.summary_batches.summary_batch_ids(job.id)) == 1
     run_worker(repo, limit=STEPS // 2)  # half the wave ended, half still to come
 
     alone = Repository.connect(database_url, pool_size=1)  # one backend: its reads counted
     try:
         before = _items_read(alone)
-        found = alone.finished_steps(job.id, 10_000)
+        found = alone.summary_outcomes.finished_steps(job.id, 10_000)
         read = _items_read(alone) - before
     finally:
         alone.close()
@@ -75,16 +75,16 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
     repo: Repository, settings: Settings
 ) -> None:
     small = settings.model_copy(update={"max_lines_per_batch": 7, "node_live_s": 0.001})
-    tenant = repo.create_tenant("acme")
+    tenant = repo.tenants.create_tenant("acme")
     request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
     job = jobs.create_job(repo, small, tenant, request, SHAPE)
     notes = [f"Note number {i}, short." for i in range(30)]
     jobs.add_documents(
         repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
     )
-    jobs.start_job(repo, small, tenant, repo.get_summary_job(None, job.id))
+    jobs.start_job(repo, small, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, small)
-    batch_ids = repo.summary_batch_ids(job.id)
+    batch_ids = repo.summary_batches.summary_batch_ids(job.id)
     assert len(batch_ids) == 5  # 30 steps, 7 a file
     # The first batch failed before any of its lines was stored (as a batch refused at
     # ingest does): its steps fail by it; the other batches' steps are harvested.
@@ -94,7 +94,7 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
     for _ in range(10):
         run_worker(repo)
         driver.drive(repo, small)
-    steps = repo.steps_of(job.id, list(range(30)))
+    steps = repo.summary_outcomes.steps_of(job.id, list(range(30)))
     assert {steps[i][0].error for i in range(7)} == {"its batch ended failed"}
     assert all(steps[i][0].state is StepState.FAILED for i in range(7))
     assert all(steps[i][0].state is StepState.SUCCEEDED for i in range(7, 30))
