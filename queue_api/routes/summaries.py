@@ -137,8 +137,7 @@ async def _in_order(
     slots: anyio.CapacityLimiter,
 ) -> list[NewDocument]:
     """``prepare`` of every row, a slice at a time on threads as ``slots`` admit them, in the
-    rows' order. The
-    first failure is raised as it is (not in a group), the rest of the rows left undone."""
+    rows' order. The first failure is raised as it is (not in a group), the rest left undone."""
     done: list[NewDocument | None] = [None] * len(rows)
     # A few slices a worker, not a thread hop a row: most documents fit by their bytes and
     # ask the engine nothing, and a hop costs more than preparing one of them.
