@@ -126,7 +126,13 @@ class StandInEngine:
         request_id: str,
         stream_interval: int = 1,
     ) -> CompletionStream:
+        """Records ``request_id`` in :attr:`streamed`, then streams :meth:`answer`."""
         self.streamed.append(request_id)
+        return self.answer(body)
+
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
+        """The stream for a request of ``body``: what a subclass overrides to answer its own
+        way (its request id already recorded)."""
         fail_after, hold_s = self.fail_after, self.hold_s
 
         async def chunks() -> AsyncIterator[StreamChunk]:

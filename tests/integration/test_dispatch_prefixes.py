@@ -55,18 +55,9 @@ class WordEngine(StandInEngine):
     async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
         return self.ids(str(body["prompt"]))
 
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         """Prefill at once, then decode for ``hold_s``: as a real engine spends most of an
         item's time decoding, with its prompt (and the prefix) cached from its first token."""
-        self.streamed.append(request_id)
         prompt = len(self.ids(str(body["prompt"])))
         # Items end at different times, as documents of different lengths do.
         hold_s = self.hold_s * (1 + len(self.streamed) % 4)
@@ -91,17 +82,9 @@ class PrefillingEngine(WordEngine):
         self.started: list[float] = []
         self.first_tokens: list[float] = []
 
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         self.started.append(time.monotonic())
-        inner = super().stream_completion(endpoint, body, priority=priority, request_id=request_id)
+        inner = super().answer(body)
 
         async def chunks() -> AsyncIterator[StreamChunk]:
             await asyncio.sleep(self.prefill_s)

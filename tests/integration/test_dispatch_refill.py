@@ -56,16 +56,7 @@ class TimedEngine(StandInEngine):
         super().__init__(**kwargs)
         self.spans: list[tuple[float, float]] = []
 
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
-        self.streamed.append(request_id)
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         started = time.monotonic()
 
         async def chunks() -> AsyncIterator[StreamChunk]:

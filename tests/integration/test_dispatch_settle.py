@@ -59,16 +59,7 @@ class SlowStream:
 
 
 class LongAnswers(StandInEngine):
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
-        self.streamed.append(request_id)
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         return cast(CompletionStream, SlowStream(TOKENS, 0.003))
 
 

@@ -42,16 +42,8 @@ class PrefillCountingEngine(PrefillingEngine):
         super().__init__(**kwargs)
         self.prefilling = self.most_prefilling = 0
 
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
-        inner = super().stream_completion(endpoint, body, priority=priority, request_id=request_id)
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
+        inner = super().answer(body)
         self.prefilling += 1
         self.most_prefilling = max(self.most_prefilling, self.prefilling)
 

@@ -44,15 +44,7 @@ LONG = "\n\n".join(
 class ChatStandIn(StandInEngine):
     """The stand-in answering a chat request with a one-word summary, as a chat stream."""
 
-    def stream_completion(
-        self,
-        endpoint: str,
-        body: Mapping[str, Any],
-        *,
-        priority: int,
-        request_id: str,
-        stream_interval: int = 1,
-    ) -> CompletionStream:
+    def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         async def chunks() -> AsyncIterator[StreamChunk]:
             choice = {"index": 0, "delta": {"content": "gist"}, "finish_reason": "stop"}
             yield StreamChunk("c", (ChoiceDelta(0, "gist", "stop"),), None, {"choices": [choice]})
