@@ -25,15 +25,10 @@ from backfill.batch_input import (
 )
 from backfill.refusals import InvalidRequest, PayloadTooLarge
 from backfill.upload_scan import check_upload
+from tests.unit.support_limits import BATCH_LIMITS
 
 CHAT = "/v1/chat/completions"
-LIMITS = InputLimits(
-    max_file_bytes=10_000_000,
-    max_line_bytes=100_000,
-    max_lines=1000,
-    max_sequence_tokens=4096,
-    max_bytes_per_token=16,
-)
+LIMITS = BATCH_LIMITS
 
 
 def line(custom_id: str = "a", **body: Any) -> dict[str, Any]:

@@ -24,14 +24,9 @@ from backfill.batch_input import (
 )
 from backfill.content_parts import MediaPolicy
 from backfill.prefill import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from tests.unit.support_limits import BATCH_LIMITS
 
-LIMITS = InputLimits(
-    max_file_bytes=100_000_000,
-    max_line_bytes=100_000,
-    max_lines=1000,
-    max_sequence_tokens=4096,
-    max_bytes_per_token=16,
-)
+LIMITS = dataclasses.replace(BATCH_LIMITS, max_file_bytes=100_000_000)
 LONG = "x" * 65_800
 """At least 4,113 tokens: past the limit of 4,096 whatever the budget."""
 FULL = "y" * 65_536

@@ -9,21 +9,15 @@ from typing import Any
 
 import pytest
 
-from backfill.batch_input import InputLimits, InvalidBatch, ValidatedBatch, validate_batch_input
+from backfill.batch_input import InvalidBatch, ValidatedBatch, validate_batch_input
 from backfill.ledger import ReserveRequest
 from backfill.policy import ServiceClass
 from backfill.prefill import EMBEDDINGS, PromptCount, prefill_plan
 from backfill.refusals import InvalidRequest
 from backfill.reservations import reservation_tokens
+from tests.unit.support_limits import BATCH_LIMITS
 
-LIMITS = InputLimits(
-    max_file_bytes=10_000_000,
-    max_line_bytes=100_000,
-    max_lines=1000,
-    max_sequence_tokens=512,
-    max_bytes_per_token=16,
-    max_prompts_per_line=8,
-)
+LIMITS = dataclasses.replace(BATCH_LIMITS, max_sequence_tokens=512, max_prompts_per_line=8)
 
 
 def line(custom_id: str = "a", url: str = EMBEDDINGS, **body: Any) -> dict[str, Any]:

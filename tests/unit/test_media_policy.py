@@ -15,17 +15,12 @@ from backfill.config import Settings
 from backfill.content_parts import MEDIA_REFUSED, MediaPolicy, media_part, tenant_media_policy
 from backfill.gateway.request import InteractiveEndpoint, parse_request
 from backfill.refusals import InvalidRequest
+from tests.unit.support_limits import BATCH_LIMITS
 
 CHAT = "/v1/chat/completions"
 PNG = "data:image/png;base64," + "iVBORw0KGgo" * 10
 OPEN = MediaPolicy(allowed=True, domains=frozenset({"images.example.com"}))
-LIMITS = InputLimits(
-    max_file_bytes=10_000_000,
-    max_line_bytes=1_000_000,
-    max_lines=1000,
-    max_sequence_tokens=4096,
-    max_bytes_per_token=16,
-)
+LIMITS = dataclasses.replace(BATCH_LIMITS, max_line_bytes=1_000_000)
 
 
 def image(url: str) -> dict[str, Any]:

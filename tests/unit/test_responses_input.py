@@ -4,13 +4,13 @@ stored, and counted as the chat prompt vLLM renders from ``instructions``, ``inp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
 from backfill.batch_input import (
-    InputLimits,
     InvalidBatch,
     ValidatedBatch,
     forecast_tokens_upper_bound,
@@ -20,17 +20,11 @@ from backfill.prefill import RESPONSES, prefill_plan
 from backfill.refusals import InvalidRequest
 from backfill.responses import check_responses_body, responses_chat
 from tests.unit.dispatch_builders import claimed
+from tests.unit.support_limits import BATCH_LIMITS
 from worker.engine import ResumeUnsupported, resumable, resume_request
 from worker.prepare import run_plan
 
-LIMITS = InputLimits(
-    max_file_bytes=10_000_000,
-    max_line_bytes=100_000,
-    max_lines=1000,
-    max_sequence_tokens=512,
-    max_bytes_per_token=16,
-    default_max_tokens=64,
-)
+LIMITS = dataclasses.replace(BATCH_LIMITS, max_sequence_tokens=512, default_max_tokens=64)
 
 
 def line(custom_id: str = "a", url: str = RESPONSES, **body: Any) -> dict[str, Any]:
