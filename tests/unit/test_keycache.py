@@ -5,21 +5,14 @@ from __future__ import annotations
 
 from backfill.keycache import TenantKeyCache
 from backfill.store import TenantRecord, key_digest
+from tests.unit.support_clock import HandClock
 
 ACME = TenantRecord("tnt_1", "acme", None)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_found_tenant_is_remembered_until_the_ttl_passes() -> None:
     calls: list[str] = []
-    clock = Clock()
+    clock = HandClock()
 
     def lookup(key: str) -> TenantRecord | None:
         calls.append(key)
@@ -37,7 +30,7 @@ def test_a_found_tenant_is_remembered_until_the_ttl_passes() -> None:
 
 def test_a_wrong_key_costs_one_lookup_per_ttl_not_one_per_request() -> None:
     calls: list[str] = []
-    clock = Clock()
+    clock = HandClock()
 
     def lookup(key: str) -> TenantRecord | None:
         calls.append(key)
@@ -56,7 +49,7 @@ def test_a_wrong_key_costs_one_lookup_per_ttl_not_one_per_request() -> None:
 
 def test_an_evicted_key_is_checked_again_at_once() -> None:
     answers: dict[str, TenantRecord | None] = {"k": ACME}
-    cache = TenantKeyCache(answers.get, 5.0, clock=Clock())
+    cache = TenantKeyCache(answers.get, 5.0, clock=HandClock())
     assert cache.get("k") == ACME
     answers["k"] = None  # revoked in Postgres
     assert cache.get("k") == ACME  # still remembered
@@ -76,8 +69,8 @@ def test_ttl_zero_disables_the_cache_and_size_is_bounded() -> None:
         calls.append(key)
         return ACME
 
-    assert TenantKeyCache(lookup, 0, clock=Clock()).get("k") == ACME
-    cache = TenantKeyCache(lookup, 5.0, max_entries=2, clock=Clock())
+    assert TenantKeyCache(lookup, 0, clock=HandClock()).get("k") == ACME
+    cache = TenantKeyCache(lookup, 5.0, max_entries=2, clock=HandClock())
     for key in ("a", "b", "c", "a"):
         cache.get(key)
     assert calls == ["k", "a", "b", "c", "a"]  # "a" was pushed out by "c"

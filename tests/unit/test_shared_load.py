@@ -8,6 +8,7 @@ import pytest
 
 from backfill.engine.shared_load import SharedLoad
 from backfill.engine_metrics import EngineLoad
+from tests.unit.support_clock import HandClock
 
 
 class CountingEngine:
@@ -25,25 +26,17 @@ class CountingEngine:
         return EngineLoad(0.0, 0, self.reads, 0, 0, 0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_young_reading_is_shared_and_an_old_one_read_again() -> None:
-    engine, clock = CountingEngine(), Clock()
+    engine, clock = CountingEngine(), HandClock(100.0)
     shared = SharedLoad(engine, clock=clock)  # type: ignore[arg-type]
 
     async def go() -> None:
         first = await shared.read(1.0)
         assert (first.read_at, first.load.num_requests_waiting) == (100.0, 1)
-        clock.t = 100.9
+        clock.now = 100.9
         assert await shared.read(1.0) is first
         assert (await shared.read(0.5)).load.num_requests_waiting == 2
-        clock.t = 102.0
+        clock.now = 102.0
         assert (await shared.read(5.0)).read_at == 100.9
 
     asyncio.run(go())
@@ -63,7 +56,7 @@ def test_loops_asking_at_once_share_one_read() -> None:
 
 
 def test_a_failed_read_is_raised_and_not_remembered() -> None:
-    engine, clock = CountingEngine(), Clock()
+    engine, clock = CountingEngine(), HandClock(100.0)
     shared = SharedLoad(engine, clock=clock)  # type: ignore[arg-type]
 
     async def go() -> None:

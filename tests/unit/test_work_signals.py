@@ -17,18 +17,11 @@ from backfill.work_signals import (
     merge_signals,
     work_budget_policy,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.support_clock import HandClock
 
 
 def test_a_request_waits_on_every_candidate_node_then_prefills_on_one() -> None:
-    clock = Clock()
+    clock = HandClock(1000.0)
     activity = InteractiveActivity(clock=clock)
     req = activity.arrived(["a", "b"])
     snap = activity.snapshot(keep_s=3.0)
@@ -50,7 +43,7 @@ def test_a_request_waits_on_every_candidate_node_then_prefills_on_one() -> None:
 
 
 def test_a_refused_request_stops_counting() -> None:
-    activity = InteractiveActivity(clock=Clock())
+    activity = InteractiveActivity(clock=HandClock(1000.0))
     req = activity.arrived(["a"])
     before = activity.version
     req.end()
