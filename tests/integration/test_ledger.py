@@ -48,16 +48,11 @@ from backfill.policy import (
     interactive_room,
 )
 from backfill.reservations import BatchOvercommit
+from tests.support_policy import pool_policy
 
 T0 = 1_700_000_000_000
 TTL = 10_000
-POLICY = PoolPolicy(
-    interactive=ClassLimits(8192),
-    batch=ClassLimits(8192),
-    interactive_reserve_tokens=2000,
-    headroom_tokens=256,
-    safety_margin_tokens=64,
-)
+POLICY = pool_policy(8192, 8192, 2000, 256, 64)
 BATCH = ServiceClass.BATCH
 INTERACTIVE = ServiceClass.INTERACTIVE
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -20,19 +20,14 @@ from redis.crc import key_slot
 from backfill.errors import LedgerUnavailable
 from backfill.ledger import ActiveLease, Lease, LeaseStatus, Ledger, NodePool, ReserveRequest
 from backfill.maintenance import ensure_ledger
-from backfill.policy import ClassLimits, PoolPolicy, Reason, ServiceClass
+from backfill.policy import Reason, ServiceClass
 from backfill.store import Repository
 from devkit.redis_cluster import NODE_TIMEOUT_MS, LocalCluster
 from tests.integration.test_ledger import at
 from tests.integration.test_maintenance import _running_items
+from tests.support_policy import pool_policy
 
-POLICY = PoolPolicy(
-    interactive=ClassLimits(4096),
-    batch=ClassLimits(4096),
-    interactive_reserve_tokens=1024,
-    headroom_tokens=256,
-    safety_margin_tokens=64,
-)
+POLICY = pool_policy(4096, 4096, 1024, 256, 64)
 CAPACITY = 16_384
 CEILING = CAPACITY - 1024 - 64
 """The most batch may hold on a node: capacity less the reserve and the safety margin."""

@@ -15,15 +15,11 @@ import redis.asyncio
 
 from backfill.keys import FENCE_EPOCH_SHIFT
 from backfill.ledger import ActiveLease, AsyncLedger, Lease, Ledger, NodePool
-from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
+from backfill.policy import ServiceClass
 from tests.integration.test_ledger import T0, at, dump
+from tests.support_policy import pool_policy
 
-POLICY = PoolPolicy(
-    interactive=ClassLimits(8192),
-    batch=ClassLimits(8192),
-    interactive_reserve_tokens=2000,
-    headroom_tokens=256,
-)
+POLICY = pool_policy(8192, 8192, 2000, 256, 0)
 NODES = [NodePool("n1", 10_000, 16), NodePool("n2", 20_000, 16, interactive_reserve_tokens=500)]
 LIVE = [
     ActiveLease(

@@ -32,8 +32,9 @@ from backfill.capacity import round_up_to_block
 from backfill.errors import LedgerError
 from backfill.ledger import ActiveLease, Denial, Lease, LeaseStatus, Ledger, NodePool
 from backfill.ledger.values import ReserveRequest
-from backfill.policy import ClassLimits, PoolPolicy, Reason, ServiceClass
+from backfill.policy import Reason, ServiceClass
 from backfill.redis_client import connect
+from tests.support_policy import pool_policy
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE = "gpu0"
@@ -41,13 +42,7 @@ CAPACITY = 4096
 BLOCK = 16
 TTL = 10_000
 T0 = 1_700_000_000_000
-POLICY = PoolPolicy(
-    interactive=ClassLimits(2048),
-    batch=ClassLimits(2048),
-    interactive_reserve_tokens=1024,
-    headroom_tokens=256,
-    safety_margin_tokens=256,
-)
+POLICY = pool_policy(2048, 2048, 1024, 256, 256)
 BATCH_CEILING = CAPACITY - max(POLICY.reserve_tokens(CAPACITY), 256) - 256
 PREFIXES = {"pa": 4 * BLOCK, "pb": 40 * BLOCK, "pc": 1 * BLOCK}
 

@@ -31,9 +31,7 @@ from backfill.capacity import round_up_to_block
 from backfill.ledger import ActiveLease, Denial, Lease, LeaseRef, LeaseStatus, Ledger, NodePool
 from backfill.policy import (
     AdmissionRequest,
-    ClassLimits,
     DecisionKind,
-    PoolPolicy,
     PoolState,
     Reason,
     ServiceClass,
@@ -41,6 +39,7 @@ from backfill.policy import (
     decide,
 )
 from backfill.redis_client import connect
+from tests.support_policy import pool_policy
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE = "gpu0"
@@ -48,13 +47,7 @@ CAPACITY = 4096
 BLOCK = 16
 TTL = 10_000
 T0 = 1_700_000_000_000
-POLICY = PoolPolicy(
-    interactive=ClassLimits(2048),
-    batch=ClassLimits(2048),
-    interactive_reserve_tokens=1024,
-    headroom_tokens=256,
-    safety_margin_tokens=256,
-)
+POLICY = pool_policy(2048, 2048, 1024, 256, 256)
 RESERVE = POLICY.reserve_tokens(CAPACITY)
 OWNERS = ("", "gateway/t1", "gateway/t2")
 

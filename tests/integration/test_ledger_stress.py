@@ -12,19 +12,14 @@ from multiprocessing.synchronize import Event
 import pytest
 
 from backfill.ledger import Lease, LeaseStatus, Ledger, NodePool
-from backfill.policy import ClassLimits, PoolPolicy, ServiceClass
+from backfill.policy import ServiceClass
+from tests.support_policy import pool_policy
 
 NODE = "gpu0"
 CAPACITY = 16_384
 PROCESSES = 4
 PAIRS = 1_500
-POLICY = PoolPolicy(
-    interactive=ClassLimits(4096),
-    batch=ClassLimits(4096),
-    interactive_reserve_tokens=4096,
-    headroom_tokens=512,
-    safety_margin_tokens=256,
-)
+POLICY = pool_policy(4096, 4096, 4096, 512, 256)
 
 
 def _holder(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given
@@ -26,6 +26,7 @@ from backfill.policy import (
     tenant_share_tokens,
 )
 from backfill.reservations import BatchOvercommit, overcommit_from_ratios, reservation_tokens
+from tests.support_policy import pool_policy
 
 BATCH = ServiceClass.BATCH
 INTERACTIVE = ServiceClass.INTERACTIVE
@@ -228,14 +229,7 @@ def test_victims_free_enough_or_none_exist(specs: list[tuple[int, int, bool]], n
 # -- decisions
 
 
-POLICY = PoolPolicy(
-    interactive=ClassLimits(4096),
-    batch=ClassLimits(8192),
-    interactive_reserve_tokens=2000,
-    headroom_tokens=200,
-    safety_margin_tokens=64,
-    defer_retry_after_s=2.0,
-)
+POLICY = replace(pool_policy(4096, 8192, 2000, 200, 64), defer_retry_after_s=2.0)
 
 
 def test_batch_is_admitted_within_slack_with_a_reason() -> None:
