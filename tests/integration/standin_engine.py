@@ -29,7 +29,7 @@ from backfill.engine.protocol import (
 from backfill.engine_metrics import EngineLoad, EnginePool
 from backfill.ledger import AsyncLedger, Ledger
 from backfill.maintenance import ensure_ledger, pool_policy
-from backfill.states import JobState
+from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
 from worker.dispatch import NodeDispatcher
 
@@ -169,6 +169,35 @@ def stand_in_dispatcher(
         block_size=block,
         max_sequence_tokens=max_sequence_tokens,
     )
+
+
+def quick_dispatcher(
+    node: str,
+    engine: object,
+    repo: Repository,
+    ledger: AsyncLedger,
+    block: int,
+    *,
+    max_sequence_tokens: int = 1024,
+    idle_poll_s: float = 0.05,
+    **config: Any,
+) -> NodeDispatcher:
+    """:func:`stand_in_dispatcher` for ``node``, polling every ``idle_poll_s`` when idle and
+    reading the engine's load only when it needs it (``observe_interval_s=0``); ``config``
+    is the rest of its :class:`DispatchConfig`."""
+    return stand_in_dispatcher(
+        DispatchConfig(node=node, idle_poll_s=idle_poll_s, observe_interval_s=0, **config),
+        engine,
+        repo,
+        ledger,
+        block,
+        max_sequence_tokens,
+    )
+
+
+def all_succeeded(repo: Repository, job: str, items: int) -> Callable[[], bool]:
+    """A ``done`` for :func:`run_until`: ``items`` of ``job``'s items have succeeded."""
+    return lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == items
 
 
 def run_until(

@@ -14,14 +14,7 @@ from sqlalchemy import text
 from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import (
-    StandInEngine,
-    run_until,
-    stand_in_dispatcher,
-    stand_in_node,
-    submit_completions,
-)
-from worker.dispatch import DispatchConfig
+from tests.integration import standin_engine as stand_in
 
 NODE = "n-claims"
 BLOCK = 16
@@ -30,28 +23,23 @@ ITEMS = 24
 
 def _submit(repo: Repository) -> str:
     # 5 prompt tokens + 100 out: 7 blocks each; the stand-in's 64 blocks hold a few at once.
-    return submit_completions(repo, "t-claims", ITEMS, 100)
+    return stand_in.submit_completions(repo, "t-claims", ITEMS, 100)
 
 
 def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
     settings: Settings,
 ) -> None:
-    engine = StandInEngine(hold_s=0.4)
-    with stand_in_node(settings, NODE, BLOCK) as (repo, _, aledger):
+    engine = stand_in.StandInEngine(hold_s=0.4)
+    with stand_in.stand_in_node(settings, NODE, BLOCK) as (repo, _, aledger):
         job = _submit(repo)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-            max_sequence_tokens=512,
+        dispatcher = stand_in.quick_dispatcher(
+            NODE, engine, repo, aledger, BLOCK, max_sequence_tokens=512
         )
         seen: list[int] = [0]
-        run_until(
+        stand_in.run_until(
             dispatcher,
             aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            stand_in.all_succeeded(repo, job, ITEMS),
             polls=1200,
             each=lambda: seen.append(dispatcher.in_flight),
         )

@@ -18,7 +18,7 @@ from backfill.states import ItemState
 from tests.integration.standin_engine import (
     StandInEngine,
     only_item,
-    stand_in_dispatcher,
+    quick_dispatcher,
     stand_in_node,
     submit_one,
 )
@@ -72,13 +72,7 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
     body = {"model": "m", "input": [[7] * BLOCK, [8] * 3]}
     with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
         job = submit_one(repo, "t-embed", "/v1/embeddings", "e", body, 0)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(NODE, engine, repo, aledger, BLOCK, work_budget=None)
 
         async def scenario() -> None:
             runner = asyncio.create_task(dispatcher.run())

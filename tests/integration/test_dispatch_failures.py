@@ -20,12 +20,12 @@ from backfill.store import Repository
 from tests.integration.pg_faults import kill_connections
 from tests.integration.standin_engine import (
     StandInEngine,
+    all_succeeded,
+    quick_dispatcher,
     run_until,
-    stand_in_dispatcher,
     stand_in_node,
     submit_completions,
 )
-from worker.dispatch import DispatchConfig
 
 NODE = "n-fail"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
@@ -41,13 +41,8 @@ def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lea
     engine = StandInEngine(fail_after=1)
     with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
         job = _submit(repo)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=NODE, max_attempts=3, idle_poll_s=0.05, observe_interval_s=0),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-            max_sequence_tokens=512,
+        dispatcher = quick_dispatcher(
+            NODE, engine, repo, aledger, BLOCK, max_sequence_tokens=512, max_attempts=3
         )
         run_until(
             dispatcher, aledger, lambda: bool(repo.stats.counted_states(job).get(ItemState.FAILED))
@@ -86,13 +81,7 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
             return start_claim(*args, **kwargs)
 
         repo.claims.start_claim = start_after_a_restart  # type: ignore[method-assign]
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
         after: list[PoolSnapshot | None] = []
         # The dispatcher backs off a second after a store error; look inside it.
         run_until(
@@ -137,19 +126,9 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
             return open_claim(*args, **kwargs)
 
         repo.claims.open_claim = second_claim_breaks  # type: ignore[method-assign]
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, claim_batch=2),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, claim_batch=2)
         # run_until fails if the dispatch loop ends on the fault.
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 6,
-        )
+        run_until(dispatcher, aledger, all_succeeded(repo, job, 6))
 
         assert held_at_fault, "the second claim was never made"
         assert held_at_fault[0] > 0, "nothing was in flight at the fault"
@@ -182,13 +161,7 @@ def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
             return await release_many(held)
 
         aledger.release_many = first_release_fails  # type: ignore[method-assign]
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
         before_stop: list[PoolSnapshot | None] = []
         run_until(
             dispatcher,
@@ -231,13 +204,7 @@ def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
             return results
 
         aledger.reserve_many = reply_lost  # type: ignore[method-assign]
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=node, idle_poll_s=0.05, observe_interval_s=0, lease_ttl_s=120),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
         # Looked at right after the lost reply, before the worker's retry (a second's backoff).
         run_until(
             dispatcher,

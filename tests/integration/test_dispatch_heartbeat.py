@@ -24,12 +24,12 @@ from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import (
     StandInEngine,
-    stand_in_dispatcher,
+    quick_dispatcher,
     stand_in_node,
     submit_completions,
 )
 from tests.reliability.services import RedisServer
-from worker.dispatch import DispatchConfig, NodeDispatcher
+from worker.dispatch import NodeDispatcher
 
 BLOCK = 16
 BEAT_S = 0.2
@@ -51,19 +51,15 @@ def _beating(
     node: str, ttl_s: float, engine: StandInEngine, repo: Repository, aledger: AsyncLedger
 ) -> NodeDispatcher:
     """A stand-in node's dispatcher beating every ``BEAT_S`` with leases of ``ttl_s``."""
-    return stand_in_dispatcher(
-        DispatchConfig(
-            node=node,
-            idle_poll_s=0.05,
-            heartbeat_interval_s=BEAT_S,
-            lease_ttl_s=ttl_s,
-            observe_interval_s=0,
-            work_budget=None,
-        ),
+    return quick_dispatcher(
+        node,
         engine,
         repo,
         aledger,
         BLOCK,
+        heartbeat_interval_s=BEAT_S,
+        lease_ttl_s=ttl_s,
+        work_budget=None,
     )
 
 

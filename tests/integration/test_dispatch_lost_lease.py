@@ -16,11 +16,10 @@ from backfill.maintenance import ensure_ledger
 from backfill.states import ItemState
 from tests.integration.standin_engine import (
     StandInEngine,
-    stand_in_dispatcher,
+    quick_dispatcher,
     stand_in_node,
     submit_completions,
 )
-from worker.dispatch import DispatchConfig
 
 NODE = "n-lost"
 BLOCK = 16
@@ -40,18 +39,8 @@ def test_a_lease_missing_from_the_ledger_closes_the_node_until_the_rebuild_resto
     engine = StandInEngine(blocks=256, block=BLOCK, hold_s=4.0)
     with stand_in_node(settings, NODE, BLOCK, blocks=256) as (repo, ledger, aledger):
         job = submit_completions(repo, "t-lost", 1, 64)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(
-                node=NODE,
-                idle_poll_s=0.05,
-                heartbeat_interval_s=0.2,
-                observe_interval_s=0,
-                work_budget=None,
-            ),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
+        dispatcher = quick_dispatcher(
+            NODE, engine, repo, aledger, BLOCK, heartbeat_interval_s=0.2, work_budget=None
         )
 
         async def scenario() -> tuple[str, bool]:

@@ -27,6 +27,7 @@ from backfill.store import NewItem, Repository
 from tests.integration.standin_engine import (
     StandInEngine,
     _in_progress_job,
+    all_succeeded,
     run_until,
     stand_in_dispatcher,
     stand_in_node,
@@ -159,7 +160,7 @@ def _run(
         run_until(
             dispatcher,
             aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
+            all_succeeded(repo, job, ITEMS),
             polls=2000,
             each=lambda: seen.append(dispatcher.in_flight),
         )

@@ -22,14 +22,7 @@ from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk,
 from backfill.ledger import AsyncLedger
 from backfill.ledger import values as lv
 from backfill.states import ItemState
-from tests.integration.standin_engine import (
-    StandInEngine,
-    run_until,
-    stand_in_dispatcher,
-    stand_in_node,
-    submit_completions,
-)
-from worker.dispatch import DispatchConfig
+from tests.integration import standin_engine as stand_in
 
 BLOCK = 16
 ITEMS = 4
@@ -49,7 +42,7 @@ class SlowReleaseLedger(AsyncLedger):
         return await super().release_many(held)
 
 
-class TimedEngine(StandInEngine):
+class TimedEngine(stand_in.StandInEngine):
     """Records when each stream started and ended."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -74,25 +67,18 @@ def test_a_released_lease_wakes_the_claim_loop(settings: Settings) -> None:
     s at a 3 s poll); now a release later (0.2 s) and a claim (0.26-0.36 s)."""
     node = "n-refill"
     engine = TimedEngine(blocks=64, block=BLOCK)
-    with stand_in_node(settings, node, BLOCK, async_ledger=SlowReleaseLedger) as (
+    with stand_in.stand_in_node(settings, node, BLOCK, async_ledger=SlowReleaseLedger) as (
         repo,
         ledger,
         aledger,
     ):
         ledger.register_pool(node, 64 * BLOCK, BLOCK)
-        job = submit_completions(repo, f"t-{node}", ITEMS, OUT)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=node, idle_poll_s=IDLE_POLL_S, observe_interval_s=0),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
+        job = stand_in.submit_completions(repo, f"t-{node}", ITEMS, OUT)
+        dispatcher = stand_in.quick_dispatcher(
+            node, engine, repo, aledger, BLOCK, idle_poll_s=IDLE_POLL_S
         )
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
-            polls=2400,
+        stand_in.run_until(
+            dispatcher, aledger, stand_in.all_succeeded(repo, job, ITEMS), polls=2400
         )
         assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
     spans = sorted(engine.spans)

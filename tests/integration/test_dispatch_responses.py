@@ -19,7 +19,7 @@ from backfill.states import ItemState
 from tests.integration.standin_engine import (
     StandInEngine,
     only_item,
-    stand_in_dispatcher,
+    quick_dispatcher,
     stand_in_node,
     submit_one,
 )
@@ -85,13 +85,7 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
     body = {"model": "m", "input": "a question", "max_output_tokens": MAX_OUTPUT, "store": False}
     with stand_in_node(settings, NODE, BLOCK) as (repo, ledger, aledger):
         job = submit_one(repo, "t-responses", "/v1/responses", "r", body, MAX_OUTPUT)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
-        )
+        dispatcher = quick_dispatcher(NODE, engine, repo, aledger, BLOCK, work_budget=None)
 
         async def scenario() -> None:
             runner = asyncio.create_task(dispatcher.run())

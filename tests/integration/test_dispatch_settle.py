@@ -22,14 +22,7 @@ from backfill.ledger import AsyncLedger
 from backfill.ledger.steps import Pipelined, ScriptCall, Step
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import (
-    StandInEngine,
-    run_until,
-    stand_in_dispatcher,
-    stand_in_node,
-    submit_completions,
-)
-from worker.dispatch import DispatchConfig
+from tests.integration import standin_engine as stand_in
 
 NODE = "n-settle"
 BLOCK = 16
@@ -58,7 +51,7 @@ class SlowStream:
         return self._chunks()
 
 
-class LongAnswers(StandInEngine):
+class LongAnswers(stand_in.StandInEngine):
     def answer(self, body: Mapping[str, Any]) -> CompletionStream:
         return cast(CompletionStream, SlowStream(TOKENS, 0.003))
 
@@ -84,7 +77,7 @@ class CountingLedger(AsyncLedger):
 
 
 def _submit(repo: Repository) -> str:
-    return submit_completions(repo, "t-settle", ITEMS, TOKENS)
+    return stand_in.submit_completions(repo, "t-settle", ITEMS, TOKENS)
 
 
 def test_progress_is_settled_once_per_interval_for_the_whole_node(
@@ -92,28 +85,14 @@ def test_progress_is_settled_once_per_interval_for_the_whole_node(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="backfill.worker")
     engine = LongAnswers(blocks=256, block=BLOCK)
-    stores = stand_in_node(settings, NODE, BLOCK, blocks=256, async_ledger=CountingLedger)
+    stores = stand_in.stand_in_node(settings, NODE, BLOCK, blocks=256, async_ledger=CountingLedger)
     with stores as (repo, _, aledger):
         aledger.reported = {}
         job = _submit(repo)
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(
-                node=NODE,
-                idle_poll_s=0.05,
-                observe_interval_s=0,
-                settle_interval_s=0.1,
-                work_budget=None,
-            ),
-            engine,
-            repo,
-            aledger,
-            BLOCK,
+        dispatcher = stand_in.quick_dispatcher(
+            NODE, engine, repo, aledger, BLOCK, settle_interval_s=0.1, work_budget=None
         )
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
-        )
+        stand_in.run_until(dispatcher, aledger, stand_in.all_succeeded(repo, job, ITEMS))
 
         assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS
         # Every lease heard of its progress past the first settle step...

@@ -19,7 +19,7 @@ from backfill.config import Settings
 from backfill.engine.protocol import CompletionStream, StreamChunk
 from backfill.states import ItemState
 from backfill.work_budget import WorkBudgetPolicy
-from tests.integration.standin_engine import run_until, stand_in_node
+from tests.integration.standin_engine import all_succeeded, run_until, stand_in_node
 from tests.integration.test_dispatch_prefixes import (
     BLOCK,
     ITEMS,
@@ -88,12 +88,7 @@ def test_leaning_items_are_charged_only_their_own_tokens_against_the_prefill_roo
             aledger,
         )
         started = time.monotonic()
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
-            polls=2000,
-        )
+        run_until(dispatcher, aledger, all_succeeded(repo, job, ITEMS), polls=2000)
         seconds = time.monotonic() - started
         stats = dispatcher.stats
         assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, stats

@@ -22,7 +22,7 @@ from backfill.config import Settings
 from backfill.prefix_pass import find_job_prefixes
 from backfill.states import ItemState
 from backfill.store import Repository
-from tests.integration.standin_engine import run_until, stand_in_node
+from tests.integration.standin_engine import all_succeeded, run_until, stand_in_node
 from tests.integration.test_dispatch_prefixes import (
     BLOCK,
     ITEMS,
@@ -86,12 +86,7 @@ def _run(
             repo,
             aledger,
         )  # fmt: skip
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS,
-            polls=2000,
-        )
+        run_until(dispatcher, aledger, all_succeeded(repo, job, ITEMS), polls=2000)
         assert repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == ITEMS, dispatcher.stats
         assert dispatcher.stats.reservation_violations == 0, dispatcher.stats
         return job, submitted, _leaned(repo, job)

@@ -24,11 +24,10 @@ from backfill.summarize.job_plan import JobShape
 from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.standin_engine import (
     StandInEngine,
+    quick_dispatcher,
     run_until,
-    stand_in_dispatcher,
     stand_in_node,
 )
-from worker.dispatch import DispatchConfig
 from worker.summary_wake import SummaryWaker
 
 NODE = "n-wake"
@@ -84,12 +83,8 @@ def test_a_job_runs_to_its_end_on_its_nodes_wakes_without_a_tick(settings: Setti
         first = repo.summary_batches.summary_batch_ids(job_id)
         assert len(first) == 1
         waker = SummaryWaker(repo, settings).start()
-        dispatcher = stand_in_dispatcher(
-            DispatchConfig(node=NODE, idle_poll_s=0.05, observe_interval_s=0, work_budget=None),
-            ChatStandIn(blocks=256, block=BLOCK),
-            repo,
-            aledger,
-            BLOCK,
+        dispatcher = quick_dispatcher(
+            NODE, ChatStandIn(blocks=256, block=BLOCK), repo, aledger, BLOCK, work_budget=None
         )
         dispatcher.items_ended = waker.items_ended
         try:
