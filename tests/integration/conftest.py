@@ -1,14 +1,18 @@
 """Fixtures most integration tests share: a repository over the test's own database, a live
-API over it (``batch_api_support.serve``), and tenants with keys."""
+API over it (``batch_api_support.serve``), tenants with keys, and the ledger a maintenance
+tick takes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import redis
 from batch_api_support import LiveServer, Tenant, api_settings, make_tenant, serve
 
 from backfill.config import Settings
+from backfill.ledger import Ledger
+from backfill.maintenance import pool_policy
 from backfill.store import Repository
 
 
@@ -33,6 +37,16 @@ def acme(repo: Repository) -> Tenant:
 @pytest.fixture
 def other(repo: Repository) -> Tenant:
     return make_tenant(repo, "other")
+
+
+@pytest.fixture
+def tick_ledger(settings: Settings) -> Iterator[Ledger]:
+    """The sync ledger a maintenance tick takes, over the test's Redis namespace with the
+    pool policy of ``settings``."""
+    client = redis.Redis.from_url(settings.redis_url)
+    ledger = Ledger(client, settings.redis_namespace, pool_policy(settings))
+    yield ledger
+    ledger.close()
 
 
 @pytest.fixture

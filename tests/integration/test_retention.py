@@ -4,10 +4,6 @@ number of rows per tick; batches that ended since, or have not ended, and input 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-import redis
 from batch_api_support import chat_file, make_tenant, run_worker
 from sqlalchemy import text
 
@@ -15,19 +11,12 @@ from backfill import batches
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs
 from backfill.ledger import Ledger
-from backfill.maintenance import pool_policy, tick
+from backfill.maintenance import tick
 from backfill.states import JobState
 from backfill.store import Repository
 from backfill.webhooks.endpoints import add_endpoint
 from backfill.webhooks.store import WebhookStore
-
-
-@pytest.fixture
-def ledger(settings: Settings) -> Iterator[Ledger]:
-    client = redis.Redis.from_url(settings.redis_url)
-    ledger = Ledger(client, settings.redis_namespace, pool_policy(settings))
-    yield ledger
-    ledger.close()
+from tests.integration.support_retention import count_rows, kept_30_days
 
 
 def _still() -> float:
@@ -35,21 +24,11 @@ def _still() -> float:
     return 0.0
 
 
-def _count(repo: Repository, sql: str, **params: object) -> int:
-    with repo.engine.connect() as conn:
-        return int(conn.execute(text(sql), params).scalar_one())
-
-
 def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_is(
-    settings: Settings, repo: Repository, ledger: Ledger
+    settings: Settings, repo: Repository, tick_ledger: Ledger
 ) -> None:
-    s = settings.model_copy(
-        update={
-            "retention_s": 30 * 86_400.0,
-            "retention_chunk_rows": 4,
-            "retention_rows_per_tick": 10,
-            "webhooks_allow_private": True,
-        }
+    s = kept_30_days(
+        settings, retention_chunk_rows=4, retention_rows_per_tick=10, webhooks_allow_private=True
     )
     tenant = make_tenant(repo, "acme")
     record = repo.tenants.tenant_for_key(tenant.key)
@@ -93,28 +72,32 @@ def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_
         "SELECT count(*) FROM attempts a JOIN items i ON i.id = a.item_id WHERE i.job_id = :j"
     )
     events = "SELECT count(*) FROM webhook_events WHERE job_id = :j"
-    assert _count(repo, items, j=old) == 25
-    assert _count(repo, attempts, j=old) == 25
-    assert _count(repo, events, j=old) == 1
+    assert count_rows(repo, items, j=old) == 25
+    assert count_rows(repo, attempts, j=old) == 25
+    assert count_rows(repo, events, j=old) == 1
 
     # A tick deletes at most its rows (10, in chunks of 4): the big batch takes several.
-    first = tick(repo, ledger, s, clock=_still).purged
+    first = tick(repo, tick_ledger, s, clock=_still).purged
     assert first.jobs == 0
     assert 10 <= first.rows <= 12
-    assert _count(repo, items, j=old) == 25 - first.rows
+    assert count_rows(repo, items, j=old) == 25 - first.rows
     ticks = 1
-    while _count(repo, "SELECT count(*) FROM jobs WHERE id = :j", j=old) and ticks < 10:
-        tick(repo, ledger, s, clock=_still)
+    while count_rows(repo, "SELECT count(*) FROM jobs WHERE id = :j", j=old) and ticks < 10:
+        tick(repo, tick_ledger, s, clock=_still)
         ticks += 1
     assert ticks == 3
     for sql in (items, events, "SELECT count(*) FROM job_counters WHERE job_id = :j"):
-        assert _count(repo, sql, j=old) == 0
-    assert _count(repo, "SELECT count(*) FROM webhook_deliveries") == 1  # the recent one's
-    assert _count(repo, "SELECT count(*) FROM files WHERE id = :f", f=old_job.output_file_id) == 0
-    assert _count(repo, "SELECT count(*) FROM files WHERE id = :f", f=old_job.input_file_id) == 1
+        assert count_rows(repo, sql, j=old) == 0
+    assert count_rows(repo, "SELECT count(*) FROM webhook_deliveries") == 1  # the recent one's
+    assert (
+        count_rows(repo, "SELECT count(*) FROM files WHERE id = :f", f=old_job.output_file_id) == 0
+    )
+    assert (
+        count_rows(repo, "SELECT count(*) FROM files WHERE id = :f", f=old_job.input_file_id) == 1
+    )
     # What ended since, or has not ended, stays whole.
-    assert _count(repo, items, j=recent) == 3
-    assert _count(repo, items, j=running) == 2
+    assert count_rows(repo, items, j=recent) == 3
+    assert count_rows(repo, items, j=running) == 2
     assert {j.id for j in repo.jobs.list_jobs(tenant.id)} == {recent, running}
     # Retention 0 keeps everything.
     keep = s.model_copy(update={"retention_s": 0.0})
@@ -123,5 +106,5 @@ def test_a_batch_past_its_retention_is_purged_in_bounded_ticks_and_nothing_else_
             text("UPDATE jobs SET completed_at = now() - interval '400 days' WHERE id = :r"),
             {"r": recent},
         )
-    assert tick(repo, ledger, keep).purged.jobs == 0
-    assert _count(repo, items, j=recent) == 3
+    assert tick(repo, tick_ledger, keep).purged.jobs == 0
+    assert count_rows(repo, items, j=recent) == 3
