@@ -9,12 +9,11 @@ slack stays full while the queue still holds work.
 
 from __future__ import annotations
 
-from sqlalchemy import text
-
 from backfill.config import Settings
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration import standin_engine as stand_in
+from tests.integration.support_sql import query_rows
 
 NODE = "n-claims"
 BLOCK = 16
@@ -54,12 +53,10 @@ def test_a_full_node_waits_for_a_lease_to_end_instead_of_claiming_into_deferral(
         assert stats.claimed < 2 * ITEMS, stats
         # What a claim leaves costs nothing: no write, no attempt spent (a hold's commit gave
         # it back as a released attempt, each claim of it counting against max_attempts).
-        with repo.engine.connect() as conn:
-            attempts = conn.execute(
-                text(
-                    "SELECT a.attempt, a.outcome FROM attempts a JOIN items i ON i.id = a.item_id "
-                    "WHERE i.job_id = :j"
-                ),
-                {"j": job},
-            ).all()
+        attempts = query_rows(
+            repo,
+            "SELECT a.attempt, a.outcome FROM attempts a JOIN items i ON i.id = a.item_id "
+            "WHERE i.job_id = :j",
+            j=job,
+        )
         assert sorted(attempts) == [(1, "succeeded")] * ITEMS, attempts

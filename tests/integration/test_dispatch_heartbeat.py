@@ -28,6 +28,7 @@ from tests.integration.standin_engine import (
     stand_in_node,
     submit_completions,
 )
+from tests.integration.support_sql import query_rows
 from tests.reliability.services import RedisServer
 from worker.dispatch import NodeDispatcher
 
@@ -36,14 +37,12 @@ BEAT_S = 0.2
 
 
 def _claims(repo: Repository, job: str) -> dict[int, datetime]:
-    with repo.engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT id, lease_expires_at FROM items WHERE job_id = :j "
-                "AND state IN ('reserved', 'running')"
-            ),
-            {"j": job},
-        ).all()
+    rows = query_rows(
+        repo,
+        "SELECT id, lease_expires_at FROM items WHERE job_id = :j "
+        "AND state IN ('reserved', 'running')",
+        j=job,
+    )
     return {r[0]: r[1] for r in rows}
 
 

@@ -14,7 +14,7 @@ from backfill.ledger import Ledger
 from backfill.maintenance import tick
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
-from tests.integration.support_retention import count_rows, kept_30_days
+from tests.integration.support_sql import count_rows, kept_30_days
 
 
 class SteppingClock:

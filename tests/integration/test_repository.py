@@ -16,6 +16,7 @@ from backfill.errors import Conflict, IllegalTransition, NotFound, StaleWrite
 from backfill.states import ItemState, JobState
 from backfill.store import Finish, JobRecord, NewItem, Repository, Start, key_digest
 from tests.integration.claiming import claim
+from tests.integration.support_sql import query_rows
 
 
 @pytest.fixture
@@ -286,13 +287,11 @@ def test_every_attempt_leaves_one_audit_row_with_its_outcome(repo: Repository) -
     repo.items.finish(
         [Finish(c3.id, c3.attempt, 3, ItemState.SUCCEEDED, result="r", output_tokens=7)]
     )
-    with repo.engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT attempt, node, lease_id, fencing_token, outcome, output_tokens "
-                "FROM attempts ORDER BY attempt"
-            )
-        ).all()
+    rows = query_rows(
+        repo,
+        "SELECT attempt, node, lease_id, fencing_token, outcome, output_tokens "
+        "FROM attempts ORDER BY attempt",
+    )
     assert [tuple(r) for r in rows] == [
         (1, "n1", None, None, "deferred", None),
         (2, "n1", "l2", 2, "preempted", 2),

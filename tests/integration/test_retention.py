@@ -16,7 +16,7 @@ from backfill.states import JobState
 from backfill.store import Repository
 from backfill.webhooks.endpoints import add_endpoint
 from backfill.webhooks.store import WebhookStore
-from tests.integration.support_retention import count_rows, kept_30_days
+from tests.integration.support_sql import count_rows, kept_30_days
 
 
 def _still() -> float:

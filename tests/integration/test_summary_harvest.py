@@ -14,6 +14,7 @@ from backfill.store import Repository
 from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.states import StepState
+from tests.integration.support_sql import query_one
 
 SHAPE = JobShape(
     context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=64
@@ -32,13 +33,11 @@ def _items_read(repo: Repository) -> int:
     with repo.engine.connect() as conn:
         conn.execute(text("SELECT pg_stat_force_next_flush()"))
         conn.commit()
-    with repo.engine.connect() as conn:
-        row = conn.execute(
-            text(
-                "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
-                "FROM pg_stat_user_tables WHERE relname = 'items'"
-            )
-        ).one()
+    row = query_one(
+        repo,
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
+        "FROM pg_stat_user_tables WHERE relname = 'items'",
+    )
     return int(row[0])
 
 

@@ -26,6 +26,7 @@ from backfill.summarize.prompts import CHAT_URL
 from backfill.summarize.reduce_plan import plan_reduce
 from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.claiming import claim
+from tests.integration.support_sql import query_rows
 
 _TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
 
@@ -63,14 +64,12 @@ def _new_job(repo: Repository, settings: Settings, window: str = "1h") -> tuple[
 
 
 def _batch_items(repo: Repository, job_id: str) -> list[tuple[str, str]]:
-    with repo.engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT i.job_id, i.custom_id FROM items i JOIN summary_batches b "
-                "ON b.batch_id = i.job_id WHERE b.job_id = :j"
-            ),
-            {"j": job_id},
-        ).all()
+    rows = query_rows(
+        repo,
+        "SELECT i.job_id, i.custom_id FROM items i JOIN summary_batches b "
+        "ON b.batch_id = i.job_id WHERE b.job_id = :j",
+        j=job_id,
+    )
     return [(r.job_id, r.custom_id) for r in rows]
 
 

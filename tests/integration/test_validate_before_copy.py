@@ -16,13 +16,13 @@ from typing import Any, NamedTuple
 
 import pytest
 from batch_api_support import chat_file, chat_line, jsonl
-from sqlalchemy import text
 
 from backfill import batches, ingester
 from backfill.config import Settings
 from backfill.states import ItemState, JobState
 from backfill.store import JobRecord, Repository, TenantRecord
 from backfill.store import ingest as store_ingest
+from tests.integration.support_sql import query_one
 
 CHAT = "/v1/chat/completions"
 LINES = 3_000
@@ -35,13 +35,11 @@ class ItemsFootprint(NamedTuple):
 
 
 def _footprint(repo: Repository) -> ItemsFootprint:
-    with repo.engine.connect() as conn:
-        row = conn.execute(
-            text(
-                "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('items', 'id')), "
-                "0), pg_relation_size('items')"
-            )
-        ).one()
+    row = query_one(
+        repo,
+        "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('items', 'id')), "
+        "0), pg_relation_size('items')",
+    )
     return ItemsFootprint(int(row[0]), int(row[1]))
 
 
