@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -27,7 +28,7 @@ from backfill.engine.protocol import (
     Usage,
 )
 from backfill.engine_metrics import EngineLoad, EnginePool
-from backfill.ledger import AsyncLedger, Ledger
+from backfill.ledger import AsyncLedger, Lease, Ledger, PoolSnapshot
 from backfill.maintenance import ensure_ledger, pool_policy
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
@@ -234,6 +235,44 @@ def run_until(
             await ledger.aclose()
 
     asyncio.run(main())
+
+
+def preempt_the_first_run(
+    dispatcher: NodeDispatcher,
+    stores: tuple[Repository, Ledger, AsyncLedger],
+    node: str,
+    job: str,
+    started: asyncio.Event,
+    check: Callable[[dict[str, Any], PoolSnapshot, Lease], None],
+) -> None:
+    """Run ``dispatcher`` (over ``stores``: those of :func:`stand_in_node`) until ``started``
+    is set (20 s at most): its engine began the first run of ``job``'s one item. Then, the
+    item running and ``node``'s pool holding one lease, ``check(item, pool, lease)``; preempt
+    that lease, wait (20 s at most) for the item to succeed, stop the dispatcher and close its
+    async ledger."""
+    repo, ledger, aledger = stores
+
+    async def scenario() -> None:
+        runner = asyncio.create_task(dispatcher.run())
+        try:
+            await asyncio.wait_for(started.wait(), 20)
+            running = only_item(repo, job)
+            assert running["state"] == ItemState.RUNNING.value
+            snap = ledger.snapshot(node)
+            assert snap is not None
+            (lease,) = snap.leases
+            check(running, snap, lease)
+            assert ledger.preempt(node, 1, victims=[lease.lease_id]).victims
+            end = time.monotonic() + 20
+            while only_item(repo, job)["state"] != ItemState.SUCCEEDED.value:
+                assert time.monotonic() < end, only_item(repo, job)
+                await asyncio.sleep(0.05)
+        finally:
+            dispatcher.stop()
+            await asyncio.wait_for(runner, 30)
+            await aledger.aclose()
+
+    asyncio.run(scenario())
 
 
 AsyncLedgerT = TypeVar("AsyncLedgerT", bound=AsyncLedger)

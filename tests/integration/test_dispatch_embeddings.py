@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from backfill.config import Settings
+from backfill.ledger import Lease, PoolSnapshot
 from backfill.prefill import embedding_inputs
-from backfill.states import ItemState
 from tests.integration.standin_engine import (
     StandInEngine,
     only_item,
+    preempt_the_first_run,
     quick_dispatcher,
     stand_in_node,
     submit_one,
@@ -74,30 +74,14 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
         job = submit_one(repo, "t-embed", "/v1/embeddings", "e", body, 0)
         dispatcher = quick_dispatcher(NODE, engine, repo, aledger, BLOCK, work_budget=None)
 
-        async def scenario() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                await asyncio.wait_for(engine.first_started.wait(), 20)
-                running = only_item(repo, job)
-                assert running["state"] == ItemState.RUNNING.value
-                # Two inputs, each charged the longest (one block), and no output on top.
-                assert running["reservation_tokens"] == 2 * BLOCK
-                assert running["prompt_tokens"] == BLOCK + 3
-                snap = ledger.snapshot(NODE)
-                assert snap is not None
-                (lease,) = snap.leases
-                assert (lease.tokens, snap.batch_in_use) == (2 * BLOCK, 2 * BLOCK)
-                assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
-                end = time.monotonic() + 20
-                while only_item(repo, job)["state"] != ItemState.SUCCEEDED.value:
-                    assert time.monotonic() < end, only_item(repo, job)
-                    await asyncio.sleep(0.05)
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
+        def check(running: dict[str, Any], snap: PoolSnapshot, lease: Lease) -> None:
+            # Two inputs, each charged the longest (one block), and no output on top.
+            assert running["reservation_tokens"] == 2 * BLOCK
+            assert running["prompt_tokens"] == BLOCK + 3
+            assert (lease.tokens, snap.batch_in_use) == (2 * BLOCK, 2 * BLOCK)
 
-        asyncio.run(scenario())
+        stores = (repo, ledger, aledger)
+        preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_started, check)
 
         assert engine.cancelled == 1
         ((first, sent, priority), (second, resent, _)) = engine.calls

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from backfill.cache_salt import cache_salt
 from backfill.config import Settings
 from backfill.engine.protocol import EventStream
-from backfill.states import ItemState
+from backfill.ledger import Lease, PoolSnapshot
 from tests.integration.standin_engine import (
     StandInEngine,
     only_item,
+    preempt_the_first_run,
     quick_dispatcher,
     stand_in_node,
     submit_one,
@@ -87,30 +87,14 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         job = submit_one(repo, "t-responses", "/v1/responses", "r", body, MAX_OUTPUT)
         dispatcher = quick_dispatcher(NODE, engine, repo, aledger, BLOCK, work_budget=None)
 
-        async def scenario() -> None:
-            runner = asyncio.create_task(dispatcher.run())
-            try:
-                await asyncio.wait_for(engine.first_held.wait(), 20)
-                running = only_item(repo, job)
-                assert running["state"] == ItemState.RUNNING.value
-                # The prompt and the whole output budget, in whole blocks.
-                assert running["reservation_tokens"] == 2 * BLOCK  # 5 + 20 -> 32
-                assert running["prompt_tokens"] == PROMPT
-                snap = ledger.snapshot(NODE)
-                assert snap is not None
-                (lease,) = snap.leases
-                assert lease.tokens == 2 * BLOCK
-                assert ledger.preempt(NODE, 1, victims=[lease.lease_id]).victims
-                end = time.monotonic() + 20
-                while only_item(repo, job)["state"] != ItemState.SUCCEEDED.value:
-                    assert time.monotonic() < end, only_item(repo, job)
-                    await asyncio.sleep(0.05)
-            finally:
-                dispatcher.stop()
-                await asyncio.wait_for(runner, 30)
-                await aledger.aclose()
+        def check(running: dict[str, Any], snap: PoolSnapshot, lease: Lease) -> None:
+            # The prompt and the whole output budget, in whole blocks.
+            assert running["reservation_tokens"] == 2 * BLOCK  # 5 + 20 -> 32
+            assert running["prompt_tokens"] == PROMPT
+            assert lease.tokens == 2 * BLOCK
 
-        asyncio.run(scenario())
+        stores = (repo, ledger, aledger)
+        preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_held, check)
 
         assert engine.closed == 1  # the preempted stream was closed: the engine aborts it
         ((first, sent, priority), (second, resent, _)) = engine.calls
