@@ -244,12 +244,12 @@ def preempt_the_first_run(
     job: str,
     started: asyncio.Event,
     check: Callable[[dict[str, Any], PoolSnapshot, Lease], None],
-) -> None:
+) -> dict[str, Any]:
     """Run ``dispatcher`` (over ``stores``: those of :func:`stand_in_node`) until ``started``
     is set (20 s at most): its engine began the first run of ``job``'s one item. Then, the
     item running and ``node``'s pool holding one lease, ``check(item, pool, lease)``; preempt
     that lease, wait (20 s at most) for the item to succeed, stop the dispatcher and close its
-    async ledger."""
+    async ledger; returns the item as stored then (:func:`only_item`)."""
     repo, ledger, aledger = stores
 
     async def scenario() -> None:
@@ -273,6 +273,7 @@ def preempt_the_first_run(
             await aledger.aclose()
 
     asyncio.run(scenario())
+    return only_item(repo, job)
 
 
 AsyncLedgerT = TypeVar("AsyncLedgerT", bound=AsyncLedger)

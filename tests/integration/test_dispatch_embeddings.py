@@ -16,7 +16,6 @@ from backfill.ledger import Lease, PoolSnapshot
 from backfill.prefill import embedding_inputs
 from tests.integration.standin_engine import (
     StandInEngine,
-    only_item,
     preempt_the_first_run,
     quick_dispatcher,
     stand_in_node,
@@ -81,14 +80,13 @@ def test_a_preempted_embedding_is_aborted_and_runs_again_from_the_start(
             assert (lease.tokens, snap.batch_in_use) == (2 * BLOCK, 2 * BLOCK)
 
         stores = (repo, ledger, aledger)
-        preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_started, check)
+        done = preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_started, check)
 
         assert engine.cancelled == 1
         ((first, sent, priority), (second, resent, _)) = engine.calls
         assert (sent, resent) == (body, body)  # from the start: nothing partial to continue
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
-        done = only_item(repo, job)
         assert (done["attempt"], done["preemptions"]) == (2, 1)
         assert (done["partial_output"], done["partial_tokens"]) == (None, 0)
         result = json.loads(done["result"])

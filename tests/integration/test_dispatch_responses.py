@@ -17,7 +17,6 @@ from backfill.engine.protocol import EventStream
 from backfill.ledger import Lease, PoolSnapshot
 from tests.integration.standin_engine import (
     StandInEngine,
-    only_item,
     preempt_the_first_run,
     quick_dispatcher,
     stand_in_node,
@@ -94,7 +93,7 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
             assert lease.tokens == 2 * BLOCK
 
         stores = (repo, ledger, aledger)
-        preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_held, check)
+        done = preempt_the_first_run(dispatcher, stores, NODE, job, engine.first_held, check)
 
         assert engine.closed == 1  # the preempted stream was closed: the engine aborts it
         ((first, sent, priority), (second, resent, _)) = engine.calls
@@ -103,7 +102,6 @@ def test_a_preempted_response_is_aborted_and_runs_again_from_the_start(
         assert sent == resent == {**body, "cache_salt": cache_salt(tenant_id)}
         assert priority == DispatchConfig(node=NODE).batch_priority
         assert (first.rsplit("-", 1)[1], second.rsplit("-", 1)[1]) == ("1", "2")
-        done = only_item(repo, job)
         assert (done["attempt"], done["preemptions"]) == (2, 1)
         assert done["reservation_tokens"] == 2 * BLOCK  # the rerun reserves the whole budget
         assert (done["prompt_tokens"], done["output_tokens"]) == (PROMPT, 3)
