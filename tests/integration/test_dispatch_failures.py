@@ -10,11 +10,12 @@ worker's own, or a body only an older version stored).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from backfill.config import Settings
 from backfill.errors import LedgerError, LedgerUnavailable
-from backfill.ledger import PoolSnapshot
+from backfill.ledger import AsyncLedger, Ledger, PoolSnapshot
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.pg_faults import kill_connections
@@ -26,6 +27,7 @@ from tests.integration.standin_engine import (
     stand_in_node,
     submit_completions,
 )
+from worker.dispatch import NodeDispatcher
 
 NODE = "n-fail"
 BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
@@ -33,6 +35,37 @@ BLOCK = 16  # the stand-in engine's pool: 64 blocks of 16
 
 def _submit(repo: Repository) -> str:
     return submit_completions(repo, "t-fail", 1, 8)
+
+
+def _pool_before_stop(
+    dispatcher: NodeDispatcher,
+    stores: tuple[Repository, Ledger, AsyncLedger],
+    node: str,
+    done: Callable[[], bool],
+    linger_s: float = 0.0,
+) -> PoolSnapshot | None:
+    """Run ``dispatcher`` until ``done()`` (10 s at most) and ``linger_s`` more, then stop it:
+    ``node``'s pool as it stood just before the stop."""
+    _, ledger, aledger = stores
+    before_stop: list[PoolSnapshot | None] = []
+    run_until(
+        dispatcher,
+        aledger,
+        done,
+        polls=200,
+        linger_s=linger_s,
+        before_stop=lambda: before_stop.append(ledger.snapshot(node)),
+    )
+    (snap,) = before_stop
+    return snap
+
+
+def _nothing_held(snap: PoolSnapshot | None, what: str) -> None:
+    """``snap``, a node's pool, holds no lease and no batch tokens (``what``: what a lease
+    left held would say)."""
+    assert snap is not None
+    assert not snap.leases, f"{what}: {snap.leases}"
+    assert snap.batch_in_use == 0
 
 
 def test_an_attempt_that_breaks_in_the_worker_is_retried_then_failed_and_its_lease_freed(
@@ -82,22 +115,12 @@ def test_a_commit_the_store_drops_gives_its_leases_back_at_once(settings: Settin
 
         repo.claims.start_claim = start_after_a_restart  # type: ignore[method-assign]
         dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
-        after: list[PoolSnapshot | None] = []
         # The dispatcher backs off a second after a store error; look inside it.
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: bool(held_at_commit),
-            polls=200,
-            linger_s=0.5,
-            before_stop=lambda: after.append(ledger.snapshot(node)),
-        )
+        stores = (repo, ledger, aledger)
+        snap = _pool_before_stop(dispatcher, stores, node, lambda: bool(held_at_commit), 0.5)
 
         assert held_at_commit == [4], "the commit was not reached with the four leases held"
-        (snap,) = after
-        assert snap is not None
-        assert not snap.leases, f"leases of a failed commit still held: {snap.leases}"
-        assert snap.batch_in_use == 0
+        _nothing_held(snap, "leases of a failed commit still held")
         assert not engine.streamed  # nothing of the failed commit reached the engine
         assert sum(repo.stats.counted_states(job).values()) == 4  # nothing lost
 
@@ -133,10 +156,7 @@ def test_a_claim_that_breaks_in_the_worker_does_not_stop_the_node_nor_abandon_it
         assert held_at_fault, "the second claim was never made"
         assert held_at_fault[0] > 0, "nothing was in flight at the fault"
         assert repo.stats.counted_states(job) == {ItemState.SUCCEEDED: 6}
-        snap = ledger.snapshot(node)
-        assert snap is not None
-        assert not snap.leases, snap.leases
-        assert snap.batch_in_use == 0
+        _nothing_held(ledger.snapshot(node), "leases still held after the fault")
 
 
 def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
@@ -162,23 +182,14 @@ def test_a_lease_whose_release_failed_is_released_when_the_dispatcher_stops(
 
         aledger.release_many = first_release_fails  # type: ignore[method-assign]
         dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
-        before_stop: list[PoolSnapshot | None] = []
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: repo.stats.counted_states(job).get(ItemState.SUCCEEDED) == 1 and bool(refused),
-            polls=200,
-            before_stop=lambda: before_stop.append(ledger.snapshot(node)),
-        )
+        succeeded = all_succeeded(repo, job, 1)
+        stores = (repo, ledger, aledger)
+        held = _pool_before_stop(dispatcher, stores, node, lambda: succeeded() and bool(refused))
 
         assert refused == [1], "the release was not refused once"
-        (held,) = before_stop
         assert held is not None
         assert len(held.leases) == 1, "the refused lease was not held"
-        snap = ledger.snapshot(node)
-        assert snap is not None
-        assert not snap.leases, f"a lease outlived its dispatcher: {snap.leases}"
-        assert snap.batch_in_use == 0
+        _nothing_held(ledger.snapshot(node), "a lease outlived its dispatcher")
 
 
 def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
@@ -194,7 +205,6 @@ def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
         job = submit_completions(repo, "t-lost-reply", 4, 8)
         reserve_many = aledger.reserve_many
         granted: list[int] = []
-        after: list[PoolSnapshot | None] = []
 
         async def reply_lost(requests: Any) -> Any:
             results = await reserve_many(requests)
@@ -206,19 +216,10 @@ def test_reservations_whose_reply_was_lost_go_back_to_the_slack_at_once(
         aledger.reserve_many = reply_lost  # type: ignore[method-assign]
         dispatcher = quick_dispatcher(node, engine, repo, aledger, BLOCK, lease_ttl_s=120)
         # Looked at right after the lost reply, before the worker's retry (a second's backoff).
-        run_until(
-            dispatcher,
-            aledger,
-            lambda: bool(granted),
-            polls=200,
-            linger_s=0.3,
-            before_stop=lambda: after.append(ledger.snapshot(node)),
-        )
+        stores = (repo, ledger, aledger)
+        snap = _pool_before_stop(dispatcher, stores, node, lambda: bool(granted), 0.3)
         assert granted == [4], "the reservations were not granted before the reply was lost"
-        (snap,) = after
-        assert snap is not None
-        assert not snap.leases, f"leases of a lost reply still held: {snap.leases}"
-        assert snap.batch_in_use == 0
+        _nothing_held(snap, "leases of a lost reply still held")
         assert not engine.streamed
         # Untouched by the failed claim: still queued, no attempt spent.
         assert repo.stats.counted_states(job) == {ItemState.QUEUED: 4}
