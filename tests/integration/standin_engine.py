@@ -173,26 +173,16 @@ def stand_in_dispatcher(
 
 
 def quick_dispatcher(
-    node: str,
-    engine: object,
-    repo: Repository,
-    ledger: AsyncLedger,
-    block: int,
-    *,
-    max_sequence_tokens: int = 1024,
-    idle_poll_s: float = 0.05,
-    **config: Any,
+    node: str, engine: object, repo: Repository, ledger: AsyncLedger, block: int, **config: Any
 ) -> NodeDispatcher:
-    """:func:`stand_in_dispatcher` for ``node``, polling every ``idle_poll_s`` when idle and
-    reading the engine's load only when it needs it (``observe_interval_s=0``); ``config``
-    is the rest of its :class:`DispatchConfig`."""
+    """:func:`stand_in_dispatcher` for ``node``, polling every 0.05 s when idle and reading
+    the engine's load only when it needs it (``observe_interval_s=0``) unless ``config`` says
+    otherwise; ``config`` is the rest of its :class:`DispatchConfig`, and may name the
+    engine's context, ``max_sequence_tokens`` (1,024 unless told)."""
+    context = int(config.pop("max_sequence_tokens", 1024))
+    fields = {"idle_poll_s": 0.05, "observe_interval_s": 0, **config}
     return stand_in_dispatcher(
-        DispatchConfig(node=node, idle_poll_s=idle_poll_s, observe_interval_s=0, **config),
-        engine,
-        repo,
-        ledger,
-        block,
-        max_sequence_tokens,
+        DispatchConfig(node=node, **fields), engine, repo, ledger, block, context
     )
 
 
