@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from backfill.cancelling import cancel_and_wait
 from backfill.clock import HostClock, SharedClock
 from backfill.dispatch import (
     CheckedItem,
@@ -239,13 +240,23 @@ class NodeDispatcher:
             except Exception:
                 log.exception("node %s: the result writer failed", cfg.node)
             finally:
-                for task in helpers:
-                    task.cancel()
-                for task in helpers:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                failed = await self._stop_helpers(helpers)
             await self.writer.flush_results()
             await state.release_leftovers()
+            if failed is not None:
+                raise failed
+
+    async def _stop_helpers(self, helpers: list[asyncio.Task[None]]) -> BaseException | None:
+        """Stop the helper tasks, cancelling again any whose cancellation was lost
+        (``backfill.cancelling``: awaited after one cancel, such a loop held the stop for
+        good); the first fault of one, to raise once the drain has ended. One that will not
+        stop is logged and left."""
+        stuck = await cancel_and_wait(helpers)
+        if stuck:
+            names = ", ".join(sorted(t.get_name() for t in stuck))
+            log.warning("node %s: %s did not stop when cancelled", self.state.config.node, names)
+        ended = [t for t in helpers if t.done() and not t.cancelled()]
+        return next((e for t in ended if (e := t.exception()) is not None), None)
 
     def stop(self) -> None:
         """Stop claiming; in-flight items get the grace period, then are requeued."""

@@ -4,13 +4,13 @@ made, the exact count of a bound admission, and one settle-and-release however i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
+from backfill.cancelling import cancel_and_wait
 from backfill.errors import BackfillError
 from backfill.gateway.placement import Admission
 from backfill.gateway.sizing import Sizing
@@ -83,9 +83,7 @@ class LeaseBeats:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])  # again if a cancellation was lost
 
     async def _run(self) -> None:
         while True:

@@ -5,12 +5,12 @@ first."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from backfill.cancelling import cancel_and_wait
 from backfill.engine.protocol import Engine, EngineError
 from backfill.errors import BackfillError
 from backfill.gateway.refusals import GatewayUnavailable
@@ -91,6 +91,4 @@ class NodeDirectory:
 
     async def aclose(self) -> None:
         if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refreshing
+            await cancel_and_wait([self._refreshing])  # again if a cancellation was lost

@@ -9,13 +9,13 @@ may disagree with this one (``host_clock``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
 
+from backfill.cancelling import cancel_and_wait
 from backfill.clock import HostClock, SharedClock, redis_time
 from backfill.ledger import SignalRedis
 from backfill.work_signals import InteractiveActivity, publish_signals
@@ -81,6 +81,4 @@ class SignalPublisher:
 
     async def aclose(self) -> None:
         if self._publisher is not None:
-            self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+            await cancel_and_wait([self._publisher])  # again if a cancellation was lost
