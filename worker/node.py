@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
+import traceback
 from dataclasses import dataclass, replace
 
 from backfill.config import Settings
@@ -251,3 +253,38 @@ class NodeThread(threading.Thread):
         self._ready.wait(10)
         if self._loop is not None and self._stop_event is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop_event.set)
+
+    def where(self, timeout: float = 2.0) -> str:
+        """Where the dispatcher stands: its thread's stack, and each task of its loop with the
+        line it waits on (asked of the loop itself; if the loop does not answer, it is blocked
+        and the thread's stack says on what). For a stop that overran."""
+        frame = sys._current_frames().get(self.ident or -1)
+        text = ["thread:\n" + "".join(traceback.format_stack(frame)) if frame else "thread: gone"]
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return "\n".join(text)
+
+        async def tasks() -> str:
+            return "\n".join(_task_line(t) for t in asyncio.all_tasks())
+
+        try:
+            text.append(asyncio.run_coroutine_threadsafe(tasks(), loop).result(timeout))
+        except Exception as exc:  # the loop is blocked (or closing): the stack above says where
+            text.append(f"tasks: the loop did not answer ({type(exc).__name__})")
+        return "\n".join(text)
+
+
+def _task_line(task: asyncio.Task[object]) -> str:
+    """A task's name and its chain of awaits, outermost first, down to what it waits on."""
+    waits: list[str] = []
+    awaited: object = task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is not None:
+            name = frame.f_code.co_filename.rsplit("/", 1)[-1]
+            waits.append(f"{name}:{frame.f_lineno} {frame.f_code.co_name}")
+        nxt = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        if nxt is None and frame is None:
+            waits.append(type(awaited).__name__)
+        awaited = nxt
+    return f"task {task.get_name()}: " + " > ".join(waits)

@@ -59,9 +59,11 @@ def run_worker(settings: Settings, node: str, engine_url: str, *, beat: bool = F
             # The process exits now: what the dispatcher still held comes back when its leases
             # expire (the reaper requeues the items), not at once.
             log.warning(
-                "node %s: the dispatcher did not stop within %.0f s; its leases end at expiry",
+                "node %s: the dispatcher did not stop within %.0f s; its leases end at expiry; "
+                "where it stands:\n%s",
                 node,
                 waited,
+                thread.where(),
             )
 
     signals.worker_ready.connect(on_ready, weak=False)
