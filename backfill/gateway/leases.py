@@ -213,6 +213,10 @@ class LeaseKeeper:
         """Shrink the reservation to ``tokens`` (the exact need of a bound admission)."""
         if self._ended:
             return
+        await self._settle(tokens)
+
+    async def _settle(self, tokens: int) -> None:
+        """Shrink the reservation to ``tokens``; a ledger error is logged, not raised."""
         lease = self.lease
         try:
             await self.ledger.settle(
@@ -291,16 +295,7 @@ class LeaseKeeper:
         lease = self.lease
         self._events.lease_ended(used_tokens)
         if used_tokens is not None:
-            try:
-                await self.ledger.settle(
-                    lease.node,
-                    lease.lease_id,
-                    lease.fencing_token,
-                    self.generated,
-                    reservation_tokens=max(1, used_tokens),
-                )
-            except BackfillError as exc:
-                log.warning("interactive lease %s not settled: %s", lease.lease_id, exc)
+            await self._settle(max(1, used_tokens))
         # The room goes back now: a release lost to a slow Redis answer (a starved machine)
         # is tried again, and failing that the lease, no longer beaten, expires within its
         # TTL and the next reap frees it.
