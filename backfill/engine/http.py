@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import httpx
 
 from backfill.engine.protocol import (
+    AsyncClosing,
     ChoiceDelta,
     CompletionStream,
     Endpoint,
@@ -158,7 +158,7 @@ def engine_limits(max_connections: int, max_keepalive_connections: int) -> httpx
     )
 
 
-class HttpEngine:
+class HttpEngine(AsyncClosing):
     """:class:`Engine` over a vLLM OpenAI-compatible server at ``base_url``."""
 
     def __init__(
@@ -184,17 +184,6 @@ class HttpEngine:
             limits=engine_limits(max_connections, 64),
         )
         self._stream_timeout = httpx.Timeout(timeout_s, read=stream_read_timeout_s)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -133,7 +133,26 @@ class StreamChunk:
 T = TypeVar("T")
 
 
-class OwnedStream(Generic[T]):
+class AsyncClosing:
+    """``async with`` over something that owns a resource: leaving the block awaits
+    :meth:`aclose`, which the subclass defines."""
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class OwnedStream(AsyncClosing, Generic[T]):
     """An async iterator of ``T`` that owns an HTTP response.
 
     Use it as ``async with engine.stream_completion(...) as stream: async for chunk in
@@ -156,17 +175,6 @@ class OwnedStream(Generic[T]):
         aclose = getattr(self._items, "aclose", None)
         if aclose is not None:
             await aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 class CompletionStream(OwnedStream[StreamChunk]):
