@@ -14,6 +14,7 @@ value as the engine would, for bodies stored before this check existed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 INTEGER_FIELDS = (
@@ -87,26 +88,27 @@ def _strict_number(value: Any) -> int | float | None:
     return None
 
 
+_NumericRule = tuple[tuple[str, ...], Callable[[Any], int | float | None], str]
+"""Fields, how each is read strictly (None: refused), and what the refusal says it must be."""
+
+
 def normalise_fields(body: dict[str, Any], *, chat: bool) -> tuple[str, str] | None:
     """Rewrite ``body``'s numeric fields in place to JSON numbers; returns ``(param,
     message)`` for the first field that is not what the engine would take, else None."""
     integers = INTEGER_FIELDS if chat else (*INTEGER_FIELDS, "logprobs")
-    for key in integers:
-        value = body.get(key)
-        if value is None:
-            continue
-        number = _strict_integer(value)
-        if number is None:
-            return key, f"body.{key} must be an integer (got {type(value).__name__})"
-        body[key] = number
-    for key in NUMBER_FIELDS:
-        value = body.get(key)
-        if value is None:
-            continue
-        real = _strict_number(value)
-        if real is None:
-            return key, f"body.{key} must be a finite number (got {type(value).__name__})"
-        body[key] = real
+    numeric: tuple[_NumericRule, ...] = (
+        (integers, _strict_integer, "an integer"),
+        (NUMBER_FIELDS, _strict_number, "a finite number"),
+    )
+    for keys, read, kind in numeric:
+        for key in keys:
+            value = body.get(key)
+            if value is None:
+                continue
+            number = read(value)
+            if number is None:
+                return key, f"body.{key} must be {kind} (got {type(value).__name__})"
+            body[key] = number
     for key in PROMPT_SHAPING_FLAGS:
         if key in body and body[key] is not None and type(body[key]) is not bool:
             return key, f"body.{key} must be true or false"
