@@ -97,6 +97,21 @@ class ApiClient:
         except httpx.HTTPError as exc:
             raise ApiError(f"talking to the API at {self.base_url} failed: {exc}") from exc
 
+    @contextmanager
+    def _streamed(
+        self, path: str, params: dict[str, Any] | None = None
+    ) -> Iterator[Iterator[bytes]]:
+        """The non-blank lines of a JSONL body ``path`` answers, as they stream in (no read
+        timeout); an error status raised as :class:`ApiError`."""
+        with (
+            self._translated(),
+            self._http.stream("GET", path, params=params, timeout=None) as response,
+        ):
+            if response.status_code >= 400:
+                response.read()
+                raise _explain(response)
+            yield (line for line in _lines(response) if line.strip())
+
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         with self._translated():
             response = self._http.request(method, path, **kwargs)
@@ -190,18 +205,9 @@ class ApiClient:
         """Finished results as JSONL lines (each ending in a newline), as the API streams
         them: a large batch is never held in memory."""
         params = {"state": list(states)}
-        with (
-            self._translated(),
-            self._http.stream(
-                "GET", f"/v1/batches/{batch_id}/results", params=params, timeout=None
-            ) as response,
-        ):
-            if response.status_code >= 400:
-                response.read()
-                raise _explain(response)
-            for line in _lines(response):
-                if line.strip():
-                    yield line + b"\n"
+        with self._streamed(f"/v1/batches/{batch_id}/results", params) as lines:
+            for line in lines:
+                yield line + b"\n"
 
     # -- summarisation jobs (/v1/summary_jobs) ------------------------------------------------
 
@@ -241,18 +247,9 @@ class ApiClient:
 
     def summary_results(self, job_id: str) -> Iterator[dict[str, Any]]:
         """The job's result rows as the API streams them (partial while it runs)."""
-        with (
-            self._translated(),
-            self._http.stream(
-                "GET", f"/v1/summary_jobs/{job_id}/results", timeout=None
-            ) as response,
-        ):
-            if response.status_code >= 400:
-                response.read()
-                raise _explain(response)
-            for line in _lines(response):
-                if line.strip():
-                    yield json.loads(line)
+        with self._streamed(f"/v1/summary_jobs/{job_id}/results") as lines:
+            for line in lines:
+                yield json.loads(line)
 
 
 def _lines(response: httpx.Response) -> Iterator[bytes]:
