@@ -9,10 +9,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[embedded]"
+bash scripts/venv.sh embedded
 exec .venv/bin/backfill dev "$@"
