@@ -18,18 +18,7 @@ let selected = null;
 const history = new Map();      // node -> [{t, interactive, batch, slack, reserve, capacity}]
 const timers = [];
 
-const $ = (id) => document.getElementById(id);
-
-function el(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k === "class") node.className = v; else node.setAttribute(k, v);
-  }
-  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  return node;
-}
-
-function say(text) { $("message").textContent = text || ""; }
+// $, el and say: dom.js.
 
 async function api(path) {
   const response = await fetch(path, { headers: { Authorization: `Bearer ${apiKey}` } });

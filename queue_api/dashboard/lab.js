@@ -13,18 +13,7 @@ let position = 0;
 let timer = null;
 let asked = 0;                  // the latest fetch; answers to older ones are dropped
 
-const $ = (id) => document.getElementById(id);
-
-function el(tag, attrs, ...children) {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k === "class") node.className = v; else node.setAttribute(k, v);
-  }
-  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  return node;
-}
-
-function say(text) { $("message").textContent = text || ""; }
+// $, el and say: dom.js.
 
 function modeChosen() { return document.querySelector('input[name="mode"]:checked').value; }
 
