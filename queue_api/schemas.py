@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,12 +52,33 @@ class FileObject(BaseModel):
         )
 
 
-class FileList(BaseModel):
+class HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+class CursorList(BaseModel):
+    """OpenAI's list object: a page of ``data`` (each subclass names its items), the first
+    and last ids on it (the next page is ``after=last_id``), and whether more follow."""
+
     object: Literal["list"] = "list"
-    data: list[FileObject]
+    data: Sequence[Any]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+    @classmethod
+    def page(cls, data: Sequence[HasId], has_more: bool) -> Self:
+        return cls(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=has_more,
+        )
+
+
+class FileList(CursorList):
+    data: list[FileObject]
 
 
 def file_list_json(records: Sequence[FileRecord], has_more: bool) -> bytes:
@@ -256,12 +277,8 @@ class BatchObject(BaseModel):
         )
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(CursorList):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 # ---------------------------------------------------------------------------------------------

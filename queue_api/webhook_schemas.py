@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from backfill.webhooks.store import DeliveryRecord, EndpointRecord
-from queue_api.schemas import unix
+from queue_api.schemas import CursorList, unix
 
 
 class CreateWebhookBody(BaseModel):
@@ -76,12 +76,8 @@ class WebhookEndpointWithSecret(WebhookEndpointObject):
         return cls(**WebhookEndpointObject.of(record).model_dump(), signing_secret=secret)
 
 
-class WebhookEndpointList(BaseModel):
-    object: Literal["list"] = "list"
+class WebhookEndpointList(CursorList):
     data: list[WebhookEndpointObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
 
 
 class WebhookEndpointDeleted(BaseModel):
@@ -152,9 +148,5 @@ class WebhookDeliveryObject(BaseModel):
         )
 
 
-class WebhookDeliveryList(BaseModel):
-    object: Literal["list"] = "list"
+class WebhookDeliveryList(CursorList):
     data: list[WebhookDeliveryObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False

@@ -76,12 +76,7 @@ def list_batches(
     shown = [j for j in jobs[:limit] if j.state is not JobState.VALIDATING]
     groups = repo.prefixes.prefix_groups_of([j.id for j in shown])
     data = [_render(j, settings, repo, groups.get(j.id, [])) for j in jobs[:limit]]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(jobs) > limit,
-    )
+    return BatchList.page(data, len(jobs) > limit)
 
 
 @router.get("/{batch_id}")

@@ -47,12 +47,7 @@ def list_endpoints(
 ) -> WebhookEndpointList:
     records = store.endpoints(tenant.id, after=after, limit=limit + 1)
     data = [WebhookEndpointObject.of(r) for r in records[:limit]]
-    return WebhookEndpointList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(records) > limit,
-    )
+    return WebhookEndpointList.page(data, len(records) > limit)
 
 
 @router.get("/webhook_endpoints/{endpoint_id}")
@@ -154,9 +149,4 @@ def list_deliveries(
         limit=limit + 1,
     )
     data = [WebhookDeliveryObject.of(r) for r in records[:limit]]
-    return WebhookDeliveryList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(records) > limit,
-    )
+    return WebhookDeliveryList.page(data, len(records) > limit)
