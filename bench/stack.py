@@ -206,12 +206,23 @@ class BackfillStack:
 def upload_batch(client: httpx.Client, content: bytes, name: str) -> str:
     """Upload ``content`` as the batch input file ``name`` and create a chat-completions batch
     of it (24 h window) through ``client``; returns the batch's id."""
+    return create_batch(client, upload_input(client, content, name))
+
+
+def upload_input(client: httpx.Client, content: bytes, name: str) -> str:
+    """Upload ``content`` as the batch input file ``name``; returns the file's id."""
     uploaded = client.post("/v1/files", files={"file": (name, content)}, data={"purpose": "batch"})
     uploaded.raise_for_status()
+    return str(uploaded.json()["id"])
+
+
+def create_batch(client: httpx.Client, input_file_id: str) -> str:
+    """Create a chat-completions batch (24 h window) of an uploaded input file; returns the
+    batch's id."""
     created = client.post(
         "/v1/batches",
         json={
-            "input_file_id": uploaded.json()["id"],
+            "input_file_id": input_file_id,
             "endpoint": "/v1/chat/completions",
             "completion_window": "24h",
         },

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from bench.stack import BATCH_ENDED, BackfillStack
+from bench.stack import BATCH_ENDED, BackfillStack, create_batch, upload_input
 from bench.throughput.engine import (
     LoadSampler,
     cpu_delta,
@@ -176,22 +176,28 @@ def run_vllm_batch(
     failed = [r for r in rows if r.get("error") or r["response"]["status_code"] != 200]
     if failed or len(rows) != w.requests:
         raise RuntimeError(f"run-batch: {len(failed)} failed of {len(rows)}: {failed[:1]}")
-    out, prompt = usage_totals([r["response"]["body"] for r in rows])
-    return SideRun(
+    return _batch_run(
         "run-batch",
-        w.model,
+        w,
         round_no,
-        w.requests,
         seconds,
-        out,
-        prompt,
-        extra={
+        rows,
+        {
             "process_seconds": round(total, 2),
             "engine_start_seconds": round(total - seconds, 2),
             "cpu_s_process_with_start": round(cpu_total, 2),
             "cpu_s_processing": round(float(timing["cpu_s"]), 2),
         },
     )
+
+
+def _batch_run(
+    side: str, w: Workload, round_no: int, seconds: float, rows: list[Any], extra: dict[str, Any]
+) -> SideRun:
+    """A batch side's run of ``w``: its output ``rows`` (one per request, as OpenAI's batch
+    output lines) counted."""
+    out, prompt = usage_totals([r["response"]["body"] for r in rows])
+    return SideRun(side, w.model, round_no, w.requests, seconds, out, prompt, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,24 +226,10 @@ def run_backfill(
         httpx.Client(base_url=stack.base, headers=stack.auth, timeout=120) as client,
         LoadSampler(stack.engine_url) as sampler,
     ):
-        uploaded = client.post(
-            "/v1/files",
-            files={"file": ("in.jsonl", jsonl(lines))},
-            data={"purpose": "batch"},
-        )
-        uploaded.raise_for_status()
+        input_file_id = upload_input(client, jsonl(lines), "in.jsonl")
         cpu0 = cpu_seconds(server.pid, stack.pids)
         t0 = time.perf_counter()
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": uploaded.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        created.raise_for_status()
-        batch_id = created.json()["id"]
+        batch_id = create_batch(client, input_file_id)
         items_done: float | None = None
         while True:
             batch = client.get(f"/v1/batches/{batch_id}").json()
@@ -255,16 +247,13 @@ def run_backfill(
     rows = [json.loads(ln) for ln in content.splitlines() if ln.strip()]
     if len(rows) != w.requests:
         raise RuntimeError(f"backfill output has {len(rows)} lines, not {w.requests}")
-    out, prompt = usage_totals([r["response"]["body"] for r in rows])
-    return SideRun(
+    return _batch_run(
         "backfill",
-        w.model,
+        w,
         round_no,
-        w.requests,
         seconds,
-        out,
-        prompt,
-        extra={
+        rows,
+        {
             "items_done_seconds": items_done if items_done is not None else seconds,
             "prefix_cache_hits": prefix_cache_hits(stack.engine_url) - hits,
             **sampler.summary(),
