@@ -175,6 +175,24 @@ def run_dev(settings: Settings, options: DevOptions) -> int:
         return _run_dev(dev_settings, options, named_database=named)
 
 
+def _start_backfill(
+    stack: ExitStack, command: list[str], log: Path, env: dict[str, str], grace_s: float
+) -> subprocess.Popen[bytes]:
+    """``backfill COMMAND`` logging to ``log`` (rewritten), in the terminal's process group
+    (Ctrl-C reaches it), unlike the embedded services; stopped with ``grace_s`` of grace when
+    ``stack`` closes."""
+    process = harness.spawn(
+        [sys.executable, "-m", "backfill_cli", *command],
+        log,
+        env=env,
+        log_mode="wb",
+        own_session=False,
+        death_signal=None,
+    )
+    stack.callback(harness.stop, process, grace_s)
+    return process
+
+
 def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -> int:
     t0 = time.monotonic()
     url = dev_database_url(settings, named=named_database)
@@ -225,26 +243,16 @@ def _run_dev(settings: Settings, options: DevOptions, *, named_database: bool) -
         )
 
         console.print(f"[bold]3/5[/] API on http://127.0.0.1:{options.port}, worker {options.node}")
-        # In the terminal's process group (Ctrl-C reaches them), unlike the embedded services.
-        backfill = [sys.executable, "-m", "backfill_cli"]
-        api = harness.spawn(
-            [*backfill, "api", "--port", str(options.port)],
-            logs / "api.log",
-            env=env,
-            log_mode="wb",
-            own_session=False,
-            death_signal=None,
+        api = _start_backfill(
+            stack, ["api", "--port", str(options.port)], logs / "api.log", env, 10
         )
-        stack.callback(harness.stop, api, 10)
-        worker = harness.spawn(
-            [*backfill, "worker", "--node", options.node, "--engine-url", server.url, "--beat"],
+        _start_backfill(
+            stack,
+            ["worker", "--node", options.node, "--engine-url", server.url, "--beat"],
             logs / "worker.log",
-            env=env,
-            log_mode="wb",
-            own_session=False,
-            death_signal=None,
+            env,
+            45,
         )
-        stack.callback(harness.stop, worker, 45)
         base = f"http://127.0.0.1:{options.port}"
         _wait_http(f"{base}/healthz", 60, api)
 
