@@ -19,8 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from backfill.store import Repository
-from bench.api.server import PYTHON_CLI, start_api, stop_api
+from bench.api.server import PYTHON_CLI, bench_key, start_api, stop_api
 from bench.common import beside_load, finish, parser, percentile, scratch_database, table
 
 NAME = "anonymous"
@@ -60,9 +59,7 @@ def main() -> None:
     reads = 50 if args.quick else 200
     namespace = f"bfbench{secrets.token_hex(3)}"
     with scratch_database("bfanon") as url:
-        repo = Repository.connect(url)
-        key = repo.tenants.create_api_key(repo.tenants.create_tenant("bench").id)
-        repo.close()
+        key = bench_key(url)
         port = 22_000 + secrets.randbelow(2000)
         process = start_api(
             url,

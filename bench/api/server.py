@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from backfill.store import Repository
+
 BACKFILL = (str(Path(sys.executable).parent / "backfill"),)
 """The ``backfill`` command of this interpreter's environment."""
 PYTHON_CLI = (sys.executable, "-m", "backfill_cli")
@@ -74,3 +76,20 @@ def stop_api(process: subprocess.Popen[bytes], namespace: str) -> None:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+def api_client(port: int, key: str, timeout: float) -> httpx.Client:
+    """A client of the API ``start_api`` started on ``port``, with the tenant's ``key``."""
+    return httpx.Client(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=timeout,
+    )
+
+
+def bench_key(url: str) -> str:
+    """The API key of a new tenant ``bench`` in the database at ``url``."""
+    repo = Repository.connect(url)
+    key = repo.tenants.create_api_key(repo.tenants.create_tenant("bench").id)
+    repo.close()
+    return key

@@ -13,12 +13,11 @@ import secrets
 import time
 from datetime import UTC, datetime, timedelta
 
-import httpx
 from sqlalchemy import text
 
 from backfill.states import JobState
 from backfill.store import NewItem, Repository
-from bench.api.server import start_api, stop_api
+from bench.api.server import api_client, start_api, stop_api
 from bench.common import Stopwatch, finish, parser, percentile, scratch_database, table
 
 NAME = "status"
@@ -60,11 +59,7 @@ def main() -> None:
         process = start_api(url, namespace, port, {"BACKFILL_MAX_LINES_PER_BATCH": "100000"})
         latencies: list[float] = []
         try:
-            with httpx.Client(
-                base_url=f"http://127.0.0.1:{port}",
-                headers={"Authorization": f"Bearer {key}"},
-                timeout=30,
-            ) as h:
+            with api_client(port, key, 30) as h:
                 for _ in range(50):  # warm connections and caches
                     h.get(f"/v1/batches/{job_id}").raise_for_status()
                 for _ in range(reads):

@@ -26,10 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from backfill.store import Repository
-from bench.api.server import start_api, stop_api
+from bench.api.server import api_client, bench_key, start_api, stop_api
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 from bench.store.ingest import make_bodies, raw_copy
 
@@ -56,10 +53,7 @@ def api_submit(
     """(upload seconds, create-until-in_progress seconds: of every one of ``batches``
     creates of the file)."""
     namespace = f"bfbench{secrets.token_hex(3)}"
-    repo = Repository.connect(url)
-    tenant = repo.tenants.create_tenant("bench")
-    key = repo.tenants.create_api_key(tenant.id)
-    repo.close()
+    key = bench_key(url)
     port = 18_000 + secrets.randbelow(2000)
     process = start_api(
         url,
@@ -71,11 +65,7 @@ def api_submit(
         },
     )
     try:
-        with httpx.Client(
-            base_url=f"http://127.0.0.1:{port}",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=600,
-        ) as h:
+        with api_client(port, key, 600) as h:
             with Stopwatch() as up:
                 if stream_from is None:
                     uploaded = h.post(

@@ -35,7 +35,7 @@ from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy, tick
 from backfill.store import Repository
-from bench.api.server import start_api, stop_api
+from bench.api.server import api_client, start_api, stop_api
 from bench.common import finish, parser, scratch_database, table
 
 NAME = "churn"
@@ -187,11 +187,7 @@ def run(
     done: list[Round] = []
     sizes: list[int] = []
     try:
-        with httpx.Client(
-            base_url=f"http://127.0.0.1:{port}",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=120,
-        ) as client:
+        with api_client(port, key, 120) as client:
             upload = client.post(
                 "/v1/files",
                 files={"file": ("churn.jsonl", jsonl(lines))},
