@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 
 from backfill.models import CLAIMABLE_SQL
-from backfill.states import ItemState
-from backfill.store import Finish, Repository, Start
+from backfill.store import Repository
 from bench.pg_scale.load import RESULT, Fleet, feed
+from bench.store.claim import run_claim
 
 PER_CLAIM = 64
 
@@ -58,25 +58,8 @@ def _claimer(
             if not claim.items:
                 time.sleep(0.02)
                 continue
-            starts = []
-            for c in claim.items:
-                fence += 1
-                starts.append(Start(c.id, c.attempt, f"c{fence}", fence, 320, 60))
-            repo.claims.start_claim(claim, starts)
-            n = len(
-                repo.items.finish(
-                    [
-                        Finish(
-                            s.item_id,
-                            s.attempt,
-                            s.fencing_token,
-                            ItemState.SUCCEEDED,
-                            result=RESULT + str(s.item_id) + "}",
-                            output_tokens=50,
-                        )
-                        for s in starts
-                    ]
-                )
+            fence, n = run_claim(
+                repo, claim, fence, "c", (320, 60), lambda i: RESULT + str(i) + "}", 50
             )
             with done.get_lock():
                 done.value += n

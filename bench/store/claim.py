@@ -14,13 +14,14 @@ first across tenants, without fair share.
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 
 from backfill.config import libpq_url
 from backfill.states import ItemState, JobState
-from backfill.store import Finish, NewItem, Repository, Start
+from backfill.store import Finish, NewItem, OpenClaim, Repository, Start
 from bench.common import Stopwatch, finish, parser, scratch_database, table
 
 NAME = "claim"
@@ -29,6 +30,7 @@ CLAIMERS = 4
 PER_CLAIM = 64
 FAIR_SHARE = True
 """How the repository claims (``--plain-edf`` turns it off; read by the forked claimers)."""
+OK_RESULT = '{"ok": true}'
 BODY = '{"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}'
 
 
@@ -54,6 +56,40 @@ def _load(url: str, n: int, tenants: int = 1) -> list[str]:
         repo.close()
 
 
+def run_claim(
+    repo: Repository,
+    claim: OpenClaim,
+    fence: int,
+    lease_prefix: str,
+    tokens: tuple[int, int],
+    result: Callable[[int], str],
+    output_tokens: int,
+) -> tuple[int, int]:
+    """What a worker does with an open claim, the engine left out: each item started under a
+    new attempt (lease ``{lease_prefix}{fencing token}``, the tokens counting on from
+    ``fence``, reserving ``tokens``: reservation and prompt), then finished succeeded with
+    ``result(item id)``; returns the last fencing token and the items finished."""
+    starts = []
+    for c in claim.items:
+        fence += 1
+        starts.append(Start(c.id, c.attempt, f"{lease_prefix}{fence}", fence, *tokens))
+    repo.claims.start_claim(claim, starts)
+    done = repo.items.finish(
+        [
+            Finish(
+                s.item_id,
+                s.attempt,
+                s.fencing_token,
+                ItemState.SUCCEEDED,
+                result=result(s.item_id),
+                output_tokens=output_tokens,
+            )
+            for s in starts
+        ]
+    )
+    return fence, len(done)
+
+
 def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
     repo = Repository.connect(url, pool_size=1, fair_share=FAIR_SHARE)
     done = 0
@@ -63,26 +99,10 @@ def _repo_claimer(url: str, worker: int, out: mp.Queue) -> None:  # type: ignore
         if not claim.items:
             break
         # Here the worker counts tokens and reserves a lease per item, the claim still open.
-        starts = []
-        for c in claim.items:
-            fence += 1
-            starts.append(Start(c.id, c.attempt, f"l{fence}", fence, 128, 20))
-        repo.claims.start_claim(claim, starts)
-        done += len(
-            repo.items.finish(
-                [
-                    Finish(
-                        s.item_id,
-                        s.attempt,
-                        s.fencing_token,
-                        ItemState.SUCCEEDED,
-                        result='{"ok": true}',
-                        output_tokens=12,
-                    )
-                    for s in starts
-                ]
-            )
+        fence, finished = run_claim(
+            repo, claim, fence, "l", (128, 20), lambda _: '{"ok": true}', 12
         )
+        done += finished
     repo.close()
     out.put(done)
 
