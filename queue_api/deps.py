@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, Request
@@ -16,34 +17,23 @@ from queue_api.edge import TENANT_STATE, Gate, client_address
 from queue_api.ingest_processes import IngestProcesses
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency answering ``request.app.state.<name>`` (what the app was built with); the
+    route's ``Annotated`` type says what it is."""
+
+    async def read(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return read
 
 
-async def get_repository(request: Request) -> Repository:
-    repo: Repository = request.app.state.repository
-    return repo
-
-
-async def get_webhook_store(request: Request) -> WebhookStore:
-    store: WebhookStore = request.app.state.webhooks
-    return store
-
-
-async def get_usage_source(request: Request) -> UsageSource | None:
-    source: UsageSource | None = request.app.state.usage_source
-    return source
-
-
-async def get_ingest_slots(request: Request) -> IngestSlots:
-    slots: IngestSlots = request.app.state.ingest_slots
-    return slots
-
-
-async def get_ingesters(request: Request) -> IngestProcesses:
-    ingesters: IngestProcesses = request.app.state.ingesters
-    return ingesters
+get_settings = _app_state("settings")
+get_repository = _app_state("repository")
+get_webhook_store = _app_state("webhooks")
+get_usage_source = _app_state("usage_source")
+get_ingest_slots = _app_state("ingest_slots")
+get_ingesters = _app_state("ingesters")
+get_gate = _app_state("gate")
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -52,13 +42,6 @@ IngestSlotsDep = Annotated[IngestSlots, Depends(get_ingest_slots)]
 RepositoryDep = Annotated[Repository, Depends(get_repository)]
 WebhookStoreDep = Annotated[WebhookStore, Depends(get_webhook_store)]
 UsageSourceDep = Annotated[UsageSource | None, Depends(get_usage_source)]
-
-
-async def get_gate(request: Request) -> Gate:
-    gate: Gate = request.app.state.gate
-    return gate
-
-
 GateDep = Annotated[Gate, Depends(get_gate)]
 
 
