@@ -54,12 +54,13 @@ def engine_env(workdir: Path, kv_cache_gib: int) -> dict[str, str]:
     return env
 
 
-def _cpu_ticks() -> dict[int, tuple[int, int, int]]:
+def process_ticks() -> dict[int, tuple[int, int, int]]:
     """pid -> (ppid, pgid, user + system clock ticks) for every process now."""
     found: dict[int, tuple[int, int, int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            # After the name: state, ppid, pgrp, ... utime (14th field), stime (15th).
             found[int(stat.parent.name)] = (
                 int(fields[1]),
                 int(fields[2]),
@@ -77,7 +78,7 @@ def cpu_seconds(server_pid: int, trees: dict[str, int]) -> dict[str, float]:
     A steadier measure of a side's overhead than wall time on a machine whose two cores
     other people's engines and tests also use.
     """
-    ticks = _cpu_ticks()
+    ticks = process_ticks()
     hz = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in ticks.items():

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy import text
 
 from backfill.store import Repository
+from bench.throughput.engine import process_ticks
 
 
 @dataclass(frozen=True)
@@ -121,23 +122,6 @@ def backfill_intervals(
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def _proc_table() -> dict[int, tuple[int, int, int]]:
-    """Every live process: pid -> (parent, process group, CPU ticks), from ``/proc``."""
-    table: dict[int, tuple[int, int, int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            # After the name: state, ppid, pgrp, ... utime (14th field), stime (15th).
-            table[int(stat.parent.name)] = (
-                int(fields[1]),
-                int(fields[2]),
-                int(fields[11]) + int(fields[12]),
-            )
-        except (OSError, IndexError, ValueError):
-            continue
-    return table
-
-
 def _cpu_s(
     table: dict[int, tuple[int, int, int]], engine_pgid: int, trees: dict[str, int]
 ) -> dict[str, float]:
@@ -183,7 +167,7 @@ class CpuWatch:
         self._at: dict[str, float] = {}
 
     def _now(self) -> dict[str, float]:
-        return _cpu_s(_proc_table(), self.engine_pid, self.trees) | {"machine": _machine_busy_s()}
+        return _cpu_s(process_ticks(), self.engine_pid, self.trees) | {"machine": _machine_busy_s()}
 
     def start(self) -> None:
         self._at = self._now()
