@@ -274,6 +274,20 @@ def _watch(render: Callable[[], tuple[RenderableType, bool]], interval: float) -
             live.update(view)
 
 
+def _watch_until_ended(
+    fetch: Callable[[], dict[str, Any]],
+    render: Callable[[dict[str, Any]], RenderableType],
+    interval: float,
+) -> None:
+    """Redraw ``render`` of what ``fetch`` answers until its status is terminal (or Ctrl-C)."""
+
+    def frame() -> tuple[RenderableType, bool]:
+        seen = fetch()
+        return render(seen), seen.get("status") in TERMINAL
+
+    _watch(frame, interval)
+
+
 # ---------------------------------------------------------------------------------------------
 # Commands
 
@@ -369,12 +383,7 @@ def status(
         if not watch:
             out.print(render_status(client.batch(batch_id)))
             return
-
-        def frame() -> tuple[RenderableType, bool]:
-            batch = client.batch(batch_id)
-            return render_status(batch), batch.get("status") in TERMINAL
-
-        _watch(frame, interval)
+        _watch_until_ended(lambda: client.batch(batch_id), render_status, interval)
 
 
 @one_line_errors

@@ -28,13 +28,12 @@ from backfill.summarize.tables import read_table
 from backfill.summarize.writer import ResultsWriter, UnknownFormat, row_from_record
 from backfill_cli.api_client import DEFAULT_API_URL, ApiClient, ApiError
 from backfill_cli.client_commands import (
-    TERMINAL,
     ApiOpt,
     IntervalOpt,
     KeyOpt,
     _ago_or_in,
     _client,
-    _watch,
+    _watch_until_ended,
     err,
     one_line_errors,
     progress_head,
@@ -144,11 +143,7 @@ def render_summary_status(job: dict[str, Any], now: float | None = None) -> Rend
 
 
 def watch_summary(client: ApiClient, job_id: str, interval: float) -> None:
-    def frame() -> tuple[RenderableType, bool]:
-        job = client.summary_job(job_id)
-        return render_summary_status(job), job.get("status") in TERMINAL
-
-    _watch(frame, interval)
+    _watch_until_ended(lambda: client.summary_job(job_id), render_summary_status, interval)
 
 
 @one_line_errors
