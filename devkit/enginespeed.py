@@ -14,6 +14,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -74,8 +75,11 @@ def _alphabet(client: httpx.Client, model: str) -> tuple[list[int], int]:
     return sorted(set(body["tokens"])), int(body.get("max_model_len") or 2048)
 
 
-def _stream(client: httpx.Client, model: str, prompt: list[int], output_tokens: int) -> _Stream:
-    body = {
+def probe_body(model: str, prompt: list[int], output_tokens: int) -> dict[str, Any]:
+    """A streamed ``/v1/completions`` body of the token ids ``prompt`` that generates exactly
+    ``output_tokens`` tokens (greedy, EOS ignored), its usage in the last chunk: a timing
+    probe."""
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_tokens,
@@ -85,6 +89,10 @@ def _stream(client: httpx.Client, model: str, prompt: list[int], output_tokens: 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _stream(client: httpx.Client, model: str, prompt: list[int], output_tokens: int) -> _Stream:
+    body = probe_body(model, prompt, output_tokens)
     sent = time.monotonic()
     first = last = 0.0
     produced = 0

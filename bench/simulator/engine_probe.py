@@ -19,6 +19,7 @@ import httpx
 
 from backfill.engine.http import engine_limits, sse_lines
 from backfill_analysis.simulate.costmodel import Observation, StepWork, prefill_attention
+from devkit.enginespeed import probe_body
 
 # Token ids inside both SmolLM2's (49,152) and the tiny model's (1,024) vocabularies, clear
 # of their special tokens; vLLM refuses an id outside the vocabulary (400).
@@ -113,14 +114,7 @@ class Probe:
 
     async def request(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> Timing:
         body = {
-            "model": self.model,
-            "prompt": self._prompt(prompt_tokens),
-            "max_tokens": output_tokens,
-            "min_tokens": output_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            **probe_body(self.model, self._prompt(prompt_tokens), output_tokens),
             "priority": priority,
         }
         sent = time.monotonic()
