@@ -34,7 +34,6 @@ from backfill.config import Settings
 from backfill.engine.http import HttpEngine, engine_limits, sse_lines
 from backfill.gateway.admission import Admitted, InteractiveAdmission
 from backfill.gateway.leases import LeaseKeeper, used_tokens
-from backfill.gateway.nodes import ServingNode
 from backfill.gateway.placement import Admission
 from backfill.gateway.refusals import ClientGone, GatewayRefusal, GatewayUnavailable
 from backfill.gateway.request import InteractiveEndpoint, RequestShape
@@ -276,7 +275,7 @@ class InteractiveGateway:
             max_wait_s=budget,
             disconnected=request.is_disconnected,
         )
-        shape, sizing, node = admitted.shape, admitted.sizing, admitted.node
+        shape, sizing = admitted.shape, admitted.sizing
         keeper, pending = admitted.keeper, admitted.pending
         try:
             payload = upstream_body(parsed.body, shape, sizing, self.settings.interactive_priority)
@@ -288,11 +287,9 @@ class InteractiveGateway:
             m.GATEWAY_OVERHEAD.labels(endpoint.value).observe(overhead)
             _hops(request, received, admitted)
             if shape.stream:
-                return await self._stream(
-                    request, node, shape, sizing, payload, keeper, received, pending
-                )
+                return await self._stream(request, admitted, payload, received)
             try:
-                return await self._unary(request, node, shape, sizing, payload, keeper, received)
+                return await self._unary(request, admitted, payload, received)
             finally:
                 # No first token is visible without streaming: it stops counting when it ends.
                 pending.end()
@@ -303,16 +300,10 @@ class InteractiveGateway:
             raise
 
     async def _stream(
-        self,
-        request: Request,
-        node: ServingNode,
-        shape: RequestShape,
-        sizing: Sizing,
-        payload: Mapping[str, Any],
-        keeper: LeaseKeeper,
-        received: float,
-        pending: PendingInteractive | None = None,
+        self, request: Request, admitted: Admitted, payload: Mapping[str, Any], received: float
     ) -> Response:
+        node, shape, sizing = admitted.node, admitted.shape, admitted.sizing
+        keeper, pending = admitted.keeper, admitted.pending
         extra = answer_headers(request)  # Starlette cancels the relay when the caller leaves
         client = self.client(node.engine_url)
         upstream_request = client.build_request(
@@ -337,8 +328,7 @@ class InteractiveGateway:
                 await upstream.aclose()
             m.REQUESTS.labels(shape.endpoint.value, "engine_error").inc()
             await keeper.end(None)
-            if pending is not None:
-                pending.end()
+            pending.end()
             return Response(
                 content,
                 upstream.status_code,
@@ -419,15 +409,10 @@ class InteractiveGateway:
         await keeper.end(used_tokens(keeper.exact or sizing, relay.usage, relay.completion))
 
     async def _unary(
-        self,
-        request: Request,
-        node: ServingNode,
-        shape: RequestShape,
-        sizing: Sizing,
-        payload: Mapping[str, Any],
-        keeper: LeaseKeeper,
-        received: float,
+        self, request: Request, admitted: Admitted, payload: Mapping[str, Any], received: float
     ) -> Response:
+        node, shape, sizing = admitted.node, admitted.shape, admitted.sizing
+        keeper = admitted.keeper
         client = self.client(node.engine_url)
         sent = time.perf_counter()
         call = asyncio.ensure_future(
