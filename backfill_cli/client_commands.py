@@ -264,28 +264,19 @@ def render_list(page: dict[str, Any], now: float | None = None) -> RenderableTyp
     return table
 
 
-def _watch(render: Callable[[], tuple[RenderableType, bool]], interval: float) -> None:
-    """Redraw in place until ``render`` says it is finished (or Ctrl-C)."""
-    view, finished = render()
-    with Live(view, console=out, refresh_per_second=4, transient=False) as live:
-        while not finished:
-            time.sleep(interval)
-            view, finished = render()
-            live.update(view)
-
-
-def _watch_until_ended(
+def _watch(
     fetch: Callable[[], dict[str, Any]],
     render: Callable[[dict[str, Any]], RenderableType],
     interval: float,
 ) -> None:
-    """Redraw ``render`` of what ``fetch`` answers until its status is terminal (or Ctrl-C)."""
-
-    def frame() -> tuple[RenderableType, bool]:
-        seen = fetch()
-        return render(seen), seen.get("status") in TERMINAL
-
-    _watch(frame, interval)
+    """Redraw ``render`` of what ``fetch`` answers, in place, until it has a terminal status
+    (or Ctrl-C)."""
+    seen = fetch()
+    with Live(render(seen), console=out, refresh_per_second=4, transient=False) as live:
+        while seen.get("status") not in TERMINAL:
+            time.sleep(interval)
+            seen = fetch()
+            live.update(render(seen))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +374,7 @@ def status(
         if not watch:
             out.print(render_status(client.batch(batch_id)))
             return
-        _watch_until_ended(lambda: client.batch(batch_id), render_status, interval)
+        _watch(lambda: client.batch(batch_id), render_status, interval)
 
 
 @one_line_errors
@@ -492,7 +483,7 @@ def capacity(
         if not watch:
             out.print(render_capacity(client.capacity()))
             return
-        _watch(lambda: (render_capacity(client.capacity()), False), interval)
+        _watch(client.capacity, render_capacity, interval)  # no status: until Ctrl-C
 
 
 def register(app: typer.Typer) -> None:

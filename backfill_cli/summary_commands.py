@@ -33,7 +33,7 @@ from backfill_cli.client_commands import (
     KeyOpt,
     _ago_or_in,
     _client,
-    _watch_until_ended,
+    _watch,
     err,
     one_line_errors,
     progress_head,
@@ -143,7 +143,7 @@ def render_summary_status(job: dict[str, Any], now: float | None = None) -> Rend
 
 
 def watch_summary(client: ApiClient, job_id: str, interval: float) -> None:
-    _watch_until_ended(lambda: client.summary_job(job_id), render_summary_status, interval)
+    _watch(lambda: client.summary_job(job_id), render_summary_status, interval)
 
 
 @one_line_errors
