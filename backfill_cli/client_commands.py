@@ -19,12 +19,12 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import typer
 from rich import box
 from rich.console import Console, Group, RenderableType
-from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
 from backfill_cli.api_client import DEFAULT_API_URL, ApiClient, ApiError, summarisation_lines
+from backfill_cli.watch import watch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -269,14 +269,9 @@ def _watch(
     render: Callable[[dict[str, Any]], RenderableType],
     interval: float,
 ) -> None:
-    """Redraw ``render`` of what ``fetch`` answers, in place, until it has a terminal status
-    (or Ctrl-C)."""
-    seen = fetch()
-    with Live(render(seen), console=out, refresh_per_second=4, transient=False) as live:
-        while seen.get("status") not in TERMINAL:
-            time.sleep(interval)
-            seen = fetch()
-            live.update(render(seen))
+    """Show ``render`` of what ``fetch`` answers until it has a terminal status (or Ctrl-C):
+    redrawn in place on a terminal, each new reading printed elsewhere (``watch``)."""
+    watch(out, fetch, render, interval, TERMINAL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from batch_api_support import (
@@ -219,6 +221,48 @@ def test_capacity_shows_each_nodes_pool_from_the_ledger(
     for figure in ("16,000", "4,000", "1,504", "3,008"):
         assert figure in row, row
     assert "gpu-0*" not in row  # live figures from the ledger, not Postgres's fallback
+
+
+def test_capacity_watch_without_a_terminal_prints_each_reading_as_it_comes(
+    settings: Settings, server: LiveServer, acme: Tenant, repo: Repository
+) -> None:
+    """The real command with its output in a pipe. Red before: rich's live view, with no
+    terminal to redraw in, prints only when it stops, and a capacity watch never stops by
+    itself: the pipe read nothing."""
+    repo.nodes.upsert_node("gpu-0", "http://engine:8001", "tiny-model", 1000, 16, 4000)
+    ledger = Ledger.from_url(settings.redis_url, settings.redis_namespace)
+    try:
+        ledger.rebuild([NodePool("gpu-0", 16_000, 16, 4000)], [], epoch=1)
+    finally:
+        ledger.close()
+    env = {
+        **os.environ,
+        "BACKFILL_API_URL": server.base_url,
+        "BACKFILL_API_KEY": acme.key,
+        "COLUMNS": "160",
+    }
+    proc = subprocess.Popen(
+        [BACKFILL, "capacity", "--watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    try:
+        for _ in range(600):  # a failure's bound (60 s); the first reading comes at once
+            if any("gpu-0" in line for line in lines):
+                break
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        reader.join(10)
+    row = next((line for line in lines if "gpu-0" in line), None)
+    assert row is not None, "".join(lines)
+    assert "16,000" in row, row
 
 
 def test_a_wrong_key_and_an_unknown_batch_are_one_line_each(
