@@ -109,13 +109,22 @@ def api(
 def migrate() -> None:
     """Bring the database schema to the latest version."""
     settings = _settings()
-    from migrations.migrate import upgrade  # noqa: PLC0415 - alembic loads only here
+    from migrations.migrate import (  # noqa: PLC0415 - alembic loads only here
+        current_revision,
+        head_revision,
+        upgrade,
+    )
 
     try:
+        before = current_revision(settings.database_url)
         upgrade(settings.database_url)
     except Exception as exc:  # alembic and the driver raise many types; one line for all
         raise CommandFailed(f"migration failed: {_first_line(exc)}") from exc
-    out.print("database is at the latest schema version")
+    head = head_revision()
+    if before == head:
+        out.print(f"database schema already at the latest version ({head}): nothing to do")
+    else:
+        out.print(f"database schema migrated from {before or 'empty'} to {head}")
 
 
 WeightOpt = Annotated[

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
 
 
 def alembic_config(database_url: str | None = None) -> Config:
@@ -21,6 +24,23 @@ def alembic_config(database_url: str | None = None) -> Config:
 
 def upgrade(database_url: str | None = None, revision: str = "head") -> None:
     command.upgrade(alembic_config(database_url), revision)
+
+
+def current_revision(database_url: str) -> str | None:
+    """The schema revision ``database_url`` is at (None: no schema of Backfill's yet)."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def head_revision() -> str:
+    """The latest revision the migrations know."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
 
 
 def downgrade(database_url: str | None = None, revision: str = "base") -> None:

@@ -84,3 +84,21 @@ def test_attempts_pages_leave_room_for_hot_updates_and_downgrade_restores(
     options, indexes = _attempts_storage(empty_database_url)
     assert options is None
     assert "ix_attempts_open" in indexes
+
+
+def test_the_migrate_command_says_what_it_applied_and_when_there_was_nothing_to_do(
+    empty_database_url: str,
+) -> None:
+    """Red before: both runs said "database is at the latest schema version", a new
+    database's first run included."""
+    from typer.testing import CliRunner  # noqa: PLC0415
+
+    from backfill_cli.app import app  # noqa: PLC0415
+
+    env = {"BACKFILL_DATABASE_URL": empty_database_url}
+    first = CliRunner().invoke(app, ["migrate"], env=env)
+    again = CliRunner().invoke(app, ["migrate"], env=env)
+    assert first.exit_code == 0, first.output
+    assert "migrated from empty to " in first.stdout, first.stdout
+    assert again.exit_code == 0, again.output
+    assert "already at the latest version" in again.stdout, again.stdout
