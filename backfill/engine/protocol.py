@@ -13,6 +13,7 @@ while serving it).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -133,12 +134,13 @@ class StreamChunk:
 T = TypeVar("T")
 
 
-class AsyncClosing:
+class AsyncClosing(ABC):
     """``async with`` over something that owns a resource: leaving the block awaits
-    :meth:`aclose`, which the subclass defines."""
+    :meth:`aclose`, which each subclass defines."""
 
+    @abstractmethod
     async def aclose(self) -> None:
-        raise NotImplementedError
+        """Release what is owned (the response, the connection pool)."""
 
     async def __aenter__(self) -> Self:
         return self
