@@ -236,8 +236,10 @@ class Retention:
                 with self._db.transaction() as conn:
                     return conn.execute(text(chunk), {"j": job_id, "n": rows}).rowcount or 0
             mark = self._purge_mark
-            fresh = mark is None or mark[:2] != (job_id, chunk.table)
-            after = chunk.start() if fresh or mark is None else mark[2]
+            if mark is not None and mark[:2] == (job_id, chunk.table):
+                after = mark[2]  # past the last row this job's chunks of the table deleted
+            else:
+                after = chunk.start()
             params: dict[str, object] = {"j": job_id, "n": rows}
             params.update({f"after{i}": v for i, v in enumerate(after)})
             with self._db.transaction() as conn:
