@@ -37,6 +37,7 @@ from backfill.states import JobState
 from backfill.store import BatchStore, JobRecord, NewItem, TenantRecord
 from backfill.upload_scan import iter_lines, iter_located_lines, read_ahead
 from backfill.windows import DeadlinePlan, batch_throughput, format_window, plan_deadline
+from backfill.work_bell import work_bell
 
 MAX_INGEST_ATTEMPTS = 3
 """Deferred ingests of one batch begun before it fails: a file that takes an ingest process
@@ -206,6 +207,9 @@ def ingest_items(
         if fail_on_error:
             _fail_quietly(repo, job.id)
         raise
+    else:
+        # Its items are claimable: the idle dispatchers of its model claim now, not a poll on.
+        work_bell(settings.redis_url, settings.redis_namespace).ring(job.model)
     return repo.jobs.get_job(tenant.id, job.id)
 
 

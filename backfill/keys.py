@@ -34,6 +34,9 @@ a node's name::
                                               prefix's tokens held once for every live lease
                                               that refers to it (issue 36)
     {ns}:preempt:{node}              channel  ids of batch leases preempted on that node
+    {ns}:claimable                   channel  the model of a job whose items just became
+                                              claimable: idle dispatchers of that model claim
+                                              now, not at their next poll (``work_bell``)
     {ns}:work:signals:{node}         hash     gateway process id -> what it sees of interactive
                                               on that node (waiting, in prefill, recent TTFTs),
                                               JSON; short TTL (``backfill.work_signals``)
@@ -169,6 +172,9 @@ class LedgerKeys:
 
     def preempt_channel(self, node: str) -> str:
         return f"{self.namespace}:preempt:{_check_node(node)}"
+
+    def claimable_channel(self) -> str:
+        return f"{self.namespace}:claimable"
 
     def node(self, node: str) -> NodeKeys:
         p = self.node_prefix(node)

@@ -190,6 +190,7 @@ class NodeDispatcher:
             asyncio.create_task(watch.beat_claims(), name="claim-beats"),
             asyncio.create_task(watch.beat_leases(), name="lease-beats"),
             asyncio.create_task(watch.listen_preemptions(), name="preemptions"),
+            asyncio.create_task(watch.listen_claimable(self._claimable), name="work-bell"),
             asyncio.create_task(self.attempts.report_progress(), name="progress"),
         ]
         if cfg.observe_interval_s > 0:
@@ -245,6 +246,12 @@ class NodeDispatcher:
             await state.release_leftovers()
             if failed is not None:
                 raise failed
+
+    def _claimable(self) -> None:
+        """A job of this node's model became claimable: an idle claim loop claims now, and
+        the prefix finder looks for the job's pass (its items wait for it)."""
+        self.state.work_claimable()
+        self.prefixes.look()
 
     async def _stop_helpers(self, helpers: list[asyncio.Task[None]]) -> BaseException | None:
         """Stop the helper tasks, cancelling again any whose cancellation was lost

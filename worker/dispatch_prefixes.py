@@ -18,16 +18,17 @@ import logging
 from backfill.prefill import PromptCount
 from backfill.prefix_pass import PrefixJobs, PromptTokenIds, find_job_prefixes
 from backfill.store.prefixes import PrefixJob
+from backfill.work_bell import ring_from
 from worker.dispatch_check import Checker
 from worker.dispatch_state import DispatcherState
 
 log = logging.getLogger("backfill.worker")
 
 PREFIX_POLL_S = 2.0
-"""How often an idle prefix finder asks for a job to look at, unless the claim loop wakes it
-sooner: a claim that came back empty may have left a new job's items for its pass (the
-finder then asks at the claim loop's idle poll, so a new job waits a poll for its pass, not
-up to 2 s: ``bench.prefix``'s pass was taken 0.9 s after its job went in progress)."""
+"""How often an idle prefix finder asks for a job to look at, unless woken sooner: by the
+work bell when a job of its model goes in progress (``backfill.work_bell``; the pass then
+starts at once), or by a claim that came back empty (it may have left a new job's items for
+its pass; the finder then asks at the claim loop's idle poll)."""
 
 
 class PrefixFinding:
@@ -78,8 +79,11 @@ class PrefixFinding:
                         counted=self._counted_by_pass,
                     )
                     # Its items are claimable now (``prefix_claim_hold_s``): the claim loop,
-                    # idle while they were held, is woken rather than left to its next poll.
+                    # idle while they were held, is woken rather than left to its next poll,
+                    # and so are the other nodes' (``backfill.work_bell``).
                     self.state.room.set()
+                    ledger = self.state.ledger
+                    await ring_from(ledger.client, ledger.keys, job.model)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # its items reserve their whole prompts: safe, no gain

@@ -167,6 +167,10 @@ class DispatcherState:
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     """Wakes the claim loop: a lease ended, a prefill ended, an item finished."""
+    work_rung: bool = False
+    """A job of this node's model became claimable (``backfill.work_bell``) since the claim
+    loop last slept: its next sleep returns at once (the ring may have come while a claim
+    that could not see the job yet was under way)."""
     typical_reservation: int = 0
     typical_prompt: int = 0
     decode_rate: float = field(init=False)
@@ -242,9 +246,20 @@ class DispatcherState:
         return [f for v, f in held if f is not None and f.lease.lease_id == v.lease_id]
 
     async def sleep(self, seconds: float) -> None:
+        """The claim loop's pause: until ``room`` is set or ``seconds`` pass; none when work
+        was rung since the last one."""
+        if self.work_rung:
+            self.work_rung = False
+            return
         self.room.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.room.wait(), seconds)
+        self.work_rung = False
+
+    def work_claimable(self) -> None:
+        """A job of this node's model became claimable: the claim loop claims now."""
+        self.work_rung = True
+        self.room.set()
 
     def cancel(self, flight: Flight, reason: StopReason) -> bool:
         """Stop a generating item's task for ``reason``; False when there was nothing to stop

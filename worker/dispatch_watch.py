@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from backfill.clock import redis_time
@@ -32,6 +33,7 @@ from backfill.observe import (
     observed_non_batch,
     reserved_around,
 )
+from backfill.work_bell import rung_for
 from backfill.work_budget import WorkBudget, describe, step
 from backfill.work_signals import (
     BudgetView,
@@ -425,4 +427,18 @@ class Watchers:
                             self._note_early_preemption(lease_id)
             except LedgerUnavailable as exc:
                 log.warning("node %s: preemption channel lost: %s", self.state.config.node, exc)
+                await asyncio.sleep(1.0)
+
+    async def listen_claimable(self, heard: Callable[[], None]) -> None:
+        """Call ``heard`` whenever a job of this node's model becomes claimable
+        (``backfill.work_bell``): the idle claim loop and prefix finder look now."""
+        model = self.state.model
+        while True:
+            try:
+                async with await self.state.ledger.listen_claimable() as listener:
+                    async for rung in listener:
+                        if rung_for(rung, model):
+                            heard()
+            except LedgerUnavailable as exc:
+                log.warning("node %s: work bell lost: %s", self.state.config.node, exc)
                 await asyncio.sleep(1.0)

@@ -23,6 +23,8 @@ class DispatchConfig:
     lease_ttl_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     idle_poll_s: float = 0.5
+    """How often an idle claim loop looks for work; a job's create rings it at once
+    (``backfill.work_bell``), so this bounds only what a lost ring costs."""
     batch_priority: int = 10
     """vLLM priority of batch requests (lower runs first; interactive uses 0)."""
     stream_interval: int = 1

@@ -22,7 +22,7 @@ live batch leases from records read from Postgres, then reopens admission.
 """
 
 from backfill.ledger.async_ledger import AsyncLedger
-from backfill.ledger.listeners import AsyncPreemptionListener, PreemptionListener
+from backfill.ledger.listeners import AsyncChannelListener, ChannelListener
 from backfill.ledger.protocol import (
     BatchLedger,
     InteractiveLedger,
@@ -53,9 +53,10 @@ from backfill.ledger.values import (
 __all__ = [
     "SCRIPTS",
     "ActiveLease",
+    "AsyncChannelListener",
     "AsyncLedger",
-    "AsyncPreemptionListener",
     "BatchLedger",
+    "ChannelListener",
     "Denial",
     "HeartbeatResult",
     "HeldLease",
@@ -71,7 +72,6 @@ __all__ = [
     "PoolCounters",
     "PoolSnapshot",
     "PreemptResult",
-    "PreemptionListener",
     "RebuildReport",
     "ReserveRequest",
     "SettleResult",

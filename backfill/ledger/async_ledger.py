@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError
 
 from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger.binding import LedgerBinding
-from backfill.ledger.listeners import AsyncPreemptionListener
+from backfill.ledger.listeners import AsyncChannelListener
 from backfill.ledger.steps import (
     REDIS_ERRORS,
     Command,
@@ -43,18 +43,26 @@ class AsyncLedger(LedgerBinding[AsyncRedis, AsyncScript]):
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def listen_preemptions(self, node: str) -> AsyncPreemptionListener:
+    async def listen_preemptions(self, node: str) -> AsyncChannelListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""
+        return await self._listen(self.keys.preempt_channel(node))
+
+    async def listen_claimable(self) -> AsyncChannelListener:
+        """A subscription to the channel of newly claimable work (``backfill.work_bell``),
+        already subscribed when returned: its messages are models."""
+        return await self._listen(self.keys.claimable_channel())
+
+    async def _listen(self, channel: str) -> AsyncChannelListener:
         try:
             if isinstance(self._client, redis.asyncio.cluster.RedisCluster):
                 # Its pub/sub picks a node from the slot map, which a fresh client has not
                 # loaded yet (the first command would): load it first.
                 await self._client.initialize()
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-            await pubsub.subscribe(self.keys.preempt_channel(node))
+            await pubsub.subscribe(channel)
         except REDIS_ERRORS as exc:
             raise translate(exc) from exc
-        return AsyncPreemptionListener(pubsub)
+        return AsyncChannelListener(pubsub)
 
     # -- carrying plans out
 

@@ -1,4 +1,5 @@
-"""Preemption notices as they are published: one subscription to one node's channel.
+"""Messages of one pub/sub channel as they are published: a node's preemption notices (lease
+ids), the models of newly claimable work (``backfill.work_bell``).
 
 Preemption reaches a holder twice: as a pub/sub notice here, and, should the notice be lost,
 as the status of its next heartbeat (so a lost notice delays an abort, never skips it).
@@ -16,14 +17,14 @@ from backfill.ledger.calls import decoded
 from backfill.ledger.steps import REDIS_ERRORS, translate
 
 
-class PreemptionListener:
-    """Lease ids preempted on one node, as they are published."""
+class ChannelListener:
+    """The messages of one channel, as they are published (a node's preempted lease ids)."""
 
     def __init__(self, pubsub: redis.client.PubSub) -> None:
         self._pubsub = pubsub
 
     def get(self, timeout: float = 1.0) -> str | None:
-        """The next preempted lease id, or None after ``timeout`` seconds."""
+        """The next message, or None after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -38,28 +39,28 @@ class PreemptionListener:
 
     def __iter__(self) -> Iterator[str]:
         while True:
-            lease_id = self.get(timeout=1.0)
-            if lease_id is not None:
-                yield lease_id
+            message = self.get(timeout=1.0)
+            if message is not None:
+                yield message
 
     def close(self) -> None:
         self._pubsub.close()
 
-    def __enter__(self) -> PreemptionListener:
+    def __enter__(self) -> ChannelListener:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class AsyncPreemptionListener:
-    """Lease ids preempted on one node, as they are published (asyncio)."""
+class AsyncChannelListener:
+    """The messages of one channel, as they are published (asyncio)."""
 
     def __init__(self, pubsub: redis.asyncio.client.PubSub) -> None:
         self._pubsub = pubsub
 
     async def get(self, timeout: float = 1.0) -> str | None:
-        """The next preempted lease id, or None after ``timeout`` seconds."""
+        """The next message, or None after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -75,14 +76,14 @@ class AsyncPreemptionListener:
 
     async def __aiter__(self) -> AsyncIterator[str]:
         while True:
-            lease_id = await self.get(timeout=1.0)
-            if lease_id is not None:
-                yield lease_id
+            message = await self.get(timeout=1.0)
+            if message is not None:
+                yield message
 
     async def aclose(self) -> None:
         await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
-    async def __aenter__(self) -> AsyncPreemptionListener:
+    async def __aenter__(self) -> AsyncChannelListener:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

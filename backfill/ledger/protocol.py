@@ -26,7 +26,7 @@ from typing import Protocol
 from backfill.errors import BackfillError
 from backfill.keys import LedgerKeys
 from backfill.ledger import values as lv
-from backfill.ledger.listeners import AsyncPreemptionListener
+from backfill.ledger.listeners import AsyncChannelListener
 from backfill.policy import ServiceClass
 from backfill.redis_client import AsyncRedis, SyncRedis
 
@@ -81,7 +81,9 @@ class BatchLedger(SignalRedis, LeaseUpkeep, Protocol):
         self, requests: Sequence[lv.ReserveRequest]
     ) -> list[lv.LeaseStatus]: ...
 
-    async def listen_preemptions(self, node: str) -> AsyncPreemptionListener: ...
+    async def listen_preemptions(self, node: str) -> AsyncChannelListener: ...
+
+    async def listen_claimable(self) -> AsyncChannelListener: ...
 
 
 class InteractiveLedger(LeaseUpkeep, Protocol):

@@ -12,7 +12,7 @@ from redis.exceptions import NoScriptError
 
 from backfill.errors import LedgerError, LedgerUnavailable
 from backfill.ledger.binding import LedgerBinding
-from backfill.ledger.listeners import PreemptionListener
+from backfill.ledger.listeners import ChannelListener
 from backfill.ledger.steps import (
     REDIS_ERRORS,
     Command,
@@ -42,14 +42,14 @@ class Ledger(LedgerBinding[SyncRedis, Script]):
     def close(self) -> None:
         self._client.close()
 
-    def listen_preemptions(self, node: str) -> PreemptionListener:
+    def listen_preemptions(self, node: str) -> ChannelListener:
         """A subscription to ``node``'s preempt channel, already subscribed when returned."""
         pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
         try:
             pubsub.subscribe(self.keys.preempt_channel(node))
         except REDIS_ERRORS as exc:
             raise translate(exc) from exc
-        return PreemptionListener(pubsub)
+        return ChannelListener(pubsub)
 
     # -- carrying plans out
 

@@ -90,3 +90,24 @@ def test_the_result_writer_commits_then_releases_over_a_bare_state() -> None:
     )
     assert state.flights == {}
     assert state.leases == {}
+
+
+def test_work_rung_while_the_claim_loop_is_not_asleep_cuts_its_next_sleep() -> None:
+    """A ring can come while a claim is under way that could not see the new job yet: the
+    sleep after it returns at once (red before: the ring's wake was cleared by that sleep,
+    and the job waited out the idle poll). One ring cuts one sleep, not every one after."""
+
+    async def main() -> tuple[float, float]:
+        store = Store()
+        state = _state(store, Slack(store))
+        state.work_claimable()  # while the loop claims
+        started = asyncio.get_running_loop().time()
+        await state.sleep(5.0)
+        first = asyncio.get_running_loop().time() - started
+        started = asyncio.get_running_loop().time()
+        await state.sleep(0.2)
+        return first, asyncio.get_running_loop().time() - started
+
+    first, second = asyncio.run(main())
+    assert first < 1.0, "the sleep after a ring was not cut"
+    assert second >= 0.15, "a ring cut more than one sleep"
