@@ -59,6 +59,7 @@ from backfill.maintenance import pool_policy
 from backfill.observe import engine_held_tokens, reserved_around
 from backfill.states import ItemState, JobState
 from backfill.store import NewItem, Repository
+from backfill.work_bell import work_bell
 from bench.common import OUT_DIR, finish, machine, parser, table
 from bench.stack import BackfillStack
 from bench.throughput.engine import engine_args, engine_env
@@ -208,6 +209,8 @@ def run_backfill(
     cpu.start()
     t0 = time.perf_counter()
     repo.jobs.move_job(job, JobState.IN_PROGRESS)
+    # As a create's ingest does once its items are claimable (``backfill.work_bell``).
+    work_bell(get_settings().redis_url, stack.namespace).ring(w.model)
     result = SideResult(side, w.items, 0.0, 0)
     metrics_url = f"{stack.engine_url}/metrics"
     end = time.monotonic() + SIDE_TIMEOUT_S
