@@ -51,8 +51,9 @@ class EngineFeedSettings(BaseModel):
     interactive work is not a stall (`0`: never)"""
     prefix_pass_hold_s: Annotated[float, Field(ge=0, le=60)] = 10.0
     """on a node that looks for shared prompt prefixes (its engine caches them), a new batch's
-    items stay in the queue until the batch's prefix pass has ended, this many seconds at most
-    after it went in progress: claimed before, they would reserve whole prompts; a batch no
+    items stay in the queue until the batch's prefix pass has recorded them (a page at a time,
+    the first of 16 items), this many seconds at most after it went in progress: claimed
+    before, they would reserve whole prompts; a batch no
     node looks at, or whose pass failed, is claimed after it (at most `60`, against deadlines
     of hours; `0`: never wait)"""
     prefix_first_prefill_wait_s: Annotated[float, Field(ge=0)] = 30.0

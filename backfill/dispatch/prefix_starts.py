@@ -43,7 +43,8 @@ while the job's prefix pass runs; the default of ``BACKFILL_PREFIX_PASS_HOLD_S``
 
 def prefix_claim_hold_s(finds_prefixes: bool, hold_s: float) -> float | None:
     """How long this node's claims leave a job's items, from when the job went in progress,
-    until the pass that looks for its shared prefixes has ended (None: not at all).
+    until the pass that looks for its shared prefixes has recorded them (it records a page at
+    a time, in id order, and claims take the items behind it) or ended (None: not at all).
 
     Items claimed before the pass has recorded their prefix reserve their whole prompts, and
     start as a wave of whole prompts (``bench.prefix``: the first 9 of 48 items, ~17 s of a

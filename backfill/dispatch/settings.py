@@ -36,7 +36,7 @@ class DispatchConfig:
     may hold a shared prefix once for the items that start with it (issue 36)."""
     prefix_pass_hold_s: float = PREFIX_PASS_HOLD_S
     """Where the node looks for prefixes, how long at most its claims leave a new job's items
-    while the job's prefix pass runs (``backfill.dispatch.prefix_claim_hold_s``)."""
+    that the job's prefix pass has not recorded yet (``backfill.dispatch.prefix_claim_hold_s``)."""
     first_prefill_wait_s: float = FIRST_PREFILL_WAIT_S
     """How long a prefix's group waits for its first holder's prefill on this node."""
     max_preemptions: int = 3

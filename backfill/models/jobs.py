@@ -173,6 +173,9 @@ class Job(Base):
     # When that pass ended (found, found none, or failed; NULL: not yet, or its worker died):
     # a node that looks for prefixes leaves a new job's items until then, for a bound.
     prefixes_ended_at: Mapped[datetime | None] = mapped_column(TZ)
+    # The last item id that pass has recorded up to (its pages go in id order; NULL: none
+    # yet): while it runs, such a node claims the items at or below it.
+    prefixes_upto: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint(f"state IN ({in_list(JobState)})", name="state"),

@@ -36,12 +36,14 @@ CLAIMABLE_NOW = (
     "AND coalesce((SELECT jb.state = 'in_progress' "
     "  AND (CAST(:models AS text[]) IS NULL OR jb.model IS NULL "
     "       OR jb.model = ANY(CAST(:models AS text[]))) "
-    # On a node that looks for shared prompt prefixes (``:prefix_hold_s`` not NULL), not a
-    # job whose prefix pass has not ended, for that long after it went in progress: claimed
-    # before the pass, its items would reserve their whole prompts (issue 36). A job no finder
-    # takes (no model named) is not held; one whose pass never ends is held only that long.
-    # Read from the job's row the filter reads already: no extra round trip, no extra row.
+    # On a node that looks for shared prompt prefixes (``:prefix_hold_s`` not NULL), not the
+    # items of a job whose prefix pass has not ended that the pass has not recorded yet (its
+    # pages go in id order: those above ``prefixes_upto``), for that long after the job went
+    # in progress: claimed before the pass, an item would reserve its whole prompt (issue 36).
+    # A job no finder takes (no model named) is not held; one whose pass never ends is held
+    # only that long. Read from the job's row the filter reads already: no extra round trip.
     "  AND (CAST(:prefix_hold_s AS float8) IS NULL OR jb.prefixes_ended_at IS NOT NULL "
+    "       OR items.id <= jb.prefixes_upto "
     "       OR jb.model IS NULL OR jb.in_progress_at IS NULL "
     "       OR jb.in_progress_at "
     "          <= now() - make_interval(secs => CAST(:prefix_hold_s AS float8))) "

@@ -40,9 +40,13 @@ _TAKE = (
     "RETURNING j.id, j.endpoint, j.tenant_id, j.model"
 )
 
-# The job's prefix pass has recorded its first page (it records the rest as it goes), found
-# none, or failed: claims stop leaving its items for it (``backfill.store.claims.CLAIMABLE_NOW``).
+# The job's prefix pass has ended (looked at every item, or failed): claims stop leaving its
+# items for it (``backfill.store.claims.CLAIMABLE_NOW``).
 _ENDED = "UPDATE jobs SET prefixes_ended_at = now() WHERE id = :j AND prefixes_ended_at IS NULL"
+
+# The pass has recorded a page, up to item ``:u`` (pages go in id order): claims take the
+# items at or below it while it goes on.
+_UPTO = "UPDATE jobs SET prefixes_upto = greatest(coalesce(prefixes_upto, 0), :u) WHERE id = :j"
 
 _GROUPS = (
     "SELECT prefix_id, prefix_blocks, count(*) FROM items WHERE job_id = :j "
@@ -100,9 +104,17 @@ class Prefixes:
             ).all()
         return [(int(r[0]), str(r[1])) for r in rows]
 
-    def record_prefixes(self, job_id: str, found: Sequence[tuple[int, str, int]]) -> list[int]:
-        """Write each item's (id, prefix id, blocks) and mark the job's pass ended (found none
-        as well), in one transaction; the ids written."""
+    def record_prefixes(
+        self,
+        job_id: str,
+        found: Sequence[tuple[int, str, int]],
+        *,
+        upto: int | None = None,
+        ended: bool = True,
+    ) -> list[int]:
+        """Write each item's (id, prefix id, blocks), in one transaction with the pass's mark:
+        ``upto``, the last item id it has looked at (claims take the items up to it while it
+        goes on), and ``ended`` (claims take all of the job's items); the ids written."""
         for _, _, blocks in found:
             if blocks < 1:
                 raise ValueError("a shared prefix is one whole block at least")
@@ -118,7 +130,10 @@ class Prefixes:
                         "blocks": [f[2] for f in found],
                     },
                 ).all()
-            conn.execute(text(_ENDED), {"j": job_id})
+            if upto is not None:
+                conn.execute(text(_UPTO), {"j": job_id, "u": upto})
+            if ended:
+                conn.execute(text(_ENDED), {"j": job_id})
         return [int(r[0]) for r in rows]
 
     def end_prefix_pass(self, job_id: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import text
 
 from backfill.config import Settings
-from backfill.prefix_pass import find_job_prefixes
+from backfill.prefix_pass import FIRST_PAGE, find_job_prefixes
 from backfill.states import ItemState
 from backfill.store import Repository
 from tests.integration.standin_engine import all_succeeded, run_until, stand_in_node
@@ -40,12 +40,14 @@ class SlowIdsEngine(PrefillingEngine):
         super().__init__(**kwargs)
         self.ids_s, self.fail_ids = ids_s, fail_ids
         self.last_ids_at = 0.0
+        self.ids_at: list[float] = []
 
     async def tokenize_ids(self, body: Mapping[str, Any], model: str) -> list[int]:
         await asyncio.sleep(self.ids_s)
         if self.fail_ids:
             raise RuntimeError("no token ids today")
         self.last_ids_at = time.monotonic()
+        self.ids_at.append(self.last_ids_at)
         return await super().tokenize_ids(body, model)
 
 
@@ -96,13 +98,16 @@ def test_a_fresh_jobs_items_wait_for_its_prefix_pass_then_lean_on_the_prefix(
     settings: Settings,
 ) -> None:
     """Red before: the claim took the job's first items while the pass was still asking for
-    token ids, and they reserved their whole prompts."""
+    token ids, and they reserved their whole prompts. The pass's first page is recorded
+    before its second is asked for, and claims take its items then; every item leans."""
+    assert ITEMS > FIRST_PAGE  # two pages
     engine = SlowIdsEngine(ids_s=0.05, prefill_s=0.1, blocks=64, block=BLOCK, hold_s=0.15)
     _, _, leaned = _run(settings, "n-held", engine, hold_s=30.0)
     assert engine.started, "nothing ran"
-    assert min(engine.started) >= engine.last_ids_at, (
-        "an item reached the engine before the job's prefix pass had ended",
-        round(engine.last_ids_at - min(engine.started), 3),
+    first_page_at = sorted(engine.ids_at)[FIRST_PAGE - 1]
+    assert min(engine.started) >= first_page_at, (
+        "an item reached the engine before the first page of the job's prefix pass",
+        round(first_page_at - min(engine.started), 3),
     )
     assert leaned == ITEMS, leaned
 
@@ -228,25 +233,25 @@ class GatedIdsEngine(PrefillingEngine):
         return await super().tokenize_ids(body, model)
 
 
-def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
-    settings: Settings,
-) -> None:
-    """The pass records what each page grouped as the page ends, and the first record ends the
-    claims' hold: a batch of 50,000 items is claimed after its first page's token ids, not its
-    last (red before: nothing recorded, and every item held, until the whole pass had ended)."""
-    page = 8
-    engine = GatedIdsEngine(page, prefill_s=0.0, blocks=64, block=BLOCK)
-    with stand_in_node(settings, "n-pages", BLOCK) as (repo, _, _):
-        job = _submit(repo, "t-pages", count=3 * page)
+def _pass_with_a_gate(
+    settings: Settings, node: str, first_page: int, claim: int, **pages: int
+) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """A pass over ``3 * first_page`` items whose token ids past the first ``first_page``
+    wait: what was recorded and how many of ``claim`` items a claim took while they waited,
+    what the pass recorded in all, and the job's groups after (blocks, items) (``pages``: its
+    page sizes, when not the defaults)."""
+    engine = GatedIdsEngine(first_page, prefill_s=0.0, blocks=64, block=BLOCK)
+    with stand_in_node(settings, node, BLOCK) as (repo, _, _):
+        job = _submit(repo, f"t-{node}", count=3 * first_page)
 
         def recorded() -> int:
             return sum(group.items for group in repo.prefixes.prefix_groups(job))
 
         def claimed() -> int:
-            claim = repo.claims.open_claim("n-pages", 4, 30.0, models=["m"], prefix_hold_s=30.0)
-            if claim.open:
-                repo.claims.drop_claim(claim)
-            return len(claim.items)
+            taken = repo.claims.open_claim(node, claim, 30.0, models=["m"], prefix_hold_s=30.0)
+            if taken.open:
+                repo.claims.drop_claim(taken)
+            return len(taken.items)
 
         async def scenario() -> tuple[int, int, int]:
             finding = asyncio.create_task(
@@ -256,9 +261,9 @@ def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
                     job,
                     endpoint="/v1/completions",
                     model="m",
-                    tenant_id="t-pages",
+                    tenant_id=f"t-{node}",
                     block_size=BLOCK,
-                    page=page,
+                    **pages,
                 )
             )
             await asyncio.wait_for(engine.past_first.wait(), 120)
@@ -267,9 +272,37 @@ def test_a_big_batchs_claims_start_after_the_first_page_of_its_prefix_pass(
             found = await finding
             return *during, found.recorded
 
-        recorded_during, claimed_during, recorded_in_all = asyncio.run(scenario())
-        assert recorded_during == page  # the first page's items, while the rest wait
-        assert claimed_during == 4
-        assert recorded_in_all == 3 * page
-        [group] = repo.prefixes.prefix_groups(job)
-        assert (group.blocks, group.items) == (4, 3 * page)  # one group: the pages agree
+        during = asyncio.run(scenario())
+        groups = [(g.blocks, g.items) for g in repo.prefixes.prefix_groups(job)]
+        return (*during, groups)
+
+
+def test_a_big_batchs_claims_take_the_items_its_prefix_pass_has_recorded_as_it_goes(
+    settings: Settings,
+) -> None:
+    """The pass records what each page grouped as the page ends, and claims take the items
+    it has recorded: a batch of 50,000 items is claimed after its first page's token ids, not
+    its last, and never past the pass (red before: the first record ended the hold on the
+    whole job, and a claim took items the pass had not reached, to reserve whole prompts)."""
+    page = 8
+    recorded_during, claimed_during, recorded_in_all, groups = _pass_with_a_gate(
+        settings, "n-pages", page, claim=page + 4, page=page
+    )
+    assert recorded_during == page  # the first page's items, while the rest wait
+    assert claimed_during == page  # those, not the 4 past the pass
+    assert recorded_in_all == 3 * page
+    assert groups == [(4, 3 * page)]  # one group: the pages agree
+
+
+def test_the_prefix_passs_first_page_is_small_so_a_jobs_first_claims_come_soon(
+    settings: Settings,
+) -> None:
+    """At default page sizes the pass records its first ``FIRST_PAGE`` items before it asks
+    for more (red before: its first page was ``PAGE`` items, so a job of fewer waited for all
+    of its token ids before any item was claimable)."""
+    recorded_during, claimed_during, recorded_in_all, _ = _pass_with_a_gate(
+        settings, "n-first", FIRST_PAGE, claim=64
+    )
+    assert recorded_during == FIRST_PAGE
+    assert claimed_during == FIRST_PAGE
+    assert recorded_in_all == 3 * FIRST_PAGE
