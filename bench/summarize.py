@@ -53,6 +53,7 @@ from backfill.config import get_settings, libpq_url
 from backfill.summarize.reduce_plan import plan_reduce
 from bench.common import OUT_DIR, finish, parser
 from bench.stack import BACKFILL, BackfillStack, upload_batch
+from bench.throughput.prefix_timeline import CpuWatch
 from devkit import devengine
 from devkit.demo_job import DOCS
 
@@ -211,9 +212,15 @@ def timeline(database_url: str, batch_ids: Sequence[str], wall0: float) -> dict[
 
 
 def job_side(
-    stack: BackfillStack, corpus: Path, model: str, summary_tokens: int, env: dict[str, str]
+    stack: BackfillStack,
+    corpus: Path,
+    model: str,
+    summary_tokens: int,
+    env: dict[str, str],
+    cpu: CpuWatch,
 ) -> dict[str, Any]:
     out = corpus.with_name("summaries.parquet")
+    cpu.start()
     t0, wall0 = time.perf_counter(), time.time()
     printed, send_s, client_peak = run_client(
         [
@@ -228,6 +235,7 @@ def job_side(
     seen_end = time.perf_counter() - t0
     _, results_s, _ = run_client(["results", job_id, "-o", str(out)], env)
     wall = time.perf_counter() - t0
+    cpu_s = cpu.stop()
     rows = pq.read_metadata(out).num_rows
     tokens = int(job["progress"]["completion_tokens"])
     return {
@@ -242,6 +250,7 @@ def job_side(
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall,
         "client_peak_rss_mb": round(client_peak / 2**20, 1),
+        "cpu_s": cpu_s,
         "phases": {
             "summarize_cli_s": round(send_s, 1),
             "job_seen_ended_s": round(seen_end, 1),
@@ -305,7 +314,12 @@ def download_file(client: httpx.Client, file_id: str, path: Path) -> tuple[int, 
 
 
 def batches_side(
-    stack: BackfillStack, batch_ids: Sequence[str], fan_in: int, max_lines: int, outputs: Path
+    stack: BackfillStack,
+    batch_ids: Sequence[str],
+    fan_in: int,
+    max_lines: int,
+    outputs: Path,
+    cpu: CpuWatch,
 ) -> dict[str, Any]:
     """The job's request lines sent again as plain batches, in the same dependent order the
     job must keep: the map steps first, each level of reduce steps once the level below it
@@ -321,6 +335,7 @@ def batches_side(
             content = client.get(f"/v1/files/{source}/content").content
             lines += [line for line in content.splitlines() if line.strip()]
         waves = levels(lines, fan_in)
+        cpu.start()
         t0, wall0 = time.perf_counter(), time.time()
         ids: list[str] = []
         downloaded = {"files": 0, "lines": 0, "bytes": 0, "seconds": 0.0}
@@ -342,6 +357,7 @@ def batches_side(
             ids += sent
         ended = [client.get(f"/v1/batches/{b}").json() for b in ids]
         wall = time.perf_counter() - t0
+        cpu_s = cpu.stop()
     tokens = sum(int((b.get("usage") or {}).get("output_tokens", 0)) for b in ended)
     return {
         "batches": len(ids),
@@ -351,6 +367,7 @@ def batches_side(
         "wall_s": round(wall, 1),
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
+        "cpu_s": cpu_s,
         "downloaded": {
             "files": downloaded["files"],
             "lines": downloaded["lines"],
@@ -442,7 +459,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             BackfillStack(server.url, OUT_DIR / "logs" / NAME, {}).running()
         )
         env = {**os.environ, "BACKFILL_API_URL": backfill.base, "BACKFILL_API_KEY": backfill.key}
-        job = job_side(backfill, corpus, server.served_model_name, args.summary_tokens, env)
+        # CPU seconds of each side by process (engine, API, worker, this one; the machine's
+        # whole): on a 2-core machine what Backfill's processes take, the engine does not get.
+        cpu = CpuWatch(server.pid, backfill.pids)
+        job = job_side(backfill, corpus, server.served_model_name, args.summary_tokens, env, cpu)
         say(f"job: {json.dumps({k: v for k, v in job.items() if k != 'batches'})}")
         reset_prefix_cache(server.url)
         direct = batches_side(
@@ -451,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             job["fan_in"],
             get_settings().max_lines_per_batch,
             workdir / "outputs",
+            cpu,
         )
         say(f"batches: {json.dumps(direct)}")
         memory = memory_side(backfill, workdir, sizes, server.served_model_name, env)

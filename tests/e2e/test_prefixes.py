@@ -152,6 +152,15 @@ def _leaned(repo: Repository, job: str) -> int:
     return leaned
 
 
+def _pass_ended(repo: Repository, job: str) -> bool:
+    with repo.engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text("SELECT prefixes_ended_at IS NOT NULL FROM jobs WHERE id = :j"), {"j": job}
+            ).scalar_one()
+        )
+
+
 def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bool) -> int:
     """Run the job on a fresh node worker; the most items it held at once."""
     metrics_url = f"{url}/metrics"
@@ -161,7 +170,8 @@ def _run(settings: Settings, url: str, instruction: str, node: str, *, share: bo
         assert pool.prefix_caching, "the engine runs without prefix caching: nothing to share"
         job = _submit(repo, instruction, find_prefixes=share)
         if share:
-            helpers.wait(lambda: bool(repo.prefixes.prefix_groups(job)), 120, "the job's prefixes")
+            # The pass records a page at a time (16 items, then 32, ...): read once it ended.
+            helpers.wait(lambda: _pass_ended(repo, job), 120, "the job's prefix pass")
             [group] = repo.prefixes.prefix_groups(job)
             # The worker looks at the job's unfinished items once it takes the job (its
             # finder polls every 2 s), while its dispatcher already runs the first ones as

@@ -147,8 +147,8 @@ def _run(
 
             async def find() -> None:
                 finder = asyncio.create_task(dispatcher.prefixes.find_prefixes())
-                for _ in range(200):
-                    if repo.prefixes.prefix_groups(job):
+                for _ in range(200):  # the pass records a page at a time: until its last
+                    if sum(g.items for g in repo.prefixes.prefix_groups(job)) == ITEMS:
                         break
                     await asyncio.sleep(0.05)
                 finder.cancel()
