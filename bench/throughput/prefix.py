@@ -53,6 +53,7 @@ import httpx
 from sqlalchemy import text
 
 from backfill.config import get_settings
+from backfill.dispatch import DispatchConfig
 from backfill.engine_metrics import EnginePool, parse_cache_config, parse_engine_load
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
@@ -282,9 +283,15 @@ async def _straight(url: str, bodies: Sequence[dict[str, Any]], concurrency: int
 def run_client(
     url: str, w: PrefixWorkload, prompts: Sequence[str], concurrency: int, cpu: CpuWatch
 ) -> SideResult:
-    """The same requests straight to the engine, ``concurrency`` in flight."""
+    """The same requests straight to the engine, ``concurrency`` in flight, at the priority
+    Backfill's worker sends batch at: the engine's step scheduler treats both sides' requests
+    alike (at vLLM's default priority 0 it took the client's for interactive ones)."""
     outputs = output_lengths(len(prompts), w.max_tokens, w.vary_output)
-    bodies = [request_body(w.model, p, n) for p, n in zip(prompts, outputs, strict=True)]
+    priority = DispatchConfig(node="bench").batch_priority
+    bodies = [
+        request_body(w.model, p, n) | {"priority": priority}
+        for p, n in zip(prompts, outputs, strict=True)
+    ]
     cpu.start()
     result = asyncio.run(_straight(url, bodies, max(1, concurrency)))
     result.extra.update(cpu.stop())
