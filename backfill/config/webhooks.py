@@ -38,6 +38,10 @@ class WebhookSettings(BaseModel):
     """attempts one sender has in flight to one endpoint at most: a slow or dripping endpoint
     holds this many send slots, never all of them; endpoints whose attempts are failing come
     after healthy ones and hold at most half the slots"""
+    webhooks_per_tenant: PositiveInt = 16
+    """attempts one sender has in flight to one tenant's endpoints at most (a quarter of the
+    default slots): a tenant's many endpoints, slow or busy, leave the other slots to other
+    tenants, who take turns with it at the free ones"""
     webhooks_disable_after_s: PositiveFloat = 5 * 86_400.0
     """an endpoint whose every attempt has failed for this long is disabled (`status:
     "disabled"` and `disabled_reason` on the endpoint object; nothing is sent to it) until its

@@ -240,9 +240,10 @@ class Sender:
             self._clear_secrets_at = now + CLEAR_SECRETS_EVERY_S
 
     def _claim(self, limit: int, in_flight: Iterable[InFlight]) -> list[ClaimedDelivery]:
-        """Up to ``limit`` more, beside those ``in_flight``: sends to failing endpoints and
-        sends already slower than ``SLOW_SEND_S`` hold at most half of the slots between
-        them (healthy endpoints are claimed first)."""
+        """Up to ``limit`` more, beside those ``in_flight``, within the bounds per endpoint
+        and per tenant: sends to failing endpoints and sends already slower than
+        ``SLOW_SEND_S`` hold at most half of the slots between them (healthy endpoints are
+        claimed first)."""
         held = list(in_flight)
         now = time.monotonic()
         slow = sum(1 for f in held if f.claimed.failing or now - f.started > SLOW_SEND_S)
@@ -250,7 +251,9 @@ class Sender:
             limit,
             self.settings.webhooks_lease_s,
             busy=Counter(f.claimed.endpoint_id for f in held),
+            busy_tenants=Counter(f.claimed.tenant_id for f in held),
             per_endpoint=self.settings.webhooks_per_endpoint,
+            per_tenant=self.settings.webhooks_per_tenant,
             failing_room=max(1, self.settings.webhooks_claim_batch // 2) - slow,
         )
 
@@ -292,8 +295,9 @@ class Sender:
     def run(self, stop: threading.Event) -> None:
         """Until ``stop`` is set: claims as sends finish, so one slow receiver holds one send
         slot for at most ``webhooks_timeout_s``, never a round of everyone's; each endpoint
-        has at most ``webhooks_per_endpoint`` attempts in flight, and endpoints take turns
-        at the free slots (``WebhookStore.claim_due``). Sends in flight when it stops are
+        has at most ``webhooks_per_endpoint`` attempts in flight and each tenant
+        ``webhooks_per_tenant``, and tenants take turns at the free slots
+        (``WebhookStore.claim_due``). Sends in flight when it stops are
         finished first."""
         if not self.store.seal.sealing:
             log.warning(CLEAR_SECRETS_WARNING)

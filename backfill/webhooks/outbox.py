@@ -53,6 +53,7 @@ class ClaimedDelivery:
     endpoint_id: str = ""
     failing: bool = False
     """Its endpoint's attempts were failing when it was claimed."""
+    tenant_id: str = ""
 
 
 def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
@@ -98,17 +99,20 @@ def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
 
 
 # Each enabled endpoint's due deliveries (at most :per each), healthy endpoints first, then
-# in turns: every endpoint's oldest, then every one's second, and so on.
+# in turns between tenants: every tenant's first, then every one's second, and so on; within a
+# tenant its endpoints take turns (each one's oldest, then each one's second).
 _DUE_CANDIDATES = (
-    "SELECT id, endpoint_id, failing FROM (SELECT d.id, d.endpoint_id, "
-    "  d.next_attempt_at, p.failing_since IS NOT NULL AS failing, "
-    "  row_number() OVER (PARTITION BY d.endpoint_id "
-    "  ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
-    "  CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
-    "    FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
-    "    AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d "
-    "  WHERE p.disabled_at IS NULL) q "
-    "ORDER BY failing, turn, next_attempt_at, id"
+    "SELECT id, endpoint_id, tenant_id, failing FROM (SELECT q.*, row_number() OVER "
+    "  (PARTITION BY tenant_id, failing ORDER BY turn, next_attempt_at, id) AS tenant_turn "
+    "  FROM (SELECT d.id, d.endpoint_id, p.tenant_id, d.next_attempt_at, "
+    "    p.failing_since IS NOT NULL AS failing, "
+    "    row_number() OVER (PARTITION BY d.endpoint_id "
+    "    ORDER BY d.next_attempt_at, d.id) AS turn FROM webhook_endpoints p "
+    "    CROSS JOIN LATERAL (SELECT id, endpoint_id, next_attempt_at "
+    "      FROM webhook_deliveries WHERE endpoint_id = p.id AND state = 'pending' "
+    "      AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT :per) d "
+    "    WHERE p.disabled_at IS NULL) q) r "
+    "ORDER BY failing, tenant_turn, next_attempt_at, id"
 )
 
 # Hold the chosen deliveries still due for :lease seconds and count their attempt; returns
@@ -126,51 +130,67 @@ _CLAIM_DUE = (
     "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
     "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
     "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
-    "  d.endpoint_id, p.failing_since IS NOT NULL"
+    "  d.endpoint_id, p.failing_since IS NOT NULL, d.tenant_id"
 )
 
 
+@dataclass(frozen=True, slots=True)
+class SendRoom:
+    """What a sender may still take: its free slots, and the bounds on attempts in flight
+    per endpoint, per tenant, and for failing endpoints together."""
+
+    limit: int
+    """Deliveries to take at most."""
+    per_endpoint: int
+    per_tenant: int
+    failing: int
+    """Deliveries of failing endpoints to take at most."""
+
+
 def choose_due(
-    candidates: Sequence[tuple[int, str, bool]],
-    limit: int,
-    cap: int,
+    candidates: Sequence[tuple[int, str, str, bool]],
+    room: SendRoom,
     held: dict[str, int],
-    failing_room: int,
+    tenants_held: dict[str, int],
 ) -> list[int]:
-    """Of ``candidates`` (delivery id, endpoint id, whether the endpoint is failing), in the
-    order to take them, up to ``limit`` ids: at most ``cap`` in flight per endpoint counting
-    those ``held`` already (updated with what is chosen), at most ``failing_room`` of
-    failing endpoints'. Pure."""
+    """Of ``candidates`` (delivery id, endpoint id, tenant id, whether the endpoint is
+    failing), in the order to take them, the ids to take within ``room``, counting the
+    attempts in flight ``held`` per endpoint and ``tenants_held`` per tenant (both updated
+    with what is chosen). Pure."""
     chosen: list[int] = []
-    failing_left = failing_room
-    for delivery_id, endpoint_id, failing in candidates:
-        if len(chosen) >= limit:
+    failing_left = room.failing
+    for delivery_id, endpoint_id, tenant_id, failing in candidates:
+        if len(chosen) >= room.limit:
             break
-        if held.get(endpoint_id, 0) >= cap or (failing and failing_left <= 0):
+        if held.get(endpoint_id, 0) >= room.per_endpoint:
+            continue
+        if tenants_held.get(tenant_id, 0) >= room.per_tenant:
+            continue
+        if failing and failing_left <= 0:
             continue
         if failing:
             failing_left -= 1
         held[endpoint_id] = held.get(endpoint_id, 0) + 1
+        tenants_held[tenant_id] = tenants_held.get(tenant_id, 0) + 1
         chosen.append(delivery_id)
     return chosen
 
 
 def claim_due(
     conn: Connection,
-    limit: int,
+    room: SendRoom,
     lease_s: float,
     *,
-    cap: int,
     held: dict[str, int],
-    failing_room: int,
+    tenants_held: dict[str, int],
     open_secrets: OpenSecrets,
 ) -> list[ClaimedDelivery]:
-    """In the caller's transaction: up to ``limit`` due deliveries, chosen by
-    :func:`choose_due` (``cap``, ``held`` and ``failing_room`` as there), each held for
-    ``lease_s`` and its attempt counted."""
-    candidates = conn.execute(text(_DUE_CANDIDATES), {"per": cap}).all()
+    """In the caller's transaction: the due deliveries :func:`choose_due` takes within
+    ``room`` (``held`` and ``tenants_held`` as there), each held for ``lease_s`` and its
+    attempt counted."""
+    candidates = conn.execute(text(_DUE_CANDIDATES), {"per": room.per_endpoint}).all()
     chosen = choose_due(
-        [(r[0], r[1], bool(r[2])) for r in candidates], limit, cap, held, failing_room
+        [(r[0], r[1], r[2], bool(r[3])) for r in candidates], room, held, tenants_held
     )
     if not chosen:
         return []
@@ -189,6 +209,7 @@ def claim_due(
             secrets=open_secrets(r[9], r[10]),
             endpoint_id=r[11],
             failing=bool(r[12]),
+            tenant_id=r[13],
         )
         for r in rows
     ]

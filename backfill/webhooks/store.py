@@ -373,28 +373,35 @@ class WebhookStore:
         lease_s: float,
         *,
         busy: Mapping[str, int] | None = None,
+        busy_tenants: Mapping[str, int] | None = None,
         per_endpoint: int | None = None,
+        per_tenant: int | None = None,
         failing_room: int | None = None,
     ) -> list[ClaimedDelivery]:
         """Up to ``limit`` due deliveries, each held for ``lease_s`` and its attempt counted.
 
-        Endpoints take turns: each endpoint's oldest due delivery first, then each one's
-        second, and so on, so one endpoint's backlog (or a slow endpoint's retries) does not
-        hold every other tenant's deliveries behind it. With ``per_endpoint``, no endpoint
-        gets more than that many in flight, counting the ``busy`` ones this sender already
-        holds (endpoint id -> attempts in flight). Endpoints whose attempts are failing
-        come after the healthy ones, at most ``failing_room`` of theirs, and a disabled
-        endpoint's deliveries are not claimed at all."""
-        held = dict(busy or {})
-        cap = per_endpoint if per_endpoint is not None else limit
+        Tenants take turns: each tenant's first due delivery, then each one's second, and so
+        on (within a tenant its endpoints take turns, each one's oldest first), so neither one
+        endpoint's backlog nor a tenant's many endpoints hold every other tenant's deliveries
+        behind them. With ``per_endpoint`` (``per_tenant``), no endpoint (tenant) gets more
+        than that many in flight, counting the ones this sender already holds, ``busy``
+        (endpoint id -> attempts in flight) and ``busy_tenants`` (tenant id -> attempts).
+        Endpoints whose attempts are failing come after the healthy ones, at most
+        ``failing_room`` of theirs, and a disabled endpoint's deliveries are not claimed at
+        all."""
+        room = outbox.SendRoom(
+            limit=limit,
+            per_endpoint=per_endpoint if per_endpoint is not None else limit,
+            per_tenant=per_tenant if per_tenant is not None else limit,
+            failing=failing_room if failing_room is not None else limit,
+        )
         with self._tx() as conn:
             return outbox.claim_due(
                 conn,
-                limit,
+                room,
                 lease_s,
-                cap=cap,
-                held=held,
-                failing_room=failing_room if failing_room is not None else limit,
+                held=dict(busy or {}),
+                tenants_held=dict(busy_tenants or {}),
                 open_secrets=self._open,
             )
 
