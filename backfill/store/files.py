@@ -16,7 +16,7 @@ from backfill import ids
 from backfill.errors import NotFound
 from backfill.store.bodies import keep_bodies
 from backfill.store.database import Database
-from backfill.store.records import FileRecord
+from backfill.store.records import FilePage, FileRecord
 
 FILE_CHUNK_BYTES = 1024 * 1024
 """Pieces of stored files, unless the caller says (``Settings.file_chunk_bytes``)."""
@@ -89,6 +89,34 @@ LIST_FILES = {
         "AND (CAST(:a AS text) IS NULL OR (f.created_at, f.id) "
         f"{cmp} (SELECT c.created_at, c.id FROM files c WHERE c.id = :a AND c.tenant_id = :t)) "
         f"ORDER BY created_at {order}, id {order} LIMIT :l"
+    )
+    for order, cmp in (("DESC", "<"), ("ASC", ">"))
+}
+
+# The same page as one File list's objects, written by Postgres: a page of 10,000 files built
+# in the API (rows, records, JSON) took ~80-160 ms of its one interpreter, and one tenant's
+# list loops held every other tenant's requests behind them. Each object is OpenAI's File
+# object field for field, in order, byte for byte what ``queue_api.schemas.file_list_json``
+# writes of the records (``tests/integration/test_file_list_page.py``).
+_FILE_OBJECT = (
+    """'{"id":' || to_json(id)::text || ',"object":"file","bytes":' || bytes """
+    """|| ',"created_at":' || floor(extract(epoch FROM created_at))::bigint """
+    """|| ',"filename":' || to_json(filename)::text || ',"purpose":' || to_json(purpose)::text """
+    """|| ',"status":"processed","status_details"\\:null,"expires_at":' """
+    """|| coalesce(floor(extract(epoch FROM expires_at))::bigint::text, 'null') || '}'"""
+)
+LIST_FILES_PAGE = {
+    order: (
+        f"WITH page AS (SELECT id, {_FILE_OBJECT} AS one, "
+        f"row_number() OVER (ORDER BY created_at {order}, id {order}) AS n "
+        f"FROM files f WHERE tenant_id = :t AND {LIVE} "
+        "AND (CAST(:p AS text) IS NULL OR purpose = :p) "
+        "AND (CAST(:a AS text) IS NULL OR (f.created_at, f.id) "
+        f"{cmp} (SELECT c.created_at, c.id FROM files c WHERE c.id = :a AND c.tenant_id = :t)) "
+        f"ORDER BY created_at {order}, id {order} LIMIT :l + 1) "
+        "SELECT coalesce(string_agg(one, ',' ORDER BY n) FILTER (WHERE n <= :l), ''), "
+        "(array_agg(id ORDER BY n))[1], "
+        "(array_agg(id ORDER BY n DESC) FILTER (WHERE n <= :l))[1], count(*) > :l FROM page"
     )
     for order, cmp in (("DESC", "<"), ("ASC", ">"))
 }
@@ -204,6 +232,24 @@ class Files:
                 {"t": tenant_id, "p": purpose, "a": after, "l": limit + 1},
             ).all()
         return [FileRecord(*r) for r in rows[:limit]], len(rows) > limit
+
+    def list_files_page(
+        self,
+        tenant_id: str,
+        *,
+        purpose: str | None = None,
+        limit: int = 100,
+        after: str | None = None,
+        ascending: bool = False,
+    ) -> FilePage:
+        """The page :meth:`list_files` reads, as its File objects' JSON (written by Postgres,
+        so a page costs this process one string, not a record and an object per file)."""
+        with self._db.transaction() as conn:
+            data, first, last, more = conn.execute(
+                text(LIST_FILES_PAGE["ASC" if ascending else "DESC"]),
+                {"t": tenant_id, "p": purpose, "a": after, "l": limit},
+            ).one()
+        return FilePage(data, first, last, bool(more))
 
     def delete_expired_files(self, limit: int = 1000) -> list[str]:
         """Delete files past their ``expires_at`` (up to ``limit``); returns their ids. The

@@ -49,6 +49,18 @@ class FileRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class FilePage:
+    """A page of a tenant's files as OpenAI's File list wants them, its objects' JSON written
+    by Postgres (``Files.list_files_page``)."""
+
+    data: str
+    """The page's File objects as JSON, comma-separated, in the page's order."""
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+@dataclass(frozen=True, slots=True)
 class JobCounts:
     """Items per state and token totals of one job (the ``job_counters`` row)."""
 

@@ -9,7 +9,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from backfill import batches
 from queue_api.deps import IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
-from queue_api.schemas import FileDeleted, FileList, FileObject, file_list_json
+from queue_api.schemas import FileDeleted, FileList, FileObject, file_page_json
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -53,11 +53,12 @@ def list_files(
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = MAX_LIST,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> Response:
-    page, more = repo.files.list_files(
+    page = repo.files.list_files_page(
         tenant.id, purpose=purpose, limit=limit, after=after, ascending=order == "asc"
     )
-    # Written directly, not through the models (OpenAI's default page is 10,000 files).
-    return Response(file_list_json(page, more), media_type="application/json")
+    # Written by Postgres, not through the models here: OpenAI's default page is 10,000 files,
+    # and a page built in this process held its one interpreter 80-160 ms.
+    return Response(file_page_json(page), media_type="application/json")
 
 
 @router.get("/{file_id}")
