@@ -2,18 +2,20 @@
 
 ``backfill api`` in its own process over a scratch database. Tenant A uploads large files
 whose last line is bad (every line is read, then refused: the costliest create) and then
-``--flood`` threads create batches of them as fast as they can; tenant B meanwhile reads
-(``GET /v1/batches?limit=1``) and creates a batch of a small file, one request at a time. B
-is measured alone first, then beside the flood, against the same API. The run is made twice:
-at the defaults (a file over ``BACKFILL_INGEST_INLINE_BYTES`` is checked and stored by the
-API's ingest process, the create answers ``validating`` at once), and with every create
-checked in its request (as before ingests were deferred; the API's bounds on creates in
-progress, ``BACKFILL_MAX_INGESTS_PER_TENANT`` and ``BACKFILL_MAX_INGESTS``, at their defaults
-both times). Figure: B's read p99 beside the flood over B's alone, at the defaults; goal <= 2x
-and no 5xx anywhere.
+``--flood`` threads (30, as issue 35 asks) create batches of them as fast as they can, while
+``--lists`` threads (8) list A's ``--files`` files (10,000: the stored rows of A's, written
+straight into the scratch database) a page of OpenAI's default 10,000 at a time; tenant B
+meanwhile reads (``GET /v1/batches?limit=1``) and creates a batch of a small file, one request
+at a time. B is measured alone first, then beside the flood, against the same API. The run is
+made twice: at the defaults (a file over ``BACKFILL_INGEST_INLINE_BYTES`` is checked and
+stored by the API's ingest process, the create answers ``validating`` at once), and with
+every create checked in its request (as before ingests were deferred; the API's bounds on
+creates in progress, ``BACKFILL_MAX_INGESTS_PER_TENANT`` and ``BACKFILL_MAX_INGESTS``, at
+their defaults both times). Figure: B's read p99 beside the flood over B's alone, at the
+defaults; goal <= 2x, B's create p99 within 2x of alone too, and no 5xx anywhere.
 
 Two things here are the benchmark's, not the API's. A's client runs at ``--client-nice`` (19):
-on a deployment the flooding tenant's client runs on its own machines, while here its 24
+on a deployment the flooding tenant's client runs on its own machines, while here its
 threads share the API's cores, and profiled they took twice the API's CPU (1.7 s against
 0.8 s of an 8 s phase). And a tenant may have 100,000 batches active (the default cap is
 100): B makes hundreds of small batches that no worker runs, and at the cap every create of
@@ -36,6 +38,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+from sqlalchemy import text
 
 from backfill.store import Repository
 from bench.api.server import start_api, stop_api
@@ -64,6 +67,8 @@ class Run:
     flood: Counter[int]
     flood_refusals: Counter[str] = field(default_factory=Counter)
     """A's 429s by error code: which bound answered them."""
+    lists: Counter[int] = field(default_factory=Counter)
+    """The statuses of A's file lists."""
 
 
 @dataclass
@@ -112,12 +117,28 @@ def flood(
                 "completion_window": "24h",
             },
         )
-        seen[answer.status_code] += 1
-        if answer.status_code == 429:
-            refused[answer.json().get("error", {}).get("code", "")] += 1
-            # As the openai SDK does: wait what Retry-After says.
-            time.sleep(float(answer.headers.get("Retry-After", "1")))
+        _seen(answer, seen, refused)
         i += 1
+
+
+def list_loop(
+    client: httpx.Client,
+    stop: threading.Event,
+    *,
+    seen: Counter[int],
+    refused: Counter[str],
+) -> None:
+    """A's file lists, a page of OpenAI's default size (10,000) each, one after another."""
+    while not stop.is_set():
+        _seen(client.get("/v1/files"), seen, refused)
+
+
+def _seen(answer: httpx.Response, seen: Counter[int], refused: Counter[str]) -> None:
+    seen[answer.status_code] += 1
+    if answer.status_code == 429:
+        refused[answer.json().get("error", {}).get("code", "")] += 1
+        # As the openai SDK does: wait what Retry-After says.
+        time.sleep(float(answer.headers.get("Retry-After", "1")))
 
 
 SIDES = {
@@ -126,41 +147,52 @@ SIDES = {
 }
 
 
-def flood_process(
-    base: str, key: str, file_ids: list[str], threads: int, stop: Any, statuses: Any, nice: int
-) -> None:
+@dataclass(frozen=True)
+class Flood:
+    """Tenant A's load: ``threads`` creating batches of ``file_ids``, ``lists`` listing
+    files."""
+
+    base: str
+    key: str
+    file_ids: list[str]
+    threads: int
+    lists: int
+
+
+def flood_process(a: Flood, stop: Any, statuses: Any, nice: int) -> None:
     """Tenant A's client, a process of its own (its threads never share an interpreter with
-    B's client) at CPU priority ``nice``: ``threads`` flood threads until ``stop``; their
-    statuses put on ``statuses``."""
+    B's client) at CPU priority ``nice``: ``a``'s threads until ``stop``; their statuses put
+    on ``statuses``."""
     os.nice(nice)
     seen: Counter[int] = Counter()
+    listed: Counter[int] = Counter()
     refused: Counter[str] = Counter()
     local = threading.Event()
 
-    def one() -> None:
+    def one(creates: bool) -> None:
         with httpx.Client(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120
+            base_url=a.base, headers={"Authorization": f"Bearer {a.key}"}, timeout=120
         ) as client:
-            flood(client, file_ids, local, seen=seen, refused=refused)
+            if creates:
+                flood(client, a.file_ids, local, seen=seen, refused=refused)
+            else:
+                list_loop(client, local, seen=listed, refused=refused)
 
-    workers = [threading.Thread(target=one, daemon=True) for _ in range(threads)]
+    workers = [
+        threading.Thread(target=one, args=(n < a.threads,), daemon=True)
+        for n in range(a.threads + a.lists)
+    ]
     for w in workers:
         w.start()
     stop.wait()
     local.set()
     for w in workers:
         w.join(180)
-    statuses.put((dict(seen), dict(refused)))
+    statuses.put((dict(seen), dict(refused), dict(listed)))
 
 
 def flood_beside(
-    base: str,
-    key: str,
-    file_ids: list[str],
-    threads: int,
-    seen: Counter[int],
-    refused: Counter[str],
-    nice: int = 0,
+    a: Flood, seen: Counter[int], refused: Counter[str], listed: Counter[int], nice: int = 0
 ) -> Callable[[threading.Event], None]:
     """A load for ``beside_load``: A's flood in a process of its own, stopped with the
     load."""
@@ -171,28 +203,44 @@ def flood_beside(
         statuses = context.Queue()
         child = context.Process(
             target=flood_process,
-            args=(base, key, file_ids, threads, child_stop, statuses, nice),
+            args=(a, child_stop, statuses, nice),
         )
         child.start()
         stop.wait()
         child_stop.set()
-        statuses_seen, refusals_seen = statuses.get(timeout=240)
+        statuses_seen, refusals_seen, lists_seen = statuses.get(timeout=240)
         seen.update(statuses_seen)
         refused.update(refusals_seen)
+        listed.update(lists_seen)
         child.join(60)
 
     return load
 
 
-def run(
-    url: str, side: str, flood_threads: int, lines: int, seconds: float, client_nice: int = 0
-) -> Run:
+# Files of A's to list: rows as an upload leaves them (the list reads no piece).
+STORED_FILES = (
+    "INSERT INTO files (id, tenant_id, purpose, filename, bytes, created_at) "
+    "SELECT 'file-' || substr(md5(:t || g), 1, 24), :t, 'batch', 'listed.jsonl', 1000, "
+    "now() - make_interval(secs => g) FROM generate_series(1, :n) AS g"
+)
+
+
+@dataclass(frozen=True)
+class Load:
+    """What A does: ``flood`` threads creating, ``lists`` threads listing ``files`` files."""
+
+    flood: int
+    lists: int
+    files: int
+
+
+def run(url: str, side: str, load: Load, lines: int, seconds: float, client_nice: int = 0) -> Run:
     namespace = f"bfbench{secrets.token_hex(3)}"
     repo = Repository.connect(url)
-    keys = {
-        t: repo.tenants.create_api_key(repo.tenants.create_tenant(f"{t}-{namespace}").id)
-        for t in "AB"
-    }
+    tenants = {t: repo.tenants.create_tenant(f"{t}-{namespace}").id for t in "AB"}
+    keys = {t: repo.tenants.create_api_key(tenant_id) for t, tenant_id in tenants.items()}
+    with repo.engine.begin() as conn:
+        conn.execute(text(STORED_FILES), {"t": tenants["A"], "n": load.files})
     repo.close()
     port = 18_000 + secrets.randbelow(2000)
     settings = {
@@ -226,8 +274,13 @@ def run(
             alone = b_traffic(b, b_file, seconds)
             a_seen: Counter[int] = Counter()
             a_refused: Counter[str] = Counter()
+            a_listed: Counter[int] = Counter()
             flooding = flood_beside(
-                base, keys["A"], a_files, flood_threads, a_seen, a_refused, client_nice
+                Flood(base, keys["A"], a_files, load.flood, load.lists),
+                a_seen,
+                a_refused,
+                a_listed,
+                client_nice,
             )
             beside = beside_load(
                 [flooding],
@@ -236,12 +289,14 @@ def run(
             )
     finally:
         stop_api(process, namespace)
-    return Run(alone, beside, a_seen, a_refused)
+    return Run(alone, beside, a_seen, a_refused, a_listed)
 
 
 def main() -> None:
     p = parser(NAME, __doc__ or "")
-    p.add_argument("--flood", type=int, default=24, help="tenant A's concurrent creates")
+    p.add_argument("--flood", type=int, default=30, help="tenant A's concurrent creates")
+    p.add_argument("--lists", type=int, default=8, help="tenant A's concurrent file lists")
+    p.add_argument("--files", type=int, default=10_000, help="tenant A's files to list")
     p.add_argument(
         "--client-nice", type=int, default=19, help="CPU priority of A's client (0: as B's)"
     )
@@ -252,10 +307,13 @@ def main() -> None:
     for side in SIDES:
         # A database each: what one side's flood queued is not the next side's work.
         with scratch_database("bfbench_iso") as url:
-            results[side] = run(url, side, args.flood, lines, seconds, args.client_nice)
+            load = Load(args.flood, args.lists, args.files)
+            results[side] = run(url, side, load, lines, seconds, args.client_nice)
     rows: list[tuple[object, ...]] = []
     details: dict[str, object] = {
         "flood": args.flood,
+        "lists": args.lists,
+        "files": args.files,
         "lines": lines,
         "seconds": seconds,
         "client_nice": args.client_nice,
@@ -274,21 +332,27 @@ def main() -> None:
                 )
             )
         rows.append((f"{side}: A's creates", r.flood.total(), "", "", "", "", _errors(r.flood)))
+        rows.append((f"{side}: A's file lists", r.lists.total(), "", "", "", "", _errors(r.lists)))
         details[side] = {
             "b_alone_read_p99_ms": percentile(r.alone.reads_ms, 99),
             "b_beside_read_p99_ms": percentile(r.beside.reads_ms, 99),
             "b_beside_create_p99_ms": percentile(r.beside.creates_ms, 99),
             "a_statuses": dict(r.flood),
             "a_refusals": dict(r.flood_refusals),
+            "a_list_statuses": dict(r.lists),
             "b_statuses": dict(r.beside.statuses),
         }
     headers = ["side", "reads", "read p50 ms", "read p99 ms", "create p50 ms", "create p99 ms"]
     print(table([*headers, "5xx"], rows))
     ok = results["deferred"]
     ratio = percentile(ok.beside.reads_ms, 99) / percentile(ok.alone.reads_ms, 99)
-    errors = _errors(ok.beside.statuses) + _errors(ok.flood)
+    create_ratio = percentile(ok.beside.creates_ms, 99) / percentile(ok.alone.creates_ms, 99)
+    errors = _errors(ok.beside.statuses) + _errors(ok.flood) + _errors(ok.lists)
     details["five_xx_deferred"] = errors
-    finish(NAME, "b_read_p99_ratio", ratio, "<=", GOAL, details, holds=errors == 0)
+    details["b_create_p99_ratio"] = create_ratio
+    print(f"B's create p99 beside A's flood over alone: {create_ratio:.3g} (goal <= {GOAL:g})")
+    holds = errors == 0 and create_ratio <= GOAL
+    finish(NAME, "b_read_p99_ratio", ratio, "<=", GOAL, details, holds=holds)
 
 
 def _errors(statuses: Counter[int]) -> int:
