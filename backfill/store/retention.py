@@ -81,8 +81,11 @@ class KeyChunk:
 
 # Attempts, and anything else hanging off an item, go with it (ON DELETE CASCADE).
 ITEM_CHUNK = KeyChunk("items", "id", ("line_no",))
-# Webhook deliveries go with their event (a few events a job); counters and job events with
-# the job.
+# Webhook deliveries go with their event; counters and job events with the job. The events
+# need no ``KeyChunk``: a job has at most one (its end; nothing leaves an end state:
+# ``test_the_event_exists_exactly_when_the_batch_end_committed``), with a delivery to each of
+# at most ``webhooks_max_endpoints`` endpoints, so there is no run of dead index entries for a
+# chunk to walk.
 WEBHOOK_CHUNK = (
     "DELETE FROM webhook_events WHERE id IN "
     "(SELECT id FROM webhook_events WHERE job_id = :j LIMIT :n)"
