@@ -74,6 +74,9 @@ class RateLimiter:
         return self._async_script is not None
 
     def check(self, tenant_id: str, cost: int = 1) -> RateDecision:
+        """Whether ``tenant_id`` may spend ``cost`` tokens now (a cost over the burst costs
+        the burst: a full bucket always lets a request through)."""
+        cost = min(cost, self._burst)
         try:
             allowed, wait_ms, _ = self._script(keys=self._keys(tenant_id), args=self._args(cost))
         except redis.RedisError as exc:
@@ -85,6 +88,7 @@ class RateLimiter:
         """:meth:`check` on the event loop, through the asyncio client."""
         if self._async_script is None:
             raise RuntimeError("this rate limiter was built without an asyncio client")
+        cost = min(cost, self._burst)
         book = self._credits
         now = time.monotonic()
         if book is not None and book.spend(tenant_id, cost, now):

@@ -1,6 +1,6 @@
 """The request edge: what a request may cost is settled before any route sees it.
 
-Per route (:func:`route_rules`, a pure function of method and path):
+Per route (:func:`route_rules`, a pure function of method, path and query):
 
 - **Body size**, counted on the bytes actually read, not only on ``Content-Length`` (a
   chunked body declares no length): an upload may carry ``max_file_bytes`` and its multipart
@@ -10,7 +10,9 @@ Per route (:func:`route_rules`, a pure function of method and path):
   rather than drained).
 - **The key**, for every ``/v1/`` route: checked, with the tenant's rate limit, before one
   byte of the body is read, so a caller without a valid key never makes the API read, parse
-  or spool a body.
+  or spool a body. A request costs one token of the rate limit, but a page of files a token
+  a thousand files (OpenAI's default page, 10,000 files, costs 10: the store and the API
+  spend on it what they spend on a hundred small reads).
 - **Anonymous work** (the capacity lab, ``/metrics``, ``/healthz``) is rate-limited per
   client address, and so is every key lookup that only Postgres can answer (a key not in the
   key cache), so guessing keys costs the guesser, not the database.
@@ -26,10 +28,12 @@ proxy shares one bucket).
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 import anyio
 from starlette.datastructures import Headers
@@ -60,6 +64,10 @@ ACCEPTED_STATE = "backfill.accepted"
 hop account starts there)."""
 
 UPLOAD_PATH = "/v1/files"
+FILES_PAGE_MAX = 10_000
+"""The largest page of files (OpenAI's default page; ``queue_api.routes.files``)."""
+FILES_PER_RATE_TOKEN = 1_000
+"""Files on a page that cost one token of the tenant's rate limit."""
 INTERACTIVE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 SUMMARY_JOBS_PATH = "/v1/summary_jobs/"
 """A summarisation job's documents (``.../{id}/documents``) come in pages as large as an
@@ -99,13 +107,18 @@ class RouteRules:
     every ``/v1/`` route but the streamed bodies (uploads, summary documents: a slow sender
     would hold a place for minutes; the ingest slots bound them) and the interactive
     gateway (its requests mostly wait on an engine, and the gateway admits them itself)."""
+    rate_cost: int = 1
+    """Tokens of the tenant's rate limit the request costs."""
 
 
-def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
-    """The rules of one request, from its method and path alone."""
+def route_rules(method: str, path: str, limits: BodyLimits, query: bytes = b"") -> RouteRules:
+    """The rules of one request, from its method, path and query string alone."""
     if path == "/v1" or path.startswith("/v1/"):
         if method == "POST" and path == UPLOAD_PATH:
             return RouteRules(limits.upload_bytes, True, False, "file")
+        if method == "GET" and path == UPLOAD_PATH:
+            cost = files_page_cost(query)
+            return RouteRules(limits.json_bytes, True, False, takes_turns=True, rate_cost=cost)
         if path in INTERACTIVE_PATHS:
             return RouteRules(limits.interactive_bytes, True, False)
         if method == "POST" and path.startswith(SUMMARY_JOBS_PATH) and path.endswith("/documents"):
@@ -113,6 +126,17 @@ def route_rules(method: str, path: str, limits: BodyLimits) -> RouteRules:
         return RouteRules(limits.json_bytes, True, False, takes_turns=True)
     limited = any(path == p.rstrip("/") or path.startswith(p) for p in ANONYMOUS_LIMITED)
     return RouteRules(limits.json_bytes, False, limited)
+
+
+def files_page_cost(query: bytes) -> int:
+    """Rate tokens of a page of files: a token a thousand files it may list (a ``limit`` that
+    is not a number costs one: the route refuses it)."""
+    asked = parse_qs(query.decode("latin-1")).get("limit", [str(FILES_PAGE_MAX)])[-1]
+    try:
+        limit = min(max(int(asked), 1), FILES_PAGE_MAX)
+    except ValueError:
+        return 1
+    return math.ceil(limit / FILES_PER_RATE_TOKEN)
 
 
 class BodyTooLarge(HTTPException):
@@ -140,7 +164,8 @@ class Gate:
         self.tenants = tenants
         self.anonymous = anonymous
 
-    def authenticate(self, authorization: str, address: str) -> TenantRecord:
+    def authenticate(self, authorization: str, address: str, cost: int = 1) -> TenantRecord:
+        """The caller's tenant, whose rate limit pays ``cost`` tokens for the request."""
         key = _bearer(authorization)
         known, tenant = self.keys.cached(key)
         if not known:
@@ -148,10 +173,10 @@ class Gate:
             tenant = self.keys.get(key)
         if tenant is None:
             raise Unauthorized("Incorrect API key provided.")
-        _allowed(self.tenants.check(tenant.id))
+        _allowed(self.tenants.check(tenant.id, cost))
         return tenant
 
-    async def authenticate_cached(self, authorization: str) -> TenantRecord | None:
+    async def authenticate_cached(self, authorization: str, cost: int = 1) -> TenantRecord | None:
         """:meth:`authenticate` on the event loop, for a key the key cache knows (its rate
         limit checked through the asyncio client); None when only Postgres can tell (or no
         asyncio client was given): then :meth:`authenticate`, in a worker thread."""
@@ -163,7 +188,7 @@ class Gate:
             return None
         if tenant is None:
             raise Unauthorized("Incorrect API key provided.")
-        _allowed(await self.tenants.acheck(tenant.id))
+        _allowed(await self.tenants.acheck(tenant.id, cost))
         return tenant
 
     def admit_anonymous(self, address: str) -> None:
@@ -217,7 +242,9 @@ class RequestEdge:
         state[ACCEPTED_STATE] = time.perf_counter()
         state[REQUEST_ID_STATE] = request_id
         send = _with_request_id(send, request_id)
-        rules = route_rules(scope["method"], scope["path"], self.limits)
+        rules = route_rules(
+            scope["method"], scope["path"], self.limits, scope.get("query_string", b"")
+        )
         headers = Headers(scope=scope)
         declared = _declared_length(headers)
         if declared is not None and declared > rules.max_body_bytes:
@@ -229,7 +256,11 @@ class RequestEdge:
         if gate is not None and (rules.needs_key or rules.anonymous_limited):
             authorization = headers.get("authorization", "")
             try:
-                tenant = await gate.authenticate_cached(authorization) if rules.needs_key else None
+                tenant = (
+                    await gate.authenticate_cached(authorization, rules.rate_cost)
+                    if rules.needs_key
+                    else None
+                )
                 if tenant is None:
                     # A thread hop: Postgres (a key not in the cache) and the sync Redis client.
                     tenant = await anyio.to_thread.run_sync(
@@ -277,7 +308,7 @@ def _with_request_id(send: Send, request_id: str) -> Send:
 
 def _pass(gate: Gate, rules: RouteRules, authorization: str, address: str) -> TenantRecord | None:
     if rules.needs_key:
-        return gate.authenticate(authorization, address)
+        return gate.authenticate(authorization, address, rules.rate_cost)
     gate.admit_anonymous(address)
     return None
 

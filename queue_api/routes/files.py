@@ -9,11 +9,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from backfill import batches
 from queue_api.deps import IngestSlotsDep, RepositoryDep, SettingsDep, TenantDep
+from queue_api.edge import FILES_PAGE_MAX
 from queue_api.schemas import FileDeleted, FileList, FileObject, file_page_json
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-MAX_LIST = 10_000
+MAX_LIST = FILES_PAGE_MAX
+"""OpenAI's default page; the edge charges a page's rate tokens by its size."""
 
 
 @router.post("")
