@@ -20,7 +20,9 @@ threads share the API's cores, and profiled they took twice the API's CPU (1.7 s
 0.8 s of an 8 s phase). And a tenant may have 100,000 batches active (the default cap is
 100): B makes hundreds of small batches that no worker runs, and at the cap every create of
 B's after its first hundred was a 429 answered before any work, which the table counted as a
-create.
+create. Tenants' rate limits are off by default, as in every API benchmark; ``--rate-limit 50
+--b-rate 40`` runs A under the API's default limit (B paced under it), where a page of files
+costs a token a thousand files.
 """
 
 from __future__ import annotations
@@ -78,12 +80,16 @@ class Seen:
     statuses: Counter[int] = field(default_factory=Counter)
 
 
-def b_traffic(client: httpx.Client, file_id: str, seconds: float) -> Seen:
-    """B: reads, and a create every tenth request, one at a time for ``seconds``."""
+def b_traffic(client: httpx.Client, file_id: str, seconds: float, rate: float = 0.0) -> Seen:
+    """B: reads, and a create every tenth request, one at a time for ``seconds``, at most
+    ``rate`` a second (0: back to back)."""
     seen = Seen()
-    end = time.monotonic() + seconds
+    began = time.monotonic()
+    end = began + seconds
     n = 0
     while time.monotonic() < end:
+        if rate > 0:
+            time.sleep(max(0.0, began + n / rate - time.monotonic()))
         n += 1
         started = time.perf_counter()
         if n % 10 == 0:
@@ -227,11 +233,15 @@ STORED_FILES = (
 
 @dataclass(frozen=True)
 class Load:
-    """What A does: ``flood`` threads creating, ``lists`` threads listing ``files`` files."""
+    """What A does: ``flood`` threads creating, ``lists`` threads listing ``files`` files,
+    under a rate limit of ``rate_limit`` a second (burst four times that; 0: none), and what
+    B does: at most ``b_rate`` requests a second (0: back to back)."""
 
     flood: int
     lists: int
     files: int
+    rate_limit: float = 0.0
+    b_rate: float = 0.0
 
 
 def run(url: str, side: str, load: Load, lines: int, seconds: float, client_nice: int = 0) -> Run:
@@ -248,6 +258,9 @@ def run(url: str, side: str, load: Load, lines: int, seconds: float, client_nice
         "BACKFILL_MAX_ACTIVE_BATCHES_PER_TENANT": "100000",
         **SIDES[side],
     }
+    if load.rate_limit > 0:
+        settings["BACKFILL_RATE_LIMIT_PER_S"] = f"{load.rate_limit:g}"
+        settings["BACKFILL_RATE_LIMIT_BURST"] = str(int(load.rate_limit * 4))
     process = start_api(url, namespace, port, settings)
     base = f"http://127.0.0.1:{port}"
 
@@ -271,7 +284,7 @@ def run(url: str, side: str, load: Load, lines: int, seconds: float, client_nice
                 data={"purpose": "batch"},
             )
             b_file = small.raise_for_status().json()["id"]
-            alone = b_traffic(b, b_file, seconds)
+            alone = b_traffic(b, b_file, seconds, load.b_rate)
             a_seen: Counter[int] = Counter()
             a_refused: Counter[str] = Counter()
             a_listed: Counter[int] = Counter()
@@ -284,7 +297,7 @@ def run(url: str, side: str, load: Load, lines: int, seconds: float, client_nice
             )
             beside = beside_load(
                 [flooding],
-                partial(b_traffic, b, b_file, seconds),
+                partial(b_traffic, b, b_file, seconds, load.b_rate),
                 settle_s=3.0,
             )
     finally:
@@ -298,6 +311,15 @@ def main() -> None:
     p.add_argument("--lists", type=int, default=8, help="tenant A's concurrent file lists")
     p.add_argument("--files", type=int, default=10_000, help="tenant A's files to list")
     p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=0.0,
+        help="tenants' rate limit a second, burst 4x (the API's default: 50; 0: none)",
+    )
+    p.add_argument(
+        "--b-rate", type=float, default=0.0, help="B's requests a second at most (0: no pause)"
+    )
+    p.add_argument(
         "--client-nice", type=int, default=19, help="CPU priority of A's client (0: as B's)"
     )
     args = p.parse_args()
@@ -307,13 +329,15 @@ def main() -> None:
     for side in SIDES:
         # A database each: what one side's flood queued is not the next side's work.
         with scratch_database("bfbench_iso") as url:
-            load = Load(args.flood, args.lists, args.files)
+            load = Load(args.flood, args.lists, args.files, args.rate_limit, args.b_rate)
             results[side] = run(url, side, load, lines, seconds, args.client_nice)
     rows: list[tuple[object, ...]] = []
     details: dict[str, object] = {
         "flood": args.flood,
         "lists": args.lists,
         "files": args.files,
+        "rate_limit": args.rate_limit,
+        "b_rate": args.b_rate,
         "lines": lines,
         "seconds": seconds,
         "client_nice": args.client_nice,
