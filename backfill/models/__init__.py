@@ -17,6 +17,6 @@ from __future__ import annotations
 
 from backfill.models import summaries, webhooks
 from backfill.models.base import Base
-from backfill.models.jobs import ACTIVE_SQL, CLAIMABLE_SQL
+from backfill.models.jobs import ACTIVE_SQL, CLAIMABLE_SQL, JOB_ENDED_AT
 
-__all__ = ["ACTIVE_SQL", "CLAIMABLE_SQL", "Base", "summaries", "webhooks"]
+__all__ = ["ACTIVE_SQL", "CLAIMABLE_SQL", "JOB_ENDED_AT", "Base", "summaries", "webhooks"]

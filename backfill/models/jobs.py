@@ -32,10 +32,12 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backfill.models.base import TZ, Base, in_list
-from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, ItemState, JobState
+from backfill.states import ITEM_ACTIVE, ITEM_CLAIMABLE, JOB_TERMINAL, ItemState, JobState
 
 CLAIMABLE_SQL = in_list(ITEM_CLAIMABLE)
 ACTIVE_SQL = in_list(ITEM_ACTIVE)
+JOB_ENDED_AT = "COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at)"
+"""When a job ended (its end state's stamp; the retention purge counts its period from it)."""
 
 ATTEMPTS_FILLFACTOR = 50
 """Percent of each ``attempts`` page filled by inserts (the rest is room for HOT updates)."""
@@ -207,6 +209,12 @@ class Job(Base):
             "ingest_turn",
             "created_at",
             postgresql_where=text("state = 'validating' AND ingest_deferred"),
+        ),
+        # The retention purge's ended jobs, oldest end first: a month of them is kept.
+        Index(
+            "ix_jobs_ended",
+            text(JOB_ENDED_AT),
+            postgresql_where=text(f"state IN ({in_list(JOB_TERMINAL)})"),
         ),
         # The fair-share claim asks which tenants have work (jobs in progress).
         Index(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import text
 
+from backfill.models import JOB_ENDED_AT
 from backfill.purge_pace import (
     Chunk,
     NextChunk,
@@ -37,12 +38,13 @@ from backfill.summarize.states import SUMMARY_JOB_TERMINAL
 
 ENDED_STATES = ", ".join(f"'{state.value}'" for state in sorted(JOB_TERMINAL))
 
+# The ended jobs past their retention, oldest end first (``ix_jobs_ended``: a month of ended
+# jobs is kept, and a tick must not read them all to find a hundred).
 DUE_JOBS = (
     "SELECT id, output_file_id, error_file_id FROM jobs "
     f"WHERE state IN ({ENDED_STATES}) "
-    "AND COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) "
-    "< now() - make_interval(secs => CAST(:age AS float8)) "
-    "ORDER BY COALESCE(completed_at, failed_at, expired_at, cancelled_at, created_at) LIMIT :l"
+    f"AND {JOB_ENDED_AT} < now() - make_interval(secs => CAST(:age AS float8)) "
+    f"ORDER BY {JOB_ENDED_AT} LIMIT :l"
 )
 
 
