@@ -324,6 +324,15 @@ class Item(Base):
         UniqueConstraint("job_id", "custom_id"),
         Index("ix_items_job_state", "job_id", "state"),
         Index("ix_items_job_line", "job_id", "line_no"),
+        # A job's shared prefixes (the Batch object's backfill.prefixes): only the grouped
+        # items, so a batch without groups reads none of its items for them.
+        Index(
+            "ix_items_job_prefix",
+            "job_id",
+            "prefix_id",
+            "prefix_blocks",
+            postgresql_where=text("prefix_id IS NOT NULL"),
+        ),
         # Earliest-deadline-first claim walks this index only.
         Index(
             "ix_items_claim_edf",
