@@ -112,6 +112,7 @@ async def find_job_prefixes(
     first_page: int = FIRST_PAGE,
     concurrency: int = CONCURRENCY,
     counted: Callable[[int, int], None] | None = None,
+    paged: Callable[[], None] | None = None,
 ) -> PrefixesFound:
     """Find and record the prefixes of job ``job_id``'s unfinished items not yet looked at,
     asking the engine for up to ``concurrency`` items' token ids at once, and recording what
@@ -122,7 +123,8 @@ async def find_job_prefixes(
     asked is the one the counting plan sends for the item (``prefix_body``), so its ids are
     the item's exact count, and a worker that remembers it does not ask its engine to count
     the item again when it claims it (48 ``/tokenize`` calls a claim of the bench's job made
-    on the engine it was filling)."""
+    on the engine it was filling). ``paged()`` is told each page's record: its items are
+    claimable now (a worker wakes its claim loop)."""
     finder: PrefixFinder[int] = PrefixFinder(block_size, scope=tenant_id, model=model)
     slots = asyncio.Semaphore(max(1, concurrency))
 
@@ -159,6 +161,8 @@ async def find_job_prefixes(
                 counted(item_id, len(item_ids))
         after = rows[-1][0]
         written += await _record_page(store, job_id, finder, recorded, after)
+        if paged is not None:
+            paged()
     # Every item looked at (or none to look at): claims take all of the job's items.
     await asyncio.to_thread(store.record_prefixes, job_id, [], ended=True)
     groups = len({p.id for p in recorded.prefixes.values()})

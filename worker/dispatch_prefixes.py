@@ -77,6 +77,8 @@ class PrefixFinding:
                         block_size=self.state.block_size,
                         concurrency=self.state.config.tokenize_concurrency,
                         counted=self._counted_by_pass,
+                        # A page's items are claimable once it is recorded: claim them now.
+                        paged=self.state.room.set,
                     )
                     # Its items are claimable now (``prefix_claim_hold_s``): the claim loop,
                     # idle while they were held, is woken rather than left to its next poll,

@@ -306,3 +306,41 @@ def test_the_prefix_passs_first_page_is_small_so_a_jobs_first_claims_come_soon(
     assert recorded_during == FIRST_PAGE
     assert claimed_during == FIRST_PAGE
     assert recorded_in_all == 3 * FIRST_PAGE
+
+
+def test_a_nodes_claim_loop_takes_a_recorded_page_without_waiting_for_the_pass_to_end(
+    settings: Settings,
+) -> None:
+    """The pass wakes its node's claim loop as each page is recorded (red before: woken only
+    at the pass's end, the idle loop slept its poll out while the first page's items were
+    claimable, and nothing ran while the rest of the pass waited)."""
+    node = "n-paged"
+    engine = GatedIdsEngine(FIRST_PAGE, prefill_s=0.0, blocks=64, block=BLOCK)
+    with stand_in_node(settings, node, BLOCK) as (repo, ledger, aledger):
+        ledger.register_pool(node, 64 * BLOCK, BLOCK)
+        _submit(repo, f"t-{node}", count=3 * FIRST_PAGE)
+        dispatcher = prefix_dispatcher(
+            DispatchConfig(node=node, idle_poll_s=30.0, observe_interval_s=0,
+                           prefix_caching=True, prefix_pass_hold_s=30.0),
+            engine,
+            repo,
+            aledger,
+        )  # fmt: skip
+
+        async def main() -> int:
+            runner = asyncio.create_task(dispatcher.run())
+            try:
+                await asyncio.wait_for(engine.past_first.wait(), 60)
+                for _ in range(200):  # 10 s at most; the poll is 30 s
+                    if engine.started:
+                        break
+                    await asyncio.sleep(0.05)
+                return len(engine.started)
+            finally:
+                engine.gate.set()
+                dispatcher.stop()
+                await asyncio.wait({runner}, timeout=30)
+                await aledger.aclose()
+
+        started_while_the_pass_waited = asyncio.run(main())
+    assert started_while_the_pass_waited > 0, "no item of the recorded first page ran"
