@@ -236,8 +236,18 @@ class ApiClient:
             timeout=None,
         )
 
-    def start_summary_job(self, job_id: str) -> dict[str, Any]:
-        return self._json("POST", f"/v1/summary_jobs/{job_id}/start")
+    def start_summary_job(
+        self, job_id: str, *, more_documents: bool = False, expected_documents: int | None = None
+    ) -> dict[str, Any]:
+        """Start the job; with ``more_documents`` before its last document (it then takes
+        them until :meth:`close_summary_job`)."""
+        body: dict[str, Any] = {"more_documents": more_documents}
+        if expected_documents is not None:
+            body["expected_documents"] = expected_documents
+        return self._json("POST", f"/v1/summary_jobs/{job_id}/start", json=body)
+
+    def close_summary_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/summary_jobs/{job_id}/close")
 
     def summary_job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/summary_jobs/{job_id}")

@@ -22,9 +22,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from backfill.summarize.documents import Document, SourceInvalid, SourceRow
-from backfill.summarize.folder import read_folder
+from backfill.summarize.folder import count_files, read_folder
 from backfill.summarize.prompts import DEFAULT_INSTRUCTION
-from backfill.summarize.tables import read_table
+from backfill.summarize.tables import read_table, table_rows
 from backfill.summarize.writer import ResultsWriter, UnknownFormat, row_from_record
 from backfill_cli.api_client import DEFAULT_API_URL, ApiClient, ApiError
 from backfill_cli.client_commands import (
@@ -42,6 +42,10 @@ from backfill_cli.client_commands import (
 SUMMARY_JOB_PREFIX = "sumjob_"
 PAGE_BYTES = 4 * 1024 * 1024
 """Documents sent per request, at most (a document longer than this goes alone)."""
+FIRST_PAGE_BYTES = 128 * 1024
+"""The first request's documents: the job starts once they are in (the engine counts each
+page before it answers), and each page after is twice the one before, up to ``PAGE_BYTES``.
+One 4 MiB first page kept the engine idle ~20 s on 2,000 documents."""
 PIECE_BYTES = 64 * 1024
 """A page is sent as pieces of about this size (a longer line is a piece of its own): pieces
 are alike and each is let go once sent, so the next page's reuse their memory."""
@@ -82,10 +86,14 @@ class DocumentPage:
 
 
 def document_pages(
-    rows: Iterator[SourceRow], page_bytes: int = PAGE_BYTES, piece_bytes: int = PIECE_BYTES
+    rows: Iterator[SourceRow],
+    page_bytes: int = PAGE_BYTES,
+    piece_bytes: int = PIECE_BYTES,
+    first_page_bytes: int | None = None,
 ) -> Iterator[DocumentPage]:
     """JSON lines of documents (and of rows that cannot be summarised, with their error),
-    cut into pages of about ``page_bytes``.
+    cut into pages of about ``page_bytes`` (the first of about ``first_page_bytes``, each
+    after twice the one before, up to ``page_bytes``).
 
     A page is never joined into one object. A 4 MiB ``bytes`` made and freed for every page,
     beside the page's lines and while the page before was still held, fragmented the C heap:
@@ -94,17 +102,19 @@ def document_pages(
     pieces: list[bytes] = []
     lines: list[bytes] = []
     size = lines_size = 0
+    limit = min(page_bytes, first_page_bytes or page_bytes)
     for row in rows:
         if isinstance(row, Document):
             record: dict[str, Any] = {"id": row.id, "text": row.text}
         else:
             record = {"id": row.id if row.id is not None else f"row {row.row}", "error": row.error}
         line = json.dumps(record, ensure_ascii=False).encode() + b"\n"
-        if size and size + len(line) > page_bytes:
+        if size and size + len(line) > limit:
             if lines:
                 pieces.append(b"".join(lines))
             yield DocumentPage(pieces, size)
             pieces, lines, size, lines_size = [], [], 0, 0
+            limit = min(page_bytes, limit * 2)
         lines.append(line)
         size += len(line)
         lines_size += len(line)
@@ -180,31 +190,63 @@ def summarize(
     rows = source_rows(source, text_column, id_column)
     with _client(api, key) as client:
         job = client.create_summary_job(model, instruction, max_summary_tokens, window)
-        received = split = failed = 0
         try:
-            for page in document_pages(rows):
-                added = client.add_summary_documents(job["id"], page.drain(), page.size)
-                received += int(added["received"])
-                split += int(added["split"])
-                failed += int(added["failed"])
+            job, sent = send_documents(client, job["id"], rows, expected_rows(source))
+            if not sent.received:
+                raise ApiError(f"{source} holds no documents")
         except SourceInvalid as exc:
             client.cancel_summary_job(job["id"])
             raise ApiError(str(exc)) from None
         except (OSError, ApiError):
             client.cancel_summary_job(job["id"])
             raise
-        if not received:
-            client.cancel_summary_job(job["id"])
-            raise ApiError(f"{source} holds no documents")
-        job = client.start_summary_job(job["id"])
         err.print(
-            f"summary job {job['id']}: {received} documents ({split} split, {failed} not "
-            f"readable), {job['status']}, window {window}",
+            f"summary job {job['id']}: {sent.received} documents ({sent.split} split, "
+            f"{sent.failed} not readable), {job['status']}, window {window}",
             markup=False,
         )
         print(job["id"])
         if watch:
             watch_summary(client, job["id"], interval)
+
+
+def expected_rows(source: Path) -> int | None:
+    """Rows ``source`` will give, where that is known without reading it: a folder's files,
+    a Parquet file's footer (JSONL and CSV say it only by being read)."""
+    return count_files(source) if source.is_dir() else table_rows(source)
+
+
+@dataclass(slots=True)
+class Sent:
+    received: int = 0
+    split: int = 0
+    failed: int = 0
+
+    def add(self, answer: dict[str, Any]) -> None:
+        self.received += int(answer["received"])
+        self.split += int(answer["split"])
+        self.failed += int(answer["failed"])
+
+
+def send_documents(
+    client: ApiClient, job_id: str, rows: Iterator[SourceRow], expected: int | None
+) -> tuple[dict[str, Any], Sent]:
+    """Send the rows page by page and start the job as soon as its first page is in: with
+    more pages to come it starts open (the engine runs the first documents while the rest
+    are counted and sent) and is closed after the last. Returns the job as started (or as
+    closed; nothing when no row was sent) and what was sent."""
+    sent = Sent()
+    pages = document_pages(rows, first_page_bytes=FIRST_PAGE_BYTES)
+    page = next(pages, None)
+    job: dict[str, Any] | None = None
+    while page is not None:
+        sent.add(client.add_summary_documents(job_id, page.drain(), page.size))
+        page = next(pages, None)
+        if job is None and page is not None:
+            job = client.start_summary_job(job_id, more_documents=True, expected_documents=expected)
+    if job is None:
+        return (client.start_summary_job(job_id) if sent.received else {}), sent
+    return client.close_summary_job(job_id), sent
 
 
 def write_summary_results(client: ApiClient, job_id: str, output: Path) -> int:

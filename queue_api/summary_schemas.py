@@ -24,6 +24,19 @@ class CreateSummaryJobBody(BaseModel):
     repetition_penalty, frequency_penalty, presence_penalty."""
 
 
+class StartSummaryJobBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    more_documents: bool = False
+    """Start before the last document: the job runs what it has while the rest are sent
+    (each request judged against its deadline as it comes), and completes once closed
+    (``POST .../close``)."""
+    expected_documents: int | None = Field(default=None, ge=1)
+    """With ``more_documents``: how many documents the job will have in all, where the
+    client knows. The start then judges the whole job's deadline, its forecast scaled from
+    the documents received, instead of only theirs."""
+
+
 class SummaryJobProgress(BaseModel):
     documents: dict[str, int]
     """Documents per state: pending, succeeded, failed."""
@@ -56,6 +69,8 @@ class SummaryJobObject(BaseModel):
     in_progress_at: int | None = None
     ended_at: int | None = None
     expires_at: int | None = None
+    documents_open: bool = False
+    """Started with more documents to come: it takes them until closed."""
     error: str | None = None
     progress: SummaryJobProgress
     batches: list[str]
@@ -79,6 +94,7 @@ class SummaryJobObject(BaseModel):
             in_progress_at=unix(job.started_at),
             ended_at=unix(job.ended_at),
             expires_at=unix(job.deadline),
+            documents_open=job.documents_open,
             error=job.error,
             progress=SummaryJobProgress(
                 documents=progress.documents,

@@ -51,6 +51,9 @@ class SummaryJob(Base):
     # Model calls those documents make, map and reduce (progress is steps ended of these).
     planned_steps: Mapped[int] = mapped_column(BigInteger, server_default="0")
     deadline: Mapped[datetime | None] = mapped_column(TZ)
+    # Started before its last document: it takes more while it runs, and cannot complete
+    # until it is closed (``POST .../close``).
+    documents_open: Mapped[bool] = mapped_column(Boolean, server_default=false())
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(TZ)

@@ -13,8 +13,8 @@ lock), it carries out what :mod:`backfill.summarize.decide` and
    when they fill a file or the job's queue runs low (``job_plan.cut_now``), numbered, and
    made into batches under the job's deadline (each batch's idempotency key names the job and
    its number, so a batch numbered before a crash is made once);
-4. **end**: a job with no document pending is completed (expired, if its deadline passed
-   with documents failed).
+4. **end**: a job with no document pending, and none to come (its documents closed), is
+   completed (expired, if its deadline passed with documents failed).
 
 Every step is keyed by its document and node and every write is guarded, so a driver killed
 between any two of these runs again from what is stored: nothing lost, nothing doubled.
@@ -308,12 +308,14 @@ def make_batch(repo: SummaryStore, settings: Settings, job: SummaryJobRecord, ba
 
 
 def _end_if_done(repo: SummaryStore, job: SummaryJobRecord) -> bool:
+    late = job.deadline is not None and repo.now() >= job.deadline
+    if job.documents_open and not late:
+        return False  # more documents may come: it ends once closed
     if repo.summary_reports.has_pending_documents(job.id):  # one index probe, not the job's counts
         return False
     counts = repo.summary_reports.summary_counts(job.id)
     if counts.documents.get(DocumentState.PENDING, 0):
         return False
-    late = job.deadline is not None and repo.now() >= job.deadline
     failed = counts.documents.get(DocumentState.FAILED, 0)
     target = SummaryJobState.EXPIRED if late and failed else SummaryJobState.COMPLETED
     with contextlib.suppress(StaleWrite):

@@ -87,6 +87,11 @@ def _document_files(root: Path) -> Iterator[Path]:
             yield path
 
 
+def count_files(root: Path) -> int:
+    """Rows :func:`read_folder` gives for ``root`` (a file each, read or not), by listing it."""
+    return sum(1 for _ in _document_files(root))
+
+
 def read_folder(root: Path) -> Iterator[SourceRow]:
     """The documents of the folder ``root``; raises :class:`SourceInvalid` when it is not a
     folder or holds no document file at all (checked before the first row is read)."""

@@ -17,7 +17,7 @@ from backfill.batch_ingest import Admission, judge_tokens
 from backfill.batches import check_active_limit
 from backfill.config import Settings
 from backfill.errors import StaleWrite
-from backfill.refusals import InvalidRequest, NotCancellable
+from backfill.refusals import DeadlineInfeasible, InvalidRequest, NotCancellable
 from backfill.store.protocol import SummaryStore
 from backfill.store.records import TenantRecord
 from backfill.store.summaries import NewDocument, SummaryCounts, SummaryJobRecord
@@ -118,14 +118,79 @@ def prepare_document(
     )
 
 
-def add_documents(repo: SummaryStore, job: SummaryJobRecord, documents: list[NewDocument]) -> int:
+def takes_documents(job: SummaryJobRecord) -> bool:
+    """Receiving, or started with more documents to come."""
+    return job.state is SummaryJobState.RECEIVING or (
+        job.state is SummaryJobState.IN_PROGRESS and job.documents_open
+    )
+
+
+def add_documents(
+    repo: SummaryStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    job: SummaryJobRecord,
+    documents: list[NewDocument],
+) -> int:
     """Store documents prepared for ``job``, numbered after those it has (a step's custom id
-    is made from its document's number when its batch is)."""
-    if job.state is not SummaryJobState.RECEIVING:
+    is made from its document's number when its batch is). A job already running judges
+    them first, as a batch of their forecast under what is left of its window: a page that
+    cannot finish by the job's deadline is refused whole (:class:`DeadlineInfeasible`), and
+    what the job took before runs on."""
+    if not takes_documents(job):
         raise StaleWrite(
-            f"summary job {job.id} is {job.state.value}: it takes documents only while receiving"
+            f"summary job {job.id} is {job.state.value}: it takes documents only while "
+            "receiving, or started with more_documents and not closed"
         )
+    if job.state is SummaryJobState.IN_PROGRESS:
+        _judge_page(repo, settings, tenant, job, sum(d.forecast_tokens for d in documents))
     return repo.summary_jobs.add_documents(job.id, documents)
+
+
+def _judge_page(
+    repo: SummaryStore,
+    settings: Settings,
+    tenant: TenantRecord,
+    job: SummaryJobRecord,
+    tokens: int,
+) -> None:
+    assert job.deadline is not None, "a job in progress has a deadline"
+    now = repo.now()
+    left_s = int((job.deadline - now).total_seconds())
+    if tokens <= 0:
+        return
+    admission = Admission(
+        forecast=tokens,
+        now=now,
+        window_s=max(0, left_s),
+        throughput_tps=batch_throughput(settings.batch_throughput_tokens_per_s),
+        completion_window=job.completion_window,
+    )
+    try:
+        judge_tokens(repo, settings, tenant, tokens, admission)
+    except DeadlineInfeasible as exc:
+        raise DeadlineInfeasible(
+            f"these documents cannot be summarised by the job's deadline ({left_s} s from "
+            f"now): with the current backlog they would finish about "
+            f"{max(0, exc.estimated_completion - int(now.timestamp()))} s from now; close the "
+            "job and send them to a job with a longer completion_window",
+            earliest_window=exc.earliest_window,
+            estimated_completion=exc.estimated_completion,
+        ) from None
+
+
+def close_documents(repo: SummaryStore, tenant: TenantRecord, job_id: str) -> SummaryJobRecord:
+    """The job takes no more documents: it completes once those it has are summarised.
+    Closing a job again, or one that ended, changes nothing; a job still receiving is
+    started instead (:func:`start_job`)."""
+    job = repo.summary_jobs.get_summary_job(tenant.id, job_id)
+    if job.state is SummaryJobState.RECEIVING:
+        raise StaleWrite(
+            f"summary job {job.id} is receiving: start it (its documents close with a start "
+            "without more_documents)"
+        )
+    repo.summary_jobs.close_documents(job.id)
+    return repo.summary_jobs.get_summary_job(tenant.id, job.id)
 
 
 def start_job(
@@ -135,31 +200,58 @@ def start_job(
     job: SummaryJobRecord,
     *,
     now: datetime | None = None,
+    more_documents: bool = False,
+    expected_documents: int | None = None,
 ) -> SummaryJobRecord:
     """Admit the job on its whole forecast (map steps and every reduce step at its bound)
     and start it under one deadline; :class:`DeadlineInfeasible` leaves it receiving, as
     does :class:`LimitReached`: a started job counts as one of the tenant's active batches
-    (the batches it makes do not count: they are its, not the tenant's)."""
+    (the batches it makes do not count: they are its, not the tenant's).
+
+    With ``more_documents`` it starts before its last document: its map steps run while
+    the rest are sent (each page judged against its deadline as it comes), and it completes
+    only once closed. ``expected_documents`` (how many the client will send in all, where
+    it knows) has the start judge the whole job, its forecast scaled from those received,
+    so a job that cannot finish in its window is refused before it runs, not mid-way."""
     if job.state is not SummaryJobState.RECEIVING:
         return job
+    if expected_documents is not None and not more_documents:
+        raise InvalidRequest(
+            "expected_documents goes with more_documents", param="expected_documents"
+        )
     window_s = checked_window(
         job.completion_window, settings.min_completion_window_s, settings.max_completion_window_s
     )
     check_active_limit(repo, settings, tenant.id)
     now = now or repo.now()
+    forecast = job.forecast_tokens
+    if expected_documents is not None:
+        received = sum(repo.summary_reports.summary_counts(job.id).documents.values())
+        forecast = scaled_forecast(forecast, received, expected_documents)
     admission = Admission(
-        forecast=job.forecast_tokens,
+        forecast=forecast,
         now=now,
         window_s=window_s,
         throughput_tps=batch_throughput(settings.batch_throughput_tokens_per_s),
         completion_window=job.completion_window,
     )
-    judge_tokens(repo, settings, tenant, job.forecast_tokens, admission)
+    judge_tokens(repo, settings, tenant, forecast, admission)
     with contextlib.suppress(StaleWrite):
         repo.summary_jobs.move_summary_job(
-            job.id, SummaryJobState.IN_PROGRESS, deadline=now + timedelta(seconds=window_s)
+            job.id,
+            SummaryJobState.IN_PROGRESS,
+            deadline=now + timedelta(seconds=window_s),
+            documents_open=more_documents,
         )
     return repo.summary_jobs.get_summary_job(tenant.id, job.id)
+
+
+def scaled_forecast(forecast: int, received: int, expected: int) -> int:
+    """The forecast of ``expected`` documents from that of the ``received`` ones (never
+    less than what was received)."""
+    if received <= 0 or expected <= received:
+        return forecast
+    return -(-forecast * expected // received)
 
 
 def cancel_job(repo: SummaryStore, tenant: TenantRecord, job_id: str) -> SummaryJobRecord:

@@ -59,6 +59,20 @@ def _row_id(row: int, record: dict[str, Any], id_column: str | None) -> object:
     return str(row) if id_column is None else record.get(id_column)
 
 
+def table_rows(path: Path) -> int | None:
+    """Rows of a Parquet file, from its footer (nothing else is read); None for a format that
+    says it only by being read whole (JSONL, CSV), or a file that is not one."""
+    if path.suffix.lower() not in PARQUET_SUFFIXES:
+        return None
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    try:
+        return int(pq.ParquetFile(path, pre_buffer=False).metadata.num_rows)
+    except (pa.ArrowInvalid, OSError):
+        return None
+
+
 def read_jsonl(path: Path, text_column: str, id_column: str | None) -> Iterator[SourceRow]:
     """One JSON object a line; blank lines are passed over (their numbers still count). The
     first object decides: without ``text_column`` the file is refused (a mistyped name

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from backfill.engine.protocol import Engine, EngineError
-from backfill.errors import BackfillError
+from backfill.errors import BackfillError, StaleWrite
 from backfill.gateway.refusals import GatewayUnavailable
 from backfill.refusals import InvalidRequest, ModelNotFound
 from backfill.store import Repository
@@ -36,6 +36,7 @@ from queue_api.deps import RepositoryDep, SettingsDep, TenantDep
 from queue_api.summary_schemas import (
     CreateSummaryJobBody,
     DocumentsAdded,
+    StartSummaryJobBody,
     SummaryJobList,
     SummaryJobObject,
 )
@@ -163,11 +164,18 @@ async def _in_order(
 
 @router.post("/{job_id}/documents")
 async def add_documents(
-    job_id: str, request: Request, tenant: TenantDep, repo: RepositoryDep
+    job_id: str, request: Request, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
 ) -> DocumentsAdded:
     """Documents as JSON lines: ``{"id": ..., "text": ...}``, or ``{"id": ..., "error": ...}``
-    for a row the client could not read (it is kept, with its error, in the results)."""
+    for a row the client could not read (it is kept, with its error, in the results). A job
+    started with ``more_documents`` takes them while it runs: they are judged against its
+    deadline, and its next round cuts them into a batch at once."""
     job = await run_in_threadpool(repo.summary_jobs.get_summary_job, tenant.id, job_id)
+    if not jobs.takes_documents(job):  # refused before a document is counted
+        raise StaleWrite(
+            f"summary job {job.id} is {job.state.value}: it takes documents only while "
+            "receiving, or started with more_documents and not closed"
+        )
     engine, _ = await _serving_engine(request, job.model)
     rows = _document_rows(await request.body())
 
@@ -181,7 +189,9 @@ async def add_documents(
         return jobs.prepare_document(job, doc_id, text, count)
 
     def store(documents: list[NewDocument]) -> DocumentsAdded:
-        first = jobs.add_documents(repo, job, documents)
+        first = jobs.add_documents(repo, settings, tenant, job, documents)
+        if job.state is SummaryJobState.IN_PROGRESS:
+            _round_now(repo, settings, job.id)
         return DocumentsAdded(
             first=first,
             received=len(documents),
@@ -199,27 +209,59 @@ async def add_documents(
         raise GatewayUnavailable(f"the engine did not count: {exc}", retry_after_s=5.0) from exc
 
 
-def _start(repo: Repository, settings: Any, tenant: TenantRecord, job_id: str) -> SummaryJobObject:
+def _round_now(repo: Repository, settings: Any, job_id: str) -> None:
+    """The job's round now, not at the next maintenance tick: a batch of its map steps
+    (bounded: the request answers quickly); the rest at the next round."""
+    try:
+        driver.drive_now(repo, settings, job_id, driver.START_ROUND_STEPS)
+    except BackfillError as exc:
+        log.warning("summary job %s: its round left to the tick: %s", job_id, exc)
+
+
+def _start(
+    repo: Repository,
+    settings: Any,
+    tenant: TenantRecord,
+    job_id: str,
+    body: StartSummaryJobBody,
+) -> SummaryJobObject:
     job = jobs.start_job(
-        repo, settings, tenant, repo.summary_jobs.get_summary_job(tenant.id, job_id)
+        repo,
+        settings,
+        tenant,
+        repo.summary_jobs.get_summary_job(tenant.id, job_id),
+        more_documents=body.more_documents,
+        expected_documents=body.expected_documents,
     )
     if job.state is SummaryJobState.IN_PROGRESS:
-        # Its first round now, not at the next maintenance tick: a first batch of its map
-        # steps (bounded: the start answers quickly); the rest at the next round.
-        try:
-            driver.drive_now(repo, settings, job.id, driver.START_ROUND_STEPS)
-        except BackfillError as exc:
-            log.warning("summary job %s: first round left to the tick: %s", job.id, exc)
+        _round_now(repo, settings, job.id)
     return _render(repo, repo.summary_jobs.get_summary_job(tenant.id, job.id))
 
 
 @router.post("/{job_id}/start")
 def start_summary_job(
-    job_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
+    job_id: str,
+    tenant: TenantDep,
+    repo: RepositoryDep,
+    settings: SettingsDep,
+    body: StartSummaryJobBody | None = None,
 ) -> SummaryJobObject:
     """Admit the job on its whole forecast (refused when its window cannot be met) and run
-    it under one deadline; a first batch of its map steps is made before the answer."""
-    return _start(repo, settings, tenant, job_id)
+    it under one deadline; a first batch of its map steps is made before the answer. With
+    ``more_documents`` it starts before its last document (see ``StartSummaryJobBody``)."""
+    return _start(repo, settings, tenant, job_id, body or StartSummaryJobBody())
+
+
+@router.post("/{job_id}/close")
+def close_summary_job(
+    job_id: str, tenant: TenantDep, repo: RepositoryDep, settings: SettingsDep
+) -> SummaryJobObject:
+    """No more documents for a job started with ``more_documents``: it completes once those
+    it has are summarised. Closing again, or a job that ended, changes nothing."""
+    job = jobs.close_documents(repo, tenant, job_id)
+    if job.state is SummaryJobState.IN_PROGRESS:
+        _round_now(repo, settings, job.id)  # all of it may be summarised already
+    return _render(repo, repo.summary_jobs.get_summary_job(tenant.id, job.id))
 
 
 @router.get("")

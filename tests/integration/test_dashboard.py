@@ -192,7 +192,7 @@ def test_the_dashboard_shows_a_summary_jobs_progress_split_documents_and_results
     long = "\n\n".join(f"Paragraph {i}. " + "It has several words. " * 12 for i in range(20))
     documents = [jobs.prepare_document(job, "long", long, _words)]
     documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
-    jobs.add_documents(repo, job, documents)
+    jobs.add_documents(repo, settings, tenant, job, documents)
     jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
     run_worker(repo)

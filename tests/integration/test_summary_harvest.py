@@ -50,7 +50,11 @@ def test_a_round_reads_each_item_of_the_batch_once_not_once_per_pending_step(
     job = jobs.create_job(repo, settings, tenant, request, SHAPE)
     notes = [f"Note {i}." for i in range(STEPS)]
     jobs.add_documents(
-        repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
+        repo,
+        settings,
+        tenant,
+        job,
+        [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)],
     )
     jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
@@ -79,7 +83,11 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
     job = jobs.create_job(repo, small, tenant, request, SHAPE)
     notes = [f"Note number {i}, short." for i in range(30)]
     jobs.add_documents(
-        repo, job, [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)]
+        repo,
+        small,
+        tenant,
+        job,
+        [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)],
     )
     jobs.start_job(repo, small, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, small)

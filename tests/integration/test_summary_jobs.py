@@ -59,7 +59,7 @@ def _new_job(repo: Repository, settings: Settings, window: str = "1h") -> tuple[
     documents = [jobs.prepare_document(job, "long", LONG, count)]
     documents += [jobs.prepare_document(job, f"s{i}", t, count) for i, t in enumerate(SHORT)]
     documents.append(jobs.prepare_document(job, "blank", "   ", count))
-    jobs.add_documents(repo, job, documents)
+    jobs.add_documents(repo, settings, tenant, job, documents)
     return tenant.id, job.id
 
 
@@ -227,7 +227,7 @@ def test_reduce_steps_wait_for_the_jobs_queue_to_run_low_not_a_batch_each(
     many = [f"Short note number {i}." for i in range(40)]
     documents = [jobs.prepare_document(job, f"long{i}", LONG, count) for i in range(2)]
     documents += [jobs.prepare_document(job, f"s{i}", t, count) for i, t in enumerate(many)]
-    jobs.add_documents(repo, job, documents)
+    jobs.add_documents(repo, settings, tenant, job, documents)
     jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
     assert len(repo.summary_batches.summary_batch_ids(job.id)) == 1  # every map step in one file
@@ -358,7 +358,13 @@ def test_a_summary_job_past_its_retention_is_purged_with_its_batches_in_bounded_
     recent_tenant = repo.tenants.create_tenant("recent")
     request = jobs.SummaryJobRequest("tiny-model", "Summarise.", SHAPE.summary_tokens, "1h")
     recent = jobs.create_job(repo, small_batches, recent_tenant, request, SHAPE)
-    jobs.add_documents(repo, recent, [jobs.prepare_document(recent, "a", "A note.", count)])
+    jobs.add_documents(
+        repo,
+        small_batches,
+        recent_tenant,
+        recent,
+        [jobs.prepare_document(recent, "a", "A note.", count)],
+    )
     jobs.cancel_job(repo, recent_tenant, recent.id)  # ended now: kept
     old_batches = repo.summary_batches.summary_batch_ids(old)
     assert len(old_batches) > 2
@@ -412,7 +418,9 @@ def test_a_summary_job_counts_as_one_active_batch_whatever_batches_it_makes(
     second = jobs.create_job(repo, limited, tenant, request, SHAPE)
     third = jobs.create_job(repo, limited, tenant, request, SHAPE)
     for job in (second, third):
-        jobs.add_documents(repo, job, [jobs.prepare_document(job, "a", "A note.", count)])
+        jobs.add_documents(
+            repo, limited, tenant, job, [jobs.prepare_document(job, "a", "A note.", count)]
+        )
     jobs.start_job(repo, limited, tenant, second)
     assert repo.jobs.count_active_jobs(tenant_id) == 2
     with pytest.raises(LimitReached, match="the limit is 2"):
@@ -450,7 +458,9 @@ def test_a_jobs_sampling_settings_reach_every_map_and_reduce_request(
     )
     job = jobs.create_job(repo, small_batches, tenant, request, SHAPE)
     assert repo.summary_jobs.get_summary_job(None, job.id).sampling == sampling
-    jobs.add_documents(repo, job, [jobs.prepare_document(job, "long", LONG, count)])
+    jobs.add_documents(
+        repo, small_batches, tenant, job, [jobs.prepare_document(job, "long", LONG, count)]
+    )
     jobs.start_job(repo, small_batches, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     _run_to_end(repo, small_batches, job.id)
     bodies = []

@@ -30,6 +30,8 @@ from typer.testing import CliRunner
 from backfill.config import Settings
 from backfill.store import Repository
 from backfill.summarize import driver
+from backfill_cli import summary_commands
+from backfill_cli.api_client import ApiClient
 from backfill_cli.app import app
 from devkit.harness import free_port
 
@@ -318,6 +320,77 @@ def test_the_cli_summarises_a_parquet_file_into_a_parquet_of_summaries(
     code, _, stderr = _cli(server, acme.key, "results", job_id, "-o", str(tmp_path / "o.xlsx"))
     assert code == 1
     assert "name a file ending in .parquet, .csv, .jsonl" in stderr
+
+
+def test_the_cli_starts_the_job_after_its_first_page_and_closes_it_after_its_last(
+    api: httpx.Client,
+    repo: Repository,
+    server: LiveServer,
+    acme: Tenant,
+    settings_: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Red before: every page was sent to a job still receiving, and the job started (and the
+    # engine got its first step) only after the last one was counted.
+    source = tmp_path / "docs"
+    source.mkdir()
+    for i in range(12):
+        (source / f"d{i:02}.txt").write_text(f"Document {i}. " + "Some words of it. " * 8)
+    monkeypatch.setattr(summary_commands, "FIRST_PAGE_BYTES", 400)
+    seen: list[tuple[str, bool]] = []
+    send = ApiClient.add_summary_documents
+
+    def watched(self: ApiClient, job_id: str, pieces: Any, size: int) -> dict[str, Any]:
+        job = self.summary_job(job_id)
+        seen.append((job["status"], job["documents_open"]))
+        return send(self, job_id, pieces, size)
+
+    monkeypatch.setattr(ApiClient, "add_summary_documents", watched)
+    code, stdout, stderr = _cli(
+        server, acme.key, "summarize", str(source), "--model", MODEL, "--max-summary-tokens", "48"
+    )
+    assert code == 0, stderr
+    assert "12 documents (0 split, 0 not readable), in_progress" in stderr
+    assert seen[0] == ("receiving", False)
+    assert len(seen) >= 3
+    assert set(seen[1:]) == {("in_progress", True)}  # sent while the job ran
+    job_id = stdout.strip()
+    job = api.get(f"{P}/{job_id}").json()
+    assert job["documents_open"] is False  # closed after its last page
+    assert job["batches"]  # the first page's batch was made before the rest were sent
+    for _ in range(40):
+        driver.drive(repo, settings_)
+        if repo.summary_jobs.get_summary_job(None, job_id).state.value != "in_progress":
+            break
+        run_worker(repo)
+    lines = [json.loads(x) for x in api.get(f"{P}/{job_id}/results").text.splitlines()]
+    assert [row["id"] for row in lines] == [f"d{i:02}.txt" for i in range(12)]
+    assert all(row["summary"] for row in lines)
+    assert api.get(f"{P}/{job_id}").json()["status"] == "completed"
+
+
+def test_an_open_job_over_http_takes_pages_until_closed(api: httpx.Client) -> None:
+    job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, job["id"], [{"id": "a", "text": "Short."}])
+    lone = api.post(f"{P}/{job['id']}/start", json={"expected_documents": 3})
+    assert lone.status_code == 400, lone.text
+    assert lone.json()["error"]["param"] == "expected_documents"
+    started = api.post(
+        f"{P}/{job['id']}/start", json={"more_documents": True, "expected_documents": 3}
+    ).json()
+    assert (started["status"], started["documents_open"]) == ("in_progress", True)
+    assert _send(api, job["id"], [{"id": "b", "text": "Also short."}])["first"] == 1
+    closed = api.post(f"{P}/{job['id']}/close").json()
+    assert closed["documents_open"] is False
+    assert closed["progress"]["documents"]["pending"] == 2
+    late = api.post(f"{P}/{job['id']}/documents", content=b'{"id": "c", "text": "late"}\n')
+    assert late.status_code == 409
+    assert "takes documents only while" in late.json()["error"]["message"]
+    other = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    early = api.post(f"{P}/{other['id']}/close")
+    assert early.status_code == 409
+    assert "start it" in early.json()["error"]["message"]
 
 
 def test_an_engine_that_refuses_the_key_is_named_not_called_an_unserved_model(

@@ -63,7 +63,7 @@ def _started_job(repo: Repository, settings: Settings) -> str:
     documents = [jobs.prepare_document(job, "long", LONG, _words)]
     documents += [jobs.prepare_document(job, f"s{i}", f"Note {i}.", _words) for i in range(3)]
     assert len(documents[0].bodies) > SHAPE.fan_in  # two reduce levels above the chunks
-    jobs.add_documents(repo, job, documents)
+    jobs.add_documents(repo, settings, tenant, job, documents)
     jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     return job.id
 

@@ -28,7 +28,7 @@ _JOB_COLUMNS = (
     "id, tenant_id, model, instruction, completion_window, state, summary_tokens, "
     "context_tokens, map_prompt_tokens, reduce_prompt_tokens, fan_in, sampling, forecast_tokens, "
     "planned_steps, "
-    "deadline, error, created_at, started_at, ended_at"
+    "deadline, documents_open, error, created_at, started_at, ended_at"
 )
 CREATE_JOB = (
     "INSERT INTO summary_jobs (id, tenant_id, model, instruction, completion_window, "
@@ -41,10 +41,12 @@ LIST_JOBS = (
     f"SELECT {_JOB_COLUMNS} FROM summary_jobs WHERE tenant_id = :t "
     "ORDER BY created_at DESC LIMIT :n"
 )
-# The job row locked for the documents' insert (their numbers follow the last one).
+# The job row locked for the documents' insert (their numbers follow the last one): a job
+# receiving, or one started with more documents to come.
 LOCK_RECEIVING = (
     "SELECT coalesce((SELECT max(seq) + 1 FROM summary_documents WHERE job_id = :i), 0) "
-    "FROM summary_jobs WHERE id = :i AND state = 'receiving' FOR UPDATE"
+    "FROM summary_jobs WHERE id = :i "
+    "AND (state = 'receiving' OR (state = 'in_progress' AND documents_open)) FOR UPDATE"
 )
 ADD_FORECAST = (
     "UPDATE summary_jobs SET forecast_tokens = forecast_tokens + :f, "
@@ -63,9 +65,14 @@ INSERT_STEP = (
 MOVE_JOB = (
     "UPDATE summary_jobs SET state = :to, "
     "deadline = coalesce(:deadline, deadline), error = coalesce(:error, error), "
+    "documents_open = CASE WHEN :started "
+    "THEN coalesce(CAST(:open AS boolean), documents_open) ELSE false END, "
     "started_at = CASE WHEN :started THEN now() ELSE started_at END, "
     "ended_at = CASE WHEN :ended THEN now() ELSE ended_at END "
     "WHERE id = :i AND state IN :from RETURNING id"
+)
+CLOSE_DOCUMENTS = (
+    "UPDATE summary_jobs SET documents_open = false WHERE id = :i AND documents_open RETURNING id"
 )
 OPEN_JOBS = (
     "SELECT id FROM summary_jobs WHERE state IN ('in_progress', 'cancelling') "
@@ -94,6 +101,7 @@ def _job(row: Any) -> SummaryJobRecord:
         forecast_tokens=row.forecast_tokens,
         planned_steps=row.planned_steps,
         deadline=row.deadline,
+        documents_open=row.documents_open,
         error=row.error,
         created_at=row.created_at,
         started_at=row.started_at,
@@ -150,7 +158,8 @@ class SummaryJobs:
 
     def add_documents(self, job_id: str, documents: Sequence[NewDocument]) -> int:
         """Store documents (numbered after those already received) with their map steps;
-        returns the number of the first. :class:`StaleWrite` unless the job is receiving."""
+        returns the number of the first. :class:`StaleWrite` unless the job is receiving, or
+        in progress with its documents open."""
         with self._db.transaction() as conn:
             first = conn.execute(text(LOCK_RECEIVING), {"i": job_id}).scalar_one_or_none()
             if first is None:
@@ -196,9 +205,11 @@ class SummaryJobs:
         *,
         deadline: datetime | None = None,
         error: str | None = None,
+        documents_open: bool | None = None,
     ) -> None:
         """The guarded move of the job to ``to``; :class:`StaleWrite` when it is not in a
-        state that moves there."""
+        state that moves there. ``documents_open`` (a move to in progress only) keeps it
+        taking documents; any other move closes them."""
         query = text(MOVE_JOB).bindparams(bindparam("from", expanding=True))
         ended = to not in (SummaryJobState.IN_PROGRESS, SummaryJobState.CANCELLING)
         with self._db.transaction() as conn:
@@ -210,12 +221,19 @@ class SummaryJobs:
                     "from": [s.value for s in sources_of(to)],
                     "deadline": deadline,
                     "error": error,
+                    "open": documents_open,
                     "ended": ended,
                     "started": to is SummaryJobState.IN_PROGRESS,
                 },
             ).first()
         if moved is None:
             raise StaleWrite(f"summary job {job_id} cannot move to {to.value}")
+
+    def close_documents(self, job_id: str) -> bool:
+        """The job takes no more documents (waiting for a page being stored, which holds the
+        job's row); whether it was open."""
+        with self._db.transaction() as conn:
+            return conn.execute(text(CLOSE_DOCUMENTS), {"i": job_id}).first() is not None
 
     def open_summary_jobs(self, limit: int = 100) -> list[str]:
         with self._db.transaction() as conn:

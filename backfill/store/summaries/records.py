@@ -29,6 +29,9 @@ class SummaryJobRecord:
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None
+    documents_open: bool = False
+    """Started before its last document: it still takes documents, and cannot complete
+    until it is closed."""
 
 
 @dataclass(frozen=True, slots=True)
