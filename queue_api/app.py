@@ -108,6 +108,7 @@ def create_app(
         app.state.webhooks = WebhookStore(repo.engine, seal)
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
         app.state.document_counts = anyio.CapacityLimiter(summaries.COUNTS_IN_FLIGHT)
+        app.state.local_counts = {}  # (engine URL, model): its tokenizer file's checked count
         ingesters = IngestProcesses(settings, settings.ingesters)
         app.state.ingesters = ingesters
         if settings.ingesters and (eager_ingesters or _deferred_creates_wait(repo)):

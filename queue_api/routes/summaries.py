@@ -20,6 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from backfill.engine.local_tokenizer import CheckedCount, load_counter
 from backfill.engine.protocol import Engine, EngineError
 from backfill.errors import BackfillError, StaleWrite
 from backfill.gateway.refusals import GatewayUnavailable
@@ -53,6 +54,12 @@ def _render(repo: Repository, job: SummaryJobRecord) -> SummaryJobObject:
 
 async def _serving_engine(request: Request, model: str) -> tuple[Engine, int]:
     """An engine serving ``model`` and its context length."""
+    engine, context, _ = await _serving_node(request, model)
+    return engine, context
+
+
+async def _serving_node(request: Request, model: str) -> tuple[Engine, int, str]:
+    """An engine serving ``model``, its context length and its URL."""
     gateway = request.app.state.gateway
     serving, any_node = await gateway.admission.directory.serving(model)
     nodes = [n for n in serving if n.max_model_len]
@@ -67,7 +74,28 @@ async def _serving_engine(request: Request, model: str) -> tuple[Engine, int]:
         if any_node:
             raise ModelNotFound(f"The model `{model}` is not served by any node", param="model")
         raise GatewayUnavailable("no engine is registered yet", retry_after_s=5.0)
-    return gateway.engine(nodes[0].engine_url), int(nodes[0].max_model_len)
+    url = nodes[0].engine_url
+    return gateway.engine(url), int(nodes[0].max_model_len), url
+
+
+async def _local_count(
+    request: Request, engine: Engine, url: str, model: str
+) -> CheckedCount | None:
+    """The engine's tokenizer read from its model's files, where this process can read them
+    (checked against the engine's own counts: ``backfill.engine.local_tokenizer``); None
+    where it cannot, or where the deployment turned it off."""
+    settings = request.app.state.settings
+    if not settings.local_token_counts:
+        return None
+    known: dict[tuple[str, str], CheckedCount | None] = request.app.state.local_counts
+    if (url, model) not in known:
+        try:
+            root = next((m.root for m in await engine.models() if m.id == model), None)
+        except EngineError:
+            return None  # asked again with the next request
+        local = await anyio.to_thread.run_sync(load_counter, root)
+        known[(url, model)] = CheckedCount(local, f"{model} at {url}") if local else None
+    return known[(url, model)]
 
 
 @router.post("")
@@ -176,11 +204,15 @@ async def add_documents(
             f"summary job {job.id} is {job.state.value}: it takes documents only while "
             "receiving, or started with more_documents and not closed"
         )
-    engine, _ = await _serving_engine(request, job.model)
+    engine, _, url = await _serving_node(request, job.model)
     rows = _document_rows(await request.body())
+    local = await _local_count(request, engine, url, job.model)
+
+    def engine_count(text: str) -> int:
+        return int(anyio.from_thread.run(engine.tokenize_prompt, text, job.model))
 
     def count(text: str) -> int:
-        return int(anyio.from_thread.run(engine.tokenize_prompt, text, job.model))
+        return engine_count(text) if local is None else local.count(text, engine_count)
 
     def prepare(row: tuple[str | None, str | None, str | None]) -> NewDocument:
         doc_id, text, error = row
