@@ -136,9 +136,11 @@ def render_summary_status(job: dict[str, Any], now: float | None = None) -> Rend
         job, job.get("model"), done, planned, "steps (map and reduce) finished"
     )
     facts = Table.grid(padding=(0, 2))
+    more = ", more being sent" if job.get("documents_open") else ""
     facts.add_row(
         "documents",
-        ", ".join(f"{documents.get(s, 0)} {s}" for s in ("pending", "succeeded", "failed")),
+        ", ".join(f"{documents.get(s, 0)} {s}" for s in ("pending", "succeeded", "failed"))
+        + more,
     )
     facts.add_row(
         "tokens",
