@@ -139,8 +139,7 @@ def render_summary_status(job: dict[str, Any], now: float | None = None) -> Rend
     more = ", more being sent" if job.get("documents_open") else ""
     facts.add_row(
         "documents",
-        ", ".join(f"{documents.get(s, 0)} {s}" for s in ("pending", "succeeded", "failed"))
-        + more,
+        ", ".join(f"{documents.get(s, 0)} {s}" for s in ("pending", "succeeded", "failed")) + more,
     )
     facts.add_row(
         "tokens",

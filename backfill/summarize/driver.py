@@ -92,6 +92,22 @@ def drive_now(
         return held
 
 
+def batch_now(
+    repo: SummaryStore, settings: Settings, job_id: str, max_steps: int = START_ROUND_STEPS
+) -> bool:
+    """Cut the job's new steps into batches now (at most ``max_steps``), and nothing else of a
+    round: what a documents request does for a job that runs, so the request waits on its own
+    documents' batch, never on a round's harvest of everything that ended meanwhile (the
+    node's wakes and the tick do that). Whether it ran (False: another process drives it)."""
+    with repo.summary_jobs.driver_lock(job_id) as held:
+        if held:
+            job = repo.summary_jobs.get_summary_job(None, job_id)
+            running = job.state is SummaryJobState.IN_PROGRESS
+            if running and job.deadline is not None and repo.now() < job.deadline:
+                make_batches(repo, settings, job, max_steps)
+        return held
+
+
 def drive_job(
     repo: SummaryStore,
     settings: Settings,

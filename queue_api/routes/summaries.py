@@ -223,7 +223,7 @@ async def add_documents(
     def store(documents: list[NewDocument]) -> DocumentsAdded:
         first = jobs.add_documents(repo, settings, tenant, job, documents)
         if job.state is SummaryJobState.IN_PROGRESS:
-            _round_now(repo, settings, job.id)
+            _batch_now(repo, settings, job.id)
         return DocumentsAdded(
             first=first,
             received=len(documents),
@@ -248,6 +248,14 @@ def _round_now(repo: Repository, settings: Any, job_id: str) -> None:
         driver.drive_now(repo, settings, job_id, driver.START_ROUND_STEPS)
     except BackfillError as exc:
         log.warning("summary job %s: its round left to the tick: %s", job_id, exc)
+
+
+def _batch_now(repo: Repository, settings: Any, job_id: str) -> None:
+    """A running job's new documents cut into a batch now (bounded), not a whole round."""
+    try:
+        driver.batch_now(repo, settings, job_id)
+    except BackfillError as exc:
+        log.warning("summary job %s: its new documents' batch left to a round: %s", job_id, exc)
 
 
 def _start(

@@ -393,6 +393,21 @@ def test_an_open_job_over_http_takes_pages_until_closed(api: httpx.Client) -> No
     assert "start it" in early.json()["error"]["message"]
 
 
+def test_a_page_for_a_running_job_makes_its_batch_and_leaves_the_round_to_the_driver(
+    api: httpx.Client, repo: Repository
+) -> None:
+    # Red before: the request ran a whole round, harvesting and deciding everything that had
+    # ended meanwhile (on a 600,000-document job, minutes a request).
+    job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+    _send(api, job["id"], [{"id": "a", "text": "Short."}])
+    api.post(f"{P}/{job['id']}/start", json={"more_documents": True})
+    run_worker(repo)  # the first document's item ends; no round has harvested it
+    _send(api, job["id"], [{"id": "b", "text": "Also short."}])
+    status = api.get(f"{P}/{job['id']}").json()
+    assert len(status["batches"]) == 2  # the page's own batch, made by its request
+    assert status["progress"]["steps_done"] == 0  # nothing harvested by the request
+
+
 def test_an_engine_that_refuses_the_key_is_named_not_called_an_unserved_model(
     repo: Repository, locked_engine_url: str, server: LiveServer, acme: Tenant
 ) -> None:

@@ -104,11 +104,19 @@ STEPS_OF = (
     "SELECT seq, node, state, summary, error, prompt_tokens, completion_tokens "
     "FROM summary_steps WHERE job_id = :i AND seq = ANY(CAST(:seqs AS int[]))"
 )
-DECIDED = "UPDATE summary_documents SET touched = false WHERE job_id = :i AND seq = :seq"
-END_DOCUMENT = (
-    "UPDATE summary_documents SET state = :state, summary = :summary, error = :error, "
-    "prompt_tokens = :pt, completion_tokens = :ct, split_depth = :depth, touched = false "
-    "WHERE job_id = :i AND seq = :seq AND state = 'pending'"
+# A round's decisions, one statement each (not one a document: a 600,000-document job's round
+# took ~0.1 s a document in its updates, a documents request waiting on it for minutes).
+DECIDED = (
+    "UPDATE summary_documents SET touched = false "
+    "WHERE job_id = :i AND seq = ANY(CAST(:seqs AS int[]))"
+)
+END_DOCUMENTS = (
+    "UPDATE summary_documents d SET state = v.state, summary = v.summary, error = v.error, "
+    "prompt_tokens = v.pt, completion_tokens = v.ct, split_depth = v.depth, touched = false "
+    "FROM unnest(CAST(:seqs AS int[]), CAST(:states AS text[]), CAST(:summaries AS text[]), "
+    "CAST(:errors AS text[]), CAST(:pts AS bigint[]), CAST(:cts AS bigint[]), "
+    "CAST(:depths AS int[])) AS v(seq, state, summary, error, pt, ct, depth) "
+    "WHERE d.job_id = :i AND d.seq = v.seq AND d.state = 'pending'"
 )
 # Pending steps no batch was made for (none numbered, or numbered and not made).
 FAIL_UNMADE = (
@@ -233,20 +241,22 @@ class SummaryOutcomes:
             ]
             if steps:
                 conn.execute(text(INSERT_STEP), steps)
-            for seq in set(new_steps) - set(ended):
-                conn.execute(text(DECIDED), {"i": job_id, "seq": seq})
-            for seq, doc in ended.items():
+            decided = sorted(set(new_steps) - set(ended))
+            if decided:
+                conn.execute(text(DECIDED), {"i": job_id, "seqs": decided})
+            if ended:
+                rows = [ended[seq] for seq in sorted(ended)]
                 conn.execute(
-                    text(END_DOCUMENT),
+                    text(END_DOCUMENTS),
                     {
                         "i": job_id,
-                        "seq": seq,
-                        "state": doc.state.value,
-                        "summary": doc.summary,
-                        "error": doc.error,
-                        "pt": doc.prompt_tokens,
-                        "ct": doc.completion_tokens,
-                        "depth": doc.split_depth,
+                        "seqs": [d.seq for d in rows],
+                        "states": [d.state.value for d in rows],
+                        "summaries": [d.summary for d in rows],
+                        "errors": [d.error for d in rows],
+                        "pts": [d.prompt_tokens for d in rows],
+                        "cts": [d.completion_tokens for d in rows],
+                        "depths": [d.split_depth for d in rows],
                     },
                 )
 
