@@ -11,7 +11,10 @@ It is trusted only as far as it agrees: :class:`CheckedCount` asks the engine to
 :data:`CHECKS` counts and then one in :data:`SPOT_EVERY`, and answers the engine's count
 whenever it asked. One disagreement (another version of the files, a special token handled in
 Python by the engine's tokenizer class and not in its file) and every count after goes to the
-engine, as before: the split never rests on a count the engine would not give.
+engine, as before. Between spot checks a count is the file's alone: the split rests on it only
+while the file has agreed with the engine on every count compared (a chunk's budget keeps
+``margin_tokens`` spare for the few tokens a template merges differently, not for a tokenizer
+that differs).
 """
 
 from __future__ import annotations
