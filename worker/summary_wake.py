@@ -25,6 +25,7 @@ from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.store.protocol import SummaryStore
 from backfill.summarize import driver
+from backfill.summarize.job_plan import round_gap
 
 log = logging.getLogger("backfill.summarize")
 
@@ -37,7 +38,8 @@ ROUND_GAP_S = 0.5
 a second while a job's map wave runs; a round right after each kept the waker's thread (and
 Postgres) busy on the engine's own cores for what one round a moment later does at once: the
 results stored meanwhile are all taken by the next round. A reduce level waits at most this
-much longer (the maintenance tick's 5 s was the bound before wakes)."""
+much longer (the maintenance tick's 5 s was the bound before wakes); a job with many steps
+still waiting to start, four times this (``job_plan.round_gap``)."""
 
 
 class SummaryWaker:
@@ -58,6 +60,8 @@ class SummaryWaker:
         self._thread = threading.Thread(target=self._run, name="summary-wake", daemon=True)
         self.rounds = 0
         """Job rounds driven (for tests and logs)."""
+        self.last_gap_s = round_gap_s
+        """The gap after the last round (for tests and logs)."""
 
     def start(self) -> SummaryWaker:
         self._thread.start()
@@ -82,13 +86,15 @@ class SummaryWaker:
             self._wake.clear()
             if self._stopped:
                 return
+            gap = self._round_gap_s
             try:
-                self._drive(self._due_jobs())
+                gap = self._drive(self._due_jobs())
             except BackfillError as exc:  # Postgres away, say: the tick still drives them
                 log.warning("summary jobs not woken: %s", exc)
             except Exception:  # a fault of ours: say it, and keep waking the next ones
                 log.exception("summary jobs not woken")
-            self._stopping.wait(self._round_gap_s)  # what ends meanwhile: the next round's
+            self.last_gap_s = gap
+            self._stopping.wait(gap)  # what ends meanwhile: the next round's
 
     def _due_jobs(self) -> set[str]:
         with self._lock:
@@ -104,11 +110,17 @@ class SummaryWaker:
         jobs.update(job for b in batches if (job := self._owners.get(b)) is not None)
         return jobs
 
-    def _drive(self, jobs: set[str]) -> None:
+    def _drive(self, jobs: set[str]) -> float:
+        """One round of each job; the gap before the next round (the shortest any job
+        driven asks for: ``job_plan.round_gap``)."""
+        gaps: list[float] = []
         for job_id in sorted(jobs):
+            report = driver.DriverReport()
+            gaps.append(self._round_gap_s)  # a job not driven now: the short gap
             try:
-                if driver.drive_now(self._repo, self._settings, job_id):
+                if driver.drive_now(self._repo, self._settings, job_id, report=report):
                     self.rounds += 1
+                    gaps[-1] = round_gap(self._round_gap_s, report.waiting_steps)
                     continue
             except BackfillError as exc:
                 log.warning("summary job %s not woken: %s", job_id, exc)
@@ -122,3 +134,4 @@ class SummaryWaker:
             retry = threading.Timer(LOCKED_RETRY_S, self._wake.set)
             retry.daemon = True
             retry.start()
+        return min(gaps, default=self._round_gap_s)

@@ -64,6 +64,8 @@ class DriverReport:
     batches: int = 0
     documents_ended: int = 0
     jobs_ended: int = 0
+    waiting_steps: int | None = None
+    """Of the last job driven, its steps in batches no engine has started (None: not read)."""
 
 
 def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverReport:
@@ -81,14 +83,18 @@ def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverRep
 
 
 def drive_now(
-    repo: SummaryStore, settings: Settings, job_id: str, max_steps: int = MAX_ROUND_STEPS
+    repo: SummaryStore,
+    settings: Settings,
+    job_id: str,
+    max_steps: int = MAX_ROUND_STEPS,
+    report: DriverReport | None = None,
 ) -> bool:
     """One round of one job now, not at the next tick (its start made, its items ended),
     cutting at most ``max_steps`` steps into batches: whether it ran (False: another process
     holds the job's lock and drives it)."""
     with repo.summary_jobs.driver_lock(job_id) as held:
         if held:
-            drive_job(repo, settings, job_id, max_steps=max_steps)
+            drive_job(repo, settings, job_id, report, max_steps=max_steps)
         return held
 
 
@@ -133,7 +139,7 @@ def drive_job(
         ):
             _decide(repo, job, report)
     else:
-        report.batches += make_batches(repo, settings, job, max_steps)
+        report.batches += make_batches(repo, settings, job, max_steps, report)
     if _end_if_done(repo, job):
         report.jobs_ended += 1
 
@@ -210,13 +216,19 @@ def decide(repo: SummaryStore, job: SummaryJobRecord) -> tuple[int, int, int]:
 
 
 def make_batches(
-    repo: SummaryStore, settings: Settings, job: SummaryJobRecord, max_steps: int = MAX_ROUND_STEPS
+    repo: SummaryStore,
+    settings: Settings,
+    job: SummaryJobRecord,
+    max_steps: int = MAX_ROUND_STEPS,
+    report: DriverReport | None = None,
 ) -> int:
     """Cut the steps no batch carries (at most ``max_steps``) into numbered batches when the
     job's queue runs low (:func:`~backfill.summarize.job_plan.cut_now`), then make every
     numbered batch not made yet; returns how many were made."""
     cut_steps = 0
     backlog = repo.summary_batches.step_backlog(job.id)
+    if report is not None:
+        report.waiting_steps = backlog.waiting
     if not cut_now(backlog.unbatched, backlog.waiting, settings.max_lines_per_batch):
         max_steps = 0
     while cut_steps < max_steps:

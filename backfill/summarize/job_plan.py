@@ -124,3 +124,24 @@ def cut_now(unbatched: int, waiting: int, full: int) -> bool:
     it (rounds run as the job's items end), so its batch is made before the queue runs dry.
     """
     return unbatched > 0 and (unbatched >= full or waiting <= unbatched)
+
+
+BUSY_WAITING_STEPS = 256
+"""A job with at least this many steps in batches no engine has started yet is busy."""
+BUSY_GAP_FACTOR = 4
+
+
+def round_gap(base_s: float, waiting_steps: int | None) -> float:
+    """How long a node's wakes wait before a job's next round, after one that found
+    ``waiting_steps`` of its steps in batches no engine has started.
+
+    A round harvests the items that ended and makes the reduce steps they allow; each reads
+    every ended item of the job's open batches, so in a long map wave a round every
+    ``base_s`` was most of the worker's own CPU beside the engine (profiled: 2,000 documents,
+    ~400 rounds). While many steps wait unstarted, what a sooner round would make queues
+    behind them anyway (the same deadline, stored later), and its progress shows a moment
+    later: the busy job's rounds come ``BUSY_GAP_FACTOR`` times further apart. Its last levels,
+    with few steps waiting, keep the short gap."""
+    if waiting_steps is not None and waiting_steps >= BUSY_WAITING_STEPS:
+        return base_s * BUSY_GAP_FACTOR
+    return base_s

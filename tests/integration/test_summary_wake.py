@@ -20,7 +20,7 @@ from backfill.engine.protocol import ChoiceDelta, CompletionStream, StreamChunk,
 from backfill.store import NewItem, Repository
 from backfill.store.summaries import SummaryBatches
 from backfill.summarize import driver, jobs
-from backfill.summarize.job_plan import JobShape
+from backfill.summarize.job_plan import BUSY_GAP_FACTOR, JobShape
 from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.standin_engine import (
     StandInEngine,
@@ -190,3 +190,35 @@ def test_wakes_soon_after_a_round_are_taken_by_one_round_later(
     finally:
         waker.stop()
     assert not waker._thread.is_alive()  # the stop ended the gap's wait
+
+
+def test_a_job_with_many_steps_waiting_to_start_is_woken_less_often(
+    settings: Settings, repo: Repository
+) -> None:
+    """Red before: every round, busy or not, came ``round_gap_s`` after the last (a 2,000-
+    document job: ~400 rounds, each reading every ended item of its open batches)."""
+    tenant = repo.tenants.create_tenant("busy")
+    request = jobs.SummaryJobRequest("m", "Summarise.", SHAPE.summary_tokens, "1h")
+    busy = jobs.create_job(repo, settings, tenant, request, SHAPE)
+    notes = [jobs.prepare_document(busy, f"n{i}", f"Note {i}.", _words) for i in range(300)]
+    jobs.add_documents(repo, settings, tenant, busy, notes)
+    jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, busy.id))
+    driver.drive(repo, settings)  # one batch of 300 map steps, none started
+    (made,) = repo.summary_batches.summary_batch_ids(busy.id)
+    waker = SummaryWaker(repo, settings, round_gap_s=0.05).start()
+    try:
+        waker.items_ended([made])
+        _wait_for(lambda: waker.rounds == 1)
+        _wait_for(lambda: waker.last_gap_s == 0.05 * BUSY_GAP_FACTOR)
+    finally:
+        waker.stop()
+
+    _, few = _job_and_its_first_batch(repo, settings)  # a handful of steps waiting
+    waker = SummaryWaker(repo, settings, round_gap_s=0.05).start()
+    try:
+        waker.items_ended([few])
+        _wait_for(lambda: waker.rounds == 1)
+        time.sleep(0.1)
+        assert waker.last_gap_s == 0.05
+    finally:
+        waker.stop()

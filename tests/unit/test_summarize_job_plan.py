@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from backfill.store.summaries import SummaryJobRecord
 from backfill.summarize.chunks import ChunkTooSmall
 from backfill.summarize.decide import StepView, decide_document
-from backfill.summarize.job_plan import BatchCut, JobShape, cut_now, job_tokens
+from backfill.summarize.job_plan import (
+    BUSY_GAP_FACTOR,
+    BUSY_WAITING_STEPS,
+    BatchCut,
+    JobShape,
+    cut_now,
+    job_tokens,
+    round_gap,
+)
 from backfill.summarize.jobs import prepare_document
 from backfill.summarize.outcomes import step_outcome
 from backfill.summarize.prompts import (
@@ -317,3 +325,10 @@ def test_blank_or_overlong_id_rows_are_recorded_not_split():
     job = _job_record(SHAPE)
     assert prepare_document(job, "a", "  ", len).error == "empty text"
     assert prepare_document(job, "x" * 600, "text", len).error == "id too long"
+
+
+def test_a_busy_jobs_rounds_come_further_apart_and_its_tail_keeps_the_short_gap():
+    assert round_gap(0.5, None) == 0.5  # nothing read of it: as before
+    assert round_gap(0.5, 0) == 0.5
+    assert round_gap(0.5, BUSY_WAITING_STEPS - 1) == 0.5
+    assert round_gap(0.5, BUSY_WAITING_STEPS) == 0.5 * BUSY_GAP_FACTOR
