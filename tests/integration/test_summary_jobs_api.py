@@ -89,6 +89,26 @@ def _serve(app: Starlette) -> Iterator[str]:
     thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def api_on(
+    app: Starlette, repo: Repository, server: LiveServer, tenant: Tenant, model: str = MODEL
+) -> Iterator[httpx.Client]:
+    """A client of the API as ``tenant``, with a node serving ``model`` on an engine that is
+    ``app`` on HTTP (for the block's length)."""
+    served = _serve(app)
+    url = next(served)
+    try:
+        repo.nodes.upsert_node(f"node-{model}", url, model, 1000, 16, 0)
+        with httpx.Client(
+            base_url=f"{server.base_url}/v1",
+            headers={"Authorization": f"Bearer {tenant.key}"},
+            timeout=60,
+        ) as api:
+            yield api
+    finally:
+        next(served, None)
+
+
 @pytest.fixture
 def api(
     repo: Repository, engine_url: str, server: LiveServer, acme: Tenant
@@ -466,30 +486,19 @@ def test_a_requests_documents_are_counted_by_the_engine_several_at_once(
     # Red before: one document at a time (the engine never held two counts at once), so a
     # job's first batch waited for every document's round trip to the engine in turn.
     overlap = _Overlap(wait_s=2.0)
-    served = _serve(
-        Starlette(
-            routes=[
-                Route("/v1/models", _models),
-                Route("/tokenize", overlap.handle, methods=["POST"]),
-            ]
-        )
+    engine = Starlette(
+        routes=[
+            Route("/v1/models", _models),
+            Route("/tokenize", overlap.handle, methods=["POST"]),
+        ]
     )
-    url = next(served)
-    try:
-        repo.nodes.upsert_node("node-1", url, MODEL, 1000, 16, 0)
-        with httpx.Client(
-            base_url=f"{server.base_url}/v1",
-            headers={"Authorization": f"Bearer {acme.key}"},
-            timeout=60,
-        ) as api:
-            job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
-            # Each longer in bytes than a chunk's tokens: each counted by the engine once.
-            rows = [{"id": f"d{i}", "text": f"Document {i}. " + "word " * 80} for i in range(12)]
-            rows.insert(5, {"id": "unread", "error": "not UTF-8"})
-            added = _send(api, job["id"], rows)
-            assert (added["received"], added["failed"]) == (13, 1)
-    finally:
-        next(served, None)
+    with api_on(engine, repo, server, acme) as api:
+        job = api.post(P, json={"model": MODEL, "max_summary_tokens": 48}).json()
+        # Each longer in bytes than a chunk's tokens: each counted by the engine once.
+        rows = [{"id": f"d{i}", "text": f"Document {i}. " + "word " * 80} for i in range(12)]
+        rows.insert(5, {"id": "unread", "error": "not UTF-8"})
+        added = _send(api, job["id"], rows)
+        assert (added["received"], added["failed"]) == (13, 1)
     assert overlap.most > 1
     # ... and stored in the request's order, whatever order the counts came back in.
     stored = repo.summary_reports.document_page(job["id"], -1, 100)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 from batch_api_support import LiveServer, Tenant
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from backfill.store import Repository
-from tests.integration.test_summary_jobs_api import _serve
+from tests.integration.test_summary_jobs_api import api_on
 from tests.support_tokenizer import word_count, write_tokenizer
 
 MODEL = "files-model"
@@ -61,24 +60,14 @@ ROWS = [{"id": f"d{i}", "text": f"Document {i}. " + "word, " * (60 + i % 40)} fo
 
 
 def _send_all(repo: Repository, server: LiveServer, acme: Tenant, engine: CountingEngine) -> str:
-    served = _serve(engine.app())
-    url = next(served)
-    try:
-        repo.nodes.upsert_node("node-files", url, MODEL, 1000, 16, 0)
-        with httpx.Client(
-            base_url=f"{server.base_url}/v1",
-            headers={"Authorization": f"Bearer {acme.key}"},
-            timeout=60,
-        ) as api:
-            job = api.post("/summary_jobs", json={"model": MODEL, "max_summary_tokens": 48})
-            assert job.status_code == 200, job.text
-            job_id = str(job.json()["id"])
-            body = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
-            added = api.post(f"/summary_jobs/{job_id}/documents", content=body)
-            assert added.status_code == 200, added.text
-            assert added.json()["received"] == len(ROWS)
-    finally:
-        next(served, None)
+    with api_on(engine.app(), repo, server, acme, MODEL) as api:
+        job = api.post("/summary_jobs", json={"model": MODEL, "max_summary_tokens": 48})
+        assert job.status_code == 200, job.text
+        job_id = str(job.json()["id"])
+        body = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+        added = api.post(f"/summary_jobs/{job_id}/documents", content=body)
+        assert added.status_code == 200, added.text
+        assert added.json()["received"] == len(ROWS)
     return job_id
 
 
