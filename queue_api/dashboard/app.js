@@ -132,8 +132,9 @@ function renderSummaries(page) {
       el("td", { class: "id" }, job.id),
       el("td", {}, el("span", { class: `status ${job.status}` }, job.status)),
       el("td", {}, documentBar(documents, total)),
-      el("td", { class: "count", title: job.documents_open ? "more documents are being sent" : "" },
-        job.documents_open ? `${ended}/${total}+` : `${ended}/${total}`),
+      job.documents_open
+        ? el("td", { class: "count", title: "more documents are being sent" }, `${ended}/${total}+`)
+        : el("td", { class: "count" }, `${ended}/${total}`),
       el("td", { class: "count" }, `${progress.steps_done || 0}/${progress.steps_planned || 0}`),
       el("td", { class: "split" }, split ? `${split} (depth ${progress.deepest_split || 0})` : "0"),
       el("td", {}, job.status === "in_progress" ? eta(progress.eta) : "-"),

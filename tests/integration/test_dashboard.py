@@ -23,6 +23,7 @@ from batch_api_support import (
     make_tenant,
     run_worker,
 )
+from sqlalchemy import text
 
 from backfill.config import Settings
 from backfill.finalize import finalize_ready_jobs, settle_cancelling
@@ -220,3 +221,13 @@ def test_the_dashboard_shows_a_summary_jobs_progress_split_documents_and_results
     assert 'data-state="pending" data-n="1" style="width: 25%;"' in cells
     assert f'href="/v1/summary_jobs/{job.id}/results"' in cells
     assert acme.key not in result.stdout
+
+    # A job started before its last document says more are coming.
+    with repo.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE summary_jobs SET documents_open = true WHERE id = :j"), {"j": job.id}
+        )
+    result = chromium(tmp_path, "--virtual-time-budget=4000", "--dump-dom", url)
+    row = re.search(rf'<tr class="summary" data-id="{job.id}">(.*?)</tr>', result.stdout, re.S)
+    assert row is not None, result.stdout[-3000:]
+    assert '<td class="count" title="more documents are being sent">3/4+</td>' in row.group(1)
