@@ -63,15 +63,6 @@ async def _refused(_: Request) -> JSONResponse:
 
 
 @pytest.fixture
-def engine_url() -> Iterator[str]:
-    yield from _serve(
-        Starlette(
-            routes=[Route("/v1/models", _models), Route("/tokenize", _tokenize, methods=["POST"])]
-        )
-    )
-
-
-@pytest.fixture
 def locked_engine_url() -> Iterator[str]:
     """An engine that refuses the API's key (it holds another)."""
     yield from _serve(Starlette(routes=[Route("/v1/models", _refused)]))
@@ -110,15 +101,11 @@ def api_on(
 
 
 @pytest.fixture
-def api(
-    repo: Repository, engine_url: str, server: LiveServer, acme: Tenant
-) -> Iterator[httpx.Client]:
-    repo.nodes.upsert_node("node-1", engine_url, MODEL, 1000, 16, 0)
-    with httpx.Client(
-        base_url=f"{server.base_url}/v1",
-        headers={"Authorization": f"Bearer {acme.key}"},
-        timeout=60,
-    ) as client:
+def api(repo: Repository, server: LiveServer, acme: Tenant) -> Iterator[httpx.Client]:
+    engine = Starlette(
+        routes=[Route("/v1/models", _models), Route("/tokenize", _tokenize, methods=["POST"])]
+    )
+    with api_on(engine, repo, server, acme) as client:
         yield client
 
 
