@@ -166,11 +166,9 @@ class DispatcherState:
     at registration so that such an item never reaches the engine."""
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     room: asyncio.Event = field(default_factory=asyncio.Event)
-    """Wakes the claim loop: a lease ended, a prefill ended, an item finished."""
-    work_rung: bool = False
-    """A job of this node's model became claimable (``backfill.work_bell``) since the claim
-    loop last slept: its next sleep returns at once (the ring may have come while a claim
-    that could not see the job yet was under way)."""
+    """Wakes the claim loop: a lease ended, a prefill ended, an item finished, a job or a
+    prefix pass's page became claimable. Set while the loop is not asleep (a claim under way
+    that could not see it yet), it cuts the loop's next sleep."""
     typical_reservation: int = 0
     typical_prompt: int = 0
     decode_rate: float = field(init=False)
@@ -246,19 +244,15 @@ class DispatcherState:
         return [f for v, f in held if f is not None and f.lease.lease_id == v.lease_id]
 
     async def sleep(self, seconds: float) -> None:
-        """The claim loop's pause: until ``room`` is set or ``seconds`` pass; none when work
-        was rung since the last one."""
-        if self.work_rung:
-            self.work_rung = False
-            return
-        self.room.clear()
+        """The claim loop's pause: until ``room`` is set or ``seconds`` pass. A wake since the
+        last pause ended came while a claim was under way that may not have seen what it
+        announced: this pause returns at once (one wake cuts one pause)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.room.wait(), seconds)
-        self.work_rung = False
+        self.room.clear()
 
     def work_claimable(self) -> None:
         """A job of this node's model became claimable: the claim loop claims now."""
-        self.work_rung = True
         self.room.set()
 
     def cancel(self, flight: Flight, reason: StopReason) -> bool:

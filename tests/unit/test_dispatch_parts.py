@@ -111,3 +111,20 @@ def test_work_rung_while_the_claim_loop_is_not_asleep_cuts_its_next_sleep() -> N
     first, second = asyncio.run(main())
     assert first < 1.0, "the sleep after a ring was not cut"
     assert second >= 0.15, "a ring cut more than one sleep"
+
+
+def test_any_wake_while_the_claim_loop_is_not_asleep_cuts_its_next_sleep() -> None:
+    """A prefix pass records a page (or a lease is released) while a claim is under way that
+    found the page's items still held: the sleep after that claim returns at once (red
+    before: the sleep cleared the wake, and the page's items waited out the idle poll; CI's
+    loaded run of ``test_a_nodes_claim_loop_takes_a_recorded_page_...`` caught it)."""
+
+    async def main() -> float:
+        store = Store()
+        state = _state(store, Slack(store))
+        state.room.set()  # a page recorded while the loop claims
+        started = asyncio.get_running_loop().time()
+        await state.sleep(5.0)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(main()) < 1.0, "a wake during the claim was lost by the sleep after it"
