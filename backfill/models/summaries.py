@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     String,
@@ -157,3 +158,25 @@ class SummaryBatch(Base):
     batch_id: Mapped[str | None] = mapped_column(String(40))
     steps: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class SummaryCount(Base):
+    """What statements changed of a job's counts (``kind`` ``document`` or ``step``, by
+    state): written by triggers on ``summary_documents`` and ``summary_steps`` (migration
+    ``0023_summary_counts``), folded by the job's driver into one row per kind and state; a
+    job's counts are the sums of its rows."""
+
+    __tablename__ = "summary_counts"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("summary_jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    state: Mapped[str] = mapped_column(String(16))
+    n: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    split: Mapped[int] = mapped_column(BigInteger)
+    deepest: Mapped[int] = mapped_column(Integer)
+    unbatched: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_summary_counts_job", "job_id"),)

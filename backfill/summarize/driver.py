@@ -127,9 +127,22 @@ def drive_job(
     if job.state is SummaryJobState.CANCELLING:
         _cancel(repo, job)
         report.jobs_ended += 1
+    elif job.state is SummaryJobState.IN_PROGRESS:
+        _drive_running(repo, settings, job, report, max_steps)
+    else:
         return
-    if job.state is not SummaryJobState.IN_PROGRESS:
-        return
+    # What the round and the documents sent since the last one changed, folded: a status
+    # read sums a row per state, not one per statement since the job began.
+    repo.summary_reports.fold_counts(job.id)
+
+
+def _drive_running(
+    repo: SummaryStore,
+    settings: Settings,
+    job: SummaryJobRecord,
+    report: DriverReport,
+    max_steps: int,
+) -> None:
     report.harvested += harvest(repo, job)
     _decide(repo, job, report)
     if job.deadline is not None and repo.now() >= job.deadline:

@@ -14,6 +14,7 @@ from backfill.config import Settings
 from backfill.ledger import Ledger
 from backfill.maintenance import pool_policy
 from backfill.store import Repository
+from tests.integration.support_summary_counts import kept_counts_differ
 
 
 @pytest.fixture
@@ -21,6 +22,14 @@ def repo(database_url: str) -> Iterator[Repository]:
     repository = Repository.connect(database_url)
     yield repository
     repository.close()
+
+
+@pytest.fixture
+def summary_counts_checked(database_url: str) -> Iterator[None]:
+    """After the test, every summary job's kept counts are its rows' counts (the summary test
+    modules use it: every way their jobs' documents and steps move is checked)."""
+    yield
+    assert kept_counts_differ(database_url) == {}, "a job's kept counts drifted from its rows"
 
 
 @pytest.fixture

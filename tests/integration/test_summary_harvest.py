@@ -6,6 +6,7 @@ every item of the batch for every pending step, ~160 ms a round for one 327-line
 
 from __future__ import annotations
 
+import pytest
 from batch_api_support import run_worker
 from sqlalchemy import text
 
@@ -15,6 +16,8 @@ from backfill.summarize import driver, jobs
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.states import StepState
 from tests.integration.support_sql import query_one
+
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
 
 SHAPE = JobShape(
     context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=64

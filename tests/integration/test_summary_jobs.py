@@ -28,6 +28,8 @@ from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.claiming import claim
 from tests.integration.support_sql import query_rows
 
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
+
 _TOKENS = re.compile(r"\w+|[^\w\s]|\s+")
 
 

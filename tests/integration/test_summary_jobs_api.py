@@ -35,6 +35,8 @@ from backfill_cli.api_client import ApiClient
 from backfill_cli.app import app
 from devkit.harness import free_port
 
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
+
 MODEL = "tiny-model"
 P = "/summary_jobs"
 CONTEXT = 400

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from batch_api_support import LiveServer, Tenant
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,6 +22,8 @@ from starlette.routing import Route
 from backfill.store import Repository
 from tests.integration.test_summary_jobs_api import api_on
 from tests.support_tokenizer import word_count, write_tokenizer
+
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
 
 MODEL = "files-model"
 CONTEXT = 400

@@ -23,6 +23,8 @@ from backfill.summarize.states import DocumentState, SummaryJobState
 from tests.integration.support_sql import query_rows
 from tests.integration.test_summary_jobs import LONG, SHAPE, count
 
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
+
 
 @pytest.fixture
 def small_batches(settings: Settings) -> Settings:

@@ -6,6 +6,7 @@ rows a chunk, took 15.7 s to purge, 1.5 s in key order (issue 35)."""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy
 from sqlalchemy import text
 
@@ -15,6 +16,8 @@ from backfill.store import Repository
 from backfill.summarize import jobs
 from backfill.summarize.job_plan import JobShape
 from tests.integration.support_sql import count_rows
+
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
 
 SHAPE = JobShape(
     context_tokens=400, map_prompt_tokens=20, reduce_prompt_tokens=40, summary_tokens=64

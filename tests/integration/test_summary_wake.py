@@ -30,6 +30,8 @@ from tests.integration.standin_engine import (
 )
 from worker.summary_wake import SummaryWaker
 
+pytestmark = pytest.mark.usefixtures("summary_counts_checked")
+
 NODE = "n-wake"
 BLOCK = 16
 SHAPE = JobShape(

@@ -52,16 +52,36 @@ ADD_FORECAST = (
     "UPDATE summary_jobs SET forecast_tokens = forecast_tokens + :f, "
     "planned_steps = planned_steps + :p WHERE id = :i"
 )
-INSERT_DOCUMENT = (
+# A page's documents and steps in one statement each (the job's counts are kept by a trigger
+# a statement: migration 0023_summary_counts).
+INSERT_DOCUMENTS = (
     "INSERT INTO summary_documents (job_id, seq, source_id, state, chunks, split_depth, error) "
-    "VALUES (:i, :seq, :src, :state, :chunks, :depth, :error)"
+    "SELECT :i, v.seq, v.src, v.state, v.chunks, v.depth, v.error "
+    "FROM unnest(CAST(:seqs AS int[]), CAST(:srcs AS text[]), CAST(:states AS text[]), "
+    "CAST(:chunks AS int[]), CAST(:depths AS int[]), CAST(:errors AS text[])) "
+    "AS v(seq, src, state, chunks, depth, error)"
 )
 # A step's key (job, document, node) keeps it from being made twice: the map steps made here,
 # the reduce steps by the driver (``outcomes``).
-INSERT_STEP = (
+INSERT_STEPS = (
     "INSERT INTO summary_steps (job_id, seq, node, body, line_bytes) "
-    "VALUES (:i, :seq, :node, :body, :bytes) ON CONFLICT DO NOTHING"
+    "SELECT :i, v.seq, v.node, v.body, v.bytes FROM unnest(CAST(:seqs AS int[]), "
+    "CAST(:nodes AS int[]), CAST(:bodies AS text[]), CAST(:bytes AS int[])) "
+    "AS v(seq, node, body, bytes) ON CONFLICT DO NOTHING"
 )
+
+
+def steps_params(job_id: str, steps: Sequence[tuple[int, int, bytes]]) -> dict[str, Any]:
+    """:data:`INSERT_STEPS`'s parameters for ``(seq, node, body)`` of each step."""
+    return {
+        "i": job_id,
+        "seqs": [seq for seq, _, _ in steps],
+        "nodes": [node for _, node, _ in steps],
+        "bodies": [body.decode() for _, _, body in steps],
+        "bytes": [len(body) + LINE_OVERHEAD for _, _, body in steps],
+    }
+
+
 MOVE_JOB = (
     "UPDATE summary_jobs SET state = :to, "
     "deadline = coalesce(:deadline, deadline), error = coalesce(:error, error), "
@@ -164,37 +184,35 @@ class SummaryJobs:
             first = conn.execute(text(LOCK_RECEIVING), {"i": job_id}).scalar_one_or_none()
             if first is None:
                 raise StaleWrite(f"summary job {job_id} no longer receives documents")
-            docs, steps = [], []
-            forecast = planned = 0
-            for seq, doc in enumerate(documents, start=first):
-                forecast += doc.forecast_tokens
-                planned += doc.planned_steps
-                failed = doc.error is not None
-                docs.append(
+            docs = list(enumerate(documents, start=first))
+            steps = [
+                (seq, node, body)
+                for seq, doc in docs
+                if doc.error is None
+                for node, body in enumerate(doc.bodies)
+            ]
+            if docs:
+                conn.execute(
+                    text(INSERT_DOCUMENTS),
                     {
                         "i": job_id,
-                        "seq": seq,
-                        "src": doc.source_id,
-                        "state": (DocumentState.FAILED if failed else DocumentState.PENDING),
-                        "chunks": max(1, len(doc.bodies)),
-                        "depth": doc.split_depth,
-                        "error": doc.error,
-                    }
+                        "seqs": [seq for seq, _ in docs],
+                        "srcs": [doc.source_id for _, doc in docs],
+                        "states": [
+                            (
+                                DocumentState.PENDING if doc.error is None else DocumentState.FAILED
+                            ).value
+                            for _, doc in docs
+                        ],
+                        "chunks": [max(1, len(doc.bodies)) for _, doc in docs],
+                        "depths": [doc.split_depth for _, doc in docs],
+                        "errors": [doc.error for _, doc in docs],
+                    },
                 )
-                for node, body in enumerate(() if failed else doc.bodies):
-                    steps.append(
-                        {
-                            "i": job_id,
-                            "seq": seq,
-                            "node": node,
-                            "body": body.decode(),
-                            "bytes": len(body) + LINE_OVERHEAD,
-                        }
-                    )
-            if docs:
-                conn.execute(text(INSERT_DOCUMENT), docs)
             if steps:
-                conn.execute(text(INSERT_STEP), steps)
+                conn.execute(text(INSERT_STEPS), steps_params(job_id, steps))
+            forecast = sum(doc.forecast_tokens for _, doc in docs)
+            planned = sum(doc.planned_steps for _, doc in docs)
             conn.execute(text(ADD_FORECAST), {"i": job_id, "f": forecast, "p": planned})
         return int(first)
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from sqlalchemy import text
 
 from backfill.store.database import Database
-from backfill.store.summaries.jobs import INSERT_STEP
+from backfill.store.summaries.jobs import INSERT_STEPS, steps_params
 from backfill.store.summaries.records import DocumentRow, FinishedStep, NewStep
 from backfill.summarize.decide import StepView
-from backfill.summarize.prompts import LINE_OVERHEAD
 from backfill.summarize.states import StepState
 
 # The harvest reads each table once, by its own index, and matches steps to items here: a
@@ -88,10 +87,13 @@ def match_ended(
     return found
 
 
-END_STEP = (
-    "UPDATE summary_steps SET state = :state, summary = :summary, error = :error, "
-    "prompt_tokens = :pt, completion_tokens = :ct "
-    "WHERE job_id = :i AND seq = :seq AND node = :node AND state = 'pending'"
+END_STEPS = (
+    "UPDATE summary_steps s SET state = v.state, summary = v.summary, error = v.error, "
+    "prompt_tokens = v.pt, completion_tokens = v.ct "
+    "FROM unnest(CAST(:seqs AS int[]), CAST(:nodes AS int[]), CAST(:states AS text[]), "
+    "CAST(:summaries AS text[]), CAST(:errors AS text[]), CAST(:pts AS int[]), "
+    "CAST(:cts AS int[])) AS v(seq, node, state, summary, error, pt, ct) "
+    "WHERE s.job_id = :i AND s.seq = v.seq AND s.node = v.node AND s.state = 'pending'"
 )
 TOUCH_DOCUMENTS = (
     "UPDATE summary_documents SET touched = true WHERE job_id = :i AND state = 'pending' "
@@ -181,22 +183,20 @@ class SummaryOutcomes:
         transaction (a step already ended is left as it is)."""
         if not outcomes:
             return
+        ended = sorted(outcomes.items())
         with self._db.transaction() as conn:
             conn.execute(
-                text(END_STEP),
-                [
-                    {
-                        "i": job_id,
-                        "seq": seq,
-                        "node": node,
-                        "state": view.state.value,
-                        "summary": view.summary,
-                        "error": view.error,
-                        "pt": view.prompt_tokens,
-                        "ct": view.completion_tokens,
-                    }
-                    for (seq, node), view in outcomes.items()
-                ],
+                text(END_STEPS),
+                {
+                    "i": job_id,
+                    "seqs": [seq for (seq, _), _ in ended],
+                    "nodes": [node for (_, node), _ in ended],
+                    "states": [view.state.value for _, view in ended],
+                    "summaries": [view.summary for _, view in ended],
+                    "errors": [view.error for _, view in ended],
+                    "pts": [view.prompt_tokens for _, view in ended],
+                    "cts": [view.completion_tokens for _, view in ended],
+                },
             )
             conn.execute(
                 text(TOUCH_DOCUMENTS), {"i": job_id, "seqs": sorted({s for s, _ in outcomes})}
@@ -228,19 +228,9 @@ class SummaryOutcomes:
         made before is not made again), the documents that ended, and every document
         decided on unmarked."""
         with self._db.transaction() as conn:
-            steps = [
-                {
-                    "i": job_id,
-                    "seq": seq,
-                    "node": s.node,
-                    "body": s.body.decode(),
-                    "bytes": len(s.body) + LINE_OVERHEAD,
-                }
-                for seq, made in new_steps.items()
-                for s in made
-            ]
+            steps = [(seq, s.node, s.body) for seq, made in new_steps.items() for s in made]
             if steps:
-                conn.execute(text(INSERT_STEP), steps)
+                conn.execute(text(INSERT_STEPS), steps_params(job_id, steps))
             decided = sorted(set(new_steps) - set(ended))
             if decided:
                 conn.execute(text(DECIDED), {"i": job_id, "seqs": decided})
