@@ -211,9 +211,9 @@ class NodeDispatcher:
                     faults = 0
                 except (StoreUnavailable, LedgerError) as exc:
                     log.warning("node %s: %s; retrying", cfg.node, exc)
-                    # A back-off, not a pause: a wake (its own leases given back) does not
-                    # end it, or the loop would claim again at once on a store just failing.
-                    await self._back_off(max(1.0, cfg.idle_poll_s))
+                    # A back-off a wake does not cut (its own leases given back, say).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), max(1.0, cfg.idle_poll_s))
                     continue
                 except Exception:
                     # A fault of the worker's own: the node must not stop dispatching for good
@@ -224,7 +224,8 @@ class NodeDispatcher:
                     log.exception(
                         "node %s: claiming failed; trying again in %.0f s", cfg.node, pause
                     )
-                    await self._back_off(pause)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), pause)
                     continue
                 if started == 0:
                     await state.sleep(cfg.idle_poll_s)
@@ -270,11 +271,6 @@ class NodeDispatcher:
         """Stop claiming; in-flight items get the grace period, then are requeued."""
         self._stopping.set()
         self.state.room.set()
-
-    async def _back_off(self, seconds: float) -> None:
-        """Wait ``seconds``, or until :meth:`stop`."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _engine_answers(self) -> bool:
         state = self.state
