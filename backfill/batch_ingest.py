@@ -65,8 +65,10 @@ class Overlap(Protocol):
         """Every line of this ingest's file is checked (or it ended early): the next ingest
         may begin reading its own."""
 
-    def wait_for_earlier(self) -> None:
-        """Return once the ingest taken before this one has committed its items or ended."""
+    def wait_for_earlier(self, tenant_id: str) -> None:
+        """Return once the ingest taken before this one has committed its items or ended,
+        and no other ingest of this process judges or stores one of ``tenant_id``'s (the
+        turn is held until this ingest ends)."""
 
 
 class ForecastExceeded(Exception):
@@ -160,7 +162,7 @@ def ingest_items(
         if overlap is not None:
             overlap.file_read()
             # What the earlier ingest stores counts against this one's cap and quota.
-            overlap.wait_for_earlier()
+            overlap.wait_for_earlier(tenant.id)
         stored = repo.tenants.stored_items(tenant.id)
         cap = settings.max_stored_items_per_tenant
         if stored + tally.lines > cap:

@@ -45,6 +45,11 @@ class IntakeSettings(BaseModel):
     the create's request: the create answers `validating` at once, as OpenAI's does, and the
     batch moves to `in_progress` (or `failed`, naming each bad line) when its ingest is done;
     `0` defers every create"""
+    ingest_express_bytes: Annotated[int, Field(ge=0)] = 8 * 1024 * 1024
+    """a deferred create whose file is at most this goes by each ingest process's express
+    lane, one at a time beside its main loop (which takes the larger ones, two at once): it is
+    checked and stored in moments, never behind another tenant's large file's COPY; `0`: no
+    express lane"""
     ingesters: Annotated[int, Field(ge=0)] = 1
     """ingest processes each API process starts (at the lowest CPU priority; `backfill api`
     starts them with it); `0`: none, run `backfill ingest` beside instead (any number: each

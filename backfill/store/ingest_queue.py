@@ -20,11 +20,14 @@ from sqlalchemy import text
 
 from backfill.store.database import Database
 
-# Deferred creates waiting, tenants in turn (each tenant's oldest first).
+# Deferred creates waiting whose file's size is in (:lo, :hi], tenants in turn (each
+# tenant's oldest first).
 INGEST_CANDIDATES = (
-    "SELECT id FROM jobs WHERE state = 'validating' AND ingest_deferred "
-    "ORDER BY ingest_turn, created_at, id LIMIT :l"
+    "SELECT j.id FROM jobs j JOIN files f ON f.id = j.input_file_id "
+    "WHERE j.state = 'validating' AND j.ingest_deferred AND f.bytes > :lo AND f.bytes <= :hi "
+    "ORDER BY j.ingest_turn, j.created_at, j.id LIMIT :l"
 )
+ANY_SIZE = (-1, 2**62)
 
 # The advisory lock that says a job is being ingested (session-level: held across the
 # ingest's transactions, gone with its connection).
@@ -60,15 +63,19 @@ class IngestQueue:
         self._db = db
 
     @contextmanager
-    def take_deferred_ingest(self, *, scan: int = 16) -> Iterator[IngestTake | None]:
-        """The next deferred create no other ingest holds, held until the block ends (None:
+    def take_deferred_ingest(
+        self, *, scan: int = 16, sizes: tuple[int, int] = ANY_SIZE
+    ) -> Iterator[IngestTake | None]:
+        """The next deferred create no other ingest holds whose file's size in bytes is in
+        ``sizes`` (above the first, at most the second), held until the block ends (None:
         none waits). The hold is a lock of the connection's session, so it lasts across the
         ingest's own transactions and ends if this process dies."""
+        params = {"l": scan, "lo": sizes[0], "hi": sizes[1]}
         with self._db.engine.connect() as raw:
             conn = raw.execution_options(isolation_level="AUTOCOMMIT")
             taken: IngestTake | None = None
             try:
-                for job_id in conn.execute(text(INGEST_CANDIDATES), {"l": scan}).scalars():
+                for job_id in conn.execute(text(INGEST_CANDIDATES), params).scalars():
                     if not conn.execute(text(TRY_LOCK), {"i": job_id}).scalar_one():
                         continue
                     # Held now; it may have been ingested between the scan and the lock.

@@ -34,8 +34,9 @@ HANG_S = 60
 
 @pytest.fixture
 def deferring(settings: Settings) -> Settings:
-    """Every create of more than 1 KiB is deferred to an ingest process."""
-    return settings.model_copy(update={"ingest_inline_bytes": 1024})
+    """Every create of more than 1 KiB is deferred to an ingest process's main loop (none is
+    small enough for its express lane)."""
+    return settings.model_copy(update={"ingest_inline_bytes": 1024, "ingest_express_bytes": 1024})
 
 
 def _create(
@@ -165,3 +166,95 @@ def test_a_file_cancelled_while_the_one_before_is_stored_stores_nothing(
     assert repo.stats.counted_states(first.id) == {ItemState.QUEUED: LINES}
     assert cancelled.state in {JobState.CANCELLED, JobState.CANCELLING}
     assert repo.stats.counted_states(second.id) == {}
+
+
+SMALL_BYTES = 64 * 1024
+SMALL_LINES = 3
+
+
+class HeldUntil:
+    """``repo.ingest.insert_items`` watched: ``held``'s COPY waits (once its lines are read and
+    judged) until ``until()`` (by default: every line of another job has been read, ``read``)
+    or :data:`HANG_S`; ``met`` says which."""
+
+    def __init__(
+        self, repo: Repository, held: str, until: Callable[[], bool] | None = None
+    ) -> None:
+        self._insert = repo.ingest.insert_items
+        self._held = held
+        self.read = threading.Event()
+        self._until = until or self.read.is_set
+        self.met: bool | None = None
+
+    def insert_items(self, job_id: str, items: Iterable[NewItem], **kw: Any) -> int:
+        return self._insert(job_id, self._watched(job_id, items), **kw)
+
+    def _watched(self, job_id: str, items: Iterable[NewItem]) -> Iterator[NewItem]:
+        for n, item in enumerate(items, start=1):
+            yield item
+            if job_id != self._held and n == SMALL_LINES:
+                self.read.set()
+        if job_id == self._held:
+            deadline = time.monotonic() + HANG_S
+            while not (met := self._until()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.met = met
+
+
+def _two_tenants_files(repo: Repository, settings: Settings) -> tuple[JobRecord, JobRecord]:
+    large, small = chat_file(LINES), chat_file(SMALL_LINES)
+    assert len(large) > SMALL_BYTES >= len(small)
+    a = repo.tenants.create_tenant("a")
+    return _create(repo, settings, a, large), _create(
+        repo, settings, repo.tenants.create_tenant("b"), small
+    )
+
+
+def _lanes(settings: Settings, **update: object) -> Settings:
+    """Every create deferred; files of at most :data:`SMALL_BYTES` the express lane's."""
+    return settings.model_copy(
+        update={"ingest_inline_bytes": 0, "ingest_express_bytes": SMALL_BYTES, **update}
+    )
+
+
+def test_a_small_create_is_stored_while_another_tenants_large_file_is_copied(
+    settings: Settings, repo: Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red before: one loop took B's small create as the second of its overlap, read it, and
+    then waited for A's COPY to end; now the express lane stores it meanwhile, and the main
+    loop leaves small files to it."""
+    lanes = _lanes(settings)
+    a_job, b_job = _two_tenants_files(repo, lanes)
+
+    def b_stored() -> bool:
+        return repo.jobs.get_job(None, b_job.id).state is JobState.IN_PROGRESS
+
+    held = HeldUntil(repo, a_job.id, b_stored)
+    monkeypatch.setattr(repo.ingest, "insert_items", held.insert_items)
+    a_done, b_done = _run_until_ingested(repo, lanes, a_job.id, b_job.id)
+    assert held.met is True, "B's small create waited for A's COPY"
+    assert a_done.state is JobState.IN_PROGRESS, a_done.errors
+    assert b_done.state is JobState.IN_PROGRESS, b_done.errors
+    assert repo.stats.counted_states(a_job.id) == {ItemState.QUEUED: LINES}
+    assert repo.stats.counted_states(b_job.id) == {ItemState.QUEUED: SMALL_LINES}
+
+
+def test_a_tenants_small_and_large_files_cannot_pass_its_cap_together(
+    settings: Settings, repo: Repository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two lanes judge one tenant's creates in turn: whichever is judged second is judged
+    on what the first stored (without the turn, both read and judged side by side passed)."""
+    lanes = _lanes(settings, max_stored_items_per_tenant=LINES + 1)
+    tenant = repo.tenants.create_tenant("acme")
+    large = _create(repo, lanes, tenant, chat_file(LINES))
+    small = _create(repo, lanes, tenant, chat_file(SMALL_LINES))
+    # The large one's COPY (if it is judged first) waits until the small one is read.
+    held = HeldUntil(repo, large.id)
+    monkeypatch.setattr(repo.ingest, "insert_items", held.insert_items)
+    done = _run_until_ingested(repo, lanes, large.id, small.id)
+    states = sorted(job.state.value for job in done)
+    assert states == [JobState.FAILED.value, JobState.IN_PROGRESS.value], states
+    (refused,) = [job for job in done if job.state is JobState.FAILED]
+    assert refused.errors is not None
+    assert refused.errors[0]["code"] == "storage_cap_reached"
+    assert repo.tenants.stored_items(tenant.id) <= LINES + 1
