@@ -128,13 +128,13 @@ def deliveries(
         return
     now = time.time()
     table = Table(header_style="bold")
-    for column in ("webhook id", "event", "batch", "status", "attempts", "last", "next"):
+    for column in ("webhook id", "event", "about", "status", "attempts", "last", "next"):
         table.add_column(column, overflow="fold")
     for d in page["data"]:
         table.add_row(
             str(d.get("id")),
             str(d.get("event_type")),
-            str(d.get("batch_id")),
+            str(d.get("subject_id") or d.get("batch_id")),
             str(d.get("status")),
             str(d.get("attempts")),
             _outcome(d),

@@ -117,7 +117,10 @@ class WebhookDeliveryObject(BaseModel):
     webhook_endpoint_id: str
     event_id: str
     event_type: str
-    batch_id: str
+    batch_id: str | None
+    """The batch whose end the event says (null for ``webhook_endpoint.disabled``)."""
+    subject_id: str
+    """The event's ``data.id``: the batch, or the endpoint that was disabled."""
     status: str
     attempts: int
     last_status_code: int | None
@@ -136,6 +139,7 @@ class WebhookDeliveryObject(BaseModel):
             event_id=record.event_id,
             event_type=record.event_type,
             batch_id=record.batch_id,
+            subject_id=record.subject_id,
             status=record.state.value,
             attempts=record.attempts,
             last_status_code=record.last_status_code,

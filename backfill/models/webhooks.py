@@ -53,17 +53,27 @@ class WebhookEndpoint(Base):
 
 class WebhookEvent(Base):
     """The outbox: one row per batch end that some endpoint wants, written in the
-    transaction that ended the batch."""
+    transaction that ended the batch; or per endpoint disabled (``subject_id``: the
+    endpoint), written in the transaction that disabled it, kept for the retention period."""
 
     __tablename__ = "webhook_events"
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    subject_id: Mapped[str | None] = mapped_column(String(40))
     type: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
-    __table_args__ = (Index("ix_webhook_events_job", "job_id"),)
+    __table_args__ = (
+        CheckConstraint("job_id IS NOT NULL OR subject_id IS NOT NULL", name="subject"),
+        Index("ix_webhook_events_job", "job_id"),
+        Index(
+            "ix_webhook_events_unowned_created",
+            "created_at",
+            postgresql_where=text("job_id IS NULL"),
+        ),
+    )
 
 
 class WebhookDelivery(Base):

@@ -92,6 +92,13 @@ WEBHOOK_CHUNK = (
     "DELETE FROM webhook_events WHERE id IN "
     "(SELECT id FROM webhook_events WHERE job_id = :j LIMIT :n)"
 )
+# Events of no batch (``webhook_endpoint.disabled``) go by age, their deliveries with them
+# (ix_webhook_events_unowned_created).
+UNOWNED_EVENTS = (
+    "DELETE FROM webhook_events WHERE id IN (SELECT id FROM webhook_events "
+    "WHERE job_id IS NULL AND created_at < now() - make_interval(secs => CAST(:age AS float8)) "
+    "LIMIT :n)"
+)
 RESULT_FILES = "DELETE FROM files WHERE id = ANY(:ids)"
 JOB = "DELETE FROM jobs WHERE id = :j"
 
@@ -116,8 +123,8 @@ class PurgeReport:
     jobs: int = 0
     """Jobs purged whole."""
     rows: int = 0
-    """Items and webhook events deleted (attempts and deliveries went with them), and the
-    summarisation jobs' steps, documents and batch numbers."""
+    """Items and webhook events deleted (attempts and deliveries went with them; events of
+    no batch by age), and the summarisation jobs' steps, documents and batch numbers."""
     summary_jobs: int = 0
     """Summarisation jobs purged whole."""
     transactions: int = 0
@@ -213,12 +220,26 @@ class Retention:
         return paced.report
 
     def _purge(self, older_than_s: float, paced: _Paced) -> None:
+        if self._purge_jobs(older_than_s, paced):
+            paced.drain(self._aged(older_than_s), (UNOWNED_EVENTS,))
+
+    def _aged(self, older_than_s: float) -> Callable[[KeyChunk | str, int], int]:
+        def delete(chunk: KeyChunk | str, rows: int) -> int:
+            assert isinstance(chunk, str)
+            with self._db.transaction() as conn:
+                params = {"age": older_than_s, "n": rows}
+                return conn.execute(text(chunk), params).rowcount or 0
+
+        return delete
+
+    def _purge_jobs(self, older_than_s: float, paced: _Paced) -> bool:
+        """Batches, then summarisation jobs; whether every one due went this tick."""
         report = paced.report
         with self._db.transaction() as conn:
             due = conn.execute(text(DUE_JOBS), {"age": older_than_s, "l": 100}).all()
         for job_id, output_file, error_file in due:
             if not paced.drain(self._deleter(job_id), (ITEM_CHUNK, WEBHOOK_CHUNK)):
-                return
+                return False
             with self._db.transaction() as conn:
                 files = [f for f in (output_file, error_file) if f is not None]
                 if files:
@@ -230,10 +251,11 @@ class Retention:
             )
         for summary_id in summary_due:
             if not paced.drain(self._deleter(summary_id), SUMMARY_CHUNKS):
-                return
+                return False
             with self._db.transaction() as conn:
                 gone = conn.execute(text(SUMMARY_JOB), {"j": summary_id}).rowcount
                 report.summary_jobs += gone or 0
+        return True
 
     def _deleter(self, job_id: str) -> Callable[[KeyChunk | str, int], int]:
         def delete(chunk: KeyChunk | str, rows: int) -> int:

@@ -68,7 +68,7 @@ class OutgoingRequest:
 def prepare(claimed: ClaimedDelivery, target: Target, now: int) -> OutgoingRequest:
     """The request of one attempt at ``now`` (unix seconds: the signed timestamp)."""
     body = event_body(
-        claimed.event_id, claimed.event_type, claimed.event_created_at, claimed.batch_id
+        claimed.event_id, claimed.event_type, claimed.event_created_at, claimed.subject_id
     )
     headers = {
         "content-type": "application/json",

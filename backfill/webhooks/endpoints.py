@@ -129,7 +129,7 @@ def send_test_event(
         webhook_id=new_webhook_id(),
         event_id=new_event_id(),
         event_type=event_type,
-        batch_id="batch_test",
+        subject_id="batch_test" if event_type.startswith("batch.") else "we_test",
         event_created_at=int(time.time()),
         age_s=0.0,
         url=url,

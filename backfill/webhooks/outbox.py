@@ -2,7 +2,9 @@
 
 - :func:`enqueue_batch_event` runs inside the transaction that moves a job to a terminal
   state (``backfill.store.jobs.move_job`` calls it): the event and one delivery per
-  subscribed endpoint commit with the job's end or not at all.
+  subscribed endpoint commit with the job's end or not at all. An endpoint disabled by
+  :func:`record_attempt` is an event too, in the same transaction
+  (``webhook_endpoint.disabled``, to the tenant's other endpoints that named it).
 - A sender claims due deliveries (:func:`claim_due`) with ``FOR UPDATE SKIP LOCKED`` and
   moves each one's ``next_attempt_at`` past a lease in the same statement (and counts the
   attempt): several senders never take one delivery at the same moment, and one that dies
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, text
 
 from backfill.states import JobState
 from backfill.webhooks.doorbell import CHANNEL
-from backfill.webhooks.events import EVENT_OF_STATE, new_event_id, new_webhook_id
+from backfill.webhooks.events import EVENT_OF_STATE, EventType, new_event_id, new_webhook_id
 from backfill.webhooks.retry import AfterAttempt, AttemptResult, DeliveryState
 
 MAX_ERROR_CHARS = 500
@@ -43,7 +46,8 @@ class ClaimedDelivery:
     webhook_id: str
     event_id: str
     event_type: str
-    batch_id: str
+    subject_id: str
+    """The event's ``data.id``: its batch, or the endpoint it says was disabled."""
     event_created_at: int
     """Unix seconds, as the event's ``created_at``."""
     age_s: float
@@ -70,15 +74,48 @@ def enqueue_batch_event(conn: Connection, job_id: str, target: JobState) -> int:
         ),
         {"job": job_id, "type": event_type.value},
     ).all()
+    return _enqueue(conn, event_type, endpoints, job_id=job_id)
+
+
+def enqueue_endpoint_disabled(conn: Connection, endpoint_id: str) -> int:
+    """In the caller's transaction (the one that disabled ``endpoint_id``): its
+    ``webhook_endpoint.disabled`` event, delivered to its tenant's other endpoints that
+    named that type. Returns the deliveries written."""
+    endpoints = conn.execute(
+        text(
+            "SELECT o.id, o.tenant_id FROM webhook_endpoints o JOIN webhook_endpoints d "
+            "ON d.tenant_id = o.tenant_id WHERE d.id = :e AND o.id <> d.id "
+            "AND :type = ANY(o.event_types)"
+        ),
+        {"e": endpoint_id, "type": EventType.WEBHOOK_ENDPOINT_DISABLED.value},
+    ).all()
+    return _enqueue(conn, EventType.WEBHOOK_ENDPOINT_DISABLED, endpoints, subject_id=endpoint_id)
+
+
+def _enqueue(
+    conn: Connection,
+    event_type: EventType,
+    endpoints: Sequence[Any],
+    *,
+    job_id: str | None = None,
+    subject_id: str | None = None,
+) -> int:
+    """The event and a delivery to each of ``endpoints`` (rows of id, tenant id)."""
     if not endpoints:
         return 0
     event_id = new_event_id()
     conn.execute(
         text(
-            "INSERT INTO webhook_events (id, tenant_id, job_id, type) "
-            "VALUES (:id, :tenant, :job, :type)"
+            "INSERT INTO webhook_events (id, tenant_id, job_id, subject_id, type) "
+            "VALUES (:id, :tenant, :job, :subject, :type)"
         ),
-        {"id": event_id, "tenant": endpoints[0][1], "job": job_id, "type": event_type.value},
+        {
+            "id": event_id,
+            "tenant": endpoints[0][1],
+            "job": job_id,
+            "subject": subject_id,
+            "type": event_type.value,
+        },
     )
     conn.execute(
         text(
@@ -126,7 +163,7 @@ _CLAIM_DUE = (
     "  next_attempt_at = now() + make_interval(secs => CAST(:lease AS float8)) "
     "FROM due, webhook_events e, webhook_endpoints p "
     "WHERE d.id = due.id AND e.id = d.event_id AND p.id = d.endpoint_id "
-    "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, e.job_id, "
+    "RETURNING d.id, d.attempts, d.webhook_id, e.id, e.type, coalesce(e.job_id, e.subject_id), "
     "  CAST(EXTRACT(EPOCH FROM e.created_at) AS bigint), "
     "  EXTRACT(EPOCH FROM now() - e.created_at), p.url, p.secret, "
     "  CASE WHEN p.previous_secret_until > now() THEN p.previous_secret END, "
@@ -202,7 +239,7 @@ def claim_due(
             webhook_id=r[2],
             event_id=r[3],
             event_type=r[4],
-            batch_id=r[5],
+            subject_id=r[5],
             event_created_at=int(r[6]),
             age_s=float(r[7]),
             url=r[8],
@@ -227,7 +264,8 @@ def record_attempt(
     the claim is stale (its lease ran out and another sender tried again, or the endpoint
     was deleted). The endpoint's health moves with it: a delivered attempt clears
     ``failing_since``, a failed one sets it if clear, and an endpoint failing for
-    ``disable_after_s`` is disabled with this attempt's error as the reason."""
+    ``disable_after_s`` is disabled with this attempt's error as the reason (and its
+    ``webhook_endpoint.disabled`` event written, once)."""
     error = None if result.error is None else result.error[:MAX_ERROR_CHARS]
     applied = conn.execute(
         text(
@@ -253,8 +291,10 @@ def record_attempt(
     if applied:
         delivered = after.state is DeliveryState.DELIVERED
         reason = error or f"the endpoint answered {result.status_code}"
-        conn.execute(
+        disabled_now = conn.execute(
             text(
+                "WITH was AS (SELECT disabled_at FROM webhook_endpoints WHERE id = :e "
+                "FOR UPDATE) "
                 "UPDATE webhook_endpoints SET failing_since = CASE WHEN :ok THEN NULL "
                 "ELSE coalesce(failing_since, now()) END, "
                 "disabled_at = CASE WHEN NOT :ok AND failing_since <= now() - "
@@ -265,7 +305,8 @@ def record_attempt(
                 "'every attempt failed since ' || "
                 "to_char(failing_since, 'YYYY-MM-DD HH24:MI:SS TZ') || '; the last: ' "
                 "|| CAST(:reason AS text) ELSE disabled_reason END "
-                "WHERE id = :e"
+                "WHERE id = :e RETURNING (SELECT disabled_at FROM was) IS NULL "
+                "AND disabled_at IS NOT NULL"
             ),
             {
                 "ok": delivered,
@@ -273,5 +314,7 @@ def record_attempt(
                 "reason": reason,
                 "e": claimed.endpoint_id,
             },
-        )
+        ).scalar()
+        if disabled_now:
+            enqueue_endpoint_disabled(conn, claimed.endpoint_id)
     return bool(applied)

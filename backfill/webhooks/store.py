@@ -52,7 +52,8 @@ class DeliveryRecord:
     endpoint_id: str
     event_id: str
     event_type: str
-    batch_id: str
+    batch_id: str | None
+    """The batch whose end the event says (None: ``webhook_endpoint.disabled``)."""
     state: DeliveryState
     attempts: int
     last_status_code: int | None
@@ -62,6 +63,8 @@ class DeliveryRecord:
     delivered_at: datetime | None
     failed_at: datetime | None
     created_at: datetime
+    subject_id: str = ""
+    """The event's ``data.id``: its batch, or the endpoint it says was disabled."""
 
 
 class EndpointLimitReached(InvalidRequest):
@@ -76,7 +79,7 @@ _ENDPOINT_COLUMNS = (
 _DELIVERY_COLUMNS = (
     "d.webhook_id, d.endpoint_id, d.event_id, e.type, e.job_id, d.state, d.attempts, "
     "d.last_status_code, d.last_error, d.last_attempt_at, d.next_attempt_at, d.delivered_at, "
-    "d.failed_at, d.created_at"
+    "d.failed_at, d.created_at, coalesce(e.job_id, e.subject_id)"
 )
 
 
@@ -113,6 +116,7 @@ def _delivery(row: Any) -> DeliveryRecord:
         delivered_at=row[11],
         failed_at=row[12],
         created_at=row[13],
+        subject_id=row[14],
     )
 
 

@@ -172,6 +172,7 @@ def test_the_sdk_creates_lists_updates_rotates_and_deletes_endpoints(
         "batch.failed",
         "batch.expired",
         "batch.cancelled",
+        "webhook_endpoint.disabled",
     ]
     other = make_tenant(repo, "other")
     with pytest.raises(openai.NotFoundError):

@@ -22,7 +22,9 @@ from backfill.states import JOB_TERMINAL, JobState
 from backfill.webhooks.delivery import prepare
 from backfill.webhooks.events import (
     ALL_EVENT_TYPES,
+    DEFAULT_EVENT_TYPES,
     EVENT_OF_STATE,
+    EventType,
     event_body,
     new_event_id,
     parse_event_types,
@@ -37,6 +39,7 @@ from backfill.webhooks.retry import (
 from backfill.webhooks.signing import new_secret, signed_headers
 from backfill.webhooks.targets import TargetRefused, address_refusal, check_target, parse_url
 
+DISABLED = EventType.WEBHOOK_ENDPOINT_DISABLED.value
 SDK_TYPES = {
     "batch.completed": BatchCompletedWebhookEvent,
     "batch.failed": BatchFailedWebhookEvent,
@@ -51,11 +54,11 @@ def sdk() -> OpenAI:
 
 def test_every_terminal_job_state_sends_its_event_and_no_other_state_does() -> None:
     assert set(EVENT_OF_STATE) == JOB_TERMINAL
-    assert {e.value for e in EVENT_OF_STATE.values()} == set(ALL_EVENT_TYPES)
+    assert {e.value for e in EVENT_OF_STATE.values()} == set(DEFAULT_EVENT_TYPES)
     assert JobState.IN_PROGRESS not in EVENT_OF_STATE
 
 
-@pytest.mark.parametrize("event_type", ALL_EVENT_TYPES)
+@pytest.mark.parametrize("event_type", DEFAULT_EVENT_TYPES)
 def test_a_signed_event_unwraps_with_the_sdk_as_its_own_type(event_type: str) -> None:
     secret = new_secret()
     event_id = new_event_id()
@@ -113,8 +116,22 @@ def test_the_body_is_the_same_bytes_every_time() -> None:
     }
 
 
-def test_event_types_default_to_all_and_unknown_ones_are_refused() -> None:
-    assert parse_event_types(None) == list(ALL_EVENT_TYPES)
+def test_a_disabled_endpoints_event_unwraps_with_the_sdk_by_its_type() -> None:
+    """Backfill's own event: the SDK has no class for it, but verifies it and keeps its
+    ``type`` and ``data.id`` (what docs/webhooks.md tells a receiver to go by)."""
+    secret = new_secret()
+    body = event_body(new_event_id(), DISABLED, 1_764_000_000, "we_abc")
+    headers = signed_headers([secret], "wh_1", int(time.time()), body)
+    event = sdk().webhooks.unwrap(body, headers, secret=secret)
+    assert event.type == DISABLED
+    assert event.data.id == "we_abc"
+
+
+def test_event_types_default_to_the_batch_events_and_unknown_ones_are_refused() -> None:
+    assert parse_event_types(None) == list(DEFAULT_EVENT_TYPES)
+    assert DISABLED in ALL_EVENT_TYPES
+    assert DISABLED not in DEFAULT_EVENT_TYPES
+    assert parse_event_types([DISABLED, "batch.failed"]) == ["batch.failed", DISABLED]
     assert parse_event_types(["batch.failed", "batch.completed", "batch.failed"]) == [
         "batch.completed",
         "batch.failed",
@@ -252,7 +269,7 @@ def test_an_attempt_carries_the_stored_ids_and_a_fresh_timestamp() -> None:
         webhook_id="wh_stable",
         event_id="evt_1",
         event_type="batch.expired",
-        batch_id="batch_9",
+        subject_id="batch_9",
         event_created_at=1000,
         age_s=10.0,
         url="https://hooks.example.com/x",
