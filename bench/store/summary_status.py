@@ -45,8 +45,8 @@ COUNTED = (
 TABLES = ("summary_documents", "summary_steps")
 
 
-def _job(repo: Repository, settings: Settings) -> str:
-    tenant = repo.tenants.create_tenant("bench")
+def _job(repo: Repository, settings: Settings, tenant_name: str) -> str:
+    tenant = repo.tenants.create_tenant(tenant_name)
     request = jobs.SummaryJobRequest("m", "Summarise.", SHAPE.summary_tokens, "24h")
     return jobs.create_job(repo, settings, tenant, request, SHAPE).id
 
@@ -93,7 +93,7 @@ def _reads(repo: Repository, job_id: str, reads: int) -> tuple[list[float], list
 def _writes(repo: Repository, settings: Settings, pages: int) -> dict[str, list[float]]:
     """ms per page of :data:`WRITE_PAGE` documents through ``add_documents``, triggers on and
     off in turn, into a job of its own."""
-    job_id = _job(repo, settings)
+    job_id = _job(repo, settings, "writes")
     job = repo.summary_jobs.get_summary_job(None, job_id)
     docs = [
         jobs.prepare_document(job, f"d{i}", f"Document {i} reports on the weather.", _count)
@@ -132,7 +132,7 @@ def main() -> None:
         settings = Settings(database_url=url)
         repo = Repository.connect(url)
         try:
-            job_id = _job(repo, settings)
+            job_id = _job(repo, settings, "reads")
             fill_s = _fill(repo, job_id, documents)
             kept, counted = _reads(repo, job_id, 5 if args.quick else args.reads)
             writes = _writes(repo, settings, 3 if args.quick else args.pages)
