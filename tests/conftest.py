@@ -164,5 +164,14 @@ def redis_client() -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def settings(database_url: str, redis_namespace: str) -> Settings:
-    """Settings pointing at this test's own database and Redis namespace."""
-    return Settings(database_url=database_url, redis_url=REDIS_URL, redis_namespace=redis_namespace)
+    """Settings pointing at this test's own database and Redis namespace. A create of a file
+    of up to 1 MiB is checked and stored in its request (the product defers every create to
+    an ingest process): most tests create a batch through the store, with no ingest process,
+    and use its items at once. The default's path has tests of its own
+    (``test_deferred_ingest.py``, ``test_ingest_overlap.py``)."""
+    return Settings(
+        database_url=database_url,
+        redis_url=REDIS_URL,
+        redis_namespace=redis_namespace,
+        ingest_inline_bytes=1 << 20,
+    )

@@ -7,8 +7,8 @@ whose last line is bad (every line is read, then refused: the costliest create) 
 straight into the scratch database) a page of OpenAI's default 10,000 at a time; tenant B
 meanwhile reads (``GET /v1/batches?limit=1``) and creates a batch of a small file, one request
 at a time. B is measured alone first, then beside the flood, against the same API. The run is
-made twice: at the defaults (a file over ``BACKFILL_INGEST_INLINE_BYTES`` is checked and
-stored by the API's ingest process, the create answers ``validating`` at once), and with
+made twice: at the defaults (every create answers ``validating`` at once and the API's
+ingest process checks and stores its file: ``BACKFILL_INGEST_INLINE_BYTES`` is 0), and with
 every create checked in its request (as before ingests were deferred; the API's bounds on
 creates in progress, ``BACKFILL_MAX_INGESTS_PER_TENANT`` and ``BACKFILL_MAX_INGESTS``, at
 their defaults both times). Figure: B's read p99 beside the flood over B's alone, at the
@@ -314,8 +314,8 @@ def main() -> None:
         "--lines",
         type=int,
         default=0,
-        help="lines of A's files (default 60,000; 20,000 quick; 2,900 is under the 1 MiB a "
-        "create checks in its request)",
+        help="lines of A's files (default 60,000; 20,000 quick; 2,900: just under 1 MiB, the "
+        "express lane's and, before every create was deferred, checked in the request)",
     )
     p.add_argument(
         "--rate-limit",

@@ -113,6 +113,26 @@ def test_a_large_create_answers_validating_and_the_apis_ingest_process_stores_it
         assert server.app.state.ingesters.running == 1
 
 
+def test_at_the_defaults_a_small_create_answers_validating_and_is_stored_by_the_express_lane(
+    settings: Settings, repo: Repository
+) -> None:
+    """Every create answers at once, as OpenAI's does (red before: a file of up to 1 MiB was
+    checked and stored in its request, at the API's own CPU priority)."""
+    product = settings.model_copy(
+        update={
+            "ingest_inline_bytes": Settings.model_fields["ingest_inline_bytes"].default,
+            "ingest_express_bytes": Settings.model_fields["ingest_express_bytes"].default,
+        }
+    )
+    tenant = make_tenant(repo, "acme")
+    with serve(api_settings(product)) as server:
+        batch = submit_file(server.client(tenant.key), chat_file(2))
+        assert batch.status == "validating"
+        job = _wait_until_not_validating(repo, batch.id)
+    assert job.state is JobState.IN_PROGRESS, job.errors
+    assert repo.stats.counted_states(batch.id) == {ItemState.QUEUED: 2}
+
+
 def test_creates_waiting_for_an_ingest_are_on_metrics(
     deferring: Settings, repo: Repository
 ) -> None:

@@ -105,6 +105,9 @@ def api(module_database_url: str) -> Iterator[Api]:
         Settings(database_url=module_database_url, redis_url=REDIS_URL, redis_namespace=namespace),
         max_file_bytes=MAX_FILE,
         max_line_bytes=MAX_LINE,
+        # Each hostile file is checked in its create's request, so what it stored (or not)
+        # is read at once (deferred, the same checks run in the ingest process).
+        ingest_inline_bytes=MAX_FILE,
     )
     logs = Captured()
     root = logging.getLogger()
