@@ -62,15 +62,20 @@ def test_a_cost_model_is_fitted_to_every_term_and_replays_a_held_back_workload(
         # over the cost of 736 tokens) and the fit gave prefill no cost: such a round is
         # noise too, as one over the error bound is.
         sees_prefill = model.step_seconds(longest.work) > model.step_seconds(shortest.work)
-        if rms <= MAX_FIT_ERROR and sees_prefill:
+        # A decode case whose requests never decoded together in its tries is left out by
+        # the probe (the API server passed the last one in after the first had finished:
+        # CI's run of 2026-12-07 on the tiny model, 3 of 4 cases): noise too, for a round.
+        decodes = [o for o in observations if not o.with_request_overhead]
+        all_decoded = len(decodes) == len(workload.decode_cases)
+        if rms <= MAX_FIT_ERROR and sees_prefill and all_decoded:
             break
         failures.append(
-            f"round {round_}: fit RMS {rms:.1%}, prefill costed {sees_prefill}: {model}; "
+            f"round {round_}: fit RMS {rms:.1%}, prefill costed {sees_prefill}, "
+            f"{len(decodes)} of {len(workload.decode_cases)} decode cases: {model}; "
             f"{observations}"
         )
     else:
         pytest.fail("no round gave a fit:\n" + "\n".join(failures))
-    decodes = [o for o in observations if not o.with_request_overhead]
     assert [o.work.prefill_tokens for o in prefills] == list(workload.prefill_lengths)
     assert len(decodes) == len(workload.decode_cases), "a decode case yielded no decode steps"
     assert model.step_seconds(longest.work) > model.step_seconds(shortest.work), model
