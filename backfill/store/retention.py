@@ -234,11 +234,14 @@ class Retention:
     def _aged(self, older_than_s: float) -> Callable[[KeyChunk | str, int], int]:
         def delete(chunk: KeyChunk | str, rows: int) -> int:
             assert isinstance(chunk, str)
-            with self._db.transaction() as conn:
-                params = {"age": older_than_s, "n": rows}
-                return conn.execute(text(chunk), params).rowcount or 0
+            return self._rows_deleted(chunk, {"age": older_than_s, "n": rows})
 
         return delete
+
+    def _rows_deleted(self, sql: str, params: dict[str, object]) -> int:
+        """One chunk's transaction: the rows ``sql`` deleted."""
+        with self._db.transaction() as conn:
+            return conn.execute(text(sql), params).rowcount or 0
 
     def _purge_jobs(self, older_than_s: float, paced: _Paced) -> bool:
         """Batches, then summarisation jobs; whether every one due went this tick."""
@@ -268,8 +271,7 @@ class Retention:
     def _deleter(self, job_id: str) -> Callable[[KeyChunk | str, int], int]:
         def delete(chunk: KeyChunk | str, rows: int) -> int:
             if isinstance(chunk, str):
-                with self._db.transaction() as conn:
-                    return conn.execute(text(chunk), {"j": job_id, "n": rows}).rowcount or 0
+                return self._rows_deleted(chunk, {"j": job_id, "n": rows})
             mark = self._purge_mark
             if mark is not None and mark[:2] == (job_id, chunk.table):
                 after = mark[2]  # past the last row this job's chunks of the table deleted

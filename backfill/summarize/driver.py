@@ -67,6 +67,17 @@ class DriverReport:
     waiting_steps: int | None = None
     """Of the last job driven, its steps in batches no engine has started (None: not read)."""
 
+    def writes(self) -> tuple[int, ...]:
+        """What the rounds so far wrote: a change says a round moved a step or a document."""
+        return (
+            self.harvested,
+            self.decided,
+            self.reduce_steps,
+            self.batches,
+            self.documents_ended,
+            self.jobs_ended,
+        )
+
 
 def drive(repo: SummaryStore, settings: Settings, limit: int = 100) -> DriverReport:
     """One round over the open summarisation jobs."""
@@ -123,6 +134,7 @@ def drive_job(
     max_steps: int = MAX_ROUND_STEPS,
 ) -> None:
     report = report if report is not None else DriverReport()
+    before = report.writes()
     job = repo.summary_jobs.get_summary_job(None, job_id)
     if job.state is SummaryJobState.CANCELLING:
         _cancel(repo, job)
@@ -131,9 +143,11 @@ def drive_job(
         _drive_running(repo, settings, job, report, max_steps)
     else:
         return
-    # What the round and the documents sent since the last one changed, folded: a status
-    # read sums a row per state, not one per statement since the job began.
-    repo.summary_reports.fold_counts(job.id)
+    if report.writes() != before:
+        # What the round changed of the job's counts, folded: a status read sums a row per
+        # state, not one per statement since the job began (a round that wrote nothing
+        # added no row to fold).
+        repo.summary_reports.fold_counts(job.id)
 
 
 def _drive_running(

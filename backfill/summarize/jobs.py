@@ -144,11 +144,7 @@ def add_documents(
         )
     if job.state is SummaryJobState.IN_PROGRESS:
         _judge_page(repo, settings, tenant, job, sum(d.forecast_tokens for d in documents))
-    first = repo.summary_jobs.add_documents(job.id, documents)
-    # A job receiving has no driver yet to fold its counts: a page does (its status reads
-    # stay a handful of rows however many pages it was sent in).
-    repo.summary_reports.fold_counts(job.id)
-    return first
+    return repo.summary_jobs.add_documents(job.id, documents)
 
 
 def _judge_page(

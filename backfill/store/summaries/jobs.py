@@ -20,6 +20,7 @@ from backfill import ids
 from backfill.errors import NotFound, StaleWrite
 from backfill.store.database import Database
 from backfill.store.summaries.records import NewDocument, SummaryJobRecord
+from backfill.store.summaries.reports import FOLD_COUNTS, FOLD_LOCK
 from backfill.summarize.job_plan import JobShape
 from backfill.summarize.prompts import LINE_OVERHEAD
 from backfill.summarize.states import DocumentState, SummaryJobState, sources_of
@@ -214,6 +215,10 @@ class SummaryJobs:
             forecast = sum(doc.forecast_tokens for _, doc in docs)
             planned = sum(doc.planned_steps for _, doc in docs)
             conn.execute(text(ADD_FORECAST), {"i": job_id, "f": forecast, "p": planned})
+            # The job's counts folded with its page (a job receiving has no driver yet to fold
+            # them): its status reads stay a handful of rows however many pages it took.
+            conn.execute(text(FOLD_LOCK), {"i": job_id})
+            conn.execute(text(FOLD_COUNTS), {"i": job_id})
         return int(first)
 
     def move_summary_job(
