@@ -367,6 +367,13 @@ class Item(Base):
             "finished_at",
             postgresql_where=text("finished_at IS NOT NULL"),
         ),
+        # A summarisation job's harvest reads what of its batches ended since its last round.
+        Index(
+            "ix_items_job_finished",
+            "job_id",
+            "finished_at",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
     )
 
 

@@ -59,6 +59,10 @@ class SummaryJob(Base):
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(TZ)
     ended_at: Mapped[datetime | None] = mapped_column(TZ)
+    # The reduce driver's harvest: where its next round's window of ended items starts, and
+    # when it last read every ended item (backfill.store.summaries.outcomes).
+    harvest_mark: Mapped[datetime | None] = mapped_column(TZ)
+    harvest_full_at: Mapped[datetime | None] = mapped_column(TZ)
 
     __table_args__ = (
         CheckConstraint(f"state IN ({in_list(SummaryJobState)})", name="state"),

@@ -179,10 +179,12 @@ def _decide(repo: SummaryStore, job: SummaryJobRecord, report: DriverReport) -> 
 
 
 def harvest(repo: SummaryStore, job: SummaryJobRecord) -> int:
-    """Steps whose items ended, with their outcomes; returns how many."""
+    """Steps whose items ended, with their outcomes; returns how many. A round reads what
+    ended since the last (and every minute, everything: ``SummaryOutcomes.harvest_read``)."""
+    read = repo.summary_outcomes.harvest_read(job.id)
     total = 0
     while True:
-        rows = repo.summary_outcomes.finished_steps(job.id, HARVEST_PAGE)
+        rows = repo.summary_outcomes.finished_steps(job.id, HARVEST_PAGE, read.since)
         outcomes: dict[tuple[int, int], StepView] = {}
         for row in rows:
             view = (
@@ -195,6 +197,7 @@ def harvest(repo: SummaryStore, job: SummaryJobRecord) -> int:
         repo.summary_outcomes.end_steps(job.id, outcomes)
         total += len(outcomes)
         if len(rows) < HARVEST_PAGE:
+            repo.summary_outcomes.mark_harvested(job.id, read)
             return total
 
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from backfill.store.summaries.outcomes import match_ended
+from datetime import UTC, datetime, timedelta
+
+from backfill.store.summaries.outcomes import (
+    FULL_READ_EVERY_S,
+    WINDOW_SLACK_S,
+    HarvestRead,
+    harvest_read,
+    match_ended,
+)
 
 BATCHES = {0: ("batch_a", "in_progress"), 1: ("batch_b", "failed"), 3: ("batch_d", "completed")}
 
@@ -45,3 +53,21 @@ def test_at_most_limit_steps_the_first_in_order() -> None:
     pending = [(s, 0, 3) for s in range(10, 0, -1)]
     found = match_ended(pending, BATCHES, [], 3)
     assert [e.seq for e in found] == [1, 2, 3]
+
+
+NOW = datetime(2026, 12, 7, 20, 0, tzinfo=UTC)
+
+
+def test_a_round_reads_everything_until_a_round_has_and_every_minute_after() -> None:
+    assert harvest_read(None, None, NOW) == HarvestRead(None, NOW)
+    assert harvest_read(NOW, None, NOW).full
+    stale = NOW - timedelta(seconds=FULL_READ_EVERY_S)
+    assert harvest_read(NOW - timedelta(seconds=1), stale, NOW).full
+
+
+def test_between_full_reads_a_round_reads_from_a_little_before_the_last_rounds_read() -> None:
+    mark = NOW - timedelta(seconds=1)
+    read = harvest_read(mark, NOW - timedelta(seconds=5), NOW)
+    assert not read.full
+    assert read.since == mark - timedelta(seconds=WINDOW_SLACK_S)
+    assert read.at == NOW

@@ -4,19 +4,28 @@ whose items ended, and the decisions it writes back.
 A step's key ``(job, document, node)`` is what keeps the driver from making a step twice:
 steps are inserted ``ON CONFLICT DO NOTHING``. A step that ends marks its document
 (``touched``) for the driver, in the same transaction; deciding on a document unmarks it.
+
+A round reads what of the job's open batches ended in a window, not everything that ended
+(:class:`HarvestRead`): from :data:`WINDOW_SLACK_S` before its last round's read. An item's
+end is stamped with its transaction's start, so one that committed after that read can carry
+an earlier time; an end held open longer than the slack is found by the next full read,
+every :data:`FULL_READ_EVERY_S`, or when its batch ends (an ended batch's items are all read).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import text
+from sqlalchemy.engine import Connection
 
 from backfill.store.database import Database
 from backfill.store.summaries.jobs import INSERT_STEPS, steps_params
 from backfill.store.summaries.records import DocumentRow, FinishedStep, NewStep
 from backfill.summarize.decide import StepView
+from backfill.summarize.prompts import parse_custom_id
 from backfill.summarize.states import StepState
 
 # The harvest reads each table once, by its own index, and matches steps to items here: a
@@ -39,9 +48,56 @@ ENDED_ITEMS = (
     "AND state IN ('succeeded', 'failed', 'expired', 'cancelled')"
 )
 ITEMS_OF = "SELECT job_id, id, custom_id, state FROM items WHERE job_id = ANY(CAST(:b AS text[]))"
+# A windowed round: the items of open batches that ended since ``:since``
+# (ix_items_job_finished), then the pending steps they name, by key, and those of ended batches.
+RECENT_ENDED_ITEMS = (
+    "SELECT job_id, id, custom_id, state FROM items WHERE job_id = ANY(CAST(:open AS text[])) "
+    "AND finished_at IS NOT NULL AND finished_at >= :since "
+    "AND state IN ('succeeded', 'failed', 'expired', 'cancelled')"
+)
+PENDING_STEPS_NAMED = (
+    "SELECT s.seq, s.node, s.batch_no FROM summary_steps s "
+    "JOIN unnest(CAST(:seqs AS int[]), CAST(:nodes AS int[])) AS k(seq, node) "
+    "ON s.seq = k.seq AND s.node = k.node "
+    "WHERE s.job_id = :i AND s.state = 'pending' AND s.batch_no IS NOT NULL"
+)
+PENDING_STEPS_OF_BATCHES = (
+    "SELECT seq, node, batch_no FROM summary_steps WHERE job_id = :i AND state = 'pending' "
+    "AND batch_no = ANY(CAST(:nos AS int[]))"
+)
+HARVEST_MARKS = "SELECT harvest_mark, harvest_full_at, now() FROM summary_jobs WHERE id = :i"
+MARK_HARVESTED = (
+    "UPDATE summary_jobs SET harvest_mark = :at, "
+    "harvest_full_at = CASE WHEN :full THEN :at ELSE harvest_full_at END WHERE id = :i"
+)
+WINDOW_SLACK_S = 5.0
+"""How far before the last round's read a round's window starts."""
+FULL_READ_EVERY_S = 60.0
+"""How often a round reads every ended item of the job's open batches."""
 ITEM_OUTCOMES = "SELECT id, result, error FROM items WHERE id = ANY(CAST(:ids AS bigint[]))"
 ENDED_BATCH = frozenset({"failed", "expired", "cancelled", "completed"})
 ENDED_ITEM = frozenset({"succeeded", "failed", "expired", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class HarvestRead:
+    """How a round reads what ended: from ``since`` (None: everything), at ``at`` (the
+    database's clock as the round began)."""
+
+    since: datetime | None
+    at: datetime
+
+    @property
+    def full(self) -> bool:
+        return self.since is None
+
+
+def harvest_read(mark: datetime | None, full_at: datetime | None, now: datetime) -> HarvestRead:
+    """A round's read: a window from a little before the last round's, or everything when no
+    round has read everything in :data:`FULL_READ_EVERY_S` (pure)."""
+    if mark is None or full_at is None or now - full_at >= timedelta(seconds=FULL_READ_EVERY_S):
+        return HarvestRead(None, now)
+    return HarvestRead(mark - timedelta(seconds=WINDOW_SLACK_S), now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,30 +195,33 @@ class SummaryOutcomes:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    def finished_steps(self, job_id: str, limit: int) -> list[FinishedStep]:
-        """The first ``limit`` pending steps whose item ended, or whose batch ended without
-        an item for them, with the item's result (:func:`match_ended`)."""
+    def harvest_read(self, job_id: str) -> HarvestRead:
+        """How the job's next round reads what ended (:func:`harvest_read`)."""
         with self._db.transaction() as conn:
-            pending = [
-                (r.seq, r.node, r.batch_no)
-                for r in conn.execute(text(PENDING_STEPS), {"i": job_id})
-            ]
-            if not pending:
-                return []
+            mark, full_at, now = conn.execute(text(HARVEST_MARKS), {"i": job_id}).one()
+        return harvest_read(mark, full_at, now)
+
+    def mark_harvested(self, job_id: str, read: HarvestRead) -> None:
+        """The round that read by ``read`` harvested everything it found: the next one's
+        window starts from ``read.at``."""
+        with self._db.transaction() as conn:
+            conn.execute(text(MARK_HARVESTED), {"i": job_id, "at": read.at, "full": read.full})
+
+    def finished_steps(
+        self, job_id: str, limit: int, since: datetime | None = None
+    ) -> list[FinishedStep]:
+        """The first ``limit`` pending steps whose item ended, or whose batch ended without
+        an item for them, with the item's result (:func:`match_ended`): of open batches,
+        those whose item ended at or after ``since`` (None: any)."""
+        with self._db.transaction() as conn:
             batches = {
                 r.batch_no: (r.batch_id, r.state)
                 for r in conn.execute(text(MADE_BATCHES), {"i": job_id})
             }
-            wanted = {batches[b] for _, _, b in pending if b in batches}
-            open_ = sorted(bid for bid, state in wanted if state not in ENDED_BATCH)
-            ended = sorted(bid for bid, state in wanted if state in ENDED_BATCH)
-            reads = [(ENDED_ITEMS, {"open": open_}), (ITEMS_OF, {"b": ended})]
-            items = [
-                (r.job_id, r.id, r.custom_id, r.state)
-                for query, batch_ids in reads
-                if any(batch_ids.values())
-                for r in conn.execute(text(query), batch_ids)
-            ]
+            if since is None:
+                pending, items = _everything_ended(conn, job_id, batches)
+            else:
+                pending, items = _ended_since(conn, job_id, batches, since)
             found = match_ended(pending, batches, items, limit)
             ids = [e.item_id for e in found if e.item_id is not None]
             outcomes = {
@@ -262,3 +321,69 @@ class SummaryOutcomes:
     def fail_pending_documents(self, job_id: str, error: str) -> int:
         with self._db.transaction() as conn:
             return conn.execute(text(FAIL_PENDING), {"i": job_id, "error": error}).rowcount
+
+
+Pending = list[tuple[int, int, int]]
+"""``(seq, node, batch_no)`` of pending steps."""
+ItemRows = list[tuple[str, int, str, str]]
+"""``(batch id, item id, custom id, state)`` of items read."""
+
+
+def _everything_ended(
+    conn: Connection, job_id: str, batches: Mapping[int, tuple[str, str]]
+) -> tuple[Pending, ItemRows]:
+    """Every pending step of the job, the ended items of its open batches and every item of
+    its ended ones that hold a pending step."""
+    pending = [
+        (r.seq, r.node, r.batch_no) for r in conn.execute(text(PENDING_STEPS), {"i": job_id})
+    ]
+    wanted = {batches[b] for _, _, b in pending if b in batches}
+    open_ = sorted(bid for bid, state in wanted if state not in ENDED_BATCH)
+    return pending, _items(
+        conn, open_, sorted(bid for bid, state in wanted if state in ENDED_BATCH)
+    )
+
+
+def _ended_since(
+    conn: Connection, job_id: str, batches: Mapping[int, tuple[str, str]], since: datetime
+) -> tuple[Pending, ItemRows]:
+    """The pending steps whose item in an open batch ended at or after ``since``, with those
+    items, and the pending steps of ended batches with every item of those batches."""
+    open_ = sorted(bid for bid, state in batches.values() if bid and state not in ENDED_BATCH)
+    recent: ItemRows = (
+        [
+            (r.job_id, r.id, r.custom_id, r.state)
+            for r in conn.execute(text(RECENT_ENDED_ITEMS), {"open": open_, "since": since})
+        ]
+        if open_
+        else []
+    )
+    named = sorted({key for _, _, custom_id, _ in recent if (key := parse_custom_id(custom_id))})
+    pending: Pending = []
+    if named:
+        params = {"i": job_id, "seqs": [k[0] for k in named], "nodes": [k[1] for k in named]}
+        pending += [
+            (r.seq, r.node, r.batch_no) for r in conn.execute(text(PENDING_STEPS_NAMED), params)
+        ]
+    ended_nos = sorted(no for no, (bid, state) in batches.items() if bid and state in ENDED_BATCH)
+    if ended_nos:
+        params = {"i": job_id, "nos": ended_nos}
+        in_ended = [
+            (r.seq, r.node, r.batch_no)
+            for r in conn.execute(text(PENDING_STEPS_OF_BATCHES), params)
+        ]
+        pending += in_ended
+        holding = sorted({batches[b][0] for _, _, b in in_ended})
+        recent += _items(conn, [], holding)
+    return pending, recent
+
+
+def _items(conn: Connection, open_: list[str], ended: list[str]) -> ItemRows:
+    """The ended items of the batches ``open_``, every item of the batches ``ended``."""
+    reads = [(ENDED_ITEMS, {"open": open_}), (ITEMS_OF, {"b": ended})]
+    return [
+        (r.job_id, r.id, r.custom_id, r.state)
+        for query, batch_ids in reads
+        if any(batch_ids.values())
+        for r in conn.execute(text(query), batch_ids)
+    ]
