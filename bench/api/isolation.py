@@ -22,7 +22,7 @@ threads share the API's cores, and profiled they took twice the API's CPU (1.7 s
 B's after its first hundred was a 429 answered before any work, which the table counted as a
 create. Tenants' rate limits are off by default, as in every API benchmark; ``--rate-limit 50
 --b-rate 40`` runs A under the API's default limit (B paced under it), where a page of files
-costs a token a thousand files.
+costs a token per 500 files.
 """
 
 from __future__ import annotations

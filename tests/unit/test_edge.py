@@ -76,19 +76,19 @@ def test_a_body_within_the_depth_and_bad_json_are_told_apart() -> None:
 @pytest.mark.parametrize(
     ("method", "path", "query", "cost"),
     [
-        ("GET", "/v1/files", b"", 10),  # OpenAI's default page: 10,000 files
-        ("GET", "/v1/files", b"limit=10000&order=asc", 10),
-        ("GET", "/v1/files", b"limit=1000", 1),
-        ("GET", "/v1/files", b"limit=1001", 2),
+        ("GET", "/v1/files", b"", 20),  # OpenAI's default page: 10,000 files
+        ("GET", "/v1/files", b"limit=10000&order=asc", 20),
+        ("GET", "/v1/files", b"limit=500", 1),
+        ("GET", "/v1/files", b"limit=501", 2),
         ("GET", "/v1/files", b"limit=20&after=file-x", 1),
-        ("GET", "/v1/files", b"limit=99999", 10),  # the route refuses it; it costs no more
+        ("GET", "/v1/files", b"limit=99999", 20),  # the route refuses it; it costs no more
         ("GET", "/v1/files", b"limit=x", 1),  # nor does a limit that is not a number
         ("GET", "/v1/files/file-x", b"", 1),
         ("POST", "/v1/files", b"", 1),
         ("GET", "/v1/batches", b"limit=100", 1),
     ],
 )
-def test_a_page_of_files_costs_the_rate_limit_a_token_a_thousand_files(
+def test_a_page_of_files_costs_the_rate_limit_a_token_per_500_files(
     method: str, path: str, query: bytes, cost: int
 ) -> None:
     assert route_rules(method, path, LIMITS, query).rate_cost == cost
