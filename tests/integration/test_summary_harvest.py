@@ -51,26 +51,13 @@ def test_a_round_reads_each_item_of_the_batch_once_not_once_per_pending_step(
     repo: Repository, database_url: str, settings: Settings
 ) -> None:
     settings = settings.model_copy(update={"node_live_s": 0.001})
-    tenant = repo.tenants.create_tenant("acme")
-    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
-    job = jobs.create_job(repo, settings, tenant, request, SHAPE)
-    notes = [f"Note {i}." for i in range(STEPS)]
-    jobs.add_documents(
-        repo,
-        settings,
-        tenant,
-        job,
-        [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)],
-    )
-    jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
-    driver.drive(repo, settings)
-    assert len(repo.summary_batches.summary_batch_ids(job.id)) == 1
+    job_id = _wave(repo, settings)
     run_worker(repo, limit=STEPS // 2)  # half the wave ended, half still to come
 
     alone = Repository.connect(database_url, pool_size=1)  # one backend: its reads counted
     try:
         before = _items_read(alone)
-        found = alone.summary_outcomes.finished_steps(job.id, 10_000)
+        found = alone.summary_outcomes.finished_steps(job_id, 10_000)
         read = _settled_items_read(alone) - before
     finally:
         alone.close()
