@@ -71,20 +71,8 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
     repo: Repository, settings: Settings
 ) -> None:
     small = settings.model_copy(update={"max_lines_per_batch": 7, "node_live_s": 0.001})
-    tenant = repo.tenants.create_tenant("acme")
-    request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
-    job = jobs.create_job(repo, small, tenant, request, SHAPE)
-    notes = [f"Note number {i}, short." for i in range(30)]
-    jobs.add_documents(
-        repo,
-        small,
-        tenant,
-        job,
-        [jobs.prepare_document(job, f"n{i}", t, count) for i, t in enumerate(notes)],
-    )
-    jobs.start_job(repo, small, tenant, repo.summary_jobs.get_summary_job(None, job.id))
-    driver.drive(repo, small)
-    batch_ids = repo.summary_batches.summary_batch_ids(job.id)
+    job_id = _started(repo, small, [f"Note number {i}, short." for i in range(30)])
+    batch_ids = repo.summary_batches.summary_batch_ids(job_id)
     assert len(batch_ids) == 5  # 30 steps, 7 a file
     # The first batch failed before any of its lines was stored (as a batch refused at
     # ingest does): its steps fail by it; the other batches' steps are harvested.
@@ -94,11 +82,11 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
     for _ in range(10):
         run_worker(repo)
         driver.drive(repo, small)
-    steps = repo.summary_outcomes.steps_of(job.id, list(range(30)))
+    steps = repo.summary_outcomes.steps_of(job_id, list(range(30)))
     assert {steps[i][0].error for i in range(7)} == {"its batch ended failed"}
     assert all(steps[i][0].state is StepState.FAILED for i in range(7))
     assert all(steps[i][0].state is StepState.SUCCEEDED for i in range(7, 30))
-    rows = {r.id: r for r in jobs.result_rows(repo, job.id)}
+    rows = {r.id: r for r in jobs.result_rows(repo, job_id)}
     assert all(rows[f"n{i}"].summary is None for i in range(7))
     assert sorted(rows[f"n{i}"].summary or "" for i in range(7, 30)) == sorted(
         f"answer to {i}:0" for i in range(7, 30)
@@ -107,10 +95,16 @@ def test_the_job_ends_every_step_harvested_and_a_failed_batchs_steps_failed_by_i
 
 def _wave(repo: Repository, settings: Settings) -> str:
     """A job of ``STEPS`` documents whose map wave is one batch, made."""
+    job_id = _started(repo, settings, [f"Note {i}." for i in range(STEPS)])
+    assert len(repo.summary_batches.summary_batch_ids(job_id)) == 1
+    return job_id
+
+
+def _started(repo: Repository, settings: Settings, notes: list[str]) -> str:
+    """A job of ``notes``, started, its first round driven (its map batches made)."""
     tenant = repo.tenants.create_tenant("acme")
     request = jobs.SummaryJobRequest("tiny-model", "Summarise.", 64, "1h")
     job = jobs.create_job(repo, settings, tenant, request, SHAPE)
-    notes = [f"Note {i}." for i in range(STEPS)]
     jobs.add_documents(
         repo,
         settings,
@@ -120,7 +114,6 @@ def _wave(repo: Repository, settings: Settings) -> str:
     )
     jobs.start_job(repo, settings, tenant, repo.summary_jobs.get_summary_job(None, job.id))
     driver.drive(repo, settings)
-    assert len(repo.summary_batches.summary_batch_ids(job.id)) == 1
     return job.id
 
 
