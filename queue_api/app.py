@@ -15,13 +15,12 @@ from backfill.config import Settings, get_settings
 from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
-from backfill.ratelimit import RateLimiter
-from backfill.redis_client import AsyncRedis, SyncRedis, connect, connect_async
+from backfill.redis_client import connect, connect_async
 from backfill.store import Repository
 from backfill.webhooks.sealing import CLEAR_SECRETS_WARNING, SecretSeal
 from backfill.webhooks.store import WebhookStore
 from queue_api import errors, metrics
-from queue_api.edge import Gate, RequestEdge
+from queue_api.edge import RequestEdge, build_gate
 from queue_api.gateway import InteractiveGateway
 from queue_api.ingest_processes import IngestProcesses
 from queue_api.routes import batches, capacity, dashboard, files, summaries, webhooks
@@ -40,30 +39,6 @@ def _deferred_creates_wait(repo: Repository) -> bool:
     except Exception as exc:  # the driver and SQLAlchemy raise many types; none stops the API
         log.warning("could not look for deferred creates at start-up: %s", exc)
         return False
-
-
-def _gate(
-    settings: Settings, keys: TenantKeyCache, client: SyncRedis, async_client: AsyncRedis
-) -> Gate:
-    """The API's front gate: keys, the tenants' rate limit and the anonymous one."""
-    namespace = settings.redis_namespace
-    return Gate(
-        keys,
-        RateLimiter(
-            client,
-            namespace,
-            settings.rate_limit_per_s,
-            settings.rate_limit_burst,
-            async_client=async_client,
-            credit_hold_s=settings.rate_limit_credit_hold_s,
-        ),
-        RateLimiter(
-            client,
-            namespace,
-            settings.anonymous_rate_limit_per_s,
-            settings.anonymous_rate_limit_burst,
-        ),
-    )
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -119,7 +94,7 @@ def create_app(
         async_client = connect_async(
             settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
         )
-        app.state.gate = _gate(settings, keys, client, async_client)
+        app.state.gate = build_gate(settings, keys, client, async_client)
         # Its own connection: a subscribed connection can do nothing else.
         subscriber = connect(settings.redis_url, socket_connect_timeout=0.5)
         revocations = RevocationListener(subscriber, namespace, keys).start()

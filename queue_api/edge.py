@@ -44,6 +44,7 @@ from backfill.config import Settings
 from backfill.errors import BackfillError
 from backfill.keycache import TenantKeyCache
 from backfill.ratelimit import RateDecision, RateLimiter
+from backfill.redis_client import AsyncRedis, SyncRedis
 from backfill.refusals import InvalidRequest, RateLimited
 from backfill.store import TenantRecord
 from queue_api import errors
@@ -200,6 +201,30 @@ class Gate:
                 "the time in Retry-After.",
                 retry_after_s=decision.retry_after_s,
             )
+
+
+def build_gate(
+    settings: Settings, keys: TenantKeyCache, client: SyncRedis, async_client: AsyncRedis
+) -> Gate:
+    """The API's front gate: keys, the tenants' rate limit and the anonymous one."""
+    namespace = settings.redis_namespace
+    return Gate(
+        keys,
+        RateLimiter(
+            client,
+            namespace,
+            settings.rate_limit_per_s,
+            settings.rate_limit_burst,
+            async_client=async_client,
+            credit_hold_s=settings.rate_limit_credit_hold_s,
+        ),
+        RateLimiter(
+            client,
+            namespace,
+            settings.anonymous_rate_limit_per_s,
+            settings.anonymous_rate_limit_burst,
+        ),
+    )
 
 
 def _bearer(authorization: str) -> str:

@@ -80,7 +80,7 @@ class MetricEvents:
 
 
 @dataclass
-class _Relay:
+class Relay:
     """What a relayed stream has shown so far."""
 
     endpoint: str
@@ -155,7 +155,7 @@ def answer_headers(request: Request) -> dict[str, str]:
     return dict(headers)
 
 
-def _float_header(request: Request, name: str) -> float | None:
+def seconds_header(request: Request, name: str) -> float | None:
     raw = request.headers.get(name)
     if raw is None:
         return None
@@ -265,8 +265,8 @@ class InteractiveGateway:
     ) -> Response:
         body = load_json_body(await request.body())
         parsed = await self.admission.parse(endpoint, body, (tenant.id, tenant.name))
-        asked = _float_header(request, MAX_WAIT_HEADER)
-        budget = self.admission.wait_budget(asked, _float_header(request, CLIENT_TIMEOUT_HEADER))
+        asked = seconds_header(request, MAX_WAIT_HEADER)
+        budget = self.admission.wait_budget(asked, seconds_header(request, CLIENT_TIMEOUT_HEADER))
         if asked is not None and budget < asked:
             request.state.backfill_headers = {MAX_WAIT_APPLIED_HEADER: f"{budget:g}"}
         admitted = await self.admission.admit(
@@ -335,7 +335,7 @@ class InteractiveGateway:
                 media_type="application/json",
                 headers=extra,
             )
-        relay = _Relay(shape.endpoint.value, received, pending=pending, headers_at=headers_at)
+        relay = Relay(shape.endpoint.value, received, pending=pending, headers_at=headers_at)
         return _RelayResponse(
             self._relay(upstream, shape, sizing, keeper, relay),
             on_close=partial(self._finish, upstream, sizing, keeper, relay),
@@ -349,7 +349,7 @@ class InteractiveGateway:
         shape: RequestShape,
         sizing: Sizing,
         keeper: LeaseKeeper,
-        relay: _Relay,
+        relay: Relay,
     ) -> AsyncIterator[bytes]:
         outcome = "disconnected"
         try:
@@ -397,7 +397,7 @@ class InteractiveGateway:
             )
 
     async def _finish(
-        self, upstream: httpx.Response, sizing: Sizing, keeper: LeaseKeeper, relay: _Relay
+        self, upstream: httpx.Response, sizing: Sizing, keeper: LeaseKeeper, relay: Relay
     ) -> None:
         # Closing first: an unfinished request is aborted in the engine before its room is
         # handed to anyone else.

@@ -48,6 +48,12 @@ class GatewaySettings(BaseModel):
     preempts. A tenant holding nothing on a node is never refused by it. `1`: no bound (a
     single-tenant deployment loses nothing by it)"""
 
+    gate_node: str | None = None
+    """the node an engine gate admits interactive requests on: the name its worker registers
+    (`vllm serve ... --middleware queue_api.engine_gate.EngineGate`, docs/engine-gate.md: the
+    gateway inside the engine's own API server, no proxy hop); the gate refuses to start
+    without it"""
+
     @model_validator(mode="after")
     def _gateway_wait(self) -> Self:
         if self.gateway_max_wait_s > self.gateway_max_wait_cap_s:

@@ -91,8 +91,12 @@ class InteractiveAdmission:
         *,
         events: AdmissionEvents | None = None,
         host_clock: HostClock = time.time,
+        node: str | None = None,
     ) -> None:
         self.settings = settings
+        self.node = node
+        """The one node this admission places on (an engine gate's own); None: any node
+        serving the model."""
         self.policy = pool_policy(settings)
         self.ttl_ms = int(settings.lease_ttl_s * 1000)
         self.ledger = AsyncLedger.from_url(
@@ -134,6 +138,13 @@ class InteractiveAdmission:
         shape = parse_request(endpoint, body, media)
         check_sequences(shape, self.caps.max_sequences)
         nodes, any_node = await self.directory.serving(shape.model)
+        if self.node is not None:
+            nodes = [n for n in nodes if n.name == self.node]
+            if not nodes and not await self.directory.registered(self.node):
+                raise GatewayUnavailable(
+                    f"node {self.node} is not registered yet (its worker registers it)",
+                    retry_after_s=5.0,
+                )
         if not nodes:
             if any_node:
                 raise ModelNotServed(

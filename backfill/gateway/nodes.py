@@ -55,6 +55,11 @@ class NodeDirectory:
         nodes = self._nodes or []
         return [n for n in nodes if n.model == model], bool(nodes)
 
+    async def registered(self, name: str) -> bool:
+        """Whether a node of that name is registered (serving any model)."""
+        await self.serving("")
+        return any(n.name == name for n in self._nodes or [])
+
     async def _refresh(self) -> None:
         try:
             records = await asyncio.to_thread(self._repo.nodes.nodes)

@@ -71,5 +71,5 @@ def nginx_proxy(
         conf.write_text(_CONFIG.format(root=root, upstream=upstream, port=port))
         url = f"http://127.0.0.1:{port}"
         argv = [*prefix, binary, "-p", root, "-c", str(conf)]
-        with served("nginx", argv, f"{url}/v1/models", Path(root) / "out.log", timeout_s=20) as p:
+        with served("nginx", argv, f"{url}/health", Path(root) / "out.log", timeout_s=20) as p:
             yield url, p

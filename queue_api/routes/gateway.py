@@ -61,7 +61,7 @@ async def completions(request: Request, tenant: TenantDep, gateway: GatewayDep) 
     return await gateway.handle(InteractiveEndpoint.COMPLETIONS, request, tenant)
 
 
-def _refusal(request: Request, exc: Exception) -> JSONResponse:
+def refusal_response(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayRefusal)
     headers = answer_headers(request)
     type_ = "invalid_request_error"
@@ -93,7 +93,7 @@ class GatewayFastPath:
     edge has authenticated goes straight to the gateway's handler; anything else (another
     route, another method, an app without a gateway) goes on to the app.
 
-    The answers are the app's own: the gateway's refusals as :func:`_refusal` makes them,
+    The answers are the app's own: the gateway's refusals as :func:`refusal_response` makes them,
     Backfill's errors and HTTP errors (a body over its limit) as the app's handlers do, and
     anything unexpected raised on to the app's last-resort handler."""
 
@@ -112,7 +112,7 @@ class GatewayFastPath:
         try:
             response = await gateway.handle(endpoint, request, tenant)
         except GatewayRefusal as exc:
-            response = _refusal(request, exc)
+            response = refusal_response(request, exc)
         except BackfillError as exc:
             response = errors.backfill_error_response(exc)
         except HTTPException as exc:
@@ -124,5 +124,5 @@ def install(app: FastAPI) -> None:
     """The routes, the answers for the gateway's refusals, and the fast path (installed
     before the request edge, so the edge wraps it)."""
     app.include_router(router)
-    app.add_exception_handler(GatewayRefusal, _refusal)
+    app.add_exception_handler(GatewayRefusal, refusal_response)
     app.add_middleware(GatewayFastPath)

