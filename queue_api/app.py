@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from backfill.capacity_view import UsageSource, ledger_usage
 from backfill.config import Settings, get_settings
+from backfill.engine.local_tokenizer import LocalCounts
 from backfill.ingest_slots import IngestSlots
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.ledger import Ledger
@@ -83,7 +84,7 @@ def create_app(
         app.state.webhooks = WebhookStore(repo.engine, seal)
         app.state.ingest_slots = IngestSlots(settings.max_ingests_per_tenant, settings.max_ingests)
         app.state.document_counts = anyio.CapacityLimiter(summaries.COUNTS_IN_FLIGHT)
-        app.state.local_counts = {}  # (engine URL, model): its tokenizer file's checked count
+        app.state.local_counts = LocalCounts()  # the engines' tokenizer files, checked
         ingesters = IngestProcesses(settings, settings.ingesters)
         app.state.ingesters = ingesters
         if settings.ingesters and (eager_ingesters or _deferred_creates_wait(repo)):

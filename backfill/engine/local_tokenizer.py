@@ -19,11 +19,14 @@ that differs).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+from backfill.engine.protocol import Engine, EngineError
 
 log = logging.getLogger("backfill.engine")
 
@@ -32,6 +35,8 @@ CHECKS = 16
 """Counts compared with the engine's before a local count is answered alone."""
 SPOT_EVERY = 64
 """After those, one count in this many is still compared."""
+INLINE_CHARS = 4096
+"""Texts up to this long are counted on the event loop that asks (longer: in a thread)."""
 
 Count = Callable[[str], int]
 
@@ -79,7 +84,18 @@ class CheckedCount:
         """``text``'s tokens: the engine's whenever it was asked, else the local count."""
         if not self._must_check():
             return self._local(text)
-        theirs = engine(text)
+        return self._compared(text, engine(text))
+
+    async def acount(self, text: str, engine: Callable[[str], Awaitable[int]]) -> int:
+        """:meth:`count` on an event loop, the engine asked through ``engine``; a long text is
+        counted off the loop (a tokenizer holds it ~1 ms per few thousand characters)."""
+        if not self._must_check():
+            if len(text) <= INLINE_CHARS:
+                return self._local(text)
+            return await asyncio.to_thread(self._local, text)
+        return self._compared(text, await engine(text))
+
+    def _compared(self, text: str, theirs: int) -> int:
         if self.disagreed:
             return theirs
         mine = self._local(text)
@@ -96,3 +112,21 @@ class CheckedCount:
                     theirs,
                 )
         return theirs
+
+
+class LocalCounts:
+    """A :class:`CheckedCount` per engine and model, read once from the folder the engine
+    names as the model's ``root`` (None where this process cannot read it)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, str], CheckedCount | None] = {}
+
+    async def counter(self, engine: Engine, url: str, model: str) -> CheckedCount | None:
+        if (url, model) not in self._known:
+            try:
+                root = next((m.root for m in await engine.models() if m.id == model), None)
+            except EngineError:
+                return None  # asked again next time
+            local = await asyncio.to_thread(load_counter, root)
+            self._known[(url, model)] = CheckedCount(local, f"{model} at {url}") if local else None
+        return self._known[(url, model)]

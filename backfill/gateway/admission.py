@@ -19,7 +19,13 @@ from typing import Any
 from backfill.clock import HostClock
 from backfill.config import Settings
 from backfill.content_parts import MEDIA_REFUSED, tenant_media_policy
-from backfill.engine.protocol import Engine, EngineError, EngineRejected, count_prefill
+from backfill.engine.local_tokenizer import LocalCounts
+from backfill.engine.protocol import (
+    Engine,
+    EngineError,
+    EngineRejected,
+    count_prefill,
+)
 from backfill.gateway.leases import AdmissionEvents, LeaseBeats, LeaseKeeper, NoEvents
 from backfill.gateway.nodes import NodeDirectory, ServingNode
 from backfill.gateway.placement import Admission, admit, wait_budget_s
@@ -35,7 +41,7 @@ from backfill.gateway.sizing import RequestCaps, Sizing, check_bound, check_sequ
 from backfill.ledger import AsyncLedger
 from backfill.maintenance import pool_policy
 from backfill.policy import tenant_share_ppm
-from backfill.prefill import prefill_plan
+from backfill.prefill import PrefillPlan, PromptCount, prefill_plan
 from backfill.refusals import InvalidRequest, Refusal
 from backfill.store import NodeRecords
 from backfill.work_signals import PendingInteractive
@@ -74,6 +80,10 @@ class Admitted:
     """Of that, the time spent waiting for room (0 when the first try found it)."""
 
 
+async def _engine_count(engine: Engine, model: str, prompt: str) -> int:
+    return await engine.tokenize_prompt(prompt, model)
+
+
 def _fitting(nodes: Sequence[ServingNode], sizing: Sizing) -> list[str]:
     # A node with a shorter context than the widest would refuse the request itself.
     need = sizing.sequence_tokens
@@ -94,6 +104,8 @@ class InteractiveAdmission:
         node: str | None = None,
     ) -> None:
         self.settings = settings
+        self.local_counts = LocalCounts() if settings.local_token_counts else None
+        """The engines' tokenizer files, for exact counts of plain prompts (checked)."""
         self.node = node
         """The one node this admission places on (an engine gate's own); None: any node
         serving the model."""
@@ -360,6 +372,22 @@ class InteractiveAdmission:
         keeper.exact = exact
         await keeper.settle_reservation(exact.sequences * exact.sequence_tokens)
 
+    async def _count_locally(
+        self, plan: PrefillPlan, engine: Engine, node: ServingNode, model: str
+    ) -> int | None:
+        """The plan's longest prompt by the engine's own tokenizer file, where this process can
+        read it and the plan is plain text prompts (a chat's template stays the engine's), so
+        an exact count costs the engine's API server nothing (the counts are checked against
+        the engine's: ``backfill.engine.local_tokenizer``); None: the engine counts."""
+        if self.local_counts is None or not all(set(b) == {"prompt"} for b in plan.tokenize):
+            return None
+        local = await self.local_counts.counter(engine, node.engine_url, model)
+        if local is None:
+            return None
+        ask = partial(_engine_count, engine, model)
+        counted = [await local.acount(str(b["prompt"]), ask) for b in plan.tokenize]
+        return PromptCount.of([*counted, *plan.known], plan.n).longest
+
     def _limit(self, nodes: Sequence[ServingNode]) -> int:
         # The widest context of any serving node: never refuse what one of them could take.
         limit = self.policy.interactive.max_sequence_tokens
@@ -382,6 +410,9 @@ class InteractiveAdmission:
         for node in nodes:
             engine = self._engine_for(node.engine_url)
             try:
+                counted = await self._count_locally(plan, engine, node, shape.model)
+                if counted is not None:
+                    return counted
                 return (await count_prefill(engine, plan, shape.model)).longest
             except EngineRejected as exc:
                 raise InvalidRequest(exc.message, param=shape.prompt_param) from exc

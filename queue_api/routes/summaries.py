@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from backfill.engine.local_tokenizer import CheckedCount, load_counter
+from backfill.engine.local_tokenizer import CheckedCount, LocalCounts
 from backfill.engine.protocol import Engine, EngineError
 from backfill.errors import BackfillError, StaleWrite
 from backfill.gateway.refusals import GatewayUnavailable
@@ -87,15 +87,8 @@ async def _local_count(
     settings = request.app.state.settings
     if not settings.local_token_counts:
         return None
-    known: dict[tuple[str, str], CheckedCount | None] = request.app.state.local_counts
-    if (url, model) not in known:
-        try:
-            root = next((m.root for m in await engine.models() if m.id == model), None)
-        except EngineError:
-            return None  # asked again with the next request
-        local = await anyio.to_thread.run_sync(load_counter, root)
-        known[(url, model)] = CheckedCount(local, f"{model} at {url}") if local else None
-    return known[(url, model)]
+    counts: LocalCounts = request.app.state.local_counts
+    return await counts.counter(engine, url, model)
 
 
 @router.post("")

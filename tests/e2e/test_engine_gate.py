@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from backfill.config import Settings
+from backfill.engine.local_tokenizer import CHECKS
 from backfill.ledger import Ledger, PoolSnapshot
 from tests.conftest import REDIS_URL
 from tests.e2e import helpers
@@ -234,3 +235,38 @@ def test_a_caller_that_leaves_mid_stream_ends_its_lease_and_its_engine_request(
 
     wait(lambda: running() == 0, 10, "the engine to abort the request")
     assert time.monotonic() - left < 10
+
+
+def _tokenize_calls(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    calls = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("http_requests_total{") and 'handler="/tokenize"' in line
+    ]
+    assert calls, "the engine's /metrics counts no /tokenize request at all"
+    return sum(calls)
+
+
+def test_plain_prompts_are_counted_by_the_engines_tokenizer_file_not_its_api_server(
+    gated: Gated,
+) -> None:
+    """The gate counts a bound admission's prompt exactly once it streams; by the model's own
+    tokenizer file once that has agreed with the engine (``local_tokenizer.CHECKS`` counts),
+    not by a ``/tokenize`` request to the API server the stream runs in (~4 ms of its CPU
+    apiece on this machine, which the stream's tokens waited behind)."""
+    client = gated.sdk()
+
+    def one(i: int) -> None:
+        prompt = f"{i}: count these words please"
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True)
+        assert [c.choices[0].text for c in stream if c.choices]
+
+    for i in range(CHECKS + 2):  # the file proves itself against the engine's counts
+        one(i)
+    before = _tokenize_calls(gated.url)
+    for i in range(20):
+        one(100 + i)
+    # Red before: one /tokenize per request (20).
+    assert _tokenize_calls(gated.url) - before <= 1
+    assert not gated.tenant_leases()

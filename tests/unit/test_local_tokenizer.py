@@ -3,6 +3,7 @@ a real ``tokenizers`` file, counted here only as far as it agrees with the engin
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from backfill.engine.local_tokenizer import CHECKS, SPOT_EVERY, CheckedCount, load_counter
@@ -75,3 +76,22 @@ def test_a_tokenizer_that_drifts_after_its_checks_is_caught_by_a_spot_check(
     assert first_spot < SPOT_EVERY
     after = TEXTS[CHECKS + first_spot :]
     assert answers[first_spot:] == [word_count(t) + 1 for t in after]
+
+
+def test_on_an_event_loop_the_same_counts_ask_the_engine_as_seldom(tmp_path: Path) -> None:
+    local = load_counter(str(write_tokenizer(tmp_path)))
+    assert local is not None
+    engine = Engine()
+    checked = CheckedCount(local, "m")
+
+    async def ask(text: str) -> int:
+        return engine(text)
+
+    async def counts() -> list[int]:
+        long = "a long document, " * 400  # past INLINE_CHARS: counted off the loop
+        return [await checked.acount(t, ask) for t in [*TEXTS, long]]
+
+    texts = [*TEXTS, "a long document, " * 400]
+    assert asyncio.run(counts()) == [word_count(t) for t in texts]
+    assert engine.asked <= CHECKS + len(texts) // SPOT_EVERY + 1
+    assert not checked.disagreed
