@@ -183,3 +183,29 @@ def run_batch(
 
     wait(done, 600, f"the batch to complete: {repo.stats.counted_states(batch.id)}", poll_s=poll_s)
     return client.batches.retrieve(batch.id)
+
+
+def chat_and_stream(client: openai.OpenAI, model: str, max_tokens: int) -> list[Any]:
+    """One chat completion and one streamed (with its usage asked for), each checked as the
+    openai SDK reads them (the stream carries text); returns the stream's chunks."""
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=max_tokens
+    )
+    assert chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None
+    assert 0 < chat.usage.completion_tokens <= max_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == max_tokens  # ignore_eos: every token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return chunks

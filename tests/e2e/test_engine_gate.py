@@ -140,25 +140,7 @@ def test_a_tenants_stream_is_leased_on_the_engines_node_and_the_lease_ends_with_
 
 
 def test_the_openai_sdk_works_through_the_gate_and_usage_comes_when_asked(gated: Gated) -> None:
-    client = gated.sdk()
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
-    )
-    assert chat.choices[0].message.role == "assistant"
-    assert chat.usage is not None
-    assert 0 < chat.usage.completion_tokens <= 8
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Count to five."}],
-            max_tokens=6,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-    )
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 6
+    assert helpers.chat_and_stream(gated.sdk(), MODEL, max_tokens=6)
     assert not gated.tenant_leases()
 
 

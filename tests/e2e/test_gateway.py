@@ -176,28 +176,7 @@ def test_openai_sdk_chat_and_completions_stream_and_not(gw: Gateway) -> None:
     ttft_before = gw.metric("backfill_gateway_time_to_first_token_seconds_count")
     hops_before = hop_counts(gw)
 
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12
-    )
-    assert chat.object == "chat.completion"
-    assert chat.choices[0].message.role == "assistant"
-    assert chat.usage is not None
-    assert 0 < chat.usage.completion_tokens <= 12
-
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Count to five."}],
-            max_tokens=10,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-    )
-    text_out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text_out
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens <= 10
+    chunks = helpers.chat_and_stream(client, MODEL, max_tokens=10)
 
     done = client.completions.create(model=MODEL, prompt="The fox", max_tokens=8)
     assert done.object == "text_completion"
