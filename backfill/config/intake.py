@@ -103,9 +103,11 @@ class IntakeSettings(BaseModel):
     max_completion_window_s: PositiveInt = 7 * 24 * 3600
     """the longest completion window a batch may ask for"""
     local_token_counts: bool = True
-    """count a summarisation job's documents with the model's own tokenizer file where the API
-    can read it (the folder the engine names as its model's ``root``), checked against the
-    engine's counts, instead of asking the engine's ``/tokenize`` for each"""
+    """count a summarisation job's documents, and the plain prompts of interactive requests
+    (completions; a chat's template stays the engine's), with the model's own tokenizer file
+    where the process can read it (the folder the engine names as its model's ``root``: always
+    for the engine gate), checked against the engine's counts, instead of asking the engine's
+    ``/tokenize`` for each"""
     batch_throughput_tokens_per_s: PositiveFloat = 5_000.0
     """the deployment's batch decode throughput, for deadline feasibility until workers report
     a measured rate"""
