@@ -4,16 +4,18 @@ markers, clean-up of abandoned server folders, and error messages that name the 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from devkit import devengine
 from devkit.devengine import server as engine_server
-from devkit.devengine.provisioning import install_marker
+from devkit.devengine.provisioning import ENGINE_GATE_PACKAGES, install_marker
 
 
 def test_a_finished_install_is_reused_without_running_pip(tmp_path: Path) -> None:
@@ -203,3 +205,20 @@ def test_the_scheduler_env_takes_this_process_settings_over_the_cpu_default(
         engine_server._scheduler_env(tmp_path, "127.0.0.1", given)["BACKFILL_SCHED_CHUNK_TARGET_S"]
         == "0.2"
     )
+
+
+def test_the_engine_gates_packages_are_pinned_as_the_product_pins_them() -> None:
+    """The dev engine's venv gets the gate's packages within the ranges pyproject.toml gives
+    the product, so the gate is tested against what an operator's `pip install backfill`
+    resolves."""
+    root = Path(__file__).resolve().parents[2]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    def name(spec: str) -> str:
+        match = re.match(r"[A-Za-z0-9_.-]+(\[[^\]]*\])?", spec)
+        assert match is not None
+        return match.group(0)
+
+    product = {name(d): d for d in deps}
+    for spec in ENGINE_GATE_PACKAGES:
+        assert product.get(name(spec)) == spec, f"{spec} is not pyproject.toml's {name(spec)}"
