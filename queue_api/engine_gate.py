@@ -43,14 +43,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from backfill.cache_salt import cache_salt
 from backfill.config import Settings, get_settings
 from backfill.engine.http import HttpEngine, engine_limits
 from backfill.errors import BackfillError, StoreUnavailable
 from backfill.gateway.admission import Admitted, InteractiveAdmission
 from backfill.gateway.leases import used_tokens
 from backfill.gateway.refusals import ClientGone, GatewayRefusal
-from backfill.gateway.sizing import upstream_body
 from backfill.keycache import RevocationListener, TenantKeyCache
 from backfill.redis_client import connect, connect_async
 from backfill.refusals import InvalidRequest
@@ -67,6 +65,7 @@ from queue_api.gateway import (
     NODE_HEADER,
     MetricEvents,
     Relay,
+    engine_payload,
     seconds_header,
 )
 from queue_api.routes.gateway import ENDPOINTS, refusal_response
@@ -114,7 +113,7 @@ class EngineGate:
         self.settings = settings or get_settings()
         self.node, key = check_settings(self.settings)
         self._engine_key = key.encode()
-        self._engine_authorization = f"Bearer {key}".encode()
+        self.engine_authorization = f"Bearer {key}".encode()
         self._parts: _Parts | None = None
         self._starting = asyncio.Lock()
         log.info("Backfill's engine gate admits tenants' interactive requests on %s", self.node)
@@ -161,7 +160,7 @@ class EngineGate:
         engine_client = httpx.AsyncClient(
             timeout=httpx.Timeout(30.0),
             limits=engine_limits(16, 8),
-            headers={"Authorization": self._engine_authorization.decode()},
+            headers={"Authorization": self.engine_authorization.decode()},
         )
         engines: dict[str, HttpEngine] = {}
 
@@ -330,12 +329,7 @@ class _Passage:
         shape, keeper = admitted.shape, admitted.keeper
         outcome = "disconnected"
         try:
-            payload = upstream_body(
-                self.body, shape, admitted.sizing, settings.interactive_priority
-            )
-            if settings.tenant_cache_salt:
-                payload["cache_salt"] = cache_salt(self.tenant.id)
-            raw = json.dumps(payload).encode()
+            raw = json.dumps(engine_payload(settings, self.body, admitted, self.tenant.id)).encode()
             m.GATEWAY_OVERHEAD.labels(shape.endpoint.value).observe(
                 (admitted.counted_at - self.relay.received)
                 + (time.perf_counter() - admitted.admitted_at)
@@ -358,7 +352,7 @@ class _Passage:
         dropped = {b"authorization", b"content-length", b"transfer-encoding", b"x-request-id"}
         headers = [(k, v) for k, v in self.outer.scope["headers"] if k.lower() not in dropped]
         headers += [
-            (b"authorization", self.outer.gate._engine_authorization),
+            (b"authorization", self.outer.gate.engine_authorization),
             (b"content-length", str(len(raw)).encode()),
             (b"x-request-id", lease_id.encode()),
         ]
@@ -436,13 +430,8 @@ class _Passage:
             except ValueError:
                 kept.append(event + b"\n\n")
                 continue
-            self.relay.saw(parsed, now)
-            keeper = self.admitted.keeper
-            keeper.generated = self.relay.completion
-            if self.relay.completion:
-                keeper.start_counting()
-            usage_only = not parsed.get("choices") and "usage" in parsed
-            if usage_only and not self.admitted.shape.include_usage:
+            keeper, include_usage = self.admitted.keeper, self.admitted.shape.include_usage
+            if not self.relay.leased(parsed, now, keeper, include_usage):
                 continue
             kept.append(event + b"\n\n")
         return b"".join(kept)
@@ -464,8 +453,10 @@ class _Passage:
         if self.status != 200:
             await keeper.end(None)
             return
-        keeper.generated = max(keeper.generated, relay.completion)
+        if self.stream:
+            await relay.settle(keeper, sizing)
+            return
         keeper.check_bound(sizing, relay.usage)
         used = used_tokens(keeper.exact or sizing, relay.usage, keeper.generated)
         # A whole answer without its usage settles nothing (as the central gateway's).
-        await keeper.end(used if self.stream or relay.usage else None)
+        await keeper.end(used if relay.usage else None)

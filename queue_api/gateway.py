@@ -109,6 +109,23 @@ class Relay:
         hop = m.HOP_FIRST_CHUNK_OUT if self.events == 1 else m.HOP_CHUNK_OUT
         hop.observe(now - received)
 
+    def leased(
+        self, event: Mapping[str, Any], now: float, keeper: LeaseKeeper, include_usage: bool
+    ) -> bool:
+        """``event`` seen (:meth:`saw`) and counted on ``keeper``'s lease; whether the caller
+        gets it (not the usage-only event it did not ask for: the lease asked for it)."""
+        self.saw(event, now)
+        keeper.generated = self.completion
+        if self.completion:
+            keeper.start_counting()
+        return bool(event.get("choices")) or "usage" not in event or include_usage
+
+    async def settle(self, keeper: LeaseKeeper, sizing: Sizing) -> None:
+        """End ``keeper``'s lease on what the stream showed (its usage, else its tokens)."""
+        keeper.generated = max(keeper.generated, self.completion)
+        keeper.check_bound(sizing, self.usage)
+        await keeper.end(used_tokens(keeper.exact or sizing, self.usage, self.completion))
+
     def saw(self, event: Mapping[str, Any], now: float) -> None:
         usage = event.get("usage")
         if isinstance(usage, Mapping):
@@ -130,6 +147,17 @@ class Relay:
         elif self.last_token is not None:
             m.INTER_TOKEN_LATENCY.labels(self.endpoint).observe(now - self.last_token)
         self.last_token = now
+
+
+def engine_payload(
+    settings: Settings, body: Mapping[str, Any], admitted: Admitted, tenant_id: str
+) -> dict[str, Any]:
+    """The body an admitted request goes to the engine with: the interactive priority, the
+    budget its lease covers, the tenant's ``cache_salt``."""
+    payload = upstream_body(body, admitted.shape, admitted.sizing, settings.interactive_priority)
+    if settings.tenant_cache_salt:
+        payload["cache_salt"] = cache_salt(tenant_id)
+    return payload
 
 
 def _hops(request: Request, received: float, admitted: Admitted) -> None:
@@ -275,12 +303,10 @@ class InteractiveGateway:
             max_wait_s=budget,
             disconnected=request.is_disconnected,
         )
-        shape, sizing = admitted.shape, admitted.sizing
+        shape = admitted.shape
         keeper, pending = admitted.keeper, admitted.pending
         try:
-            payload = upstream_body(parsed.body, shape, sizing, self.settings.interactive_priority)
-            if self.settings.tenant_cache_salt:
-                payload["cache_salt"] = cache_salt(tenant.id)
+            payload = engine_payload(self.settings, parsed.body, admitted, tenant.id)
             overhead = (admitted.counted_at - received) + (
                 time.perf_counter() - admitted.admitted_at
             )
@@ -372,11 +398,7 @@ class InteractiveGateway:
                 except ValueError:
                     yield f"data: {data}\n\n".encode()
                     continue
-                relay.saw(event, time.perf_counter())
-                keeper.generated = relay.completion
-                if relay.completion:
-                    keeper.start_counting()
-                if not event.get("choices") and "usage" in event and not shape.include_usage:
+                if not relay.leased(event, time.perf_counter(), keeper, shape.include_usage):
                     continue
                 yield f"data: {data}\n\n".encode()
                 relay.handed_on(line_at, time.perf_counter())
@@ -404,9 +426,7 @@ class InteractiveGateway:
         await upstream.aclose()
         if relay.pending is not None:
             relay.pending.end()
-        keeper.generated = max(keeper.generated, relay.completion)
-        keeper.check_bound(sizing, relay.usage)
-        await keeper.end(used_tokens(keeper.exact or sizing, relay.usage, relay.completion))
+        await relay.settle(keeper, sizing)
 
     async def _unary(
         self, request: Request, admitted: Admitted, payload: Mapping[str, Any], received: float
